@@ -1,0 +1,48 @@
+"""unbroken: training that does not stop.
+
+Train one PyTorch model on many unreliable, unequal machines; keep going while they crash,
+hang, leave and join, with no lost, repeated or diverging step. See DESIGN.md for the
+promises and README.md for the quick start.
+"""
+
+from unbroken.config import CoordinatorConfig, NodeConfig
+from unbroken.control.coordinator import Coordinator
+from unbroken.errors import (
+    CollectiveFailed,
+    ConfigError,
+    CoordinatorUnreachable,
+    EpochAborted,
+    Expelled,
+    JobFinished,
+    JobLoadError,
+    JoinRefused,
+    ProtocolError,
+    TransferError,
+    UnbrokenError,
+)
+from unbroken.job import Job, load_job
+from unbroken.train.runtime import Node, NodeResult, run_node
+
+__all__ = [
+    "CollectiveFailed",
+    "ConfigError",
+    "Coordinator",
+    "CoordinatorConfig",
+    "CoordinatorUnreachable",
+    "EpochAborted",
+    "Expelled",
+    "Job",
+    "JobFinished",
+    "JobLoadError",
+    "JoinRefused",
+    "Node",
+    "NodeConfig",
+    "NodeResult",
+    "ProtocolError",
+    "TransferError",
+    "UnbrokenError",
+    "load_job",
+    "run_node",
+]
+
+__version__ = "0.1.0"

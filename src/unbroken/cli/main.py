@@ -1,0 +1,145 @@
+"""``unbroken`` — coordinator, node and demo from the command line.
+
+    unbroken demo                                   # the embedded default, no flags needed
+    unbroken coordinator --host 0.0.0.0 --port 29400
+    unbroken node --coordinator HOST:29400 path/to/job.py:job
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from unbroken.config import ENV_COORDINATOR, CoordinatorConfig, NodeConfig, parse_address
+from unbroken.errors import UnbrokenError
+
+READY_PREFIX = "UNBROKEN_COORDINATOR_READY"
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from unbroken.control.coordinator import Coordinator
+
+    config = CoordinatorConfig(
+        host=args.host,
+        port=args.port,
+        store_port=args.store_port,
+        lease_s=args.lease,
+        recovery_window_s=args.recovery_window,
+        min_nodes=args.min_nodes,
+        event_log=Path(args.event_log) if args.event_log else None,
+    )
+    coord = Coordinator(config)
+
+    async def serve() -> None:
+        task = asyncio.create_task(coord.serve())
+        while coord.store_port == 0 or coord._runner is None:
+            await asyncio.sleep(0.01)
+            if task.done():
+                await task
+        await asyncio.sleep(0.05)
+        host, port = coord.address
+        print(f"{READY_PREFIX} {host}:{port}", flush=True)
+        print(f"unbroken coordinator on http://{host}:{port}  (state: /api/state)", file=sys.stderr, flush=True)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, coord.stop_nowait)
+        await task
+
+    asyncio.run(serve())
+    return 0
+
+
+def _node(args: argparse.Namespace) -> int:
+    from unbroken.job import load_job
+    from unbroken.testing.faults import parse_faults
+    from unbroken.train.runtime import run_node
+
+    addresses = args.coordinator or os.environ.get(ENV_COORDINATOR, "").split(",")
+    config = NodeConfig(
+        coordinators=tuple(parse_address(a) for a in addresses if a),
+        name=args.name or "",
+        weight=args.weight,
+        max_microbatch=args.max_microbatch,
+        checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+        checkpoint_every=args.checkpoint_every,
+        connect_timeout_s=args.connect_timeout,
+        collective_timeout_s=args.collective_timeout,
+        digest_every=args.digest_every,
+        commit_log=Path(args.commit_log) if args.commit_log else None,
+        final_state=Path(args.final_state) if args.final_state else None,
+        gloo_host=args.gloo_host,
+    )
+    faults = parse_faults(args.fault or "")
+    job = load_job(args.job)
+    result = run_node(job, config, faults)
+    print(
+        f"{config.display_name}: {result.outcome} at step {result.step} "
+        f"(digest {result.digest[:16]}, {result.epochs} epochs)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from unbroken.demo.driver import run_demo
+
+    return run_demo(steps=args.steps, nodes=args.nodes, out_dir=Path(args.out) if args.out else None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="unbroken", description="Elastic PyTorch training that does not stop.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("coordinator", help="run the membership service for one job")
+    c.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for other machines)")
+    c.add_argument("--port", type=int, default=29400, help="control port (0: pick a free one)")
+    c.add_argument("--store-port", type=int, default=0, help="rendezvous TCPStore port (0: pick a free one)")
+    c.add_argument("--lease", type=float, default=1.0, help="seconds without heartbeat before a node is failed")
+    c.add_argument("--recovery-window", type=float, default=3.0, help="after a restart, seconds to wait for members")
+    c.add_argument("--min-nodes", type=int, default=1, help="start training once this many nodes joined")
+    c.add_argument("--event-log", help="append events here as JSON lines")
+    c.set_defaults(func=_coordinator)
+
+    n = sub.add_parser("node", help="run one training node")
+    n.add_argument("job", help="the job: path/to/file.py:ATTR or package.module:ATTR")
+    n.add_argument("--coordinator", action="append", help=f"HOST:PORT (repeatable; default ${ENV_COORDINATOR})")
+    n.add_argument("--name", help="name shown in events (default: host-pid)")
+    n.add_argument("--weight", type=float, default=1.0, help="relative share of the global batch")
+    n.add_argument("--max-microbatch", type=int, default=0, help="largest micro-batch (0: whole share at once)")
+    n.add_argument("--checkpoint-dir", help="directory for asynchronous checkpoints")
+    n.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N committed steps")
+    n.add_argument("--connect-timeout", type=float, default=15.0, help="seconds to wait for the coordinator")
+    n.add_argument("--collective-timeout", type=float, default=60.0, help="deadline of one collective")
+    n.add_argument("--digest-every", type=int, default=0, help="log a state digest every N steps")
+    n.add_argument("--commit-log", help="append commits, contributions and syncs here (JSON lines)")
+    n.add_argument("--final-state", help="save the final state here")
+    n.add_argument("--gloo-host", help="address peers use for this node's data plane")
+    n.add_argument("--fault", help="testing aid: SIGNAL@PHASE:STEP[,...], e.g. kill@allreduce:12")
+    n.set_defaults(func=_node)
+
+    d = sub.add_parser("demo", help="local coordinator + nodes with a kill and a join, live progress")
+    d.add_argument("--steps", type=int, default=0, help="training steps (default: the demo job's)")
+    d.add_argument("--nodes", type=int, default=3, help="nodes to start with")
+    d.add_argument("--out", help="directory for logs and checkpoints (default: a temporary one)")
+    d.set_defaults(func=_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        code: int = args.func(args)
+        return code
+    except UnbrokenError as exc:
+        print(f"unbroken {args.command}: error: {exc}", file=sys.stderr)
+        return 2

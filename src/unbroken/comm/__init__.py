@@ -1,0 +1,1 @@
+"""Data plane: per-epoch gloo process groups, collectives with deadlines, state transfer."""

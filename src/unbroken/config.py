@@ -1,0 +1,113 @@
+"""Configuration of coordinators and nodes.
+
+Each component owns a small frozen dataclass; `__post_init__` says exactly which field is
+wrong and what range is allowed. Environment variables are read here and in `cli/` only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from unbroken.errors import ConfigError
+
+ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
+
+
+def _check_range(owner: str, name: str, value: float, low: float, high: float | None = None) -> None:
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ConfigError(f"{owner}.{name} = {value!r} is out of range: it must be {bound}")
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """Parse ``host:port`` into a pair, with an error that shows the expected form."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"coordinator address {text!r} is not of the form HOST:PORT (e.g. 127.0.0.1:29400)"
+        )
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Settings of the coordinator service."""
+
+    host: str = "127.0.0.1"
+    """Interface to listen on (use 0.0.0.0 to accept nodes from other machines)."""
+    port: int = 29400
+    """Port of the control service (HTTP + node sessions); 0 picks a free one."""
+    store_port: int = 0
+    """Port of the c10d TCPStore used for process-group rendezvous; 0 picks a free one."""
+    lease_s: float = 1.0
+    """A node whose heartbeats stop for this long is declared failed."""
+    recovery_window_s: float = 3.0
+    """After a restart, how long to wait for the last epoch's members to reconnect."""
+    min_nodes: int = 1
+    """The first epoch waits until this many nodes have joined (later epochs do not)."""
+    max_message_bytes: int = 1 << 20
+    """Control messages larger than this are refused and their session dropped."""
+    event_log: Path | None = None
+    """Where to append the event log as JSON lines (none: keep it in memory only)."""
+
+    def __post_init__(self) -> None:
+        _check_range("CoordinatorConfig", "port", self.port, 0, 65535)
+        _check_range("CoordinatorConfig", "store_port", self.store_port, 0, 65535)
+        _check_range("CoordinatorConfig", "lease_s", self.lease_s, 0.05, 3600)
+        _check_range("CoordinatorConfig", "recovery_window_s", self.recovery_window_s, 0, 3600)
+        _check_range("CoordinatorConfig", "min_nodes", self.min_nodes, 1, 100_000)
+        _check_range("CoordinatorConfig", "max_message_bytes", self.max_message_bytes, 1024)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Settings of one node process."""
+
+    coordinators: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+    """Coordinator addresses, tried in order (a standby may follow the primary)."""
+    name: str = ""
+    """Human-readable name shown in events and the dashboard (default: host-pid)."""
+    weight: float = 1.0
+    """Relative share of the global batch this node asks for (a fixed split; >0)."""
+    max_microbatch: int = 0
+    """Largest micro-batch run at once; the share is accumulated over several (0: no cap)."""
+    checkpoint_dir: Path | None = None
+    """Directory for asynchronous checkpoints (none: no checkpoints)."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many committed steps (0: never)."""
+    connect_timeout_s: float = 15.0
+    """How long to wait for a coordinator at start-up before giving up with an error."""
+    collective_timeout_s: float = 60.0
+    """Deadline of one collective (only reached when the coordinator cannot abort it)."""
+    digest_every: int = 0
+    """Record a state digest every this many steps in the commit log (0: at the end only)."""
+    commit_log: Path | None = None
+    """Append one JSON line per contribution, commit and sync here (tests and audits)."""
+    final_state: Path | None = None
+    """Save the final model state here when the job finishes."""
+    gloo_host: str | None = None
+    """Address peers use to reach this node's gloo endpoint (default: this host's name)."""
+
+    def __post_init__(self) -> None:
+        if not self.coordinators:
+            raise ConfigError(
+                "NodeConfig.coordinators is empty: pass --coordinator HOST:PORT "
+                f"or set {ENV_COORDINATOR}"
+            )
+        if not self.weight > 0:
+            raise ConfigError(f"NodeConfig.weight = {self.weight!r} must be greater than 0")
+        _check_range("NodeConfig", "max_microbatch", self.max_microbatch, 0)
+        _check_range("NodeConfig", "checkpoint_every", self.checkpoint_every, 0)
+        _check_range("NodeConfig", "connect_timeout_s", self.connect_timeout_s, 0.1, 86400)
+        _check_range("NodeConfig", "collective_timeout_s", self.collective_timeout_s, 1, 86400)
+        _check_range("NodeConfig", "digest_every", self.digest_every, 0)
+        if self.checkpoint_every and self.checkpoint_dir is None:
+            raise ConfigError(
+                "NodeConfig.checkpoint_every is set but checkpoint_dir is not: give a directory"
+            )
+
+    @property
+    def display_name(self) -> str:
+        return self.name or f"{os.uname().nodename}-{os.getpid()}"

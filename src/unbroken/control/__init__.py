@@ -1,0 +1,1 @@
+"""Control plane: the coordinator, node sessions, membership, epochs and plans."""

@@ -1,0 +1,255 @@
+"""A node's persistent session to the coordinator, run on its own thread.
+
+The session joins, heartbeats, forwards reports and receives orders. The step loop reads
+what it learned through a few thread-safe properties and waits on `wake`, which is set
+whenever something arrives that may end the step in flight.
+
+The commit fence: a node may only commit while it is sure it has not been expelled. While
+connected, that means a heartbeat *sent* less than one lease ago was acknowledged (the
+coordinator counts the lease from when it *received* that heartbeat, which is later). A
+node whose session dropped while its lease was fresh assumes a coordinator outage and
+keeps training with its group; one that finds its lease stale (it was frozen) must not
+commit until the coordinator has answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+import aiohttp
+
+from unbroken.control import messages as m
+from unbroken.errors import CoordinatorUnreachable, JoinRefused, ProtocolError
+
+log = logging.getLogger(__name__)
+
+RECONNECT_DELAY_S = 0.1
+
+
+class ControlClient:
+    """The node side of the control plane."""
+
+    def __init__(
+        self,
+        addresses: Sequence[tuple[str, int]],
+        hello: Callable[[str], m.Hello],
+        *,
+        name: str,
+        connect_timeout_s: float,
+        wake: threading.Event,
+    ) -> None:
+        self.addresses = list(addresses)
+        self._hello = hello
+        self.name = name
+        self.connect_timeout_s = connect_timeout_s
+        self.wake = wake
+        self._lock = threading.Lock()
+        self.member_id = self._new_member_id()
+        self.welcome: m.Welcome | None = None
+        self.orders: list[m.EpochOrder] = []
+        self.expelled: str | None = None
+        self.finished: int | None = None
+        self.connected = False
+        self.outage = False
+        self.lease_s = 1.0
+        self.step = 0
+        self._last_acked_send = 0.0
+        self._sent: dict[int, float] = {}
+        self._seq = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[m.BaseModel | None] | None = None
+        self._thread: threading.Thread | None = None
+        self._first = threading.Event()
+        self._first_error: BaseException | None = None
+        self._closing = False
+        self._generation = 0
+
+    def _new_member_id(self) -> str:
+        return f"{self.name}#{uuid.uuid4().hex[:8]}"
+
+    # ---------------------------------------------------------------- step-loop API
+
+    def start(self) -> m.Welcome:
+        """Connect and join; raises `CoordinatorUnreachable` or `JoinRefused`."""
+        self._first.clear()
+        self._first_error = None
+        self._thread = threading.Thread(target=self._run, name=f"control-{self.name}", daemon=True)
+        self._thread.start()
+        if not self._first.wait(self.connect_timeout_s + 5):
+            raise CoordinatorUnreachable(self._unreachable_message("no answer"))
+        if self._first_error is not None:
+            raise self._first_error
+        assert self.welcome is not None
+        return self.welcome
+
+    def rejoin(self) -> m.Welcome:
+        """After an expulsion: join again as a new member (a new member id)."""
+        self.close()
+        with self._lock:
+            self.member_id = self._new_member_id()
+            self.expelled = None
+            self.orders.clear()
+            self._closing = False
+            self._last_acked_send = 0.0
+        return self.start()
+
+    def close(self) -> None:
+        self._closing = True
+        if self._loop is not None and self._queue is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._thread = None
+
+    def send(self, msg: m.BaseModel) -> None:
+        """Queue a report; dropped silently while the coordinator is unreachable."""
+        loop, queue = self._loop, self._queue
+        if loop is not None and queue is not None and self.connected:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(queue.put_nowait, msg)
+
+    def latest_order(self) -> m.EpochOrder | None:
+        with self._lock:
+            return self.orders[-1] if self.orders else None
+
+    def commit_allowed(self) -> bool:
+        """True while this node can be sure it is still a member (see module docstring)."""
+        with self._lock:
+            if self.expelled is not None:
+                return False
+            if self.connected:
+                return time.monotonic() - self._last_acked_send < self.lease_s
+            return self.outage
+
+    # ---------------------------------------------------------------- session thread
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        deadline = time.monotonic() + self.connect_timeout_s
+        last_error = "no attempt"
+        async with aiohttp.ClientSession() as http:
+            while not self._closing:
+                for host, port in self.addresses:
+                    try:
+                        await self._session(http, host, port)
+                        last_error = "session ended"
+                    except JoinRefused as exc:
+                        if not self._first.is_set():
+                            self._first_error = exc
+                            self._first.set()
+                            return
+                        # A refused reconnect means the coordinator already counts us gone.
+                        self._mark_expelled(f"reconnect refused: {exc}")
+                        return
+                    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ProtocolError) as exc:
+                        last_error = f"{type(exc).__name__}: {exc}"
+                    if self._closing or self.expelled is not None:
+                        return
+                if not self._first.is_set() and time.monotonic() > deadline:
+                    self._first_error = CoordinatorUnreachable(self._unreachable_message(last_error))
+                    self._first.set()
+                    return
+                await asyncio.sleep(RECONNECT_DELAY_S)
+
+    def _unreachable_message(self, why: str) -> str:
+        where = ", ".join(f"{h}:{p}" for h, p in self.addresses)
+        return (
+            f"could not reach a coordinator at {where} within {self.connect_timeout_s:g} s "
+            f"({why}); check the address and that `unbroken coordinator` is running there"
+        )
+
+    async def _session(self, http: aiohttp.ClientSession, host: str, port: int) -> None:
+        url = f"http://{host}:{port}/ws"
+        async with http.ws_connect(url, timeout=aiohttp.ClientWSTimeout(ws_close=1.0), max_msg_size=64 << 20, heartbeat=None) as ws:
+            await ws.send_str(m.encode(self._hello(self.member_id)))
+            first = await asyncio.wait_for(ws.receive(), timeout=10)
+            if first.type != aiohttp.WSMsgType.TEXT:
+                raise ProtocolError(f"coordinator closed the session before welcoming ({first.type.name})")
+            msg = m.parse_coordinator_message(first.data)
+            if isinstance(msg, m.Refused):
+                raise JoinRefused(f"coordinator at {host}:{port} refused {self.name}: {msg.reason}")
+            if not isinstance(msg, m.Welcome):
+                raise ProtocolError(f"expected welcome, got {msg.type}")
+            with self._lock:
+                self.welcome = msg
+                self.lease_s = msg.lease_s
+                self.connected = True
+                self.outage = False
+                self._last_acked_send = time.monotonic()
+                self._generation += 1
+            self._first.set()
+            self.wake.set()
+            log.info("%s joined coordinator %s at %s:%d", self.member_id, msg.coordinator_id, host, port)
+            beats = asyncio.create_task(self._heartbeats(msg.heartbeat_s))
+            writer = asyncio.create_task(self._writer(ws))
+            try:
+                async for raw in ws:
+                    if raw.type != aiohttp.WSMsgType.TEXT:
+                        break
+                    self._on_message(m.parse_coordinator_message(raw.data))
+            finally:
+                beats.cancel()
+                writer.cancel()
+                with self._lock:
+                    fresh = time.monotonic() - self._last_acked_send < self.lease_s
+                    self.connected = False
+                    self.outage = fresh and self.expelled is None
+                self.wake.set()
+                if not self._closing and self.expelled is None:
+                    log.warning("lost the coordinator session (%s)", "lease fresh: outage" if fresh else "lease stale")
+
+    async def _heartbeats(self, period: float) -> None:
+        assert self._queue is not None
+        while True:
+            self._seq += 1
+            with self._lock:
+                self._sent[self._seq] = time.monotonic()
+                for old in [s for s in self._sent if s < self._seq - 64]:
+                    del self._sent[old]
+            self._queue.put_nowait(m.Heartbeat(seq=self._seq, step=self.step))
+            await asyncio.sleep(period)
+
+    async def _writer(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        assert self._queue is not None
+        while True:
+            msg = await self._queue.get()
+            if msg is None:
+                await ws.close()
+                return
+            await ws.send_str(m.encode(msg))
+
+    def _on_message(self, msg: m.CoordinatorMessage) -> None:
+        with self._lock:
+            if isinstance(msg, m.Ack):
+                sent = self._sent.get(msg.seq)
+                if sent is not None:
+                    self._last_acked_send = max(self._last_acked_send, sent)
+                return
+            if isinstance(msg, m.EpochOrder):
+                newest = self.orders[-1].epoch if self.orders else -1
+                if msg.epoch <= newest:
+                    log.warning("ignoring order for epoch %d (have %d): fenced", msg.epoch, newest)
+                    return
+                self.orders.append(msg)
+                del self.orders[:-8]
+            elif isinstance(msg, m.Expel):
+                self.expelled = msg.reason
+            elif isinstance(msg, m.Finished):
+                self.finished = msg.step
+        self.wake.set()
+
+    def _mark_expelled(self, reason: str) -> None:
+        with self._lock:
+            self.expelled = reason
+        self.wake.set()

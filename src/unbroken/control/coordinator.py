@@ -1,0 +1,345 @@
+"""The coordinator service: node sessions, leases, epochs, rendezvous store, JSON state.
+
+Run it with ``unbroken coordinator --host H --port P``, or from Python::
+
+    coord = Coordinator(CoordinatorConfig(port=0))
+    coord.start()            # serves from a background thread
+    print(coord.address)     # ("127.0.0.1", 41234)
+    coord.stop()
+
+Its state is soft: a coordinator restarted on the same address rebuilds its view from the
+nodes' reconnecting sessions, and a stable group keeps training while it is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Any
+
+from aiohttp import WSMsgType, web
+from torch.distributed import TCPStore
+
+from unbroken.config import CoordinatorConfig
+from unbroken.control import messages as m
+from unbroken.control.membership import Decision, Event, Membership
+from unbroken.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.02
+HELLO_TIMEOUT_S = 10.0
+MAX_EVENTS = 10_000
+
+
+class _Session:
+    """One node's connection; a writer task keeps each session's messages in order."""
+
+    def __init__(self, ws: web.WebSocketResponse, member_id: str) -> None:
+        self.ws = ws
+        self.member_id = member_id
+        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self.writer = asyncio.create_task(self._write(), name=f"session-writer-{member_id}")
+
+    async def _write(self) -> None:
+        while (text := await self.queue.get()) is not None:
+            try:
+                await self.ws.send_str(text)
+            except (ConnectionError, RuntimeError):
+                return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.ws.close(), timeout=1.0)
+
+    def send(self, msg: m.BaseModel) -> None:
+        self.queue.put_nowait(m.encode(msg))
+
+    def close(self) -> None:
+        self.queue.put_nowait(None)
+
+
+class Coordinator:
+    """Membership service for one job."""
+
+    def __init__(self, config: CoordinatorConfig | None = None) -> None:
+        self.config = config or CoordinatorConfig()
+        self.coordinator_id = uuid.uuid4().hex[:12]
+        self.membership = Membership(
+            lease_s=self.config.lease_s,
+            now=time.monotonic(),
+            recovering=True,
+            recovery_window_s=self.config.recovery_window_s,
+            min_nodes=self.config.min_nodes,
+        )
+        self.events: list[dict[str, Any]] = []
+        self.recoveries: list[dict[str, Any]] = []
+        self._open_failures: list[dict[str, Any]] = []
+        self._sessions: dict[str, _Session] = {}
+        self._store: TCPStore | None = None
+        self._runner: web.AppRunner | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopping: asyncio.Event | None = None
+        self._startup_error: BaseException | None = None
+        self.address: tuple[str, int] = (self.config.host, self.config.port)
+        self.store_port = 0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def serve(self) -> None:
+        """Serve until `stop` is called (or the task is cancelled)."""
+        self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        self._store = TCPStore(
+            self.config.host,
+            self.config.store_port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=60),
+        )
+        self.store_port = self._store.port
+        app = web.Application(client_max_size=self.config.max_message_bytes)
+        app.router.add_get("/api/state", self._state)
+        app.router.add_get("/healthz", self._health)
+        app.router.add_get("/ws", self._ws)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
+        await site.start()
+        sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+        if sockets:
+            self.address = (self.config.host, sockets[0].getsockname()[1])
+        log.info("coordinator %s on %s:%d (store %d)", self.coordinator_id, *self.address, self.store_port)
+        ticker = asyncio.create_task(self._tick_forever(), name="coordinator-tick")
+        self._ready.set()
+        try:
+            await self._stopping.wait()
+        finally:
+            ticker.cancel()
+            for s in list(self._sessions.values()):
+                s.close()
+            await self._runner.cleanup()
+            self._store = None
+
+    def start(self, timeout: float = 10.0) -> Coordinator:
+        """Serve from a background thread; returns once the service is listening."""
+
+        def run() -> None:
+            try:
+                asyncio.run(self.serve())
+            except BaseException as exc:  # reported to the starter below
+                self._startup_error = exc
+                self._ready.set()
+
+        self._thread = threading.Thread(target=run, name="coordinator", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"coordinator did not start within {timeout} s")
+        if self._startup_error is not None:
+            raise self._startup_error
+        return self
+
+    def stop_nowait(self) -> None:
+        """Ask the service to stop (from any thread); `stop` also waits for it."""
+        if self._loop is not None and self._stopping is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+
+    def stop(self) -> None:
+        self.stop_nowait()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ---------------------------------------------------------------- HTTP
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "coordinator_id": self.coordinator_id})
+
+    async def _state(self, request: web.Request) -> web.Response:
+        return web.json_response(self.snapshot())
+
+    def snapshot(self) -> dict[str, Any]:
+        ms = self.membership
+        now = time.monotonic()
+        members = []
+        for mid, mem in ms.members.items():
+            rank = ms.epoch_members.index(mid) if mid in ms.epoch_members else None
+            members.append(
+                {
+                    "id": mid,
+                    "name": mem.name,
+                    "state": mem.state.value,
+                    "rank": rank,
+                    "share": ms.shares[rank] if rank is not None and rank < len(ms.shares) else 0,
+                    "weight": mem.weight,
+                    "device": mem.device,
+                    "host": mem.host,
+                    "pid": mem.pid,
+                    "step": mem.step,
+                    "loss": mem.loss,
+                    "samples_per_s": mem.samples_per_s,
+                    "last_seen_s": round(now - mem.last_seen, 3),
+                }
+            )
+        return {
+            "job": ms.job,
+            "coordinator_id": self.coordinator_id,
+            "epoch": ms.epoch,
+            "step": ms.step,
+            "finished": ms.finished,
+            "recovering": ms.recovering_until is not None,
+            "members": members,
+            "plan": {"epoch": ms.epoch, "members": ms.epoch_members, "shares": ms.shares, "batch_size": ms.batch_size},
+            "events": self.events[-200:],
+            "recoveries": self.recoveries,
+            "final_digests": ms.final_digests,
+            "final_metrics": ms.final_metrics,
+            "store_port": self.store_port,
+        }
+
+    # ---------------------------------------------------------------- sessions
+
+    async def _ws(self, request: web.Request) -> web.StreamResponse:
+        ws = web.WebSocketResponse(max_msg_size=self.config.max_message_bytes, heartbeat=None)
+        await ws.prepare(request)
+        peer = request.remote or "?"
+        session: _Session | None = None
+        try:
+            first = await asyncio.wait_for(ws.receive(), timeout=HELLO_TIMEOUT_S)
+            if first.type != WSMsgType.TEXT:
+                raise ProtocolError(f"expected a hello message, got {first.type.name}")
+            hello = m.parse_node_message(first.data, self.config.max_message_bytes)
+            if not isinstance(hello, m.Hello):
+                raise ProtocolError(f"the first message must be a hello, got {hello.type!r}")
+            decision = self.membership.admit(hello, time.monotonic())
+            if decision.refuse is not None:
+                log.warning("refused %s from %s: %s", hello.name, peer, decision.refuse)
+                self._record(Event(time.monotonic(), "refused", None, self.membership.epoch, self.membership.step, f"{hello.name}: {decision.refuse}"))
+                await ws.send_str(m.encode(m.Refused(reason=decision.refuse)))
+                await ws.close()
+                return ws
+            session = _Session(ws, hello.member_id)
+            self._sessions[hello.member_id] = session
+            session.send(
+                m.Welcome(
+                    store_host=self._store_host(request),
+                    store_port=self.store_port,
+                    lease_s=self.config.lease_s,
+                    heartbeat_s=self.config.lease_s / 5,
+                    coordinator_id=self.coordinator_id,
+                )
+            )
+            self._apply(decision)
+            async for raw in ws:
+                if raw.type != WSMsgType.TEXT:
+                    if raw.type == WSMsgType.ERROR:
+                        raise ProtocolError(f"session error: {ws.exception()}")
+                    raise ProtocolError(f"unexpected {raw.type.name} frame")
+                self._dispatch(session, m.parse_node_message(raw.data, self.config.max_message_bytes))
+        except ProtocolError as exc:
+            log.warning("dropping session from %s: %s", peer, exc)
+            self._record(Event(time.monotonic(), "protocol", session.member_id if session else None, self.membership.epoch, self.membership.step, f"session from {peer} dropped: {exc}"))
+        except (TimeoutError, asyncio.TimeoutError):
+            log.warning("session from %s sent no hello within %s s", peer, HELLO_TIMEOUT_S)
+        finally:
+            if session is not None:
+                if self._sessions.get(session.member_id) is session:
+                    del self._sessions[session.member_id]
+                    self._apply(self.membership.session_closed(session.member_id, time.monotonic()))
+                session.close()
+            if not ws.closed:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(ws.close(), timeout=1.0)
+        return ws
+
+    def _store_host(self, request: web.Request) -> str:
+        if self.config.host not in ("0.0.0.0", "::", ""):
+            return self.config.host
+        sock = request.transport.get_extra_info("sockname") if request.transport else None
+        return sock[0] if sock else "127.0.0.1"
+
+    def _dispatch(self, session: _Session, msg: m.NodeMessage) -> None:
+        now = time.monotonic()
+        mid = session.member_id
+        ms = self.membership
+        if isinstance(msg, m.Heartbeat):
+            ms.heartbeat(mid, msg.step, now)
+            session.send(m.Ack(seq=msg.seq))
+        elif isinstance(msg, m.Progress):
+            ms.progress(mid, msg.step, msg.loss, msg.samples_per_s, now)
+            if msg.first_in_epoch:
+                self._close_recoveries(msg.epoch, msg.step, msg.wall_time)
+        elif isinstance(msg, m.Fault):
+            self._apply(ms.fault(mid, msg.epoch, msg.reason, now))
+        elif isinstance(msg, m.Leave):
+            self._apply(ms.leave(mid, now, msg.reason))
+        elif isinstance(msg, m.Done):
+            self._apply(ms.done(mid, msg.step, msg.digest, msg.metrics, now))
+            if ms.finished:
+                for other_id, other in self._sessions.items():
+                    if other_id not in ms.epoch_members:
+                        other.send(m.Finished(step=ms.step))
+        elif isinstance(msg, m.Hello):
+            raise ProtocolError("hello sent twice on one session")
+
+    # ---------------------------------------------------------------- decisions
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                self._apply(self.membership.tick(time.monotonic()))
+            except Exception:  # a bug here must not stop the service
+                log.exception("coordinator tick failed")
+
+    def _apply(self, d: Decision) -> None:
+        """Deliver a decision, then let the clock act on it at once (a failure's epoch now)."""
+        self._deliver(d)
+        if d.events:
+            self._deliver(self.membership.tick(time.monotonic()))
+
+    def _deliver(self, d: Decision) -> None:
+        for ev in d.events:
+            self._record(ev)
+        for mid, reason in d.expel.items():
+            s = self._sessions.pop(mid, None)
+            if s is not None:
+                s.send(m.Expel(reason=reason))
+                s.close()
+        for mid, order in d.orders.items():
+            s = self._sessions.get(mid)
+            if s is not None:
+                s.send(order)
+
+    def _record(self, ev: Event) -> None:
+        wall = time.time() - (time.monotonic() - ev.time)
+        entry = asdict(ev) | {"time": wall, "member_name": self._name(ev.member)}
+        self.events.append(entry)
+        del self.events[:-MAX_EVENTS]
+        if ev.kind == "failure":
+            self._open_failures.append({"cause": ev.reason, "detected_at": wall, "epoch": ev.epoch})
+        log.info("event %s: %s", ev.kind, ev.reason)
+        if self.config.event_log is not None:
+            with open(self.config.event_log, "a", encoding="utf-8") as f:
+                f.write(json.dumps(entry) + "\n")
+
+    def _close_recoveries(self, epoch: int, step: int, wall_time: float) -> None:
+        still_open = []
+        for f in self._open_failures:
+            if epoch > f["epoch"] and wall_time >= f["detected_at"]:
+                self.recoveries.append(f | {"first_commit_at": wall_time, "step": step, "duration_s": wall_time - f["detected_at"]})
+            else:
+                still_open.append(f)
+        self._open_failures = still_open
+
+    def _name(self, member_id: str | None) -> str | None:
+        if member_id is None:
+            return None
+        mem = self.membership.members.get(member_id)
+        return mem.name if mem else member_id.split("#")[0]

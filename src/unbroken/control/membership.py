@@ -1,0 +1,342 @@
+"""Membership, leases and epochs: the coordinator's decisions, as a pure state machine.
+
+No sockets and no clock of its own: every call takes ``now`` and returns the orders to
+send. The service in `coordinator.py` feeds it and delivers what it returns.
+
+Member life::
+
+    joining ──(epoch formed)──▶ active ──(leave: graceful epoch)──▶ gone
+       │                          │
+       └──(session drop / lease)──┴──(urgent epoch without it)────▶ gone
+
+Coordinator life::
+
+    fresh ──first join──▶ running
+    recovering ──(all members of the newest reported epoch back: adopt it)──▶ running
+               └─(window over: urgent epoch of whoever is back)─────────────▶ running
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from unbroken.control.messages import EpochOrder, Hello, TensorSpec
+from unbroken.sched.shares import split_batch
+
+JOIN_SETTLE_S = 0.25
+"""Joins that arrive this close together share one epoch change."""
+FAULT_GRACE_S = 0.1
+"""A reported collective failure waits this long for the failed member's session to drop,
+so one failure makes one epoch change."""
+
+
+class MemberState(str, enum.Enum):
+    JOINING = "joining"
+    ACTIVE = "active"
+    LEAVING = "leaving"
+
+
+@dataclass
+class Member:
+    member_id: str
+    name: str
+    weight: float
+    joined_at: float
+    last_seen: float
+    device: str = "cpu"
+    host: str = ""
+    pid: int = 0
+    state: MemberState = MemberState.JOINING
+    step: int = 0
+    loss: float | None = None
+    samples_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something that happened, with its reason; feeds logs, the API and the summary."""
+
+    time: float
+    kind: str
+    member: str | None
+    epoch: int
+    step: int
+    reason: str
+
+
+@dataclass
+class Decision:
+    """What the service must do after a call: orders to deliver and sessions to close."""
+
+    orders: dict[str, EpochOrder] = field(default_factory=dict)
+    expel: dict[str, str] = field(default_factory=dict)
+    refuse: str | None = None
+    events: list[Event] = field(default_factory=list)
+
+    def merge(self, other: Decision) -> Decision:
+        self.orders.update(other.orders)
+        self.expel.update(other.expel)
+        self.events.extend(other.events)
+        return self
+
+
+def first_mismatch(ours: Sequence[TensorSpec], theirs: Sequence[TensorSpec]) -> str | None:
+    """Describe the first difference between two model fingerprints, or None if equal."""
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+        if a.name != b.name:
+            return f"parameter #{i} is named {b.name!r} here but {a.name!r} in the group"
+        if a.shape != b.shape:
+            return f"{b.name!r} has shape {tuple(b.shape)} here but {tuple(a.shape)} in the group"
+        if a.dtype != b.dtype:
+            return f"{b.name!r} has dtype {b.dtype} here but {a.dtype} in the group"
+    if len(theirs) > len(ours):
+        return f"{theirs[len(ours)].name!r} is not in the group's model"
+    if len(ours) > len(theirs):
+        return f"{ours[len(theirs)].name!r} is missing from this node's model"
+    return None
+
+
+class Membership:
+    """The coordinator's view: who is in, which epoch, which plan."""
+
+    def __init__(
+        self,
+        *,
+        lease_s: float,
+        now: float,
+        recovering: bool = False,
+        recovery_window_s: float = 3.0,
+        min_nodes: int = 1,
+    ) -> None:
+        self.lease_s = lease_s
+        self.min_nodes = min_nodes
+        self.members: dict[str, Member] = {}
+        self.epoch = 0
+        self.epoch_members: list[str] = []
+        self.shares: list[int] = []
+        self.job: str | None = None
+        self.job_identity: str | None = None
+        self.batch_size: int | None = None
+        self.fingerprint: list[TensorSpec] | None = None
+        self.step = 0
+        self.finished = False
+        self.final_digests: dict[str, str] = {}
+        self.final_metrics: dict[str, float] = {}
+        self._pending_due: float | None = None
+        self._pending_urgent = False
+        self._pending_reason = ""
+        self.recovering_until = now + recovery_window_s if recovering else None
+        self._resumes: dict[str, tuple[int, tuple[str, ...], int]] = {}
+
+    # ----------------------------------------------------------------- joins and leaves
+
+    def admit(self, hello: Hello, now: float) -> Decision:
+        """Check a hello; on success the node becomes a joining member."""
+        d = Decision()
+        if self.job is not None and (hello.job != self.job or hello.job_identity != self.job_identity):
+            d.refuse = (
+                f"this coordinator runs job {self.job!r} ({self.job_identity}); this node runs "
+                f"{hello.job!r} ({hello.job_identity}): start a separate coordinator per job, "
+                "or use the same job settings (name, batch size, steps, seed, dataset size)"
+            )
+            return d
+        if self.fingerprint is not None:
+            diff = first_mismatch(self.fingerprint, hello.fingerprint)
+            if diff is not None:
+                d.refuse = f"model does not match the group's: {diff}"
+                return d
+        if hello.member_id in self.members:
+            d.refuse = f"member id {hello.member_id!r} is already connected"
+            return d
+        if self.finished:
+            d.refuse = f"job {self.job!r} already finished at step {self.step}"
+            return d
+        self.job, self.job_identity = hello.job, hello.job_identity
+        self.fingerprint = list(hello.fingerprint)
+        self.batch_size = hello.batch_size
+        self.members[hello.member_id] = Member(
+            member_id=hello.member_id,
+            name=hello.name,
+            weight=hello.weight,
+            joined_at=now,
+            last_seen=now,
+            device=hello.device,
+            host=hello.host,
+            pid=hello.pid,
+            step=hello.step,
+        )
+        self.step = max(self.step, hello.step)
+        self.epoch = max(self.epoch, hello.last_epoch)
+        d.events.append(self._event(now, "join", hello.member_id, f"{hello.name} connected"))
+        if hello.resume is None and self.recovering_until is not None and not self._resumes:
+            self.recovering_until = None  # a fresh job, not a restarted coordinator
+        if hello.resume is not None and self.recovering_until is not None:
+            r = hello.resume
+            self._resumes[hello.member_id] = (r.epoch, tuple(r.members), r.step)
+            self.epoch = max(self.epoch, r.epoch)
+            return d
+        if hello.resume is not None:
+            self.epoch = max(self.epoch, hello.resume.epoch)
+        self._want_epoch(now, urgent=False, reason=f"{hello.name} joined", delay=JOIN_SETTLE_S)
+        return d
+
+    def leave(self, member_id: str, now: float, reason: str) -> Decision:
+        m = self.members.get(member_id)
+        d = Decision()
+        if m is None:
+            return d
+        d.events.append(self._event(now, "leave", member_id, f"{m.name} leaves: {reason}"))
+        if member_id in self.epoch_members:
+            m.state = MemberState.LEAVING
+            d.merge(self._form_epoch(now, urgent=False, reason=f"{m.name} left"))
+            del self.members[member_id]
+        else:
+            del self.members[member_id]
+        return d
+
+    def fail(self, member_id: str, now: float, cause: str) -> Decision:
+        """A member is gone (session dropped, lease expired, malformed message)."""
+        m = self.members.pop(member_id, None)
+        d = Decision()
+        if m is None:
+            return d
+        d.events.append(self._event(now, "failure", member_id, f"{m.name}: {cause}"))
+        if member_id in self.epoch_members and not self.finished:
+            self._want_epoch(now, urgent=True, reason=f"{m.name} failed ({cause})", delay=0.0)
+        return d
+
+    def session_closed(self, member_id: str, now: float) -> Decision:
+        """The member's session ended; after ``done`` or ``leave`` that is no failure."""
+        if self.finished and member_id in self.final_digests:
+            self.members.pop(member_id, None)
+            return Decision()
+        return self.fail(member_id, now, "control connection dropped")
+
+    # ---------------------------------------------------------------- reports
+
+    def heartbeat(self, member_id: str, step: int, now: float) -> None:
+        m = self.members.get(member_id)
+        if m is not None:
+            m.last_seen = now
+            m.step = max(m.step, step)
+            self.step = max(self.step, m.step)
+
+    def progress(self, member_id: str, step: int, loss: float, sps: float, now: float) -> None:
+        self.heartbeat(member_id, step, now)
+        m = self.members.get(member_id)
+        if m is not None:
+            m.loss = loss
+            m.samples_per_s = sps
+
+    def fault(self, member_id: str, epoch: int, reason: str, now: float) -> Decision:
+        """A member saw a collective fail. Re-form the epoch unless it already changed."""
+        d = Decision()
+        if epoch != self.epoch or member_id not in self.members:
+            return d
+        m = self.members[member_id]
+        d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason}"))
+        self._want_epoch(now, urgent=True, reason=f"collective failed at {m.name}: {reason}", delay=FAULT_GRACE_S)
+        return d
+
+    def done(self, member_id: str, step: int, digest: str, metrics: dict[str, float], now: float) -> Decision:
+        d = Decision()
+        m = self.members.get(member_id)
+        if m is None:
+            return d
+        self.heartbeat(member_id, step, now)
+        self.final_digests[member_id] = digest
+        self.final_metrics.update(metrics)
+        if not self.finished:
+            self.finished = True
+            d.events.append(self._event(now, "finished", member_id, f"final step {step} reached"))
+        return d
+
+    # ---------------------------------------------------------------- time
+
+    def tick(self, now: float) -> Decision:
+        """Expire leases, end a recovery window, and form a pending epoch when due."""
+        d = Decision()
+        for mid, m in list(self.members.items()):
+            if now - m.last_seen > self.lease_s and not (self.finished and mid in self.final_digests):
+                d.expel[mid] = f"no heartbeat for {now - m.last_seen:.2f} s (lease {self.lease_s} s)"
+                d.merge(self.fail(mid, now, f"lease expired after {now - m.last_seen:.2f} s"))
+        if self.recovering_until is not None:
+            d.merge(self._recover(now))
+            if self.recovering_until is not None:
+                return d
+        if self.epoch_members == [] and len(self.members) < self.min_nodes:
+            return d  # the job has not started: wait for enough nodes
+        if self._pending_due is not None and now >= self._pending_due and not self.finished:
+            d.merge(self._form_epoch(now, self._pending_urgent, self._pending_reason))
+        return d
+
+    def _recover(self, now: float) -> Decision:
+        assert self.recovering_until is not None
+        d = Decision()
+        if self._resumes:
+            newest = max(r[0] for r in self._resumes.values())
+            group = next(r[1] for r in self._resumes.values() if r[0] == newest)
+            back = {mid for mid, r in self._resumes.items() if r[0] == newest and r[1] == group}
+            if set(group) <= back and set(group) <= set(self.members):
+                self.recovering_until = None
+                self.epoch = newest
+                self.epoch_members = list(group)
+                self.shares = self._split([self.members[m] for m in group])
+                for mid in group:
+                    self.members[mid].state = MemberState.ACTIVE
+                d.events.append(self._event(now, "adopt", None, f"rebuilt epoch {newest} from {len(group)} members"))
+                if len(self.members) > len(group):
+                    self._want_epoch(now, urgent=False, reason="nodes joined during recovery", delay=0.0)
+                return d
+        if now >= self.recovering_until:
+            self.recovering_until = None
+            if self.members:
+                self._want_epoch(now, urgent=True, reason="members of the last epoch did not return after restart", delay=0.0)
+        return d
+
+    def _want_epoch(self, now: float, urgent: bool, reason: str, delay: float) -> None:
+        due = now + delay
+        if self._pending_due is None:
+            self._pending_due = due
+            self._pending_reason = reason
+        else:
+            self._pending_due = min(self._pending_due, due)
+            if reason not in self._pending_reason:
+                self._pending_reason += f"; {reason}"
+        self._pending_urgent = self._pending_urgent or urgent
+
+    def _split(self, members: Sequence[Member]) -> list[int]:
+        if self.batch_size is None:
+            return [0] * len(members)
+        return split_batch(self.batch_size, [m.weight for m in members])
+
+    def _form_epoch(self, now: float, urgent: bool, reason: str) -> Decision:
+        d = Decision()
+        self._pending_due, self._pending_urgent, self._pending_reason = None, False, ""
+        keep = [m for m in self.epoch_members if m in self.members and self.members[m].state != MemberState.LEAVING]
+        new = sorted(
+            (m for m in self.members.values() if m.member_id not in keep and m.state == MemberState.JOINING),
+            key=lambda m: (m.joined_at, m.member_id),
+        )
+        order = keep + [m.member_id for m in new]
+        if not order:
+            return d
+        old = list(self.epoch_members)
+        self.epoch += 1
+        self.epoch_members = order
+        members = [self.members[m] for m in order]
+        self.shares = self._split(members)
+        for m in members:
+            m.state = MemberState.ACTIVE
+        msg = EpochOrder(epoch=self.epoch, members=order, shares=self.shares, urgent=urgent, reason=reason)
+        # Everyone of the old epoch hears of it (a leaver learns it may go), and everyone of the new.
+        for mid in dict.fromkeys(old + order):
+            if mid in self.members or mid in old:
+                d.orders[mid] = msg
+        d.events.append(self._event(now, "epoch", None, f"epoch {self.epoch} with {len(order)} members: {reason}"))
+        return d
+
+    def _event(self, now: float, kind: str, member: str | None, reason: str) -> Event:
+        return Event(time=now, kind=kind, member=member, epoch=self.epoch, step=self.step, reason=reason)

@@ -1,0 +1,173 @@
+"""Typed control messages, validated at the boundary.
+
+Every message is one JSON object with a ``type`` and the protocol version ``v``. Anything
+that does not parse into one of these models is refused before it touches state.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from unbroken.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+Name = Annotated[str, Field(min_length=1, max_length=256)]
+Count = Annotated[int, Field(ge=0, le=2**53)]
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = PROTOCOL_VERSION
+
+
+class TensorSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: Annotated[str, Field(max_length=1024)]
+    shape: Annotated[list[Count], Field(max_length=64)]
+    dtype: Annotated[str, Field(max_length=64)]
+
+
+class Resume(BaseModel):
+    """What a reconnecting member knows, so a restarted coordinator can rebuild its view."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    epoch: Count
+    members: Annotated[list[Name], Field(max_length=4096)]
+    step: Count
+
+
+class Hello(_Msg):
+    type: Literal["hello"] = "hello"
+    job: Name
+    job_identity: Annotated[str, Field(max_length=64)]
+    fingerprint: Annotated[list[TensorSpec], Field(max_length=100_000)]
+    member_id: Name
+    name: Name
+    batch_size: Annotated[int, Field(ge=1, le=2**31)]
+    weight: Annotated[float, Field(gt=0, le=1e9)] = 1.0
+    step: Count = 0
+    device: Annotated[str, Field(max_length=128)] = "cpu"
+    host: Annotated[str, Field(max_length=256)] = ""
+    pid: Count = 0
+    resume: Resume | None = None
+    last_epoch: Count = 0
+    """The newest epoch this node has heard of; epochs after a restart are numbered above it."""
+
+
+class Heartbeat(_Msg):
+    type: Literal["heartbeat"] = "heartbeat"
+    seq: Count
+    step: Count
+
+
+class Progress(_Msg):
+    type: Literal["progress"] = "progress"
+    epoch: Count
+    step: Count
+    loss: float
+    wall_time: float
+    first_in_epoch: bool = False
+    samples_per_s: Annotated[float, Field(ge=0)] = 0.0
+
+
+class Fault(_Msg):
+    type: Literal["fault"] = "fault"
+    epoch: Count
+    reason: Annotated[str, Field(max_length=2000)]
+
+
+class Leave(_Msg):
+    type: Literal["leave"] = "leave"
+    reason: Annotated[str, Field(max_length=2000)] = "requested"
+
+
+class Done(_Msg):
+    type: Literal["done"] = "done"
+    step: Count
+    digest: Annotated[str, Field(max_length=128)]
+    metrics: Annotated[dict[Annotated[str, Field(max_length=128)], float], Field(max_length=64)] = {}
+
+
+class Welcome(_Msg):
+    type: Literal["welcome"] = "welcome"
+    store_host: str
+    store_port: int
+    lease_s: float
+    heartbeat_s: float
+    coordinator_id: str
+
+
+class Refused(_Msg):
+    type: Literal["refused"] = "refused"
+    reason: str
+
+
+class Ack(_Msg):
+    type: Literal["ack"] = "ack"
+    seq: Count
+
+
+class EpochOrder(_Msg):
+    """Form epoch ``epoch`` with ``members`` (rank = position) and these batch shares."""
+
+    type: Literal["epoch"] = "epoch"
+    epoch: Count
+    members: list[Name]
+    shares: list[Count]
+    urgent: bool
+    """True when a member failed: abandon the step in flight at once."""
+    reason: str
+
+
+class Expel(_Msg):
+    type: Literal["expelled"] = "expelled"
+    reason: str
+
+
+class Finished(_Msg):
+    type: Literal["finished"] = "finished"
+    step: Count
+
+
+NodeMessage = Annotated[Hello | Heartbeat | Progress | Fault | Leave | Done, Field(discriminator="type")]
+CoordinatorMessage = Annotated[
+    Welcome | Refused | Ack | EpochOrder | Expel | Finished, Field(discriminator="type")
+]
+_node_adapter: TypeAdapter[NodeMessage] = TypeAdapter(NodeMessage)
+_coord_adapter: TypeAdapter[CoordinatorMessage] = TypeAdapter(CoordinatorMessage)
+
+
+def _parse(adapter: TypeAdapter[object], data: str | bytes, limit: int) -> object:
+    if len(data) > limit:
+        raise ProtocolError(f"control message of {len(data)} bytes exceeds the {limit}-byte limit")
+    try:
+        raw = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"control message is not valid JSON: {exc}") from None
+    if isinstance(raw, dict) and raw.get("v", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {raw.get('v')!r} is not supported (this side speaks "
+            f"{PROTOCOL_VERSION}); run the same unbroken version on every node"
+        )
+    try:
+        return adapter.validate_python(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "message"
+        raise ProtocolError(f"invalid control message at {where}: {first['msg']}") from None
+
+
+def parse_node_message(data: str | bytes, limit: int = 1 << 20) -> NodeMessage:
+    return _parse(_node_adapter, data, limit)  # type: ignore[arg-type,return-value]
+
+
+def parse_coordinator_message(data: str | bytes, limit: int = 64 << 20) -> CoordinatorMessage:
+    return _parse(_coord_adapter, data, limit)  # type: ignore[arg-type,return-value]
+
+
+def encode(msg: BaseModel) -> str:
+    return msg.model_dump_json()

@@ -1,0 +1,1 @@
+"""The embedded default job and the `unbroken demo` driver."""

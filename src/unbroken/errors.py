@@ -1,0 +1,62 @@
+"""The exception tree of unbroken.
+
+::
+
+    UnbrokenError                      every error raised on purpose by this package
+     ├── ConfigError                   a job or node setting is invalid (names the field)
+     ├── JobLoadError                  `file.py:attr` / `module:attr` could not be loaded
+     ├── CoordinatorUnreachable        no coordinator answered within the connect deadline
+     ├── JoinRefused                   the coordinator refused this node (names the reason)
+     ├── ProtocolError                 a control message was malformed or too large
+     ├── EpochAborted                  the current epoch ended under us; form the next one
+     │    └── Expelled                 the coordinator expelled this node (lease lost)
+     ├── CollectiveFailed              a data-plane collective failed or ran past its deadline
+     ├── TransferError                 a state transfer was corrupt or incomplete
+     └── JobFinished                   the job reached its last step before this node joined
+"""
+
+from __future__ import annotations
+
+
+class UnbrokenError(Exception):
+    """Base class of every error unbroken raises on purpose."""
+
+
+class ConfigError(UnbrokenError, ValueError):
+    """A configuration value is invalid; the message names the field and the allowed range."""
+
+
+class JobLoadError(UnbrokenError):
+    """A job reference could not be imported or is not a `Job`."""
+
+
+class CoordinatorUnreachable(UnbrokenError):
+    """No coordinator address answered within the connect deadline."""
+
+
+class JoinRefused(UnbrokenError):
+    """The coordinator refused to admit this node; the message says why and what to change."""
+
+
+class ProtocolError(UnbrokenError):
+    """A control message was malformed, of an unknown version, or over the size limit."""
+
+
+class EpochAborted(UnbrokenError):
+    """The epoch this node was working in is over (failure, join or leave elsewhere)."""
+
+
+class Expelled(EpochAborted):
+    """The coordinator expelled this node, usually because its heartbeat lease ran out."""
+
+
+class CollectiveFailed(UnbrokenError):
+    """A collective on the data plane failed (peer gone) or ran past its deadline."""
+
+
+class TransferError(UnbrokenError):
+    """A peer-to-peer state transfer failed a checksum or ended early."""
+
+
+class JobFinished(UnbrokenError):
+    """The job already reached its final step."""

@@ -1,0 +1,1 @@
+"""Training state: snapshots, digests, checkpoints."""

@@ -1,0 +1,101 @@
+"""The replicated training state, its digest and its serialised form.
+
+What replicas must agree on (and what the digest covers): model parameters and buffers,
+optimizer state and hyper-parameters, the committed step and the data cursor. RNG states
+travel with the snapshot so a restored node continues the same random stream.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from unbroken.control.messages import TensorSpec
+
+
+def fingerprint(model: nn.Module) -> list[TensorSpec]:
+    """Names, shapes and dtypes of everything in the model's state dict, in order."""
+    return [
+        TensorSpec(name=k, shape=list(v.shape), dtype=str(v.dtype).removeprefix("torch."))
+        for k, v in model.state_dict().items()
+    ]
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _hash_tree(h: Any, obj: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        h.update(f"T{obj.dtype}{tuple(obj.shape)}".encode())
+        h.update(_tensor_bytes(obj))
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            h.update(f"K{k}".encode())
+            _hash_tree(h, obj[k])
+    elif isinstance(obj, list | tuple):
+        h.update(f"L{len(obj)}".encode())
+        for x in obj:
+            _hash_tree(h, x)
+    else:
+        h.update(json.dumps(obj, default=str).encode())
+
+
+@dataclass
+class TrainState:
+    """Model, optimizer, committed step and data cursor of one replica."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    step: int = 0
+    cursor: int = 0
+    """Samples consumed so far (step * B): where the next step's data starts."""
+
+    def digest(self) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        _hash_tree(h, {"step": self.step, "cursor": self.cursor})
+        _hash_tree(h, self.model.state_dict())
+        _hash_tree(h, self.optimizer.state_dict())
+        return h.hexdigest()
+
+    def capture(self) -> dict[str, Any]:
+        """A deep copy of the state, safe to serialise on another thread."""
+        return {
+            "step": self.step,
+            "cursor": self.cursor,
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "rng": {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])},
+        }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        self.model.load_state_dict(snap["model"])
+        self.optimizer.load_state_dict(snap["optimizer"])
+        self.step = int(snap["step"])
+        self.cursor = int(snap["cursor"])
+        torch.set_rng_state(snap["rng"]["torch"])
+        state = random.getstate()
+        random.setstate((state[0], tuple(snap["rng"]["python"]), state[2]))
+
+    def to_bytes(self) -> torch.Tensor:
+        buf = io.BytesIO()
+        torch.save(self.capture(), buf)
+        return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+
+    def load_bytes(self, payload: torch.Tensor) -> None:
+        snap = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+        self.restore(snap)
+
+
+def digest_prefix(digest: str) -> int:
+    """The first 63 bits of a digest, to compare digests inside an int64 collective."""
+    return int(digest[:16], 16) >> 1

@@ -1,0 +1,224 @@
+"""A local cluster of real processes: one coordinator and any number of nodes on loopback.
+
+Used by the integration tests, the benchmarks and the demo; handy for users who want to
+test their own job's behaviour under faults before renting machines::
+
+    with LocalCluster("my_job.py:job", workdir) as c:
+        c.start_coordinator()
+        nodes = [c.start_node(f"n{i}") for i in range(3)]
+        c.wait_step(20); nodes[1].kill()
+        c.wait_finished()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+READY_PREFIX = "UNBROKEN_COORDINATOR_READY"
+
+
+class NodeProcess:
+    """A node subprocess with its log files."""
+
+    def __init__(self, name: str, proc: subprocess.Popen[bytes], workdir: Path) -> None:
+        self.name = name
+        self.proc = proc
+        self.commit_log = workdir / f"{name}.jsonl"
+        self.stderr_path = workdir / f"{name}.err"
+        self.final_state = workdir / f"{name}.final.pt"
+        self.started_at = time.time()
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def entries(self) -> list[dict[str, Any]]:
+        if not self.commit_log.exists():
+            return []
+        out = []
+        for line in self.commit_log.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut short by SIGKILL
+                continue
+        return out
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
+
+
+class LocalCluster:
+    """Coordinator and nodes as child processes; `close` reaps every one of them."""
+
+    def __init__(
+        self,
+        job: str,
+        workdir: Path,
+        *,
+        lease_s: float = 1.0,
+        recovery_window_s: float = 3.0,
+        node_args: list[str] | None = None,
+        threads_per_node: int = 1,
+        env: dict[str, str] | None = None,
+        min_nodes: int = 1,
+    ) -> None:
+        self.min_nodes = min_nodes
+        self.job = job
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.lease_s = lease_s
+        self.recovery_window_s = recovery_window_s
+        self.node_args = node_args or []
+        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.address: tuple[str, int] | None = None
+        self.nodes: dict[str, NodeProcess] = {}
+        self._env = dict(os.environ, OMP_NUM_THREADS=str(threads_per_node), PYTHONUNBUFFERED="1", **(env or {}))
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- coordinator
+
+    def start_coordinator(self, port: int = 0, timeout: float = 30.0) -> tuple[str, int]:
+        cmd = [
+            sys.executable, "-m", "unbroken", "-v", "coordinator", "--host", "127.0.0.1", "--port", str(port),
+            "--lease", str(self.lease_s), "--recovery-window", str(self.recovery_window_s),
+            "--event-log", str(self.workdir / "events.jsonl"), "--min-nodes", str(self.min_nodes),
+        ]  # fmt: skip
+        err = open(self.workdir / "coordinator.err", "ab")  # noqa: SIM115
+        self.coordinator = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=self._env)
+        err.close()
+        assert self.coordinator.stdout is not None
+        deadline = time.monotonic() + timeout
+        line = b""
+        while time.monotonic() < deadline:
+            line = self.coordinator.stdout.readline()
+            if line.startswith(READY_PREFIX.encode()) or not line:
+                break
+        if not line.startswith(READY_PREFIX.encode()):
+            raise RuntimeError(f"coordinator did not start: {(self.workdir / 'coordinator.err').read_text()[-2000:]}")
+        host, port_s = line.decode().split()[1].rsplit(":", 1)
+        self.address = (host, int(port_s))
+        return self.address
+
+    def kill_coordinator(self) -> None:
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.kill()
+            self.coordinator.wait(10)
+
+    def state(self, timeout: float = 2.0) -> dict[str, Any]:
+        assert self.address is not None
+        url = f"http://{self.address[0]}:{self.address[1]}/api/state"
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            data: dict[str, Any] = json.load(r)
+            return data
+
+    # ---------------------------------------------------------------- nodes
+
+    def start_node(self, name: str, *, fault: str = "", extra: list[str] | None = None) -> NodeProcess:
+        assert self.address is not None, "start the coordinator first"
+        cmd = [
+            sys.executable, "-m", "unbroken", "-v", "node", self.job,
+            "--coordinator", f"{self.address[0]}:{self.address[1]}",
+            "--name", name,
+            "--commit-log", str(self.workdir / f"{name}.jsonl"),
+            "--final-state", str(self.workdir / f"{name}.final.pt"),
+            *self.node_args, *(extra or []),
+        ]  # fmt: skip
+        if fault:
+            cmd += ["--fault", fault]
+        err = open(self.workdir / f"{name}.err", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(cmd, stdout=err, stderr=err, env=self._env)
+        err.close()
+        node = NodeProcess(name, proc, self.workdir)
+        self.nodes[name] = node
+        return node
+
+    # ---------------------------------------------------------------- waiting
+
+    def wait_for(self, predicate: Any, timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        last_error = ""
+        while time.monotonic() < deadline:
+            try:
+                value = predicate()
+                if value:
+                    return value
+            except OSError as exc:  # coordinator restarting
+                last_error = str(exc)
+            time.sleep(0.02)
+        raise TimeoutError(f"timed out after {timeout} s waiting for {what} {last_error}\n{self.diagnostics()}")
+
+    def max_committed(self) -> int:
+        best = 0
+        for n in self.nodes.values():
+            for e in n.entries():
+                if e.get("kind") in ("commit", "sync", "restore"):
+                    best = max(best, int(e["step"]))
+        return best
+
+    def wait_step(self, step: int, timeout: float = 60.0) -> int:
+        got: int = self.wait_for(lambda: self.max_committed() >= step and self.max_committed(), timeout, f"step {step}")
+        return got
+
+    def wait_exit(self, names: list[str] | None = None, timeout: float = 120.0) -> dict[str, int]:
+        names = names or list(self.nodes)
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name in names:
+            left = max(0.1, deadline - time.monotonic())
+            try:
+                codes[name] = self.nodes[name].wait(left)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"node {name} did not exit within {timeout} s\n{self.diagnostics()}") from None
+        return codes
+
+    def events(self) -> list[dict[str, Any]]:
+        path = self.workdir / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def diagnostics(self) -> str:
+        parts = []
+        for n in self.nodes.values():
+            parts.append(f"--- {n.name} (rc={n.proc.poll()}) ---\n{n.stderr()[-3000:]}")
+        cerr = self.workdir / "coordinator.err"
+        if cerr.exists():
+            parts.append(f"--- coordinator ---\n{cerr.read_text(errors='replace')[-3000:]}")
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        for n in self.nodes.values():
+            if n.proc.poll() is None:
+                with_cont = [signal.SIGCONT, signal.SIGKILL]
+                for sig in with_cont:
+                    n.signal(sig)
+        for n in self.nodes.values():
+            try:
+                n.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.coordinator is not None:
+            if self.coordinator.poll() is None:
+                self.coordinator.kill()
+            self.coordinator.wait(10)
+            if self.coordinator.stdout is not None:
+                self.coordinator.stdout.close()

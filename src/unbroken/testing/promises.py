@@ -1,0 +1,116 @@
+"""Check the promises of DESIGN.md §1 from the nodes' commit logs.
+
+Each node appends JSON lines: ``contrib`` (its slice of a step, before the all-reduce),
+``commit`` (after the optimizer step; ``step`` is the new committed step), ``sync`` (state
+received from a peer), ``restore`` (state loaded from a checkpoint) and ``final``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from unbroken.job import Job
+from unbroken.train.data import DataPlan
+
+
+@dataclass
+class PromiseReport:
+    steps: int
+    committed_in: dict[int, int] = field(default_factory=dict)
+    """For each step index s (0-based), the epoch in which it was committed."""
+    final_digests: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def assert_ok(self) -> None:
+        if self.problems:
+            raise AssertionError("broken promises:\n  " + "\n  ".join(self.problems[:20]))
+
+
+def check_promises(logs: Mapping[str, Iterable[dict[str, Any]]], job: Job, *, finishers: int = 1) -> PromiseReport:
+    """Check gapless commits, one commit epoch per step, equal digests and exactly-once data."""
+    T, B = job.num_steps, job.batch_size
+    report = PromiseReport(steps=T)
+    contribs: dict[tuple[int, int], list[list[int]]] = defaultdict(list)
+    digests: dict[int, dict[str, str]] = defaultdict(dict)
+    merged = sorted(((e.get("t", 0.0), node, e) for node, entries in logs.items() for e in entries), key=lambda x: x[0])
+    last: dict[str, int] = {}
+    restores: list[tuple[float, int]] = []
+    commit_times: dict[int, tuple[float, int]] = {}
+    for _, node, e in merged:
+        kind = e.get("kind")
+        if kind == "contrib":
+            contribs[(e["epoch"], e["step"])].append(e["indices"])
+        elif kind == "restore":
+            # The one allowed rollback: every node died and the group resumed from a checkpoint.
+            restores.append((e["t"], e["step"]))
+            for s in [s for s in digests if s > e["step"]]:
+                del digests[s]
+            last[node] = e["step"]
+            digests[e["step"]][f"{node}:restore"] = e["digest"]
+        elif kind == "sync":
+            last[node] = e["step"]
+            digests[e["step"]][f"{node}:sync"] = e["digest"]
+        elif kind == "commit":
+            s = e["step"] - 1
+            if node in last and e["step"] != last[node] + 1:
+                report.problems.append(f"{node} committed step {e['step']} right after step {last[node]}")
+            last[node] = e["step"]
+            prev = commit_times.get(s)
+            if prev is not None and prev[1] != e["epoch"]:
+                rolled_back = any(prev[0] < t < e["t"] and r <= s for t, r in restores)
+                if not rolled_back:
+                    report.problems.append(f"step {s + 1} committed in epoch {prev[1]} and again in epoch {e['epoch']}")
+            if prev is None or prev[1] != e["epoch"]:
+                commit_times[s] = (e["t"], e["epoch"])
+                report.committed_in[s] = e["epoch"]
+            if "digest" in e:
+                digests[e["step"]][node] = e["digest"]
+        elif kind == "final":
+            report.final_digests[node] = e["digest"]
+            if e["step"] != T:
+                report.problems.append(f"{node} finished at step {e['step']}, not {T}")
+        elif kind == "expelled":
+            last.pop(node, None)
+    missing = [s + 1 for s in range(T) if s not in report.committed_in]
+    if missing:
+        report.problems.append(f"steps never committed: {missing[:10]}{'...' if len(missing) > 10 else ''}")
+    for step, by_node in sorted(digests.items()):
+        if len(set(by_node.values())) > 1:
+            report.problems.append(f"replicas differ after step {step}: {by_node}")
+    if len(set(report.final_digests.values())) > 1:
+        report.problems.append(f"final digests differ: {report.final_digests}")
+    if len(report.final_digests) < finishers:
+        report.problems.append(f"only {len(report.final_digests)} nodes finished, expected {finishers}")
+    plan = DataPlan(job.num_samples, B, job.seed)
+    for s, epoch in sorted(report.committed_in.items()):
+        slices = contribs.get((epoch, s), [])
+        got = sorted(i for sl in slices for i in sl)
+        want = sorted(plan.indices(s, 0, B))
+        if got != want:
+            report.problems.append(
+                f"step {s + 1} (epoch {epoch}) consumed {len(got)} samples from {len(slices)} slices; "
+                f"expected exactly the {B} planned ones"
+            )
+    return report
+
+
+def reference_state(job: Job, steps: int | None = None) -> dict[str, torch.Tensor]:
+    """Train the job in one process with the full batch B; returns the model state."""
+    model, optimizer = job.build()
+    plan = DataPlan(job.num_samples, job.batch_size, job.seed)
+    for step in range(steps if steps is not None else job.num_steps):
+        inputs, targets = job.collate([job.dataset[i] for i in plan.indices(step, 0, job.batch_size)])
+        optimizer.zero_grad(set_to_none=True)
+        torch.manual_seed(job.seed * 1_000_003 + step)
+        job.loss(model(inputs), targets).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

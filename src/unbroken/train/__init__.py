@@ -1,0 +1,1 @@
+"""The step loop, the elastic data plan and the sync phase."""

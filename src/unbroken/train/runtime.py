@@ -1,0 +1,435 @@
+"""The node runtime: join, form epochs, sync, and run the step loop until the job is done.
+
+One step, for the trainer at rank ``r`` of epoch ``e``::
+
+    slice of step s (DataPlan) ─▶ forward/backward in micro-batches, loss scaled by m/B
+      ─▶ flat gradient + [vote=1, samples=m, switch, loss] ─▶ all-reduce (abortable)
+      ─▶ commit iff votes == members and samples == B and the lease fence holds
+      ─▶ optimizer step, step += 1, cursor += B
+
+The vote rides in the same all-reduce as the gradient, so a step costs one collective.
+``switch`` is how a graceful epoch change (join, leave) takes effect at a step boundary
+every member agrees on: the first all-reduce in which any member has seen the new order
+carries a non-zero switch, and everyone moves to the new epoch right after committing it.
+A failure order is urgent instead: the step in flight is abandoned at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from unbroken.comm.group import EpochGroup, Graveyard, StoreClient, build_group, wait_until, wait_work
+from unbroken.comm.transfer import recv_state, send_state
+from unbroken.config import NodeConfig
+from unbroken.control import messages as m
+from unbroken.control.client import ControlClient
+from unbroken.errors import CollectiveFailed, EpochAborted, Expelled, TransferError
+from unbroken.job import Job
+from unbroken.sched.shares import offsets
+from unbroken.state.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
+from unbroken.state.snapshot import TrainState, digest_prefix, fingerprint
+from unbroken.testing.faults import Fault, FaultPlan
+from unbroken.train.data import DataPlan
+from unbroken.train.sync import plan_sync
+
+log = logging.getLogger(__name__)
+
+_EXTRA = 4  # vote, samples, switch, loss
+LEAVE_GRACE_S = 5.0
+PROGRESS_EVERY_S = 0.1
+
+
+@dataclass
+class NodeResult:
+    """How a node's run ended."""
+
+    outcome: str
+    """``finished`` (reached the last step), ``left`` (graceful leave) or ``job-finished``
+    (the group finished before this node could contribute)."""
+    step: int
+    digest: str
+    epochs: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Node:
+    """One training process. ``Node(job, config).run()`` blocks until the job is done."""
+
+    def __init__(self, job: Job, config: NodeConfig, faults: list[Fault] | None = None) -> None:
+        self.job = job
+        self.config = config
+        self.name = config.display_name
+        self.wake = threading.Event()
+        model, optimizer = job.build()
+        self.state = TrainState(model, optimizer)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.data = DataPlan(job.num_samples, job.batch_size, job.seed)
+        self.faults = FaultPlan(faults or [], self._log)
+        self.graveyard = Graveyard(hold_s=config.collective_timeout_s + 5)
+        self.stores = StoreClient()
+        self.checkpointer = Checkpointer(config.checkpoint_dir) if config.checkpoint_dir else None
+        self._fingerprint = fingerprint(model)
+        self.group: EpochGroup | None = None
+        self._leave_requested = False
+        self._leave_sent_at: float | None = None
+        self._last_progress = 0.0
+        self._epochs_formed = 0
+        self._log_file = open(config.commit_log, "a", encoding="utf-8") if config.commit_log else None  # noqa: SIM115
+        self.client = ControlClient(
+            config.coordinators,
+            self._hello,
+            name=self.name,
+            connect_timeout_s=config.connect_timeout_s,
+            wake=self.wake,
+        )
+
+    # ---------------------------------------------------------------- public
+
+    def run(self) -> NodeResult:
+        self._restore_checkpoint()
+        self._install_signals()
+        self.client.start()
+        try:
+            return self._loop()
+        finally:
+            self.client.close()
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+            if self._log_file is not None:
+                self._log_file.close()
+
+    def request_leave(self) -> None:
+        """Leave the group gracefully after the current step (what SIGTERM does)."""
+        self._leave_requested = True
+        self.wake.set()
+
+    # ---------------------------------------------------------------- main loop
+
+    def _loop(self) -> NodeResult:
+        while True:
+            if self.state.step >= self.job.num_steps:
+                return self._finish()
+            order = self._next_order()
+            if isinstance(order, NodeResult):
+                return order
+            try:
+                self._form(order)
+                self._sync()
+                self._train()
+            except Expelled as exc:
+                log.warning("%s: %s", self.name, exc)
+                self._abandon()
+            except EpochAborted as exc:
+                log.info("%s: %s", self.name, exc)
+                self._abandon()
+            except (CollectiveFailed, TransferError) as exc:
+                log.warning("%s: epoch %d: %s", self.name, order.epoch, exc)
+                self.client.send(m.Fault(epoch=order.epoch, reason=str(exc)[:2000]))
+                self._abandon()
+
+    def _next_order(self) -> m.EpochOrder | NodeResult:
+        """Wait for an epoch to form that includes this node (rejoining if expelled)."""
+        current = self.group.epoch if self.group else -1
+        waited_since = time.monotonic()
+        while True:
+            self.wake.clear()
+            self.graveyard.sweep()
+            if self.client.expelled is not None:
+                log.warning("%s was expelled (%s); rejoining as a new member", self.name, self.client.expelled)
+                self._log({"kind": "expelled", "reason": self.client.expelled, "step": self.state.step})
+                self._abandon()
+                current = -1
+                self.client.rejoin()
+                continue
+            if self.client.finished is not None:
+                return NodeResult("job-finished", self.state.step, self.state.digest(), self._epochs_formed)
+            order = self.client.latest_order()
+            if order is not None and order.epoch > current:
+                if self.client.member_id in order.members:
+                    return order
+                if self._leave_requested:
+                    return self._left()
+            if self._leave_requested and (self.group is None or self.group.size == 1):
+                return self._left()
+            if self._leave_requested and time.monotonic() - waited_since > LEAVE_GRACE_S:
+                return self._left()
+            self.wake.wait(0.5)
+
+    def _abort_reason(self, *, during_step: bool) -> str | None:
+        """Why the current epoch must be left now, if it must."""
+        if self.client.expelled is not None:
+            return f"expelled: {self.client.expelled}"
+        latest = self.client.latest_order()
+        current = self.group.epoch if self.group else -1
+        if latest is not None and latest.epoch > current and (latest.urgent or not during_step):
+            return f"epoch {latest.epoch} ordered: {latest.reason}"
+        if not during_step and self.client.finished is not None:
+            return "the job finished"
+        return None
+
+    def _abandon(self) -> None:
+        if self.group is not None:
+            self.graveyard.bury(self.group.pg)
+            self.group.pg = None
+
+    # ---------------------------------------------------------------- epochs
+
+    def _form(self, order: m.EpochOrder) -> None:
+        welcome = self.client.welcome
+        assert welcome is not None
+        rank = order.members.index(self.client.member_id)
+        store = self.stores.get(welcome.store_host, welcome.store_port, self.config.collective_timeout_s)
+        prefix = f"{self.job.name}/{welcome.coordinator_id}/e{order.epoch}/"
+        self.group = EpochGroup(order.epoch, rank, list(order.members), list(order.shares), None)
+        abort = lambda: self._abort_reason(during_step=False)  # noqa: E731
+        pg, took = build_group(
+            store, prefix, rank, len(order.members), self._gloo_host(), self.config.collective_timeout_s, self.wake, abort
+        )
+        self.group.pg, self.group.built_in_s = pg, took
+        self._epochs_formed += 1
+        self._first_in_epoch = True
+        log.info("%s: epoch %d rank %d/%d built in %.1f ms", self.name, order.epoch, rank, len(order.members), took * 1e3)
+
+    def _gloo_host(self) -> str | None:
+        if self.config.gloo_host:
+            return self.config.gloo_host
+        host = self.config.coordinators[0][0]
+        return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else None
+
+    def _sync(self) -> None:
+        """Compare (step, digest) across the group; whoever is behind or different catches up."""
+        g = self.group
+        assert g is not None and g.pg is not None
+        abort = lambda: self._abort_reason(during_step=False)  # noqa: E731
+        mine = torch.tensor([self.state.step, digest_prefix(self.state.digest())], dtype=torch.int64)
+        gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(g.size)]
+        wait_work(g.pg.allgather([gathered], [mine]), self.wake, abort, self.config.collective_timeout_s, "sync exchange")
+        plan = plan_sync([(int(t[0]), int(t[1])) for t in gathered])
+        if not plan.receivers:
+            return
+        deadline = self.config.collective_timeout_s
+        if g.rank == plan.source:
+            start = time.monotonic()
+            payload = self.state.to_bytes()
+            for r in plan.receivers:
+                send_state(g.pg, r, payload, self.wake, abort, deadline)
+            took = time.monotonic() - start
+            log.info("%s: sent state of step %d (%.1f MB) to ranks %s in %.2f s", self.name, plan.step, payload.numel() / 1e6, plan.receivers, took)
+        elif g.rank in plan.receivers:
+            start = time.monotonic()
+            payload = recv_state(g.pg, plan.source, self.wake, abort, deadline)
+            self.state.load_bytes(payload)
+            took = time.monotonic() - start
+            mb = payload.numel() / 1e6
+            self._log({"kind": "sync", "epoch": g.epoch, "step": self.state.step, "from": plan.source, "mb": mb, "seconds": took, "digest": self.state.digest()})
+            log.info("%s: received state of step %d (%.1f MB, %.0f MB/s)", self.name, self.state.step, mb, mb / max(took, 1e-9))
+
+    # ---------------------------------------------------------------- steps
+
+    def _train(self) -> None:
+        g = self.group
+        assert g is not None and g.pg is not None
+        B = self.job.batch_size
+        my_offset, my_share = offsets(g.shares)[g.rank], g.shares[g.rank]
+        flat = torch.zeros(self.numel + _EXTRA, dtype=torch.float32)
+        in_step = lambda: self._abort_reason(during_step=True)  # noqa: E731
+        while self.state.step < self.job.num_steps:
+            step = self.state.step
+            reason = in_step()
+            if reason is not None:
+                raise EpochAborted(reason)
+            if self._leave_requested and self._leave_sent_at is None:
+                if g.size == 1:
+                    return
+                self.client.send(m.Leave(reason="SIGTERM" if self._leave_requested else "requested"))
+                self._leave_sent_at = time.monotonic()
+            t0 = time.monotonic()
+            self.faults.maybe_fire("compute", step)
+            indices = self.data.indices(step, my_offset, my_share)
+            loss = self._compute(indices, step)
+            reason = in_step()
+            if reason is not None:
+                raise EpochAborted(reason)
+            self._flatten(flat)
+            latest = self.client.latest_order()
+            switch = 1.0 if (latest is not None and latest.epoch > g.epoch) or self._leave_sent_at else 0.0
+            flat[self.numel :] = torch.tensor([1.0, float(my_share), switch, loss])
+            self._log({"kind": "contrib", "epoch": g.epoch, "step": step, "rank": g.rank, "indices": indices})
+            work = g.pg.allreduce([flat])
+            self.faults.maybe_fire("allreduce", step)
+            wait_work(work, self.wake, in_step, self.config.collective_timeout_s, f"all-reduce of step {step}")
+            votes, samples, switched, global_loss = flat[self.numel :].tolist()
+            if round(votes) != g.size or round(samples) != B:
+                raise CollectiveFailed(f"step {step} had {votes:.0f}/{g.size} votes and {samples:.0f}/{B} samples")
+            self._fence()
+            self._apply(flat)
+            self._committed(g, step, global_loss, B / max(time.monotonic() - t0, 1e-9))
+            if switched > 0 or self.state.step >= self.job.num_steps:
+                return
+
+    def _compute(self, indices: list[int], step: int) -> float:
+        """Forward/backward over this node's slice; gradients summed, scaled to the mean over B."""
+        model = self.state.model
+        model.train()
+        for p in self.params:
+            p.grad = None
+        torch.manual_seed(self.job.seed * 1_000_003 + step)
+        B = self.job.batch_size
+        mb = self.config.max_microbatch or len(indices) or 1
+        total = 0.0
+        for start in range(0, len(indices), mb):
+            chunk = indices[start : start + mb]
+            inputs, targets = self.job.collate([self.job.dataset[i] for i in chunk])
+            loss = self.job.loss(model(inputs), targets)
+            (loss * (len(chunk) / B)).backward()
+            total += float(loss.detach()) * len(chunk) / B
+        return total
+
+    def _flatten(self, flat: torch.Tensor) -> None:
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            if p.grad is None:
+                flat[off : off + n].zero_()
+            else:
+                flat[off : off + n].copy_(p.grad.reshape(-1))
+            off += n
+
+    def _apply(self, flat: torch.Tensor) -> None:
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[off : off + n].view_as(p).to(p.dtype)
+            off += n
+        self.state.optimizer.step()
+
+    def _fence(self) -> None:
+        """Refuse to commit unless this node is sure it is still a member."""
+        if self.client.commit_allowed():
+            return
+        log.warning("%s: lease not confirmed before commit; waiting for the coordinator", self.name)
+        wait_until(
+            self.client.commit_allowed,
+            self.wake,
+            lambda: self._abort_reason(during_step=True),
+            self.config.collective_timeout_s,
+            "commit fence",
+        )
+
+    def _committed(self, g: EpochGroup, step: int, loss: float, sps: float) -> None:
+        self.state.step = step + 1
+        self.state.cursor = self.state.step * self.job.batch_size
+        self.client.step = self.state.step
+        entry: dict[str, Any] = {"kind": "commit", "epoch": g.epoch, "step": self.state.step, "loss": loss}
+        every = self.config.digest_every
+        if every and self.state.step % every == 0:
+            entry["digest"] = self.state.digest()
+        self._log(entry)
+        now = time.monotonic()
+        if self._first_in_epoch or now - self._last_progress >= PROGRESS_EVERY_S:
+            self.client.send(
+                m.Progress(
+                    epoch=g.epoch,
+                    step=self.state.step,
+                    loss=loss if math.isfinite(loss) else -1.0,
+                    wall_time=time.time(),
+                    first_in_epoch=self._first_in_epoch,
+                    samples_per_s=sps,
+                )
+            )
+            self._first_in_epoch = False
+            self._last_progress = now
+        ck = self.config.checkpoint_every
+        if self.checkpointer is not None and ck and self.state.step % ck == 0 and g.rank == 0:
+            self.checkpointer.save_async(self.state.capture())
+
+    # ---------------------------------------------------------------- ends
+
+    def _finish(self) -> NodeResult:
+        digest = self.state.digest()
+        metrics: dict[str, float] = {}
+        if self.job.evaluate is not None and (self.group is None or self.group.rank == 0):
+            self.state.model.eval()
+            with torch.no_grad():
+                metrics = self.job.evaluate(self.state.model)
+        if self.config.final_state is not None:
+            torch.save(self.state.capture(), self.config.final_state)
+        self._log({"kind": "final", "step": self.state.step, "digest": digest})
+        self.client.send(m.Done(step=self.state.step, digest=digest, metrics=metrics))
+        time.sleep(0.05)  # let the report leave before the session closes
+        self._abandon()
+        return NodeResult("finished", self.state.step, digest, self._epochs_formed, metrics)
+
+    def _left(self) -> NodeResult:
+        self._log({"kind": "left", "step": self.state.step})
+        self._abandon()
+        return NodeResult("left", self.state.step, self.state.digest(), self._epochs_formed)
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _hello(self, member_id: str) -> m.Hello:
+        g = self.group
+        resume = None
+        if g is not None and g.pg is not None and member_id in g.members:
+            resume = m.Resume(epoch=g.epoch, members=g.members, step=self.state.step)
+        return m.Hello(
+            job=self.job.name,
+            job_identity=self.job.identity(),
+            fingerprint=self._fingerprint,
+            member_id=member_id,
+            name=self.name,
+            batch_size=self.job.batch_size,
+            weight=self.config.weight,
+            step=self.state.step,
+            device="cpu",
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            resume=resume,
+            last_epoch=self.client.latest_order().epoch if self.client.latest_order() else 0,
+        )
+
+    def _restore_checkpoint(self) -> None:
+        if self.config.checkpoint_dir is None:
+            return
+        path = latest_checkpoint(self.config.checkpoint_dir)
+        if path is None:
+            return
+        self.state.restore(load_checkpoint(path))
+        self.client.step = self.state.step
+        self._log({"kind": "restore", "step": self.state.step, "path": str(path), "digest": self.state.digest()})
+        log.info("%s: restored step %d from %s", self.name, self.state.step, path)
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        def handler(signum: int, frame: object) -> None:
+            if self._leave_requested:
+                raise SystemExit(128 + signum)
+            log.warning("%s: signal %d: leaving after the current step", self.name, signum)
+            self.request_leave()
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def _log(self, entry: dict[str, object]) -> None:
+        if self._log_file is not None:
+            entry = {"t": time.time(), "node": self.name, **entry}
+            self._log_file.write(json.dumps(entry) + "\n")
+            self._log_file.flush()
+
+
+def run_node(job: Job, config: NodeConfig, faults: list[Fault] | None = None) -> NodeResult:
+    """Run one node to the end of the job (see `Node`)."""
+    return Node(job, config, faults).run()
+

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from unbroken.testing import LocalCluster  # noqa: E402
+
+JOB = str(Path(__file__).parent / "jobs" / "mlp.py") + ":job"
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator[object]:
+    """Build local clusters that are always reaped, even when the test fails."""
+    clusters: list[LocalCluster] = []
+
+    def make(**kwargs: object) -> LocalCluster:
+        c = LocalCluster(kwargs.pop("job", JOB), tmp_path / f"cluster{len(clusters)}", **kwargs)  # type: ignore[arg-type]
+        clusters.append(c)
+        return c
+
+    yield make
+    for c in clusters:
+        c.close()

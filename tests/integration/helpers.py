@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from jobs import mlp
+from unbroken.testing import LocalCluster, check_promises, reference_state
+
+ATOL = 1e-5
+"""Final parameters may differ from the single-process run only by float summation order."""
+
+
+def job_for(env: dict[str, str]) -> Any:
+    return mlp.make(int(env.get("UB_TEST_STEPS", "40")), float(env.get("UB_TEST_DELAY_MS", "20")))
+
+
+def assert_promises(c: LocalCluster, env: dict[str, str], finishers: int) -> None:
+    """Promises of DESIGN.md §1 on every node's log, and the final model against the reference."""
+    job = job_for(env)
+    logs = {name: n.entries() for name, n in c.nodes.items()}
+    report = check_promises(logs, job, finishers=finishers)
+    assert report.ok, "\n".join(report.problems) + "\n" + c.diagnostics()
+    ref = reference_state(job)
+    finished = [n for n in c.nodes.values() if any(e["kind"] == "final" for e in n.entries())]
+    assert finished
+    got = torch.load(finished[0].final_state, weights_only=True)["model"]
+    for k, v in ref.items():
+        diff = (got[k] - v).abs().max().item()
+        assert diff <= ATOL, f"{k} differs from the single-process reference by {diff:.2e} (> {ATOL})"
+
+
+def fired(node: Any, signal_name: str) -> bool:
+    return any(e["kind"] == "fault" and e["signal"] == signal_name for e in node.entries())
+
+
+def exit_by(code: int | None, sig: int) -> bool:
+    return code == -sig
+
+
+def events_of(c: LocalCluster, kind: str) -> list[dict[str, Any]]:
+    return [e for e in c.events() if e["kind"] == kind]
+
+

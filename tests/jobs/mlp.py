@@ -1,0 +1,51 @@
+"""A small deterministic job for integration tests.
+
+``UB_TEST_STEPS`` and ``UB_TEST_DELAY_MS`` (a sleep per forward pass, so that signals sent
+from outside land mid-run) shape it; the math does not depend on either.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+from unbroken import Job
+
+_g = torch.Generator().manual_seed(1)
+X = torch.randn(600, 16, generator=_g)
+Y = (X @ torch.randn(16, 4, generator=_g)).argmax(1)
+
+
+class SlowMLP(nn.Module):
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+        self.delay_s = delay_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return self.net(x)
+
+
+def make(steps: int | None = None, delay_ms: float | None = None) -> Job:
+    steps = steps or int(os.environ.get("UB_TEST_STEPS", "40"))
+    delay = (delay_ms if delay_ms is not None else float(os.environ.get("UB_TEST_DELAY_MS", "20"))) / 1000
+    return Job(
+        name="test-mlp",
+        model=lambda: SlowMLP(delay),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        dataset=TensorDataset(X, Y),
+        loss=F.cross_entropy,
+        batch_size=30,
+        num_steps=steps,
+        seed=7,
+    )
+
+
+job = make
