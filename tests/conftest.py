@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from unbroken.testing import LocalCluster  # noqa: E402
+from unbroken.testing import LocalCluster
 
 JOB = str(Path(__file__).parent / "jobs" / "mlp.py") + ":job"
 

@@ -25,9 +25,7 @@ def parse_address(text: str) -> tuple[str, int]:
     """Parse ``host:port`` into a pair, with an error that shows the expected form."""
     host, sep, port = text.strip().rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(
-            f"coordinator address {text!r} is not of the form HOST:PORT (e.g. 127.0.0.1:29400)"
-        )
+        raise ConfigError(f"coordinator address {text!r} is not of the form HOST:PORT (e.g. 127.0.0.1:29400)")
     return host.strip("[]"), int(port)
 
 
@@ -93,8 +91,7 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if not self.coordinators:
             raise ConfigError(
-                "NodeConfig.coordinators is empty: pass --coordinator HOST:PORT "
-                f"or set {ENV_COORDINATOR}"
+                f"NodeConfig.coordinators is empty: pass --coordinator HOST:PORT or set {ENV_COORDINATOR}"
             )
         if not self.weight > 0:
             raise ConfigError(f"NodeConfig.weight = {self.weight!r} must be greater than 0")
@@ -104,9 +101,7 @@ class NodeConfig:
         _check_range("NodeConfig", "collective_timeout_s", self.collective_timeout_s, 1, 86400)
         _check_range("NodeConfig", "digest_every", self.digest_every, 0)
         if self.checkpoint_every and self.checkpoint_dir is None:
-            raise ConfigError(
-                "NodeConfig.checkpoint_every is set but checkpoint_dir is not: give a directory"
-            )
+            raise ConfigError("NodeConfig.checkpoint_every is set but checkpoint_dir is not: give a directory")
 
     @property
     def display_name(self) -> str:

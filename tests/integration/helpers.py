@@ -40,5 +40,3 @@ def exit_by(code: int | None, sig: int) -> bool:
 
 def events_of(c: LocalCluster, kind: str) -> list[dict[str, Any]]:
     return [e for e in c.events() if e["kind"] == kind]
-
-

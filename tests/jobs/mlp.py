@@ -1,7 +1,8 @@
 """A small deterministic job for integration tests.
 
 ``UB_TEST_STEPS`` and ``UB_TEST_DELAY_MS`` (a sleep per forward pass, so that signals sent
-from outside land mid-run) shape it; the math does not depend on either.
+from outside land mid-run) shape it; the math does not depend on either. ``UB_TEST_HIDDEN``
+and ``UB_TEST_NAME`` make a mismatching model or another job, for refusal tests.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ Y = (X @ torch.randn(16, 4, generator=_g)).argmax(1)
 
 
 class SlowMLP(nn.Module):
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, delay_s: float, hidden: int = 64) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+        self.net = nn.Sequential(nn.Linear(16, hidden), nn.Tanh(), nn.Linear(hidden, 4))
         self.delay_s = delay_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,9 +37,10 @@ class SlowMLP(nn.Module):
 def make(steps: int | None = None, delay_ms: float | None = None) -> Job:
     steps = steps or int(os.environ.get("UB_TEST_STEPS", "40"))
     delay = (delay_ms if delay_ms is not None else float(os.environ.get("UB_TEST_DELAY_MS", "20"))) / 1000
+    hidden = int(os.environ.get("UB_TEST_HIDDEN", "64"))  # a different model, for refusal tests
     return Job(
-        name="test-mlp",
-        model=lambda: SlowMLP(delay),
+        name=os.environ.get("UB_TEST_NAME", "test-mlp"),
+        model=lambda: SlowMLP(delay, hidden),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
         dataset=TensorDataset(X, Y),
         loss=F.cross_entropy,

@@ -1,8 +1,8 @@
 """``unbroken`` — coordinator, node and demo from the command line.
 
-    unbroken demo                                   # the embedded default, no flags needed
-    unbroken coordinator --host 0.0.0.0 --port 29400
-    unbroken node --coordinator HOST:29400 path/to/job.py:job
+unbroken demo                                   # the embedded default, no flags needed
+unbroken coordinator --host 0.0.0.0 --port 29400
+unbroken node --coordinator HOST:29400 path/to/job.py:job
 """
 
 from __future__ import annotations

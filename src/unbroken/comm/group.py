@@ -17,8 +17,8 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
-from torch.distributed import PrefixStore, TCPStore
 from torch._C._distributed_c10d import ProcessGroupGloo
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from unbroken.errors import CollectiveFailed, EpochAborted, UnbrokenError
 
@@ -144,7 +144,7 @@ def build_group(
 
     def build() -> None:
         try:
-            opts = ProcessGroupGloo._Options()
+            opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = timedelta(seconds=timeout_s)
             if gloo_host:
                 opts._devices = [ProcessGroupGloo.create_device(hostname=gloo_host)]

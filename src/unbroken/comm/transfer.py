@@ -21,7 +21,7 @@ _TAG_HEADER, _TAG_CHECKS, _TAG_CHUNKS = 101, 102, 1000
 
 
 def checksums(buf: torch.Tensor, chunk: int) -> list[int]:
-    view = memoryview(buf.numpy())
+    view = memoryview(buf.numpy())  # type: ignore[arg-type]
     return [zlib.crc32(view[i : i + chunk]) for i in range(0, len(view), chunk)]
 
 
@@ -64,7 +64,9 @@ def send_state(
     chunk: int = CHUNK_BYTES,
 ) -> None:
     """Send a uint8 tensor to rank ``dst``; abandoned at once if the epoch ends."""
-    run_abortable(lambda: _send(pg, dst, payload, chunk), wake, should_abort, deadline_s, f"state transfer to rank {dst}")
+    run_abortable(
+        lambda: _send(pg, dst, payload, chunk), wake, should_abort, deadline_s, f"state transfer to rank {dst}"
+    )
 
 
 def recv_state(pg: Any, src: int, wake: threading.Event, should_abort: AbortCheck, deadline_s: float) -> torch.Tensor:

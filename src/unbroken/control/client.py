@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 import aiohttp
+from pydantic import BaseModel
 
 from unbroken.control import messages as m
 from unbroken.errors import CoordinatorUnreachable, JoinRefused, ProtocolError
@@ -63,7 +64,7 @@ class ControlClient:
         self._sent: dict[int, float] = {}
         self._seq = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: asyncio.Queue[m.BaseModel | None] | None = None
+        self._queue: asyncio.Queue[BaseModel | None] | None = None
         self._thread: threading.Thread | None = None
         self._first = threading.Event()
         self._first_error: BaseException | None = None
@@ -108,7 +109,7 @@ class ControlClient:
             self._thread.join(timeout=5)
         self._thread = None
 
-    def send(self, msg: m.BaseModel) -> None:
+    def send(self, msg: BaseModel) -> None:
         """Queue a report; dropped silently while the coordinator is unreachable."""
         loop, queue = self._loop, self._queue
         if loop is not None and queue is not None and self.connected:
@@ -171,7 +172,9 @@ class ControlClient:
 
     async def _session(self, http: aiohttp.ClientSession, host: str, port: int) -> None:
         url = f"http://{host}:{port}/ws"
-        async with http.ws_connect(url, timeout=aiohttp.ClientWSTimeout(ws_close=1.0), max_msg_size=64 << 20, heartbeat=None) as ws:
+        async with http.ws_connect(
+            url, timeout=aiohttp.ClientWSTimeout(ws_close=1.0), max_msg_size=64 << 20, heartbeat=None
+        ) as ws:
             await ws.send_str(m.encode(self._hello(self.member_id)))
             first = await asyncio.wait_for(ws.receive(), timeout=10)
             if first.type != aiohttp.WSMsgType.TEXT:

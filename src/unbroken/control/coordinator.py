@@ -25,7 +25,8 @@ from datetime import timedelta
 from typing import Any
 
 from aiohttp import WSMsgType, web
-from torch.distributed import TCPStore
+from pydantic import BaseModel
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from unbroken.config import CoordinatorConfig
 from unbroken.control import messages as m
@@ -57,7 +58,7 @@ class _Session:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.ws.close(), timeout=1.0)
 
-    def send(self, msg: m.BaseModel) -> None:
+    def send(self, msg: BaseModel) -> None:
         self.queue.put_nowait(m.encode(msg))
 
     def close(self) -> None:
@@ -113,7 +114,7 @@ class Coordinator:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
         await site.start()
-        sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+        sockets = getattr(site._server, "sockets", None) or []
         if sockets:
             self.address = (self.config.host, sockets[0].getsockname()[1])
         log.info("coordinator %s on %s:%d (store %d)", self.coordinator_id, *self.address, self.store_port)
@@ -212,6 +213,8 @@ class Coordinator:
         session: _Session | None = None
         try:
             first = await asyncio.wait_for(ws.receive(), timeout=HELLO_TIMEOUT_S)
+            if first.type == WSMsgType.ERROR:
+                raise ProtocolError(f"session error before hello: {ws.exception()}")
             if first.type != WSMsgType.TEXT:
                 raise ProtocolError(f"expected a hello message, got {first.type.name}")
             hello = m.parse_node_message(first.data, self.config.max_message_bytes)
@@ -220,7 +223,16 @@ class Coordinator:
             decision = self.membership.admit(hello, time.monotonic())
             if decision.refuse is not None:
                 log.warning("refused %s from %s: %s", hello.name, peer, decision.refuse)
-                self._record(Event(time.monotonic(), "refused", None, self.membership.epoch, self.membership.step, f"{hello.name}: {decision.refuse}"))
+                self._record(
+                    Event(
+                        time.monotonic(),
+                        "refused",
+                        None,
+                        self.membership.epoch,
+                        self.membership.step,
+                        f"{hello.name}: {decision.refuse}",
+                    )
+                )
                 await ws.send_str(m.encode(m.Refused(reason=decision.refuse)))
                 await ws.close()
                 return ws
@@ -244,7 +256,16 @@ class Coordinator:
                 self._dispatch(session, m.parse_node_message(raw.data, self.config.max_message_bytes))
         except ProtocolError as exc:
             log.warning("dropping session from %s: %s", peer, exc)
-            self._record(Event(time.monotonic(), "protocol", session.member_id if session else None, self.membership.epoch, self.membership.step, f"session from {peer} dropped: {exc}"))
+            self._record(
+                Event(
+                    time.monotonic(),
+                    "protocol",
+                    session.member_id if session else None,
+                    self.membership.epoch,
+                    self.membership.step,
+                    f"session from {peer} dropped: {exc}",
+                )
+            )
         except (TimeoutError, asyncio.TimeoutError):
             log.warning("session from %s sent no hello within %s s", peer, HELLO_TIMEOUT_S)
         finally:
@@ -333,7 +354,9 @@ class Coordinator:
         still_open = []
         for f in self._open_failures:
             if epoch > f["epoch"] and wall_time >= f["detected_at"]:
-                self.recoveries.append(f | {"first_commit_at": wall_time, "step": step, "duration_s": wall_time - f["detected_at"]})
+                self.recoveries.append(
+                    f | {"first_commit_at": wall_time, "step": step, "duration_s": wall_time - f["detected_at"]}
+                )
             else:
                 still_open.append(f)
         self._open_failures = still_open

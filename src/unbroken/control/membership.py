@@ -293,7 +293,9 @@ class Membership:
         if now >= self.recovering_until:
             self.recovering_until = None
             if self.members:
-                self._want_epoch(now, urgent=True, reason="members of the last epoch did not return after restart", delay=0.0)
+                self._want_epoch(
+                    now, urgent=True, reason="members of the last epoch did not return after restart", delay=0.0
+                )
         return d
 
     def _want_epoch(self, now: float, urgent: bool, reason: str, delay: float) -> None:

@@ -21,7 +21,7 @@ Count = Annotated[int, Field(ge=0, le=2**53)]
 
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    v: Literal[1] = PROTOCOL_VERSION
+    v: Literal[1] = 1
 
 
 class TensorSpec(BaseModel):
@@ -134,9 +134,7 @@ class Finished(_Msg):
 
 
 NodeMessage = Annotated[Hello | Heartbeat | Progress | Fault | Leave | Done, Field(discriminator="type")]
-CoordinatorMessage = Annotated[
-    Welcome | Refused | Ack | EpochOrder | Expel | Finished, Field(discriminator="type")
-]
+CoordinatorMessage = Annotated[Welcome | Refused | Ack | EpochOrder | Expel | Finished, Field(discriminator="type")]
 _node_adapter: TypeAdapter[NodeMessage] = TypeAdapter(NodeMessage)
 _coord_adapter: TypeAdapter[CoordinatorMessage] = TypeAdapter(CoordinatorMessage)
 

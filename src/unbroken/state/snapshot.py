@@ -31,7 +31,7 @@ def fingerprint(model: nn.Module) -> list[TensorSpec]:
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().cpu().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _hash_tree(h: Any, obj: Any) -> None:

@@ -12,6 +12,7 @@ test their own job's behaviour under faults before renting machines::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -132,7 +133,9 @@ class LocalCluster:
 
     # ---------------------------------------------------------------- nodes
 
-    def start_node(self, name: str, *, fault: str = "", extra: list[str] | None = None) -> NodeProcess:
+    def start_node(
+        self, name: str, *, fault: str = "", extra: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> NodeProcess:
         assert self.address is not None, "start the coordinator first"
         cmd = [
             sys.executable, "-m", "unbroken", "-v", "node", self.job,
@@ -145,7 +148,7 @@ class LocalCluster:
         if fault:
             cmd += ["--fault", fault]
         err = open(self.workdir / f"{name}.err", "ab")  # noqa: SIM115
-        proc = subprocess.Popen(cmd, stdout=err, stderr=err, env=self._env)
+        proc = subprocess.Popen(cmd, stdout=err, stderr=err, env={**self._env, **(env or {})})
         err.close()
         node = NodeProcess(name, proc, self.workdir)
         self.nodes[name] = node
@@ -207,15 +210,11 @@ class LocalCluster:
 
     def close(self) -> None:
         for n in self.nodes.values():
-            if n.proc.poll() is None:
-                with_cont = [signal.SIGCONT, signal.SIGKILL]
-                for sig in with_cont:
-                    n.signal(sig)
+            for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped process must wake to die
+                n.signal(sig)
         for n in self.nodes.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 n.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
         if self.coordinator is not None:
             if self.coordinator.poll() is None:
                 self.coordinator.kill()

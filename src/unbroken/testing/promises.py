@@ -111,6 +111,6 @@ def reference_state(job: Job, steps: int | None = None) -> dict[str, torch.Tenso
         inputs, targets = job.collate([job.dataset[i] for i in plan.indices(step, 0, job.batch_size)])
         optimizer.zero_grad(set_to_none=True)
         torch.manual_seed(job.seed * 1_000_003 + step)
-        job.loss(model(inputs), targets).backward()
+        job.loss(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
         optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

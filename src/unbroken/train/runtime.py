@@ -16,6 +16,7 @@ A failure order is urgent instead: the step in flight is abandoned at once.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -193,14 +194,23 @@ class Node:
         store = self.stores.get(welcome.store_host, welcome.store_port, self.config.collective_timeout_s)
         prefix = f"{self.job.name}/{welcome.coordinator_id}/e{order.epoch}/"
         self.group = EpochGroup(order.epoch, rank, list(order.members), list(order.shares), None)
-        abort = lambda: self._abort_reason(during_step=False)  # noqa: E731
+        abort = functools.partial(self._abort_reason, during_step=False)
         pg, took = build_group(
-            store, prefix, rank, len(order.members), self._gloo_host(), self.config.collective_timeout_s, self.wake, abort
+            store,
+            prefix,
+            rank,
+            len(order.members),
+            self._gloo_host(),
+            self.config.collective_timeout_s,
+            self.wake,
+            abort,
         )
         self.group.pg, self.group.built_in_s = pg, took
         self._epochs_formed += 1
         self._first_in_epoch = True
-        log.info("%s: epoch %d rank %d/%d built in %.1f ms", self.name, order.epoch, rank, len(order.members), took * 1e3)
+        log.info(
+            "%s: epoch %d rank %d/%d built in %.1f ms", self.name, order.epoch, rank, len(order.members), took * 1e3
+        )
 
     def _gloo_host(self) -> str | None:
         if self.config.gloo_host:
@@ -212,10 +222,12 @@ class Node:
         """Compare (step, digest) across the group; whoever is behind or different catches up."""
         g = self.group
         assert g is not None and g.pg is not None
-        abort = lambda: self._abort_reason(during_step=False)  # noqa: E731
+        abort = functools.partial(self._abort_reason, during_step=False)
         mine = torch.tensor([self.state.step, digest_prefix(self.state.digest())], dtype=torch.int64)
         gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(g.size)]
-        wait_work(g.pg.allgather([gathered], [mine]), self.wake, abort, self.config.collective_timeout_s, "sync exchange")
+        wait_work(
+            g.pg.allgather([gathered], [mine]), self.wake, abort, self.config.collective_timeout_s, "sync exchange"
+        )
         plan = plan_sync([(int(t[0]), int(t[1])) for t in gathered])
         if not plan.receivers:
             return
@@ -226,15 +238,38 @@ class Node:
             for r in plan.receivers:
                 send_state(g.pg, r, payload, self.wake, abort, deadline)
             took = time.monotonic() - start
-            log.info("%s: sent state of step %d (%.1f MB) to ranks %s in %.2f s", self.name, plan.step, payload.numel() / 1e6, plan.receivers, took)
+            log.info(
+                "%s: sent state of step %d (%.1f MB) to ranks %s in %.2f s",
+                self.name,
+                plan.step,
+                payload.numel() / 1e6,
+                plan.receivers,
+                took,
+            )
         elif g.rank in plan.receivers:
             start = time.monotonic()
             payload = recv_state(g.pg, plan.source, self.wake, abort, deadline)
             self.state.load_bytes(payload)
             took = time.monotonic() - start
             mb = payload.numel() / 1e6
-            self._log({"kind": "sync", "epoch": g.epoch, "step": self.state.step, "from": plan.source, "mb": mb, "seconds": took, "digest": self.state.digest()})
-            log.info("%s: received state of step %d (%.1f MB, %.0f MB/s)", self.name, self.state.step, mb, mb / max(took, 1e-9))
+            self._log(
+                {
+                    "kind": "sync",
+                    "epoch": g.epoch,
+                    "step": self.state.step,
+                    "from": plan.source,
+                    "mb": mb,
+                    "seconds": took,
+                    "digest": self.state.digest(),
+                }
+            )
+            log.info(
+                "%s: received state of step %d (%.1f MB, %.0f MB/s)",
+                self.name,
+                self.state.step,
+                mb,
+                mb / max(took, 1e-9),
+            )
 
     # ---------------------------------------------------------------- steps
 
@@ -244,7 +279,7 @@ class Node:
         B = self.job.batch_size
         my_offset, my_share = offsets(g.shares)[g.rank], g.shares[g.rank]
         flat = torch.zeros(self.numel + _EXTRA, dtype=torch.float32)
-        in_step = lambda: self._abort_reason(during_step=True)  # noqa: E731
+        in_step = functools.partial(self._abort_reason, during_step=True)
         while self.state.step < self.job.num_steps:
             step = self.state.step
             reason = in_step()
@@ -253,7 +288,7 @@ class Node:
             if self._leave_requested and self._leave_sent_at is None:
                 if g.size == 1:
                     return
-                self.client.send(m.Leave(reason="SIGTERM" if self._leave_requested else "requested"))
+                self.client.send(m.Leave(reason="leave requested (SIGTERM, Ctrl-C or request_leave)"))
                 self._leave_sent_at = time.monotonic()
             t0 = time.monotonic()
             self.faults.maybe_fire("compute", step)
@@ -293,7 +328,7 @@ class Node:
             chunk = indices[start : start + mb]
             inputs, targets = self.job.collate([self.job.dataset[i] for i in chunk])
             loss = self.job.loss(model(inputs), targets)
-            (loss * (len(chunk) / B)).backward()
+            (loss * (len(chunk) / B)).backward()  # type: ignore[no-untyped-call]
             total += float(loss.detach()) * len(chunk) / B
         return total
 
@@ -323,7 +358,7 @@ class Node:
         wait_until(
             self.client.commit_allowed,
             self.wake,
-            lambda: self._abort_reason(during_step=True),
+            functools.partial(self._abort_reason, during_step=True),
             self.config.collective_timeout_s,
             "commit fence",
         )
@@ -381,6 +416,7 @@ class Node:
 
     def _hello(self, member_id: str) -> m.Hello:
         g = self.group
+        latest = self.client.latest_order()
         resume = None
         if g is not None and g.pg is not None and member_id in g.members:
             resume = m.Resume(epoch=g.epoch, members=g.members, step=self.state.step)
@@ -397,7 +433,7 @@ class Node:
             host=socket.gethostname(),
             pid=os.getpid(),
             resume=resume,
-            last_epoch=self.client.latest_order().epoch if self.client.latest_order() else 0,
+            last_epoch=latest.epoch if latest is not None else 0,
         )
 
     def _restore_checkpoint(self) -> None:
@@ -414,11 +450,13 @@ class Node:
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
+
         def handler(signum: int, frame: object) -> None:
             if self._leave_requested:
                 raise SystemExit(128 + signum)
             log.warning("%s: signal %d: leaving after the current step", self.name, signum)
             self.request_leave()
+
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
 
@@ -432,4 +470,3 @@ class Node:
 def run_node(job: Job, config: NodeConfig, faults: list[Fault] | None = None) -> NodeResult:
     """Run one node to the end of the job (see `Node`)."""
     return Node(job, config, faults).run()
-

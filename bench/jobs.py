@@ -1,0 +1,126 @@
+"""Job definitions shared by the benchmarks (not a benchmark itself).
+
+Two synthetic, fully deterministic MLP jobs:
+
+- ``small``: 3 Linear layers 64 -> 768 -> 768 -> 32, 665,120 parameters (~0.67M).
+- ``large``: 3 Linear layers 1024 -> 6144 -> 6144 -> 1024, 50,344,960 parameters (~50M).
+
+Each job is a function of no arguments, so a node loads it as ``bench/jobs.py:small``; the
+shape of a run comes from environment variables, which `LocalCluster` passes to every node
+and the DDP baseline passes to every rank, so both sides build the very same `Job`:
+
+``UB_BENCH_STEPS``    number of optimizer steps (default 100000: benchmarks stop the run)
+``UB_BENCH_BATCH``    global batch size B (default 96 for small, 12 for large)
+``UB_BENCH_SAMPLES``  dataset size (default 4096)
+``UB_BENCH_OPT``      ``sgd`` (momentum 0.9, the default) or ``adam``
+``UB_BENCH_DELAY_MS`` a sleep per forward pass (default 0; only to slow a run on purpose)
+
+``python bench/jobs.py`` prints the parameter counts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+from unbroken import Job
+
+SHAPES = {
+    "small": (64, 768, 32),
+    "large": (1024, 6144, 1024),
+}
+DEFAULT_BATCH = {"small": 96, "large": 12}
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int, hidden: int, d_out: int, delay_s: float = 0.0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, d_out))
+        self.delay_s = delay_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return self.net(x)
+
+
+def num_params(kind: str) -> int:
+    d_in, h, d_out = SHAPES[kind]
+    return d_in * h + h + h * h + h + h * d_out + d_out
+
+
+def dataset(kind: str, num_samples: int) -> TensorDataset:
+    """Deterministic synthetic classification data: inputs N(0,1), labels from a random projection."""
+    d_in, _, d_out = SHAPES[kind]
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(num_samples, d_in, generator=g)
+    y = (x @ torch.randn(d_in, d_out, generator=g)).argmax(1)
+    return TensorDataset(x, y)
+
+
+def _optimizer(name: str):  # type: ignore[no-untyped-def]
+    if name == "adam":
+        return lambda params: torch.optim.Adam(params, lr=1e-3)
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    raise ValueError(f"UB_BENCH_OPT={name!r}: use sgd or adam")
+
+
+def make(kind: str) -> Job:
+    d_in, hidden, d_out = SHAPES[kind]
+    steps = int(os.environ.get("UB_BENCH_STEPS", "100000"))
+    batch = int(os.environ.get("UB_BENCH_BATCH", str(DEFAULT_BATCH[kind])))
+    samples = int(os.environ.get("UB_BENCH_SAMPLES", "4096"))
+    opt = os.environ.get("UB_BENCH_OPT", "sgd")
+    delay = float(os.environ.get("UB_BENCH_DELAY_MS", "0")) / 1000
+    return Job(
+        name=f"bench-{kind}",
+        model=lambda: MLP(d_in, hidden, d_out, delay),
+        optimizer=_optimizer(opt),
+        dataset=dataset(kind, samples),
+        loss=F.cross_entropy,
+        batch_size=batch,
+        num_steps=steps,
+        seed=11,
+    )
+
+
+def small() -> Job:
+    return make("small")
+
+
+def large() -> Job:
+    return make("large")
+
+
+JOBS = {"small": small, "large": large}
+
+
+def job_ref(kind: str) -> str:
+    """The ``FILE.py:ATTR`` reference a node is started with."""
+    return f"{os.path.abspath(__file__)}:{kind}"
+
+
+def env_for(steps: int, batch: int | None = None, opt: str = "sgd", samples: int = 4096) -> dict[str, str]:
+    env = {"UB_BENCH_STEPS": str(steps), "UB_BENCH_OPT": opt, "UB_BENCH_SAMPLES": str(samples)}
+    if batch:
+        env["UB_BENCH_BATCH"] = str(batch)
+    return env
+
+
+def _count(params: Iterable[nn.Parameter]) -> int:
+    return sum(p.numel() for p in params)
+
+
+if __name__ == "__main__":
+    for kind in SHAPES:
+        model = MLP(*SHAPES[kind])
+        n = _count(model.parameters())
+        assert n == num_params(kind)
+        print(f"{kind:6s} {SHAPES[kind]}  {n:,} parameters ({n * 4 / 1e6:.1f} MB fp32)")

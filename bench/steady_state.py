@@ -1,0 +1,130 @@
+"""Steady-state step time: unbroken vs plain torch DDP on gloo, side by side.
+
+    python bench/steady_state.py                      # 3 interleaved repeats, ~2 min on 2 cores
+    python bench/steady_state.py --repeats 7 --steps 400
+
+Both sides run the same job (``bench/jobs.py``, default the ~0.67M-parameter MLP), the same
+global batch B split equally over the same number of processes (3), one forward/backward,
+one gradient all-reduce and one optimizer step per step, OMP_NUM_THREADS=1 everywhere:
+
+- unbroken: a real coordinator and ``--nodes`` node subprocesses on loopback
+  (`unbroken.testing.LocalCluster`); step time = gap between consecutive ``commit`` lines
+  of a node's commit log (wall-clock "t"), after ``--warmup`` steps, pooled over nodes.
+- DDP: ``--nodes`` ranks of ``bench/ddp_worker.py`` (DistributedDataParallel, gloo); each
+  rank logs a line after every optimizer step; step time is computed the same way.
+
+Runs alternate (unbroken, DDP, DDP, unbroken, ...) so drift on a shared machine hits both.
+The figure is the ratio of median step times, ours / DDP (the project's target: <= 1.10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import jobs
+from common import DDPRun, ProgressLine, fmt, median, print_command, print_table, ratio, step_times
+from unbroken.testing import LocalCluster
+
+
+def run_unbroken(args: argparse.Namespace, workdir: Path) -> list[float]:
+    env = jobs.env_for(args.steps, args.batch)
+    with LocalCluster(jobs.job_ref(args.model), workdir, env=env, min_nodes=args.nodes) as c:
+        c.start_coordinator()
+        for i in range(args.nodes):
+            c.start_node(f"n{i}")
+        codes = c.wait_exit(timeout=args.timeout)
+        if any(code != 0 for code in codes.values()):
+            raise RuntimeError(f"unbroken run failed: {codes}\n{c.diagnostics()}")
+        gaps: list[float] = []
+        for n in c.nodes.values():
+            gaps += step_times(n.entries(), args.warmup)
+        return gaps
+
+
+def run_ddp(args: argparse.Namespace, workdir: Path) -> list[float]:
+    env = jobs.env_for(args.steps, args.batch)
+    with DDPRun(args.model, args.nodes, workdir, env, timeout_s=args.timeout) as d:
+        codes = d.wait_exit(range(args.nodes), args.timeout)
+        if any(code != 0 for code in codes.values()):
+            raise RuntimeError(f"DDP run failed: {codes}\n{d.stderr(0)}")
+        gaps: list[float] = []
+        for r in range(args.nodes):
+            gaps += step_times(d.entries(r), args.warmup)
+        return gaps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each system, interleaved")
+    p.add_argument("--steps", type=int, default=200, help="steps per run")
+    p.add_argument("--warmup", type=int, default=30, help="steps left out at the start of each run")
+    p.add_argument("--nodes", type=int, default=3, help="processes on each side")
+    p.add_argument("--batch", type=int, default=96, help="global batch B (divisible by --nodes)")
+    p.add_argument("--model", choices=sorted(jobs.JOBS), default="small")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for one run")
+    p.add_argument("--workdir", help="keep logs here (default: a temporary directory)")
+    args = p.parse_args()
+    if args.batch % args.nodes:
+        p.error("--batch must be divisible by --nodes (DDP splits it equally)")
+    if args.steps <= args.warmup + 2:
+        p.error("--steps must exceed --warmup by at least 3")
+    print_command()
+    n_params = jobs.num_params(args.model)
+    print(f"model {args.model} ({n_params:,} parameters), B={args.batch}, {args.nodes} processes per side, "
+          f"{args.steps} steps per run (first {args.warmup} left out), OMP_NUM_THREADS=1", flush=True)  # fmt: skip
+
+    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="ub-steady-")
+    root = Path(args.workdir or tmp.name)  # type: ignore[union-attr]
+    results: dict[str, list[float]] = {"unbroken": [], "ddp": []}
+    per_run: dict[str, list[float]] = {"unbroken": [], "ddp": []}
+    progress = ProgressLine(2 * args.repeats)
+    try:
+        for rep in range(args.repeats):
+            order = ["unbroken", "ddp"] if rep % 2 == 0 else ["ddp", "unbroken"]
+            for system in order:
+                progress.update(f"repeat {rep + 1}/{args.repeats}: {system} running")
+                t0 = time.monotonic()
+                runner = run_unbroken if system == "unbroken" else run_ddp
+                gaps = runner(args, root / f"{system}{rep}")
+                results[system] += gaps
+                per_run[system].append(median(gaps) or float("nan"))
+                progress.update(
+                    f"repeat {rep + 1}/{args.repeats}: {system} median step {1e3 * (median(gaps) or 0):.2f} ms "
+                    f"({time.monotonic() - t0:.0f} s)",
+                    advance=1,
+                )
+    finally:
+        progress.close()
+        if tmp is not None:
+            tmp.cleanup()
+
+    ub, ddp = median(per_run["unbroken"]), median(per_run["ddp"])
+    rows = []
+    for system, label in (("unbroken", "unbroken (3 nodes + coordinator)"), ("ddp", "plain DDP, gloo (baseline)")):
+        med = median(per_run[system])
+        all_gaps = sorted(results[system])
+        p90 = all_gaps[int(0.9 * (len(all_gaps) - 1))] if all_gaps else None
+        rows.append([
+            label,
+            fmt(med and med * 1e3, " ms", 2),
+            fmt(p90 and p90 * 1e3, " ms", 2),
+            fmt(med and 1 / med, "", 1),
+            fmt(med and args.batch / med, "", 0),
+            ", ".join(f"{x * 1e3:.2f}" for x in per_run[system]),
+            ratio(med, ddp),
+        ])  # fmt: skip
+    print_table(
+        f"Steady-state step time, {args.model} MLP ({n_params / 1e6:.2f}M params), B={args.batch}, "
+        f"{args.nodes} processes, medians over {args.repeats} runs",
+        ["system", "median step", "p90 step", "steps/s", "samples/s", "per-run medians (ms)", "vs DDP"],
+        rows,
+        caption=f"ratio ours/DDP = {ratio(ub, ddp, 3)} (target <= 1.10); "
+        f"per-run ratios: {', '.join(f'{a / b:.3f}' for a, b in zip(per_run['unbroken'], per_run['ddp']))}",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Bad input is refused with a message that names the problem; the running job loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from conftest import JOB
+from integration.helpers import assert_promises, events_of
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def run_cli(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "unbroken", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_unreachable_coordinator_is_a_clear_error_after_a_bounded_wait():
+    port = free_port()
+    start = time.monotonic()
+    r = run_cli("node", JOB, "--coordinator", f"127.0.0.1:{port}", "--connect-timeout", "2")
+    took = time.monotonic() - start
+    assert r.returncode == 2, r.stderr
+    assert f"could not reach a coordinator at 127.0.0.1:{port} within 2 s" in r.stderr
+    assert "unbroken coordinator" in r.stderr  # says what to check
+    assert took < 30
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["node", JOB, "--coordinator", "127.0.0.1:1", "--weight", "-1"],
+            "NodeConfig.weight = -1.0 must be greater than 0",
+        ),
+        (["node", JOB, "--coordinator", "nowhere"], "coordinator address 'nowhere' is not of the form HOST:PORT"),
+        (["node", JOB, "--coordinator", "127.0.0.1:1", "--checkpoint-every", "5"], "checkpoint_dir is not"),
+        (["node", "no_such_file.py:job", "--coordinator", "127.0.0.1:1"], "job file no_such_file.py does not exist"),
+        (["coordinator", "--lease", "0"], "CoordinatorConfig.lease_s = 0.0 is out of range"),
+        (["node", JOB, "--coordinator", "127.0.0.1:1", "--fault", "boom@x:1"], "SIGNAL@PHASE:STEP"),
+    ],
+)
+def test_invalid_settings_name_the_field(args, message):
+    r = run_cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_mismatched_model_and_other_job_are_refused_and_the_job_goes_on(make_cluster):
+    env = {"UB_TEST_STEPS": "120", "UB_TEST_DELAY_MS": "20"}
+    c = make_cluster(env=env, min_nodes=2)
+    c.start_coordinator()
+    c.start_node("n1")
+    c.start_node("n2")
+    c.wait_step(5)
+    epochs_before = len(events_of(c, "epoch"))
+    wrong_model = c.start_node("bad-model", env={"UB_TEST_HIDDEN": "48"})
+    other_job = c.start_node("other-job", env={"UB_TEST_NAME": "someone-elses-job"})
+    assert wrong_model.wait(60) == 2
+    assert other_job.wait(60) == 2
+    assert (
+        "model does not match the group's: 'net.0.weight' has shape (48, 16) here but (64, 16) in the group"
+        in wrong_model.stderr()
+    )
+    assert "this coordinator runs job 'test-mlp'" in other_job.stderr()
+    del c.nodes["bad-model"], c.nodes["other-job"]
+    codes = c.wait_exit(timeout=120)
+    assert codes == {"n1": 0, "n2": 0}, c.diagnostics()
+    assert len(events_of(c, "epoch")) == epochs_before, "a refused node must not change membership"
+    assert len(events_of(c, "refused")) == 2
+    assert_promises(c, env, finishers=2)
+
+
+async def _hostile_sessions(host: str, port: int) -> list[str]:
+    """Open sessions that misbehave in different ways; return how each ended."""
+    url = f"http://{host}:{port}/ws"
+    outcomes = []
+    hello_extra = {"v": 1, "type": "hello", "job": "test-mlp", "evil": True}
+    bad_version = {"v": 99, "type": "heartbeat", "seq": 1, "step": 0}
+    async with aiohttp.ClientSession() as http:
+        for payload in ["not json {", json.dumps(hello_extra), json.dumps(bad_version), "x" * (2 << 20), b"\x00\x01"]:
+            async with http.ws_connect(url, max_msg_size=0) as ws:
+                if isinstance(payload, bytes):
+                    await ws.send_bytes(payload)
+                else:
+                    await ws.send_str(payload)
+                msg = await asyncio.wait_for(ws.receive(), timeout=10)
+                outcomes.append(msg.type.name)
+        # Plain garbage on the HTTP port.
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"\x16\x03\x01 GARBAGE\r\n\r\n")
+        await writer.drain()
+        outcomes.append("http:" + (await asyncio.wait_for(reader.read(100), timeout=10)).decode(errors="replace")[:12])
+        writer.close()
+    return outcomes
+
+
+def test_malformed_and_oversized_messages_drop_only_that_session(make_cluster):
+    env = {"UB_TEST_STEPS": "120", "UB_TEST_DELAY_MS": "20"}
+    c = make_cluster(env=env, min_nodes=2)
+    host, port = c.start_coordinator()
+    c.start_node("n1")
+    c.start_node("n2")
+    c.wait_step(5)
+    epochs_before = len(events_of(c, "epoch"))
+    outcomes = asyncio.run(_hostile_sessions(host, port))
+    assert outcomes[:5] == ["CLOSE"] * 5 or all(o in ("CLOSE", "CLOSED", "CLOSING") for o in outcomes[:5]), outcomes
+    assert (outcomes[5].startswith("http:HTTP/1.") and "400" in outcomes[5]) or outcomes[5] == "http:", outcomes
+    assert c.state()["epoch"] >= 1  # the service still answers
+    codes = c.wait_exit(timeout=120)
+    assert codes == {"n1": 0, "n2": 0}, c.diagnostics()
+    assert len(events_of(c, "epoch")) == epochs_before, "hostile sessions must not change membership"
+    reasons = [e["reason"] for e in events_of(c, "protocol")]
+    assert any("not valid JSON" in r for r in reasons), reasons
+    assert any("protocol version 99 is not supported" in r for r in reasons), reasons
+    assert any("evil" in r or "Extra inputs" in r or "hello" in r for r in reasons), reasons
+    assert any("size" in r.lower() or "too big" in r.lower() or "exceeds" in r for r in reasons), reasons
+    assert_promises(c, env, finishers=2)

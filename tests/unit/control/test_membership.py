@@ -1,0 +1,462 @@
+"""Membership: the coordinator's pure state machine, driven by an injected clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from unbroken.control.membership import FAULT_GRACE_S, JOIN_SETTLE_S, Decision, Membership, first_mismatch
+from unbroken.control.messages import EpochOrder, Hello, Resume, TensorSpec
+
+BATCH = 12
+LEASE = 1.0
+FINGERPRINT = [
+    TensorSpec(name="layer.weight", shape=[4, 3], dtype="float32"),
+    TensorSpec(name="layer.bias", shape=[4], dtype="float32"),
+]
+
+
+def hello(member_id: str, **fields: object) -> Hello:
+    values: dict[str, object] = {
+        "job": "job",
+        "job_identity": "ident-1",
+        "fingerprint": FINGERPRINT,
+        "member_id": member_id,
+        "name": f"node-{member_id}",
+        "batch_size": BATCH,
+    }
+    values.update(fields)
+    return Hello(**values)  # type: ignore[arg-type]
+
+
+def only_order(d: Decision) -> EpochOrder:
+    """The single order all recipients of a decision got."""
+    orders = {o.model_dump_json() for o in d.orders.values()}
+    assert len(orders) == 1, d.orders
+    return next(iter(d.orders.values()))
+
+
+def admit_all(ms: Membership, ids: list[str], now: float, **fields: object) -> None:
+    for mid in ids:
+        d = ms.admit(hello(mid, **fields), now)
+        assert d.refuse is None, d.refuse
+
+
+def formed(ids: list[str], now: float = 0.0, **kwargs: object) -> Membership:
+    """A membership whose first epoch holds ``ids`` (joined at ``now``, formed after settling)."""
+    ms = Membership(lease_s=LEASE, now=now, **kwargs)  # type: ignore[arg-type]
+    admit_all(ms, ids, now)
+    order = only_order(ms.tick(now + JOIN_SETTLE_S))
+    assert order.members == ids
+    return ms
+
+
+def keep_alive(ms: Membership, now: float) -> None:
+    for mid in list(ms.members):
+        ms.heartbeat(mid, 0, now)
+
+
+# ---------------------------------------------------------------- forming epochs
+
+
+def test_joins_within_the_settle_time_share_one_epoch() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0)
+    ms.admit(hello("a"), 0.0)
+    ms.admit(hello("b", weight=2.0), JOIN_SETTLE_S * 0.8)
+    assert ms.tick(JOIN_SETTLE_S * 0.9).orders == {}  # still settling
+    d = ms.tick(JOIN_SETTLE_S)
+    order = only_order(d)
+    assert set(d.orders) == {"a", "b"}
+    assert order.epoch == 1
+    assert order.members == ["a", "b"]  # rank = join order
+    assert order.shares == [4, 8]  # proportional to weight 1 : 2
+    assert order.urgent is False
+    assert ms.tick(JOIN_SETTLE_S * 3).orders == {}  # one change, not two
+
+
+def test_a_join_after_the_first_epoch_makes_a_second_one_with_old_members_first() -> None:
+    ms = formed(["a", "b"])
+    ms.admit(hello("c"), 1.0)
+    keep_alive(ms, 1.0)
+    assert ms.tick(1.0).orders == {}
+    keep_alive(ms, 1.0 + JOIN_SETTLE_S)
+    d = ms.tick(1.0 + JOIN_SETTLE_S)
+    order = only_order(d)
+    assert set(d.orders) == {"a", "b", "c"}
+    assert (order.epoch, order.members, order.shares, order.urgent) == (2, ["a", "b", "c"], [4, 4, 4], False)
+
+
+def test_min_nodes_holds_the_first_epoch_until_enough_have_joined() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0, min_nodes=3)
+    admit_all(ms, ["a", "b"], 0.0)
+    assert ms.tick(JOIN_SETTLE_S).orders == {}
+    keep_alive(ms, 0.5)
+    assert ms.tick(0.5).orders == {}
+    ms.admit(hello("c"), 0.6)
+    keep_alive(ms, 0.6)
+    order = only_order(ms.tick(0.6 + JOIN_SETTLE_S))
+    assert order.members == ["a", "b", "c"]
+    assert order.epoch == 1
+
+
+def test_min_nodes_does_not_hold_later_epochs() -> None:
+    ms = formed(["a", "b", "c"], min_nodes=3)
+    keep_alive(ms, 0.5)
+    ms.fail("c", 0.5, "control connection dropped")
+    order = only_order(ms.tick(0.5))
+    assert order.members == ["a", "b"]
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_failure_orders_an_urgent_epoch_of_the_survivors_with_new_ranks_and_shares() -> None:
+    ms = formed(["a", "b", "c"])
+    keep_alive(ms, 0.5)
+    d = ms.fail("a", 0.5, "control connection dropped")
+    assert [e.kind for e in d.events] == ["failure"]
+    assert "control connection dropped" in d.events[0].reason
+    d = ms.tick(0.5)  # no settling for a failure
+    order = d.orders["b"]
+    assert d.orders["c"] == order
+    assert order.urgent is True
+    assert order.epoch == 2
+    assert order.members == ["b", "c"]  # b is now rank 0
+    assert sum(order.shares) == BATCH
+    assert order.shares == [6, 6]
+    assert "node-a failed" in order.reason
+    assert ms.epoch_members == ["b", "c"]
+
+
+def test_failure_of_a_member_not_in_the_epoch_orders_no_urgent_epoch() -> None:
+    ms = formed(["a"])
+    ms.admit(hello("b"), 0.5)
+    ms.fail("b", 0.55, "control connection dropped")
+    keep_alive(ms, 1.0)
+    d = ms.tick(1.0)
+    assert all(not o.urgent for o in d.orders.values())
+    assert all(o.members == ["a"] for o in d.orders.values())
+
+
+def test_failure_of_an_unknown_member_is_ignored() -> None:
+    ms = formed(["a"])
+    d = ms.fail("ghost", 0.5, "x")
+    assert d.orders == {} and d.events == []
+    keep_alive(ms, 0.5)
+    assert ms.tick(0.5).orders == {}
+
+
+def test_lease_expiry_expels_and_orders_an_urgent_epoch() -> None:
+    ms = formed(["a", "b"])
+    t = JOIN_SETTLE_S
+    keep_alive(ms, t)
+    ms.heartbeat("a", 3, t + 0.9)
+    d = ms.tick(t + LEASE * 0.99)
+    assert d.expel == {} and d.orders == {}  # b is late but within its lease
+    d = ms.tick(t + LEASE + 0.05)
+    assert set(d.expel) == {"b"}
+    assert "no heartbeat" in d.expel["b"] and "lease" in d.expel["b"]
+    order = d.orders["a"]
+    assert order.urgent is True
+    assert order.members == ["a"]
+    assert order.shares == [BATCH]
+    assert "b" not in ms.members
+    assert ms.step == 3  # heartbeats carry progress
+
+
+def test_a_graceful_leave_orders_a_non_urgent_epoch_that_the_leaver_also_hears() -> None:
+    ms = formed(["a", "b", "c"])
+    d = ms.leave("b", 0.5, "SIGTERM")
+    order = only_order(d)  # at once, not at the next tick
+    assert set(d.orders) == {"a", "b", "c"}  # the leaver learns it may go
+    assert order.urgent is False
+    assert order.members == ["a", "c"]
+    assert sum(order.shares) == BATCH
+    assert order.epoch == 2
+    assert "b" not in ms.members
+    assert [e.kind for e in d.events] == ["leave", "epoch"]
+    # Its session closing afterwards is no failure and makes no further epoch.
+    assert ms.session_closed("b", 0.6).orders == {}
+    keep_alive(ms, 1.0)
+    assert ms.tick(1.0).orders == {}
+
+
+def test_leave_of_a_joining_member_makes_no_epoch_with_it() -> None:
+    ms = formed(["a"])
+    ms.admit(hello("b"), 0.5)
+    assert ms.leave("b", 0.6, "changed my mind").orders == {}
+    keep_alive(ms, 1.0)
+    assert all("b" not in o.members for o in ms.tick(1.0).orders.values())
+
+
+def test_a_failure_still_pending_when_a_member_leaves_keeps_the_order_urgent() -> None:
+    # b fails and, before the next tick, c leaves: the epoch formed at once for the leave
+    # also replaces the failed member, so the survivors must abandon their step at once.
+    ms = formed(["a", "b", "c"])
+    keep_alive(ms, 0.5)
+    ms.fail("b", 0.5, "lease expired")
+    d = ms.leave("c", 0.5, "SIGTERM")
+    order = d.orders["a"]
+    assert order.members == ["a"]
+    assert order.urgent is True
+
+
+# ---------------------------------------------------------------- fault reports
+
+
+def test_a_fault_about_a_stale_epoch_is_ignored() -> None:
+    ms = formed(["a", "b"])
+    keep_alive(ms, 0.5)
+    d = ms.fault("a", 0, "old collective failed", 0.5)
+    assert d.events == [] and d.orders == {}
+    keep_alive(ms, 2.0)
+    assert ms.tick(2.0).orders == {}
+    assert ms.epoch == 1
+
+
+def test_a_fault_about_the_current_epoch_reforms_it_after_the_grace_time() -> None:
+    ms = formed(["a", "b"])
+    t = 0.5
+    keep_alive(ms, t)
+    d = ms.fault("a", 1, "allreduce: connection reset", t)
+    assert [e.kind for e in d.events] == ["fault"]
+    assert ms.tick(t + FAULT_GRACE_S / 2).orders == {}  # waiting for b's session to drop
+    order = only_order(ms.tick(t + FAULT_GRACE_S))
+    assert order.urgent is True
+    assert order.epoch == 2
+    assert order.members == ["a", "b"]
+    assert "connection reset" in order.reason
+
+
+def test_a_fault_then_the_session_drop_make_one_epoch_change() -> None:
+    ms = formed(["a", "b", "c"])
+    t = 0.5
+    keep_alive(ms, t)
+    ms.fault("a", 1, "peer gone", t)
+    ms.fault("c", 1, "peer gone", t + 0.01)
+    ms.fail("b", t + 0.02, "control connection dropped")
+    order = only_order(ms.tick(t + 0.02))
+    assert order.members == ["a", "c"]
+    assert order.epoch == 2
+    keep_alive(ms, t + 1)
+    assert ms.tick(t + 1).orders == {}
+    assert ms.epoch == 2
+
+
+def test_a_fault_from_an_unknown_member_is_ignored() -> None:
+    ms = formed(["a"])
+    assert ms.fault("ghost", 1, "x", 0.5).events == []
+    keep_alive(ms, 1.0)
+    assert ms.tick(1.0).orders == {}
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_a_node_of_another_job_is_refused() -> None:
+    ms = formed(["a"])
+    d = ms.admit(hello("b", job="other"), 0.5)
+    assert d.refuse is not None
+    assert "'job'" in d.refuse and "'other'" in d.refuse
+    assert "b" not in ms.members
+
+
+def test_a_node_with_other_job_settings_is_refused() -> None:
+    ms = formed(["a"])
+    d = ms.admit(hello("b", job_identity="ident-2"), 0.5)
+    assert d.refuse is not None
+    assert "ident-1" in d.refuse and "ident-2" in d.refuse
+    assert "b" not in ms.members
+
+
+@pytest.mark.parametrize(
+    ("theirs", "words"),
+    [
+        (
+            [TensorSpec(name="layer.w", shape=[4, 3], dtype="float32"), FINGERPRINT[1]],
+            ["parameter #0", "'layer.w'", "'layer.weight'"],
+        ),
+        (
+            [TensorSpec(name="layer.weight", shape=[4, 5], dtype="float32"), FINGERPRINT[1]],
+            ["'layer.weight'", "(4, 5)", "(4, 3)"],
+        ),
+        (
+            [FINGERPRINT[0], TensorSpec(name="layer.bias", shape=[4], dtype="float16")],
+            ["'layer.bias'", "float16", "float32"],
+        ),
+        ([FINGERPRINT[0]], ["'layer.bias'", "missing"]),
+        ([*FINGERPRINT, TensorSpec(name="extra.scale", shape=[1], dtype="float32")], ["'extra.scale'", "not in"]),
+    ],
+    ids=["name", "shape", "dtype", "missing", "extra"],
+)
+def test_a_node_with_another_model_is_refused_naming_the_first_difference(
+    theirs: list[TensorSpec], words: list[str]
+) -> None:
+    ms = formed(["a"])
+    d = ms.admit(hello("b", fingerprint=theirs), 0.5)
+    assert d.refuse is not None
+    assert d.refuse.startswith("model does not match")
+    for w in words:
+        assert w in d.refuse
+    assert "b" not in ms.members
+    assert first_mismatch(FINGERPRINT, theirs) is not None
+
+
+def test_first_mismatch_of_equal_fingerprints_is_none() -> None:
+    assert first_mismatch(FINGERPRINT, list(FINGERPRINT)) is None
+    assert first_mismatch([], []) is None
+
+
+def test_first_mismatch_reports_the_first_of_several_differences() -> None:
+    ours = [TensorSpec(name=n, shape=[2], dtype="float32") for n in "abc"]
+    theirs = [ours[0], TensorSpec(name="b", shape=[3], dtype="float32"), TensorSpec(name="z", shape=[2], dtype="int8")]
+    diff = first_mismatch(ours, theirs)
+    assert diff == "'b' has shape (3,) here but (2,) in the group"
+
+
+def test_first_mismatch_says_which_side_lacks_a_tensor() -> None:
+    assert first_mismatch(FINGERPRINT[:1], FINGERPRINT) == "'layer.bias' is not in the group's model"
+    assert first_mismatch(FINGERPRINT, FINGERPRINT[:1]) == "'layer.bias' is missing from this node's model"
+    assert first_mismatch(FINGERPRINT, []) == "'layer.weight' is missing from this node's model"
+
+
+def test_a_duplicate_member_id_is_refused_and_the_first_keeps_its_place() -> None:
+    ms = formed(["a"])
+    d = ms.admit(hello("a", name="impostor"), 0.5)
+    assert d.refuse is not None and "'a'" in d.refuse and "already connected" in d.refuse
+    assert ms.members["a"].name == "node-a"
+
+
+def test_a_node_joining_a_finished_job_is_refused() -> None:
+    ms = formed(["a"])
+    ms.done("a", 40, "digest", {"val_loss": 1.0}, 1.0)
+    assert ms.finished
+    d = ms.admit(hello("b"), 1.1)
+    assert d.refuse is not None and "finished" in d.refuse and "40" in d.refuse
+
+
+def test_a_refused_node_leaves_the_group_untouched() -> None:
+    ms = formed(["a"])
+    ms.admit(hello("b", job="other"), 0.5)
+    keep_alive(ms, 1.0)
+    assert ms.tick(1.0).orders == {}
+    assert ms.epoch == 1 and ms.epoch_members == ["a"]
+
+
+def test_finished_members_outlive_their_lease_and_their_session() -> None:
+    ms = formed(["a", "b"])
+    ms.done("a", 40, "d1", {}, 0.5)
+    ms.done("b", 40, "d1", {}, 0.5)
+    d = ms.tick(10.0)
+    assert d.expel == {} and d.orders == {}
+    assert ms.session_closed("a", 10.0).orders == {}
+    assert ms.final_digests == {"a": "d1", "b": "d1"}
+
+
+# ---------------------------------------------------------------- epoch numbers
+
+
+def test_last_epoch_in_a_hello_raises_the_epoch_counter() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0)
+    ms.admit(hello("a", last_epoch=41), 0.0)
+    ms.admit(hello("b", last_epoch=7), 0.0)
+    order = only_order(ms.tick(JOIN_SETTLE_S))
+    assert order.epoch == 42
+
+
+def test_epoch_numbers_only_increase() -> None:
+    ms = formed(["a", "b", "c"])
+    seen = [ms.epoch]
+    t = 1.0
+    for action in ("fail-c", "join-d", "leave-d", "fault"):
+        keep_alive(ms, t)
+        if action == "fail-c":
+            ms.fail("c", t, "x")
+        elif action == "join-d":
+            ms.admit(hello("d", last_epoch=1), t)
+        elif action == "leave-d":
+            d = ms.leave("d", t, "bye")
+            seen.extend(o.epoch for o in d.orders.values())
+        else:
+            ms.fault("a", ms.epoch, "x", t)
+        t += 0.5
+        keep_alive(ms, t)
+        seen.extend(o.epoch for o in ms.tick(t).orders.values())
+        seen.append(ms.epoch)
+        t += 0.1
+    assert seen == sorted(seen)
+    assert ms.epoch == 5
+
+
+# ---------------------------------------------------------------- recovery after a coordinator restart
+
+
+def resume_hello(member_id: str, epoch: int = 7, members: tuple[str, ...] = ("a", "b"), step: int = 30) -> Hello:
+    return hello(member_id, step=step, last_epoch=epoch, resume=Resume(epoch=epoch, members=list(members), step=step))
+
+
+def test_recovery_adopts_the_epoch_when_all_its_members_return() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    assert ms.admit(resume_hello("a"), 0.1).orders == {}
+    keep_alive(ms, 0.2)
+    assert ms.tick(0.2).orders == {}  # b is not back yet
+    ms.admit(resume_hello("b"), 0.3)
+    keep_alive(ms, 0.4)
+    d = ms.tick(0.4)
+    assert d.orders == {}  # the running group is left alone
+    assert [e.kind for e in d.events] == ["adopt"]
+    assert ms.epoch == 7
+    assert ms.epoch_members == ["a", "b"]
+    assert ms.shares == [6, 6]
+    assert ms.step == 30
+    keep_alive(ms, 5.0)
+    assert ms.tick(5.0).orders == {}  # and nothing later either
+
+
+def test_after_adoption_a_failure_makes_an_epoch_above_the_adopted_one() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms.admit(resume_hello("a"), 0.1)
+    ms.admit(resume_hello("b"), 0.1)
+    ms.tick(0.2)
+    ms.fail("b", 0.3, "control connection dropped")
+    order = only_order(ms.tick(0.3))
+    assert (order.epoch, order.members, order.urgent) == (8, ["a"], True)
+
+
+def test_recovery_without_a_missing_member_ends_in_an_urgent_epoch_after_the_window() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms.admit(resume_hello("a"), 0.1)
+    for t in (0.5, 1.0, 1.5, 2.0, 2.5, 2.9):
+        keep_alive(ms, t)
+        assert ms.tick(t).orders == {}
+    keep_alive(ms, 3.0)
+    d = ms.tick(3.0)
+    order = only_order(d)
+    assert order.urgent is True
+    assert order.members == ["a"]
+    assert order.shares == [BATCH]
+    assert order.epoch > 7
+    assert "did not return" in order.reason
+
+
+def test_a_hello_without_resume_ends_recovery_of_a_fresh_coordinator_at_once() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms.admit(hello("a"), 0.0)
+    order = only_order(ms.tick(JOIN_SETTLE_S))  # not after the 3 s window
+    assert order.epoch == 1
+    assert order.members == ["a"]
+
+
+def test_a_new_node_during_recovery_joins_right_after_adoption() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms.admit(resume_hello("a"), 0.1)
+    ms.admit(hello("c"), 0.2)
+    keep_alive(ms, 0.3)
+    assert ms.tick(0.3).orders == {}
+    ms.admit(resume_hello("b"), 0.4)
+    keep_alive(ms, 0.5)
+    d = ms.tick(0.5)
+    assert "adopt" in [e.kind for e in d.events]
+    order = only_order(d)
+    assert order.epoch == 8
+    assert order.members == ["a", "b", "c"]
+    assert order.urgent is False

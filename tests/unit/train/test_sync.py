@@ -1,0 +1,46 @@
+"""plan_sync: after an epoch forms, who holds the state everyone must have."""
+
+from __future__ import annotations
+
+import pytest
+
+from unbroken.train.sync import SyncPlan, plan_sync
+
+
+def test_the_highest_step_wins_even_against_a_majority_behind() -> None:
+    plan = plan_sync([(4, "x"), (4, "x"), (5, "y"), (4, "x")])
+    assert plan == SyncPlan(source=2, step=5, receivers=(0, 1, 3))
+
+
+def test_the_majority_digest_wins_among_ranks_at_the_top_step() -> None:
+    plan = plan_sync([(9, "bad"), (9, "good"), (9, "good"), (8, "old")])
+    assert plan.source == 1
+    assert plan.step == 9
+    assert plan.receivers == (0, 3)
+
+
+def test_a_single_corrupted_replica_on_rank_zero_cannot_win() -> None:
+    plan = plan_sync([(3, "corrupt"), (3, "ok"), (3, "ok")])
+    assert plan.source == 1
+    assert plan.receivers == (0,)
+
+
+def test_a_tie_between_digests_goes_to_the_lowest_rank() -> None:
+    assert plan_sync([(3, "b"), (3, "a")]) == SyncPlan(source=0, step=3, receivers=(1,))
+    assert plan_sync([(2, "z"), (3, "b"), (3, "a"), (3, "a"), (3, "b")]).source == 1
+
+
+def test_receivers_are_those_behind_or_different() -> None:
+    plan = plan_sync([(7, "d"), (6, "d"), (7, "e"), (7, "d"), (0, "init")])
+    assert plan.source == 0
+    assert plan.receivers == (1, 2, 4)
+
+
+def test_nobody_receives_when_all_agree() -> None:
+    assert plan_sync([(5, "d")] * 4) == SyncPlan(source=0, step=5, receivers=())
+    assert plan_sync([(0, "d")]) == SyncPlan(source=0, step=0, receivers=())
+
+
+def test_no_reports_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no reports"):
+        plan_sync([])
