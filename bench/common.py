@@ -8,6 +8,8 @@ for coordinator and nodes.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import shlex
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 HERE = Path(__file__).resolve().parent
@@ -78,11 +81,11 @@ def ratio(a: float | None, b: float | None, digits: int = 2) -> str:
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], caption: str = "") -> None:
-    t = Table(title=title, caption=caption or None, caption_justify="left")
+    t = Table(title=escape(title), caption=escape(caption) or None, caption_justify="left")
     for i, c in enumerate(columns):
-        t.add_column(c, justify="left" if i == 0 else "right", overflow="fold")
+        t.add_column(escape(c), justify="left" if i == 0 else "right", overflow="fold")
     for r in rows:
-        t.add_row(*[str(x) for x in r])
+        t.add_row(*[escape(str(x)) for x in r])
     console().print(t)
 
 
@@ -102,7 +105,7 @@ def step_times(entries: list[dict[str, Any]], warmup: int, kind: str = "commit")
     """Gaps between consecutive commits whose step is past the warm-up (same epoch for unbroken)."""
     commits = [e for e in entries if e.get("kind") == kind and int(e["step"]) > warmup]
     gaps = []
-    for a, b in zip(commits, commits[1:]):
+    for a, b in itertools.pairwise(commits):
         if int(b["step"]) == int(a["step"]) + 1 and a.get("epoch") == b.get("epoch"):
             gaps.append(b["t"] - a["t"])
     return gaps
@@ -211,13 +214,9 @@ class DDPRun:
         for p in self.procs.values():
             if p.poll() is None:
                 for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, sig)
-                    except ProcessLookupError:
-                        pass
         for p in self.procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
         self.store = None

@@ -41,7 +41,9 @@ DEFAULT_BATCH = {"small": 96, "large": 12}
 class MLP(nn.Module):
     def __init__(self, d_in: int, hidden: int, d_out: int, delay_s: float = 0.0) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, d_out))
+        self.net = nn.Sequential(
+            nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, d_out)
+        )
         self.delay_s = delay_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

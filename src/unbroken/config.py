@@ -16,7 +16,7 @@ ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
 
 
 def _check_range(owner: str, name: str, value: float, low: float, high: float | None = None) -> None:
-    if value < low or (high is not None and value > high):
+    if not value >= low or (high is not None and not value <= high):  # also refuses NaN
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise ConfigError(f"{owner}.{name} = {value!r} is out of range: it must be {bound}")
 
@@ -24,7 +24,7 @@ def _check_range(owner: str, name: str, value: float, low: float, high: float | 
 def parse_address(text: str) -> tuple[str, int]:
     """Parse ``host:port`` into a pair, with an error that shows the expected form."""
     host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ConfigError(f"coordinator address {text!r} is not of the form HOST:PORT (e.g. 127.0.0.1:29400)")
     return host.strip("[]"), int(port)
 

@@ -111,11 +111,14 @@ def load_job(ref: str) -> Job:
         raise
     except Exception as exc:
         raise JobLoadError(f"importing {target!r} failed: {type(exc).__name__}: {exc}") from exc
-    obj = getattr(module, attr, None)
-    if obj is None:
+    if not hasattr(module, attr):
         raise JobLoadError(f"{target!r} has no attribute {attr!r}")
+    obj = getattr(module, attr)
     if callable(obj) and not isinstance(obj, Job):
-        obj = obj()
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise JobLoadError(f"calling {ref!r} failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(obj, Job):
         raise JobLoadError(f"{ref!r} is a {type(obj).__name__}, not an unbroken.Job")
     return obj

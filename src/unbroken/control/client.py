@@ -181,6 +181,9 @@ class ControlClient:
                 raise ProtocolError(f"coordinator closed the session before welcoming ({first.type.name})")
             msg = m.parse_coordinator_message(first.data)
             if isinstance(msg, m.Refused):
+                if msg.finished:
+                    with self._lock:
+                        self.finished = 0
                 raise JoinRefused(f"coordinator at {host}:{port} refused {self.name}: {msg.reason}")
             if not isinstance(msg, m.Welcome):
                 raise ProtocolError(f"expected welcome, got {msg.type}")

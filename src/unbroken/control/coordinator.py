@@ -233,7 +233,8 @@ class Coordinator:
                         f"{hello.name}: {decision.refuse}",
                     )
                 )
-                await ws.send_str(m.encode(m.Refused(reason=decision.refuse)))
+                refusal = m.Refused(reason=decision.refuse, finished=self.membership.finished)
+                await ws.send_str(m.encode(refusal))
                 await ws.close()
                 return ws
             session = _Session(ws, hello.member_id)
@@ -304,7 +305,7 @@ class Coordinator:
             self._apply(ms.done(mid, msg.step, msg.digest, msg.metrics, now))
             if ms.finished:
                 for other_id, other in self._sessions.items():
-                    if other_id not in ms.epoch_members:
+                    if other_id not in ms.final_digests:
                         other.send(m.Finished(step=ms.step))
         elif isinstance(msg, m.Hello):
             raise ProtocolError("hello sent twice on one session")

@@ -114,6 +114,8 @@ class Membership:
         self.min_nodes = min_nodes
         self.members: dict[str, Member] = {}
         self.epoch = 0
+        self._epoch_floor = 0
+        """Nodes have heard of epochs up to this one (from before a restart): number above it."""
         self.epoch_members: list[str] = []
         self.shares: list[int] = []
         self.job: str | None = None
@@ -153,6 +155,12 @@ class Membership:
         if self.finished:
             d.refuse = f"job {self.job!r} already finished at step {self.step}"
             return d
+        r = hello.resume
+        if r is not None and self.recovering_until is None and self.epoch_members and r.epoch != self.epoch:
+            # Its epoch was superseded while it was away (frozen, cut off): it must not
+            # commit anything more there, so it comes back as a new member and catches up.
+            d.refuse = f"epoch {r.epoch} is over (the group is in epoch {self.epoch}); rejoin as a new member"
+            return d
         self.job, self.job_identity = hello.job, hello.job_identity
         self.fingerprint = list(hello.fingerprint)
         self.batch_size = hello.batch_size
@@ -168,7 +176,7 @@ class Membership:
             step=hello.step,
         )
         self.step = max(self.step, hello.step)
-        self.epoch = max(self.epoch, hello.last_epoch)
+        self._epoch_floor = max(self._epoch_floor, hello.last_epoch)
         d.events.append(self._event(now, "join", hello.member_id, f"{hello.name} connected"))
         if hello.resume is None and self.recovering_until is not None and not self._resumes:
             self.recovering_until = None  # a fresh job, not a restarted coordinator
@@ -177,8 +185,6 @@ class Membership:
             self._resumes[hello.member_id] = (r.epoch, tuple(r.members), r.step)
             self.epoch = max(self.epoch, r.epoch)
             return d
-        if hello.resume is not None:
-            self.epoch = max(self.epoch, hello.resume.epoch)
         self._want_epoch(now, urgent=False, reason=f"{hello.name} joined", delay=JOIN_SETTLE_S)
         return d
 
@@ -190,7 +196,8 @@ class Membership:
         d.events.append(self._event(now, "leave", member_id, f"{m.name} leaves: {reason}"))
         if member_id in self.epoch_members:
             m.state = MemberState.LEAVING
-            d.merge(self._form_epoch(now, urgent=False, reason=f"{m.name} left"))
+            # A failure already pending keeps its urgency: its step in flight must be abandoned.
+            d.merge(self._form_epoch(now, urgent=self._pending_urgent, reason=f"{m.name} left"))
             del self.members[member_id]
         else:
             del self.members[member_id]
@@ -208,8 +215,8 @@ class Membership:
         return d
 
     def session_closed(self, member_id: str, now: float) -> Decision:
-        """The member's session ended; after ``done`` or ``leave`` that is no failure."""
-        if self.finished and member_id in self.final_digests:
+        """The member's session ended; after ``done``, ``leave`` or the job's end that is no failure."""
+        if self.finished:
             self.members.pop(member_id, None)
             return Decision()
         return self.fail(member_id, now, "control connection dropped")
@@ -326,7 +333,7 @@ class Membership:
         if not order:
             return d
         old = list(self.epoch_members)
-        self.epoch += 1
+        self.epoch = max(self.epoch, self._epoch_floor) + 1
         self.epoch_members = order
         members = [self.members[m] for m in order]
         self.shares = self._split(members)

@@ -104,6 +104,8 @@ class Welcome(_Msg):
 class Refused(_Msg):
     type: Literal["refused"] = "refused"
     reason: str
+    finished: bool = False
+    """True when the job is already over (nothing is wrong with the node)."""
 
 
 class Ack(_Msg):
@@ -146,13 +148,16 @@ def _parse(adapter: TypeAdapter[object], data: str | bytes, limit: int) -> objec
         raw = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"control message is not valid JSON: {exc}") from None
-    if isinstance(raw, dict) and raw.get("v", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+    except RecursionError:
+        raise ProtocolError("control message is nested too deeply") from None
+    version = raw.get("v", PROTOCOL_VERSION) if isinstance(raw, dict) else PROTOCOL_VERSION
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(
             f"protocol version {raw.get('v')!r} is not supported (this side speaks "
             f"{PROTOCOL_VERSION}); run the same unbroken version on every node"
         )
     try:
-        return adapter.validate_python(raw)
+        return adapter.validate_python(raw, strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "message"

@@ -18,7 +18,7 @@ def split_batch(batch_size: int, weights: Sequence[float]) -> list[int]:
     if any(w < 0 for w in weights):
         raise ValueError(f"weights must be non-negative, got {list(weights)}")
     total = float(sum(weights))
-    norm = [1.0] * len(weights) if total == 0 else [w / total for w in weights]
+    norm = [1.0 / len(weights)] * len(weights) if total == 0 else [w / total for w in weights]
     exact = [batch_size * w for w in norm]
     shares = [int(x) for x in exact]
     missing = batch_size - sum(shares)

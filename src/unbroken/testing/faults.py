@@ -32,7 +32,7 @@ def parse_faults(spec: str) -> list[Fault]:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         sig, _, rest = part.partition("@")
         phase, _, step = rest.partition(":")
-        if sig not in SIGNALS or phase not in PHASES or not step.isdigit():
+        if sig not in SIGNALS or phase not in PHASES or not (step.isascii() and step.isdigit()):
             raise ConfigError(
                 f"fault {part!r} is not SIGNAL@PHASE:STEP with SIGNAL in {sorted(SIGNALS)} "
                 f"and PHASE in {list(PHASES)} (e.g. kill@allreduce:12)"

@@ -35,7 +35,7 @@ from unbroken.comm.transfer import recv_state, send_state
 from unbroken.config import NodeConfig
 from unbroken.control import messages as m
 from unbroken.control.client import ControlClient
-from unbroken.errors import CollectiveFailed, EpochAborted, Expelled, TransferError
+from unbroken.errors import CollectiveFailed, EpochAborted, Expelled, JoinRefused, TransferError
 from unbroken.job import Job
 from unbroken.sched.shares import offsets
 from unbroken.state.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
@@ -152,7 +152,11 @@ class Node:
                 self._log({"kind": "expelled", "reason": self.client.expelled, "step": self.state.step})
                 self._abandon()
                 current = -1
-                self.client.rejoin()
+                try:
+                    self.client.rejoin()
+                except JoinRefused:
+                    if self.client.finished is None:
+                        raise
                 continue
             if self.client.finished is not None:
                 return NodeResult("job-finished", self.state.step, self.state.digest(), self._epochs_formed)

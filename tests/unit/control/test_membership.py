@@ -319,6 +319,30 @@ def test_first_mismatch_says_which_side_lacks_a_tensor() -> None:
     assert first_mismatch(FINGERPRINT, []) == "'layer.weight' is missing from this node's model"
 
 
+def test_a_node_returning_from_a_superseded_epoch_is_refused() -> None:
+    # b froze in epoch 1; the group went on to epoch 2 without it. It must not resume there.
+    ms = formed(["a", "b"])
+    keep_alive(ms, 0.5)
+    ms.fail("b", 0.5, "lease expired")
+    assert only_order(ms.tick(0.5)).epoch == 2
+    d = ms.admit(hello("b", resume=Resume(epoch=1, members=["a", "b"], step=5), last_epoch=1), 0.7)
+    assert d.refuse is not None
+    assert "epoch 1 is over" in d.refuse and "epoch 2" in d.refuse
+    assert "b" not in ms.members
+    # Without the stale resume it comes back as a new member.
+    assert ms.admit(hello("b", last_epoch=1), 0.8).refuse is None
+
+
+def test_a_node_resuming_the_current_epoch_of_a_running_coordinator_is_admitted() -> None:
+    # b's session dropped and it reconnected before the next epoch was formed.
+    ms = formed(["a", "b"])
+    keep_alive(ms, 0.5)
+    ms.fail("b", 0.5, "control connection dropped")
+    d = ms.admit(hello("b", resume=Resume(epoch=1, members=["a", "b"], step=5), last_epoch=1), 0.5)
+    assert d.refuse is None
+    assert "b" in ms.members
+
+
 def test_a_duplicate_member_id_is_refused_and_the_first_keeps_its_place() -> None:
     ms = formed(["a"])
     d = ms.admit(hello("a", name="impostor"), 0.5)

@@ -10,7 +10,10 @@ from pydantic import BaseModel
 from unbroken.control import messages as m
 from unbroken.errors import ProtocolError
 
-FINGERPRINT = [m.TensorSpec(name="w", shape=[2, 3], dtype="float32"), m.TensorSpec(name="b", shape=[3], dtype="float32")]
+FINGERPRINT = [
+    m.TensorSpec(name="w", shape=[2, 3], dtype="float32"),
+    m.TensorSpec(name="b", shape=[3], dtype="float32"),
+]
 
 NODE_MESSAGES: list[BaseModel] = [
     m.Hello(
@@ -40,6 +43,7 @@ NODE_MESSAGES: list[BaseModel] = [
 COORDINATOR_MESSAGES: list[BaseModel] = [
     m.Welcome(store_host="127.0.0.1", store_port=1234, lease_s=1.0, heartbeat_s=0.2, coordinator_id="c0ffee"),
     m.Refused(reason="model does not match"),
+    m.Refused(reason="job finished", finished=True),
     m.Ack(seq=4),
     m.EpochOrder(epoch=5, members=["a", "b"], shares=[10, 20], urgent=True, reason="b failed"),
     m.Expel(reason="lease"),
@@ -118,7 +122,7 @@ def test_extra_field_is_refused_naming_it() -> None:
 def test_extra_field_in_a_nested_model_is_refused() -> None:
     hello = json.loads(m.encode(NODE_MESSAGES[0]))
     hello["fingerprint"][0]["stride"] = [1]
-    with pytest.raises(ProtocolError, match="fingerprint.0.stride"):
+    with pytest.raises(ProtocolError, match=r"fingerprint\.0\.stride"):
         m.parse_node_message(json.dumps(hello))
 
 

@@ -1,0 +1,302 @@
+"""Recovery time after a crash (SIGKILL) and a freeze (SIGSTOP): unbroken vs plain DDP.
+
+    python bench/recovery.py                          # ~3 min on 2 cores
+    python bench/recovery.py --repeats 5 --lease 0.5 --ddp-freeze-repeats 2
+
+A 3-node job (``bench/jobs.py``, the ~0.67M-parameter MLP, B=96) runs on loopback and
+node n2 injects a fault, deterministically, in the all-reduce of a given step
+(``unbroken node ... --fault kill@allreduce:N`` / ``--fault stop@allreduce:N,stop@allreduce:M``):
+
+- crash (a fresh job per repeat): fault -> detection (the coordinator's "failure" event,
+  events.jsonl) and fault -> the survivors' next commit (first "commit" line after the
+  fault line's "t" in the survivors' commit logs); target <= 1.0 s.
+- freeze (one job, n2 freezes ``--repeats`` times, ``--stop-spacing`` steps apart; after
+  each, the bench SIGCONTs it and it rejoins): fault -> detection (one heartbeat lease) and
+  fault -> next survivor commit; target <= lease + 1 s.
+
+Times are wall-clock ("t" of the victim's ``fault`` line vs. the survivors' ``commit`` lines
+and the coordinator's event time), all on this one machine.
+
+Baseline, in the same invocation: plain ``DistributedDataParallel`` on gloo, 3 ranks of
+``bench/ddp_worker.py`` with the same job, rank 2 SIGKILLs / SIGSTOPs itself before the
+backward pass (so its peers are in the gradient all-reduce) of the same step. Plain DDP
+has no recovery: we report how long the survivors take to error out, and that training
+stopped there. For the freeze the DDP process-group timeout is ``--ddp-timeout`` (10 s):
+the survivors block until it expires.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jobs
+from common import (
+    DDPRun,
+    ProgressLine,
+    fmt,
+    median,
+    print_command,
+    print_table,
+    ratio,
+    wait_until,
+)
+from unbroken.testing import LocalCluster
+
+VICTIM = "n2"
+NODES = ("n1", "n2", "n3")
+DDP_VICTIM = 2
+
+
+def _first(entries: list[dict[str, Any]], kind: str, after: float = float("-inf")) -> dict[str, Any] | None:
+    return next((e for e in entries if e.get("kind") == kind and e["t"] > after), None)
+
+
+def _measure(c: LocalCluster, survivors: list[Any], t_f: float, timeout: float) -> dict[str, Any]:
+    """Fault -> detection and fault -> next survivor commit, for a fault whose line has time ``t_f``."""
+
+    def next_commit() -> dict[str, Any] | None:
+        found = [e for e in (_first(s.entries(), "commit", t_f) for s in survivors) if e]
+        return min(found, key=lambda e: e["t"]) if found else None
+
+    try:
+        commit = wait_until(next_commit, timeout, "a survivor's commit after the fault")
+        failure = wait_until(
+            lambda: next((e for e in c.events() if e["kind"] == "failure" and e["time"] >= t_f), None),
+            timeout,
+            "the coordinator's failure event",
+        )
+        recovery = wait_until(
+            lambda: next((r for r in c.state().get("recoveries", []) if r["detected_at"] >= t_f), None),
+            5.0,
+            "the coordinator's recovery record",
+        )
+    except TimeoutError as exc:
+        raise RuntimeError(f"{exc}\n{c.diagnostics()}") from None
+    return {
+        "detect": failure["time"] - t_f,
+        "commit": commit["t"] - t_f,
+        "commit_step": int(commit["step"]),
+        "coord_recovery": float(recovery["duration_s"]),
+        "reason": failure["reason"],
+    }
+
+
+def _start(args: argparse.Namespace, workdir: Path, fault: str) -> LocalCluster:
+    env = jobs.env_for(100_000, args.batch)
+    c = LocalCluster(jobs.job_ref("small"), workdir, env=env, min_nodes=3, lease_s=args.lease)
+    c.start_coordinator()
+    for name in NODES:
+        c.start_node(name, fault=fault if name == VICTIM else "")
+    return c
+
+
+def unbroken_kill(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """One fresh 3-node unbroken job, one SIGKILL; the job is stopped once the recovery is measured."""
+    c = _start(args, workdir, f"kill@allreduce:{args.fault_step}")
+    try:
+        victim = c.nodes[VICTIM]
+        f = wait_until(lambda: _first(victim.entries(), "fault"), args.timeout, "the kill fault to fire")
+        out = _measure(c, [c.nodes[n] for n in NODES if n != VICTIM], float(f["t"]), args.timeout)
+        return out | {"fault_step": int(f["step"])}
+    finally:
+        c.close()
+
+
+def unbroken_freezes(args: argparse.Namespace, workdir: Path, progress: ProgressLine) -> list[dict[str, Any]]:
+    """One 3-node unbroken job; n2 SIGSTOPs itself ``--repeats`` times, ``--stop-spacing`` steps apart.
+
+    After each freeze is measured the bench SIGCONTs n2: it finds itself expelled, rejoins as
+    a new member and catches up from a peer (timed as "SIGCONT -> back in sync"), then
+    freezes again at its next fault step.
+    """
+    stops = [args.fault_step + k * args.stop_spacing for k in range(args.repeats)]
+    c = _start(args, workdir, ",".join(f"stop@allreduce:{s}" for s in stops))
+    out: list[dict[str, Any]] = []
+    try:
+        victim = c.nodes[VICTIM]
+        survivors = [c.nodes[n] for n in NODES if n != VICTIM]
+        for k, step in enumerate(stops):
+            progress.update(f"unbroken stop #{k + 1} (step {step})")
+
+            def fault(k: int = k) -> dict[str, Any] | None:
+                fs = [e for e in victim.entries() if e.get("kind") == "fault"]
+                return fs[k] if len(fs) > k else None
+
+            f = wait_until(fault, args.timeout, f"stop fault #{k + 1} to fire")
+            t_f = float(f["t"])
+            r = _measure(c, survivors, t_f, args.timeout) | {"fault_step": int(f["step"])}
+            t_cont = time.time()
+            victim.signal(signal.SIGCONT)
+            back = wait_until(lambda t_f=t_f: _first(victim.entries(), "sync", t_f), args.timeout, "n2 back in sync")
+            r["rejoin"] = back["t"] - t_cont
+            out.append(r)
+            progress.update(
+                f"unbroken stop #{k + 1}: detect {r['detect'] * 1e3:.0f} ms, next commit {r['commit'] * 1e3:.0f} ms, "
+                f"SIGCONT -> back in sync {r['rejoin']:.2f} s",
+                advance=1,
+            )
+            if k + 1 < len(stops) and int(back["step"]) >= stops[k + 1]:
+                raise RuntimeError(f"n2 came back at step {back['step']}, past its next fault step {stops[k + 1]}: "
+                                   "raise --stop-spacing")  # fmt: skip
+        return out
+    finally:
+        c.close()
+
+
+def ddp_fault(args: argparse.Namespace, workdir: Path, sig: str, timeout_s: float) -> dict[str, Any]:
+    """Plain DDP, 3 ranks, one fault; waits (bounded) for the survivors to error out."""
+    total = args.fault_step + 200
+    env = jobs.env_for(total, args.batch)
+    with DDPRun("small", 3, workdir, env, timeout_s=timeout_s, faults={DDP_VICTIM: f"{sig}@{args.fault_step}"}) as d:
+        f = wait_until(lambda: _first(d.entries(DDP_VICTIM), "fault"), args.timeout, "the DDP fault to fire")
+        t_f = float(f["t"])
+        ranks = [r for r in range(3) if r != DDP_VICTIM]
+        codes = d.wait_exit(ranks, timeout_s + 30)
+        out: dict[str, Any] = {"total": total, "fault_step": args.fault_step, "codes": codes}
+        errors = [e for r in ranks for e in d.entries(r) if e["kind"] == "error"]
+        out["error"] = min(e["t"] for e in errors) - t_f if errors else None
+        out["error_msg"] = errors[0]["error"] if errors else ""
+        out["exit"] = max(d.exit_at[r] for r in ranks) - t_f if all(r in d.exit_at for r in ranks) else None
+        out["after_commits"] = sum(1 for r in ranks for e in d.entries(r) if e["kind"] == "commit" and e["t"] > t_f)
+        steps = [int(e["step"]) for r in ranks for e in d.entries(r) if e["kind"] == "commit"]
+        out["last_step"] = max(steps, default=0)
+        out["blocked_s"] = None if out["exit"] is not None else time.time() - t_f
+        return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3, help="unbroken crashes (fresh job each) and freezes (one job)")
+    p.add_argument("--ddp-repeats", type=int, default=1, help="plain-DDP crash runs")
+    p.add_argument("--ddp-freeze-repeats", type=int, default=1, help="plain-DDP freeze runs (each waits --ddp-timeout)")
+    p.add_argument("--stop-spacing", type=int, default=100, help="steps between successive freezes of n2")
+    p.add_argument("--fault-step", type=int, default=30, help="step in whose all-reduce the fault fires")
+    p.add_argument("--lease", type=float, default=1.0, help="coordinator heartbeat lease, seconds")
+    p.add_argument("--ddp-timeout", type=float, default=10.0, help="DDP process-group timeout for the freeze case")
+    p.add_argument("--batch", type=int, default=96, help="global batch B")
+    p.add_argument("--timeout", type=float, default=90.0, help="seconds allowed for any one wait")
+    p.add_argument("--workdir", help="keep logs here (default: a temporary directory)")
+    args = p.parse_args()
+    print_command()
+    print(f"model small ({jobs.num_params('small'):,} parameters), B={args.batch}, 3 processes, fault in step "
+          f"{args.fault_step}; lease {args.lease} s; DDP freeze timeout {args.ddp_timeout} s; OMP_NUM_THREADS=1\n"
+          f"unbroken: python -m unbroken node {jobs.job_ref('small')} --fault kill@allreduce:{args.fault_step} (n2)\n"
+          f"DDP:      python bench/ddp_worker.py --job small --rank 2 --world 3 --fault kill@{args.fault_step}",
+          flush=True)  # fmt: skip
+
+    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="ub-recovery-")
+    root = Path(args.workdir or tmp.name)  # type: ignore[union-attr]
+    runs: list[tuple[str, str, int]] = []
+    for rep in range(max(args.repeats, args.ddp_repeats)):
+        if rep < args.repeats:
+            runs.append(("unbroken", "kill", rep))
+        if rep < args.ddp_repeats:
+            runs.append(("ddp", "kill", rep))
+    runs.append(("unbroken", "stop", 0))
+    runs += [("ddp", "stop", rep) for rep in range(args.ddp_freeze_repeats)]
+    res: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    progress = ProgressLine(len(runs) - 1 + args.repeats)
+    try:
+        for system, sig, rep in runs:
+            wd = root / f"{system}-{sig}-{rep}"
+            if system == "unbroken" and sig == "stop":
+                res[(system, sig)] = unbroken_freezes(args, wd, progress)
+                continue
+            progress.update(f"{system} {sig} #{rep + 1}")
+            if system == "unbroken":
+                r = unbroken_kill(args, wd)
+                note = f"detect {r['detect'] * 1e3:.0f} ms, next commit {r['commit'] * 1e3:.0f} ms"
+            else:
+                r = ddp_fault(args, wd, sig, args.ddp_timeout if sig == "stop" else 60.0)
+                note = f"survivors error after {fmt(r['error'], ' s')}, exit codes {r['codes']}"
+            res.setdefault((system, sig), []).append(r)
+            progress.update(f"{system} {sig} #{rep + 1}: {note}", advance=1)
+    finally:
+        progress.close()
+        if tmp is not None:
+            tmp.cleanup()
+
+    def med(system: str, sig: str, key: str) -> float | None:
+        return median(r.get(key) for r in res.get((system, sig), []))
+
+    def ms(x: float | None) -> str:
+        return fmt(x and x * 1e3, " ms", 0)
+
+    # ---- crash
+    uk, dk = res[("unbroken", "kill")], res[("ddp", "kill")]
+    u_det, u_com = med("unbroken", "kill", "detect"), med("unbroken", "kill", "commit")
+    u_rec = med("unbroken", "kill", "coord_recovery")
+    d_err, d_exit = med("ddp", "kill", "error"), med("ddp", "kill", "exit")
+    retried = all(r["commit_step"] == r["fault_step"] + 1 for r in uk)
+    stopped = all(r["after_commits"] == 0 for r in dk)
+    last, total = dk[0]["last_step"], dk[0]["total"]
+    ddp_lost = f"run ended at step {last}: {total - last} of {total} steps never done" if stopped else "?"
+    print_table(
+        f"Crash: SIGKILL of 1 of 3 processes in the all-reduce of step {args.fault_step} — medians over "
+        f"{len(uk)} (unbroken) / {len(dk)} (DDP) runs",
+        ["measure", "unbroken", "plain DDP (gloo)", "ours / DDP"],
+        [
+            [
+                "fault -> failure detected (coordinator) / survivors' collective error",
+                ms(u_det),
+                ms(d_err),
+                ratio(u_det, d_err),
+            ],
+            ["fault -> survivors' next commit", ms(u_com), "never (training stopped)", "-"],
+            ["coordinator recovery record (detected -> first commit)", ms(u_rec), "-", "-"],
+            ["fault -> survivors' processes exited", "they keep training", ms(d_exit), "-"],
+            [
+                "steps lost",
+                f"0 (step {args.fault_step} retried)" if retried else "see logs",
+                ddp_lost,
+                "-",
+            ],
+            ["per-run fault -> next commit (ours)", ", ".join(ms(r["commit"]) for r in uk), "", ""],
+        ],
+        caption=f"target fault -> next commit <= 1.0 s: {'met' if u_com is not None and u_com <= 1.0 else 'NOT met'}; "
+        f"DDP survivors' error: {dk[0]['error_msg'][:110]!r}",
+    )
+
+    # ---- freeze
+    us, ds = res[("unbroken", "stop")], res.get(("ddp", "stop"), [])
+    s_det, s_com = med("unbroken", "stop", "detect"), med("unbroken", "stop", "commit")
+    ds_err = med("ddp", "stop", "error")
+    ds_exit = med("ddp", "stop", "exit")
+    s_rej = med("unbroken", "stop", "rejoin")
+    s_retried = all(r["commit_step"] == r["fault_step"] + 1 for r in us)
+    print_table(
+        f"Freeze: SIGSTOP of 1 of 3 processes in an all-reduce (steps {', '.join(str(r['fault_step']) for r in us)}) — "
+        f"lease {args.lease} s, DDP timeout {args.ddp_timeout} s — medians over {len(us)} (unbroken) / {len(ds)} (DDP)",
+        ["measure", "unbroken", "plain DDP (gloo)", "ours / DDP"],
+        [
+            ["fault -> failure detected (unbroken: lease expiry)", ms(s_det), "none", "-"],
+            [
+                "fault -> survivors' next commit (ours) / survivors' timeout error (DDP)",
+                ms(s_com),
+                ms(ds_err),
+                ratio(s_com, ds_err),
+            ],
+            ["next commit minus lease", ms(s_com and s_com - args.lease), "-", "-"],
+            ["fault -> survivors' processes exited", "they keep training", ms(ds_exit), "-"],
+            [
+                "survivors' commits after the fault",
+                "training continues" + (", frozen step retried" if s_retried else ""),
+                f"{sum(r['after_commits'] for r in ds)} (training stopped)" if ds else "-",
+                "-",
+            ],
+            ["SIGCONT -> frozen node back in sync (rejoin + state transfer)", fmt(s_rej, " s", 2), "-", "-"],
+            ["per-run fault -> next commit (ours)", ", ".join(ms(r["commit"]) for r in us), "", ""],
+        ],
+        caption=f"target fault -> next commit <= lease + 1 s = {args.lease + 1:.1f} s: "
+        f"{'met' if s_com is not None and s_com <= args.lease + 1 else 'NOT met'}"
+        + (f"; DDP survivors' error: {ds[0]['error_msg'][:110]!r}" if ds else ""),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Checkpointer: asynchronous, atomic checkpoints; only complete files are ever visible."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from unbroken.state import checkpoint as ck
+from unbroken.state.checkpoint import KEEP, Checkpointer, checkpoint_path, latest_checkpoint, load_checkpoint
+from unbroken.state.snapshot import TrainState
+
+
+def snap(step: int) -> dict[str, Any]:
+    return {"step": step, "cursor": step * 4, "model": {"w": torch.full((3,), float(step))}}
+
+
+def ckpt_names(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+def test_checkpoint_paths_sort_by_step() -> None:
+    assert checkpoint_path(Path("/x"), 42) == Path("/x/ckpt-000000042.pt")
+
+
+def test_latest_of_a_missing_or_empty_directory_is_none(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path / "nope") is None
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_latest_checkpoint_ignores_temporary_and_foreign_files(tmp_path: Path) -> None:
+    for name in ("ckpt-000000005.pt", "ckpt-000000003.pt"):
+        torch.save(snap(0), tmp_path / name)
+    (tmp_path / "ckpt-000000009.pt.1234.tmp").write_bytes(b"half a checkpo")
+    (tmp_path / "ckpt-9.pt").write_bytes(b"")
+    (tmp_path / "ckpt-000000008.pt.bak").write_bytes(b"")
+    (tmp_path / "notes.txt").write_bytes(b"")
+    assert latest_checkpoint(tmp_path) == tmp_path / "ckpt-000000005.pt"
+
+
+def test_save_async_writes_a_checkpoint_that_loads_back(tmp_path: Path) -> None:
+    c = Checkpointer(tmp_path / "ckpts")
+    assert c.save_async(snap(7)) is True
+    c.close()
+    path = latest_checkpoint(tmp_path / "ckpts")
+    assert path == tmp_path / "ckpts" / "ckpt-000000007.pt"
+    back = load_checkpoint(path)
+    assert back["step"] == 7 and back["cursor"] == 28
+    assert torch.equal(back["model"]["w"], torch.full((3,), 7.0))
+    assert [s for s, _ in c.written] == [7]
+    assert ckpt_names(tmp_path / "ckpts") == ["ckpt-000000007.pt"]  # no temporary left behind
+
+
+def test_a_train_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), step=0, cursor=0)
+    state.model(torch.randn(4, 3)).sum().backward()
+    state.optimizer.step()
+    state.step, state.cursor = 1, 4
+    c = Checkpointer(tmp_path)
+    c.save_async(state.capture())
+    c.close()
+
+    torch.manual_seed(1)
+    other_model = nn.Linear(3, 2)
+    other = TrainState(other_model, torch.optim.SGD(other_model.parameters(), lr=0.01, momentum=0.9))
+    assert other.digest() != state.digest()
+    path = latest_checkpoint(tmp_path)
+    assert path is not None
+    other.restore(load_checkpoint(path))
+    assert other.digest() == state.digest()
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
+    c = Checkpointer(tmp_path)
+    for step in (10, 20, 30, 40, 50):
+        assert c.save_async(snap(step))
+        c.close()
+    assert KEEP == 3
+    assert ckpt_names(tmp_path) == ["ckpt-000000030.pt", "ckpt-000000040.pt", "ckpt-000000050.pt"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "ckpt-000000050.pt"
+
+
+@pytest.fixture
+def slow_save(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Make torch.save write a few bytes, then wait until released."""
+    started, release = threading.Event(), threading.Event()
+    real_save = torch.save
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        f.write(b"PK\x03\x04partial")
+        f.flush()
+        started.set()
+        assert release.wait(5), "test never released the writer"
+        f.seek(0)
+        f.truncate()
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(ck.torch, "save", save)
+    return started, release
+
+
+def test_a_checkpoint_being_written_is_invisible_until_complete(
+    tmp_path: Path, slow_save: tuple[threading.Event, threading.Event]
+) -> None:
+    started, release = slow_save
+    c = Checkpointer(tmp_path)
+    try:
+        c.save_async(snap(3))
+        assert started.wait(5)
+        assert c.busy
+        assert latest_checkpoint(tmp_path) is None
+        names = ckpt_names(tmp_path)
+        assert len(names) == 1 and names[0].startswith("ckpt-000000003.pt.") and names[0].endswith(".tmp")
+    finally:
+        release.set()
+        c.close()
+    assert not c.busy
+    assert latest_checkpoint(tmp_path) == tmp_path / "ckpt-000000003.pt"
+    assert ckpt_names(tmp_path) == ["ckpt-000000003.pt"]
+
+
+def test_a_save_while_busy_is_skipped_not_queued(
+    tmp_path: Path, slow_save: tuple[threading.Event, threading.Event]
+) -> None:
+    started, release = slow_save
+    c = Checkpointer(tmp_path)
+    try:
+        assert c.save_async(snap(1)) is True
+        assert started.wait(5)
+        assert c.save_async(snap(2)) is False
+        assert c.save_async(snap(3)) is False
+        assert c.skipped == 2
+    finally:
+        release.set()
+        c.close()
+    assert ckpt_names(tmp_path) == ["ckpt-000000001.pt"]
+    assert c.save_async(snap(4)) is True  # free again once the write is done
+    c.close()
+    assert latest_checkpoint(tmp_path) == tmp_path / "ckpt-000000004.pt"
+
+
+def test_a_failed_write_leaves_no_file_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = Checkpointer(tmp_path)
+    c.save_async(snap(1))
+    c.close()
+
+    def broken_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        f.write(b"garbage")
+        raise OSError(28, os.strerror(28))  # ENOSPC
+
+    monkeypatch.setattr(ck.torch, "save", broken_save)
+    assert c.save_async(snap(2))
+    c.close()
+    assert ckpt_names(tmp_path) == ["ckpt-000000001.pt"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "ckpt-000000001.pt"
+    assert [s for s, _ in c.written] == [1]

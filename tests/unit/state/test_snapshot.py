@@ -1,0 +1,160 @@
+"""TrainState: what replicas agree on, its digest, and its serialised form."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from torch import nn
+
+from unbroken.control.messages import TensorSpec
+from unbroken.state.snapshot import TrainState, digest_prefix, fingerprint
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.norm = nn.BatchNorm1d(3)
+        self.head = nn.Linear(3, 2, bias=False).to(torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.fc(x)).double())
+
+
+def make_state(seed: int = 0, lr: float = 0.1) -> TrainState:
+    torch.manual_seed(seed)
+    model = Net()
+    return TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+
+
+def train_step(state: TrainState) -> None:
+    g = torch.Generator().manual_seed(state.step)
+    x = torch.randn(8, 4, generator=g)
+    state.optimizer.zero_grad()
+    state.model(x).square().mean().backward()
+    state.optimizer.step()
+    state.step += 1
+    state.cursor += 8
+
+
+def test_identical_states_have_equal_digests() -> None:
+    a, b = make_state(), make_state()
+    assert a.digest() == b.digest()
+    for _ in range(2):
+        train_step(a)
+        train_step(b)
+    assert a.digest() == b.digest()
+    assert len(a.digest()) == 32
+
+
+def test_a_one_bit_flip_in_a_parameter_changes_the_digest() -> None:
+    a = make_state()
+    before = a.digest()
+    with torch.no_grad():
+        w = a.model.fc.weight
+        bits = w.view(torch.int32)
+        bits[1, 2] ^= 1  # the lowest mantissa bit of one float
+    assert a.digest() != before
+    with torch.no_grad():
+        a.model.fc.weight.view(torch.int32)[1, 2] ^= 1
+    assert a.digest() == before
+
+
+def test_a_buffer_change_changes_the_digest() -> None:
+    a = make_state()
+    before = a.digest()
+    a.model.norm.num_batches_tracked += 1
+    assert a.digest() != before
+
+
+def test_optimizer_state_and_hyper_parameters_change_the_digest() -> None:
+    a, b = make_state(), make_state()
+    train_step(a)
+    train_step(b)
+    before = a.digest()
+    momentum = a.optimizer.state[a.model.fc.weight]["momentum_buffer"]
+    momentum[0, 0] += 1e-3
+    assert a.digest() != before
+    b.optimizer.param_groups[0]["lr"] = 0.2
+    assert b.digest() != before
+
+
+def test_step_and_cursor_change_the_digest() -> None:
+    a = make_state()
+    before = a.digest()
+    a.step += 1
+    after_step = a.digest()
+    assert after_step != before
+    a.cursor += 1
+    assert a.digest() not in (before, after_step)
+
+
+def test_different_models_have_different_digests() -> None:
+    assert make_state(seed=0).digest() != make_state(seed=1).digest()
+
+
+def test_to_bytes_and_load_bytes_round_trip_state_and_rng() -> None:
+    src = make_state(seed=0)
+    for _ in range(3):
+        train_step(src)
+    torch.manual_seed(1234)
+    random.seed(99)
+    payload = src.to_bytes()
+    assert payload.dtype == torch.uint8
+    expected_torch = torch.rand(5)
+    expected_py = [random.random() for _ in range(5)]
+
+    dst = make_state(seed=7)
+    assert dst.digest() != src.digest()
+    torch.manual_seed(0)
+    random.seed(0)
+    dst.load_bytes(payload)
+    assert dst.digest() == src.digest()
+    assert (dst.step, dst.cursor) == (3, 24)
+    assert torch.equal(torch.rand(5), expected_torch)
+    assert [random.random() for _ in range(5)] == expected_py
+
+    train_step(src)
+    train_step(dst)  # the restored replica keeps training in lockstep
+    assert dst.digest() == src.digest()
+
+
+def test_capture_is_a_copy_not_a_view() -> None:
+    a = make_state()
+    snap = a.capture()
+    train_step(a)
+    b = make_state(seed=5)
+    b.restore(snap)
+    assert b.digest() == make_state().digest()
+
+
+def test_fingerprint_lists_names_shapes_and_dtypes_in_order() -> None:
+    fp = fingerprint(Net())
+    assert fp[:2] == [
+        TensorSpec(name="fc.weight", shape=[3, 4], dtype="float32"),
+        TensorSpec(name="fc.bias", shape=[3], dtype="float32"),
+    ]
+    names = [s.name for s in fp]
+    assert names == list(Net().state_dict())
+    assert "norm.running_mean" in names and "norm.num_batches_tracked" in names
+    by_name = {s.name: s for s in fp}
+    assert by_name["norm.num_batches_tracked"].dtype == "int64"
+    assert by_name["norm.num_batches_tracked"].shape == []
+    assert by_name["head.weight"] == TensorSpec(name="head.weight", shape=[2, 3], dtype="float64")
+
+
+def test_fingerprint_ignores_values() -> None:
+    torch.manual_seed(0)
+    a = Net()
+    torch.manual_seed(1)
+    assert fingerprint(a) == fingerprint(Net())
+
+
+def test_digest_prefix_fits_a_signed_int64_and_follows_the_digest() -> None:
+    assert digest_prefix("f" * 32) == (2**64 - 1) >> 1
+    assert digest_prefix("f" * 32) < 2**63
+    assert digest_prefix("0" * 32) == 0
+    assert digest_prefix("0000000000000002" + "f" * 16) == 1
+    d1, d2 = make_state(0).digest(), make_state(1).digest()
+    assert digest_prefix(d1) != digest_prefix(d2)

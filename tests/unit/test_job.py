@@ -1,0 +1,199 @@
+"""Job validation and load_job."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from unbroken.errors import ConfigError, JobLoadError
+from unbroken.job import Job, load_job
+
+DATA = TensorDataset(torch.zeros(10, 2), torch.zeros(10))
+
+
+def make_job(**fields: object) -> Job:
+    values: dict[str, object] = {
+        "name": "unit",
+        "model": lambda: nn.Linear(2, 1),
+        "optimizer": lambda p: torch.optim.SGD(p, lr=0.1),
+        "dataset": DATA,
+        "loss": nn.functional.mse_loss,
+        "batch_size": 4,
+        "num_steps": 3,
+    }
+    values.update(fields)
+    return Job(**values)  # type: ignore[arg-type]
+
+
+JOB_SOURCE = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from unbroken import Job
+
+def make():
+    return Job(
+        name="from-file",
+        model=lambda: nn.Linear(2, 1),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        dataset=TensorDataset(torch.zeros(6, 2), torch.zeros(6)),
+        loss=nn.functional.mse_loss,
+        batch_size=3,
+        num_steps=2,
+    )
+
+job = make()
+number = 5
+nothing = None
+
+def needs_args(x):
+    return make()
+
+def broken():
+    raise RuntimeError("dataset missing")
+"""
+
+
+@pytest.fixture
+def job_file(tmp_path: Path) -> Path:
+    path = tmp_path / "myjob.py"
+    path.write_text(JOB_SOURCE)
+    return path
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"batch_size": 0}, ["Job.batch_size", "= 0", "at least 1"]),
+        ({"batch_size": -3}, ["Job.batch_size", "-3"]),
+        ({"num_steps": 0}, ["Job.num_steps", "= 0", "at least 1"]),
+        ({"dataset": TensorDataset(torch.zeros(0, 2))}, ["Job.dataset", "empty"]),
+        ({"name": ""}, ["Job.name", "non-empty"]),
+        ({"name": "x" * 129}, ["Job.name", "128"]),
+    ],
+)
+def test_invalid_jobs_are_refused_naming_the_field(fields: dict[str, object], words: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        make_job(**fields)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_a_valid_job_reports_its_size() -> None:
+    job = make_job()
+    assert job.num_samples == 10
+    assert job.batch_size == 4
+
+
+def test_identity_is_stable_and_changes_with_what_must_match() -> None:
+    base = make_job().identity()
+    assert make_job().identity() == base
+    assert make_job(model=lambda: nn.Linear(2, 1, bias=False)).identity() == base  # the model has its own check
+    changed = [
+        make_job(batch_size=5),
+        make_job(num_steps=4),
+        make_job(seed=1),
+        make_job(name="other"),
+        make_job(dataset=TensorDataset(torch.zeros(11, 2), torch.zeros(11))),
+    ]
+    ids = [j.identity() for j in changed]
+    assert base not in ids
+    assert len(set(ids)) == len(ids)
+    assert len(base) == 16
+
+
+def test_build_is_deterministic_given_the_seed() -> None:
+    job = make_job(seed=3)
+    (m1, _), (m2, _) = job.build(), job.build()
+    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values(), strict=True))
+    m3, opt = make_job(seed=4).build()
+    assert not torch.equal(m1.weight, m3.weight)
+    assert opt.param_groups[0]["params"][0] is m3.weight
+
+
+# ---------------------------------------------------------------- load_job
+
+
+def test_load_a_job_from_a_file(job_file: Path) -> None:
+    job = load_job(f"{job_file}:job")
+    assert isinstance(job, Job) and job.name == "from-file"
+
+
+def test_load_a_job_from_a_factory_in_a_file(job_file: Path) -> None:
+    job = load_job(f"{job_file}:make")
+    assert isinstance(job, Job) and job.batch_size == 3
+
+
+def test_load_a_job_from_a_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    name = f"unit_job_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(JOB_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert load_job(f"{name}:job").name == "from-file"
+        assert load_job(f"{name}:make").num_steps == 2
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_a_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(JobLoadError, match=r"job file .*nope\.py does not exist"):
+        load_job(f"{tmp_path}/nope.py:job")
+
+
+def test_a_missing_attribute_is_named(job_file: Path) -> None:
+    with pytest.raises(JobLoadError, match="has no attribute 'jobb'"):
+        load_job(f"{job_file}:jobb")
+
+
+def test_a_missing_module_is_named() -> None:
+    with pytest.raises(JobLoadError, match=r"importing 'no_such_module_xyz' failed: ModuleNotFoundError"):
+        load_job("no_such_module_xyz:job")
+
+
+def test_an_attribute_that_is_not_a_job_is_named(job_file: Path) -> None:
+    with pytest.raises(JobLoadError, match=r"is a int, not an unbroken\.Job"):
+        load_job(f"{job_file}:number")
+
+
+def test_a_file_that_fails_to_import_says_why(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nraise ImportError('needs a GPU')\n")
+    with pytest.raises(JobLoadError, match=r"importing .*bad\.py' failed: ImportError: needs a GPU"):
+        load_job(f"{bad}:job")
+
+
+def test_a_file_with_a_syntax_error_says_so(tmp_path: Path) -> None:
+    bad = tmp_path / "syntax.py"
+    bad.write_text("def (:\n")
+    with pytest.raises(JobLoadError, match="SyntaxError"):
+        load_job(f"{bad}:job")
+
+
+@pytest.mark.parametrize("ref", ["job.py", "job.py:", ":job", "module", ""])
+def test_a_malformed_reference_shows_the_expected_form(ref: str) -> None:
+    with pytest.raises(JobLoadError, match=r"FILE\.py:ATTR or MODULE:ATTR"):
+        load_job(ref)
+
+
+def test_a_factory_that_fails_raises_a_job_load_error_naming_it(job_file: Path) -> None:
+    with pytest.raises(JobLoadError, match="dataset missing"):
+        load_job(f"{job_file}:broken")
+
+
+def test_a_factory_that_needs_arguments_raises_a_job_load_error(job_file: Path) -> None:
+    with pytest.raises(JobLoadError, match="needs_args"):
+        load_job(f"{job_file}:needs_args")
+
+
+def test_an_attribute_set_to_none_is_reported_as_not_a_job(job_file: Path) -> None:
+    with pytest.raises(JobLoadError, match=r"NoneType, not an unbroken\.Job"):
+        load_job(f"{job_file}:nothing")

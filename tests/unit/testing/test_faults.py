@@ -1,0 +1,106 @@
+"""parse_faults and FaultPlan: deterministic fault injection specs."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from unbroken.errors import ConfigError
+from unbroken.testing import faults as faults_mod
+from unbroken.testing.faults import Fault, FaultPlan, parse_faults
+
+
+def test_one_fault() -> None:
+    assert parse_faults("kill@allreduce:12") == [Fault("kill", "allreduce", 12)]
+
+
+def test_several_faults_with_spaces_and_a_trailing_comma() -> None:
+    assert parse_faults(" kill@compute:3 , stop@allreduce:4,term@compute:0,") == [
+        Fault("kill", "compute", 3),
+        Fault("stop", "allreduce", 4),
+        Fault("term", "compute", 0),
+    ]
+
+
+@pytest.mark.parametrize("spec", ["", " ", ",", " , "])
+def test_empty_spec_means_no_faults(spec: str) -> None:
+    assert parse_faults(spec) == []
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "kill",
+        "kill@compute",
+        "kill@compute:",
+        "kill@compute:x",
+        "kill@compute:-1",
+        "kill@compute:1.5",
+        "kill@compute:1:2",
+        "hup@compute:1",
+        "KILL@compute:1",
+        "kill@backward:1",
+        "kill:compute@1",
+        "@compute:1",
+        "kill@compute:1,stop",
+        "kill@compute:²",  # a unicode digit is no step number
+    ],
+)
+def test_invalid_specs_raise_a_config_error_naming_the_syntax(spec: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_faults(spec)
+    msg = str(err.value)
+    assert "SIGNAL@PHASE:STEP" in msg
+    assert "kill" in msg and "stop" in msg and "term" in msg
+    assert "compute" in msg and "allreduce" in msg
+
+
+def test_the_error_names_the_bad_part_only() -> None:
+    with pytest.raises(ConfigError, match="'boom@compute:1'") as err:
+        parse_faults("kill@compute:1,boom@compute:1")
+    assert "'kill@compute:1'" not in str(err.value)
+
+
+def test_signal_names_map_to_the_documented_signals() -> None:
+    assert faults_mod.SIGNALS == {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
+
+
+@pytest.fixture
+def harmless_signals(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Deliver real signals to this process, but harmless ones, and record which arrived."""
+    received: list[str] = []
+    harmless = {"kill": signal.SIGUSR1, "stop": signal.SIGUSR2, "term": signal.SIGWINCH}
+    monkeypatch.setattr(faults_mod, "SIGNALS", harmless)
+    old = {sig: signal.signal(sig, lambda _s, _f, name=name: received.append(name)) for name, sig in harmless.items()}
+    try:
+        yield received
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def test_fault_plan_fires_each_fault_once_at_its_phase_and_step(harmless_signals: list[str]) -> None:
+    records: list[dict[str, Any]] = []
+    plan = FaultPlan(parse_faults("stop@allreduce:2,kill@compute:2"), records.append)
+    plan.maybe_fire("compute", 1)
+    plan.maybe_fire("allreduce", 1)
+    assert harmless_signals == [] and records == []
+    plan.maybe_fire("allreduce", 2)
+    assert harmless_signals == ["stop"]
+    assert records[0]["kind"] == "fault" and records[0]["signal"] == "stop" and records[0]["step"] == 2
+    plan.maybe_fire("allreduce", 2)  # fired already
+    assert harmless_signals == ["stop"]
+    plan.maybe_fire("compute", 2)
+    assert harmless_signals == ["stop", "kill"]
+    assert [r["phase"] for r in records] == ["allreduce", "compute"]
+
+
+def test_the_fault_is_recorded_before_the_signal(harmless_signals: list[str]) -> None:
+    seen_at_record: list[list[str]] = []
+    plan = FaultPlan([Fault("term", "compute", 0)], lambda rec: seen_at_record.append(list(harmless_signals)))
+    plan.maybe_fire("compute", 0)
+    assert seen_at_record == [[]]
+    assert harmless_signals == ["term"]
