@@ -126,3 +126,18 @@ def test_all_nodes_killed_then_restarted_resume_from_checkpoint(make_cluster, tm
     assert restores, "a cold start must resume from the checkpoint"
     assert all(reached - 10 <= e["step"] <= reached + 5 and e["step"] % 5 == 0 for e in restores), (reached, restores)
     assert_promises(c, env, finishers=3)
+
+
+def test_unequal_shares_and_microbatches_match_the_reference(make_cluster):
+    """A fixed unequal split (weights 1:2:3) with micro-batches still gives the exact gradient of B."""
+    env = {"UB_TEST_STEPS": "40", "UB_TEST_DELAY_MS": "5"}
+    c = start(make_cluster, env, node_args=["--max-microbatch", "4"])
+    for i, weight in enumerate(("1", "2", "3"), start=1):
+        c.start_node(f"n{i}", extra=["--weight", weight])
+    codes = c.wait_exit(timeout=120)
+    assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
+    epochs = {e["epoch"] for n in c.nodes.values() for e in n.entries() if e["kind"] == "contrib"}
+    assert len(epochs) == 1
+    sizes = sorted(len(e["indices"]) for n in c.nodes.values() for e in n.entries() if e["kind"] == "contrib" and e["step"] == 0)
+    assert sizes == [5, 10, 15], sizes  # B = 30 split 1:2:3
+    assert_promises(c, env, finishers=3)
