@@ -138,6 +138,8 @@ def test_unequal_shares_and_microbatches_match_the_reference(make_cluster):
     assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
     epochs = {e["epoch"] for n in c.nodes.values() for e in n.entries() if e["kind"] == "contrib"}
     assert len(epochs) == 1
-    sizes = sorted(len(e["indices"]) for n in c.nodes.values() for e in n.entries() if e["kind"] == "contrib" and e["step"] == 0)
+    sizes = sorted(
+        len(e["indices"]) for n in c.nodes.values() for e in n.entries() if e["kind"] == "contrib" and e["step"] == 0
+    )
     assert sizes == [5, 10, 15], sizes  # B = 30 split 1:2:3
     assert_promises(c, env, finishers=3)
