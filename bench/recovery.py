@@ -28,6 +28,7 @@ the survivors block until it expires.
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import tempfile
 import time
@@ -56,15 +57,26 @@ def _first(entries: list[dict[str, Any]], kind: str, after: float = float("-inf"
     return next((e for e in entries if e.get("kind") == kind and e["t"] > after), None)
 
 
-def _measure(c: LocalCluster, survivors: list[Any], t_f: float, timeout: float) -> dict[str, Any]:
-    """Fault -> detection and fault -> next survivor commit, for a fault whose line has time ``t_f``."""
+def _measure(c: LocalCluster, victim: Any, survivors: list[Any], f: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Fault -> detection and fault -> the survivors' first commit in the epoch formed without the victim.
+
+    The step in flight may still complete if the victim's share of the all-reduce left before the
+    signal landed; that commit belongs to the old epoch and is not counted as the recovery.
+    """
+    t_f, fault_step = float(f["t"]), int(f["step"])
+    contribs = [e for e in victim.entries() if e.get("kind") == "contrib" and e["t"] <= t_f]
+    epoch = int(contribs[-1]["epoch"])
 
     def next_commit() -> dict[str, Any] | None:
-        found = [e for e in (_first(s.entries(), "commit", t_f) for s in survivors) if e]
+        found = [
+            next((e for e in s.entries() if e.get("kind") == "commit" and e["t"] > t_f and e["epoch"] > epoch), None)
+            for s in survivors
+        ]
+        found = [e for e in found if e]
         return min(found, key=lambda e: e["t"]) if found else None
 
     try:
-        commit = wait_until(next_commit, timeout, "a survivor's commit after the fault")
+        commit = wait_until(next_commit, timeout, "a survivor's commit in a new epoch after the fault")
         failure = wait_until(
             lambda: next((e for e in c.events() if e["kind"] == "failure" and e["time"] >= t_f), None),
             timeout,
@@ -77,10 +89,24 @@ def _measure(c: LocalCluster, survivors: list[Any], t_f: float, timeout: float) 
         )
     except TimeoutError as exc:
         raise RuntimeError(f"{exc}\n{c.diagnostics()}") from None
+    # No step lost or applied twice: each survivor's committed steps run on without a gap.
+    gapless = True
+    for s in survivors:
+        steps = [int(e["step"]) for e in s.entries() if e.get("kind") == "commit" and e["t"] <= commit["t"] + 1]
+        gapless &= steps == list(range(steps[0], steps[0] + len(steps)))
+    inflight_done = any(
+        e.get("kind") == "commit" and e["epoch"] == epoch and int(e["step"]) == fault_step + 1
+        for s in survivors
+        for e in s.entries()
+    )
     return {
         "detect": failure["time"] - t_f,
         "commit": commit["t"] - t_f,
         "commit_step": int(commit["step"]),
+        "fault_step": fault_step,
+        "retried": int(commit["step"]) == fault_step + 1,
+        "inflight_done": inflight_done,
+        "gapless": gapless,
         "coord_recovery": float(recovery["duration_s"]),
         "reason": failure["reason"],
     }
@@ -101,8 +127,7 @@ def unbroken_kill(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     try:
         victim = c.nodes[VICTIM]
         f = wait_until(lambda: _first(victim.entries(), "fault"), args.timeout, "the kill fault to fire")
-        out = _measure(c, [c.nodes[n] for n in NODES if n != VICTIM], float(f["t"]), args.timeout)
-        return out | {"fault_step": int(f["step"])}
+        return _measure(c, victim, [c.nodes[n] for n in NODES if n != VICTIM], f, args.timeout)
     finally:
         c.close()
 
@@ -129,7 +154,7 @@ def unbroken_freezes(args: argparse.Namespace, workdir: Path, progress: Progress
 
             f = wait_until(fault, args.timeout, f"stop fault #{k + 1} to fire")
             t_f = float(f["t"])
-            r = _measure(c, survivors, t_f, args.timeout) | {"fault_step": int(f["step"])}
+            r = _measure(c, victim, survivors, f, args.timeout)
             t_cont = time.time()
             victim.signal(signal.SIGCONT)
             back = wait_until(lambda t_f=t_f: _first(victim.entries(), "sync", t_f), args.timeout, "n2 back in sync")
@@ -160,13 +185,24 @@ def ddp_fault(args: argparse.Namespace, workdir: Path, sig: str, timeout_s: floa
         out: dict[str, Any] = {"total": total, "fault_step": args.fault_step, "codes": codes}
         errors = [e for r in ranks for e in d.entries(r) if e["kind"] == "error"]
         out["error"] = min(e["t"] for e in errors) - t_f if errors else None
-        out["error_msg"] = errors[0]["error"] if errors else ""
+        out["error_msg"] = re.sub(r"\[/[^\]]*\]\s*", "", errors[0]["error"]) if errors else ""
         out["exit"] = max(d.exit_at[r] for r in ranks) - t_f if all(r in d.exit_at for r in ranks) else None
-        out["after_commits"] = sum(1 for r in ranks for e in d.entries(r) if e["kind"] == "commit" and e["t"] > t_f)
+        # a commit line's "step" counts finished steps: step index N finishing logs N + 1
+        out["after_commits"] = sum(
+            1 for r in ranks for e in d.entries(r) if e["kind"] == "commit" and int(e["step"]) > args.fault_step
+        )
         steps = [int(e["step"]) for r in ranks for e in d.entries(r) if e["kind"] == "commit"]
         out["last_step"] = max(steps, default=0)
         out["blocked_s"] = None if out["exit"] is not None else time.time() - t_f
         return out
+
+
+def _lost_note(runs: list[dict[str, Any]]) -> str:
+    if not all(r["gapless"] for r in runs):
+        return "GAP in survivors' commits: see logs"
+    retried = sum(r["retried"] for r in runs)
+    done = sum(r["inflight_done"] for r in runs)
+    return f"0 lost, no gaps; in-flight step retried {retried}x, completed before the fault {done}x"
 
 
 def main() -> None:
@@ -232,7 +268,7 @@ def main() -> None:
     u_det, u_com = med("unbroken", "kill", "detect"), med("unbroken", "kill", "commit")
     u_rec = med("unbroken", "kill", "coord_recovery")
     d_err, d_exit = med("ddp", "kill", "error"), med("ddp", "kill", "exit")
-    retried = all(r["commit_step"] == r["fault_step"] + 1 for r in uk)
+    lost_note = _lost_note(uk)
     stopped = all(r["after_commits"] == 0 for r in dk)
     last, total = dk[0]["last_step"], dk[0]["total"]
     ddp_lost = f"run ended at step {last}: {total - last} of {total} steps never done" if stopped else "?"
@@ -247,12 +283,17 @@ def main() -> None:
                 ms(d_err),
                 ratio(u_det, d_err),
             ],
-            ["fault -> survivors' next commit", ms(u_com), "never (training stopped)", "-"],
+            [
+                "fault -> survivors' next commit (new epoch, without the victim)",
+                ms(u_com),
+                "never (training stopped)",
+                "-",
+            ],
             ["coordinator recovery record (detected -> first commit)", ms(u_rec), "-", "-"],
             ["fault -> survivors' processes exited", "they keep training", ms(d_exit), "-"],
             [
                 "steps lost",
-                f"0 (step {args.fault_step} retried)" if retried else "see logs",
+                lost_note,
                 ddp_lost,
                 "-",
             ],
@@ -268,7 +309,6 @@ def main() -> None:
     ds_err = med("ddp", "stop", "error")
     ds_exit = med("ddp", "stop", "exit")
     s_rej = med("unbroken", "stop", "rejoin")
-    s_retried = all(r["commit_step"] == r["fault_step"] + 1 for r in us)
     print_table(
         f"Freeze: SIGSTOP of 1 of 3 processes in an all-reduce (steps {', '.join(str(r['fault_step']) for r in us)}) — "
         f"lease {args.lease} s, DDP timeout {args.ddp_timeout} s — medians over {len(us)} (unbroken) / {len(ds)} (DDP)",
@@ -285,7 +325,7 @@ def main() -> None:
             ["fault -> survivors' processes exited", "they keep training", ms(ds_exit), "-"],
             [
                 "survivors' commits after the fault",
-                "training continues" + (", frozen step retried" if s_retried else ""),
+                "training continues: " + _lost_note(us),
                 f"{sum(r['after_commits'] for r in ds)} (training stopped)" if ds else "-",
                 "-",
             ],

@@ -59,7 +59,7 @@ def run_ddp(args: argparse.Namespace, workdir: Path) -> list[float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3, help="runs of each system, interleaved")
-    p.add_argument("--steps", type=int, default=200, help="steps per run")
+    p.add_argument("--steps", type=int, default=400, help="steps per run")
     p.add_argument("--warmup", type=int, default=30, help="steps left out at the start of each run")
     p.add_argument("--nodes", type=int, default=3, help="processes on each side")
     p.add_argument("--batch", type=int, default=96, help="global batch B (divisible by --nodes)")

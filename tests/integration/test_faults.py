@@ -124,7 +124,11 @@ def test_all_nodes_killed_then_restarted_resume_from_checkpoint(make_cluster, tm
     assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
     restores = [e for n in restarted for e in n.entries() if e["kind"] == "restore"]
     assert restores, "a cold start must resume from the checkpoint"
-    assert all(reached - 10 <= e["step"] <= reached + 5 and e["step"] % 5 == 0 for e in restores), (reached, restores)
+    # The first node back resumes from the newest checkpoint of the dead group (written
+    # every 5 steps, asynchronously); later ones may find a newer one the new group wrote.
+    first = min(restores, key=lambda e: e["t"])
+    assert reached - 10 <= first["step"] <= reached + 5, (reached, restores)
+    assert all(e["step"] % 5 == 0 and e["step"] >= first["step"] for e in restores), restores
     assert_promises(c, env, finishers=3)
 
 

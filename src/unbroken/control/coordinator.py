@@ -165,6 +165,22 @@ class Coordinator:
     async def _state(self, request: web.Request) -> web.Response:
         return web.json_response(self.snapshot())
 
+    def state(self, timeout: float = 5.0) -> dict[str, Any]:
+        """The `snapshot`, safe to call from any thread while the service runs."""
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            return self.snapshot()
+        try:
+            if asyncio.get_running_loop() is loop:
+                return self.snapshot()
+        except RuntimeError:
+            pass
+
+        async def take() -> dict[str, Any]:
+            return self.snapshot()
+
+        return asyncio.run_coroutine_threadsafe(take(), loop).result(timeout)
+
     def snapshot(self) -> dict[str, Any]:
         ms = self.membership
         now = time.monotonic()

@@ -19,6 +19,8 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from unbroken.config import CoordinatorConfig
+from unbroken.control.coordinator import Coordinator
 from unbroken.testing.cluster import LocalCluster, NodeProcess
 
 JOB = "unbroken.demo.charlm:job"
@@ -33,7 +35,7 @@ def _first_commit_after(node: NodeProcess, epoch: int) -> float | None:
 
 
 def run_demo(steps: int = 0, nodes: int = 3, out_dir: Path | None = None) -> int:
-    from unbroken.demo.charlm import make_job, sample_text
+    from unbroken.demo.charlm import make_job
 
     console = Console()
     num_steps = steps or make_job().num_steps
@@ -42,8 +44,23 @@ def run_demo(steps: int = 0, nodes: int = 3, out_dir: Path | None = None) -> int
     console.print(
         f"[bold]unbroken demo[/]: {nodes} nodes train a character model for {num_steps} steps; logs in {workdir}"
     )
-    with LocalCluster(JOB, workdir, min_nodes=nodes, env=env) as cluster:
-        host, port = cluster.start_coordinator()
+    coord = Coordinator(CoordinatorConfig(port=0, min_nodes=nodes, event_log=workdir / "events.jsonl")).start()
+    try:
+        return _drive(console, coord, workdir, env, nodes, num_steps)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: nodes stopped[/]")
+        return 130
+    finally:
+        coord.stop()
+
+
+def _drive(
+    console: Console, coord: Coordinator, workdir: Path, env: dict[str, str], nodes: int, num_steps: int
+) -> int:
+    from unbroken.demo.charlm import sample_text
+
+    with LocalCluster(JOB, workdir, env=env) as cluster:
+        cluster.address = host, port = coord.address
         console.print(f"coordinator on http://{host}:{port}  (live state: http://{host}:{port}/api/state)")
         names = [f"node-{i + 1}" for i in range(nodes)]
         for name in names:
@@ -63,11 +80,7 @@ def run_demo(steps: int = 0, nodes: int = 3, out_dir: Path | None = None) -> int
         deadline = time.monotonic() + 600
         with Live(progress, console=console, refresh_per_second=8):
             while time.monotonic() < deadline:
-                try:
-                    state = cluster.state()
-                except OSError:
-                    time.sleep(0.1)
-                    continue
+                state = coord.state()
                 step = int(state["step"])
                 members = [m for m in state["members"] if m["rank"] is not None]
                 losses = [m["loss"] for m in members if m["loss"] is not None]
@@ -93,7 +106,7 @@ def run_demo(steps: int = 0, nodes: int = 3, out_dir: Path | None = None) -> int
             progress.update(task, completed=int(state.get("step", 0)))
         console.print()
         codes = cluster.wait_exit([n for n in cluster.nodes if killed is None or n != killed[0]], timeout=60)
-        state = cluster.state()
+        state = coord.state()
         _summary(console, cluster, state, killed, joined, codes, num_steps)
         finals = [n for n in cluster.nodes.values() if n.final_state.exists()]
         if finals:
