@@ -106,6 +106,7 @@ def main() -> None:
     p.add_argument("--models", default="small,large", help="comma-separated, from: " + ", ".join(jobs.JOBS))
     p.add_argument("--repeats", type=int, default=2, help="joins (and cold starts) of the small model")
     p.add_argument("--large-repeats", type=int, default=1, help="joins (and cold starts) of the large model")
+    p.add_argument("--lease", type=float, default=1.0, help="coordinator heartbeat lease of the 2-node job, seconds")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for any one wait")
     p.add_argument("--workdir", help="keep logs here (default: a temporary directory)")
     args = p.parse_args()
@@ -129,7 +130,9 @@ def main() -> None:
         for model in models:
             env = jobs.env_for(100_000)
             progress.update(f"{model}: starting the 2-node job")
-            with LocalCluster(jobs.job_ref(model), root / f"{model}-job", env=env, min_nodes=2) as a:
+            with LocalCluster(
+                jobs.job_ref(model), root / f"{model}-job", env=env, min_nodes=2, lease_s=args.lease
+            ) as a:
                 a.start_coordinator()
                 a.start_node("n1")
                 a.start_node("n2")
@@ -202,7 +205,8 @@ def main() -> None:
         + " repeats; a 2-node job trains in the background for both",
         ["measure", "join a running job", "cold start alone (baseline)", "join / cold"],
         rows,
-        caption="join: a 3rd node joins a 2-node job; cold: the same node as a 1-node job on a fresh coordinator",
+        caption="join: a 3rd node joins a 2-node job; cold: the same node as a 1-node job on a fresh coordinator; "
+        f"lease {args.lease} s",
     )
 
 

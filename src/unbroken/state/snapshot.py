@@ -87,13 +87,43 @@ class TrainState:
         random.setstate((state[0], tuple(snap["rng"]["python"]), state[2]))
 
     def to_bytes(self) -> torch.Tensor:
+        # No whole-buffer copies: one long call holding the GIL starves the heartbeat
+        # thread, and a state of a few hundred MB would cost the node its lease.
         buf = io.BytesIO()
         torch.save(self.capture(), buf)
-        return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+        return torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
 
     def load_bytes(self, payload: torch.Tensor) -> None:
-        snap = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+        snap = torch.load(_TensorReader(payload), weights_only=True)
         self.restore(snap)
+
+
+class _TensorReader(io.RawIOBase):
+    """A read-only file over a uint8 tensor, copying only what each read asks for."""
+
+    def __init__(self, payload: torch.Tensor) -> None:
+        self._view = memoryview(payload.numpy())  # type: ignore[arg-type]
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), len(self._view) - self._pos)
+        b[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 def digest_prefix(digest: str) -> int:
