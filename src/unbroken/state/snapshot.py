@@ -94,7 +94,7 @@ class TrainState:
         return torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
 
     def load_bytes(self, payload: torch.Tensor) -> None:
-        snap = torch.load(_TensorReader(payload), weights_only=True)
+        snap = torch.load(_TensorReader(payload), weights_only=True)  # type: ignore[arg-type]
         self.restore(snap)
 
 
