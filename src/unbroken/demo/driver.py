@@ -54,9 +54,7 @@ def run_demo(steps: int = 0, nodes: int = 3, out_dir: Path | None = None) -> int
         coord.stop()
 
 
-def _drive(
-    console: Console, coord: Coordinator, workdir: Path, env: dict[str, str], nodes: int, num_steps: int
-) -> int:
+def _drive(console: Console, coord: Coordinator, workdir: Path, env: dict[str, str], nodes: int, num_steps: int) -> int:
     from unbroken.demo.charlm import sample_text
 
     with LocalCluster(JOB, workdir, env=env) as cluster:
