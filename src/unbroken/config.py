@@ -93,8 +93,10 @@ class NodeConfig:
             raise ConfigError(
                 f"NodeConfig.coordinators is empty: pass --coordinator HOST:PORT or set {ENV_COORDINATOR}"
             )
-        if not self.weight > 0:
-            raise ConfigError(f"NodeConfig.weight = {self.weight!r} must be greater than 0")
+        if not 0 < self.weight <= 1e9:
+            raise ConfigError(f"NodeConfig.weight = {self.weight!r} must be greater than 0 and at most 1e9")
+        if len(self.display_name) > 200:
+            raise ConfigError(f"NodeConfig.name is {len(self.display_name)} characters long; at most 200 are allowed")
         _check_range("NodeConfig", "max_microbatch", self.max_microbatch, 0)
         _check_range("NodeConfig", "checkpoint_every", self.checkpoint_every, 0)
         _check_range("NodeConfig", "connect_timeout_s", self.connect_timeout_s, 0.1, 86400)

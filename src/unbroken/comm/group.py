@@ -113,20 +113,28 @@ class StoreClient:
     """One TCPStore client per coordinator incarnation."""
 
     def __init__(self) -> None:
-        self._key: tuple[str, int] | None = None
+        self._key: tuple[str, str, int] | None = None
         self._store: TCPStore | None = None
+        self._lock = threading.Lock()
 
-    def get(self, host: str, port: int, timeout_s: float) -> TCPStore:
-        if self._key != (host, port) or self._store is None:
-            self._store = TCPStore(
-                host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-            )
-            self._key = (host, port)
-        return self._store
+    def get(self, coordinator_id: str, host: str, port: int, timeout_s: float) -> TCPStore:
+        """The client for this coordinator incarnation (a restarted one gets a new client)."""
+        with self._lock:
+            if self._key != (coordinator_id, host, port) or self._store is None:
+                self._store = TCPStore(
+                    host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+                )
+                self._key = (coordinator_id, host, port)
+            return self._store
+
+    def reset(self) -> None:
+        """Forget the client after an error; the next `get` reconnects."""
+        with self._lock:
+            self._key, self._store = None, None
 
 
 def build_group(
-    store: TCPStore,
+    store: Callable[[], TCPStore],
     prefix: str,
     rank: int,
     size: int,
@@ -137,7 +145,8 @@ def build_group(
 ) -> tuple[Any, float]:
     """Build a `ProcessGroupGloo` for one epoch without letting a missing peer block us.
 
-    The constructor blocks until every rank has connected, so it runs on a helper thread;
+    The store client and the constructor block (the latter until every rank has connected),
+    so both run on a helper thread;
     if the epoch is superseded meanwhile we walk away and the helper ends at its timeout.
     """
     result: dict[str, Any] = {}
@@ -150,7 +159,7 @@ def build_group(
                 opts._devices = [ProcessGroupGloo.create_device(hostname=gloo_host)]
             else:
                 opts._devices = [ProcessGroupGloo.create_default_device()]
-            result["pg"] = ProcessGroupGloo(PrefixStore(prefix, store), rank, size, opts)
+            result["pg"] = ProcessGroupGloo(PrefixStore(prefix, store()), rank, size, opts)
         except Exception as exc:  # reported to the waiting thread
             result["error"] = exc
         finally:

@@ -155,6 +155,9 @@ class ControlClient:
                         return
                     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ProtocolError) as exc:
                         last_error = f"{type(exc).__name__}: {exc}"
+                    except Exception as exc:  # never let the session thread die silently
+                        log.exception("control session failed; reconnecting")
+                        last_error = f"{type(exc).__name__}: {exc}"
                     if self._closing or self.expelled is not None:
                         return
                 if not self._first.is_set() and time.monotonic() > deadline:
@@ -172,9 +175,11 @@ class ControlClient:
 
     async def _session(self, http: aiohttp.ClientSession, host: str, port: int) -> None:
         url = f"http://{host}:{port}/ws"
-        async with http.ws_connect(
-            url, timeout=aiohttp.ClientWSTimeout(ws_close=1.0), max_msg_size=64 << 20, heartbeat=None
-        ) as ws:
+        connect = asyncio.wait_for(
+            http.ws_connect(url, timeout=aiohttp.ClientWSTimeout(ws_close=1.0), max_msg_size=64 << 20, heartbeat=None),
+            timeout=5.0,
+        )
+        async with await connect as ws:
             await ws.send_str(m.encode(self._hello(self.member_id)))
             first = await asyncio.wait_for(ws.receive(), timeout=10)
             if first.type != aiohttp.WSMsgType.TEXT:
@@ -197,7 +202,7 @@ class ControlClient:
             self._first.set()
             self.wake.set()
             log.info("%s joined coordinator %s at %s:%d", self.member_id, msg.coordinator_id, host, port)
-            beats = asyncio.create_task(self._heartbeats(msg.heartbeat_s))
+            beats = asyncio.create_task(self._heartbeats(msg.heartbeat_s, ws))
             writer = asyncio.create_task(self._writer(ws))
             try:
                 async for raw in ws:
@@ -215,9 +220,15 @@ class ControlClient:
                 if not self._closing and self.expelled is None:
                     log.warning("lost the coordinator session (%s)", "lease fresh: outage" if fresh else "lease stale")
 
-    async def _heartbeats(self, period: float) -> None:
+    async def _heartbeats(self, period: float, ws: aiohttp.ClientWebSocketResponse) -> None:
         assert self._queue is not None
         while True:
+            if time.monotonic() - self._last_acked_send > 2 * self.lease_s:
+                # A coordinator that went silent (host down, cable cut) sends no reset;
+                # give up on the session so we reconnect or fail over to another address.
+                log.warning("no heartbeat acknowledged for %.1f s; dropping the session", 2 * self.lease_s)
+                await ws.close()
+                return
             self._seq += 1
             with self._lock:
                 self._sent[self._seq] = time.monotonic()

@@ -115,6 +115,7 @@ class Membership:
         self.members: dict[str, Member] = {}
         self.epoch = 0
         self._epoch_floor = 0
+        self._started = False
         """Nodes have heard of epochs up to this one (from before a restart): number above it."""
         self.epoch_members: list[str] = []
         self.shares: list[int] = []
@@ -177,6 +178,7 @@ class Membership:
         )
         self.step = max(self.step, hello.step)
         self._epoch_floor = max(self._epoch_floor, hello.last_epoch)
+        self._started = self._started or hello.resume is not None or hello.step > 0 or hello.last_epoch > 0
         d.events.append(self._event(now, "join", hello.member_id, f"{hello.name} connected"))
         if hello.resume is None and self.recovering_until is not None and not self._resumes:
             self.recovering_until = None  # a fresh job, not a restarted coordinator
@@ -273,7 +275,7 @@ class Membership:
             d.merge(self._recover(now))
             if self.recovering_until is not None:
                 return d
-        if self.epoch_members == [] and len(self.members) < self.min_nodes:
+        if not self._started and len(self.members) < self.min_nodes:
             return d  # the job has not started: wait for enough nodes
         if self._pending_due is not None and now >= self._pending_due and not self.finished:
             d.merge(self._form_epoch(now, self._pending_urgent, self._pending_reason))
@@ -334,6 +336,7 @@ class Membership:
             return d
         old = list(self.epoch_members)
         self.epoch = max(self.epoch, self._epoch_floor) + 1
+        self._started = True
         self.epoch_members = order
         members = [self.members[m] for m in order]
         self.shares = self._split(members)

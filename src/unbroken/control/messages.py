@@ -17,6 +17,8 @@ PROTOCOL_VERSION = 1
 
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 Count = Annotated[int, Field(ge=0, le=2**53)]
+EpochNo = Annotated[int, Field(ge=0, le=2**31)]
+"""Epoch numbers stay far below any overflow, whatever a hostile hello claims."""
 
 
 class _Msg(BaseModel):
@@ -35,7 +37,7 @@ class Resume(BaseModel):
     """What a reconnecting member knows, so a restarted coordinator can rebuild its view."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    epoch: Count
+    epoch: EpochNo
     members: Annotated[list[Name], Field(max_length=4096)]
     step: Count
 
@@ -54,7 +56,7 @@ class Hello(_Msg):
     host: Annotated[str, Field(max_length=256)] = ""
     pid: Count = 0
     resume: Resume | None = None
-    last_epoch: Count = 0
+    last_epoch: EpochNo = 0
     """The newest epoch this node has heard of; epochs after a restart are numbered above it."""
 
 
@@ -66,7 +68,7 @@ class Heartbeat(_Msg):
 
 class Progress(_Msg):
     type: Literal["progress"] = "progress"
-    epoch: Count
+    epoch: EpochNo
     step: Count
     loss: float
     wall_time: float
@@ -76,7 +78,7 @@ class Progress(_Msg):
 
 class Fault(_Msg):
     type: Literal["fault"] = "fault"
-    epoch: Count
+    epoch: EpochNo
     reason: Annotated[str, Field(max_length=2000)]
 
 
@@ -117,7 +119,7 @@ class EpochOrder(_Msg):
     """Form epoch ``epoch`` with ``members`` (rank = position) and these batch shares."""
 
     type: Literal["epoch"] = "epoch"
-    epoch: Count
+    epoch: EpochNo
     members: list[Name]
     shares: list[Count]
     urgent: bool
@@ -150,6 +152,8 @@ def _parse(adapter: TypeAdapter[object], data: str | bytes, limit: int) -> objec
         raise ProtocolError(f"control message is not valid JSON: {exc}") from None
     except RecursionError:
         raise ProtocolError("control message is nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer literal of thousands of digits
+        raise ProtocolError(f"control message is not acceptable JSON: {exc}") from None
     version = raw.get("v", PROTOCOL_VERSION) if isinstance(raw, dict) else PROTOCOL_VERSION
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(

@@ -35,7 +35,14 @@ from unbroken.comm.transfer import recv_state, send_state
 from unbroken.config import NodeConfig
 from unbroken.control import messages as m
 from unbroken.control.client import ControlClient
-from unbroken.errors import CollectiveFailed, EpochAborted, Expelled, JoinRefused, TransferError
+from unbroken.errors import (
+    CollectiveFailed,
+    CoordinatorUnreachable,
+    EpochAborted,
+    Expelled,
+    JoinRefused,
+    TransferError,
+)
 from unbroken.job import Job
 from unbroken.sched.shares import offsets
 from unbroken.state.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
@@ -157,6 +164,9 @@ class Node:
                 except JoinRefused:
                     if self.client.finished is None:
                         raise
+                except CoordinatorUnreachable as exc:
+                    log.warning("%s: %s; still trying", self.name, exc)
+                    self.client.expelled = "rejoin pending: coordinator unreachable"
                 continue
             if self.client.finished is not None:
                 return NodeResult("job-finished", self.state.step, self.state.digest(), self._epochs_formed)
@@ -195,20 +205,20 @@ class Node:
         welcome = self.client.welcome
         assert welcome is not None
         rank = order.members.index(self.client.member_id)
-        store = self.stores.get(welcome.store_host, welcome.store_port, self.config.collective_timeout_s)
+        timeout = self.config.collective_timeout_s
+        store = functools.partial(
+            self.stores.get, welcome.coordinator_id, welcome.store_host, welcome.store_port, timeout
+        )
         prefix = f"{self.job.name}/{welcome.coordinator_id}/e{order.epoch}/"
         self.group = EpochGroup(order.epoch, rank, list(order.members), list(order.shares), None)
         abort = functools.partial(self._abort_reason, during_step=False)
-        pg, took = build_group(
-            store,
-            prefix,
-            rank,
-            len(order.members),
-            self._gloo_host(),
-            self.config.collective_timeout_s,
-            self.wake,
-            abort,
-        )
+        try:
+            pg, took = build_group(
+                store, prefix, rank, len(order.members), self._gloo_host(), timeout, self.wake, abort
+            )
+        except CollectiveFailed:
+            self.stores.reset()  # the store may be gone with its coordinator
+            raise
         self.group.pg, self.group.built_in_s = pg, took
         self._epochs_formed += 1
         self._first_in_epoch = True
@@ -412,6 +422,13 @@ class Node:
         return NodeResult("finished", self.state.step, digest, self._epochs_formed, metrics)
 
     def _left(self) -> NodeResult:
+        if self._leave_sent_at is None:
+            self.client.send(m.Leave(reason="leave requested (SIGTERM, Ctrl-C or request_leave)"))
+        if self.checkpointer is not None and (self.group is None or self.group.size == 1):
+            # The last member going: keep what it committed since the last checkpoint.
+            self.checkpointer.close()
+            self.checkpointer.save_async(self.state.capture())
+        time.sleep(0.05)  # let the goodbye leave before the session closes
         self._log({"kind": "left", "step": self.state.step})
         self._abandon()
         return NodeResult("left", self.state.step, self.state.digest(), self._epochs_formed)
@@ -458,8 +475,9 @@ class Node:
         def handler(signum: int, frame: object) -> None:
             if self._leave_requested:
                 raise SystemExit(128 + signum)
-            log.warning("%s: signal %d: leaving after the current step", self.name, signum)
-            self.request_leave()
+            # Only a flag: Event.set() takes a lock the interrupted main thread may hold.
+            # Every wait in the loop wakes at least every 0.5 s and sees it.
+            self._leave_requested = True
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)

@@ -484,3 +484,38 @@ def test_a_new_node_during_recovery_joins_right_after_adoption() -> None:
     assert order.epoch == 8
     assert order.members == ["a", "b", "c"]
     assert order.urgent is False
+
+
+def test_min_nodes_does_not_hold_a_restarted_job_whose_member_is_missing() -> None:
+    """After a restart, a job that already ran must go on with fewer nodes than min_nodes."""
+    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0, min_nodes=3)
+    ms.admit(resume_hello("a"), 0.1)
+    keep_alive(ms, 3.0)
+    order = only_order(ms.tick(3.0))
+    assert order.members == ["a"] and order.urgent
+
+
+def test_min_nodes_holds_a_fresh_job() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0, min_nodes=2)
+    ms.admit(hello("a"), 0.0)
+    keep_alive(ms, 0.5)
+    assert ms.tick(0.5).orders == {}
+    ms.admit(hello("b"), 0.5)
+    keep_alive(ms, 0.5 + JOIN_SETTLE_S)
+    assert only_order(ms.tick(0.5 + JOIN_SETTLE_S)).members == ["a", "b"]
+
+
+@pytest.mark.parametrize("field", ["last_epoch", "resume"])
+def test_absurd_epoch_numbers_are_refused_at_the_boundary(field: str) -> None:
+    from unbroken.control.messages import parse_node_message
+    from unbroken.errors import ProtocolError
+
+    msg = hello("a").model_dump()
+    if field == "last_epoch":
+        msg["last_epoch"] = 2**53
+    else:
+        msg["resume"] = {"epoch": 2**53, "members": ["a"], "step": 0}
+    import json
+
+    with pytest.raises(ProtocolError, match="epoch"):
+        parse_node_message(json.dumps(msg))
