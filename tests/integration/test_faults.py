@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from integration.helpers import assert_promises, events_of, fired
+from integration.helpers import assert_promises, events_of, fired, job_for
+from unbroken.testing import check_promises
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -153,3 +154,21 @@ def test_unequal_shares_and_microbatches_match_the_reference(make_cluster):
     )
     assert sizes == [5, 10, 15], sizes  # B = 30 split 1:2:3
     assert_promises(c, env, finishers=3)
+
+
+def test_batchnorm_statistics_stay_identical_across_replicas(make_cluster):
+    """Buffers updated by forward passes are reduced with the gradients (and undone on abort)."""
+    env = {"UB_TEST_STEPS": "40", "UB_TEST_DELAY_MS": "20", "UB_TEST_BATCHNORM": "1"}
+    c = start(make_cluster, env, node_args=["--max-microbatch", "5"])  # BatchNorm needs > 1 sample per micro-batch
+    c.start_node("n1", extra=["--weight", "1"])
+    victim = c.start_node("n2", fault="kill@allreduce:12", extra=["--weight", "2"])
+    c.start_node("n3", extra=["--weight", "3"])
+    codes = c.wait_exit(timeout=120)
+    assert fired(victim, "kill")
+    assert codes == {"n1": 0, "n2": -signal.SIGKILL, "n3": 0}, c.diagnostics()
+    # Batch statistics depend on the split, so no single-process reference here; replicas
+    # must still agree after every step (digests include running_mean/var) and data is exactly-once.
+    report = check_promises({n: p.entries() for n, p in c.nodes.items()}, job_for(env), finishers=2)
+    assert report.ok, "\n".join(report.problems)
+    per_step = [e for e in c.nodes["n1"].entries() if e["kind"] == "commit" and "digest" in e]
+    assert len(per_step) == 40

@@ -2,7 +2,8 @@
 
 ``UB_TEST_STEPS`` and ``UB_TEST_DELAY_MS`` (a sleep per forward pass, so that signals sent
 from outside land mid-run) shape it; the math does not depend on either. ``UB_TEST_HIDDEN``
-and ``UB_TEST_NAME`` make a mismatching model or another job, for refusal tests.
+and ``UB_TEST_NAME`` make a mismatching model or another job, for refusal tests;
+``UB_TEST_BATCHNORM=1`` adds a BatchNorm layer (running statistics are buffers).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ Y = (X @ torch.randn(16, 4, generator=_g)).argmax(1)
 
 
 class SlowMLP(nn.Module):
-    def __init__(self, delay_s: float, hidden: int = 64) -> None:
+    def __init__(self, delay_s: float, hidden: int = 64, batchnorm: bool = False) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, hidden), nn.Tanh(), nn.Linear(hidden, 4))
+        norm: nn.Module = nn.BatchNorm1d(hidden) if batchnorm else nn.Identity()
+        self.net = nn.Sequential(nn.Linear(16, hidden), norm, nn.Tanh(), nn.Linear(hidden, 4))
         self.delay_s = delay_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,9 +40,10 @@ def make(steps: int | None = None, delay_ms: float | None = None) -> Job:
     steps = steps or int(os.environ.get("UB_TEST_STEPS", "40"))
     delay = (delay_ms if delay_ms is not None else float(os.environ.get("UB_TEST_DELAY_MS", "20"))) / 1000
     hidden = int(os.environ.get("UB_TEST_HIDDEN", "64"))  # a different model, for refusal tests
+    batchnorm = os.environ.get("UB_TEST_BATCHNORM") == "1"  # buffers updated by forward passes
     return Job(
         name=os.environ.get("UB_TEST_NAME", "test-mlp"),
-        model=lambda: SlowMLP(delay, hidden),
+        model=lambda: SlowMLP(delay, hidden, batchnorm),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
         dataset=TensorDataset(X, Y),
         loss=F.cross_entropy,

@@ -82,7 +82,10 @@ class Node:
         model, optimizer = job.build()
         self.state = TrainState(model, optimizer)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.numel = sum(p.numel() for p in self.params)
+        # Buffers a forward pass updates (BatchNorm statistics) travel in the same
+        # all-reduce as the gradients, so replicas stay bit-identical between syncs.
+        self.buffers = [b for b in model.buffers() if b.dtype.is_floating_point or b.dtype == torch.int64]
+        self.numel = sum(p.numel() for p in self.params) + sum(b.numel() for b in self.buffers)
         self.data = DataPlan(job.num_samples, job.batch_size, job.seed)
         self.faults = FaultPlan(faults or [], self._log)
         self.graveyard = Graveyard(hold_s=config.collective_timeout_s + 5)
@@ -307,23 +310,32 @@ class Node:
             t0 = time.monotonic()
             self.faults.maybe_fire("compute", step)
             indices = self.data.indices(step, my_offset, my_share)
-            loss = self._compute(indices, step)
-            reason = in_step()
-            if reason is not None:
-                raise EpochAborted(reason)
-            self._flatten(flat)
-            latest = self.client.latest_order()
-            switch = 1.0 if (latest is not None and latest.epoch > g.epoch) or self._leave_sent_at else 0.0
-            flat[self.numel :] = torch.tensor([1.0, float(my_share), switch, loss])
-            self._log({"kind": "contrib", "epoch": g.epoch, "step": step, "rank": g.rank, "indices": indices})
-            work = g.pg.allreduce([flat])
-            self.faults.maybe_fire("allreduce", step)
-            wait_work(work, self.wake, in_step, self.config.collective_timeout_s, f"all-reduce of step {step}")
-            votes, samples, switched, global_loss = flat[self.numel :].tolist()
-            if round(votes) != g.size or round(samples) != B:
-                raise CollectiveFailed(f"step {step} had {votes:.0f}/{g.size} votes and {samples:.0f}/{B} samples")
-            self._fence()
-            self._apply(flat)
+            before = [b.detach().clone() for b in self.buffers]
+            try:
+                loss = self._compute(indices, step)
+                reason = in_step()
+                if reason is not None:
+                    raise EpochAborted(reason)
+                self._flatten(flat, before, my_share / B, g.size)
+                latest = self.client.latest_order()
+                switch = 1.0 if (latest is not None and latest.epoch > g.epoch) or self._leave_sent_at else 0.0
+                flat[self.numel :] = torch.tensor([1.0, float(my_share), switch, loss])
+                self._log({"kind": "contrib", "epoch": g.epoch, "step": step, "rank": g.rank, "indices": indices})
+                work = g.pg.allreduce([flat])
+                self.faults.maybe_fire("allreduce", step)
+                wait_work(work, self.wake, in_step, self.config.collective_timeout_s, f"all-reduce of step {step}")
+                votes, samples, switched, global_loss = flat[self.numel :].tolist()
+                if round(votes) != g.size or round(samples) != B:
+                    raise CollectiveFailed(f"step {step} had {votes:.0f}/{g.size} votes and {samples:.0f}/{B} samples")
+                self._fence()
+            except BaseException:
+                # The step is not applied: undo what its forward passes did to the buffers,
+                # so the retry starts from the committed state.
+                with torch.no_grad():
+                    for b, b0 in zip(self.buffers, before, strict=True):
+                        b.copy_(b0)
+                raise
+            self._apply(flat, before)
             self._committed(g, step, global_loss, B / max(time.monotonic() - t0, 1e-9))
             if switched > 0 or self.state.step >= self.job.num_steps:
                 return
@@ -346,7 +358,7 @@ class Node:
             total += float(loss.detach()) * len(chunk) / B
         return total
 
-    def _flatten(self, flat: torch.Tensor) -> None:
+    def _flatten(self, flat: torch.Tensor, before: list[torch.Tensor], weight: float, size: int) -> None:
         off = 0
         for p in self.params:
             n = p.numel()
@@ -355,13 +367,26 @@ class Node:
             else:
                 flat[off : off + n].copy_(p.grad.reshape(-1))
             off += n
+        for b, b0 in zip(self.buffers, before, strict=True):
+            # Deltas, not values: a buffer nobody changed stays bit-exact. Float buffers
+            # are weighted by this node's share of B; counters are averaged.
+            n = b.numel()
+            delta = (b.detach() - b0).reshape(-1).to(torch.float32)
+            flat[off : off + n].copy_(delta * (weight if b.dtype.is_floating_point else 1.0 / size))
+            off += n
 
-    def _apply(self, flat: torch.Tensor) -> None:
+    def _apply(self, flat: torch.Tensor, before: list[torch.Tensor]) -> None:
         off = 0
         for p in self.params:
             n = p.numel()
             p.grad = flat[off : off + n].view_as(p).to(p.dtype)
             off += n
+        with torch.no_grad():
+            for b, b0 in zip(self.buffers, before, strict=True):
+                n = b.numel()
+                delta = flat[off : off + n].view_as(b)
+                b.copy_(b0 + (delta if b.dtype.is_floating_point else delta.round()).to(b.dtype))
+                off += n
         self.state.optimizer.step()
 
     def _fence(self) -> None:
