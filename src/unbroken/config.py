@@ -79,6 +79,9 @@ class NodeConfig:
     """How long to wait for a coordinator at start-up before giving up with an error."""
     collective_timeout_s: float = 60.0
     """Deadline of one collective (only reached when the coordinator cannot abort it)."""
+    stall_timeout_s: float = 300.0
+    """A node whose step loop makes no progress for this long stops heartbeating, so the
+    group expels it (a stuck data read or a hung kernel, while its control thread lives)."""
     digest_every: int = 0
     """Record a state digest every this many steps in the commit log (0: at the end only)."""
     commit_log: Path | None = None
@@ -102,6 +105,7 @@ class NodeConfig:
         _check_range("NodeConfig", "connect_timeout_s", self.connect_timeout_s, 0.1, 86400)
         _check_range("NodeConfig", "collective_timeout_s", self.collective_timeout_s, 1, 86400)
         _check_range("NodeConfig", "digest_every", self.digest_every, 0)
+        _check_range("NodeConfig", "stall_timeout_s", self.stall_timeout_s, 0.5, 86400)
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ConfigError("NodeConfig.checkpoint_every is set but checkpoint_dir is not: give a directory")
 

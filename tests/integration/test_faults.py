@@ -172,3 +172,19 @@ def test_batchnorm_statistics_stay_identical_across_replicas(make_cluster):
     assert report.ok, "\n".join(report.problems)
     per_step = [e for e in c.nodes["n1"].entries() if e["kind"] == "commit" and "digest" in e]
     assert len(per_step) == 40
+
+
+def test_hung_step_loop_with_live_heartbeats_is_expelled(make_cluster):
+    """A loop stuck in user code (its control thread still beating) must not stall the group."""
+    env = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "20"}
+    c = start(make_cluster, env)
+    c.start_node("n1")
+    stuck = c.start_node("n2", fault="hang@compute:10", extra=["--stall-timeout", "1"])
+    c.start_node("n3")
+    codes = c.wait_exit(["n1", "n3"], timeout=120)
+    assert fired(stuck, "hang")
+    assert codes == {"n1": 0, "n3": 0}, c.diagnostics()
+    assert stuck.proc.poll() is None, "the hung node is still alive: it was expelled, not crashed"
+    failure = next(e for e in events_of(c, "failure") if "n2" in e["reason"])
+    assert "lease expired" in failure["reason"]
+    assert_promises(c, env, finishers=2)

@@ -70,6 +70,7 @@ def _node(args: argparse.Namespace) -> int:
         connect_timeout_s=args.connect_timeout,
         collective_timeout_s=args.collective_timeout,
         digest_every=args.digest_every,
+        stall_timeout_s=args.stall_timeout,
         commit_log=Path(args.commit_log) if args.commit_log else None,
         final_state=Path(args.final_state) if args.final_state else None,
         gloo_host=args.gloo_host,
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N committed steps")
     n.add_argument("--connect-timeout", type=float, default=15.0, help="seconds to wait for the coordinator")
     n.add_argument("--collective-timeout", type=float, default=60.0, help="deadline of one collective")
+    n.add_argument("--stall-timeout", type=float, default=300.0, help="expel this node if its loop stalls this long")
     n.add_argument("--digest-every", type=int, default=0, help="log a state digest every N steps")
     n.add_argument("--commit-log", help="append commits, contributions and syncs here (JSON lines)")
     n.add_argument("--final-state", help="save the final state here")

@@ -44,6 +44,7 @@ class ControlClient:
         name: str,
         connect_timeout_s: float,
         wake: threading.Event,
+        stall_timeout_s: float = 300.0,
     ) -> None:
         self.addresses = list(addresses)
         self._hello = hello
@@ -70,6 +71,10 @@ class ControlClient:
         self._first_error: BaseException | None = None
         self._closing = False
         self._generation = 0
+        self._run_id = 0
+        self.stall_timeout_s = stall_timeout_s
+        self._loop_alive_at = time.monotonic()
+        self._stall_reported = False
 
     def _new_member_id(self) -> str:
         return f"{self.name}#{uuid.uuid4().hex[:8]}"
@@ -80,7 +85,10 @@ class ControlClient:
         """Connect and join; raises `CoordinatorUnreachable` or `JoinRefused`."""
         self._first.clear()
         self._first_error = None
-        self._thread = threading.Thread(target=self._run, name=f"control-{self.name}", daemon=True)
+        self._run_id += 1
+        self._thread = threading.Thread(
+            target=self._run, args=(self._run_id,), name=f"control-{self.name}", daemon=True
+        )
         self._thread.start()
         if not self._first.wait(self.connect_timeout_s + 5):
             raise CoordinatorUnreachable(self._unreachable_message("no answer"))
@@ -116,6 +124,10 @@ class ControlClient:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(queue.put_nowait, msg)
 
+    def touch(self) -> None:
+        """The step loop is alive (called from its every wait and micro-batch)."""
+        self._loop_alive_at = time.monotonic()
+
     def latest_order(self) -> m.EpochOrder | None:
         with self._lock:
             return self.orders[-1] if self.orders else None
@@ -131,19 +143,23 @@ class ControlClient:
 
     # ---------------------------------------------------------------- session thread
 
-    def _run(self) -> None:
-        asyncio.run(self._main())
+    def _run(self, run_id: int) -> None:
+        asyncio.run(self._main(run_id))
 
-    async def _main(self) -> None:
+    def _stale(self, run_id: int) -> bool:
+        """A session thread left over from before a `rejoin` must do nothing more."""
+        return self._closing or run_id != self._run_id
+
+    async def _main(self, run_id: int) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
         deadline = time.monotonic() + self.connect_timeout_s
         last_error = "no attempt"
         async with aiohttp.ClientSession() as http:
-            while not self._closing:
+            while not self._stale(run_id):
                 for host, port in self.addresses:
                     try:
-                        await self._session(http, host, port)
+                        await self._session(http, host, port, run_id)
                         last_error = "session ended"
                     except JoinRefused as exc:
                         if not self._first.is_set():
@@ -158,7 +174,7 @@ class ControlClient:
                     except Exception as exc:  # never let the session thread die silently
                         log.exception("control session failed; reconnecting")
                         last_error = f"{type(exc).__name__}: {exc}"
-                    if self._closing or self.expelled is not None:
+                    if self._stale(run_id) or self.expelled is not None:
                         return
                 if not self._first.is_set() and time.monotonic() > deadline:
                     self._first_error = CoordinatorUnreachable(self._unreachable_message(last_error))
@@ -173,13 +189,16 @@ class ControlClient:
             f"({why}); check the address and that `unbroken coordinator` is running there"
         )
 
-    async def _session(self, http: aiohttp.ClientSession, host: str, port: int) -> None:
+    async def _session(self, http: aiohttp.ClientSession, host: str, port: int, run_id: int) -> None:
         url = f"http://{host}:{port}/ws"
         connect = asyncio.wait_for(
             http.ws_connect(url, timeout=aiohttp.ClientWSTimeout(ws_close=1.0), max_msg_size=64 << 20, heartbeat=None),
             timeout=5.0,
         )
         async with await connect as ws:
+            if self._stale(run_id):
+                return
+            hello_sent = time.monotonic()
             await ws.send_str(m.encode(self._hello(self.member_id)))
             first = await asyncio.wait_for(ws.receive(), timeout=10)
             if first.type != aiohttp.WSMsgType.TEXT:
@@ -197,7 +216,7 @@ class ControlClient:
                 self.lease_s = msg.lease_s
                 self.connected = True
                 self.outage = False
-                self._last_acked_send = time.monotonic()
+                self._last_acked_send = hello_sent  # the lease runs from our hello, not its answer
                 self._generation += 1
             self._first.set()
             self.wake.set()
@@ -234,7 +253,16 @@ class ControlClient:
                 self._sent[self._seq] = time.monotonic()
                 for old in [s for s in self._sent if s < self._seq - 64]:
                     del self._sent[old]
-            self._queue.put_nowait(m.Heartbeat(seq=self._seq, step=self.step))
+            stalled = time.monotonic() - self._loop_alive_at
+            if stalled > self.stall_timeout_s:
+                # Heartbeats say "this node trains"; a step loop stuck this long does not,
+                # so stay silent and let the lease expel it rather than stall the group.
+                if not self._stall_reported:
+                    log.error("step loop made no progress for %.0f s: withholding heartbeats", stalled)
+                    self._stall_reported = True
+            else:
+                self._stall_reported = False
+                self._queue.put_nowait(m.Heartbeat(seq=self._seq, step=self.step))
             await asyncio.sleep(period)
 
     async def _writer(self, ws: aiohttp.ClientWebSocketResponse) -> None:

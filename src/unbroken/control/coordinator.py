@@ -329,10 +329,16 @@ class Coordinator:
     # ---------------------------------------------------------------- decisions
 
     async def _tick_forever(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            # After a stall of this loop, heartbeats may still sit unread in the sockets:
+            # expiring leases now would expel healthy nodes, so this tick only forms epochs.
+            late = now - last > self.config.lease_s / 2
+            last = now
             try:
-                self._apply(self.membership.tick(time.monotonic()))
+                self._apply(self.membership.tick(now, expire=not late))
             except Exception:  # a bug here must not stop the service
                 log.exception("coordinator tick failed")
 

@@ -264,10 +264,10 @@ class Membership:
 
     # ---------------------------------------------------------------- time
 
-    def tick(self, now: float) -> Decision:
+    def tick(self, now: float, expire: bool = True) -> Decision:
         """Expire leases, end a recovery window, and form a pending epoch when due."""
         d = Decision()
-        for mid, m in list(self.members.items()):
+        for mid, m in list(self.members.items()) if expire else []:
             if now - m.last_seen > self.lease_s and not (self.finished and mid in self.final_digests):
                 d.expel[mid] = f"no heartbeat for {now - m.last_seen:.2f} s (lease {self.lease_s} s)"
                 d.merge(self.fail(mid, now, f"lease expired after {now - m.last_seen:.2f} s"))

@@ -104,6 +104,7 @@ class Node:
             name=self.name,
             connect_timeout_s=config.connect_timeout_s,
             wake=self.wake,
+            stall_timeout_s=config.stall_timeout_s,
         )
 
     # ---------------------------------------------------------------- public
@@ -156,6 +157,7 @@ class Node:
         waited_since = time.monotonic()
         while True:
             self.wake.clear()
+            self.client.touch()
             self.graveyard.sweep()
             if self.client.expelled is not None:
                 log.warning("%s was expelled (%s); rejoining as a new member", self.name, self.client.expelled)
@@ -186,7 +188,8 @@ class Node:
             self.wake.wait(0.5)
 
     def _abort_reason(self, *, during_step: bool) -> str | None:
-        """Why the current epoch must be left now, if it must."""
+        """Why the current epoch must be left now, if it must (every wait polls this)."""
+        self.client.touch()
         if self.client.expelled is not None:
             return f"expelled: {self.client.expelled}"
         latest = self.client.latest_order()
@@ -351,6 +354,7 @@ class Node:
         mb = self.config.max_microbatch or len(indices) or 1
         total = 0.0
         for start in range(0, len(indices), mb):
+            self.client.touch()
             chunk = indices[start : start + mb]
             inputs, targets = self.job.collate([self.job.dataset[i] for i in chunk])
             loss = self.job.loss(model(inputs), targets)

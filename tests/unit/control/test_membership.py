@@ -519,3 +519,11 @@ def test_absurd_epoch_numbers_are_refused_at_the_boundary(field: str) -> None:
 
     with pytest.raises(ProtocolError, match="epoch"):
         parse_node_message(json.dumps(msg))
+
+
+def test_a_late_tick_does_not_expire_leases() -> None:
+    """After the coordinator's own loop stalled, unread heartbeats must not cost nodes their lease."""
+    ms = formed(["a", "b"])
+    late = 10 * LEASE
+    assert ms.tick(late, expire=False).expel == {}
+    assert set(ms.tick(late).expel) == {"a", "b"}
