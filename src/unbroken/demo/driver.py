@@ -87,6 +87,8 @@ def _drive(console: Console, coord: Coordinator, workdir: Path, env: dict[str, s
                     + ", ".join(f"{m['name']}({m['share']})" for m in members)
                     + (f" | loss {losses[0]:.3f}" if losses else "")
                 )
+                if state["finished"]:
+                    status = f"finished in epoch {state['epoch']}"
                 progress.update(task, completed=step, status=status)
                 if killed is None and step >= kill_at:
                     victim = cluster.nodes[names[1]]
