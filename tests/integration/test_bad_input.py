@@ -132,3 +132,14 @@ def test_malformed_and_oversized_messages_drop_only_that_session(make_cluster):
     assert any("evil" in r and "Extra inputs are not permitted" in r for r in reasons), reasons
     assert any("size" in r.lower() or "too big" in r.lower() or "exceeds" in r for r in reasons), reasons
     assert_promises(c, env, finishers=2)
+
+
+def test_coordinator_on_a_busy_port_says_so():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = run_cli("coordinator", "--host", "127.0.0.1", "--port", str(port))
+    assert r.returncode == 2, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Use --port 0 or another port" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from unbroken.config import ENV_COORDINATOR, CoordinatorConfig, NodeConfig, parse_address
-from unbroken.errors import UnbrokenError
+from unbroken.errors import ConfigError, UnbrokenError
 
 READY_PREFIX = "UNBROKEN_COORDINATOR_READY"
 
@@ -50,7 +50,13 @@ def _coordinator(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, coord.stop_nowait)
         await task
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot listen on {config.host}:{config.port} ({exc.strerror or exc}); "
+            "is another coordinator running there? Use --port 0 or another port"
+        ) from None
     return 0
 
 
@@ -102,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="command", required=True)
 
-    c = sub.add_parser("coordinator", help="run the membership service for one job")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    c = sub.add_parser("coordinator", help="run the membership service for one job", formatter_class=fmt)
     c.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for other machines)")
     c.add_argument("--port", type=int, default=29400, help="control port (0: pick a free one)")
     c.add_argument("--store-port", type=int, default=0, help="rendezvous TCPStore port (0: pick a free one)")
@@ -112,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--event-log", help="append events here as JSON lines")
     c.set_defaults(func=_coordinator)
 
-    n = sub.add_parser("node", help="run one training node")
+    n = sub.add_parser("node", help="run one training node", formatter_class=fmt)
     n.add_argument("job", help="the job: path/to/file.py:ATTR or package.module:ATTR")
     n.add_argument("--coordinator", action="append", help=f"HOST:PORT (repeatable; default ${ENV_COORDINATOR})")
     n.add_argument("--name", help="name shown in events (default: host-pid)")
@@ -130,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--fault", help="testing aid: SIGNAL@PHASE:STEP[,...], e.g. kill@allreduce:12")
     n.set_defaults(func=_node)
 
-    d = sub.add_parser("demo", help="local coordinator + nodes with a kill and a join, live progress")
+    d = sub.add_parser(
+        "demo", help="local coordinator + nodes with a kill and a join, live progress", formatter_class=fmt
+    )
     d.add_argument("--steps", type=int, default=0, help="training steps (default: the demo job's)")
     d.add_argument("--nodes", type=int, default=3, help="nodes to start with")
     d.add_argument("--out", help="directory for logs and checkpoints (default: a temporary one)")
@@ -144,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.command in ("coordinator", "node"):
+        # Long-running services: show joins, epochs, failures and progress as they happen.
+        logging.getLogger("unbroken").setLevel(logging.INFO)
     try:
         code: int = args.func(args)
         return code

@@ -132,7 +132,7 @@ def _summary(
     events = state["events"]
     table = Table(title="unbroken demo summary", show_header=False)
     table.add_row("steps committed", f"{state['step']} / {num_steps}")
-    table.add_row("epochs (membership changes)", str(state["epoch"]))
+    table.add_row("epochs (membership versions)", str(state["epoch"]))
     failures = [e for e in events if e["kind"] == "failure"]
     table.add_row("faults survived", str(len(failures)) + "".join(f"\n  {e['reason']}" for e in failures))
     if killed is not None:
@@ -156,7 +156,8 @@ def _summary(
                 "join: process start -> first commit", f"{commit - t_start:.1f} s (includes Python/torch start-up)"
             )
     for k, v in state["final_metrics"].items():
-        table.add_row(k.replace("_", " "), f"{v:.3f}")
+        hint = " (uniform guessing: 6.6; lower is better)" if k == "heldout_bits_per_char" else ""
+        table.add_row(k.replace("_", " "), f"{v:.3f}{hint}")
     digests = state["final_digests"]
     agree = len(set(digests.values())) == 1
     table.add_row(

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 _EXTRA = 4  # vote, samples, switch, loss
 LEAVE_GRACE_S = 5.0
 PROGRESS_EVERY_S = 0.1
+PROGRESS_LOG_EVERY_S = 10.0
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Node:
         self._leave_requested = False
         self._leave_sent_at: float | None = None
         self._last_progress = 0.0
+        self._last_progress_log = time.monotonic()
         self._epochs_formed = 0
         self._log_file = open(config.commit_log, "a", encoding="utf-8") if config.commit_log else None  # noqa: SIM115
         self.client = ControlClient(
@@ -416,6 +418,12 @@ class Node:
             entry["digest"] = self.state.digest()
         self._log(entry)
         now = time.monotonic()
+        if now - self._last_progress_log >= PROGRESS_LOG_EVERY_S or self.state.step == self.job.num_steps:
+            log.info(
+                "%s: step %d/%d, epoch %d, %d members, loss %.4f",
+                self.name, self.state.step, self.job.num_steps, g.epoch, g.size, loss,
+            )  # fmt: skip
+            self._last_progress_log = now
         if self._first_in_epoch or now - self._last_progress >= PROGRESS_EVERY_S:
             self.client.send(
                 m.Progress(
