@@ -11,8 +11,7 @@
      ├── EpochAborted                  the current epoch ended under us; form the next one
      │    └── Expelled                 the coordinator expelled this node (lease lost)
      ├── CollectiveFailed              a data-plane collective failed or ran past its deadline
-     ├── TransferError                 a state transfer was corrupt or incomplete
-     └── JobFinished                   the job reached its last step before this node joined
+     └── TransferError                 a state transfer was corrupt or incomplete
 """
 
 from __future__ import annotations
@@ -56,7 +55,3 @@ class CollectiveFailed(UnbrokenError):
 
 class TransferError(UnbrokenError):
     """A peer-to-peer state transfer failed a checksum or ended early."""
-
-
-class JobFinished(UnbrokenError):
-    """The job already reached its final step."""

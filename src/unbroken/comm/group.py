@@ -12,11 +12,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-import torch
 from torch._C._distributed_c10d import ProcessGroupGloo
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
@@ -40,7 +39,6 @@ class EpochGroup:
     shares: list[int]
     pg: Any
     built_in_s: float = 0.0
-    tag: int = field(default=0)
 
     @property
     def size(self) -> int:
@@ -194,7 +192,3 @@ class Graveyard:
             self._graves = [(t, pg) for t, pg in self._graves if t > now]
         if due:
             threading.Thread(target=due.clear, name="pg-reaper", daemon=True).start()
-
-
-def flat_size(params: list[torch.nn.Parameter]) -> int:
-    return sum(p.numel() for p in params)

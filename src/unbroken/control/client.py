@@ -70,7 +70,6 @@ class ControlClient:
         self._first = threading.Event()
         self._first_error: BaseException | None = None
         self._closing = False
-        self._generation = 0
         self._run_id = 0
         self.stall_timeout_s = stall_timeout_s
         self._loop_alive_at = time.monotonic()
@@ -217,7 +216,6 @@ class ControlClient:
                 self.connected = True
                 self.outage = False
                 self._last_acked_send = hello_sent  # the lease runs from our hello, not its answer
-                self._generation += 1
             self._first.set()
             self.wake.set()
             log.info("%s joined coordinator %s at %s:%d", self.member_id, msg.coordinator_id, host, port)
