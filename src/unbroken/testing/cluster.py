@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-READY_PREFIX = "UNBROKEN_COORDINATOR_READY"
+from unbroken.cli.main import READY_PREFIX
 
 
 class NodeProcess:

@@ -310,8 +310,7 @@ class Node:
             if self._leave_requested and self._leave_sent_at is None:
                 if g.size == 1:
                     return
-                self.client.send(m.Leave(reason="leave requested (SIGTERM, Ctrl-C or request_leave)"))
-                self._leave_sent_at = time.monotonic()
+                self._announce_leave()
             t0 = time.monotonic()
             self.faults.maybe_fire("compute", step)
             indices = self.data.indices(step, my_offset, my_share)
@@ -453,19 +452,22 @@ class Node:
         if self.config.final_state is not None:
             torch.save(self.state.capture(), self.config.final_state)
         self._log({"kind": "final", "step": self.state.step, "digest": digest})
+        # Sent before the session closes: `client.close` queues behind it.
         self.client.send(m.Done(step=self.state.step, digest=digest, metrics=metrics))
-        time.sleep(0.05)  # let the report leave before the session closes
         self._abandon()
         return NodeResult("finished", self.state.step, digest, self._epochs_formed, metrics)
 
+    def _announce_leave(self) -> None:
+        self.client.send(m.Leave(reason="leave requested (SIGTERM, Ctrl-C or request_leave)"))
+        self._leave_sent_at = time.monotonic()
+
     def _left(self) -> NodeResult:
         if self._leave_sent_at is None:
-            self.client.send(m.Leave(reason="leave requested (SIGTERM, Ctrl-C or request_leave)"))
+            self._announce_leave()
         if self.checkpointer is not None and (self.group is None or self.group.size == 1):
             # The last member going: keep what it committed since the last checkpoint.
             self.checkpointer.close()
             self.checkpointer.save_async(self.state.capture())
-        time.sleep(0.05)  # let the goodbye leave before the session closes
         self._log({"kind": "left", "step": self.state.step})
         self._abandon()
         return NodeResult("left", self.state.step, self.state.digest(), self._epochs_formed)
