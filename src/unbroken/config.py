@@ -13,6 +13,7 @@ from pathlib import Path
 from unbroken.errors import ConfigError
 
 ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
+ROLES = ("auto", "trainer", "validator", "standby")
 
 
 def _check_range(owner: str, name: str, value: float, low: float, high: float | None = None) -> None:
@@ -49,6 +50,9 @@ class CoordinatorConfig:
     """Control messages larger than this are refused and their session dropped."""
     event_log: Path | None = None
     """Where to append the event log as JSON lines (none: keep it in memory only)."""
+    balance: bool = True
+    """Shares and roles follow the nodes' measured throughput and memory; False splits the
+    batch by the nodes' ``weight`` and never moves a node out of training for speed."""
 
     def __post_init__(self) -> None:
         _check_range("CoordinatorConfig", "port", self.port, 0, 65535)
@@ -68,9 +72,21 @@ class NodeConfig:
     name: str = ""
     """Human-readable name shown in events and the dashboard (default: host-pid)."""
     weight: float = 1.0
-    """Relative share of the global batch this node asks for (a fixed split; >0)."""
+    """Relative share of the global batch, used when the coordinator does not balance by
+    throughput (``--balance weights``) or before this node's speed is known (>0)."""
     max_microbatch: int = 0
-    """Largest micro-batch run at once; the share is accumulated over several (0: no cap)."""
+    """Largest micro-batch run at once; the share is accumulated over several (0: no cap
+    beyond what memory allows)."""
+    device: str = "auto"
+    """Compute device: ``auto`` (cuda, then mps, then cpu), ``cpu``, ``cuda``, ``cuda:N``, ``mps``."""
+    memory_limit: int = 0
+    """Bytes of device memory this node may use (0: what the device has free); sets the
+    largest micro-batch together with the activation memory measured at start-up."""
+    role: str = "auto"
+    """``auto`` (the coordinator's cost model decides), ``trainer``, ``validator``, or
+    ``standby`` (a hot spare, promoted when a trainer fails or leaves)."""
+    throttle: str = ""
+    """Testing aid: emulate a slower device, ``F`` or ``F,STEP:F,...`` (see unbroken.testing.throttle)."""
     checkpoint_dir: Path | None = None
     """Directory for asynchronous checkpoints (none: no checkpoints)."""
     checkpoint_every: int = 0
@@ -106,6 +122,13 @@ class NodeConfig:
         _check_range("NodeConfig", "collective_timeout_s", self.collective_timeout_s, 1, 86400)
         _check_range("NodeConfig", "digest_every", self.digest_every, 0)
         _check_range("NodeConfig", "stall_timeout_s", self.stall_timeout_s, 0.5, 86400)
+        _check_range("NodeConfig", "memory_limit", self.memory_limit, 0)
+        if self.role not in ROLES:
+            raise ConfigError(f"NodeConfig.role = {self.role!r} is not one of {', '.join(ROLES)}")
+        # Imported here: unbroken.testing imports this module.
+        from unbroken.testing.throttle import parse_throttle
+
+        parse_throttle(self.throttle)
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ConfigError("NodeConfig.checkpoint_every is set but checkpoint_dir is not: give a directory")
 

@@ -1,7 +1,9 @@
 """A small deterministic job for integration tests.
 
 ``UB_TEST_STEPS`` and ``UB_TEST_DELAY_MS`` (a sleep per forward pass, so that signals sent
-from outside land mid-run) shape it; the math does not depend on either. ``UB_TEST_HIDDEN``
+from outside land mid-run) shape it; the math does not depend on either. ``UB_TEST_SAMPLE_MS``
+adds a sleep per sample: a compute cost proportional to the share, without loading the CPU.
+``UB_TEST_BATCH`` sets B; ``UB_TEST_EVAL=1`` adds a held-out evaluation. ``UB_TEST_HIDDEN``
 and ``UB_TEST_NAME`` make a mismatching model or another job, for refusal tests;
 ``UB_TEST_BATCHNORM=1`` adds a BatchNorm layer (running statistics are buffers).
 """
@@ -20,19 +22,29 @@ from unbroken import Job
 
 _g = torch.Generator().manual_seed(1)
 X = torch.randn(600, 16, generator=_g)
-Y = (X @ torch.randn(16, 4, generator=_g)).argmax(1)
+_W = torch.randn(16, 4, generator=_g)
+Y = (X @ _W).argmax(1)
+X_HELD_OUT = torch.randn(200, 16, generator=_g)
+Y_HELD_OUT = (X_HELD_OUT @ _W).argmax(1)
+
+
+def evaluate(model: nn.Module) -> dict[str, float]:
+    """Held-out cross-entropy (``UB_TEST_EVAL=1`` gives the job this evaluation)."""
+    net = model.net if isinstance(model, SlowMLP) else model  # no sleeps: evaluation is not the test's clock
+    return {"heldout_loss": F.cross_entropy(net(X_HELD_OUT), Y_HELD_OUT).item()}
 
 
 class SlowMLP(nn.Module):
-    def __init__(self, delay_s: float, hidden: int = 64, batchnorm: bool = False) -> None:
+    def __init__(self, delay_s: float, hidden: int = 64, batchnorm: bool = False, per_sample_s: float = 0.0) -> None:
         super().__init__()
         norm: nn.Module = nn.BatchNorm1d(hidden) if batchnorm else nn.Identity()
         self.net = nn.Sequential(nn.Linear(16, hidden), norm, nn.Tanh(), nn.Linear(hidden, 4))
         self.delay_s = delay_s
+        self.per_sample_s = per_sample_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        if self.delay_s or self.per_sample_s:
+            time.sleep(self.delay_s + self.per_sample_s * len(x))
         return self.net(x)
 
 
@@ -41,15 +53,17 @@ def make(steps: int | None = None, delay_ms: float | None = None) -> Job:
     delay = (delay_ms if delay_ms is not None else float(os.environ.get("UB_TEST_DELAY_MS", "20"))) / 1000
     hidden = int(os.environ.get("UB_TEST_HIDDEN", "64"))  # a different model, for refusal tests
     batchnorm = os.environ.get("UB_TEST_BATCHNORM") == "1"  # buffers updated by forward passes
+    per_sample = float(os.environ.get("UB_TEST_SAMPLE_MS", "0")) / 1000
     return Job(
         name=os.environ.get("UB_TEST_NAME", "test-mlp"),
-        model=lambda: SlowMLP(delay, hidden, batchnorm),
+        model=lambda: SlowMLP(delay, hidden, batchnorm, per_sample),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
         dataset=TensorDataset(X, Y),
         loss=F.cross_entropy,
-        batch_size=30,
+        batch_size=int(os.environ.get("UB_TEST_BATCH", "30")),
         num_steps=steps,
         seed=7,
+        evaluate=evaluate if os.environ.get("UB_TEST_EVAL") == "1" else None,
     )
 
 

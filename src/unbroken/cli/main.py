@@ -32,6 +32,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         recovery_window_s=args.recovery_window,
         min_nodes=args.min_nodes,
         event_log=Path(args.event_log) if args.event_log else None,
+        balance=args.balance == "throughput",
     )
     coord = Coordinator(config)
 
@@ -80,6 +81,10 @@ def _node(args: argparse.Namespace) -> int:
         commit_log=Path(args.commit_log) if args.commit_log else None,
         final_state=Path(args.final_state) if args.final_state else None,
         gloo_host=args.gloo_host,
+        device=args.device,
+        memory_limit=_bytes(args.memory_limit),
+        role=args.role,
+        throttle=args.throttle or "",
     )
     faults = parse_faults(args.fault or "")
     job = load_job(args.job)
@@ -95,6 +100,19 @@ def _node(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _bytes(text: str) -> int:
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = text.strip().upper()
+    number = t.rstrip("KMGIB")
+    try:
+        value = float(number) * units[t[len(number) :]]
+    except (ValueError, KeyError):
+        raise ConfigError(f"--memory-limit {text!r} is not a size: use e.g. 512MB, 2GB or 0") from None
+    if not value >= 0:
+        raise ConfigError(f"--memory-limit {text!r} must not be negative")
+    return int(value)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -117,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--recovery-window", type=float, default=3.0, help="after a restart, seconds to wait for members")
     c.add_argument("--min-nodes", type=int, default=1, help="start training once this many nodes joined")
     c.add_argument("--event-log", help="append events here as JSON lines")
+    c.add_argument(
+        "--balance",
+        choices=("throughput", "weights"),
+        default="throughput",
+        help="split the batch by measured throughput and memory (rebalancing live), or by the nodes' --weight",
+    )
     c.set_defaults(func=_coordinator)
 
     n = sub.add_parser("node", help="run one training node", formatter_class=fmt)
@@ -124,7 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--coordinator", action="append", help=f"HOST:PORT (repeatable; default ${ENV_COORDINATOR})")
     n.add_argument("--name", help="name shown in events (default: host-pid)")
     n.add_argument("--weight", type=float, default=1.0, help="relative share of the global batch")
-    n.add_argument("--max-microbatch", type=int, default=0, help="largest micro-batch (0: whole share at once)")
+    n.add_argument("--max-microbatch", type=int, default=0, help="largest micro-batch (0: as memory allows)")
+    n.add_argument("--device", default="auto", help="compute device: auto, cpu, cuda, cuda:N, mps")
+    n.add_argument("--memory-limit", default="0", help="device memory this node may use, e.g. 2GB (0: what is free)")
+    n.add_argument(
+        "--role",
+        choices=("auto", "trainer", "validator", "standby"),
+        default="auto",
+        help="auto: the cost model decides; standby: a hot spare promoted when a trainer fails",
+    )
+    n.add_argument("--throttle", help="testing aid: emulate a slower device, e.g. 0.25 or 1,40:0.25,80:1")
     n.add_argument("--checkpoint-dir", help="directory for asynchronous checkpoints")
     n.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N committed steps")
     n.add_argument("--connect-timeout", type=float, default=15.0, help="seconds to wait for the coordinator")

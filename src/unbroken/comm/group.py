@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -39,6 +39,16 @@ class EpochGroup:
     shares: list[int]
     pg: Any
     built_in_s: float = 0.0
+    roles: list[str] = field(default_factory=list)
+    microbatches: list[int] = field(default_factory=list)
+
+    @property
+    def role(self) -> str:
+        return self.roles[self.rank] if self.roles else "trainer"
+
+    @property
+    def microbatch(self) -> int:
+        return self.microbatches[self.rank] if self.microbatches else 0
 
     @property
     def size(self) -> int:

@@ -63,6 +63,8 @@ class ControlClient:
         self.step = 0
         self._last_acked_send = 0.0
         self._sent: dict[int, float] = {}
+        self.rtt_s = 0.0
+        """Round-trip time of heartbeats to the coordinator, smoothed."""
         self._seq = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[BaseModel | None] | None = None
@@ -278,6 +280,8 @@ class ControlClient:
                 sent = self._sent.get(msg.seq)
                 if sent is not None:
                     self._last_acked_send = max(self._last_acked_send, sent)
+                    rtt = time.monotonic() - sent
+                    self.rtt_s = rtt if self.rtt_s == 0 else 0.8 * self.rtt_s + 0.2 * rtt
                 return
             if isinstance(msg, m.EpochOrder):
                 newest = self.orders[-1].epoch if self.orders else -1

@@ -77,6 +77,7 @@ class Coordinator:
             recovering=True,
             recovery_window_s=self.config.recovery_window_s,
             min_nodes=self.config.min_nodes,
+            balance=self.config.balance,
         )
         self.events: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
@@ -195,12 +196,17 @@ class Coordinator:
                     "rank": rank,
                     "share": ms.shares[rank] if rank is not None and rank < len(ms.shares) else 0,
                     "weight": mem.weight,
-                    "device": mem.device,
+                    "role": mem.role.value if mem.role else None,
+                    "preference": mem.preference.value,
+                    "microbatch": ms.plan.microbatches[rank] if ms.plan and rank is not None else 0,
                     "host": mem.host,
                     "pid": mem.pid,
                     "step": mem.step,
                     "loss": mem.loss,
                     "samples_per_s": mem.samples_per_s,
+                    "compute_s": list(mem.compute_times)[-1:] or None,
+                    "capabilities": mem.caps.model_dump(),
+                    "validation": mem.validation,
                     "last_seen_s": round(now - mem.last_seen, 3),
                 }
             )
@@ -212,7 +218,16 @@ class Coordinator:
             "finished": ms.finished,
             "recovering": ms.recovering_until is not None,
             "members": members,
-            "plan": {"epoch": ms.epoch, "members": ms.epoch_members, "shares": ms.shares, "batch_size": ms.batch_size},
+            "plan": {
+                "epoch": ms.epoch,
+                "members": ms.epoch_members,
+                "shares": ms.shares,
+                "roles": [r.value for r in ms.plan.roles] if ms.plan else [],
+                "microbatches": list(ms.plan.microbatches) if ms.plan else [],
+                "predicted_step_s": ms.plan.step_s if ms.plan else None,
+                "batch_size": ms.batch_size,
+                "balance": "throughput" if ms.balance else "weights",
+            },
             "events": self.events[-200:],
             "recoveries": self.recoveries,
             "final_digests": ms.final_digests,
@@ -310,7 +325,16 @@ class Coordinator:
             ms.heartbeat(mid, msg.step, now)
             session.send(m.Ack(seq=msg.seq))
         elif isinstance(msg, m.Progress):
-            ms.progress(mid, msg.step, msg.loss, msg.samples_per_s, now)
+            ms.progress(
+                mid,
+                msg.step,
+                msg.loss,
+                msg.samples_per_s,
+                now,
+                epoch=msg.epoch,
+                compute_s=msg.compute_s,
+                caps=msg.capabilities,
+            )
             if msg.first_in_epoch:
                 self._close_recoveries(msg.epoch, msg.step, msg.wall_time)
         elif isinstance(msg, m.Fault):
@@ -323,6 +347,8 @@ class Coordinator:
                 for other_id, other in self._sessions.items():
                     if other_id not in ms.final_digests:
                         other.send(m.Finished(step=ms.step))
+        elif isinstance(msg, m.Validation):
+            self._apply(ms.validation(mid, msg.step, msg.metrics, msg.seconds, now))
         elif isinstance(msg, m.Hello):
             raise ProtocolError("hello sent twice on one session")
 

@@ -19,17 +19,27 @@ Coordinator life::
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from unbroken.control.messages import EpochOrder, Hello, TensorSpec
-from unbroken.sched.shares import split_batch
+from unbroken.control.messages import Capabilities, EpochOrder, Hello, Resume, TensorSpec
+from unbroken.sched.balance import Plan, Preference, Profile, Role, plan, rebalance
+from unbroken.sched.stragglers import find_stragglers
 
 JOIN_SETTLE_S = 0.25
 """Joins that arrive this close together share one epoch change."""
 FAULT_GRACE_S = 0.1
 """A reported collective failure waits this long for the failed member's session to drop,
 so one failure makes one epoch change."""
+PLAN_DWELL_S = 1.0
+"""A plan stays at least this long before a rebalance may replace it."""
+PLAN_DWELL_STEPS = 3
+"""...and until every trainer has reported this many step times under it."""
+REBALANCE_EVERY_S = 0.25
+"""How often the coordinator reconsiders the plan (the cost model is not free)."""
+WINDOW = 8
+"""Recent step times kept per member for straggler detection."""
 
 
 class MemberState(str, enum.Enum):
@@ -45,13 +55,24 @@ class Member:
     weight: float
     joined_at: float
     last_seen: float
-    device: str = "cpu"
     host: str = ""
     pid: int = 0
     state: MemberState = MemberState.JOINING
     step: int = 0
     loss: float | None = None
     samples_per_s: float = 0.0
+    caps: Capabilities = field(default_factory=Capabilities)
+    preference: Preference = Preference.AUTO
+    evaluates: bool = False
+    role: Role | None = None
+    compute_times: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    validation: dict[str, float] | None = None
+
+    def profile(self) -> Profile:
+        c = self.caps
+        return Profile(
+            self.name, c.per_sample_s, c.overhead_s, c.max_microbatch, self.weight, self.preference, self.evaluates
+        )
 
 
 @dataclass(frozen=True)
@@ -109,9 +130,18 @@ class Membership:
         recovering: bool = False,
         recovery_window_s: float = 3.0,
         min_nodes: int = 1,
+        balance: bool = True,
     ) -> None:
         self.lease_s = lease_s
         self.min_nodes = min_nodes
+        self.balance = balance
+        """Shares and roles follow measured throughput (else: the operators' weights)."""
+        self.plan: Plan | None = None
+        self._planned_at = now
+        self._planned_times: dict[str, float] = {}
+        self._next_rebalance = now
+        self._vacated = 0
+        self._stragglers: set[str] = set()
         self.members: dict[str, Member] = {}
         self.epoch = 0
         self._epoch_floor = 0
@@ -131,7 +161,7 @@ class Membership:
         self._pending_urgent = False
         self._pending_reason = ""
         self.recovering_until = now + recovery_window_s if recovering else None
-        self._resumes: dict[str, tuple[int, tuple[str, ...], int]] = {}
+        self._resumes: dict[str, Resume] = {}
 
     # ----------------------------------------------------------------- joins and leaves
 
@@ -171,10 +201,12 @@ class Membership:
             weight=hello.weight,
             joined_at=now,
             last_seen=now,
-            device=hello.device,
             host=hello.host,
             pid=hello.pid,
             step=hello.step,
+            caps=hello.capabilities,
+            preference=Preference(hello.role),
+            evaluates=hello.evaluates,
         )
         self.step = max(self.step, hello.step)
         self._epoch_floor = max(self._epoch_floor, hello.last_epoch)
@@ -184,7 +216,7 @@ class Membership:
             self.recovering_until = None  # a fresh job, not a restarted coordinator
         if hello.resume is not None and self.recovering_until is not None:
             r = hello.resume
-            self._resumes[hello.member_id] = (r.epoch, tuple(r.members), r.step)
+            self._resumes[hello.member_id] = r
             self.epoch = max(self.epoch, r.epoch)
             return d
         self._want_epoch(now, urgent=False, reason=f"{hello.name} joined", delay=JOIN_SETTLE_S)
@@ -196,6 +228,7 @@ class Membership:
         if m is None:
             return d
         d.events.append(self._event(now, "leave", member_id, f"{m.name} leaves: {reason}"))
+        self._vacated += m.role is Role.TRAINER
         if member_id in self.epoch_members:
             m.state = MemberState.LEAVING
             # A failure already pending keeps its urgency: its step in flight must be abandoned.
@@ -212,6 +245,7 @@ class Membership:
         if m is None:
             return d
         d.events.append(self._event(now, "failure", member_id, f"{m.name}: {cause}"))
+        self._vacated += m.role is Role.TRAINER
         if member_id in self.epoch_members and not self.finished:
             self._want_epoch(now, urgent=True, reason=f"{m.name} failed ({cause})", delay=0.0)
         return d
@@ -232,12 +266,40 @@ class Membership:
             m.step = max(m.step, step)
             self.step = max(self.step, m.step)
 
-    def progress(self, member_id: str, step: int, loss: float, sps: float, now: float) -> None:
+    def progress(
+        self,
+        member_id: str,
+        step: int,
+        loss: float,
+        sps: float,
+        now: float,
+        *,
+        epoch: int | None = None,
+        compute_s: float = 0.0,
+        caps: Capabilities | None = None,
+    ) -> None:
         self.heartbeat(member_id, step, now)
         m = self.members.get(member_id)
-        if m is not None:
-            m.loss = loss
-            m.samples_per_s = sps
+        if m is None:
+            return
+        m.loss = loss
+        m.samples_per_s = sps
+        if caps is not None:
+            m.caps = caps
+        if epoch == self.epoch and m.role is Role.TRAINER and compute_s > 0:
+            m.compute_times.append(compute_s)
+
+    def validation(self, member_id: str, step: int, metrics: dict[str, float], seconds: float, now: float) -> Decision:
+        d = Decision()
+        m = self.members.get(member_id)
+        if m is None:
+            return d
+        m.validation = {"step": float(step), **metrics}
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
+        d.events.append(
+            self._event(now, "validation", member_id, f"{m.name} evaluated step {step}: {shown} ({seconds:.2f} s)")
+        )
+        return d
 
     def fault(self, member_id: str, epoch: int, reason: str, now: float) -> Decision:
         """A member saw a collective fail. Re-form the epoch unless it already changed."""
@@ -279,20 +341,54 @@ class Membership:
             return d  # the job has not started: wait for enough nodes
         if self._pending_due is not None and now >= self._pending_due and not self.finished:
             d.merge(self._form_epoch(now, self._pending_urgent, self._pending_reason))
+        elif self._pending_due is None and not self.finished and now >= self._next_rebalance:
+            self._next_rebalance = now + REBALANCE_EVERY_S
+            d.merge(self._review_plan(now))
+        return d
+
+    def _review_plan(self, now: float) -> Decision:
+        """Report stragglers; replace the plan when the measurements say a better one exists."""
+        d = Decision()
+        if self.plan is None or self.batch_size is None or not self.epoch_members:
+            return d
+        members = [self.members.get(mid) for mid in self.epoch_members]
+        if any(m is None for m in members):
+            return d
+        live = [m for m in members if m is not None]
+        trainers = [m for m in live if m.role is Role.TRAINER]
+        times = {m.member_id: list(m.compute_times) for m in trainers}
+        for mid, why in find_stragglers(times, self._planned_times).items():
+            if mid not in self._stragglers:
+                self._stragglers.add(mid)
+                d.events.append(self._event(now, "straggler", mid, f"{self.members[mid].name}: {why}"))
+        if not self.balance or now - self._planned_at < PLAN_DWELL_S:
+            return d
+        if any(len(m.compute_times) < PLAN_DWELL_STEPS for m in trainers):
+            return d
+        better = rebalance(self.batch_size, self.shares, [m.profile() for m in live])
+        if better is not None:
+            self._want_epoch(now, urgent=False, reason=better[1], delay=0.0)
         return d
 
     def _recover(self, now: float) -> Decision:
         assert self.recovering_until is not None
         d = Decision()
         if self._resumes:
-            newest = max(r[0] for r in self._resumes.values())
-            group = next(r[1] for r in self._resumes.values() if r[0] == newest)
-            back = {mid for mid, r in self._resumes.items() if r[0] == newest and r[1] == group}
+            newest = max(r.epoch for r in self._resumes.values())
+            first = next(r for r in self._resumes.values() if r.epoch == newest)
+            group = first.members
+            back = {mid for mid, r in self._resumes.items() if r.epoch == newest and r.members == group}
             if set(group) <= back and set(group) <= set(self.members):
                 self.recovering_until = None
                 self.epoch = newest
                 self.epoch_members = list(group)
-                self.shares = self._split([self.members[m] for m in group])
+                members = [self.members[m] for m in group]
+                self._make_plan(members, now)
+                if len(first.shares) == len(group) and len(first.roles) == len(group):
+                    # The plan in force is the one the nodes carry, not one made from new reports.
+                    self.shares = list(first.shares)
+                    for mem, role in zip(members, first.roles, strict=True):
+                        mem.role = Role(role)
                 for mid in group:
                     self.members[mid].state = MemberState.ACTIVE
                 d.events.append(self._event(now, "adopt", None, f"rebuilt epoch {newest} from {len(group)} members"))
@@ -318,10 +414,27 @@ class Membership:
                 self._pending_reason += f"; {reason}"
         self._pending_urgent = self._pending_urgent or urgent
 
-    def _split(self, members: Sequence[Member]) -> list[int]:
+    def _make_plan(self, members: Sequence[Member], now: float) -> list[Event]:
+        """Plan shares and roles for the new epoch's members; events for changed roles."""
+        events: list[Event] = []
         if self.batch_size is None:
-            return [0] * len(members)
-        return split_batch(self.batch_size, [m.weight for m in members])
+            self.plan, self.shares = None, [0] * len(members)
+            return events
+        p = plan(self.batch_size, [m.profile() for m in members], balance=self.balance, spares_wanted=self._vacated)
+        self.plan, self.shares = p, list(p.shares)
+        self._planned_at = now
+        self._planned_times = {m.member_id: m.profile().time_for(s) for m, s in zip(members, p.shares, strict=True)}
+        self._vacated = 0
+        self._stragglers.clear()
+        for m, role, why in zip(members, p.roles, p.reasons, strict=True):
+            m.compute_times.clear()
+            if m.preference is Preference.STANDBY and role is Role.TRAINER:
+                m.preference = Preference.AUTO  # a promoted spare stays a regular member
+            if role is not m.role and (m.role is not None or role is not Role.TRAINER):
+                was = m.role.value if m.role is not None else "new"
+                events.append(self._event(now, "role", m.member_id, f"{m.name}: {was} -> {role.value}: {why}"))
+            m.role = role
+        return events
 
     def _form_epoch(self, now: float, urgent: bool, reason: str) -> Decision:
         d = Decision()
@@ -339,10 +452,18 @@ class Membership:
         self._started = True
         self.epoch_members = order
         members = [self.members[m] for m in order]
-        self.shares = self._split(members)
+        d.events.extend(self._make_plan(members, now))
         for m in members:
             m.state = MemberState.ACTIVE
-        msg = EpochOrder(epoch=self.epoch, members=order, shares=self.shares, urgent=urgent, reason=reason)
+        msg = EpochOrder(
+            epoch=self.epoch,
+            members=order,
+            shares=self.shares,
+            urgent=urgent,
+            reason=reason,
+            roles=[r.value for r in self.plan.roles] if self.plan else [],
+            microbatches=list(self.plan.microbatches) if self.plan else [],
+        )
         # Everyone of the old epoch hears of it (a leaver learns it may go), and everyone of the new.
         for mid in dict.fromkeys(old + order):
             if mid in self.members or mid in old:

@@ -19,6 +19,7 @@ Name = Annotated[str, Field(min_length=1, max_length=256)]
 Count = Annotated[int, Field(ge=0, le=2**53)]
 EpochNo = Annotated[int, Field(ge=0, le=2**31)]
 """Epoch numbers stay far below any overflow, whatever a hostile hello claims."""
+RoleName = Literal["trainer", "validator", "standby"]
 
 
 class _Msg(BaseModel):
@@ -40,6 +41,35 @@ class Resume(BaseModel):
     epoch: EpochNo
     members: Annotated[list[Name], Field(max_length=4096)]
     step: Count
+    shares: Annotated[list[Count], Field(max_length=4096)] = []
+    roles: Annotated[list[RoleName], Field(max_length=4096)] = []
+
+
+Seconds = Annotated[float, Field(ge=0, le=1e6)]
+
+
+class Capabilities(BaseModel):
+    """What a node can do, measured at join and refreshed with every progress report."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    device: Annotated[str, Field(max_length=128)] = "cpu"
+    """Device kind and index, e.g. ``cpu``, ``cuda:0``."""
+    device_name: Annotated[str, Field(max_length=256)] = ""
+    memory_total: Count = 0
+    """Bytes of memory on the compute device (0: unknown)."""
+    memory_used: Count = 0
+    per_sample_s: Seconds = 0.0
+    """Compute seconds per sample (forward + backward), smoothed."""
+    overhead_s: Seconds = 0.0
+    """Fixed compute seconds per micro-batch."""
+    max_microbatch: Annotated[int, Field(ge=-1, le=2**31)] = 0
+    """Largest micro-batch that fits in memory (0: no limit; -1: not even one sample)."""
+    comm_s: Seconds = 0.0
+    """Seconds of the last step spent in the all-reduce (waiting for peers included)."""
+    rtt_s: Seconds = 0.0
+    """Round-trip time to the coordinator (heartbeat to acknowledgement), smoothed."""
+    throttle: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Emulated speed factor (testing aid; 1 = full speed)."""
 
 
 class Hello(_Msg):
@@ -52,11 +82,14 @@ class Hello(_Msg):
     batch_size: Annotated[int, Field(ge=1, le=2**31)]
     weight: Annotated[float, Field(gt=0, le=1e9)] = 1.0
     step: Count = 0
-    device: Annotated[str, Field(max_length=128)] = "cpu"
     host: Annotated[str, Field(max_length=256)] = ""
     pid: Count = 0
     resume: Resume | None = None
     last_epoch: EpochNo = 0
+    capabilities: Capabilities = Capabilities()
+    role: Literal["auto", "trainer", "validator", "standby"] = "auto"
+    evaluates: bool = False
+    """The job has an evaluation function (the node can be a validator)."""
     """The newest epoch this node has heard of; epochs after a restart are numbered above it."""
 
 
@@ -74,6 +107,18 @@ class Progress(_Msg):
     wall_time: float
     first_in_epoch: bool = False
     samples_per_s: Annotated[float, Field(ge=0)] = 0.0
+    compute_s: Seconds = 0.0
+    """Compute time of the last step (0 for a member without a share)."""
+    capabilities: Capabilities | None = None
+
+
+class Validation(_Msg):
+    """A validator's evaluation of the committed state after ``step``."""
+
+    type: Literal["validation"] = "validation"
+    step: Count
+    metrics: Annotated[dict[Annotated[str, Field(max_length=128)], float], Field(max_length=64)]
+    seconds: Seconds
 
 
 class Fault(_Msg):
@@ -125,6 +170,10 @@ class EpochOrder(_Msg):
     urgent: bool
     """True when a member failed: abandon the step in flight at once."""
     reason: str
+    roles: list[RoleName] = []
+    """Each member's role (empty: all train)."""
+    microbatches: list[Count] = []
+    """Each member's micro-batch size (empty or 0: its whole share at once)."""
 
 
 class Expel(_Msg):
@@ -137,7 +186,7 @@ class Finished(_Msg):
     step: Count
 
 
-NodeMessage = Annotated[Hello | Heartbeat | Progress | Fault | Leave | Done, Field(discriminator="type")]
+NodeMessage = Annotated[Hello | Heartbeat | Progress | Fault | Leave | Done | Validation, Field(discriminator="type")]
 CoordinatorMessage = Annotated[Welcome | Refused | Ack | EpochOrder | Expel | Finished, Field(discriminator="type")]
 _node_adapter: TypeAdapter[NodeMessage] = TypeAdapter(NodeMessage)
 _coord_adapter: TypeAdapter[CoordinatorMessage] = TypeAdapter(CoordinatorMessage)

@@ -3,13 +3,16 @@
 from unbroken.testing.cluster import LocalCluster, NodeProcess
 from unbroken.testing.faults import Fault, parse_faults
 from unbroken.testing.promises import PromiseReport, check_promises, reference_state
+from unbroken.testing.throttle import Throttle, parse_throttle
 
 __all__ = [
     "Fault",
     "LocalCluster",
     "NodeProcess",
     "PromiseReport",
+    "Throttle",
     "check_promises",
     "parse_faults",
+    "parse_throttle",
     "reference_state",
 ]

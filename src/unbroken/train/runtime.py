@@ -48,15 +48,31 @@ from unbroken.sched.shares import offsets
 from unbroken.state.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from unbroken.state.snapshot import TrainState, digest_prefix, fingerprint
 from unbroken.testing.faults import Fault, FaultPlan
+from unbroken.testing.throttle import parse_throttle
 from unbroken.train.data import DataPlan
+from unbroken.train.device import (
+    Calibration,
+    ComputeReplica,
+    OutOfMemory,
+    SavedBytes,
+    calibrate,
+    describe,
+    microbatch_cap,
+    resolve_device,
+)
+from unbroken.train.sidecar import Sidecar
 from unbroken.train.sync import plan_sync
 
 log = logging.getLogger(__name__)
 
 _EXTRA = 4  # vote, samples, switch, loss
 LEAVE_GRACE_S = 5.0
-PROGRESS_EVERY_S = 0.1
+PROGRESS_EVERY_S = 0.05
 PROGRESS_LOG_EVERY_S = 10.0
+VALIDATE_EVERY_S = 0.5
+CALIBRATION_SAMPLES = 8
+SPEED_SMOOTHING = 0.5
+"""Weight of the newest step in the smoothed speed: a changed device shows within a few steps."""
 
 
 @dataclass
@@ -86,6 +102,18 @@ class Node:
         # Buffers a forward pass updates (BatchNorm statistics) travel in the same
         # all-reduce as the gradients, so replicas stay bit-identical between syncs.
         self.buffers = [b for b in model.buffers() if b.dtype.is_floating_point or b.dtype == torch.int64]
+        self.device = resolve_device(config.device)
+        self.replica = ComputeReplica(model, self.device)
+        self.compute_buffers = list(self.replica.buffers())
+        self.throttle = parse_throttle(config.throttle)
+        self._speed_lock = threading.Lock()
+        self.calibration: Calibration | None = None
+        self._mb_cap = 0
+        self._oom_cap = 0
+        self._last_compute_s = 0.0
+        self._last_comm_s = 0.0
+        self._last_validation = 0.0
+        self.sidecar: Sidecar | None = None
         self.numel = sum(p.numel() for p in self.params) + sum(b.numel() for b in self.buffers)
         self.data = DataPlan(job.num_samples, job.batch_size, job.seed)
         self.faults = FaultPlan(faults or [], self._log)
@@ -114,10 +142,13 @@ class Node:
     def run(self) -> NodeResult:
         self._restore_checkpoint()
         self._install_signals()
+        self._calibrate()
         self.client.start()
         try:
             return self._loop()
         finally:
+            if self.sidecar is not None:
+                self.sidecar.close()
             self.client.close()
             if self.checkpointer is not None:
                 self.checkpointer.close()
@@ -218,7 +249,15 @@ class Node:
             self.stores.get, welcome.coordinator_id, welcome.store_host, welcome.store_port, timeout
         )
         prefix = f"{self.job.name}/{welcome.coordinator_id}/e{order.epoch}/"
-        self.group = EpochGroup(order.epoch, rank, list(order.members), list(order.shares), None)
+        self.group = EpochGroup(
+            order.epoch,
+            rank,
+            list(order.members),
+            list(order.shares),
+            None,
+            roles=list(order.roles),
+            microbatches=list(order.microbatches),
+        )
         abort = functools.partial(self._abort_reason, during_step=False)
         try:
             pg, took = build_group(
@@ -231,8 +270,11 @@ class Node:
         self._epochs_formed += 1
         self._first_in_epoch = True
         log.info(
-            "%s: epoch %d rank %d/%d built in %.1f ms", self.name, order.epoch, rank, len(order.members), took * 1e3
-        )
+            "%s: epoch %d rank %d/%d (%s, %d of %d samples) built in %.1f ms",
+            self.name, order.epoch, rank, len(order.members), self.group.role, self.group.shares[rank],
+            self.job.batch_size, took * 1e3,
+        )  # fmt: skip
+        self._set_role(self.group.role)
 
     def _gloo_host(self) -> str | None:
         if self.config.gloo_host:
@@ -316,7 +358,7 @@ class Node:
             indices = self.data.indices(step, my_offset, my_share)
             before = [b.detach().clone() for b in self.buffers]
             try:
-                loss = self._compute(indices, step)
+                loss = self._compute(indices, step, g.microbatch, before)
                 reason = in_step()
                 if reason is not None:
                     raise EpochAborted(reason)
@@ -324,10 +366,13 @@ class Node:
                 latest = self.client.latest_order()
                 switch = 1.0 if (latest is not None and latest.epoch > g.epoch) or self._leave_sent_at else 0.0
                 flat[self.numel :] = torch.tensor([1.0, float(my_share), switch, loss])
-                self._log({"kind": "contrib", "epoch": g.epoch, "step": step, "rank": g.rank, "indices": indices})
+                entry = {"kind": "contrib", "epoch": g.epoch, "step": step, "rank": g.rank, "indices": indices}
+                self._log(entry | {"role": g.role})
+                t_comm = time.monotonic()
                 work = g.pg.allreduce([flat])
                 self.faults.maybe_fire("allreduce", step)
                 wait_work(work, self.wake, in_step, self.config.collective_timeout_s, f"all-reduce of step {step}")
+                self._last_comm_s = time.monotonic() - t_comm
                 votes, samples, switched, global_loss = flat[self.numel :].tolist()
                 if round(votes) != g.size or round(samples) != B:
                     raise CollectiveFailed(f"step {step} had {votes:.0f}/{g.size} votes and {samples:.0f}/{B} samples")
@@ -335,48 +380,207 @@ class Node:
             except BaseException:
                 # The step is not applied: undo what its forward passes did to the buffers,
                 # so the retry starts from the committed state.
-                with torch.no_grad():
-                    for b, b0 in zip(self.buffers, before, strict=True):
-                        b.copy_(b0)
+                self._restore_buffers(before)
                 raise
             self._apply(flat, before)
             self._committed(g, step, global_loss, B / max(time.monotonic() - t0, 1e-9))
+            if g.role == "validator":
+                self._maybe_validate()
             if switched > 0 or self.state.step >= self.job.num_steps:
                 return
 
-    def _compute(self, indices: list[int], step: int) -> float:
-        """Forward/backward over this node's slice; gradients summed, scaled to the mean over B."""
-        model = self.state.model
+    def _compute(self, indices: list[int], step: int, planned_mb: int, before: list[torch.Tensor]) -> float:
+        """Forward/backward over this node's slice; gradients summed, scaled to the mean over B.
+
+        Out of device memory, the micro-batch is halved and the slice computed again: the
+        gradient is the same whatever the micro-batch size.
+        """
+        while True:
+            mb = planned_mb or self._mb_cap or len(indices) or 1
+            if self._oom_cap:
+                mb = min(mb, self._oom_cap)
+            try:
+                return self._compute_slice(indices, step, mb)
+            except OutOfMemory:
+                if mb <= 1:
+                    raise
+                self._oom_cap = mb // 2
+                log.warning("%s: out of device memory at micro-batch %d; retrying at %d", self.name, mb, mb // 2)
+                self._restore_buffers(before)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+    def _compute_slice(self, indices: list[int], step: int, mb: int) -> float:
+        self.replica.pull()
+        model = self.replica.model
         model.train()
-        for p in self.params:
+        for p in self.replica.params:
             p.grad = None
         torch.manual_seed(self.job.seed * 1_000_003 + step)
         B = self.job.batch_size
-        mb = self.config.max_microbatch or len(indices) or 1
         total = 0.0
-        for start in range(0, len(indices), mb):
+        start = time.perf_counter()
+        n_micro = 0
+        for first in range(0, len(indices), mb):
             self.client.touch()
-            chunk = indices[start : start + mb]
-            inputs, targets = self.job.collate([self.job.dataset[i] for i in chunk])
+            chunk = indices[first : first + mb]
+            inputs, targets = self.replica.to_device(self.job.collate([self.job.dataset[i] for i in chunk]))
+            t_mb = time.perf_counter()
             loss = self.job.loss(model(inputs), targets)
             (loss * (len(chunk) / B)).backward()  # type: ignore[no-untyped-call]
             total += float(loss.detach()) * len(chunk) / B
+            self.throttle.stretch(time.perf_counter() - t_mb, step, self.client.touch)
+            n_micro += 1
+        if indices:
+            self._observe(len(indices), n_micro, time.perf_counter() - start)
+        else:
+            self._last_compute_s = 0.0
         return total
+
+    def _restore_buffers(self, before: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for b, b0 in zip(self.buffers, before, strict=True):
+                b.copy_(b0)
+
+    # ---------------------------------------------------------------- measuring
+
+    def _calibrate(self) -> None:
+        """Measure compute speed and activation memory before joining (on a model copy)."""
+        dataset = self.job.dataset
+        k = max(2, min(CALIBRATION_SAMPLES, self.job.batch_size, len(dataset)))  # type: ignore[arg-type]
+        probe = self.job.model().to(self.device) if self.replica.separate else None
+        with torch.random.fork_rng(devices=[]):
+            model = probe if probe is not None else self._copy_model()
+            self.calibration = self._probe(model, k)
+        info = describe(self.device)
+        budget = self.config.memory_limit or (
+            int(info.memory_available * 0.9) if self.device.type == "cuda" else int(info.memory_available * 0.5)
+        )
+        model_bytes = sum(t.numel() * t.element_size() for t in self.state.model.state_dict().values())
+        self._mb_cap = microbatch_cap(self.calibration, model_bytes, budget, self.config.max_microbatch)
+        cal = self.calibration
+        log.info(
+            "%s: %s (%s): %.3f ms/sample + %.3f ms/micro-batch, %.1f KB activations/sample, micro-batch cap %s%s",
+            self.name, info.kind, info.name, cal.per_sample_s * 1e3, cal.overhead_s * 1e3,
+            cal.activation_bytes_per_sample / 1e3, self._mb_cap or "none",
+            f", throttled to {self.throttle.factor(self.state.step)}" if self.throttle.active else "",
+        )  # fmt: skip
+
+    def _copy_model(self) -> torch.nn.Module:
+        model = self.job.model()
+        model.load_state_dict(self.state.model.state_dict())
+        return model
+
+    def _probe(self, model: torch.nn.Module, k: int = CALIBRATION_SAMPLES) -> Calibration:
+        """Time one- and k-sample passes of ``model`` (throttle included) and count activations."""
+        model.train()
+        step = self.state.step
+
+        def batch(n: int) -> Any:
+            return self.replica.to_device(self.job.collate([self.job.dataset[i] for i in range(n)]))
+
+        def run(n: int) -> float:
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            inputs, targets = batch(n)
+            self.job.loss(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
+            self.replica.synchronize()
+            took = time.perf_counter() - start
+            return took + self.throttle.stretch(took, step)
+
+        def saved(n: int) -> int:
+            inputs, targets = batch(n)
+            with SavedBytes() as counter:
+                out = self.job.loss(model(inputs), targets)
+            del out
+            return counter.total
+
+        k = max(2, min(k, len(self.job.dataset)))  # type: ignore[arg-type]
+        return calibrate(run, saved, k)
+
+    def _observe(self, share: int, n_micro: int, seconds: float) -> None:
+        """Fold one step's compute time into the smoothed per-sample cost."""
+        self._last_compute_s = seconds
+        with self._speed_lock:
+            cal = self.calibration
+            if cal is None:
+                return
+            per_sample = max(seconds - n_micro * cal.overhead_s, seconds * 0.05) / share
+            smoothed = SPEED_SMOOTHING * per_sample + (1 - SPEED_SMOOTHING) * cal.per_sample_s
+            self.calibration = Calibration(
+                smoothed, cal.overhead_s, cal.activation_bytes_per_sample, cal.activation_bytes_fixed
+            )
+
+    def _probed(self, cal: Calibration) -> None:
+        with self._speed_lock:
+            self.calibration = cal
+
+    def _capabilities(self) -> m.Capabilities:
+        info = describe(self.device)
+        with self._speed_lock:
+            cal = self.calibration
+        return m.Capabilities(
+            device=info.kind,
+            device_name=info.name[:256],
+            memory_total=info.memory_total,
+            memory_used=info.memory_used,
+            per_sample_s=min(cal.per_sample_s, 1e6) if cal else 0.0,
+            overhead_s=min(cal.overhead_s, 1e6) if cal else 0.0,
+            max_microbatch=self._oom_cap if self._oom_cap and self._mb_cap >= 0 else self._mb_cap,
+            comm_s=min(self._last_comm_s, 1e6),
+            rtt_s=min(self.client.rtt_s, 1e6),
+            throttle=self.throttle.factor(self.state.step),
+        )
+
+    # ---------------------------------------------------------------- roles
+
+    def _set_role(self, role: str) -> None:
+        """Trainers compute; other members probe their speed and, as validators, evaluate."""
+        if role == "trainer":
+            if self.sidecar is not None:
+                self.sidecar.set_probing(False)
+            return
+        if self.sidecar is None:
+            self.sidecar = Sidecar(
+                self.job,
+                self.name,
+                self.device,
+                self._probe,
+                self._probed,
+                self._validated,
+                lambda: self.throttle.factor(self.state.step),
+            )
+        self.sidecar.set_probing(True)
+
+    def _maybe_validate(self) -> None:
+        now = time.monotonic()
+        if self.job.evaluate is None or self.sidecar is None or not self.sidecar.idle:
+            return
+        if now - self._last_validation < VALIDATE_EVERY_S and self.state.step < self.job.num_steps:
+            return
+        self._last_validation = now
+        state = {k: v.detach().clone() for k, v in self.state.model.state_dict().items()}
+        self.sidecar.submit(self.state.step, state)
+
+    def _validated(self, step: int, metrics: dict[str, float], seconds: float) -> None:
+        self.client.send(m.Validation(step=step, metrics=metrics, seconds=seconds))
+        self._log({"kind": "validation", "step": step, "metrics": metrics, "seconds": seconds})
+        log.info("%s: validated step %d: %s", self.name, step, metrics)
 
     def _flatten(self, flat: torch.Tensor, before: list[torch.Tensor], weight: float, size: int) -> None:
         off = 0
-        for p in self.params:
+        for p in self.replica.params:
             n = p.numel()
             if p.grad is None:
                 flat[off : off + n].zero_()
             else:
-                flat[off : off + n].copy_(p.grad.reshape(-1))
+                flat[off : off + n].copy_(p.grad.reshape(-1))  # from the device: the CPU staging copy
             off += n
-        for b, b0 in zip(self.buffers, before, strict=True):
+        for b, b0 in zip(self.compute_buffers, before, strict=True):
             # Deltas, not values: a buffer nobody changed stays bit-exact. Float buffers
             # are weighted by this node's share of B; counters are averaged.
             n = b.numel()
-            delta = (b.detach() - b0).reshape(-1).to(torch.float32)
+            delta = (b.detach().to(b0.device) - b0).reshape(-1).to(torch.float32)
             flat[off : off + n].copy_(delta * (weight if b.dtype.is_floating_point else 1.0 / size))
             off += n
 
@@ -432,6 +636,8 @@ class Node:
                     wall_time=time.time(),
                     first_in_epoch=self._first_in_epoch,
                     samples_per_s=sps,
+                    compute_s=min(self._last_compute_s, 1e6),
+                    capabilities=self._capabilities(),
                 )
             )
             self._first_in_epoch = False
@@ -479,7 +685,7 @@ class Node:
         latest = self.client.latest_order()
         resume = None
         if g is not None and g.pg is not None and member_id in g.members:
-            resume = m.Resume(epoch=g.epoch, members=g.members, step=self.state.step)
+            resume = m.Resume(epoch=g.epoch, members=g.members, step=self.state.step, shares=g.shares, roles=g.roles)  # type: ignore[arg-type]
         return m.Hello(
             job=self.job.name,
             job_identity=self.job.identity(),
@@ -489,11 +695,13 @@ class Node:
             batch_size=self.job.batch_size,
             weight=self.config.weight,
             step=self.state.step,
-            device="cpu",
             host=socket.gethostname(),
             pid=os.getpid(),
             resume=resume,
             last_epoch=latest.epoch if latest is not None else 0,
+            capabilities=self._capabilities(),
+            role=self.config.role,  # type: ignore[arg-type]
+            evaluates=self.job.evaluate is not None,
         )
 
     def _restore_checkpoint(self) -> None:

@@ -25,15 +25,21 @@ NODE_MESSAGES: list[BaseModel] = [
         batch_size=32,
         weight=2.5,
         step=7,
-        device="cuda:0",
         host="h",
         pid=123,
         resume=m.Resume(epoch=3, members=["m1", "m2"], step=7),
         last_epoch=3,
+        capabilities=m.Capabilities(
+            device="cuda:0", device_name="H200", memory_total=1 << 40, per_sample_s=1e-3, max_microbatch=-1
+        ),
+        role="standby",
+        evaluates=True,
     ),
     m.Hello(job="j", job_identity="abc", fingerprint=[], member_id="m1", name="n", batch_size=1),
     m.Heartbeat(seq=4, step=9),
     m.Progress(epoch=2, step=10, loss=0.5, wall_time=12.5, first_in_epoch=True, samples_per_s=100.0),
+    m.Progress(epoch=2, step=11, loss=0.5, wall_time=13.0, compute_s=0.1, capabilities=m.Capabilities(rtt_s=0.01)),
+    m.Validation(step=10, metrics={"loss": 1.5}, seconds=0.3),
     m.Fault(epoch=2, reason="peer reset"),
     m.Leave(reason="SIGTERM"),
     m.Leave(),
@@ -46,6 +52,10 @@ COORDINATOR_MESSAGES: list[BaseModel] = [
     m.Refused(reason="job finished", finished=True),
     m.Ack(seq=4),
     m.EpochOrder(epoch=5, members=["a", "b"], shares=[10, 20], urgent=True, reason="b failed"),
+    m.EpochOrder(
+        epoch=6, members=["a", "b"], shares=[30, 0], urgent=False, reason="r", roles=["trainer", "validator"],
+        microbatches=[8, 0],
+    ),
     m.Expel(reason="lease"),
     m.Finished(step=40),
 ]

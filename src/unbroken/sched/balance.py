@@ -1,0 +1,237 @@
+"""The plan: who trains, how many samples each trainer computes, in micro-batches of what size.
+
+A node's compute time for a share of ``s`` samples is modelled as::
+
+    t(s) = overhead_s * ceil(s / microbatch) + s * per_sample_s
+
+Trainers get shares proportional to their measured throughput (1 / per_sample_s), rounded
+to whole samples that sum to B. A node whose presence lengthens the predicted step more than
+it adds (a one-sample share takes longer than the step of the others, or its rounding
+leaves it nothing) gets another role instead: ``validator`` (evaluates committed state) or
+``standby`` (keeps a warm replica). Every member, whatever its role, takes part in the
+step's all-reduce and applies the committed step, so a standby holds the current state and
+can be promoted to trainer without a transfer.
+
+Everything here is pure: the coordinator calls it with the nodes' reports.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from unbroken.sched.shares import split_batch
+
+ROLE_MARGIN = 0.05
+"""A node leaves the trainers only if that shortens the predicted step by more than this."""
+REBALANCE_MARGIN = 0.10
+"""A new plan replaces the current one only if its predicted step is this much shorter."""
+
+
+class Role(str, enum.Enum):
+    """What a member does each step. Transitions are the plan's, decided at every epoch::
+
+    trainer ◀──(cost model: it helps; or trainers failed)──▶ validator | standby
+    """
+
+    TRAINER = "trainer"
+    VALIDATOR = "validator"
+    STANDBY = "standby"
+
+
+class Preference(str, enum.Enum):
+    """What the operator asked for with ``--role``."""
+
+    AUTO = "auto"
+    """The cost model decides."""
+    TRAINER = "trainer"
+    """Always train (unless it cannot: no memory for one sample)."""
+    STANDBY = "standby"
+    """A hot spare: stays out of training until a trainer fails or leaves."""
+    VALIDATOR = "validator"
+    """Never trains; evaluates committed state."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the plan knows of one node (its latest report)."""
+
+    name: str
+    per_sample_s: float
+    """Marginal compute time per sample (seconds); 0 means not measured yet."""
+    overhead_s: float = 0.0
+    """Fixed compute time per micro-batch (seconds)."""
+    max_microbatch: int = 0
+    """Largest micro-batch its memory allows (0: no limit; -1: not even one sample fits)."""
+    weight: float = 1.0
+    """The operator's relative share, used when throughput is not balanced or not known."""
+    preference: Preference = Preference.AUTO
+    evaluates: bool = False
+    """The job has an evaluation function this node can run."""
+
+    def time_for(self, share: int) -> float:
+        """Predicted compute time for ``share`` samples (0 for none)."""
+        if share <= 0:
+            return 0.0
+        mb = self.max_microbatch if self.max_microbatch > 0 else share
+        return self.overhead_s * math.ceil(share / mb) + share * self.per_sample_s
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Shares, micro-batch sizes and roles of an epoch's members, in rank order."""
+
+    shares: tuple[int, ...]
+    microbatches: tuple[int, ...]
+    roles: tuple[Role, ...]
+    step_s: float
+    """Predicted compute time of the step (its slowest trainer)."""
+    reasons: tuple[str, ...]
+    """Why each member has its role, for events and the dashboard."""
+
+    def trainers(self) -> list[int]:
+        return [i for i, r in enumerate(self.roles) if r is Role.TRAINER]
+
+
+def _filled(profiles: Sequence[Profile]) -> list[Profile]:
+    """Unmeasured nodes are assumed as fast as the median measured one, scaled by weight."""
+    known = sorted(p.per_sample_s * p.weight for p in profiles if p.per_sample_s > 0)
+    if not known:
+        return [_replace_speed(p, 1.0 / p.weight, 0.0) for p in profiles]
+    median = known[len(known) // 2]
+    return [p if p.per_sample_s > 0 else _replace_speed(p, median / p.weight, 0.0) for p in profiles]
+
+
+def _replace_speed(p: Profile, per_sample_s: float, overhead_s: float) -> Profile:
+    return Profile(p.name, per_sample_s, overhead_s, p.max_microbatch, p.weight, p.preference, p.evaluates)
+
+
+def _split(batch_size: int, profiles: Sequence[Profile], trainers: Sequence[int], by_weight: bool) -> list[int]:
+    shares = [0] * len(profiles)
+    weights = [profiles[i].weight if by_weight else 1.0 / profiles[i].per_sample_s for i in trainers]
+    for i, s in zip(trainers, split_batch(batch_size, weights), strict=True):
+        shares[i] = s
+    return shares
+
+
+def _step_time(profiles: Sequence[Profile], shares: Sequence[int]) -> float:
+    return max((p.time_for(s) for p, s in zip(profiles, shares, strict=True)), default=0.0)
+
+
+def plan(
+    batch_size: int,
+    profiles: Sequence[Profile],
+    *,
+    balance: bool = True,
+    spares_wanted: int = 0,
+) -> Plan:
+    """The plan for these members (rank order), deterministic for equal inputs.
+
+    ``balance=False`` splits by the operators' weights and never demotes a node for speed.
+    ``spares_wanted`` is how many hot spares (``--role standby``) must train to replace
+    trainers that failed or left; the earliest in rank order are promoted.
+    """
+    if not profiles:
+        raise ValueError("cannot plan for zero members")
+    ps = _filled(profiles)
+    reasons = [""] * len(ps)
+    candidates = []
+    spares = [i for i, p in enumerate(ps) if p.preference is Preference.STANDBY and p.max_microbatch >= 0]
+    promoted = set(spares[:spares_wanted])
+    for i, p in enumerate(ps):
+        if p.max_microbatch < 0:
+            reasons[i] = "not even one sample fits in its memory"
+        elif p.preference is Preference.VALIDATOR:
+            reasons[i] = "asked to validate (--role validator)"
+        elif p.preference is Preference.STANDBY and i not in promoted:
+            reasons[i] = "hot spare (--role standby)"
+        else:
+            candidates.append(i)
+            if i in promoted:
+                reasons[i] = "hot spare promoted: a trainer failed or left"
+    if not candidates:
+        # Never stop while a node lives: the most capable node trains whatever it was asked.
+        able = [i for i, p in enumerate(ps) if p.max_microbatch >= 0] or list(range(len(ps)))
+        first = min(able, key=lambda i: (ps[i].time_for(batch_size), i))
+        candidates = [first]
+        reasons[first] = "the only node able to train"
+    trainers = list(candidates)
+    while balance and len(trainers) > 1:
+        shares = _split(batch_size, ps, trainers, by_weight=False)
+        with_it = _step_time(ps, shares)
+        idle = [i for i in trainers if shares[i] == 0 and ps[i].preference is not Preference.TRAINER]
+        if idle:
+            i = max(idle, key=lambda i: (ps[i].per_sample_s, i))
+            reasons[i] = "its share of the batch rounds to zero samples"
+            trainers.remove(i)
+            continue
+        drop: tuple[float, int] | None = None
+        for i in trainers:
+            if ps[i].preference is Preference.TRAINER or i in promoted:
+                continue
+            rest = [j for j in trainers if j != i]
+            without = _step_time(ps, _split(batch_size, ps, rest, by_weight=False))
+            if without < with_it * (1 - ROLE_MARGIN) and (drop is None or without < drop[0]):
+                drop = (without, i)
+        if drop is None:
+            break
+        without, i = drop
+        reasons[i] = (
+            f"predicted step {without * 1e3:.1f} ms without it vs {with_it * 1e3:.1f} ms with it "
+            f"(one sample takes it {ps[i].time_for(1) * 1e3:.1f} ms)"
+        )
+        trainers.remove(i)
+    shares = _split(batch_size, ps, trainers, by_weight=not balance)
+    for i in trainers:
+        # An operator who asked this node to train gets at least one sample, from the largest share.
+        if shares[i] == 0 and ps[i].preference is Preference.TRAINER:
+            donor = max(trainers, key=lambda j: (shares[j], -j))
+            if shares[donor] > 1:
+                shares[donor] -= 1
+                shares[i] = 1
+    # The validator place goes to a node that asked for it, else to the first that can evaluate.
+    able = [i for i, p in enumerate(ps) if p.evaluates and not (i in trainers and shares[i] > 0)]
+    asked = [i for i in able if ps[i].preference is Preference.VALIDATOR]
+    validator = (asked or able or [-1])[0]
+    roles = []
+    for i, p in enumerate(ps):
+        if i in trainers and shares[i] > 0:
+            roles.append(Role.TRAINER)
+            if not reasons[i]:
+                reasons[i] = f"{shares[i]} of {batch_size} samples, predicted {p.time_for(shares[i]) * 1e3:.1f} ms"
+        elif i == validator:
+            roles.append(Role.VALIDATOR)
+        else:
+            roles.append(Role.STANDBY)
+        if i in trainers and shares[i] == 0:
+            reasons[i] = reasons[i] or "its share of the batch rounds to zero samples"
+    micro = tuple(min(s, p.max_microbatch) if p.max_microbatch > 0 else s for s, p in zip(shares, ps, strict=True))
+    return Plan(tuple(shares), micro, tuple(roles), _step_time(ps, shares), tuple(reasons))
+
+
+def rebalance(
+    batch_size: int,
+    current: Sequence[int],
+    profiles: Sequence[Profile],
+    *,
+    spares_wanted: int = 0,
+) -> tuple[Plan, str] | None:
+    """A better plan for the same members, if it shortens the predicted step enough.
+
+    ``current`` is the shares in force; the returned reason compares the two predictions.
+    Hysteresis (`REBALANCE_MARGIN`) keeps measurement noise from flapping the plan.
+    """
+    ps = _filled(profiles)
+    now_s = _step_time(ps, current)
+    new = plan(batch_size, profiles, spares_wanted=spares_wanted)
+    if list(new.shares) == list(current) or not new.step_s < now_s * (1 - REBALANCE_MARGIN):
+        return None
+    slowest = max(range(len(ps)), key=lambda i: ps[i].time_for(current[i]))
+    reason = (
+        f"rebalance: predicted step {now_s * 1e3:.1f} ms -> {new.step_s * 1e3:.1f} ms "
+        f"({ps[slowest].name} at {ps[slowest].per_sample_s * 1e3:.2f} ms/sample held the step); "
+        f"shares {list(current)} -> {list(new.shares)}"
+    )
+    return new, reason

@@ -1,0 +1,564 @@
+"""plan / rebalance / Profile.time_for: who trains, with which share, in which micro-batches."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unbroken.sched.balance import (
+    REBALANCE_MARGIN,
+    ROLE_MARGIN,
+    Plan,
+    Preference,
+    Profile,
+    Role,
+    plan,
+    rebalance,
+)
+
+T, V, S = Role.TRAINER, Role.VALIDATOR, Role.STANDBY
+
+
+def node(name: str, per_sample_s: float = 0.01, **kw: object) -> Profile:
+    return Profile(name, per_sample_s, **kw)  # type: ignore[arg-type]
+
+
+def assert_consistent(p: Plan, batch_size: int, n: int) -> None:
+    assert len(p.shares) == len(p.microbatches) == len(p.roles) == len(p.reasons) == n
+    assert sum(p.shares) == batch_size
+    for share, mb, role in zip(p.shares, p.microbatches, p.roles, strict=True):
+        assert (role is Role.TRAINER) == (share > 0)
+        assert 0 <= mb <= share
+        assert (mb > 0) == (share > 0)
+    assert sum(r is Role.VALIDATOR for r in p.roles) <= 1
+    assert all(p.reasons), p.reasons
+    assert p.trainers() == [i for i, r in enumerate(p.roles) if r is Role.TRAINER]
+
+
+# ---------------------------------------------------------------- Profile.time_for
+
+
+def test_time_for_zero_or_negative_share_is_zero() -> None:
+    p = node("a", 0.01, overhead_s=1.0, max_microbatch=4)
+    assert p.time_for(0) == 0.0
+    assert p.time_for(-3) == 0.0
+
+
+def test_time_for_without_cap_is_one_micro_batch() -> None:
+    p = node("a", 0.01, overhead_s=0.5)
+    assert p.time_for(1) == pytest.approx(0.5 + 0.01)
+    assert p.time_for(100) == pytest.approx(0.5 + 1.0)
+
+
+@pytest.mark.parametrize(
+    ("share", "micro_batches"),
+    [(1, 1), (3, 1), (4, 2), (6, 2), (7, 3), (10, 4)],
+)
+def test_time_for_with_cap_counts_overhead_per_micro_batch(share: int, micro_batches: int) -> None:
+    p = node("a", 0.01, overhead_s=0.1, max_microbatch=3)
+    assert p.time_for(share) == pytest.approx(0.1 * micro_batches + 0.01 * share)
+
+
+def test_time_for_with_cap_and_no_overhead_is_linear() -> None:
+    p = node("a", 0.02, max_microbatch=2)
+    assert p.time_for(9) == pytest.approx(0.18)
+
+
+def test_time_for_with_no_memory_does_not_divide_by_zero() -> None:
+    # max_microbatch = -1 is treated like "no cap" by the model (the plan never gives it samples).
+    assert node("a", 0.01, overhead_s=0.1, max_microbatch=-1).time_for(5) == pytest.approx(0.15)
+
+
+# ---------------------------------------------------------------- shares
+
+
+def test_equal_nodes_split_evenly_and_all_train() -> None:
+    p = plan(12, [node("a"), node("b"), node("c")])
+    assert p.shares == (4, 4, 4)
+    assert p.microbatches == (4, 4, 4)
+    assert p.roles == (T, T, T)
+    assert p.trainers() == [0, 1, 2]
+    assert p.step_s == pytest.approx(0.04)
+    assert p.reasons[0] == "4 of 12 samples, predicted 40.0 ms"
+    assert_consistent(p, 12, 3)
+
+
+def test_shares_are_proportional_to_throughput() -> None:
+    # Throughputs 100, 50, 25 samples/s: shares 4:2:1 and equal predicted times.
+    p = plan(70, [node("a", 0.01), node("b", 0.02), node("c", 0.04)])
+    assert p.shares == (40, 20, 10)
+    assert p.roles == (T, T, T)
+    assert p.step_s == pytest.approx(0.4)
+    assert_consistent(p, 70, 3)
+
+
+def test_shares_sum_to_batch_when_division_is_inexact_ties_to_lower_rank() -> None:
+    p = plan(10, [node("a"), node("b"), node("c")])
+    assert p.shares == (4, 3, 3)
+    assert p.step_s == pytest.approx(0.04)
+    p = plan(11, [node("a"), node("b"), node("c")])
+    assert p.shares == (4, 4, 3)
+
+
+def test_rounding_is_largest_remainder() -> None:
+    # Throughputs 1.4 and 1.6: exact shares of 3 are 1.4 and 1.6; the spare sample goes to b.
+    p = plan(3, [node("a", 1 / 1.4), node("b", 1 / 1.6)])
+    assert p.shares == (1, 2)
+    assert p.roles == (T, T)
+
+
+def test_plan_is_deterministic() -> None:
+    profiles = [
+        node("a", 0.013, overhead_s=0.002, max_microbatch=16),
+        node("b", 0.007),
+        node("c", 0.0),
+        node("d", 0.031, evaluates=True),
+        node("e", 0.011, preference=Preference.STANDBY),
+    ]
+    first = plan(97, profiles, spares_wanted=1)
+    for _ in range(5):
+        assert plan(97, list(profiles), spares_wanted=1) == first
+    assert_consistent(first, 97, 5)
+
+
+def test_single_node_takes_everything() -> None:
+    p = plan(33, [node("a", 0.01, overhead_s=0.1)])
+    assert p.shares == (33,)
+    assert p.roles == (T,)
+    assert p.step_s == pytest.approx(0.1 + 0.33)
+
+
+def test_zero_members_is_refused() -> None:
+    with pytest.raises(ValueError, match="zero members"):
+        plan(8, [])
+
+
+# ---------------------------------------------------------------- micro-batch caps
+
+
+def test_cap_limits_micro_batches_not_shares() -> None:
+    p = plan(20, [node("a", max_microbatch=4), node("b")])
+    assert p.shares == (10, 10)
+    assert p.microbatches == (4, 10)
+    assert p.roles == (T, T)
+
+
+def test_cap_larger_than_share_gives_share_as_micro_batch() -> None:
+    p = plan(20, [node("a", max_microbatch=64), node("b", max_microbatch=3)])
+    assert p.microbatches == (10, 3)
+
+
+def test_step_time_counts_overhead_per_capped_micro_batch() -> None:
+    p = plan(20, [node("a", overhead_s=0.01, max_microbatch=4), node("b", overhead_s=0.01)])
+    assert p.shares == (10, 10)
+    # a: 3 micro-batches (4 + 4 + 2) -> 0.03 + 0.10; b: one micro-batch -> 0.01 + 0.10.
+    assert p.step_s == pytest.approx(0.13)
+    assert p.reasons[0] == "10 of 20 samples, predicted 130.0 ms"
+    assert p.reasons[1] == "10 of 20 samples, predicted 110.0 ms"
+
+
+# ---------------------------------------------------------------- no memory, unmeasured
+
+
+@pytest.mark.parametrize(("evaluates", "role"), [(True, V), (False, S)])
+def test_node_without_memory_for_one_sample_gets_nothing(evaluates: bool, role: Role) -> None:
+    p = plan(16, [node("a"), node("b", 0.001, max_microbatch=-1, evaluates=evaluates), node("c")])
+    assert p.shares == (8, 0, 8)
+    assert p.microbatches == (8, 0, 8)
+    assert p.roles == (T, role, T)
+    assert p.reasons[1] == "not even one sample fits in its memory"
+    assert_consistent(p, 16, 3)
+
+
+def test_node_without_memory_does_not_train_even_if_asked() -> None:
+    p = plan(16, [node("a"), node("b", max_microbatch=-1, preference=Preference.TRAINER)])
+    assert p.shares == (16, 0)
+    assert p.roles == (T, S)
+    assert p.reasons[1] == "not even one sample fits in its memory"
+
+
+def test_unmeasured_node_is_treated_as_the_median_measured_node() -> None:
+    # Measured: 10, 20, 40 ms/sample -> median 20 ms: d gets the same share as b.
+    p = plan(225, [node("a", 0.01), node("b", 0.02), node("c", 0.04), node("d", 0.0)])
+    assert p.shares == (100, 50, 25, 50)
+    assert p.roles == (T, T, T, T)
+    assert p.step_s == pytest.approx(1.0)
+
+
+def test_unmeasured_node_among_equal_nodes_gets_an_equal_share() -> None:
+    p = plan(30, [node("a", 0.0), node("b", 0.01), node("c", 0.01)])
+    assert p.shares == (10, 10, 10)
+    assert p.roles == (T, T, T)
+
+
+def test_all_unmeasured_split_by_weight() -> None:
+    p = plan(64, [node("a", 0.0, weight=1.0), node("b", 0.0, weight=3.0)])
+    assert p.shares == (16, 48)
+    assert p.roles == (T, T)
+
+
+def test_unmeasured_node_weight_means_a_larger_share_as_when_none_is_measured() -> None:
+    # --weight is "relative share of the global batch": with nothing measured a weight-2 node
+    # gets twice the share of a weight-1 node (test above). Among measured weight-1 nodes,
+    # an unmeasured weight-2 node should likewise be assumed to get twice their share, not half.
+    p = plan(40, [node("a", 0.01), node("b", 0.01), node("c", 0.0, weight=2.0)])
+    assert p.shares == (10, 10, 20)
+
+
+# ---------------------------------------------------------------- speed: 100x faster / slower
+
+
+def test_a_node_100x_faster_gets_almost_all_of_a_small_batch() -> None:
+    p = plan(64, [node("a", 0.0001), node("b", 0.01), node("c", 0.01)])
+    assert p.shares == (64, 0, 0)
+    assert p.roles == (T, S, S)
+    assert p.step_s == pytest.approx(0.0064)
+    # b got one sample (10 ms) that a does in 0.1 ms: it lengthened the step, so it left.
+    assert p.reasons[1] == "predicted step 6.4 ms without it vs 10.0 ms with it (one sample takes it 10.0 ms)"
+    assert p.reasons[2] == "its share of the batch rounds to zero samples"
+    assert_consistent(p, 64, 3)
+
+
+def test_a_node_100x_faster_gets_its_proportion_of_a_large_batch() -> None:
+    p = plan(10200, [node("a", 0.0001), node("b", 0.01), node("c", 0.01)])
+    assert p.shares == (10000, 100, 100)
+    assert p.roles == (T, T, T)
+    assert p.step_s == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(("evaluates", "role"), [(True, V), (False, S)])
+def test_a_node_100x_slower_is_demoted(evaluates: bool, role: Role) -> None:
+    p = plan(64, [node("a", 0.01), node("b", 0.01), node("c", 1.0, evaluates=evaluates)])
+    assert p.shares == (32, 32, 0)
+    assert p.roles == (T, T, role)
+    assert p.step_s == pytest.approx(0.32)
+    # Its proportional share (64/201 = 0.32 samples) rounds to zero: that is the stated reason.
+    assert p.reasons[2] == "its share of the batch rounds to zero samples"
+    assert_consistent(p, 64, 3)
+
+
+def test_a_node_slowed_by_overhead_is_demoted_with_the_predicted_step_times() -> None:
+    # c's capped micro-batches of 1 sample each cost 100 ms overhead: with its 21 samples the
+    # step would take 2.31 s, without it 0.32 s.
+    slow = node("c", 0.01, overhead_s=0.1, max_microbatch=1, evaluates=True)
+    p = plan(64, [node("a"), node("b"), slow])
+    assert p.shares == (32, 32, 0)
+    assert p.roles == (T, T, V)
+    assert p.step_s == pytest.approx(0.32)
+    reason = p.reasons[2]
+    assert reason == "predicted step 320.0 ms without it vs 2310.0 ms with it (one sample takes it 110.0 ms)"
+
+
+def test_only_one_validator() -> None:
+    p = plan(
+        64,
+        [
+            node("a", 0.01),
+            node("b", 1.0, evaluates=True),
+            node("c", 1.0, evaluates=True),
+            node("d", 0.01, max_microbatch=-1, evaluates=True),
+        ],
+    )
+    assert p.shares == (64, 0, 0, 0)
+    assert p.roles == (T, V, S, S)
+    assert_consistent(p, 64, 4)
+
+
+def test_demotion_needs_more_than_the_role_margin() -> None:
+    # b's one-sample share adds 1 ms to a 100 ms step (1%): below ROLE_MARGIN, b stays.
+    assert ROLE_MARGIN > 0.01
+    p = plan(101, [node("a", 0.001), node("b", 0.101)])
+    assert p.shares == (100, 1)
+    assert p.roles == (T, T)
+
+
+# ---------------------------------------------------------------- balance=False
+
+
+def test_unbalanced_splits_by_weight() -> None:
+    p = plan(64, [node("a", 0.01, weight=1.0), node("b", 1.0, weight=3.0)], balance=False)
+    assert p.shares == (16, 48)
+    assert p.roles == (T, T)
+    assert p.step_s == pytest.approx(48.0)
+
+
+def test_unbalanced_never_demotes_for_speed() -> None:
+    profiles = [node("a", 0.01), node("b", 0.01), node("c", 1.0, evaluates=True)]
+    p = plan(64, profiles, balance=False)
+    assert p.shares == (22, 21, 21)
+    assert p.roles == (T, T, T)
+    assert p.step_s == pytest.approx(21.0)
+    overhead = [node("a"), node("b"), node("c", 0.01, overhead_s=0.1, max_microbatch=1)]
+    assert plan(64, overhead, balance=False).roles == (T, T, T)
+
+
+def test_unbalanced_still_respects_memory_and_preferences() -> None:
+    p = plan(
+        30,
+        [
+            node("a"),
+            node("b", max_microbatch=-1),
+            node("c", preference=Preference.VALIDATOR, evaluates=True),
+            node("d", preference=Preference.STANDBY),
+            node("e", weight=2.0),
+        ],
+        balance=False,
+    )
+    assert p.shares == (10, 0, 0, 0, 20)
+    assert p.roles == (T, S, V, S, T)
+
+
+# ---------------------------------------------------------------- preferences
+
+
+def test_preferred_trainer_is_not_demoted_for_speed() -> None:
+    slow = node("c", 0.01, overhead_s=0.1, max_microbatch=1, preference=Preference.TRAINER)
+    p = plan(64, [node("a"), node("b"), slow])
+    assert p.shares == (22, 21, 21)
+    assert p.roles == (T, T, T)
+    assert p.step_s == pytest.approx(21 * 0.1 + 0.21)
+
+
+def test_preferred_trainer_keeps_training_when_its_share_would_round_to_zero() -> None:
+    # Preference.TRAINER: "Always train (unless it cannot: no memory for one sample)".
+    p = plan(64, [node("a", 0.01), node("b", 0.01), node("c", 1.0, preference=Preference.TRAINER)])
+    assert p.roles[2] is Role.TRAINER
+    assert p.shares[2] >= 1
+    assert sum(p.shares) == 64
+
+
+def test_preferred_validator_never_trains() -> None:
+    p = plan(64, [node("a", 0.01), node("b", 0.0001, preference=Preference.VALIDATOR, evaluates=True)])
+    assert p.shares == (64, 0)
+    assert p.roles == (T, V)
+    assert p.reasons[1] == "asked to validate (--role validator)"
+
+
+def test_preferred_validator_gets_the_validator_role_before_a_hot_spare() -> None:
+    p = plan(
+        12,
+        [
+            node("a"),
+            node("b", preference=Preference.STANDBY, evaluates=True),
+            node("c", preference=Preference.VALIDATOR, evaluates=True),
+        ],
+    )
+    assert p.shares == (12, 0, 0)
+    assert p.roles == (T, S, V)
+
+
+def test_hot_spares_stay_out_until_wanted() -> None:
+    profiles = [node("a"), node("b", preference=Preference.STANDBY), node("c", preference=Preference.STANDBY)]
+    p = plan(12, profiles)
+    assert p.shares == (12, 0, 0)
+    assert p.roles == (T, S, S)
+    assert p.reasons[1] == p.reasons[2] == "hot spare (--role standby)"
+
+
+@pytest.mark.parametrize(
+    ("wanted", "shares", "roles"),
+    [(1, (6, 6, 0), (T, T, S)), (2, (4, 4, 4), (T, T, T)), (5, (4, 4, 4), (T, T, T))],
+)
+def test_hot_spares_are_promoted_earliest_rank_first(
+    wanted: int, shares: tuple[int, ...], roles: tuple[Role, ...]
+) -> None:
+    profiles = [node("a"), node("b", preference=Preference.STANDBY), node("c", preference=Preference.STANDBY)]
+    p = plan(12, profiles, spares_wanted=wanted)
+    assert p.shares == shares
+    assert p.roles == roles
+    assert p.reasons[1] == "hot spare promoted: a trainer failed or left"
+    assert_consistent(p, 12, 3)
+
+
+def test_spare_without_memory_is_not_promoted() -> None:
+    profiles = [
+        node("a"),
+        node("b", preference=Preference.STANDBY, max_microbatch=-1),
+        node("c", preference=Preference.STANDBY),
+    ]
+    p = plan(12, profiles, spares_wanted=1)
+    assert p.shares == (6, 0, 6)
+    assert p.roles == (T, S, T)
+
+
+def test_promoted_spare_is_not_demoted_for_speed() -> None:
+    spare = node("b", 0.01, overhead_s=0.1, max_microbatch=1, preference=Preference.STANDBY)
+    p = plan(64, [node("a"), spare], spares_wanted=1)
+    assert p.shares == (32, 32)
+    assert p.roles == (T, T)
+
+
+@pytest.mark.parametrize("preference", [Preference.VALIDATOR, Preference.STANDBY])
+def test_one_node_trains_when_nobody_may(preference: Preference) -> None:
+    # b is the fastest: it trains the whole batch although it asked not to.
+    profiles = [node("a", 0.02, preference=preference), node("b", 0.01, preference=preference)]
+    p = plan(10, profiles)
+    assert p.shares == (0, 10)
+    assert p.roles == (S, T)
+    assert p.reasons[1] == "the only node able to train"
+
+
+def test_one_node_trains_when_only_validators_and_memoryless_nodes_remain() -> None:
+    profiles = [node("a", 0.001, max_microbatch=-1), node("b", 0.05, preference=Preference.VALIDATOR)]
+    p = plan(10, profiles)
+    assert p.shares == (0, 10)
+    assert p.roles[1] is Role.TRAINER
+
+
+def test_one_node_trains_even_when_none_has_memory() -> None:
+    p = plan(10, [node("a", 0.02, max_microbatch=-1), node("b", 0.01, max_microbatch=-1)])
+    assert p.shares == (0, 10)
+    assert p.roles == (S, T)
+    assert p.reasons[1] == "the only node able to train"
+
+
+# ---------------------------------------------------------------- rebalance
+
+
+def test_rebalance_none_when_current_is_the_plan() -> None:
+    profiles = [node("a"), node("b")]
+    assert rebalance(64, [32, 32], profiles) is None
+    uneven = [node("a", 0.01), node("b", 0.02), node("c", 0.04)]
+    assert rebalance(70, list(plan(70, uneven).shares), uneven) is None
+
+
+def test_rebalance_none_when_gain_is_below_margin() -> None:
+    # b 5% slower: the plan would be [33, 31] (330 ms) but [32, 32] predicts 336 ms.
+    profiles = [node("a", 0.01), node("b", 0.0105)]
+    assert plan(64, profiles).shares != (32, 32)
+    assert rebalance(64, [32, 32], profiles) is None
+    # b 20% slower: [35, 29] predicts 350 ms vs 384 ms, a gain of 9% < REBALANCE_MARGIN.
+    profiles = [node("a", 0.01), node("b", 0.012)]
+    assert plan(64, profiles).shares == (35, 29)
+    assert REBALANCE_MARGIN > 1 - 0.35 / 0.384
+    assert rebalance(64, [32, 32], profiles) is None
+
+
+def test_rebalance_just_above_margin() -> None:
+    # b 30% slower: [36, 28] predicts 364 ms vs 416 ms, a gain of 12.5%.
+    out = rebalance(64, [32, 32], [node("a", 0.01), node("b", 0.013)])
+    assert out is not None
+    new, reason = out
+    assert new.shares == (36, 28)
+    assert new.step_s == pytest.approx(0.364)
+    assert "416.0 ms -> 364.0 ms" in reason
+
+
+def test_rebalance_after_a_node_slowed_4x() -> None:
+    out = rebalance(64, [32, 32], [node("a", 0.01), node("b", 0.04)])
+    assert out is not None
+    new, reason = out
+    assert new.shares == (51, 13)
+    assert new.roles == (T, T)
+    assert new.step_s == pytest.approx(0.52)
+    assert reason == (
+        "rebalance: predicted step 1280.0 ms -> 520.0 ms (b at 40.00 ms/sample held the step); "
+        "shares [32, 32] -> [51, 13]"
+    )
+
+
+def test_rebalance_matches_plan() -> None:
+    profiles = [node("a", 0.01), node("b", 0.04), node("c", 0.0), node("d", 0.02, max_microbatch=4, overhead_s=0.01)]
+    out = rebalance(100, [25, 25, 25, 25], profiles)
+    assert out is not None
+    assert out[0] == plan(100, profiles)
+    assert_consistent(out[0], 100, 4)
+
+
+def test_rebalance_promotes_a_wanted_spare() -> None:
+    profiles = [node("a"), node("b", preference=Preference.STANDBY)]
+    assert rebalance(64, [64, 0], profiles) is None
+    out = rebalance(64, [64, 0], profiles, spares_wanted=1)
+    assert out is not None
+    assert out[0].shares == (32, 32)
+    assert "640.0 ms -> 320.0 ms" in out[1]
+
+
+def test_rebalance_accepts_any_sequence_for_current() -> None:
+    profiles = [node("a"), node("b")]
+    assert rebalance(64, (32, 32), profiles) is None
+
+
+# ---------------------------------------------------------------- properties
+
+preferences = st.sampled_from(list(Preference))
+profile_strategy = st.builds(
+    Profile,
+    name=st.sampled_from("abcdefgh"),
+    per_sample_s=st.one_of(st.just(0.0), st.floats(min_value=1e-5, max_value=1.0)),
+    overhead_s=st.one_of(st.just(0.0), st.floats(min_value=0.0, max_value=0.1)),
+    max_microbatch=st.integers(min_value=-1, max_value=64),
+    weight=st.floats(min_value=0.1, max_value=10.0),
+    preference=preferences,
+    evaluates=st.booleans(),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    batch=st.integers(min_value=1, max_value=2000),
+    profiles=st.lists(profile_strategy, min_size=1, max_size=8),
+    balance=st.booleans(),
+    spares_wanted=st.integers(min_value=0, max_value=3),
+)
+def test_property_plan_is_consistent(batch: int, profiles: list[Profile], balance: bool, spares_wanted: int) -> None:
+    p = plan(batch, profiles, balance=balance, spares_wanted=spares_wanted)
+    assert_consistent(p, batch, len(profiles))
+    assert p.trainers(), "someone always trains"
+    assert p.step_s >= 0 and math.isfinite(p.step_s)
+    assert plan(batch, profiles, balance=balance, spares_wanted=spares_wanted) == p
+
+    spares = [i for i, q in enumerate(profiles) if q.preference is Preference.STANDBY and q.max_microbatch >= 0]
+    promoted = set(spares[:spares_wanted])
+    may = [
+        i
+        for i, q in enumerate(profiles)
+        if q.max_microbatch >= 0 and (q.preference in (Preference.AUTO, Preference.TRAINER) or i in promoted)
+    ]
+    if may:
+        assert set(p.trainers()) <= set(may)
+    else:
+        assert len(p.trainers()) == 1
+    if any(q.max_microbatch >= 0 for q in profiles):
+        assert all(profiles[i].max_microbatch >= 0 for i in p.trainers())
+    for i, q in enumerate(profiles):
+        if q.max_microbatch > 0:
+            assert p.microbatches[i] <= q.max_microbatch
+    if all(q.per_sample_s > 0 for q in profiles):
+        assert p.step_s == pytest.approx(max(q.time_for(s) for q, s in zip(profiles, p.shares, strict=True)))
+        if balance:
+            # Shares among the trainers are proportional to throughput, within one sample.
+            thr = {i: 1 / profiles[i].per_sample_s for i in p.trainers()}
+            total = sum(thr.values())
+            for i, t in thr.items():
+                assert abs(p.shares[i] - batch * t / total) < 1 + 1e-6
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    batch=st.integers(min_value=1, max_value=2000),
+    speeds=st.lists(st.floats(min_value=1e-4, max_value=1.0), min_size=1, max_size=6),
+)
+def test_property_unbalanced_plan_uses_every_auto_node(batch: int, speeds: list[float]) -> None:
+    profiles = [node(str(i), s, weight=1.0) for i, s in enumerate(speeds)]
+    p = plan(batch, profiles, balance=False)
+    expected = [batch // len(speeds) + (i < batch % len(speeds)) for i in range(len(speeds))]
+    assert list(p.shares) == expected
+    assert_consistent(p, batch, len(speeds))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    batch=st.integers(min_value=1, max_value=2000),
+    profiles=st.lists(profile_strategy, min_size=1, max_size=6),
+)
+def test_property_rebalance_of_the_plan_is_none(batch: int, profiles: list[Profile]) -> None:
+    p = plan(batch, profiles)
+    assert rebalance(batch, list(p.shares), profiles) is None
+    out = rebalance(batch, [batch] + [0] * (len(profiles) - 1), profiles)
+    if out is not None:
+        assert out[0] == p
+        assert out[1].startswith("rebalance: predicted step ")
