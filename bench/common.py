@@ -127,6 +127,8 @@ def wait_until(predicate: Any, timeout: float, what: str, poll: float = 0.01) ->
 class DDPRun:
     """``world`` plain-DDP ranks (bench/ddp_worker.py) as subprocesses on gloo/CPU.
 
+    ``throttles`` maps a rank to its ``--throttle`` (an emulated slower device; see the worker).
+
     The c10d TCPStore used for rendezvous lives in this (the benchmark's) process on an
     ephemeral port, as unbroken's lives in its coordinator, so killing any rank leaves it up.
     """
@@ -140,6 +142,7 @@ class DDPRun:
         *,
         timeout_s: float = 60.0,
         faults: dict[int, str] | None = None,
+        throttles: dict[int, str] | None = None,
     ) -> None:
         from datetime import timedelta
 
@@ -155,6 +158,7 @@ class DDPRun:
         self.started_at = time.time()
         full_env = dict(os.environ, **NODE_ENV, **env)
         faults = faults or {}
+        throttles = throttles or {}
         for r in range(world):
             cmd = [
                 sys.executable, str(HERE / "ddp_worker.py"), "--job", job, "--rank", str(r), "--world", str(world),
@@ -162,6 +166,8 @@ class DDPRun:
             ]  # fmt: skip
             if r in faults:
                 cmd += ["--fault", faults[r]]
+            if throttles.get(r):
+                cmd += ["--throttle", throttles[r]]
             err = open(self.workdir / f"ddp{r}.err", "ab")  # noqa: SIM115
             self.procs[r] = subprocess.Popen(cmd, stdout=err, stderr=err, env=full_env)
             err.close()

@@ -6,6 +6,16 @@ of W computes the slice ``[r*B/W, (r+1)*B/W)`` of step s's samples (the same sam
 unbroken's DataPlan assigns), then one forward/backward (DDP all-reduces the gradients
 during backward) and one optimizer step.
 
+With ``--throttle F`` (or a schedule ``F,STEP:F,...``, as a node's ``--throttle``) the rank
+emulates a device F times as fast, the way an unbroken node does (`unbroken.testing.throttle`):
+forward/backward run under ``ddp.no_sync()`` (no all-reduce hooked into backward, so its
+time is the compute alone), that time ``t`` is measured and the rank idles ``t * (1/F - 1)``
+more; then the gradients are flattened into one tensor, summed with an explicit
+``dist.all_reduce``, divided by the world size, copied back, and ``optimizer.step()`` runs.
+So the idle lands on compute only, never on communication, as on a slower device. The
+split stays equal (B/W per rank): the faster ranks wait for the slowest at the all-reduce.
+Without ``--throttle`` the rank runs plain DDP as above (all-reduce during backward).
+
 It writes JSON lines like a node's commit log: ``{"t", "kind": "commit", "step"}`` after
 each step, ``{"kind": "fault"}`` before an injected fault fires, and ``{"kind": "error"}``
 when a collective raises (after which the rank exits with status 3: plain DDP cannot go
@@ -29,6 +39,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import jobs
+from unbroken.testing.throttle import parse_throttle
 from unbroken.train.data import DataPlan
 
 
@@ -42,7 +53,11 @@ def main() -> int:
     p.add_argument("--log", required=True)
     p.add_argument("--timeout", type=float, default=60.0, help="process-group (collective) timeout, seconds")
     p.add_argument("--fault", default="", help="kill@STEP or stop@STEP: signal self before STEP's backward")
+    p.add_argument("--throttle", default="", help="emulate a slower device: F or F,STEP:F,... (see above)")
     args = p.parse_args()
+    throttle = parse_throttle(args.throttle) if args.throttle else None
+    if throttle is not None and args.fault:
+        p.error("--fault is not supported together with --throttle")
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     job = jobs.JOBS[args.job]()
@@ -75,6 +90,11 @@ def main() -> int:
             indices = plan.indices(step, args.rank * share, share)
             inputs, targets = job.collate([job.dataset[i] for i in indices])
             optimizer.zero_grad(set_to_none=True)
+            if throttle is not None:
+                loss = _throttled_step(ddp, job, inputs, targets, throttle, step, args.world)
+                optimizer.step()
+                log({"kind": "commit", "step": step + 1, "loss": float(loss.detach())})
+                continue
             loss = job.loss(ddp(inputs), targets)
             if step == fault_step and fault_sig is not None:
                 log({"kind": "fault", "signal": args.fault.split("@")[0], "step": step, "pid": os.getpid()})
@@ -90,6 +110,28 @@ def main() -> int:
     out.close()
     dist.destroy_process_group()
     return 0
+
+
+def _throttled_step(ddp, job, inputs, targets, throttle, step, world):  # type: ignore[no-untyped-def]
+    """Forward/backward without DDP's hooks, idle as the emulated device, then one explicit all-reduce."""
+    with ddp.no_sync():
+        start = time.perf_counter()
+        loss = job.loss(ddp(inputs), targets)
+        loss.backward()
+        throttle.stretch(time.perf_counter() - start, step)
+    params = [q for q in ddp.parameters() if q.requires_grad]
+    for q in params:
+        if q.grad is None:
+            q.grad = torch.zeros_like(q)
+    flat = torch.cat([q.grad.reshape(-1) for q in params])
+    dist.all_reduce(flat)
+    flat.div_(world)
+    offset = 0
+    for q in params:
+        n = q.numel()
+        q.grad.copy_(flat[offset : offset + n].view_as(q))
+        offset += n
+    return loss
 
 
 if __name__ == "__main__":

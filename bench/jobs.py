@@ -14,6 +14,8 @@ and the DDP baseline passes to every rank, so both sides build the very same `Jo
 ``UB_BENCH_SAMPLES``  dataset size (default 4096)
 ``UB_BENCH_OPT``      ``sgd`` (momentum 0.9, the default) or ``adam``
 ``UB_BENCH_DELAY_MS`` a sleep per forward pass (default 0; only to slow a run on purpose)
+``UB_BENCH_SAMPLE_MS`` a sleep per sample in each forward pass (default 0): a compute cost
+                      proportional to the share that does not load the CPU (bench/hetero.py)
 
 ``python bench/jobs.py`` prints the parameter counts.
 """
@@ -39,16 +41,17 @@ DEFAULT_BATCH = {"small": 96, "large": 12}
 
 
 class MLP(nn.Module):
-    def __init__(self, d_in: int, hidden: int, d_out: int, delay_s: float = 0.0) -> None:
+    def __init__(self, d_in: int, hidden: int, d_out: int, delay_s: float = 0.0, per_sample_s: float = 0.0) -> None:
         super().__init__()
         self.net = nn.Sequential(
             nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, d_out)
         )
         self.delay_s = delay_s
+        self.per_sample_s = per_sample_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        if self.delay_s or self.per_sample_s:
+            time.sleep(self.delay_s + self.per_sample_s * len(x))
         return self.net(x)
 
 
@@ -81,9 +84,10 @@ def make(kind: str) -> Job:
     samples = int(os.environ.get("UB_BENCH_SAMPLES", "4096"))
     opt = os.environ.get("UB_BENCH_OPT", "sgd")
     delay = float(os.environ.get("UB_BENCH_DELAY_MS", "0")) / 1000
+    per_sample = float(os.environ.get("UB_BENCH_SAMPLE_MS", "0")) / 1000
     return Job(
         name=f"bench-{kind}",
-        model=lambda: MLP(d_in, hidden, d_out, delay),
+        model=lambda: MLP(d_in, hidden, d_out, delay, per_sample),
         optimizer=_optimizer(opt),
         dataset=dataset(kind, samples),
         loss=F.cross_entropy,
@@ -109,10 +113,14 @@ def job_ref(kind: str) -> str:
     return f"{os.path.abspath(__file__)}:{kind}"
 
 
-def env_for(steps: int, batch: int | None = None, opt: str = "sgd", samples: int = 4096) -> dict[str, str]:
+def env_for(
+    steps: int, batch: int | None = None, opt: str = "sgd", samples: int = 4096, sample_ms: float = 0.0
+) -> dict[str, str]:
     env = {"UB_BENCH_STEPS": str(steps), "UB_BENCH_OPT": opt, "UB_BENCH_SAMPLES": str(samples)}
     if batch:
         env["UB_BENCH_BATCH"] = str(batch)
+    if sample_ms:
+        env["UB_BENCH_SAMPLE_MS"] = str(sample_ms)
     return env
 
 

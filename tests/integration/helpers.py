@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -12,7 +13,17 @@ ATOL = 1e-5
 
 
 def job_for(env: dict[str, str]) -> Any:
-    return mlp.make(int(env.get("UB_TEST_STEPS", "40")), float(env.get("UB_TEST_DELAY_MS", "20")))
+    """The job the nodes ran with ``env`` (the test job reads its shape from the environment)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return mlp.make(int(env.get("UB_TEST_STEPS", "40")), float(env.get("UB_TEST_DELAY_MS", "20")))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def assert_promises(c: LocalCluster, env: dict[str, str], finishers: int) -> None:

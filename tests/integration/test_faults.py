@@ -142,7 +142,7 @@ def test_all_nodes_killed_then_restarted_resume_from_checkpoint(make_cluster, tm
 def test_unequal_shares_and_microbatches_match_the_reference(make_cluster):
     """A fixed unequal split (weights 1:2:3) with micro-batches still gives the exact gradient of B."""
     env = {"UB_TEST_STEPS": "40", "UB_TEST_DELAY_MS": "5"}
-    c = start(make_cluster, env, node_args=["--max-microbatch", "4"])
+    c = start(make_cluster, env, node_args=["--max-microbatch", "4"], coordinator_args=["--balance", "weights"])
     for i, weight in enumerate(("1", "2", "3"), start=1):
         c.start_node(f"n{i}", extra=["--weight", weight])
     codes = c.wait_exit(timeout=120)
@@ -159,7 +159,8 @@ def test_unequal_shares_and_microbatches_match_the_reference(make_cluster):
 def test_batchnorm_statistics_stay_identical_across_replicas(make_cluster):
     """Buffers updated by forward passes are reduced with the gradients (and undone on abort)."""
     env = {"UB_TEST_STEPS": "40", "UB_TEST_DELAY_MS": "20", "UB_TEST_BATCHNORM": "1"}
-    c = start(make_cluster, env, node_args=["--max-microbatch", "5"])  # BatchNorm needs > 1 sample per micro-batch
+    # BatchNorm needs > 1 sample per micro-batch; a fixed split keeps every node training.
+    c = start(make_cluster, env, node_args=["--max-microbatch", "5"], coordinator_args=["--balance", "weights"])
     c.start_node("n1", extra=["--weight", "1"])
     victim = c.start_node("n2", fault="kill@allreduce:12", extra=["--weight", "2"])
     c.start_node("n3", extra=["--weight", "3"])

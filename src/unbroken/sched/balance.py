@@ -5,12 +5,14 @@ A node's compute time for a share of ``s`` samples is modelled as::
     t(s) = overhead_s * ceil(s / microbatch) + s * per_sample_s
 
 Trainers get shares proportional to their measured throughput (1 / per_sample_s), rounded
-to whole samples that sum to B. A node whose presence lengthens the predicted step more than
-it adds (a one-sample share takes longer than the step of the others, or its rounding
-leaves it nothing) gets another role instead: ``validator`` (evaluates committed state) or
-``standby`` (keeps a warm replica). Every member, whatever its role, takes part in the
-step's all-reduce and applies the committed step, so a standby holds the current state and
-can be promoted to trainer without a transfer.
+to whole samples that sum to B (or by the operators' weights when that predicts a step
+within `REBALANCE_MARGIN` of it: then the difference is noise). A node whose presence
+lengthens the predicted step more than it adds (a one-sample share takes longer than the
+step of the others, or its rounding leaves it nothing) gets another role instead:
+``validator`` (evaluates committed state) or ``standby`` (keeps a warm replica). Every
+member, whatever its role, takes part in the step's all-reduce and applies the committed
+step, so a standby holds the current state and can be promoted to trainer without a
+transfer.
 
 Everything here is pure: the coordinator calls it with the nodes' reports.
 """
@@ -184,6 +186,13 @@ def plan(
         )
         trainers.remove(i)
     shares = _split(batch_size, ps, trainers, by_weight=not balance)
+    if balance:
+        # Where compute hardly depends on the share (a fixed cost per micro-batch dominates),
+        # proportional shares follow measurement noise; the operators' weights are as good
+        # then, and they do not move.
+        by_weight = _split(batch_size, ps, trainers, by_weight=True)
+        if _step_time(ps, by_weight) <= _step_time(ps, shares) * (1 + REBALANCE_MARGIN):
+            shares = by_weight
     for i in trainers:
         # An operator who asked this node to train gets at least one sample, from the largest share.
         if shares[i] == 0 and ps[i].preference is Preference.TRAINER:

@@ -76,8 +76,10 @@ class LocalCluster:
         threads_per_node: int = 1,
         env: dict[str, str] | None = None,
         min_nodes: int = 1,
+        coordinator_args: list[str] | None = None,
     ) -> None:
         self.min_nodes = min_nodes
+        self.coordinator_args = coordinator_args or []
         self.job = job
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -102,6 +104,7 @@ class LocalCluster:
             sys.executable, "-m", "unbroken", "-v", "coordinator", "--host", "127.0.0.1", "--port", str(port),
             "--lease", str(self.lease_s), "--recovery-window", str(self.recovery_window_s),
             "--event-log", str(self.workdir / "events.jsonl"), "--min-nodes", str(self.min_nodes),
+            *self.coordinator_args,
         ]  # fmt: skip
         err = open(self.workdir / "coordinator.err", "ab")  # noqa: SIM115
         self.coordinator = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=self._env)

@@ -161,19 +161,20 @@ class Calibration:
 
 
 def calibrate(run: Callable[[int], float], saved_bytes: Callable[[int], int], k: int, repeats: int = 2) -> Calibration:
-    """Fit ``t(n) = overhead + n * per_sample`` from one- and k-sample passes (best of ``repeats``).
+    """Fit ``t(n) = overhead + n * per_sample`` from two- and k-sample passes (best of ``repeats``).
 
     ``run(n)`` times one forward/backward of ``n`` samples; ``saved_bytes(n)`` measures the
-    activations autograd keeps for them.
+    activations autograd keeps for them. Two samples, not one: batch statistics (BatchNorm)
+    need more than one sample per micro-batch.
     """
-    k = max(2, k)
-    t1 = min(run(1) for _ in range(repeats))
+    k = max(4, k)
+    t2 = min(run(2) for _ in range(repeats))
     tk = min(run(k) for _ in range(repeats))
-    per_sample = max((tk - t1) / (k - 1), tk / k * 0.05, 1e-9)
-    overhead = max(t1 - per_sample, 0.0)
-    b1, bk = saved_bytes(1), saved_bytes(k)
-    per_sample_bytes = max((bk - b1) // (k - 1), 1)
-    return Calibration(per_sample, overhead, per_sample_bytes, max(b1 - per_sample_bytes, 0))
+    per_sample = max((tk - t2) / (k - 2), tk / k * 0.05, 1e-9)
+    overhead = max(t2 - 2 * per_sample, 0.0)
+    b2, bk = saved_bytes(2), saved_bytes(k)
+    per_sample_bytes = max((bk - b2) // (k - 2), 1)
+    return Calibration(per_sample, overhead, per_sample_bytes, max(b2 - 2 * per_sample_bytes, 0))
 
 
 def microbatch_cap(cal: Calibration, model_bytes: int, budget: int, user_cap: int) -> int:

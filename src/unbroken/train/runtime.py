@@ -110,6 +110,7 @@ class Node:
         self.calibration: Calibration | None = None
         self._mb_cap = 0
         self._oom_cap = 0
+        self._used_mb = 0
         self._last_compute_s = 0.0
         self._last_comm_s = 0.0
         self._last_validation = 0.0
@@ -367,7 +368,7 @@ class Node:
                 switch = 1.0 if (latest is not None and latest.epoch > g.epoch) or self._leave_sent_at else 0.0
                 flat[self.numel :] = torch.tensor([1.0, float(my_share), switch, loss])
                 entry = {"kind": "contrib", "epoch": g.epoch, "step": step, "rank": g.rank, "indices": indices}
-                self._log(entry | {"role": g.role})
+                self._log(entry | {"role": g.role, "microbatch": self._used_mb, "compute_s": self._last_compute_s})
                 t_comm = time.monotonic()
                 work = g.pg.allreduce([flat])
                 self.faults.maybe_fire("allreduce", step)
@@ -399,6 +400,7 @@ class Node:
             mb = planned_mb or self._mb_cap or len(indices) or 1
             if self._oom_cap:
                 mb = min(mb, self._oom_cap)
+            self._used_mb = mb if indices else 0
             try:
                 return self._compute_slice(indices, step, mb)
             except OutOfMemory:
@@ -447,11 +449,15 @@ class Node:
     def _calibrate(self) -> None:
         """Measure compute speed and activation memory before joining (on a model copy)."""
         dataset = self.job.dataset
-        k = max(2, min(CALIBRATION_SAMPLES, self.job.batch_size, len(dataset)))  # type: ignore[arg-type]
+        k = max(4, min(CALIBRATION_SAMPLES, self.job.batch_size, len(dataset)))  # type: ignore[arg-type]
         probe = self.job.model().to(self.device) if self.replica.separate else None
         with torch.random.fork_rng(devices=[]):
             model = probe if probe is not None else self._copy_model()
-            self.calibration = self._probe(model, k)
+            try:
+                self.calibration = self._probe(model, k)
+            except Exception as exc:  # the plan then assumes a median node until steps are measured
+                log.warning("%s: could not measure compute speed before joining: %s", self.name, exc)
+                self.calibration = Calibration(0.0, 0.0, 1, 0)
         info = describe(self.device)
         budget = self.config.memory_limit or (
             int(info.memory_available * 0.9) if self.device.type == "cuda" else int(info.memory_available * 0.5)
@@ -495,7 +501,7 @@ class Node:
             del out
             return counter.total
 
-        k = max(2, min(k, len(self.job.dataset)))  # type: ignore[arg-type]
+        k = max(4, min(k, len(self.job.dataset)))  # type: ignore[arg-type]
         return calibrate(run, saved, k)
 
     def _observe(self, share: int, n_micro: int, seconds: float) -> None:
@@ -506,7 +512,8 @@ class Node:
             if cal is None:
                 return
             per_sample = max(seconds - n_micro * cal.overhead_s, seconds * 0.05) / share
-            smoothed = SPEED_SMOOTHING * per_sample + (1 - SPEED_SMOOTHING) * cal.per_sample_s
+            old = cal.per_sample_s or per_sample
+            smoothed = SPEED_SMOOTHING * per_sample + (1 - SPEED_SMOOTHING) * old
             self.calibration = Calibration(
                 smoothed, cal.overhead_s, cal.activation_bytes_per_sample, cal.activation_bytes_fixed
             )

@@ -53,7 +53,12 @@ COORDINATOR_MESSAGES: list[BaseModel] = [
     m.Ack(seq=4),
     m.EpochOrder(epoch=5, members=["a", "b"], shares=[10, 20], urgent=True, reason="b failed"),
     m.EpochOrder(
-        epoch=6, members=["a", "b"], shares=[30, 0], urgent=False, reason="r", roles=["trainer", "validator"],
+        epoch=6,
+        members=["a", "b"],
+        shares=[30, 0],
+        urgent=False,
+        reason="r",
+        roles=["trainer", "validator"],
         microbatches=[8, 0],
     ),
     m.Expel(reason="lease"),
