@@ -53,6 +53,17 @@ def test_unreachable_coordinator_is_a_clear_error_after_a_bounded_wait():
         (["node", "no_such_file.py:job", "--coordinator", "127.0.0.1:1"], "job file no_such_file.py does not exist"),
         (["coordinator", "--lease", "0"], "CoordinatorConfig.lease_s = 0.0 is out of range"),
         (["node", JOB, "--coordinator", "127.0.0.1:1", "--fault", "boom@x:1"], "SIGNAL@PHASE:STEP"),
+        (
+            ["node", JOB, "--coordinator", "127.0.0.1:1", "--device", "cuda"],
+            "asked for CUDA but this torch build sees no CUDA device",
+        ),
+        (["node", JOB, "--coordinator", "127.0.0.1:1", "--device", "tpu9"], "is not a device: use auto, cpu"),
+        (["node", JOB, "--coordinator", "127.0.0.1:1", "--throttle", "2"], "throttle factor 2.0 must be greater"),
+        (["node", JOB, "--coordinator", "127.0.0.1:1", "--throttle", "1,x:0.5"], "is not FACTOR or STEP:FACTOR"),
+        (
+            ["node", JOB, "--coordinator", "127.0.0.1:1", "--memory-limit", "lots"],
+            "--memory-limit 'lots' is not a size",
+        ),
     ],
 )
 def test_invalid_settings_name_the_field(args, message):

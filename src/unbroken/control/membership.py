@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from unbroken.control.messages import Capabilities, EpochOrder, Hello, Resume, TensorSpec
-from unbroken.sched.balance import Plan, Preference, Profile, Role, plan, rebalance
+from unbroken.sched.balance import Plan, Preference, Profile, Role, adopt, plan, rebalance
 from unbroken.sched.stragglers import find_stragglers
 
 JOIN_SETTLE_S = 0.25
@@ -386,9 +386,14 @@ class Membership:
                 self._make_plan(members, now)
                 if len(first.shares) == len(group) and len(first.roles) == len(group):
                     # The plan in force is the one the nodes carry, not one made from new reports.
+                    roles = [Role(r) for r in first.roles]
+                    self.plan = adopt([m.profile() for m in members], first.shares, roles)
                     self.shares = list(first.shares)
-                    for mem, role in zip(members, first.roles, strict=True):
-                        mem.role = Role(role)
+                    self._planned_times = {
+                        m.member_id: m.profile().time_for(s) for m, s in zip(members, self.shares, strict=True)
+                    }
+                    for mem, role in zip(members, roles, strict=True):
+                        mem.role = role
                 for mid in group:
                     self.members[mid].state = MemberState.ACTIVE
                 d.events.append(self._event(now, "adopt", None, f"rebuilt epoch {newest} from {len(group)} members"))

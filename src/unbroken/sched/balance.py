@@ -220,6 +220,14 @@ def plan(
     return Plan(tuple(shares), micro, tuple(roles), _step_time(ps, shares), tuple(reasons))
 
 
+def adopt(profiles: Sequence[Profile], shares: Sequence[int], roles: Sequence[Role]) -> Plan:
+    """The plan already in force (reported by the nodes after a coordinator restart)."""
+    ps = _filled(profiles)
+    micro = tuple(min(s, p.max_microbatch) if p.max_microbatch > 0 else s for s, p in zip(shares, ps, strict=True))
+    reasons = tuple("in force before the coordinator restarted" for _ in ps)
+    return Plan(tuple(shares), micro, tuple(roles), _step_time(ps, shares), reasons)
+
+
 def rebalance(
     batch_size: int,
     current: Sequence[int],

@@ -139,6 +139,8 @@ class ComputeReplica:
             return obj
         if isinstance(obj, torch.Tensor):
             return obj.to(self.device, non_blocking=True)  # type: ignore[return-value]
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple (default_collate keeps them)
+            return type(obj)(*(self.to_device(x) for x in obj))  # type: ignore[return-value]
         if isinstance(obj, list | tuple):
             return type(obj)(self.to_device(x) for x in obj)  # type: ignore[return-value]
         if isinstance(obj, dict):

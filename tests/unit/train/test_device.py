@@ -175,9 +175,7 @@ def test_gradients_on_the_replica_are_bit_identical_to_the_masters() -> None:
         assert torch.equal(a, b)
     # The master's gradients are its own: the replica's backward did not write them.
     assert all(p.grad is not None for p in master.parameters())
-    assert all(
-        p.grad is not q.grad for p, q in zip(master.parameters(), replica.model.parameters(), strict=True)
-    )
+    assert all(p.grad is not q.grad for p, q in zip(master.parameters(), replica.model.parameters(), strict=True))
 
 
 def test_gradients_stay_identical_after_the_master_steps_and_the_replica_pulls() -> None:
@@ -242,12 +240,6 @@ def test_to_device_keeps_the_structure_of_nested_tuples_lists_and_dicts() -> Non
 Pair = namedtuple("Pair", ["inputs", "targets"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="src bug: ComputeReplica.to_device rebuilds tuples with type(obj)(generator), which fails for a "
-    "namedtuple (torch's default_collate keeps namedtuples); on an accelerator such a batch raises TypeError",
-)
 def test_to_device_keeps_a_namedtuple_batch() -> None:
     replica = ComputeReplica(small_model(), torch.device("cpu"), separate=True)
     batch = Pair(torch.ones(2), torch.zeros(2))
