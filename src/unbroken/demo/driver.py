@@ -84,7 +84,9 @@ def _drive(console: Console, coord: Coordinator, workdir: Path, env: dict[str, s
                 losses = [m["loss"] for m in members if m["loss"] is not None]
                 status = (
                     f"epoch {state['epoch']} | {len(members)} training: "
-                    + ", ".join(f"{m['name']}({m['share']})" for m in members)
+                    + ", ".join(
+                        f"{m['name']}({m['share'] if m['role'] in (None, 'trainer') else m['role']})" for m in members
+                    )
                     + (f" | loss {losses[0]:.3f}" if losses else "")
                 )
                 if state["finished"]:
@@ -134,6 +136,9 @@ def _summary(
     table.add_row("steps committed", f"{state['step']} / {num_steps}")
     table.add_row("epochs (membership versions)", str(state["epoch"]))
     failures = [e for e in events if e["kind"] == "failure"]
+    shifts = [e for e in events if e["kind"] in ("role", "straggler") or "rebalance" in e["reason"]]
+    if shifts:
+        table.add_row("plan changes for speed", "".join(f"\n  {e['reason'][:150]}" for e in shifts).lstrip("\n"))
     table.add_row("faults survived", str(len(failures)) + "".join(f"\n  {e['reason']}" for e in failures))
     if killed is not None:
         name, t_kill = killed

@@ -1,0 +1,238 @@
+"""Gradient codecs for slow links: one small interface, four lossy encodings and the identity.
+
+A codec turns a flat float32 tensor into a fixed-size byte payload and back. Fixed size
+because the payloads travel through gloo's all-gather, which needs equal sizes on every
+rank; every receiver decodes every payload to float32 and sums them in rank order, so the
+sum of many nodes neither overflows (int8) nor depends on who computes it (replicas stay
+bit-identical).
+
+Error feedback (top-k, and int8 if asked): what a node's payload failed to carry is kept
+as a residual and added to its next tensor, so nothing is lost, only delayed. Residuals are
+node-local state (`Codec.state_dict`), saved with the node's own checkpoint, never
+replicated.
+
+    codec = make_codec("int8")
+    payload = codec.encode(grad)          # uint8 tensor of codec.payload_bytes(grad.numel())
+    approx = codec.decode(payload, grad.numel())
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+INT8_CHUNK = 256
+"""Elements sharing one int8 scale: small chunks keep the quantization error local."""
+TOPK_RATIO = 0.01
+"""Fraction of elements top-k sends by default."""
+
+
+class Codec(ABC):
+    """Encode a flat float32 tensor to a fixed-size uint8 payload; decode it back."""
+
+    name: str = ""
+
+    @abstractmethod
+    def payload_bytes(self, numel: int) -> int:
+        """Bytes on the wire for a tensor of ``numel`` elements."""
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """A uint8 tensor of `payload_bytes` bytes (updates any residual)."""
+
+    @abstractmethod
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        """The float32 tensor a payload stands for."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+    def reset(self) -> None:
+        """Forget residuals (after this node's state was replaced by a peer's)."""
+        self.load_state_dict({})
+
+
+class Identity(Codec):
+    """float32 as is: the exact, uncompressed baseline."""
+
+    name = "none"
+
+    def payload_bytes(self, numel: int) -> int:
+        return 4 * numel
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach().to(torch.float32).contiguous().view(torch.uint8).clone()
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        return payload.view(torch.float32)[:numel].clone()
+
+
+class HalfPrecision(Codec):
+    """fp16 or bf16: half the bytes. fp16 saturates beyond ±65504 (clamped, not inf)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"half precision is float16 or bfloat16, not {dtype}")
+        self.dtype = dtype
+        self.name = "fp16" if dtype == torch.float16 else "bf16"
+
+    def payload_bytes(self, numel: int) -> int:
+        return 2 * numel
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().to(torch.float32)
+        if self.dtype == torch.float16:
+            big = torch.finfo(torch.float16).max
+            x = x.clamp(-big, big)
+        return x.to(self.dtype).contiguous().view(torch.uint8).clone()
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        return payload.view(self.dtype)[:numel].to(torch.float32)
+
+
+class Int8(Codec):
+    """Symmetric int8 with one float32 scale per chunk of `INT8_CHUNK` elements.
+
+    Payload: ``ceil(n / chunk)`` float32 scales, then ``n`` int8 values (padded to the chunk).
+    With ``error_feedback`` the rounding error is carried into the next tensor.
+    """
+
+    name = "int8"
+
+    def __init__(self, chunk: int = INT8_CHUNK, error_feedback: bool = True) -> None:
+        if chunk < 1:
+            raise ValueError(f"int8 chunk = {chunk} must be positive")
+        self.chunk = chunk
+        self.error_feedback = error_feedback
+        self.residual: torch.Tensor | None = None
+
+    def _chunks(self, numel: int) -> int:
+        return max(1, math.ceil(numel / self.chunk))
+
+    def payload_bytes(self, numel: int) -> int:
+        c = self._chunks(numel)
+        return 4 * c + c * self.chunk
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        x = _with_residual(self, x) if self.error_feedback else x.detach().to(torch.float32)
+        n, c = x.numel(), self._chunks(x.numel())
+        padded = torch.zeros(c * self.chunk, dtype=torch.float32)
+        padded[:n] = x
+        blocks = padded.view(c, self.chunk)
+        scales = blocks.abs().amax(dim=1) / 127.0
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+        if self.error_feedback:
+            self.residual = x - (q.to(torch.float32) * scales[:, None]).reshape(-1)[:n]
+        out = torch.empty(4 * c + c * self.chunk, dtype=torch.uint8)
+        out[: 4 * c] = scales.contiguous().view(torch.uint8)
+        out[4 * c :] = q.reshape(-1).view(torch.uint8)
+        return out
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        c = self._chunks(numel)
+        scales = payload[: 4 * c].clone().view(torch.float32)
+        q = payload[4 * c :].view(torch.int8).to(torch.float32).view(c, self.chunk)
+        return (q * scales[:, None]).reshape(-1)[:numel]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residual": self.residual}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residual = state.get("residual")
+
+    def reset(self) -> None:
+        self.residual = None
+
+
+class TopK(Codec):
+    """The largest-magnitude ``ratio`` of elements as (int32 index, float32 value) pairs, with
+    error feedback: the elements not sent accumulate in the residual until they are large."""
+
+    name = "topk"
+
+    def __init__(self, ratio: float = TOPK_RATIO) -> None:
+        if not 0 < ratio <= 1:
+            raise ValueError(f"top-k ratio = {ratio} must be in (0, 1]")
+        self.ratio = ratio
+        self.residual: torch.Tensor | None = None
+
+    def k(self, numel: int) -> int:
+        return max(1, min(numel, math.ceil(numel * self.ratio)))
+
+    def payload_bytes(self, numel: int) -> int:
+        return 8 * self.k(numel)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        x = _with_residual(self, x)
+        k = self.k(x.numel())
+        idx = torch.topk(x.abs(), k, sorted=False).indices.to(torch.int32)
+        idx, _ = torch.sort(idx)  # a canonical order: equal inputs give equal payloads
+        values = x[idx.long()]
+        self.residual = x.clone()
+        self.residual[idx.long()] = 0.0
+        out = torch.empty(8 * k, dtype=torch.uint8)
+        out[: 4 * k] = idx.contiguous().view(torch.uint8)
+        out[4 * k :] = values.contiguous().view(torch.uint8)
+        return out
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        k = self.k(numel)
+        idx = payload[: 4 * k].clone().view(torch.int32).long()
+        values = payload[4 * k :].clone().view(torch.float32)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= numel):
+            raise ValueError(f"top-k payload names element {int(idx.max())} of a {numel}-element tensor")
+        out = torch.zeros(numel, dtype=torch.float32)
+        out[idx] = values
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residual": self.residual}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residual = state.get("residual")
+
+    def reset(self) -> None:
+        self.residual = None
+
+
+def _with_residual(codec: Int8 | TopK, x: torch.Tensor) -> torch.Tensor:
+    x = x.detach().to(torch.float32).reshape(-1)
+    r = codec.residual
+    if r is not None and r.numel() == x.numel():
+        return x + r
+    return x.clone()
+
+
+CODECS = ("none", "fp16", "bf16", "int8", "topk")
+
+
+def make_codec(spec: str) -> Codec:
+    """``none``, ``fp16``, ``bf16``, ``int8``, ``topk`` or ``topk:RATIO`` (e.g. ``topk:0.05``)."""
+    name, _, arg = spec.strip().lower().partition(":")
+    if name == "none" and not arg:
+        return Identity()
+    if name in ("fp16", "bf16") and not arg:
+        return HalfPrecision(torch.float16 if name == "fp16" else torch.bfloat16)
+    if name == "int8" and not arg:
+        return Int8()
+    if name == "topk":
+        try:
+            return TopK(float(arg)) if arg else TopK()
+        except ValueError as exc:
+            raise ValueError(f"codec {spec!r}: {exc}") from None
+    raise ValueError(f"codec {spec!r} is not one of {', '.join(CODECS)} (top-k takes a ratio: topk:0.01)")
+
+
+def reduce_payloads(codec: Codec, payloads: list[torch.Tensor], numel: int) -> torch.Tensor:
+    """Decode every rank's payload and sum in rank order, in float32."""
+    total = torch.zeros(numel, dtype=torch.float32)
+    for p in payloads:
+        total += codec.decode(p, numel)
+    return total

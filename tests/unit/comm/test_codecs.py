@@ -1,0 +1,155 @@
+"""Codecs: round trips, error bounds, error feedback, and sums over many nodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unbroken.comm.codecs import CODECS, INT8_CHUNK, Int8, TopK, make_codec, reduce_payloads
+
+
+def grad(n: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("spec", CODECS)
+@pytest.mark.parametrize("n", [1, 7, INT8_CHUNK, INT8_CHUNK + 1, 5000])
+def test_payload_has_the_announced_fixed_size(spec: str, n: int) -> None:
+    codec = make_codec(spec)
+    payload = codec.encode(grad(n))
+    assert payload.dtype == torch.uint8 and payload.numel() == codec.payload_bytes(n)
+    assert codec.decode(payload, n).shape == (n,)
+
+
+def test_identity_is_exact() -> None:
+    x = grad(1000)
+    codec = make_codec("none")
+    assert torch.equal(codec.decode(codec.encode(x), 1000), x)
+
+
+@pytest.mark.parametrize(("spec", "rel"), [("fp16", 1e-3), ("bf16", 8e-3)])
+def test_half_precision_error_is_within_its_mantissa(spec: str, rel: float) -> None:
+    x = grad(5000)
+    codec = make_codec(spec)
+    y = codec.decode(codec.encode(x), 5000)
+    assert ((y - x).abs() <= rel * x.abs() + 1e-7).all()
+    assert codec.payload_bytes(5000) == 10_000
+
+
+def test_fp16_saturates_instead_of_overflowing_to_inf() -> None:
+    codec = make_codec("fp16")
+    y = codec.decode(codec.encode(torch.tensor([1e6, -1e6, 1.0])), 3)
+    assert torch.isfinite(y).all() and y[0] == 65504 and y[1] == -65504
+
+
+def test_int8_error_is_at_most_half_a_step_per_chunk() -> None:
+    x = grad(10 * INT8_CHUNK + 3, scale=5.0)
+    codec = Int8(error_feedback=False)
+    y = codec.decode(codec.encode(x), x.numel())
+    padded = torch.zeros(11 * INT8_CHUNK)
+    padded[: x.numel()] = x
+    step = padded.view(11, INT8_CHUNK).abs().amax(1) / 127
+    err = torch.zeros(11 * INT8_CHUNK)
+    err[: x.numel()] = (y - x).abs()
+    assert (err.view(11, INT8_CHUNK) <= step[:, None] / 2 + 1e-6).all()
+
+
+def test_int8_cuts_bytes_about_four_times() -> None:
+    n = 1_000_000
+    assert 4 * n / make_codec("int8").payload_bytes(n) >= 3.9
+
+
+def test_int8_of_zeros_and_of_a_chunk_with_one_value() -> None:
+    codec = Int8(error_feedback=False)
+    assert torch.equal(codec.decode(codec.encode(torch.zeros(10)), 10), torch.zeros(10))
+    x = torch.zeros(300)
+    x[5] = -3.25
+    assert torch.equal(codec.decode(codec.encode(x), 300), x)
+
+
+def test_sum_of_many_int8_nodes_neither_overflows_nor_drifts() -> None:
+    # 64 nodes whose values would overflow an int8 (or int16) accumulator many times over.
+    n, nodes = 4096, 64
+    xs = [grad(n, seed=i, scale=100.0) for i in range(nodes)]
+    codecs = [Int8(error_feedback=False) for _ in range(nodes)]
+    total = reduce_payloads(codecs[0], [c.encode(x) for c, x in zip(codecs, xs, strict=True)], n)
+    exact = torch.stack(xs).sum(0)
+    bound = sum(x.abs().max().item() / 127 / 2 for x in xs)  # half a step per node at most
+    assert torch.isfinite(total).all()
+    assert (total - exact).abs().max().item() <= bound + 1e-3
+
+
+def test_reduce_is_the_same_on_every_rank() -> None:
+    xs = [grad(3000, seed=i) for i in range(5)]
+    payloads = [Int8().encode(x) for x in xs]
+    first = reduce_payloads(Int8(), payloads, 3000)
+    assert all(torch.equal(first, reduce_payloads(Int8(), list(payloads), 3000)) for _ in range(3))
+
+
+@pytest.mark.parametrize("spec", ["int8", "topk:0.05"])
+def test_error_feedback_loses_nothing_over_time(spec: str) -> None:
+    # The sum of what was sent plus the residual equals the sum of what was given.
+    codec = make_codec(spec)
+    given_sum = torch.zeros(2000)
+    sent_sum = torch.zeros(2000)
+    for i in range(30):
+        x = grad(2000, seed=i)
+        given_sum += x
+        sent_sum += codec.decode(codec.encode(x), 2000)
+    residual = codec.state_dict()["residual"]
+    assert torch.allclose(sent_sum + residual, given_sum, atol=1e-4)
+
+
+def test_topk_sends_the_largest_and_its_residual_carries_the_rest() -> None:
+    x = torch.tensor([0.1, -5.0, 0.2, 3.0, -0.05, 0.0, 0.0, 0.0, 0.0, 0.0])
+    codec = TopK(ratio=0.2)
+    y = codec.decode(codec.encode(x), 10)
+    assert torch.equal(y, torch.tensor([0.0, -5.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]))
+    assert torch.allclose(codec.residual, x - y)
+    # The small elements build up in the residual until they are sent.
+    for _ in range(40):
+        y = codec.decode(codec.encode(torch.zeros(10)), 10)
+        if y[2] != 0:
+            break
+    assert y[2] != 0
+
+
+def test_topk_payload_with_an_out_of_range_index_is_refused() -> None:
+    codec = TopK(ratio=0.5)
+    payload = codec.encode(grad(10))
+    payload[:4] = torch.tensor([100], dtype=torch.int32).view(torch.uint8)
+    with pytest.raises(ValueError, match="names element 100 of a 10-element tensor"):
+        codec.decode(payload, 10)
+
+
+def test_residual_is_state_that_saves_loads_and_resets() -> None:
+    a = Int8()
+    a.encode(grad(500))
+    b = Int8()
+    b.load_state_dict(a.state_dict())
+    x = grad(500, seed=9)
+    assert torch.equal(a.encode(x), b.encode(x))
+    b.reset()
+    assert b.state_dict()["residual"] is None
+
+
+@pytest.mark.parametrize("bad", ["gzip", "int8:3", "topk:0", "topk:2", "topk:x", "fp16:1"])
+def test_unknown_codecs_are_refused_with_the_choices(bad: str) -> None:
+    with pytest.raises(ValueError, match="codec"):
+        make_codec(bad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(min_value=1, max_value=3000),
+    scale=st.floats(min_value=1e-6, max_value=1e4),
+    spec=st.sampled_from(["fp16", "bf16", "int8", "topk:0.1"]),
+)
+def test_round_trip_error_is_bounded_by_the_input_scale(n: int, scale: float, spec: str) -> None:
+    x = grad(n, seed=n, scale=scale)
+    codec = make_codec(spec)
+    y = codec.decode(codec.encode(x), n)
+    assert torch.isfinite(y).all()
+    assert (y - x).abs().max().item() <= x.abs().max().item() * 1.0001 + 1e-9
