@@ -54,7 +54,16 @@ class CoordinatorConfig:
     """Shares and roles follow the nodes' measured throughput and memory; False splits the
     batch by the nodes' ``weight`` and never moves a node out of training for speed."""
 
+    codec: str = "none"
+    """Codec of the inter-zone hop: none, fp16, bf16, int8, topk or topk:RATIO."""
+
     def __post_init__(self) -> None:
+        from unbroken.comm.codecs import make_codec
+
+        try:
+            make_codec(self.codec)
+        except ValueError as exc:
+            raise ConfigError(f"CoordinatorConfig.codec: {exc}") from None
         _check_range("CoordinatorConfig", "port", self.port, 0, 65535)
         _check_range("CoordinatorConfig", "store_port", self.store_port, 0, 65535)
         _check_range("CoordinatorConfig", "lease_s", self.lease_s, 0.05, 3600)
@@ -85,6 +94,13 @@ class NodeConfig:
     role: str = "auto"
     """``auto`` (the coordinator's cost model decides), ``trainer``, ``validator``, or
     ``standby`` (a hot spare, promoted when a trainer fails or leaves)."""
+    zone: str = ""
+    """Where this node is (a site, a region): reduction is two-level across zones (empty:
+    the default zone)."""
+    link_latency_ms: float = 0.0
+    """Testing aid: emulated one-way latency of each inter-zone hop (in-process)."""
+    link_mbit: float = 0.0
+    """Testing aid: emulated inter-zone bandwidth in Mbit/s (0: unlimited)."""
     throttle: str = ""
     """Testing aid: emulate a slower device, ``F`` or ``F,STEP:F,...`` (see unbroken.testing.throttle)."""
     checkpoint_dir: Path | None = None
@@ -123,6 +139,10 @@ class NodeConfig:
         _check_range("NodeConfig", "digest_every", self.digest_every, 0)
         _check_range("NodeConfig", "stall_timeout_s", self.stall_timeout_s, 0.5, 86400)
         _check_range("NodeConfig", "memory_limit", self.memory_limit, 0)
+        _check_range("NodeConfig", "link_latency_ms", self.link_latency_ms, 0, 60_000)
+        _check_range("NodeConfig", "link_mbit", self.link_mbit, 0)
+        if len(self.zone) > 128:
+            raise ConfigError(f"NodeConfig.zone is {len(self.zone)} characters long; at most 128 are allowed")
         if self.role not in ROLES:
             raise ConfigError(f"NodeConfig.role = {self.role!r} is not one of {', '.join(ROLES)}")
         # Imported here: unbroken.testing imports this module.

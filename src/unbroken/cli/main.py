@@ -33,6 +33,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         min_nodes=args.min_nodes,
         event_log=Path(args.event_log) if args.event_log else None,
         balance=args.balance == "throughput",
+        codec=args.codec,
     )
     coord = Coordinator(config)
 
@@ -85,6 +86,9 @@ def _node(args: argparse.Namespace) -> int:
         memory_limit=_bytes(args.memory_limit),
         role=args.role,
         throttle=args.throttle or "",
+        zone=args.zone or "",
+        link_latency_ms=args.link_latency_ms,
+        link_mbit=args.link_mbit,
     )
     faults = parse_faults(args.fault or "")
     job = load_job(args.job)
@@ -141,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="throughput",
         help="split the batch by measured throughput and memory (rebalancing live), or by the nodes' --weight",
     )
+    c.add_argument("--codec", default="none", help="inter-zone codec: none, fp16, bf16, int8, topk[:RATIO]")
     c.set_defaults(func=_coordinator)
 
     n = sub.add_parser("node", help="run one training node", formatter_class=fmt)
@@ -157,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: the cost model decides; standby: a hot spare promoted when a trainer fails",
     )
+    n.add_argument("--zone", help="where this node is (site, region): reduction is two-level across zones")
+    n.add_argument("--link-latency-ms", type=float, default=0.0, help="testing aid: emulated inter-zone latency")
+    n.add_argument("--link-mbit", type=float, default=0.0, help="testing aid: emulated inter-zone Mbit/s (0: none)")
     n.add_argument("--throttle", help="testing aid: emulate a slower device, e.g. 0.25 or 1,40:0.25,80:1")
     n.add_argument("--checkpoint-dir", help="directory for asynchronous checkpoints")
     n.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N committed steps")

@@ -41,6 +41,8 @@ class EpochGroup:
     built_in_s: float = 0.0
     roles: list[str] = field(default_factory=list)
     microbatches: list[int] = field(default_factory=list)
+    extra_pgs: list[Any] = field(default_factory=list)
+    """Zone and leader groups of this epoch (buried with the epoch's group)."""
 
     @property
     def role(self) -> str:

@@ -78,6 +78,7 @@ class Coordinator:
             recovery_window_s=self.config.recovery_window_s,
             min_nodes=self.config.min_nodes,
             balance=self.config.balance,
+            codec=self.config.codec,
         )
         self.events: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
@@ -207,6 +208,8 @@ class Coordinator:
                     "compute_s": list(mem.compute_times)[-1:] or None,
                     "capabilities": mem.caps.model_dump(),
                     "validation": mem.validation,
+                    "zone": mem.zone or "default",
+                    "bytes_sent": {"intra_zone": mem.bytes_intra, "inter_zone": mem.bytes_inter},
                     "last_seen_s": round(now - mem.last_seen, 3),
                 }
             )
@@ -227,6 +230,7 @@ class Coordinator:
                 "predicted_step_s": ms.plan.step_s if ms.plan else None,
                 "batch_size": ms.batch_size,
                 "balance": "throughput" if ms.balance else "weights",
+                "codec": ms.codec,
             },
             "events": self.events[-200:],
             "recoveries": self.recoveries,
@@ -334,6 +338,7 @@ class Coordinator:
                 epoch=msg.epoch,
                 compute_s=msg.compute_s,
                 caps=msg.capabilities,
+                wire=(msg.bytes_intra, msg.bytes_inter),
             )
             if msg.first_in_epoch:
                 self._close_recoveries(msg.epoch, msg.step, msg.wall_time)

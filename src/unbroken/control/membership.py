@@ -38,6 +38,8 @@ PLAN_DWELL_STEPS = 3
 """...and until every trainer has reported this many step times under it."""
 REBALANCE_EVERY_S = 0.25
 """How often the coordinator reconsiders the plan (the cost model is not free)."""
+SETTLED_AFTER = 3
+"""Steps or probes a node must have measured before the plan moves it out of training."""
 WINDOW = 8
 """Recent step times kept per member for straggler detection."""
 
@@ -67,11 +69,21 @@ class Member:
     role: Role | None = None
     compute_times: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     validation: dict[str, float] | None = None
+    zone: str = ""
+    bytes_intra: int = 0
+    bytes_inter: int = 0
 
     def profile(self) -> Profile:
         c = self.caps
         return Profile(
-            self.name, c.per_sample_s, c.overhead_s, c.max_microbatch, self.weight, self.preference, self.evaluates
+            self.name,
+            c.per_sample_s,
+            c.overhead_s,
+            c.max_microbatch,
+            self.weight,
+            self.preference,
+            self.evaluates,
+            settled=c.measurements >= SETTLED_AFTER,
         )
 
 
@@ -131,7 +143,10 @@ class Membership:
         recovery_window_s: float = 3.0,
         min_nodes: int = 1,
         balance: bool = True,
+        codec: str = "none",
     ) -> None:
+        self.codec = codec
+        """The inter-zone codec every epoch order carries."""
         self.lease_s = lease_s
         self.min_nodes = min_nodes
         self.balance = balance
@@ -207,6 +222,7 @@ class Membership:
             caps=hello.capabilities,
             preference=Preference(hello.role),
             evaluates=hello.evaluates,
+            zone=hello.zone,
         )
         self.step = max(self.step, hello.step)
         self._epoch_floor = max(self._epoch_floor, hello.last_epoch)
@@ -277,6 +293,7 @@ class Membership:
         epoch: int | None = None,
         compute_s: float = 0.0,
         caps: Capabilities | None = None,
+        wire: tuple[int, int] | None = None,
     ) -> None:
         self.heartbeat(member_id, step, now)
         m = self.members.get(member_id)
@@ -286,6 +303,8 @@ class Membership:
         m.samples_per_s = sps
         if caps is not None:
             m.caps = caps
+        if wire is not None:
+            m.bytes_intra, m.bytes_inter = wire
         if epoch == self.epoch and m.role is Role.TRAINER and compute_s > 0:
             m.compute_times.append(compute_s)
 
@@ -468,6 +487,8 @@ class Membership:
             reason=reason,
             roles=[r.value for r in self.plan.roles] if self.plan else [],
             microbatches=list(self.plan.microbatches) if self.plan else [],
+            zones=[m.zone for m in members] if len({m.zone for m in members}) > 1 else [],
+            codec=self.codec,
         )
         # Everyone of the old epoch hears of it (a leaver learns it may go), and everyone of the new.
         for mid in dict.fromkeys(old + order):

@@ -62,6 +62,8 @@ class Capabilities(BaseModel):
     """Compute seconds per sample (forward + backward), smoothed."""
     overhead_s: Seconds = 0.0
     """Fixed compute seconds per micro-batch."""
+    measurements: Count = 0
+    """Steps and probes behind the speed figures (0: the start-up estimate only)."""
     max_microbatch: Annotated[int, Field(ge=-1, le=2**31)] = 0
     """Largest micro-batch that fits in memory (0: no limit; -1: not even one sample)."""
     comm_s: Seconds = 0.0
@@ -88,6 +90,8 @@ class Hello(_Msg):
     last_epoch: EpochNo = 0
     capabilities: Capabilities = Capabilities()
     role: Literal["auto", "trainer", "validator", "standby"] = "auto"
+    zone: Annotated[str, Field(max_length=128)] = ""
+    """Where the node is (a site, a region); empty is the default zone."""
     evaluates: bool = False
     """The job has an evaluation function (the node can be a validator)."""
     """The newest epoch this node has heard of; epochs after a restart are numbered above it."""
@@ -109,6 +113,10 @@ class Progress(_Msg):
     samples_per_s: Annotated[float, Field(ge=0)] = 0.0
     compute_s: Seconds = 0.0
     """Compute time of the last step (0 for a member without a share)."""
+    bytes_intra: Count = 0
+    """Bytes this node has sent inside its zone (all steps so far)."""
+    bytes_inter: Count = 0
+    """Bytes this node has sent to other zones (all steps so far)."""
     capabilities: Capabilities | None = None
 
 
@@ -174,6 +182,10 @@ class EpochOrder(_Msg):
     """Each member's role (empty: all train)."""
     microbatches: list[Count] = []
     """Each member's micro-batch size (empty or 0: its whole share at once)."""
+    zones: list[Annotated[str, Field(max_length=128)]] = []
+    """Each member's zone (empty: one zone)."""
+    codec: Annotated[str, Field(max_length=64)] = "none"
+    """The codec of the inter-zone hop."""
 
 
 class Expel(_Msg):

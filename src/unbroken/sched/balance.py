@@ -72,6 +72,10 @@ class Profile:
     preference: Preference = Preference.AUTO
     evaluates: bool = False
     """The job has an evaluation function this node can run."""
+    settled: bool = True
+    """Its speed comes from real steps or probes, not only the start-up estimate (which other
+    processes starting on the same machine disturb): only settled nodes are moved out of
+    training for speed."""
 
     def time_for(self, share: int) -> float:
         """Predicted compute time for ``share`` samples (0 for none)."""
@@ -163,7 +167,7 @@ def plan(
     while balance and len(trainers) > 1:
         shares = _split(batch_size, ps, trainers, by_weight=False)
         with_it = _step_time(ps, shares)
-        idle = [i for i in trainers if shares[i] == 0 and ps[i].preference is not Preference.TRAINER]
+        idle = [i for i in trainers if shares[i] == 0 and ps[i].preference is not Preference.TRAINER and ps[i].settled]
         if idle:
             i = max(idle, key=lambda i: (ps[i].per_sample_s, i))
             reasons[i] = "its share of the batch rounds to zero samples"
@@ -171,7 +175,7 @@ def plan(
             continue
         drop: tuple[float, int] | None = None
         for i in trainers:
-            if ps[i].preference is Preference.TRAINER or i in promoted:
+            if ps[i].preference is Preference.TRAINER or i in promoted or not ps[i].settled:
                 continue
             rest = [j for j in trainers if j != i]
             without = _step_time(ps, _split(batch_size, ps, rest, by_weight=False))

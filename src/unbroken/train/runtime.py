@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 
+from unbroken.comm.codecs import Codec, make_codec
 from unbroken.comm.group import EpochGroup, Graveyard, StoreClient, build_group, wait_until, wait_work
+from unbroken.comm.reduce import LinkEmulation, Reducer, Wire, Zones
 from unbroken.comm.transfer import recv_state, send_state
 from unbroken.config import NodeConfig
 from unbroken.control import messages as m
@@ -111,11 +113,19 @@ class Node:
         self._mb_cap = 0
         self._oom_cap = 0
         self._used_mb = 0
+        self._measurements = 0
         self._last_compute_s = 0.0
         self._last_comm_s = 0.0
         self._last_validation = 0.0
         self.sidecar: Sidecar | None = None
         self.numel = sum(p.numel() for p in self.params) + sum(b.numel() for b in self.buffers)
+        self.compressed_numel = sum(p.numel() for p in self.params)
+        """The gradient part of the flat tensor: what the inter-zone codec compresses."""
+        self.link = LinkEmulation(config.link_latency_ms / 1e3, config.link_mbit)
+        self.wire = Wire()
+        self._codec: Codec | None = None
+        self._codec_spec = ""
+        self.reducer: Reducer
         self.data = DataPlan(job.num_samples, job.batch_size, job.seed)
         self.faults = FaultPlan(faults or [], self._log)
         self.graveyard = Graveyard(hold_s=config.collective_timeout_s + 5)
@@ -236,8 +246,10 @@ class Node:
 
     def _abandon(self) -> None:
         if self.group is not None:
-            self.graveyard.bury(self.group.pg)
+            for pg in [self.group.pg, *self.group.extra_pgs]:
+                self.graveyard.bury(pg)
             self.group.pg = None
+            self.group.extra_pgs = []
 
     # ---------------------------------------------------------------- epochs
 
@@ -268,6 +280,7 @@ class Node:
             self.stores.reset()  # the store may be gone with its coordinator
             raise
         self.group.pg, self.group.built_in_s = pg, took
+        self.reducer = self._build_reducer(order, rank, pg, store, prefix, abort)
         self._epochs_formed += 1
         self._first_in_epoch = True
         log.info(
@@ -276,6 +289,35 @@ class Node:
             self.job.batch_size, took * 1e3,
         )  # fmt: skip
         self._set_role(self.group.role)
+
+    def _build_reducer(self, order: m.EpochOrder, rank: int, pg: Any, store: Any, prefix: str, abort: Any) -> Reducer:
+        """The step's reduction: flat, or two-level with a zone group and a leaders' group."""
+        zones = Zones(tuple(order.zones) if order.zones else tuple("" for _ in order.members))
+        if self._codec is None or self._codec_spec != order.codec:
+            self._codec, self._codec_spec = make_codec(order.codec), order.codec
+        reducer = Reducer(
+            rank, zones, pg, codec=self._codec, compressed=self.compressed_numel, link=self.link, wire=self.wire
+        )
+        if not zones.multi:
+            return reducer
+        timeout = self.config.collective_timeout_s
+        mine = zones.of_rank[rank]
+        members = zones.members(mine)
+        z = zones.names.index(mine)
+        assert self.group is not None
+        if len(members) > 1:
+            reducer.zone_pg, _ = build_group(
+                store, f"{prefix}zone{z}/", members.index(rank), len(members), self._gloo_host(), timeout,
+                self.wake, abort,
+            )  # fmt: skip
+            self.group.extra_pgs.append(reducer.zone_pg)
+        if rank in zones.leaders:
+            reducer.leaders_pg, _ = build_group(
+                store, f"{prefix}leaders/", zones.leaders.index(rank), len(zones.leaders), self._gloo_host(),
+                timeout, self.wake, abort,
+            )  # fmt: skip
+            self.group.extra_pgs.append(reducer.leaders_pg)
+        return reducer
 
     def _gloo_host(self) -> str | None:
         if self.config.gloo_host:
@@ -370,9 +412,14 @@ class Node:
                 entry = {"kind": "contrib", "epoch": g.epoch, "step": step, "rank": g.rank, "indices": indices}
                 self._log(entry | {"role": g.role, "microbatch": self._used_mb, "compute_s": self._last_compute_s})
                 t_comm = time.monotonic()
-                work = g.pg.allreduce([flat])
-                self.faults.maybe_fire("allreduce", step)
-                wait_work(work, self.wake, in_step, self.config.collective_timeout_s, f"all-reduce of step {step}")
+                self.reducer.allreduce(
+                    flat,
+                    self.wake,
+                    in_step,
+                    self.config.collective_timeout_s,
+                    f"all-reduce of step {step}",
+                    after_post=functools.partial(self.faults.maybe_fire, "allreduce", step),
+                )
                 self._last_comm_s = time.monotonic() - t_comm
                 votes, samples, switched, global_loss = flat[self.numel :].tolist()
                 if round(votes) != g.size or round(samples) != B:
@@ -512,6 +559,7 @@ class Node:
             if cal is None:
                 return
             per_sample = max(seconds - n_micro * cal.overhead_s, seconds * 0.05) / share
+            self._measurements += 1
             old = cal.per_sample_s or per_sample
             smoothed = SPEED_SMOOTHING * per_sample + (1 - SPEED_SMOOTHING) * old
             self.calibration = Calibration(
@@ -521,6 +569,7 @@ class Node:
     def _probed(self, cal: Calibration) -> None:
         with self._speed_lock:
             self.calibration = cal
+            self._measurements += 1
 
     def _capabilities(self) -> m.Capabilities:
         info = describe(self.device)
@@ -533,6 +582,7 @@ class Node:
             memory_used=info.memory_used,
             per_sample_s=min(cal.per_sample_s, 1e6) if cal else 0.0,
             overhead_s=min(cal.overhead_s, 1e6) if cal else 0.0,
+            measurements=self._measurements,
             max_microbatch=self._oom_cap if self._oom_cap and self._mb_cap >= 0 else self._mb_cap,
             comm_s=min(self._last_comm_s, 1e6),
             rtt_s=min(self.client.rtt_s, 1e6),
@@ -623,6 +673,8 @@ class Node:
         self.state.cursor = self.state.step * self.job.batch_size
         self.client.step = self.state.step
         entry: dict[str, Any] = {"kind": "commit", "epoch": g.epoch, "step": self.state.step, "loss": loss}
+        if self.wire.last_inter:
+            entry["wire"] = {"intra": self.wire.last_intra, "inter": self.wire.last_inter}
         every = self.config.digest_every
         if every and self.state.step % every == 0:
             entry["digest"] = self.state.digest()
@@ -644,6 +696,8 @@ class Node:
                     first_in_epoch=self._first_in_epoch,
                     samples_per_s=sps,
                     compute_s=min(self._last_compute_s, 1e6),
+                    bytes_intra=self.wire.intra,
+                    bytes_inter=self.wire.inter,
                     capabilities=self._capabilities(),
                 )
             )
@@ -709,6 +763,7 @@ class Node:
             capabilities=self._capabilities(),
             role=self.config.role,  # type: ignore[arg-type]
             evaluates=self.job.evaluate is not None,
+            zone=self.config.zone,
         )
 
     def _restore_checkpoint(self) -> None:

@@ -154,7 +154,8 @@ def test_a_slow_node_is_dropped_when_it_would_lengthen_the_step() -> None:
     ms = Membership(lease_s=LEASE, now=0.0)
     ms.admit(hello("a", 20), 0.0)
     ms.admit(hello("b", 20), 0.0)
-    ms.admit(hello("slow", 20, capabilities=Capabilities(per_sample_s=FAST, overhead_s=0.05), evaluates=True), 0.0)
+    caps = Capabilities(per_sample_s=FAST, overhead_s=0.05, measurements=3)
+    ms.admit(hello("slow", 20, capabilities=caps, evaluates=True), 0.0)
     d = ms.tick(JOIN_SETTLE_S)
     order = only_order(d)
     assert order.shares == [10, 10, 0]
@@ -162,6 +163,17 @@ def test_a_slow_node_is_dropped_when_it_would_lengthen_the_step() -> None:
     (ev,) = events(d, "role")
     assert ev.member == "slow"
     assert "predicted step 10.0 ms without it vs 56.0 ms with it" in ev.reason
+
+
+def test_a_slow_node_known_only_from_its_start_up_estimate_keeps_training() -> None:
+    # Processes starting together disturb each other's start-up measurement: no demotion on it.
+    ms = Membership(lease_s=LEASE, now=0.0)
+    ms.admit(hello("a", 20), 0.0)
+    ms.admit(hello("b", 20), 0.0)
+    caps = Capabilities(per_sample_s=FAST, overhead_s=0.05, measurements=0)
+    ms.admit(hello("slow", 20, capabilities=caps, evaluates=True), 0.0)
+    order = only_order(ms.tick(JOIN_SETTLE_S))
+    assert order.roles == ["trainer", "trainer", "trainer"]
 
 
 def test_only_one_validator_even_if_several_could_evaluate() -> None:

@@ -1,0 +1,191 @@
+"""The step's sum over all members: one all-reduce, or two levels across zones.
+
+Nodes carry a zone (a building, a city, a cloud region). With more than one zone the sum
+takes three hops, only the middle one over the slow links::
+
+    zone all-reduce (float32, fast links)
+      → zone leaders all-gather their zone sums, compressed by the inter-zone codec,
+        and each decodes and sums them in zone order (float32: no overflow, and the same
+        result on every leader)
+      → each leader broadcasts the total inside its zone
+
+The tail of the flat tensor (buffer deltas, votes, sample counts) always travels in
+float32: votes must be exact. Every hop is an abortable c10d work item; any failure raises
+and the coordinator's next epoch chooses new leaders. Bytes are counted per link class from
+the message sizes of gloo's ring algorithms (what each node sends).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from unbroken.comm.codecs import Codec
+from unbroken.comm.group import AbortCheck, wait_until, wait_work
+
+
+@dataclass(frozen=True)
+class Zones:
+    """Who is in which zone, and who leads each (the first member of a zone in rank order)."""
+
+    of_rank: tuple[str, ...]
+
+    @property
+    def names(self) -> list[str]:
+        return list(dict.fromkeys(self.of_rank))
+
+    def members(self, zone: str) -> list[int]:
+        return [r for r, z in enumerate(self.of_rank) if z == zone]
+
+    @property
+    def leaders(self) -> list[int]:
+        return [self.members(z)[0] for z in self.names]
+
+    @property
+    def multi(self) -> bool:
+        return len(self.names) > 1
+
+
+@dataclass(frozen=True)
+class LinkEmulation:
+    """In-process emulation of a slow inter-zone link (``tc netem`` is not in every kernel):
+    each inter-zone hop waits ``latency_s`` plus the payload's time at ``mbit_s``."""
+
+    latency_s: float = 0.0
+    """One-way latency of an inter-zone hop (half the round trip)."""
+    mbit_s: float = 0.0
+    """Inter-zone bandwidth in Mbit/s (0: unlimited)."""
+
+    @property
+    def active(self) -> bool:
+        return self.latency_s > 0 or self.mbit_s > 0
+
+    def delay(self, payload_bytes: int, hops: int) -> float:
+        per_hop = self.latency_s + (payload_bytes * 8 / (self.mbit_s * 1e6) if self.mbit_s > 0 else 0.0)
+        return per_hop * hops
+
+
+@dataclass
+class Wire:
+    """Bytes this node sent, per link class."""
+
+    intra: int = 0
+    inter: int = 0
+    steps: int = 0
+    last_intra: int = 0
+    last_inter: int = 0
+
+    def add(self, intra: int, inter: int) -> None:
+        self.intra += intra
+        self.inter += inter
+        self.last_intra, self.last_inter = intra, inter
+        self.steps += 1
+
+
+@dataclass
+class Reducer:
+    """Sums the step's flat tensor over the epoch, as `Zones` and the codec say."""
+
+    rank: int
+    zones: Zones
+    pg: Any
+    """The epoch's group of all members."""
+    zone_pg: Any = None
+    """This node's zone (None when zones are not used or the zone has one member)."""
+    leaders_pg: Any = None
+    """The zone leaders (None unless this node leads its zone and there are several zones)."""
+    codec: Codec | None = None
+    compressed: int = 0
+    """How many leading elements of the flat tensor the codec compresses (the gradient)."""
+    link: LinkEmulation = field(default_factory=LinkEmulation)
+    wire: Wire = field(default_factory=Wire)
+
+    def allreduce(
+        self,
+        flat: torch.Tensor,
+        wake: threading.Event,
+        abort: AbortCheck,
+        deadline_s: float,
+        what: str,
+        after_post: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Replace ``flat`` by its sum over all members (abortable; raises on any failure)."""
+        n = flat.numel()
+        if not self.zones.multi:
+            work = self.pg.allreduce([flat])
+            after_post()
+            wait_work(work, wake, abort, deadline_s, what)
+            size = self.pg.size()
+            self.wire.add(_ring_allreduce_bytes(4 * n, size), 0)
+            return
+        zone = self.zones.of_rank[self.rank]
+        zone_size = len(self.zones.members(zone))
+        intra = inter = 0
+        posted = False
+        if self.zone_pg is not None:
+            work = self.zone_pg.allreduce([flat])
+            after_post()
+            posted = True
+            wait_work(work, wake, abort, deadline_s, f"{what} (zone {zone})")
+            intra += _ring_allreduce_bytes(4 * n, zone_size)
+        if self.leaders_pg is not None:
+            inter = self._exchange(flat, wake, abort, deadline_s, what, None if posted else after_post)
+            posted = True
+        if self.zone_pg is not None:
+            work = self.zone_pg.broadcast(flat, 0)
+            if not posted:
+                after_post()
+            wait_work(work, wake, abort, deadline_s, f"{what} (zone {zone} broadcast)")
+            if self.leaders_pg is not None:
+                intra += 4 * n * (zone_size - 1)
+        self.wire.add(intra, inter)
+
+    def _exchange(
+        self,
+        flat: torch.Tensor,
+        wake: threading.Event,
+        abort: AbortCheck,
+        deadline_s: float,
+        what: str,
+        after_post: Callable[[], None] | None,
+    ) -> int:
+        k = self.compressed if self.codec is not None else 0
+        head = self.codec.encode(flat[:k]) if self.codec is not None and k else torch.empty(0, dtype=torch.uint8)
+        tail = flat[k:].contiguous().view(torch.uint8)
+        mine = torch.cat([head, tail])
+        count = self.leaders_pg.size()
+        self._emulate_link(mine.numel(), count - 1, wake, abort, deadline_s, what)
+        out = [torch.empty_like(mine) for _ in range(count)]
+        work = self.leaders_pg.allgather([out], [mine])
+        if after_post is not None:
+            after_post()
+        wait_work(work, wake, abort, deadline_s, f"{what} (between zones)")
+        h = head.numel()
+        total_tail = torch.zeros(flat.numel() - k, dtype=torch.float32)
+        total_head = torch.zeros(k, dtype=torch.float32)
+        for payload in out:  # zone order: the same sum on every leader
+            if k:
+                assert self.codec is not None
+                total_head += self.codec.decode(payload[:h], k)
+            total_tail += payload[h:].view(torch.float32)
+        flat[:k] = total_head
+        flat[k:] = total_tail
+        return int(mine.numel()) * (int(count) - 1)
+
+    def _emulate_link(
+        self, payload: int, hops: int, wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str
+    ) -> None:
+        if not self.link.active or hops <= 0:
+            return
+        end = time.monotonic() + self.link.delay(payload, hops)
+        wait_until(lambda: time.monotonic() >= end, wake, abort, deadline_s, f"{what} (emulated link)", 0.01)
+
+
+def _ring_allreduce_bytes(nbytes: int, size: int) -> int:
+    """What one rank sends in a ring all-reduce (reduce-scatter + all-gather)."""
+    return 0 if size <= 1 else 2 * nbytes * (size - 1) // size
