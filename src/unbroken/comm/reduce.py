@@ -113,8 +113,13 @@ class Reducer:
         deadline_s: float,
         what: str,
         after_post: Callable[[], None] = lambda: None,
+        after_exchange_post: Callable[[], None] = lambda: None,
     ) -> None:
-        """Replace ``flat`` by its sum over all members (abortable; raises on any failure)."""
+        """Replace ``flat`` by its sum over all members (abortable; raises on any failure).
+
+        ``after_post`` runs once the first collective is posted, ``after_exchange_post`` once
+        this zone leader's inter-zone exchange is (fault injection hooks).
+        """
         n = flat.numel()
         if not self.zones.multi:
             work = self.pg.allreduce([flat])
@@ -134,7 +139,9 @@ class Reducer:
             wait_work(work, wake, abort, deadline_s, f"{what} (zone {zone})")
             intra += _ring_allreduce_bytes(4 * n, zone_size)
         if self.leaders_pg is not None:
-            inter = self._exchange(flat, wake, abort, deadline_s, what, None if posted else after_post)
+            inter = self._exchange(
+                flat, wake, abort, deadline_s, what, None if posted else after_post, after_exchange_post
+            )
             posted = True
         if self.zone_pg is not None:
             work = self.zone_pg.broadcast(flat, 0)
@@ -153,6 +160,7 @@ class Reducer:
         deadline_s: float,
         what: str,
         after_post: Callable[[], None] | None,
+        after_exchange_post: Callable[[], None],
     ) -> int:
         k = self.compressed if self.codec is not None else 0
         head = self.codec.encode(flat[:k]) if self.codec is not None and k else torch.empty(0, dtype=torch.uint8)
@@ -164,6 +172,7 @@ class Reducer:
         work = self.leaders_pg.allgather([out], [mine])
         if after_post is not None:
             after_post()
+        after_exchange_post()
         wait_work(work, wake, abort, deadline_s, f"{what} (between zones)")
         h = head.numel()
         total_tail = torch.zeros(flat.numel() - k, dtype=torch.float32)

@@ -3,7 +3,8 @@
 Spec syntax, comma separated: ``SIGNAL@PHASE:STEP`` with SIGNAL one of ``kill`` (SIGKILL),
 ``stop`` (SIGSTOP), ``term`` (SIGTERM) or ``hang`` (the step loop blocks forever while
 heartbeats go on), and PHASE one of ``compute`` (before the step's
-forward pass) or ``allreduce`` (while the step's all-reduce is in flight). Each fault
+forward pass), ``allreduce`` (while the step's all-reduce is in flight) or ``exchange``
+(a zone leader, while the exchange between zones is in flight). Each fault
 fires once; a ``fault`` line is written to the commit log first so tests can assert it
 fired. A testing aid: shipped so users can test their own jobs the same way.
 """
@@ -22,7 +23,7 @@ SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTER
 HANG = "hang"
 """Not a signal: the step loop blocks forever while the rest of the process (its control
 session, its heartbeats) stays alive — a stuck data read or a hung kernel."""
-PHASES = ("compute", "allreduce")
+PHASES = ("compute", "allreduce", "exchange")
 
 
 @dataclass(frozen=True)

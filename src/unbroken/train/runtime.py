@@ -419,6 +419,7 @@ class Node:
                     self.config.collective_timeout_s,
                     f"all-reduce of step {step}",
                     after_post=functools.partial(self.faults.maybe_fire, "allreduce", step),
+                    after_exchange_post=functools.partial(self.faults.maybe_fire, "exchange", step),
                 )
                 self._last_comm_s = time.monotonic() - t_comm
                 votes, samples, switched, global_loss = flat[self.numel :].tolist()

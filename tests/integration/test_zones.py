@@ -1,0 +1,84 @@
+"""Zones: two-level reduction across sites, compressed between zone leaders.
+
+Nodes a1, a2 sit in zone A and b1, b2 in zone B; the first member of a zone in rank order
+leads it (a1 and b1 here: ranks follow join order).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+
+from integration.helpers import assert_promises, fired, job_for
+from unbroken.testing import check_promises, reference_state
+
+ENV = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "5", "UB_TEST_EVAL": "1"}
+
+
+def start_zones(make_cluster, env, codec="none", faults=None, link=("2", "0")):
+    faults = faults or {}
+    c = make_cluster(
+        env=env,
+        min_nodes=4,
+        coordinator_args=["--codec", codec],
+        node_args=["--digest-every", "1", "--link-latency-ms", link[0], "--link-mbit", link[1]],
+    )
+    c.start_coordinator()
+
+    def joined(names):
+        return lambda: {m["name"] for m in c.state()["members"]} >= set(names)
+
+    for first in ("a1", "b1"):  # join order makes a1 and b1 the leaders
+        c.start_node(first, extra=["--zone", first[0].upper()], fault=faults.get(first, ""))
+        c.wait_for(joined([first]), 60, f"{first} to join")
+    for second in ("a2", "b2"):
+        c.start_node(second, extra=["--zone", second[0].upper()], fault=faults.get(second, ""))
+    return c
+
+
+def leaders_sent_between_zones(c) -> dict[str, int]:
+    return {
+        name: sum(e.get("wire", {}).get("inter", 0) for e in node.entries() if e["kind"] == "commit")
+        for name, node in c.nodes.items()
+    }
+
+
+def test_two_zones_uncompressed_match_the_reference(make_cluster):
+    c = start_zones(make_cluster, ENV)
+    codes = c.wait_exit(timeout=120)
+    assert codes == {"a1": 0, "b1": 0, "a2": 0, "b2": 0}, c.diagnostics()
+    sent = leaders_sent_between_zones(c)
+    assert sent["a1"] > 0 and sent["b1"] > 0 and sent["a2"] == 0 and sent["b2"] == 0, sent
+    assert_promises(c, ENV, finishers=4)
+
+
+def test_two_zones_with_int8_train_to_the_expected_loss(make_cluster):
+    c = start_zones(make_cluster, ENV, codec="int8")
+    codes = c.wait_exit(timeout=120)
+    assert codes == {"a1": 0, "b1": 0, "a2": 0, "b2": 0}, c.diagnostics()
+    job = job_for(ENV)
+    report = check_promises({n: p.entries() for n, p in c.nodes.items()}, job, finishers=4)
+    assert report.ok, "\n".join(report.problems)  # replicas equal, exactly-once data: lossy only in value
+    got, ref = job.model(), job.model()
+    got.load_state_dict(torch.load(c.nodes["a1"].final_state, weights_only=True)["model"])
+    ref.load_state_dict(reference_state(job))
+    with torch.no_grad():
+        ours, exact = job.evaluate(got)["heldout_loss"], job.evaluate(ref)["heldout_loss"]
+    assert abs(ours - exact) <= 0.03 * exact, (ours, exact)
+    float32_bytes = 4 * sum(p.numel() for p in ref.parameters())
+    inter = [e["wire"]["inter"] for e in c.nodes["a1"].entries() if e["kind"] == "commit" and "wire" in e]
+    assert inter and max(inter) < float32_bytes / 2, (inter[:3], float32_bytes)
+
+
+def test_a_zone_leader_killed_mid_exchange_is_replaced_and_a_dead_zone_drops_out(make_cluster):
+    # b1 (B's leader) dies in the exchange at step 15; b2 leads B until it dies there at 30;
+    # zone A trains on alone. No step is lost or applied twice.
+    faults = {"b1": "kill@exchange:15", "b2": "kill@exchange:30"}
+    c = start_zones(make_cluster, ENV, faults=faults)
+    codes = c.wait_exit(timeout=120)
+    assert fired(c.nodes["b1"], "kill") and fired(c.nodes["b2"], "kill"), c.diagnostics()
+    assert codes == {"a1": 0, "b1": -signal.SIGKILL, "a2": 0, "b2": -signal.SIGKILL}, c.diagnostics()
+    b2_inter = [e for e in c.nodes["b2"].entries() if e["kind"] == "commit" and e.get("wire", {}).get("inter")]
+    assert b2_inter and min(e["step"] for e in b2_inter) <= 17, "b2 must have taken over as B's leader"
+    assert_promises(c, ENV, finishers=2)
