@@ -27,7 +27,8 @@ A. Static: 3 nodes at relative speeds ``--speeds`` (default 1, 1/2, 1/4), global
   idled as the emulated device, then one explicit gradient all-reduce), ``--ddp-steps``.
 - ideal: the sum over the 3 speeds of one process's samples/s training alone at that speed
   (``bench/alone_worker.py``: a plain loop over the whole batch B, no communication),
-  measured one at a time for ``--alone-seconds`` each.
+  measured one at a time (one process, one speed after the other, each with a freshly
+  built model) for ``--alone-seconds`` each after ``--alone-warmup`` steps.
 
 Throughput is steady state from commit timestamps: ``B * (k1 - k0) / (t[k1] - t[k0])`` with
 k0 = ``--warmup`` (past start-up, calibration and the first plan and its first
@@ -152,14 +153,16 @@ def run_equal_split(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         return {"times": commit_times([d.entries(r) for r in range(world)])}
 
 
-def run_alone(args: argparse.Namespace, workdir: Path, factor: float) -> float:
+def run_alone(args: argparse.Namespace, workdir: Path, factors: list[float]) -> dict[float, float]:
+    """Samples/s of one process training alone at each speed, one speed after the other."""
     workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / f"alone-{factor}.jsonl"
+    log = workdir / "alone.jsonl"
     cmd = [
-        sys.executable, str(HERE / "alone_worker.py"), "--job", MODEL, "--throttle", str(factor),
-        "--log", str(log), "--warmup", str(args.alone_warmup), "--seconds", str(args.alone_seconds),
+        sys.executable, str(HERE / "alone_worker.py"), "--job", MODEL, "--log", str(log),
+        "--warmup", str(args.alone_warmup), "--seconds", str(args.alone_seconds),
+        *(a for f in factors for a in ("--throttle", str(f))),
     ]  # fmt: skip
-    with open(workdir / f"alone-{factor}.err", "ab") as err:
+    with open(workdir / "alone.err", "ab") as err:
         proc = subprocess.Popen(cmd, stdout=err, stderr=err, env=dict(os.environ, **NODE_ENV, **env_for(args, 10**6)))
     try:
         code = proc.wait(args.timeout)
@@ -169,13 +172,17 @@ def run_alone(args: argparse.Namespace, workdir: Path, factor: float) -> float:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(10)
     if code != 0:
-        err_text = (workdir / f"alone-{factor}.err").read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"alone run at {factor} failed ({code}): {err_text}")
-    times = commit_times([read_jsonl(log)])
-    rate = window_rate(times, args.batch, args.alone_warmup, max(times, default=0))
-    if rate is None:
-        raise RuntimeError(f"alone run at {factor}: too few steps in {args.alone_seconds} s")
-    return rate
+        err_text = (workdir / "alone.err").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"alone run failed ({code}): {err_text}")
+    entries = read_jsonl(log)
+    out = {}
+    for f in factors:
+        times = commit_times([[e for e in entries if e.get("throttle") == str(f)]])
+        rate = window_rate(times, args.batch, args.alone_warmup, max(times, default=0))
+        if rate is None:
+            raise RuntimeError(f"alone run at {f}: too few steps in {args.alone_seconds} s")
+        out[f] = rate
+    return out
 
 
 # ------------------------------------------------------------------- analysis
@@ -210,6 +217,7 @@ def analyse_dynamic(args: argparse.Namespace, run: dict[str, Any], ideal_after: 
         "recover_steps": None,
         "recover_s": None,
         "settle_steps": None,
+        "settle_s": None,
         "rebalance_step": None,
         "rebalances": 0,
     }
@@ -227,7 +235,8 @@ def analyse_dynamic(args: argparse.Namespace, run: dict[str, Any], ideal_after: 
         out["recover_steps"], out["recover_s"] = k - S, times[k] - times[S]
     if out["after"]:
         k = first_window((1 - WITHIN) * out["after"])
-        out["settle_steps"] = None if k is None else k - S
+        if k is not None:
+            out["settle_steps"], out["settle_s"] = k - S, times[k] - times[S]
     replans = [
         e
         for e in run["events"]
@@ -247,10 +256,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compute", choices=["sleep", "cpu"], default="sleep", help="compute cost (see above)")
     p.add_argument("--scenario", choices=["both", "static", "dynamic"], default="both")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every run, interleaved (medians reported)")
-    p.add_argument("--steps", type=int, default=150, help="steps of each unbroken run")
+    p.add_argument("--steps", type=int, default=130, help="steps of each unbroken run")
     p.add_argument("--warmup", type=int, default=30, help="steps left out at the start of each unbroken run")
-    p.add_argument("--ddp-steps", type=int, default=60, help="steps of each equal-split run")
-    p.add_argument("--ddp-warmup", type=int, default=10, help="steps left out at the start of each equal-split run")
+    p.add_argument("--ddp-steps", type=int, default=45, help="steps of each equal-split run")
+    p.add_argument("--ddp-warmup", type=int, default=5, help="steps left out at the start of each equal-split run")
     p.add_argument("--alone-seconds", type=float, default=4.0, help="timed seconds of each alone run")
     p.add_argument("--alone-warmup", type=int, default=2, help="steps left out at the start of each alone run")
     p.add_argument("--batch", type=int, help="global batch B, divisible by 3 (default 90; 960 with --compute cpu)")
@@ -294,7 +303,7 @@ def main() -> None:
     )
 
     factors = sorted(set((args.speeds if static else []) + ([1.0, args.slow_factor] if dynamic else [])), reverse=True)
-    runs: list[str] = [f"alone:{f}" for f in factors]
+    runs: list[str] = ["alone"]
     if static:
         runs += ["unbroken-static", "equal-split"]
     if dynamic:
@@ -311,11 +320,12 @@ def main() -> None:
             for name in order:
                 progress.update(f"repeat {rep + 1}/{args.repeats}: {name} running")
                 t0 = time.monotonic()
-                wd = root / f"{name.replace(':', '-')}-{rep}"
-                if name.startswith("alone:"):
-                    f = float(name.split(":")[1])
-                    alone[f].append(run_alone(args, wd, f))
-                    note = f"{alone[f][-1]:.0f} samples/s"
+                wd = root / f"{name}-{rep}"
+                if name == "alone":
+                    rates = run_alone(args, wd, factors)
+                    for f, rate in rates.items():
+                        alone[f].append(rate)
+                    note = ", ".join(f"at {f:g}: {rate:.0f}" for f, rate in rates.items()) + " samples/s"
                 elif name == "unbroken-static":
                     raw[name].append(run_unbroken(args, wd, [str(f) for f in args.speeds]))
                     note = f"{fmt(analyse_static(args, raw[name][-1])['rate'], '', 0)} samples/s"
@@ -431,6 +441,7 @@ def report_dynamic(args: argparse.Namespace, alone: dict[float, list[float]], ra
         row(f"steps after S until within {WITHIN:.0%} of the new ideal", col("recover_steps")),
         row("  seconds after S until then", col("recover_s"), " s", 2),
         row(f"steps after S until within {WITHIN:.0%} of the run's own 'after'", col("settle_steps")),
+        row("  seconds after S until then", col("settle_s"), " s", 2),
         row("step of the coordinator's first rebalance after S", col("rebalance_step")),
         row("  rebalances after S (epoch changes)", col("rebalances")),
     ]

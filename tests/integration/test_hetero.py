@@ -79,8 +79,13 @@ def test_a_node_too_slow_to_train_validates_committed_state(make_cluster):
     slow = c.start_node("slow", extra=["--throttle", "0.02"])  # one sample takes it 100 ms; the step 60 ms
     codes = c.wait_exit(timeout=120)
     assert codes == {"a": 0, "b": 0, "slow": 0}, c.diagnostics()
+    # Its start-up estimate alone does not demote it: it trains a sample per step until its
+    # speed is measured on real steps, then validates.
     contribs = [e for e in slow.entries() if e["kind"] == "contrib"]
-    assert contribs and all(e["role"] == "validator" and not e["indices"] for e in contribs), contribs[:3]
+    first = next(i for i, e in enumerate(contribs) if e["role"] == "validator")
+    assert contribs[first]["step"] <= 12, contribs[first]
+    assert all(len(e["indices"]) <= 1 for e in contribs[:first]), contribs[:first]
+    assert all(e["role"] == "validator" and not e["indices"] for e in contribs[first:]), contribs[first:][:3]
     roles = [e for e in events_of(c, "role") if "slow" in e["reason"]]
     assert roles and "validator" in roles[0]["reason"] and "ms" in roles[0]["reason"], roles
     validations = [e for e in slow.entries() if e["kind"] == "validation"]

@@ -4,9 +4,10 @@ A node's compute time for a share of ``s`` samples is modelled as::
 
     t(s) = overhead_s * ceil(s / microbatch) + s * per_sample_s
 
-Trainers get shares proportional to their measured throughput (1 / per_sample_s), rounded
-to whole samples that sum to B (or by the operators' weights when that predicts a step
-within `REBALANCE_MARGIN` of it: then the difference is noise). A node whose presence
+Trainers get shares that finish together by this model: proportional to their measured
+throughput (1 / per_sample_s) when fixed costs are small, whole samples summing to B (or
+split by the operators' weights when that predicts a step within `REBALANCE_MARGIN` of
+it: then the difference is noise). A node whose presence
 lengthens the predicted step more than it adds (a one-sample share takes longer than the
 step of the others, or its rounding leaves it nothing) gets another role instead:
 ``validator`` (evaluates committed state) or ``standby`` (keeps a warm replica). Every
@@ -26,8 +27,6 @@ from dataclasses import dataclass
 
 from unbroken.sched.shares import split_batch
 
-ROLE_MARGIN = 0.05
-"""A node leaves the trainers only if that shortens the predicted step by more than this."""
 REBALANCE_MARGIN = 0.10
 """A new plan replaces the current one only if its predicted step is this much shorter."""
 
@@ -116,9 +115,49 @@ def _replace_speed(p: Profile, per_sample_s: float, overhead_s: float) -> Profil
 
 def _split(batch_size: int, profiles: Sequence[Profile], trainers: Sequence[int], by_weight: bool) -> list[int]:
     shares = [0] * len(profiles)
-    weights = [profiles[i].weight if by_weight else 1.0 / profiles[i].per_sample_s for i in trainers]
-    for i, s in zip(trainers, split_batch(batch_size, weights), strict=True):
+    if not by_weight:
+        for i, s in zip(trainers, _level([profiles[i] for i in trainers], batch_size), strict=True):
+            shares[i] = s
+        return shares
+    for i, s in zip(trainers, split_batch(batch_size, [profiles[i].weight for i in trainers]), strict=True):
         shares[i] = s
+    return shares
+
+
+def _capacity(p: Profile, t: float) -> int:
+    """The most samples ``p`` computes within ``t`` seconds."""
+    c, o = p.per_sample_s, p.overhead_s
+    if t < o + c:
+        return 0
+    if p.max_microbatch <= 0:
+        return int((t - o) / c)
+    full = o + p.max_microbatch * c
+    k = int(t / full)
+    rest = t - k * full
+    extra = min(p.max_microbatch - 1, int((rest - o) / c)) if rest >= o + c else 0
+    return k * p.max_microbatch + extra
+
+
+def _level(profiles: Sequence[Profile], batch_size: int) -> list[int]:
+    """Shares that finish together: the lowest time level at which the nodes' capacities
+    cover B (fixed costs per micro-batch included), then the surplus taken back from the
+    nodes that would finish last. With no fixed costs this is the proportional split."""
+    if batch_size == 0:
+        return [0] * len(profiles)
+    lo, hi = 0.0, min(p.time_for(batch_size) for p in profiles)
+    for _ in range(64):
+        mid = (lo + hi) / 2
+        if sum(_capacity(p, mid) for p in profiles) >= batch_size:
+            hi = mid
+        else:
+            lo = mid
+    shares = [min(_capacity(p, hi), batch_size) for p in profiles]
+    if sum(shares) < batch_size:  # float edge: give the rest to the fastest finisher
+        best = min(range(len(profiles)), key=lambda i: (profiles[i].time_for(shares[i] + 1), i))
+        shares[best] += batch_size - sum(shares)
+    while sum(shares) > batch_size:
+        last = max(range(len(profiles)), key=lambda i: (profiles[i].time_for(shares[i]), i))
+        shares[last] -= 1
     return shares
 
 
@@ -164,31 +203,17 @@ def plan(
         candidates = [first]
         reasons[first] = "the only node able to train"
     trainers = list(candidates)
-    while balance and len(trainers) > 1:
+    if balance and len(trainers) > 1:
+        # A node the levelled split leaves without a sample would only lengthen the step.
         shares = _split(batch_size, ps, trainers, by_weight=False)
-        with_it = _step_time(ps, shares)
-        idle = [i for i in trainers if shares[i] == 0 and ps[i].preference is not Preference.TRAINER and ps[i].settled]
-        if idle:
-            i = max(idle, key=lambda i: (ps[i].per_sample_s, i))
-            reasons[i] = "its share of the batch rounds to zero samples"
-            trainers.remove(i)
-            continue
-        drop: tuple[float, int] | None = None
-        for i in trainers:
-            if ps[i].preference is Preference.TRAINER or i in promoted or not ps[i].settled:
+        step = _step_time(ps, shares)
+        for i in [i for i in trainers if shares[i] == 0]:
+            if ps[i].preference is Preference.TRAINER or not ps[i].settled or len(trainers) == 1:
                 continue
-            rest = [j for j in trainers if j != i]
-            without = _step_time(ps, _split(batch_size, ps, rest, by_weight=False))
-            if without < with_it * (1 - ROLE_MARGIN) and (drop is None or without < drop[0]):
-                drop = (without, i)
-        if drop is None:
-            break
-        without, i = drop
-        reasons[i] = (
-            f"predicted step {without * 1e3:.1f} ms without it vs {with_it * 1e3:.1f} ms with it "
-            f"(one sample takes it {ps[i].time_for(1) * 1e3:.1f} ms)"
-        )
-        trainers.remove(i)
+            reasons[i] = (
+                f"predicted step {step * 1e3:.1f} ms without it; one sample takes it {ps[i].time_for(1) * 1e3:.1f} ms"
+            )
+            trainers.remove(i)
     shares = _split(batch_size, ps, trainers, by_weight=not balance)
     if balance:
         # Where compute hardly depends on the share (a fixed cost per micro-batch dominates),
@@ -198,8 +223,9 @@ def plan(
         if _step_time(ps, by_weight) <= _step_time(ps, shares) * (1 + REBALANCE_MARGIN):
             shares = by_weight
     for i in trainers:
-        # An operator who asked this node to train gets at least one sample, from the largest share.
-        if shares[i] == 0 and ps[i].preference is Preference.TRAINER:
+        # A node asked to train, or not measured on real steps yet (its start-up estimate may
+        # be off), gets at least one sample, taken from the largest share.
+        if shares[i] == 0 and (ps[i].preference is Preference.TRAINER or not ps[i].settled):
             donor = max(trainers, key=lambda j: (shares[j], -j))
             if shares[donor] > 1:
                 shares[donor] -= 1

@@ -12,7 +12,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 MIN_SAMPLES = 3
-"""Step times a trainer must have reported before it is judged."""
+"""Step times a trainer must have reported before it is judged; its median over its last
+this many is what is judged (one outlier is ignored, a lasting change shows in two steps)."""
 RATIO = 1.5
 """A straggler's median compute time is at least this many times the group's median."""
 MAD_Z = 3.0
@@ -26,7 +27,7 @@ def find_stragglers(times: Mapping[str, Sequence[float]], expected: Mapping[str,
     the plan's prediction for each (its share at the speed it had when the plan was made).
     A trainer is a straggler when it is slow against both its prediction and its peers.
     """
-    medians = {k: statistics.median(v) for k, v in times.items() if len(v) >= MIN_SAMPLES}
+    medians = {k: statistics.median(list(v)[-MIN_SAMPLES:]) for k, v in times.items() if len(v) >= MIN_SAMPLES}
     out = {}
     for name, med in medians.items():
         others = [v for k, v in medians.items() if k != name]
@@ -43,7 +44,7 @@ def find_stragglers(times: Mapping[str, Sequence[float]], expected: Mapping[str,
             if med < RATIO * baseline or (spread > 0 and med - baseline < MAD_Z * spread):
                 continue
         out[name] = (
-            f"compute {med * 1e3:.1f} ms/step over its last {len(times[name])} steps vs "
+            f"compute {med * 1e3:.1f} ms/step over its last {MIN_SAMPLES} steps vs "
             f"{baseline * 1e3:.1f} ms {against} ({med / max(baseline, 1e-12):.1f}x)"
         )
     return out

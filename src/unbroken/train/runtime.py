@@ -16,6 +16,7 @@ A failure order is urgent instead: the step in flight is abandoned at once.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -23,6 +24,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -73,8 +75,7 @@ PROGRESS_EVERY_S = 0.05
 PROGRESS_LOG_EVERY_S = 10.0
 VALIDATE_EVERY_S = 0.5
 CALIBRATION_SAMPLES = 8
-SPEED_SMOOTHING = 0.5
-"""Weight of the newest step in the smoothed speed: a changed device shows within a few steps."""
+RECALIBRATE_AFTER_S = 5.0
 
 
 @dataclass
@@ -114,6 +115,9 @@ class Node:
         self._oom_cap = 0
         self._used_mb = 0
         self._measurements = 0
+        self._recent: collections.deque[float] = collections.deque(maxlen=3)
+        self._recalibrated = False
+        self._started_at = time.monotonic()
         self._last_compute_s = 0.0
         self._last_comm_s = 0.0
         self._last_validation = 0.0
@@ -433,6 +437,8 @@ class Node:
                 raise
             self._apply(flat, before)
             self._committed(g, step, global_loss, B / max(time.monotonic() - t0, 1e-9))
+            if my_share:
+                self._maybe_recalibrate()
             if g.role == "validator":
                 self._maybe_validate()
             if switched > 0 or self.state.step >= self.job.num_steps:
@@ -553,19 +559,41 @@ class Node:
         return calibrate(run, saved, k)
 
     def _observe(self, share: int, n_micro: int, seconds: float) -> None:
-        """Fold one step's compute time into the smoothed per-sample cost."""
+        """Fold one step's compute time into the per-sample cost: the median of the last few
+        steps, so one slow step is ignored and a lasting change shows within two steps."""
         self._last_compute_s = seconds
         with self._speed_lock:
             cal = self.calibration
             if cal is None:
                 return
-            per_sample = max(seconds - n_micro * cal.overhead_s, seconds * 0.05) / share
+            self._recent.append(max(seconds - n_micro * cal.overhead_s, seconds * 0.05) / share)
             self._measurements += 1
-            old = cal.per_sample_s or per_sample
-            smoothed = SPEED_SMOOTHING * per_sample + (1 - SPEED_SMOOTHING) * old
             self.calibration = Calibration(
-                smoothed, cal.overhead_s, cal.activation_bytes_per_sample, cal.activation_bytes_fixed
+                statistics.median(self._recent),
+                cal.overhead_s,
+                cal.activation_bytes_per_sample,
+                cal.activation_bytes_fixed,
             )
+
+    def _maybe_recalibrate(self) -> None:
+        """Measure the fixed cost per micro-batch again once start-up is over: processes that
+        start together on one machine disturb each other's first measurement."""
+        if self._recalibrated or time.monotonic() - self._started_at < RECALIBRATE_AFTER_S:
+            return
+        self._recalibrated = True
+        with torch.random.fork_rng(devices=[]):
+            try:
+                cal = self._probe(self._copy_model())
+            except Exception as exc:  # keep the start-up figures
+                log.warning("%s: could not re-measure compute speed: %s", self.name, exc)
+                return
+        with self._speed_lock:
+            self.calibration = cal
+            self._recent.clear()
+        log.info(
+            "%s: re-measured %.3f ms/sample + %.3f ms/micro-batch",
+            self.name, cal.per_sample_s * 1e3, cal.overhead_s * 1e3,
+        )  # fmt: skip
 
     def _probed(self, cal: Calibration) -> None:
         with self._speed_lock:

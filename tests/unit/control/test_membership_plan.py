@@ -24,7 +24,8 @@ FAST = 0.001  # seconds per sample
 
 
 def hello(member_id: str, batch_size: int, per_sample_s: float = FAST, **fields: object) -> Hello:
-    caps = fields.pop("capabilities", None) or Capabilities(per_sample_s=per_sample_s)
+    # Settled by default: speeds measured on real steps, so the plan may act on them.
+    caps = fields.pop("capabilities", None) or Capabilities(per_sample_s=per_sample_s, measurements=3)
     values: dict[str, object] = {
         "job": "job",
         "job_identity": "ident",
@@ -76,7 +77,7 @@ def report(ms: Membership, times: dict[str, float], steps: int, now: float, *, f
                 now,
                 epoch=epoch,
                 compute_s=share * per_sample if share else 0.0,
-                caps=Capabilities(per_sample_s=per_sample),
+                caps=Capabilities(per_sample_s=per_sample, measurements=3),
             )
 
 
@@ -110,7 +111,9 @@ def test_microbatches_honour_each_nodes_memory_cap() -> None:
     ms = Membership(lease_s=LEASE, now=0.0)
     caps = {"a": (FAST, 16), "b": (2 * FAST, 0), "c": (4 * FAST, 3)}
     for mid, (per_sample, cap) in caps.items():
-        ms.admit(hello(mid, 70, capabilities=Capabilities(per_sample_s=per_sample, max_microbatch=cap)), 0.0)
+        ms.admit(
+            hello(mid, 70, capabilities=Capabilities(per_sample_s=per_sample, max_microbatch=cap, measurements=3)), 0.0
+        )
     order = only_order(ms.tick(JOIN_SETTLE_S))
     assert sum(order.shares) == 70
     assert order.roles == ["trainer"] * 3
@@ -124,7 +127,7 @@ def test_microbatches_honour_each_nodes_memory_cap() -> None:
 def test_a_node_that_fits_not_one_sample_does_not_train() -> None:
     ms = Membership(lease_s=LEASE, now=0.0)
     ms.admit(hello("a", 12), 0.0)
-    ms.admit(hello("b", 12, capabilities=Capabilities(per_sample_s=FAST, max_microbatch=-1)), 0.0)
+    ms.admit(hello("b", 12, capabilities=Capabilities(per_sample_s=FAST, max_microbatch=-1, measurements=3)), 0.0)
     d = ms.tick(JOIN_SETTLE_S)
     order = only_order(d)
     assert order.shares == [12, 0]
@@ -145,7 +148,7 @@ def test_a_far_slower_node_gets_no_share_and_another_role(evaluates: bool, role:
     assert ev.member == "slow"
     assert f"new -> {role}" in ev.reason
     assert "node-slow" in ev.reason
-    assert "zero samples" in ev.reason  # the reason, not just the verdict
+    assert "one sample takes it" in ev.reason  # the reason, not just the verdict
 
 
 def test_a_slow_node_is_dropped_when_it_would_lengthen_the_step() -> None:
@@ -162,7 +165,7 @@ def test_a_slow_node_is_dropped_when_it_would_lengthen_the_step() -> None:
     assert order.roles == ["trainer", "trainer", "validator"]
     (ev,) = events(d, "role")
     assert ev.member == "slow"
-    assert "predicted step 10.0 ms without it vs 56.0 ms with it" in ev.reason
+    assert "predicted step 10.0 ms without it; one sample takes it 51.0 ms" in ev.reason
 
 
 def test_a_slow_node_known_only_from_its_start_up_estimate_keeps_training() -> None:
@@ -279,7 +282,16 @@ def test_no_rebalance_before_every_trainer_has_reported_enough_steps() -> None:
         assert d.orders == {}
     assert ms.epoch == 1
     # One more report from c, and the plan changes.
-    ms.progress("c", 3, 1.0, 1.0, t, epoch=ms.epoch, compute_s=30 * 4 * FAST, caps=Capabilities(per_sample_s=4 * FAST))
+    ms.progress(
+        "c",
+        3,
+        1.0,
+        1.0,
+        t,
+        epoch=ms.epoch,
+        compute_s=30 * 4 * FAST,
+        caps=Capabilities(per_sample_s=4 * FAST, measurements=3),
+    )
     _, d, _ = tick_until_order(ms, T0 + PLAN_DWELL_S + 4.0, T0 + PLAN_DWELL_S + 6.0)
     assert only_order(d).shares == [40, 40, 10]
 
@@ -308,7 +320,7 @@ def test_reports_from_an_older_epoch_do_not_count() -> None:
                 T0 + 0.1,
                 epoch=ms.epoch - 1,
                 compute_s=0.5,
-                caps=Capabilities(per_sample_s=FAST),
+                caps=Capabilities(per_sample_s=FAST, measurements=3),
             )
     for k in range(30):
         assert ms.tick(T0 + PLAN_DWELL_S + k * 0.1).orders == {}
