@@ -8,13 +8,17 @@ stream them; the receiver checks every chunk before the state is loaded.
 from __future__ import annotations
 
 import threading
+import time
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from unbroken.comm.group import AbortCheck, run_abortable
+from unbroken.comm.group import AbortCheck, run_abortable, wait_work
 from unbroken.errors import TransferError
+from unbroken.state.snapshot import TrainState, digest_prefix
+from unbroken.train.sync import plan_sync
 
 CHUNK_BYTES = 8 << 20
 _TAG_HEADER, _TAG_CHECKS, _TAG_CHUNKS = 101, 102, 1000
@@ -72,3 +76,39 @@ def send_state(
 def recv_state(pg: Any, src: int, wake: threading.Event, should_abort: AbortCheck, deadline_s: float) -> torch.Tensor:
     """Receive a uint8 tensor from rank ``src`` and verify every chunk's checksum."""
     return run_abortable(lambda: _recv(pg, src), wake, should_abort, deadline_s, f"state transfer from rank {src}")
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What the sync phase did on this rank."""
+
+    role: str
+    """``source``, ``receiver`` or ``none``."""
+    step: int
+    peers: tuple[int, ...]
+    """Receivers (for the source) or the source (for a receiver)."""
+    megabytes: float = 0.0
+    seconds: float = 0.0
+
+
+def sync_state(
+    pg: Any, rank: int, size: int, state: TrainState, wake: threading.Event, abort: AbortCheck, deadline_s: float
+) -> SyncResult:
+    """The sync phase: compare (step, digest) across the group; whoever is behind or
+    different receives the state of the majority at the highest step (`plan_sync`)."""
+    mine = torch.tensor([state.step, digest_prefix(state.digest())], dtype=torch.int64)
+    gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
+    wait_work(pg.allgather([gathered], [mine]), wake, abort, deadline_s, "sync exchange")
+    plan = plan_sync([(int(t[0]), int(t[1])) for t in gathered])
+    start = time.monotonic()
+    if rank == plan.source and plan.receivers:
+        payload = state.to_bytes()
+        for r in plan.receivers:
+            send_state(pg, r, payload, wake, abort, deadline_s)
+        mb = payload.numel() / 1e6
+        return SyncResult("source", plan.step, plan.receivers, mb, time.monotonic() - start)
+    if rank in plan.receivers:
+        payload = recv_state(pg, plan.source, wake, abort, deadline_s)
+        state.load_bytes(payload)
+        return SyncResult("receiver", plan.step, (plan.source,), payload.numel() / 1e6, time.monotonic() - start)
+    return SyncResult("none", plan.step, ())

@@ -16,7 +16,6 @@ A failure order is urgent instead: the step in flight is abandoned at once.
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import logging
@@ -24,7 +23,6 @@ import math
 import os
 import signal
 import socket
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,9 +31,9 @@ from typing import Any
 import torch
 
 from unbroken.comm.codecs import Codec, make_codec
-from unbroken.comm.group import EpochGroup, Graveyard, StoreClient, build_group, wait_until, wait_work
+from unbroken.comm.group import EpochGroup, Graveyard, StoreClient, build_group, wait_until
 from unbroken.comm.reduce import LinkEmulation, Reducer, Wire, Zones
-from unbroken.comm.transfer import recv_state, send_state
+from unbroken.comm.transfer import sync_state
 from unbroken.config import NodeConfig
 from unbroken.control import messages as m
 from unbroken.control.client import ControlClient
@@ -50,22 +48,13 @@ from unbroken.errors import (
 from unbroken.job import Job
 from unbroken.sched.shares import offsets
 from unbroken.state.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
-from unbroken.state.snapshot import TrainState, digest_prefix, fingerprint
+from unbroken.state.snapshot import TrainState, fingerprint
 from unbroken.testing.faults import Fault, FaultPlan
 from unbroken.testing.throttle import parse_throttle
 from unbroken.train.data import DataPlan
-from unbroken.train.device import (
-    Calibration,
-    ComputeReplica,
-    OutOfMemory,
-    SavedBytes,
-    calibrate,
-    describe,
-    microbatch_cap,
-    resolve_device,
-)
+from unbroken.train.device import ComputeReplica, OutOfMemory, resolve_device
+from unbroken.train.measure import Meter
 from unbroken.train.sidecar import Sidecar
-from unbroken.train.sync import plan_sync
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +63,6 @@ LEAVE_GRACE_S = 5.0
 PROGRESS_EVERY_S = 0.05
 PROGRESS_LOG_EVERY_S = 10.0
 VALIDATE_EVERY_S = 0.5
-CALIBRATION_SAMPLES = 8
-RECALIBRATE_AFTER_S = 5.0
 
 
 @dataclass
@@ -109,17 +96,8 @@ class Node:
         self.replica = ComputeReplica(model, self.device)
         self.compute_buffers = list(self.replica.buffers())
         self.throttle = parse_throttle(config.throttle)
-        self._speed_lock = threading.Lock()
-        self.calibration: Calibration | None = None
-        self._mb_cap = 0
-        self._oom_cap = 0
+        self.meter = Meter(job, self.replica, self.throttle, self.name)
         self._used_mb = 0
-        self._measurements = 0
-        self._recent: collections.deque[float] = collections.deque(maxlen=3)
-        self._recalibrated = False
-        self._started_at = time.monotonic()
-        self._last_compute_s = 0.0
-        self._last_comm_s = 0.0
         self._last_validation = 0.0
         self.sidecar: Sidecar | None = None
         self.numel = sum(p.numel() for p in self.params) + sum(b.numel() for b in self.buffers)
@@ -334,53 +312,19 @@ class Node:
         g = self.group
         assert g is not None and g.pg is not None
         abort = functools.partial(self._abort_reason, during_step=False)
-        mine = torch.tensor([self.state.step, digest_prefix(self.state.digest())], dtype=torch.int64)
-        gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(g.size)]
-        wait_work(
-            g.pg.allgather([gathered], [mine]), self.wake, abort, self.config.collective_timeout_s, "sync exchange"
-        )
-        plan = plan_sync([(int(t[0]), int(t[1])) for t in gathered])
-        if not plan.receivers:
-            return
-        deadline = self.config.collective_timeout_s
-        if g.rank == plan.source:
-            start = time.monotonic()
-            payload = self.state.to_bytes()
-            for r in plan.receivers:
-                send_state(g.pg, r, payload, self.wake, abort, deadline)
-            took = time.monotonic() - start
+        r = sync_state(g.pg, g.rank, g.size, self.state, self.wake, abort, self.config.collective_timeout_s)
+        if r.role == "source":
             log.info(
                 "%s: sent state of step %d (%.1f MB) to ranks %s in %.2f s",
-                self.name,
-                plan.step,
-                payload.numel() / 1e6,
-                plan.receivers,
-                took,
-            )
-        elif g.rank in plan.receivers:
-            start = time.monotonic()
-            payload = recv_state(g.pg, plan.source, self.wake, abort, deadline)
-            self.state.load_bytes(payload)
-            took = time.monotonic() - start
-            mb = payload.numel() / 1e6
-            self._log(
-                {
-                    "kind": "sync",
-                    "epoch": g.epoch,
-                    "step": self.state.step,
-                    "from": plan.source,
-                    "mb": mb,
-                    "seconds": took,
-                    "digest": self.state.digest(),
-                }
-            )
+                self.name, r.step, r.megabytes, list(r.peers), r.seconds,
+            )  # fmt: skip
+        elif r.role == "receiver":
+            entry = {"kind": "sync", "epoch": g.epoch, "step": self.state.step, "from": r.peers[0]}
+            self._log(entry | {"mb": r.megabytes, "seconds": r.seconds, "digest": self.state.digest()})
             log.info(
                 "%s: received state of step %d (%.1f MB, %.0f MB/s)",
-                self.name,
-                self.state.step,
-                mb,
-                mb / max(took, 1e-9),
-            )
+                self.name, self.state.step, r.megabytes, r.megabytes / max(r.seconds, 1e-9),
+            )  # fmt: skip
 
     # ---------------------------------------------------------------- steps
 
@@ -414,7 +358,7 @@ class Node:
                 switch = 1.0 if (latest is not None and latest.epoch > g.epoch) or self._leave_sent_at else 0.0
                 flat[self.numel :] = torch.tensor([1.0, float(my_share), switch, loss])
                 entry = {"kind": "contrib", "epoch": g.epoch, "step": step, "rank": g.rank, "indices": indices}
-                self._log(entry | {"role": g.role, "microbatch": self._used_mb, "compute_s": self._last_compute_s})
+                self._log(entry | {"role": g.role, "microbatch": self._used_mb, "compute_s": self.meter.last_compute_s})
                 t_comm = time.monotonic()
                 self.reducer.allreduce(
                     flat,
@@ -425,7 +369,7 @@ class Node:
                     after_post=functools.partial(self.faults.maybe_fire, "allreduce", step),
                     after_exchange_post=functools.partial(self.faults.maybe_fire, "exchange", step),
                 )
-                self._last_comm_s = time.monotonic() - t_comm
+                self.meter.last_comm_s = time.monotonic() - t_comm
                 votes, samples, switched, global_loss = flat[self.numel :].tolist()
                 if round(votes) != g.size or round(samples) != B:
                     raise CollectiveFailed(f"step {step} had {votes:.0f}/{g.size} votes and {samples:.0f}/{B} samples")
@@ -438,7 +382,7 @@ class Node:
             self._apply(flat, before)
             self._committed(g, step, global_loss, B / max(time.monotonic() - t0, 1e-9))
             if my_share:
-                self._maybe_recalibrate()
+                self.meter.maybe_recalibrate(self._copy_model, self.state.step)
             if g.role == "validator":
                 self._maybe_validate()
             if switched > 0 or self.state.step >= self.job.num_steps:
@@ -451,16 +395,16 @@ class Node:
         gradient is the same whatever the micro-batch size.
         """
         while True:
-            mb = planned_mb or self._mb_cap or len(indices) or 1
-            if self._oom_cap:
-                mb = min(mb, self._oom_cap)
+            mb = planned_mb or self.meter.mb_cap or len(indices) or 1
+            if self.meter.oom_cap:
+                mb = min(mb, self.meter.oom_cap)
             self._used_mb = mb if indices else 0
             try:
                 return self._compute_slice(indices, step, mb)
             except OutOfMemory:
                 if mb <= 1:
                     raise
-                self._oom_cap = mb // 2
+                self.meter.oom_cap = mb // 2
                 log.warning("%s: out of device memory at micro-batch %d; retrying at %d", self.name, mb, mb // 2)
                 self._restore_buffers(before)
                 if self.device.type == "cuda":
@@ -488,9 +432,9 @@ class Node:
             self.throttle.stretch(time.perf_counter() - t_mb, step, self.client.touch)
             n_micro += 1
         if indices:
-            self._observe(len(indices), n_micro, time.perf_counter() - start)
+            self.meter.observe(len(indices), n_micro, time.perf_counter() - start)
         else:
-            self._last_compute_s = 0.0
+            self.meter.last_compute_s = 0.0
         return total
 
     def _restore_buffers(self, before: list[torch.Tensor]) -> None:
@@ -502,121 +446,17 @@ class Node:
 
     def _calibrate(self) -> None:
         """Measure compute speed and activation memory before joining (on a model copy)."""
-        dataset = self.job.dataset
-        k = max(4, min(CALIBRATION_SAMPLES, self.job.batch_size, len(dataset)))  # type: ignore[arg-type]
-        probe = self.job.model().to(self.device) if self.replica.separate else None
-        with torch.random.fork_rng(devices=[]):
-            model = probe if probe is not None else self._copy_model()
-            try:
-                self.calibration = self._probe(model, k)
-            except Exception as exc:  # the plan then assumes a median node until steps are measured
-                log.warning("%s: could not measure compute speed before joining: %s", self.name, exc)
-                self.calibration = Calibration(0.0, 0.0, 1, 0)
-        info = describe(self.device)
-        budget = self.config.memory_limit or (
-            int(info.memory_available * 0.9) if self.device.type == "cuda" else int(info.memory_available * 0.5)
-        )
+        model = self.job.model().to(self.device) if self.replica.separate else self._copy_model()
         model_bytes = sum(t.numel() * t.element_size() for t in self.state.model.state_dict().values())
-        self._mb_cap = microbatch_cap(self.calibration, model_bytes, budget, self.config.max_microbatch)
-        cal = self.calibration
-        log.info(
-            "%s: %s (%s): %.3f ms/sample + %.3f ms/micro-batch, %.1f KB activations/sample, micro-batch cap %s%s",
-            self.name, info.kind, info.name, cal.per_sample_s * 1e3, cal.overhead_s * 1e3,
-            cal.activation_bytes_per_sample / 1e3, self._mb_cap or "none",
-            f", throttled to {self.throttle.factor(self.state.step)}" if self.throttle.active else "",
-        )  # fmt: skip
+        self.meter.calibrate(model, model_bytes, self.config.memory_limit, self.config.max_microbatch, self.state.step)
 
     def _copy_model(self) -> torch.nn.Module:
         model = self.job.model()
         model.load_state_dict(self.state.model.state_dict())
         return model
 
-    def _probe(self, model: torch.nn.Module, k: int = CALIBRATION_SAMPLES) -> Calibration:
-        """Time one- and k-sample passes of ``model`` (throttle included) and count activations."""
-        model.train()
-        step = self.state.step
-
-        def batch(n: int) -> Any:
-            return self.replica.to_device(self.job.collate([self.job.dataset[i] for i in range(n)]))
-
-        def run(n: int) -> float:
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            inputs, targets = batch(n)
-            self.job.loss(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
-            self.replica.synchronize()
-            took = time.perf_counter() - start
-            return took + self.throttle.stretch(took, step)
-
-        def saved(n: int) -> int:
-            inputs, targets = batch(n)
-            with SavedBytes() as counter:
-                out = self.job.loss(model(inputs), targets)
-            del out
-            return counter.total
-
-        k = max(4, min(k, len(self.job.dataset)))  # type: ignore[arg-type]
-        return calibrate(run, saved, k)
-
-    def _observe(self, share: int, n_micro: int, seconds: float) -> None:
-        """Fold one step's compute time into the per-sample cost: the median of the last few
-        steps, so one slow step is ignored and a lasting change shows within two steps."""
-        self._last_compute_s = seconds
-        with self._speed_lock:
-            cal = self.calibration
-            if cal is None:
-                return
-            self._recent.append(max(seconds - n_micro * cal.overhead_s, seconds * 0.05) / share)
-            self._measurements += 1
-            self.calibration = Calibration(
-                statistics.median(self._recent),
-                cal.overhead_s,
-                cal.activation_bytes_per_sample,
-                cal.activation_bytes_fixed,
-            )
-
-    def _maybe_recalibrate(self) -> None:
-        """Measure the fixed cost per micro-batch again once start-up is over: processes that
-        start together on one machine disturb each other's first measurement."""
-        if self._recalibrated or time.monotonic() - self._started_at < RECALIBRATE_AFTER_S:
-            return
-        self._recalibrated = True
-        with torch.random.fork_rng(devices=[]):
-            try:
-                cal = self._probe(self._copy_model())
-            except Exception as exc:  # keep the start-up figures
-                log.warning("%s: could not re-measure compute speed: %s", self.name, exc)
-                return
-        with self._speed_lock:
-            self.calibration = cal
-            self._recent.clear()
-        log.info(
-            "%s: re-measured %.3f ms/sample + %.3f ms/micro-batch",
-            self.name, cal.per_sample_s * 1e3, cal.overhead_s * 1e3,
-        )  # fmt: skip
-
-    def _probed(self, cal: Calibration) -> None:
-        with self._speed_lock:
-            self.calibration = cal
-            self._measurements += 1
-
     def _capabilities(self) -> m.Capabilities:
-        info = describe(self.device)
-        with self._speed_lock:
-            cal = self.calibration
-        return m.Capabilities(
-            device=info.kind,
-            device_name=info.name[:256],
-            memory_total=info.memory_total,
-            memory_used=info.memory_used,
-            per_sample_s=min(cal.per_sample_s, 1e6) if cal else 0.0,
-            overhead_s=min(cal.overhead_s, 1e6) if cal else 0.0,
-            measurements=self._measurements,
-            max_microbatch=self._oom_cap if self._oom_cap and self._mb_cap >= 0 else self._mb_cap,
-            comm_s=min(self._last_comm_s, 1e6),
-            rtt_s=min(self.client.rtt_s, 1e6),
-            throttle=self.throttle.factor(self.state.step),
-        )
+        return self.meter.capabilities(self.client.rtt_s, self.state.step)
 
     # ---------------------------------------------------------------- roles
 
@@ -631,8 +471,8 @@ class Node:
                 self.job,
                 self.name,
                 self.device,
-                self._probe,
-                self._probed,
+                lambda model: self.meter.probe(model, self.state.step),
+                self.meter.probed,
                 self._validated,
                 lambda: self.throttle.factor(self.state.step),
             )
@@ -724,7 +564,7 @@ class Node:
                     wall_time=time.time(),
                     first_in_epoch=self._first_in_epoch,
                     samples_per_s=sps,
-                    compute_s=min(self._last_compute_s, 1e6),
+                    compute_s=min(self.meter.last_compute_s, 1e6),
                     bytes_intra=self.wire.intra,
                     bytes_inter=self.wire.inter,
                     capabilities=self._capabilities(),

@@ -1,0 +1,161 @@
+"""What a node knows of its own speed and memory, for the coordinator's plan.
+
+Calibrated before joining (on a model copy: one small and one larger forward/backward,
+activation bytes counted), measured again once start-up is over (processes starting
+together on one machine disturb each other's first measurement), then followed step by
+step: the per-sample cost is the median of the last three steps, so one slow step is
+ignored and a lasting change shows within two. A member without a share keeps it fresh
+with probes from its sidecar thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from unbroken.control import messages as m
+from unbroken.job import Job
+from unbroken.testing.throttle import Throttle
+from unbroken.train.device import Calibration, ComputeReplica, SavedBytes, calibrate, describe, microbatch_cap
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_SAMPLES = 8
+RECALIBRATE_AFTER_S = 5.0
+RECENT_STEPS = 3
+
+
+class Meter:
+    """A node's compute cost model and memory cap; shared by the step loop and the sidecar."""
+
+    def __init__(self, job: Job, replica: ComputeReplica, throttle: Throttle, name: str) -> None:
+        self.job = job
+        self.replica = replica
+        self.throttle = throttle
+        self.name = name
+        self.calibration: Calibration | None = None
+        self.mb_cap = 0
+        """Largest micro-batch memory allows (0: no limit; -1: not one sample)."""
+        self.oom_cap = 0
+        """A lower cap learnt from an out-of-memory error (0: none)."""
+        self.last_compute_s = 0.0
+        self.last_comm_s = 0.0
+        self.measurements = 0
+        self._recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
+        self._lock = threading.Lock()
+        self._recalibrated = False
+        self._started_at = time.monotonic()
+
+    def calibrate(self, model: torch.nn.Module, model_bytes: int, memory_limit: int, user_cap: int, step: int) -> None:
+        """Measure speed and activation memory before joining; set the micro-batch cap."""
+        k = max(4, min(CALIBRATION_SAMPLES, self.job.batch_size, len(self.job.dataset)))  # type: ignore[arg-type]
+        with torch.random.fork_rng(devices=[]):
+            try:
+                self.calibration = self.probe(model, step, k)
+            except Exception as exc:  # the plan then assumes a median node until steps are measured
+                log.warning("%s: could not measure compute speed before joining: %s", self.name, exc)
+                self.calibration = Calibration(0.0, 0.0, 1, 0)
+        info = describe(self.replica.device)
+        fraction = 0.9 if self.replica.device.type == "cuda" else 0.5
+        budget = memory_limit or int(info.memory_available * fraction)
+        self.mb_cap = microbatch_cap(self.calibration, model_bytes, budget, user_cap)
+        cal = self.calibration
+        log.info(
+            "%s: %s (%s): %.3f ms/sample + %.3f ms/micro-batch, %.1f KB activations/sample, micro-batch cap %s%s",
+            self.name, info.kind, info.name, cal.per_sample_s * 1e3, cal.overhead_s * 1e3,
+            cal.activation_bytes_per_sample / 1e3, self.mb_cap or "none",
+            f", throttled to {self.throttle.factor(step)}" if self.throttle.active else "",
+        )  # fmt: skip
+
+    def probe(self, model: torch.nn.Module, step: int, k: int = CALIBRATION_SAMPLES) -> Calibration:
+        """Time two- and k-sample passes of ``model`` (throttle included) and count activations."""
+        model.train()
+        job, replica = self.job, self.replica
+
+        def batch(n: int) -> Any:
+            return replica.to_device(job.collate([job.dataset[i] for i in range(n)]))
+
+        def run(n: int) -> float:
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            inputs, targets = batch(n)
+            job.loss(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
+            replica.synchronize()
+            took = time.perf_counter() - start
+            return took + self.throttle.stretch(took, step)
+
+        def saved(n: int) -> int:
+            inputs, targets = batch(n)
+            with SavedBytes() as counter:
+                out = job.loss(model(inputs), targets)
+            del out
+            return counter.total
+
+        return calibrate(run, saved, max(4, min(k, len(job.dataset))))  # type: ignore[arg-type]
+
+    def observe(self, share: int, n_micro: int, seconds: float) -> None:
+        """Fold one step's compute time into the per-sample cost."""
+        self.last_compute_s = seconds
+        with self._lock:
+            cal = self.calibration
+            if cal is None:
+                return
+            self._recent.append(max(seconds - n_micro * cal.overhead_s, seconds * 0.05) / share)
+            self.measurements += 1
+            self.calibration = Calibration(
+                statistics.median(self._recent),
+                cal.overhead_s,
+                cal.activation_bytes_per_sample,
+                cal.activation_bytes_fixed,
+            )
+
+    def probed(self, cal: Calibration) -> None:
+        """A probe's result (from the sidecar thread)."""
+        with self._lock:
+            self.calibration = cal
+            self.measurements += 1
+
+    def maybe_recalibrate(self, copy_model: Callable[[], torch.nn.Module], step: int) -> None:
+        """Measure the fixed cost per micro-batch again, once, when start-up is over."""
+        if self._recalibrated or time.monotonic() - self._started_at < RECALIBRATE_AFTER_S:
+            return
+        self._recalibrated = True
+        with torch.random.fork_rng(devices=[]):
+            try:
+                cal = self.probe(copy_model(), step)
+            except Exception as exc:  # keep the start-up figures
+                log.warning("%s: could not re-measure compute speed: %s", self.name, exc)
+                return
+        with self._lock:
+            self.calibration = cal
+            self._recent.clear()
+        log.info(
+            "%s: re-measured %.3f ms/sample + %.3f ms/micro-batch",
+            self.name, cal.per_sample_s * 1e3, cal.overhead_s * 1e3,
+        )  # fmt: skip
+
+    def capabilities(self, rtt_s: float, step: int) -> m.Capabilities:
+        info = describe(self.replica.device)
+        with self._lock:
+            cal = self.calibration
+            measurements = self.measurements
+        return m.Capabilities(
+            device=info.kind,
+            device_name=info.name[:256],
+            memory_total=info.memory_total,
+            memory_used=info.memory_used,
+            per_sample_s=min(cal.per_sample_s, 1e6) if cal else 0.0,
+            overhead_s=min(cal.overhead_s, 1e6) if cal else 0.0,
+            measurements=measurements,
+            max_microbatch=self.oom_cap if self.oom_cap and self.mb_cap >= 0 else self.mb_cap,
+            comm_s=min(self.last_comm_s, 1e6),
+            rtt_s=min(rtt_s, 1e6),
+            throttle=self.throttle.factor(step),
+        )
