@@ -8,6 +8,7 @@ promises and README.md for the quick start.
 from unbroken.config import CoordinatorConfig, NodeConfig
 from unbroken.control.coordinator import Coordinator
 from unbroken.errors import (
+    BadContribution,
     CollectiveFailed,
     ConfigError,
     CoordinatorUnreachable,
@@ -23,6 +24,7 @@ from unbroken.job import Job, load_job
 from unbroken.train.runtime import Node, NodeResult, run_node
 
 __all__ = [
+    "BadContribution",
     "CollectiveFailed",
     "ConfigError",
     "Coordinator",

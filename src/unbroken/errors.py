@@ -11,6 +11,7 @@
      ├── EpochAborted                  the current epoch ended under us; form the next one
      │    └── Expelled                 the coordinator expelled this node (lease lost)
      ├── CollectiveFailed              a data-plane collective failed or ran past its deadline
+     │    └── BadContribution          a member's gradient was non-finite or far out of range
      └── TransferError                 a state transfer was corrupt or incomplete
 """
 
@@ -51,6 +52,14 @@ class Expelled(EpochAborted):
 
 class CollectiveFailed(UnbrokenError):
     """A collective on the data plane failed (peer gone) or ran past its deadline."""
+
+
+class BadContribution(CollectiveFailed):
+    """A member contributed a non-finite or outlying gradient: the step is not applied."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(reason)
+        self.rank = rank
 
 
 class TransferError(UnbrokenError):

@@ -209,6 +209,8 @@ class Coordinator:
                     "capabilities": mem.caps.model_dump(),
                     "validation": mem.validation,
                     "zone": mem.zone or "default",
+                    "refused_gradients": mem.flags,
+                    "quarantined": mem.quarantined,
                     "bytes_sent": {"intra_zone": mem.bytes_intra, "inter_zone": mem.bytes_inter},
                     "last_seen_s": round(now - mem.last_seen, 3),
                 }
@@ -343,7 +345,7 @@ class Coordinator:
             if msg.first_in_epoch:
                 self._close_recoveries(msg.epoch, msg.step, msg.wall_time)
         elif isinstance(msg, m.Fault):
-            self._apply(ms.fault(mid, msg.epoch, msg.reason, now))
+            self._apply(ms.fault(mid, msg.epoch, msg.reason, now, culprit=msg.culprit))
         elif isinstance(msg, m.Leave):
             self._apply(ms.leave(mid, now, msg.reason))
         elif isinstance(msg, m.Done):

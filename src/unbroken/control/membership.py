@@ -42,6 +42,10 @@ SETTLED_AFTER = 3
 """Steps or probes a node must have measured before the plan moves it out of training."""
 WINDOW = 8
 """Recent step times kept per member for straggler detection."""
+BENCH_S = 30.0
+"""A member whose gradient was refused does not train for this long."""
+QUARANTINE_AFTER = 3
+"""...and after this many refusals it is quarantined: out of every epoch while connected."""
 
 
 class MemberState(str, enum.Enum):
@@ -70,10 +74,14 @@ class Member:
     compute_times: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     validation: dict[str, float] | None = None
     zone: str = ""
+    flags: int = 0
+    """Times its gradient was refused."""
+    benched_until: float = 0.0
+    quarantined: bool = False
     bytes_intra: int = 0
     bytes_inter: int = 0
 
-    def profile(self) -> Profile:
+    def profile(self, now: float = 0.0) -> Profile:
         c = self.caps
         return Profile(
             self.name,
@@ -83,6 +91,7 @@ class Member:
             self.weight,
             self.preference,
             self.evaluates,
+            benched=now < self.benched_until,
             settled=c.measurements >= SETTLED_AFTER,
         )
 
@@ -157,6 +166,7 @@ class Membership:
         self._next_rebalance = now
         self._vacated = 0
         self._stragglers: set[str] = set()
+        self._refused: set[tuple[int, str]] = set()
         self.members: dict[str, Member] = {}
         self.epoch = 0
         self._epoch_floor = 0
@@ -320,10 +330,27 @@ class Membership:
         )
         return d
 
-    def fault(self, member_id: str, epoch: int, reason: str, now: float) -> Decision:
-        """A member saw a collective fail. Re-form the epoch unless it already changed."""
+    def fault(self, member_id: str, epoch: int, reason: str, now: float, culprit: str | None = None) -> Decision:
+        """A member saw a collective fail, or refused a bad contribution (``culprit``).
+        Re-form the epoch unless it already changed; a culprit is benched, and quarantined
+        when it offends again and again."""
         d = Decision()
         if epoch != self.epoch or member_id not in self.members:
+            return d
+        c = self.members.get(culprit) if culprit is not None else None
+        if c is not None and (epoch, c.member_id) not in self._refused:
+            self._refused.add((epoch, c.member_id))
+            c.flags += 1
+            c.benched_until = now + BENCH_S
+            d.events.append(self._event(now, "bad-gradient", c.member_id, f"{c.name} (refusal {c.flags}): {reason}"))
+            if c.flags >= QUARANTINE_AFTER and not c.quarantined:
+                c.quarantined = True
+                d.events.append(
+                    self._event(
+                        now, "quarantine", c.member_id, f"{c.name}: {c.flags} refused gradients; out of training"
+                    )
+                )
+            self._want_epoch(now, urgent=True, reason=f"bad gradient from {c.name}", delay=0.0)
             return d
         m = self.members[member_id]
         d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason}"))
@@ -384,7 +411,7 @@ class Membership:
             return d
         if any(len(m.compute_times) < PLAN_DWELL_STEPS for m in trainers):
             return d
-        better = rebalance(self.batch_size, self.shares, [m.profile() for m in live])
+        better = rebalance(self.batch_size, self.shares, [m.profile(now) for m in live])
         if better is not None:
             self._want_epoch(now, urgent=False, reason=better[1], delay=0.0)
         return d
@@ -444,7 +471,7 @@ class Membership:
         if self.batch_size is None:
             self.plan, self.shares = None, [0] * len(members)
             return events
-        p = plan(self.batch_size, [m.profile() for m in members], balance=self.balance, spares_wanted=self._vacated)
+        p = plan(self.batch_size, [m.profile(now) for m in members], balance=self.balance, spares_wanted=self._vacated)
         self.plan, self.shares = p, list(p.shares)
         self._planned_at = now
         self._planned_times = {m.member_id: m.profile().time_for(s) for m, s in zip(members, p.shares, strict=True)}
@@ -463,9 +490,17 @@ class Membership:
     def _form_epoch(self, now: float, urgent: bool, reason: str) -> Decision:
         d = Decision()
         self._pending_due, self._pending_urgent, self._pending_reason = None, False, ""
-        keep = [m for m in self.epoch_members if m in self.members and self.members[m].state != MemberState.LEAVING]
+        keep = [
+            m
+            for m in self.epoch_members
+            if m in self.members and self.members[m].state != MemberState.LEAVING and not self.members[m].quarantined
+        ]
         new = sorted(
-            (m for m in self.members.values() if m.member_id not in keep and m.state == MemberState.JOINING),
+            (
+                m
+                for m in self.members.values()
+                if m.member_id not in keep and m.state == MemberState.JOINING and not m.quarantined
+            ),
             key=lambda m: (m.joined_at, m.member_id),
         )
         order = keep + [m.member_id for m in new]

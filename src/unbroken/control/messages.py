@@ -133,6 +133,8 @@ class Fault(_Msg):
     type: Literal["fault"] = "fault"
     epoch: EpochNo
     reason: Annotated[str, Field(max_length=2000)]
+    culprit: Name | None = None
+    """The member whose contribution was refused (a bad gradient), when the fault is one."""
 
 
 class Leave(_Msg):

@@ -71,6 +71,8 @@ class Profile:
     preference: Preference = Preference.AUTO
     evaluates: bool = False
     """The job has an evaluation function this node can run."""
+    benched: bool = False
+    """Its gradient was refused recently (non-finite or far out of range): it does not train."""
     settled: bool = True
     """Its speed comes from real steps or probes, not only the start-up estimate (which other
     processes starting on the same machine disturb): only settled nodes are moved out of
@@ -183,11 +185,15 @@ def plan(
     ps = _filled(profiles)
     reasons = [""] * len(ps)
     candidates = []
-    spares = [i for i, p in enumerate(ps) if p.preference is Preference.STANDBY and p.max_microbatch >= 0]
+    spares = [
+        i for i, p in enumerate(ps) if p.preference is Preference.STANDBY and p.max_microbatch >= 0 and not p.benched
+    ]
     promoted = set(spares[:spares_wanted])
     for i, p in enumerate(ps):
         if p.max_microbatch < 0:
             reasons[i] = "not even one sample fits in its memory"
+        elif p.benched:
+            reasons[i] = "benched: its gradient was refused"
         elif p.preference is Preference.VALIDATOR:
             reasons[i] = "asked to validate (--role validator)"
         elif p.preference is Preference.STANDBY and i not in promoted:
@@ -198,7 +204,7 @@ def plan(
                 reasons[i] = "hot spare promoted: a trainer failed or left"
     if not candidates:
         # Never stop while a node lives: the most capable node trains whatever it was asked.
-        able = [i for i, p in enumerate(ps) if p.max_microbatch >= 0] or list(range(len(ps)))
+        able = [i for i, p in enumerate(ps) if p.max_microbatch >= 0 and not p.benched] or list(range(len(ps)))
         first = min(able, key=lambda i: (ps[i].time_for(batch_size), i))
         candidates = [first]
         reasons[first] = "the only node able to train"

@@ -23,7 +23,11 @@ SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTER
 HANG = "hang"
 """Not a signal: the step loop blocks forever while the rest of the process (its control
 session, its heartbeats) stays alive — a stuck data read or a hung kernel."""
-PHASES = ("compute", "allreduce", "exchange")
+CORRUPT = {"nan": float("nan"), "spike": 1e6}
+"""Not signals: the node's gradient of that step is poisoned (``nan``: every element NaN;
+``spike``: multiplied by a million) after its backward pass — a faulty device or a bad
+batch. Use PHASE ``grad``."""
+PHASES = ("compute", "allreduce", "exchange", "grad")
 
 
 @dataclass(frozen=True)
@@ -38,9 +42,11 @@ def parse_faults(spec: str) -> list[Fault]:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         sig, _, rest = part.partition("@")
         phase, _, step = rest.partition(":")
-        if (sig not in SIGNALS and sig != HANG) or phase not in PHASES or not (step.isascii() and step.isdigit()):
+        known = sig in SIGNALS or sig == HANG or (sig in CORRUPT and phase == "grad")
+        if not known or phase not in PHASES or not (step.isascii() and step.isdigit()):
             raise ConfigError(
                 f"fault {part!r} is not SIGNAL@PHASE:STEP with SIGNAL in {sorted([*SIGNALS, HANG])} "
+                f"(or nan@grad:STEP / spike@grad:STEP) "
                 f"and PHASE in {list(PHASES)} (e.g. kill@allreduce:12)"
             )
         out.append(Fault(sig, phase, int(step)))
@@ -51,6 +57,15 @@ class FaultPlan:
     def __init__(self, faults: list[Fault], record: Callable[[dict[str, object]], None]) -> None:
         self._pending = list(faults)
         self._record = record
+
+    def corruption(self, step: int) -> float | None:
+        """The poison for this step's gradient (``nan@grad``, ``spike@grad``), if any; fires once."""
+        for f in self._pending:
+            if f.phase == "grad" and f.step == step:
+                self._pending.remove(f)
+                self._record({"kind": "fault", "signal": f.signal, "phase": "grad", "step": step, "pid": os.getpid()})
+                return CORRUPT[f.signal]
+        return None
 
     def maybe_fire(self, phase: str, step: int) -> None:
         for f in self._pending:

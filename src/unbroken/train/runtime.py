@@ -38,6 +38,7 @@ from unbroken.config import NodeConfig
 from unbroken.control import messages as m
 from unbroken.control.client import ControlClient
 from unbroken.errors import (
+    BadContribution,
     CollectiveFailed,
     CoordinatorUnreachable,
     EpochAborted,
@@ -53,12 +54,13 @@ from unbroken.testing.faults import Fault, FaultPlan
 from unbroken.testing.throttle import parse_throttle
 from unbroken.train.data import DataPlan
 from unbroken.train.device import ComputeReplica, OutOfMemory, resolve_device
+from unbroken.train.guard import judge
 from unbroken.train.measure import Meter
 from unbroken.train.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
 
-_EXTRA = 4  # vote, samples, switch, loss
+_EXTRA = 4  # vote, samples, switch, loss; then one gradient-norm slot per member
 LEAVE_GRACE_S = 5.0
 PROGRESS_EVERY_S = 0.05
 PROGRESS_LOG_EVERY_S = 10.0
@@ -174,7 +176,9 @@ class Node:
                 self._abandon()
             except (CollectiveFailed, TransferError) as exc:
                 log.warning("%s: epoch %d: %s", self.name, order.epoch, exc)
-                self.client.send(m.Fault(epoch=order.epoch, reason=str(exc)[:2000]))
+                culprit = order.members[exc.rank] if isinstance(exc, BadContribution) else None
+                self._log({"kind": "refused", "step": self.state.step, "culprit": culprit, "reason": str(exc)})
+                self.client.send(m.Fault(epoch=order.epoch, reason=str(exc)[:2000], culprit=culprit))
                 self._abandon()
 
     def _next_order(self) -> m.EpochOrder | NodeResult:
@@ -333,7 +337,8 @@ class Node:
         assert g is not None and g.pg is not None
         B = self.job.batch_size
         my_offset, my_share = offsets(g.shares)[g.rank], g.shares[g.rank]
-        flat = torch.zeros(self.numel + _EXTRA, dtype=torch.float32)
+        flat = torch.zeros(self.numel + _EXTRA + g.size, dtype=torch.float32)
+        norms_at = self.numel + _EXTRA
         in_step = functools.partial(self._abort_reason, during_step=True)
         while self.state.step < self.job.num_steps:
             step = self.state.step
@@ -354,9 +359,14 @@ class Node:
                 if reason is not None:
                     raise EpochAborted(reason)
                 self._flatten(flat, before, my_share / B, g.size)
+                poison = self.faults.corruption(step)
+                if poison is not None:
+                    flat[: self.compressed_numel] *= poison
                 latest = self.client.latest_order()
                 switch = 1.0 if (latest is not None and latest.epoch > g.epoch) or self._leave_sent_at else 0.0
-                flat[self.numel :] = torch.tensor([1.0, float(my_share), switch, loss])
+                flat[self.numel : norms_at] = torch.tensor([1.0, float(my_share), switch, loss])
+                flat[norms_at:] = 0.0
+                flat[norms_at + g.rank] = torch.linalg.vector_norm(flat[: self.compressed_numel])
                 entry = {"kind": "contrib", "epoch": g.epoch, "step": step, "rank": g.rank, "indices": indices}
                 self._log(entry | {"role": g.role, "microbatch": self._used_mb, "compute_s": self.meter.last_compute_s})
                 t_comm = time.monotonic()
@@ -370,9 +380,13 @@ class Node:
                     after_exchange_post=functools.partial(self.faults.maybe_fire, "exchange", step),
                 )
                 self.meter.last_comm_s = time.monotonic() - t_comm
-                votes, samples, switched, global_loss = flat[self.numel :].tolist()
+                votes, samples, switched, global_loss = flat[self.numel : norms_at].tolist()
                 if round(votes) != g.size or round(samples) != B:
                     raise CollectiveFailed(f"step {step} had {votes:.0f}/{g.size} votes and {samples:.0f}/{B} samples")
+                verdict = judge(flat[norms_at:].tolist(), g.shares, B)
+                if verdict is not None:
+                    culprit, why = verdict
+                    raise BadContribution(culprit, f"step {step}: refused the contribution of rank {culprit}: {why}")
                 self._fence()
             except BaseException:
                 # The step is not applied: undo what its forward passes did to the buffers,

@@ -513,3 +513,36 @@ def test_a_validation_report_from_an_unknown_member_is_ignored() -> None:
     ms, _ = form({"a": FAST}, batch_size=10)
     d = ms.validation("ghost", 1, {"val_loss": 1.0}, 0.1, 1.0)
     assert d.events == [] and d.orders == {}
+
+
+def test_a_refused_gradient_benches_its_member_and_repeat_offenders_are_quarantined() -> None:
+    from unbroken.control.membership import BENCH_S, QUARANTINE_AFTER
+
+    ms = Membership(lease_s=LEASE, now=0.0)
+    for mid in ("a", "b", "c"):
+        ms.admit(hello(mid, 30), 0.0)
+    order = only_order(ms.tick(JOIN_SETTLE_S))
+    t = JOIN_SETTLE_S
+    for offence in range(1, QUARANTINE_AFTER + 1):
+        for reporter in ("a", "b"):  # every member reports the same culprit: counted once
+            d = ms.fault(reporter, ms.epoch, "refused: not finite", t, culprit="c")
+            ms.heartbeat("a", 0, t), ms.heartbeat("b", 0, t), ms.heartbeat("c", 0, t)
+            if reporter == "a":
+                (ev,) = events(d, "bad-gradient")
+                assert ev.member == "c" and f"refusal {offence}" in ev.reason
+        order = only_order(ms.tick(t))
+        assert order.urgent
+        if offence < QUARANTINE_AFTER:
+            assert order.members[-1].startswith("c") and order.shares[-1] == 0, order
+            assert ms.members["c"].role is not Role.TRAINER
+        t += 0.1
+    assert "c" not in order.members, "a quarantined member is out of every epoch"
+    assert ms.members["c"].quarantined
+    # A benched (not quarantined) member trains again once its time is over.
+    ms2 = Membership(lease_s=LEASE, now=0.0)
+    for mid in ("a", "b", "c"):
+        ms2.admit(hello(mid, 30), 0.0)
+    ms2.tick(JOIN_SETTLE_S)
+    ms2.fault("a", ms2.epoch, "refused", 1.0, culprit="c")
+    assert only_order(ms2.tick(1.0)).shares[2] == 0
+    assert ms2.members["c"].profile(1.0 + BENCH_S + 1).benched is False

@@ -1,0 +1,42 @@
+"""judge: which contribution of a step is refused, the same verdict on every member."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from unbroken.train.guard import OUTLIER_RATIO, judge
+
+
+def test_healthy_contributions_pass() -> None:
+    assert judge([1.0, 1.1, 0.9, 0.0], [10, 10, 10, 0], 30) is None
+
+
+def test_a_non_finite_norm_is_refused_whoever_sent_it() -> None:
+    assert judge([1.0, math.nan, 1.0], [10, 10, 10], 30) == (1, "its gradient is not finite (norm nan)")
+    rank, why = judge([math.inf, 1.0], [15, 15], 30)  # type: ignore[misc]
+    assert rank == 0 and "not finite" in why
+
+
+def test_a_member_without_a_share_must_send_nothing() -> None:
+    rank, why = judge([1.0, 1.0, 0.5], [15, 15, 0], 30)  # type: ignore[misc]
+    assert rank == 2 and "without a share" in why
+
+
+def test_an_outlier_is_judged_per_sample_against_the_others() -> None:
+    # rank 2 computes a third of the samples of the others: its norm is a third, not an outlier.
+    assert judge([1.0, 1.0, 0.34], [30, 30, 10], 70) is None
+    rank, why = judge([1.0, 1.0, 1e6], [10, 10, 10], 30)  # type: ignore[misc]
+    assert rank == 2 and "x the median of the other trainers" in why
+
+
+def test_outliers_need_enough_peers_to_judge() -> None:
+    assert judge([1.0, 1e6], [15, 15], 30) is None  # two trainers: which one is wrong?
+
+
+@given(st.lists(st.floats(min_value=0.01, max_value=100.0), min_size=3, max_size=8))
+def test_norms_within_the_ratio_are_never_refused(norms: list[float]) -> None:
+    if max(norms) <= OUTLIER_RATIO * min(norms):
+        assert judge(norms, [5] * len(norms), 5 * len(norms)) is None
