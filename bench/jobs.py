@@ -17,6 +17,11 @@ and the DDP baseline passes to every rank, so both sides build the very same `Jo
 ``UB_BENCH_SAMPLE_MS`` a sleep per sample in each forward pass (default 0): a compute cost
                       proportional to the share that does not load the CPU (bench/hetero.py)
 
+``heldout`` and ``heldout_loss`` give a held-out set from the same distribution (the same
+label projection, fresh inputs) and the cross-entropy of a trained model on it; the bench
+computes it from a node's ``--final-state`` (the jobs themselves carry no ``evaluate``, so
+that no node takes a validator role).
+
 ``python bench/jobs.py`` prints the parameter counts.
 """
 
@@ -67,6 +72,24 @@ def dataset(kind: str, num_samples: int) -> TensorDataset:
     x = torch.randn(num_samples, d_in, generator=g)
     y = (x @ torch.randn(d_in, d_out, generator=g)).argmax(1)
     return TensorDataset(x, y)
+
+
+def heldout(kind: str, num_samples: int = 4096, size: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """``size`` held-out samples labelled like ``dataset(kind, num_samples)``: the generator
+    is replayed past the training inputs and the projection, then draws fresh inputs."""
+    d_in, _, d_out = SHAPES[kind]
+    g = torch.Generator().manual_seed(1234)
+    torch.randn(num_samples, d_in, generator=g)  # the training inputs
+    w = torch.randn(d_in, d_out, generator=g)
+    x = torch.randn(size, d_in, generator=g)
+    return x, (x @ w).argmax(1)
+
+
+def heldout_loss(kind: str, model: MLP, num_samples: int = 4096, size: int = 2048) -> float:
+    """Mean cross-entropy of ``model`` on `heldout` (no forward sleeps)."""
+    x, y = heldout(kind, num_samples, size)
+    with torch.no_grad():
+        return float(F.cross_entropy(model.net(x), y).item())
 
 
 def _optimizer(name: str):  # type: ignore[no-untyped-def]

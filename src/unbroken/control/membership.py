@@ -38,6 +38,8 @@ PLAN_DWELL_STEPS = 3
 """...and until every trainer has reported this many step times under it."""
 REBALANCE_EVERY_S = 0.25
 """How often the coordinator reconsiders the plan (the cost model is not free)."""
+REBALANCE_PERSIST_S = 0.5
+"""A better plan must stay better for this long before it replaces the current one."""
 SETTLED_AFTER = 3
 """Steps or probes a node must have measured before the plan moves it out of training."""
 WINDOW = 8
@@ -167,6 +169,7 @@ class Membership:
         self._vacated = 0
         self._stragglers: set[str] = set()
         self._refused: set[tuple[int, str]] = set()
+        self._better_since: float | None = None
         self.members: dict[str, Member] = {}
         self.epoch = 0
         self._epoch_floor = 0
@@ -412,7 +415,12 @@ class Membership:
         if any(len(m.compute_times) < PLAN_DWELL_STEPS for m in trainers):
             return d
         better = rebalance(self.batch_size, self.shares, [m.profile(now) for m in live])
-        if better is not None:
+        if better is None:
+            self._better_since = None
+        elif self._better_since is None:
+            self._better_since = now  # a passing disturbance (a process starting) must not move shares
+        elif now - self._better_since >= REBALANCE_PERSIST_S:
+            self._better_since = None
             self._want_epoch(now, urgent=False, reason=better[1], delay=0.0)
         return d
 
@@ -474,6 +482,7 @@ class Membership:
         p = plan(self.batch_size, [m.profile(now) for m in members], balance=self.balance, spares_wanted=self._vacated)
         self.plan, self.shares = p, list(p.shares)
         self._planned_at = now
+        self._better_since = None
         self._planned_times = {m.member_id: m.profile().time_for(s) for m, s in zip(members, p.shares, strict=True)}
         self._vacated = 0
         self._stragglers.clear()
