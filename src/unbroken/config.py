@@ -56,6 +56,8 @@ class CoordinatorConfig:
 
     codec: str = "none"
     """Codec of the inter-zone hop: none, fp16, bf16, int8, topk or topk:RATIO."""
+    token: str | None = field(default=None, repr=False)
+    """The job's secret: nodes must prove they hold it to join (none: anyone may join)."""
 
     def __post_init__(self) -> None:
         from unbroken.comm.codecs import make_codec
@@ -122,6 +124,8 @@ class NodeConfig:
     """Save the final model state here when the job finishes."""
     gloo_host: str | None = None
     """Address peers use to reach this node's gloo endpoint (default: this host's name)."""
+    token: str | None = field(default=None, repr=False)
+    """The job's secret, proven to the coordinator (which proves it back) without sending it."""
 
     def __post_init__(self) -> None:
         if not self.coordinators:

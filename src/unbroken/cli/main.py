@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from unbroken.config import ENV_COORDINATOR, CoordinatorConfig, NodeConfig, parse_address
+from unbroken.control.auth import ENV_TOKEN, load_token
 from unbroken.errors import ConfigError, UnbrokenError
 
 READY_PREFIX = "UNBROKEN_COORDINATOR_READY"
@@ -34,6 +35,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         event_log=Path(args.event_log) if args.event_log else None,
         balance=args.balance == "throughput",
         codec=args.codec,
+        token=load_token(args.token, args.token_file),
     )
     coord = Coordinator(config)
 
@@ -87,6 +89,7 @@ def _node(args: argparse.Namespace) -> int:
         role=args.role,
         throttle=args.throttle or "",
         zone=args.zone or "",
+        token=load_token(args.token, args.token_file),
         link_latency_ms=args.link_latency_ms,
         link_mbit=args.link_mbit,
     )
@@ -104,6 +107,11 @@ def _node(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _token_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token", help=f"the job's secret (visible in `ps`: prefer --token-file or ${ENV_TOKEN})")
+    p.add_argument("--token-file", help="read the job's secret from this file")
 
 
 def _bytes(text: str) -> int:
@@ -146,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="split the batch by measured throughput and memory (rebalancing live), or by the nodes' --weight",
     )
     c.add_argument("--codec", default="none", help="inter-zone codec: none, fp16, bf16, int8, topk[:RATIO]")
+    _token_args(c)
     c.set_defaults(func=_coordinator)
 
     n = sub.add_parser("node", help="run one training node", formatter_class=fmt)
@@ -175,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--commit-log", help="append commits, contributions and syncs here (JSON lines)")
     n.add_argument("--final-state", help="save the final state here")
     n.add_argument("--gloo-host", help="address peers use for this node's data plane")
+    _token_args(n)
     n.add_argument("--fault", help="testing aid: SIGNAL@PHASE:STEP[,...], e.g. kill@allreduce:12")
     n.set_defaults(func=_node)
 

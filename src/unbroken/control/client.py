@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import aiohttp
 from pydantic import BaseModel
 
+from unbroken.control import auth
 from unbroken.control import messages as m
 from unbroken.errors import CoordinatorUnreachable, JoinRefused, ProtocolError
 
@@ -45,9 +46,11 @@ class ControlClient:
         connect_timeout_s: float,
         wake: threading.Event,
         stall_timeout_s: float = 300.0,
+        token: str | None = None,
     ) -> None:
         self.addresses = list(addresses)
         self._hello = hello
+        self._token = token
         self.name = name
         self.connect_timeout_s = connect_timeout_s
         self.wake = wake
@@ -190,6 +193,12 @@ class ControlClient:
             f"({why}); check the address and that `unbroken coordinator` is running there"
         )
 
+    async def _receive(self, ws: aiohttp.ClientWebSocketResponse, doing: str) -> m.CoordinatorMessage:
+        first = await asyncio.wait_for(ws.receive(), timeout=10)
+        if first.type != aiohttp.WSMsgType.TEXT:
+            raise ProtocolError(f"coordinator closed the session before {doing} ({first.type.name})")
+        return m.parse_coordinator_message(first.data)
+
     async def _session(self, http: aiohttp.ClientSession, host: str, port: int, run_id: int) -> None:
         url = f"http://{host}:{port}/ws"
         connect = asyncio.wait_for(
@@ -199,12 +208,27 @@ class ControlClient:
         async with await connect as ws:
             if self._stale(run_id):
                 return
+            challenge = await self._receive(ws, "challenging")
+            if not isinstance(challenge, m.Challenge):
+                raise ProtocolError(f"expected a challenge from the coordinator, got {challenge.type}")
+            if challenge.auth and self._token is None:
+                raise JoinRefused(
+                    f"coordinator at {host}:{port} requires the job token: pass --token, --token-file "
+                    f"or set ${auth.ENV_TOKEN}"
+                )
+            if self._token is not None and not challenge.auth:
+                raise JoinRefused(
+                    f"coordinator at {host}:{port} does not ask for a token but this node has one: "
+                    "refusing to train under it (wrong address, or a coordinator started without --token?)"
+                )
+            nonce = auth.new_nonce()
+            hello = self._hello(self.member_id)
+            if self._token is not None:
+                proof = auth.node_proof(self._token, challenge.nonce, nonce, self.member_id)
+                hello = hello.model_copy(update={"nonce": nonce, "proof": proof})
             hello_sent = time.monotonic()
-            await ws.send_str(m.encode(self._hello(self.member_id)))
-            first = await asyncio.wait_for(ws.receive(), timeout=10)
-            if first.type != aiohttp.WSMsgType.TEXT:
-                raise ProtocolError(f"coordinator closed the session before welcoming ({first.type.name})")
-            msg = m.parse_coordinator_message(first.data)
+            await ws.send_str(m.encode(hello))
+            msg = await self._receive(ws, "welcoming")
             if isinstance(msg, m.Refused):
                 if msg.finished:
                     with self._lock:
@@ -212,6 +236,13 @@ class ControlClient:
                 raise JoinRefused(f"coordinator at {host}:{port} refused {self.name}: {msg.reason}")
             if not isinstance(msg, m.Welcome):
                 raise ProtocolError(f"expected welcome, got {msg.type}")
+            if self._token is not None:
+                expected = auth.coordinator_proof(self._token, challenge.nonce, nonce, self.member_id)
+                if not auth.same(expected, msg.proof):
+                    raise JoinRefused(
+                        f"coordinator at {host}:{port} could not prove it holds the job token: "
+                        "not the job's coordinator (wrong address or an impostor)"
+                    )
             with self._lock:
                 self.welcome = msg
                 self.lease_s = msg.lease_s

@@ -29,6 +29,7 @@ from pydantic import BaseModel
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from unbroken.config import CoordinatorConfig
+from unbroken.control import auth
 from unbroken.control import messages as m
 from unbroken.control.membership import Decision, Event, Membership
 from unbroken.errors import ProtocolError
@@ -71,6 +72,9 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig | None = None) -> None:
         self.config = config or CoordinatorConfig()
         self.coordinator_id = uuid.uuid4().hex[:12]
+        self.token = self.config.token
+        self.rendezvous = auth.new_nonce()
+        """Part of every process-group prefix; told to admitted members only."""
         self.membership = Membership(
             lease_s=self.config.lease_s,
             now=time.monotonic(),
@@ -248,7 +252,9 @@ class Coordinator:
         await ws.prepare(request)
         peer = request.remote or "?"
         session: _Session | None = None
+        challenge = auth.new_nonce()
         try:
+            await ws.send_str(m.encode(m.Challenge(nonce=challenge, auth=self.token is not None)))
             first = await asyncio.wait_for(ws.receive(), timeout=HELLO_TIMEOUT_S)
             if first.type == WSMsgType.ERROR:
                 raise ProtocolError(f"session error before hello: {ws.exception()}")
@@ -257,7 +263,8 @@ class Coordinator:
             hello = m.parse_node_message(first.data, self.config.max_message_bytes)
             if not isinstance(hello, m.Hello):
                 raise ProtocolError(f"the first message must be a hello, got {hello.type!r}")
-            decision = self.membership.admit(hello, time.monotonic())
+            unproven = self._check_token(hello, challenge)
+            decision = Decision(refuse=unproven) if unproven else self.membership.admit(hello, time.monotonic())
             if decision.refuse is not None:
                 log.warning("refused %s from %s: %s", hello.name, peer, decision.refuse)
                 self._record(
@@ -283,6 +290,10 @@ class Coordinator:
                     lease_s=self.config.lease_s,
                     heartbeat_s=self.config.lease_s / 5,
                     coordinator_id=self.coordinator_id,
+                    proof=auth.coordinator_proof(self.token, challenge, hello.nonce, hello.member_id)
+                    if self.token
+                    else "",
+                    rendezvous=self.rendezvous,
                 )
             )
             self._apply(decision)
@@ -316,6 +327,20 @@ class Coordinator:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(ws.close(), timeout=1.0)
         return ws
+
+    def _check_token(self, hello: m.Hello, challenge: str) -> str | None:
+        """Why this hello may not join (wrong, missing or replayed proof), or None."""
+        if self.token is None:
+            return None
+        if not hello.proof:
+            return (
+                "this job requires a token: start the node with --token, --token-file or "
+                f"${auth.ENV_TOKEN} set to the coordinator's"
+            )
+        expected = auth.node_proof(self.token, challenge, hello.nonce, hello.member_id)
+        if not auth.same(expected, hello.proof):
+            return "the job token does not match the coordinator's (or the handshake was replayed)"
+        return None
 
     def _store_host(self, request: web.Request) -> str:
         if self.config.host not in ("0.0.0.0", "::", ""):

@@ -92,6 +92,10 @@ class Hello(_Msg):
     role: Literal["auto", "trainer", "validator", "standby"] = "auto"
     zone: Annotated[str, Field(max_length=128)] = ""
     """Where the node is (a site, a region); empty is the default zone."""
+    nonce: Annotated[str, Field(max_length=64)] = ""
+    """The node's half of the challenge-response (see `unbroken.control.auth`)."""
+    proof: Annotated[str, Field(max_length=64)] = ""
+    """HMAC of the coordinator's challenge and ``nonce`` under the job token ("" without one)."""
     evaluates: bool = False
     """The job has an evaluation function (the node can be a validator)."""
     """The newest epoch this node has heard of; epochs after a restart are numbered above it."""
@@ -149,6 +153,15 @@ class Done(_Msg):
     metrics: Annotated[dict[Annotated[str, Field(max_length=128)], float], Field(max_length=64)] = {}
 
 
+class Challenge(_Msg):
+    """The coordinator's first message on every session."""
+
+    type: Literal["challenge"] = "challenge"
+    nonce: Annotated[str, Field(max_length=64)]
+    auth: bool
+    """The job has a token: the hello must prove it."""
+
+
 class Welcome(_Msg):
     type: Literal["welcome"] = "welcome"
     store_host: str
@@ -156,6 +169,10 @@ class Welcome(_Msg):
     lease_s: float
     heartbeat_s: float
     coordinator_id: str
+    proof: Annotated[str, Field(max_length=64)] = ""
+    """The coordinator's proof that it holds the job token ("" without one)."""
+    rendezvous: Annotated[str, Field(max_length=64)] = ""
+    """A random key in every process-group prefix, known to admitted members only."""
 
 
 class Refused(_Msg):
@@ -201,7 +218,9 @@ class Finished(_Msg):
 
 
 NodeMessage = Annotated[Hello | Heartbeat | Progress | Fault | Leave | Done | Validation, Field(discriminator="type")]
-CoordinatorMessage = Annotated[Welcome | Refused | Ack | EpochOrder | Expel | Finished, Field(discriminator="type")]
+CoordinatorMessage = Annotated[
+    Challenge | Welcome | Refused | Ack | EpochOrder | Expel | Finished, Field(discriminator="type")
+]
 _node_adapter: TypeAdapter[NodeMessage] = TypeAdapter(NodeMessage)
 _coord_adapter: TypeAdapter[CoordinatorMessage] = TypeAdapter(CoordinatorMessage)
 

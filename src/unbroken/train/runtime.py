@@ -130,6 +130,7 @@ class Node:
             connect_timeout_s=config.connect_timeout_s,
             wake=self.wake,
             stall_timeout_s=config.stall_timeout_s,
+            token=config.token,
         )
 
     # ---------------------------------------------------------------- public
@@ -247,7 +248,7 @@ class Node:
         store = functools.partial(
             self.stores.get, welcome.coordinator_id, welcome.store_host, welcome.store_port, timeout
         )
-        prefix = f"{self.job.name}/{welcome.coordinator_id}/e{order.epoch}/"
+        prefix = f"{self.job.name}/{welcome.coordinator_id}/{welcome.rendezvous}/e{order.epoch}/"
         self.group = EpochGroup(
             order.epoch,
             rank,

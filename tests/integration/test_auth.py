@@ -1,0 +1,94 @@
+"""Job tokens: wrong, missing and replayed proofs are refused; an impostor coordinator cannot
+take a node; the token never crosses the wire."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from integration.helpers import assert_promises, events_of
+from unbroken import Coordinator, CoordinatorConfig
+from unbroken.control import auth
+from unbroken.control import messages as m
+
+pytestmark = pytest.mark.timeout(180)
+
+TOKEN = "job-secret-0123456789abcdef"
+ENV = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "15"}
+
+
+def test_wrong_or_missing_token_is_refused_and_the_job_goes_on(make_cluster):
+    c = make_cluster(env=ENV, min_nodes=2, coordinator_args=["--token", TOKEN])
+    c.start_coordinator()
+    c.start_node("a", extra=["--token", TOKEN])
+    c.start_node("b", env={"UNBROKEN_TOKEN": TOKEN})
+    c.wait_step(5)
+    epochs = len(events_of(c, "epoch"))
+    wrong = c.start_node("wrong", extra=["--token", "not-the-job-token-at-all"])
+    missing = c.start_node("missing")
+    assert wrong.wait(60) == 2 and missing.wait(60) == 2
+    assert "the job token does not match the coordinator's" in wrong.stderr()
+    assert "requires the job token: pass --token, --token-file or set $UNBROKEN_TOKEN" in missing.stderr()
+    del c.nodes["wrong"], c.nodes["missing"]
+    assert c.wait_exit(timeout=120) == {"a": 0, "b": 0}, c.diagnostics()
+    membership = [e for e in events_of(c, "epoch") if "rebalance" not in e["reason"]]
+    assert len(membership) == epochs, "a refused node must not change membership"
+    assert TOKEN not in (c.workdir / "events.jsonl").read_text()
+    assert_promises(c, ENV, finishers=2)
+
+
+async def _handshake(
+    url: str, hello: m.Hello | None, token: str | None
+) -> tuple[m.Hello, m.CoordinatorMessage, m.Challenge]:
+    async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
+        challenge = m.parse_coordinator_message((await ws.receive()).data)
+        assert isinstance(challenge, m.Challenge) and challenge.auth
+        if hello is None:
+            nonce = auth.new_nonce()
+            proof = auth.node_proof(token or "", challenge.nonce, nonce, "m1#1")
+            hello = m.Hello(
+                job="j", job_identity="i", fingerprint=[], member_id="m1#1", name="n", batch_size=4,
+                nonce=nonce, proof=proof,
+            )  # fmt: skip
+        await ws.send_str(m.encode(hello))
+        answer = m.parse_coordinator_message((await ws.receive()).data)
+        return hello, answer, challenge
+
+
+def test_a_replayed_hello_is_refused():
+    coord = Coordinator(CoordinatorConfig(port=0, token=TOKEN, recovery_window_s=0)).start()
+    try:
+        url = f"http://{coord.address[0]}:{coord.address[1]}/ws"
+        hello, first, challenge = asyncio.run(_handshake(url, None, TOKEN))
+        assert isinstance(first, m.Welcome) and first.rendezvous
+        # The coordinator proves it holds the token, for this session's nonces only.
+        assert auth.same(first.proof, auth.coordinator_proof(TOKEN, challenge.nonce, hello.nonce, hello.member_id))
+        # The same bytes on a new session answer a challenge they were not made for.
+        _, again, _ = asyncio.run(_handshake(url, hello, TOKEN))
+        assert isinstance(again, m.Refused) and "replayed" in again.reason
+        assert TOKEN not in json.dumps(coord.snapshot())
+    finally:
+        coord.stop()
+
+
+class Impostor(Coordinator):
+    """Accepts anyone (it cannot check proofs without the token) and answers with a forged proof."""
+
+    def _check_token(self, hello: m.Hello, challenge: str) -> str | None:
+        return None
+
+
+def test_an_impostor_coordinator_cannot_take_a_node(make_cluster):
+    impostor = Impostor(CoordinatorConfig(port=0, token="a-guess-at-the-job-token")).start()
+    try:
+        c = make_cluster(env=ENV)
+        c.address = impostor.address
+        node = c.start_node("victim", extra=["--token", TOKEN])
+        assert node.wait(60) == 2, c.diagnostics()
+        assert "could not prove it holds the job token" in node.stderr()
+        assert not [e for e in node.entries() if e["kind"] == "contrib"]
+    finally:
+        impostor.stop()
