@@ -58,6 +58,10 @@ class CoordinatorConfig:
     """Codec of the inter-zone hop: none, fp16, bf16, int8, topk or topk:RATIO."""
     token: str | None = field(default=None, repr=False)
     """The job's secret: nodes must prove they hold it to join (none: anyone may join)."""
+    tls_cert: Path | None = None
+    """Serve the control plane over TLS with this certificate chain (PEM)..."""
+    tls_key: Path | None = None
+    """...and this private key (PEM)."""
 
     def __post_init__(self) -> None:
         from unbroken.comm.codecs import make_codec
@@ -66,6 +70,11 @@ class CoordinatorConfig:
             make_codec(self.codec)
         except ValueError as exc:
             raise ConfigError(f"CoordinatorConfig.codec: {exc}") from None
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("CoordinatorConfig: give both tls_cert and tls_key (--tls-cert, --tls-key), or neither")
+        for path in (self.tls_cert, self.tls_key):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"TLS file {path} does not exist")
         _check_range("CoordinatorConfig", "port", self.port, 0, 65535)
         _check_range("CoordinatorConfig", "store_port", self.store_port, 0, 65535)
         _check_range("CoordinatorConfig", "lease_s", self.lease_s, 0.05, 3600)
@@ -126,6 +135,8 @@ class NodeConfig:
     """Address peers use to reach this node's gloo endpoint (default: this host's name)."""
     token: str | None = field(default=None, repr=False)
     """The job's secret, proven to the coordinator (which proves it back) without sending it."""
+    tls_ca: Path | None = None
+    """Connect to the coordinator over TLS, trusting this CA bundle (PEM) for its certificate."""
 
     def __post_init__(self) -> None:
         if not self.coordinators:
@@ -143,6 +154,8 @@ class NodeConfig:
         _check_range("NodeConfig", "digest_every", self.digest_every, 0)
         _check_range("NodeConfig", "stall_timeout_s", self.stall_timeout_s, 0.5, 86400)
         _check_range("NodeConfig", "memory_limit", self.memory_limit, 0)
+        if self.tls_ca is not None and not Path(self.tls_ca).is_file():
+            raise ConfigError(f"TLS CA bundle {self.tls_ca} does not exist")
         _check_range("NodeConfig", "link_latency_ms", self.link_latency_ms, 0, 60_000)
         _check_range("NodeConfig", "link_mbit", self.link_mbit, 0)
         if len(self.zone) > 128:

@@ -92,3 +92,27 @@ def test_an_impostor_coordinator_cannot_take_a_node(make_cluster):
         assert not [e for e in node.entries() if e["kind"] == "contrib"]
     finally:
         impostor.stop()
+
+
+def test_tls_control_plane_end_to_end(make_cluster, tmp_path):
+    trustme = pytest.importorskip("trustme")  # a dev dependency: installed by scripts/setup
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert_pem, key_pem, ca_pem = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(cert_pem))
+    cert.private_key_pem.write_to_path(str(key_pem))
+    ca.cert_pem.write_to_path(str(ca_pem))
+    coord = Coordinator(CoordinatorConfig(port=0, min_nodes=2, token=TOKEN, tls_cert=cert_pem, tls_key=key_pem)).start()
+    try:
+        c = make_cluster(env=ENV)
+        c.address = coord.address
+        for name in ("a", "b"):
+            c.start_node(name, extra=["--token", TOKEN, "--tls-ca", str(ca_pem)])
+        plain = c.start_node("plain", extra=["--token", TOKEN, "--connect-timeout", "3"])
+        assert plain.wait(60) == 2 and "could not reach a coordinator" in plain.stderr()
+        del c.nodes["plain"]
+        assert c.wait_exit(timeout=120) == {"a": 0, "b": 0}, c.diagnostics()
+        assert coord.snapshot()["finished"]
+        assert_promises(c, ENV, finishers=2)
+    finally:
+        coord.stop()

@@ -36,6 +36,8 @@ def _coordinator(args: argparse.Namespace) -> int:
         balance=args.balance == "throughput",
         codec=args.codec,
         token=load_token(args.token, args.token_file),
+        tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+        tls_key=Path(args.tls_key) if args.tls_key else None,
     )
     coord = Coordinator(config)
 
@@ -48,7 +50,8 @@ def _coordinator(args: argparse.Namespace) -> int:
         await asyncio.sleep(0.05)
         host, port = coord.address
         print(f"{READY_PREFIX} {host}:{port}", flush=True)
-        print(f"unbroken coordinator on http://{host}:{port}  (state: /api/state)", file=sys.stderr, flush=True)
+        scheme = "https" if config.tls_cert else "http"
+        print(f"unbroken coordinator on {scheme}://{host}:{port}  (state: /api/state)", file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, coord.stop_nowait)
@@ -90,6 +93,7 @@ def _node(args: argparse.Namespace) -> int:
         throttle=args.throttle or "",
         zone=args.zone or "",
         token=load_token(args.token, args.token_file),
+        tls_ca=Path(args.tls_ca) if args.tls_ca else None,
         link_latency_ms=args.link_latency_ms,
         link_mbit=args.link_mbit,
     )
@@ -155,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--codec", default="none", help="inter-zone codec: none, fp16, bf16, int8, topk[:RATIO]")
     _token_args(c)
+    c.add_argument("--tls-cert", help="serve the control plane over TLS: certificate chain (PEM)")
+    c.add_argument("--tls-key", help="...and its private key (PEM)")
     c.set_defaults(func=_coordinator)
 
     n = sub.add_parser("node", help="run one training node", formatter_class=fmt)
@@ -185,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--final-state", help="save the final state here")
     n.add_argument("--gloo-host", help="address peers use for this node's data plane")
     _token_args(n)
+    n.add_argument("--tls-ca", help="connect over TLS, trusting this CA bundle (PEM) for the coordinator")
     n.add_argument("--fault", help="testing aid: SIGNAL@PHASE:STEP[,...], e.g. kill@allreduce:12")
     n.set_defaults(func=_node)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import threading
 import time
 import uuid
@@ -47,7 +48,9 @@ class ControlClient:
         wake: threading.Event,
         stall_timeout_s: float = 300.0,
         token: str | None = None,
+        tls_ca: str | None = None,
     ) -> None:
+        self._ssl = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
         self.addresses = list(addresses)
         self._hello = hello
         self._token = token
@@ -200,9 +203,15 @@ class ControlClient:
         return m.parse_coordinator_message(first.data)
 
     async def _session(self, http: aiohttp.ClientSession, host: str, port: int, run_id: int) -> None:
-        url = f"http://{host}:{port}/ws"
+        url = f"{'https' if self._ssl else 'http'}://{host}:{port}/ws"
         connect = asyncio.wait_for(
-            http.ws_connect(url, timeout=aiohttp.ClientWSTimeout(ws_close=1.0), max_msg_size=64 << 20, heartbeat=None),
+            http.ws_connect(
+                url,
+                timeout=aiohttp.ClientWSTimeout(ws_close=1.0),
+                max_msg_size=64 << 20,
+                heartbeat=None,
+                ssl=self._ssl if self._ssl is not None else True,
+            ),
             timeout=5.0,
         )
         async with await connect as ws:

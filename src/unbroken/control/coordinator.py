@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import threading
 import time
 import uuid
@@ -118,7 +119,13 @@ class Coordinator:
         app.router.add_get("/ws", self._ws)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
+        ssl_context = None
+        if self.config.tls_cert is not None and self.config.tls_key is not None:
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+        site = web.TCPSite(
+            self._runner, self.config.host, self.config.port, reuse_address=True, ssl_context=ssl_context
+        )
         await site.start()
         sockets = getattr(site._server, "sockets", None) or []
         if sockets:

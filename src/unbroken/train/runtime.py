@@ -131,6 +131,7 @@ class Node:
             wake=self.wake,
             stall_timeout_s=config.stall_timeout_s,
             token=config.token,
+            tls_ca=str(config.tls_ca) if config.tls_ca else None,
         )
 
     # ---------------------------------------------------------------- public
