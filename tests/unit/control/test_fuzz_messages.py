@@ -1,0 +1,59 @@
+"""Fuzzing the message boundary: whatever arrives, parsing returns a valid message or raises
+ProtocolError, never anything else (no crash, no partially trusted object)."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from unbroken.control import messages as m
+from unbroken.errors import ProtocolError
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+    max_leaves=20,
+)
+VALID = [
+    m.Hello(job="j", job_identity="i", fingerprint=[], member_id="a#1", name="a", batch_size=8).model_dump(),
+    m.Heartbeat(seq=1, step=2).model_dump(),
+    m.Progress(epoch=1, step=2, loss=0.5, wall_time=1.0).model_dump(),
+    m.Fault(epoch=1, reason="x", culprit="b#2").model_dump(),
+    m.Validation(step=3, metrics={"loss": 1.0}, seconds=0.1).model_dump(),
+]
+
+
+def accept_or_refuse(data: str | bytes) -> None:
+    try:
+        msg = m.parse_node_message(data)
+    except ProtocolError:
+        return
+    assert msg.type in {"hello", "heartbeat", "progress", "fault", "leave", "done", "validation"}
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(JSON)
+def test_any_json_is_accepted_or_refused_cleanly(value: object) -> None:
+    accept_or_refuse(json.dumps(value))
+
+
+@settings(max_examples=200)
+@given(st.binary(max_size=200) | st.text(max_size=200))
+def test_any_bytes_are_accepted_or_refused_cleanly(data: bytes | str) -> None:
+    accept_or_refuse(data)
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(VALID), st.data())
+def test_mutated_valid_messages_are_accepted_or_refused_cleanly(base: dict, data: st.DataObject) -> None:
+    msg = dict(base)
+    key = data.draw(st.sampled_from([*msg, "extra"]))
+    msg[key] = data.draw(JSON)
+    accept_or_refuse(json.dumps(msg))
+
+
+def test_deep_nesting_and_huge_numbers_are_refused() -> None:
+    for data in ["[" * 100_000 + "]" * 100_000, '{"v": 1, "type": "heartbeat", "seq": ' + "9" * 5000 + ', "step": 0}']:
+        accept_or_refuse(data)
