@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -137,6 +138,49 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps, nodes=args.nodes, out_dir=Path(args.out) if args.out else None)
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from unbroken.testing.chaos import Chaos, write_report
+
+    console = Console(stderr=True)
+    workdir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="unbroken-chaos-"))
+    console.print(
+        f"[bold]unbroken chaos[/]: {args.nodes} nodes, faults at {args.rate}/s for {args.duration:g} s "
+        f"(seed {args.seed}); logs in {workdir}"
+    )
+    with console.status("starting") as status:
+        chaos = Chaos(
+            workdir, duration_s=args.duration, rate=args.rate, nodes=args.nodes, seed=args.seed,
+            on_progress=lambda text: status.update(text),
+        )  # fmt: skip
+        report = chaos.run()
+    summary = report.summary()
+    write_report(report, workdir / "chaos-report.json")
+    table = Table(title="chaos report", show_header=False)
+    table.add_row("faults injected", f"{summary['faults_total']}: {summary['faults']}")
+    for kind, st in summary["recovery_s"].items():
+        if st:
+            table.add_row(
+                f"recovery: {kind}",
+                f"median {st['median']:.2f} s, p95 {st['p95']:.2f} s, max {st['max']:.2f} s ({st['count']})",
+            )
+    table.add_row("steps committed", str(report.steps))
+    table.add_row("committed steps lost", str(summary["steps_lost"]))
+    table.add_row("replicas equal, samples exactly once", "yes" if report.promises.ok else "NO")
+    diff = summary["final_vs_reference_max_abs_diff"]
+    table.add_row("final model vs single-process", "-" if diff is None else f"max |diff| {diff:.1e}")
+    table.add_row("verdict", "[green]every promise kept[/]" if report.ok else "[red]BROKEN[/]")
+    console.print(table)
+    for problem in report.problems[:20]:
+        console.print(f"[red]broken:[/] {problem}")
+    print(json.dumps(summary))
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="unbroken", description="Elastic PyTorch training that does not stop.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -202,6 +246,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--nodes", type=int, default=3, help="nodes to start with")
     d.add_argument("--out", help="directory for logs and checkpoints (default: a temporary one)")
     d.set_defaults(func=_demo)
+
+    h = sub.add_parser(
+        "chaos", help="train while injecting random faults, then check every promise", formatter_class=fmt
+    )
+    h.add_argument("--duration", type=float, default=60.0, help="seconds of fault injection")
+    h.add_argument("--rate", type=float, default=0.25, help="faults per second (random gaps)")
+    h.add_argument("--nodes", type=int, default=3, help="nodes to start with")
+    h.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    h.add_argument("--out", help="directory for logs and the JSON report (default: a temporary one)")
+    h.set_defaults(func=_chaos)
     return p
 
 

@@ -32,6 +32,8 @@ JOIN_SETTLE_S = 0.25
 FAULT_GRACE_S = 0.1
 """A reported collective failure waits this long for the failed member's session to drop,
 so one failure makes one epoch change."""
+FRESH_JOB_GRACE_S = 1.0
+"""After a restart, how long a first hello without a resume waits for members to come back."""
 PLAN_DWELL_S = 1.0
 """A plan stays at least this long before a rebalance may replace it."""
 PLAN_DWELL_STEPS = 3
@@ -242,7 +244,10 @@ class Membership:
         self._started = self._started or hello.resume is not None or hello.step > 0 or hello.last_epoch > 0
         d.events.append(self._event(now, "join", hello.member_id, f"{hello.name} connected"))
         if hello.resume is None and self.recovering_until is not None and not self._resumes:
-            self.recovering_until = None  # a fresh job, not a restarted coordinator
+            # Perhaps a fresh job; perhaps a restarted coordinator whose members have not
+            # reconnected yet while a new node got here first. Forming a group of new nodes
+            # now would start a second job from step 0 beside the live one: wait a little.
+            self.recovering_until = min(self.recovering_until, now + max(FRESH_JOB_GRACE_S, 2 * self.lease_s))
         if hello.resume is not None and self.recovering_until is not None:
             r = hello.resume
             self._resumes[hello.member_id] = r
@@ -414,7 +419,9 @@ class Membership:
             return d
         if any(len(m.compute_times) < PLAN_DWELL_STEPS for m in trainers):
             return d
-        better = rebalance(self.batch_size, self.shares, [m.profile(now) for m in live])
+        better = rebalance(
+            self.batch_size, self.shares, [m.profile(now) for m in live], overhead_s=self._comm_s(trainers)
+        )
         if better is None:
             self._better_since = None
         elif self._better_since is None:
@@ -473,13 +480,26 @@ class Membership:
                 self._pending_reason += f"; {reason}"
         self._pending_urgent = self._pending_urgent or urgent
 
+    @staticmethod
+    def _comm_s(trainers: Sequence[Member]) -> float:
+        """Time a step spends outside compute: the all-reduce as the slowest trainer sees it
+        (it waits for nobody), i.e. the smallest reported."""
+        reported = [m.caps.comm_s for m in trainers if m.caps.comm_s > 0]
+        return min(reported, default=0.0)
+
     def _make_plan(self, members: Sequence[Member], now: float) -> list[Event]:
         """Plan shares and roles for the new epoch's members; events for changed roles."""
         events: list[Event] = []
         if self.batch_size is None:
             self.plan, self.shares = None, [0] * len(members)
             return events
-        p = plan(self.batch_size, [m.profile(now) for m in members], balance=self.balance, spares_wanted=self._vacated)
+        p = plan(
+            self.batch_size,
+            [m.profile(now) for m in members],
+            balance=self.balance,
+            spares_wanted=self._vacated,
+            overhead_s=self._comm_s([m for m in members if m.role is Role.TRAINER]),
+        )
         self.plan, self.shares = p, list(p.shares)
         self._planned_at = now
         self._better_since = None

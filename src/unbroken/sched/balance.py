@@ -173,12 +173,15 @@ def plan(
     *,
     balance: bool = True,
     spares_wanted: int = 0,
+    overhead_s: float = 0.0,
 ) -> Plan:
     """The plan for these members (rank order), deterministic for equal inputs.
 
     ``balance=False`` splits by the operators' weights and never demotes a node for speed.
     ``spares_wanted`` is how many hot spares (``--role standby``) must train to replace
-    trainers that failed or left; the earliest in rank order are promoted.
+    trainers that failed or left; the earliest in rank order are promoted. ``overhead_s`` is
+    the part of a step that does not depend on the split (the all-reduce): gains are judged
+    against the whole step.
     """
     if not profiles:
         raise ValueError("cannot plan for zero members")
@@ -226,7 +229,7 @@ def plan(
         # proportional shares follow measurement noise; the operators' weights are as good
         # then, and they do not move.
         by_weight = _split(batch_size, ps, trainers, by_weight=True)
-        if _step_time(ps, by_weight) <= _step_time(ps, shares) * (1 + REBALANCE_MARGIN):
+        if _step_time(ps, by_weight) + overhead_s <= (_step_time(ps, shares) + overhead_s) * (1 + REBALANCE_MARGIN):
             shares = by_weight
     for i in trainers:
         # A node asked to train, or not measured on real steps yet (its start-up estimate may
@@ -270,16 +273,18 @@ def rebalance(
     profiles: Sequence[Profile],
     *,
     spares_wanted: int = 0,
+    overhead_s: float = 0.0,
 ) -> tuple[Plan, str] | None:
     """A better plan for the same members, if it shortens the predicted step enough.
 
     ``current`` is the shares in force; the returned reason compares the two predictions.
-    Hysteresis (`REBALANCE_MARGIN`) keeps measurement noise from flapping the plan.
+    Hysteresis (`REBALANCE_MARGIN` of the whole step, ``overhead_s`` included) keeps
+    measurement noise from flapping the plan.
     """
     ps = _filled(profiles)
     now_s = _step_time(ps, current)
-    new = plan(batch_size, profiles, spares_wanted=spares_wanted)
-    if list(new.shares) == list(current) or not new.step_s < now_s * (1 - REBALANCE_MARGIN):
+    new = plan(batch_size, profiles, spares_wanted=spares_wanted, overhead_s=overhead_s)
+    if list(new.shares) == list(current) or not new.step_s + overhead_s < (now_s + overhead_s) * (1 - REBALANCE_MARGIN):
         return None
     slowest = max(range(len(ps)), key=lambda i: ps[i].time_for(current[i]))
     reason = (

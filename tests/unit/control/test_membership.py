@@ -462,12 +462,31 @@ def test_recovery_without_a_missing_member_ends_in_an_urgent_epoch_after_the_win
     assert "did not return" in order.reason
 
 
-def test_a_hello_without_resume_ends_recovery_of_a_fresh_coordinator_at_once() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+def test_a_hello_without_resume_shortens_recovery_to_a_grace_period() -> None:
+    from unbroken.control.membership import FRESH_JOB_GRACE_S
+
+    grace = max(FRESH_JOB_GRACE_S, 2 * LEASE)
+    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=30.0)
     ms.admit(hello("a"), 0.0)
-    order = only_order(ms.tick(JOIN_SETTLE_S))  # not after the 3 s window
+    keep_alive(ms, grace / 2)
+    assert ms.tick(grace / 2).orders == {}  # members of a live group may still come back
+    keep_alive(ms, grace + 0.01)
+    order = only_order(ms.tick(grace + 0.01))  # not after the 30 s window
     assert order.epoch == 1
     assert order.members == ["a"]
+
+
+def test_a_new_node_first_after_a_restart_does_not_start_a_second_group() -> None:
+    # The coordinator restarted; a fresh node reconnects before the live group does.
+    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms.admit(hello("new"), 0.05)
+    ms.admit(resume_hello("a"), 0.2)
+    ms.admit(resume_hello("b"), 0.3)
+    keep_alive(ms, 0.35)
+    d = ms.tick(0.35)
+    assert [e.kind for e in d.events].count("adopt") == 1, d  # the live group (epoch 7) is adopted
+    order = d.orders[next(iter(d.orders))] if d.orders else only_order(ms.tick(0.4))
+    assert order.epoch == 8 and order.members == ["a", "b", "new"], order
 
 
 def test_a_new_node_during_recovery_joins_right_after_adoption() -> None:

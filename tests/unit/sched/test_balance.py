@@ -576,3 +576,10 @@ def test_property_rebalance_of_the_plan_is_none(batch: int, profiles: list[Profi
     if out is not None:
         assert out[0] == p
         assert out[1].startswith("rebalance: predicted step ")
+
+
+def test_a_gain_small_against_the_whole_step_is_not_worth_a_new_plan() -> None:
+    # b is 30% slower: 12.5% better compute alone, but the all-reduce (200 ms) dominates the step.
+    profiles = [node("a", 0.01), node("b", 0.013)]
+    assert rebalance(64, [32, 32], profiles) is not None
+    assert rebalance(64, [32, 32], profiles, overhead_s=0.2) is None

@@ -1,0 +1,259 @@
+"""`unbroken chaos`: train a job while injecting random faults, then check every promise.
+
+A local coordinator and nodes (real processes, loopback) train `unbroken.testing.soakjob`
+while faults arrive at random (exponential gaps at ``rate`` per second, seeded):
+
+- ``kill``: SIGKILL a node; a replacement node starts a second later;
+- ``stop``: SIGSTOP a node, SIGCONT it 1.5-3 s later (it is expelled and rejoins);
+- ``term``: SIGTERM a node (a graceful leave); a replacement starts a second later;
+- ``join``: a new node joins;
+- ``coordinator``: SIGKILL the coordinator and restart it on the same port a second later.
+
+Link faults (delay, loss) are not injected: this kernel has no ``tc netem``. The last live
+node is never stopped. After ``duration`` seconds the faults stop and the job runs to its
+end; then the report: faults by kind, recovery time after each (fault → the group's next
+commit: median, p95, max), committed steps lost (0 is the promise), replicas equal after
+every step, exactly-once samples, and the final model against single-process training.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import signal
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unbroken.testing.cluster import LocalCluster, NodeProcess
+from unbroken.testing.promises import PromiseReport, check_promises, reference_state
+
+JOB = "unbroken.testing.soakjob:job"
+KINDS = {"kill": 0.3, "stop": 0.2, "term": 0.15, "join": 0.2, "coordinator": 0.15}
+ATOL = 1e-5
+
+
+@dataclass
+class Fault:
+    kind: str
+    at: float
+    target: str
+
+
+@dataclass
+class ChaosReport:
+    duration_s: float
+    steps: int
+    faults: list[Fault]
+    recoveries: dict[str, list[float]]
+    steps_lost: int
+    promises: PromiseReport
+    max_diff: float | None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> dict[str, Any]:
+        def stats(xs: list[float]) -> dict[str, float] | None:
+            if not xs:
+                return None
+            ordered = sorted(xs)
+            p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+            return {"median": statistics.median(ordered), "p95": p95, "max": ordered[-1], "count": len(ordered)}
+
+        every = [x for xs in self.recoveries.values() for x in xs]
+        return {
+            "duration_s": round(self.duration_s, 1),
+            "steps": self.steps,
+            "faults": dict(collections.Counter(f.kind for f in self.faults)),
+            "faults_total": len(self.faults),
+            "recovery_s": {k: stats(v) for k, v in self.recoveries.items()} | {"all": stats(every)},
+            "steps_lost": self.steps_lost,
+            "replicas_equal_and_exactly_once": self.promises.ok,
+            "final_vs_reference_max_abs_diff": self.max_diff,
+            "problems": self.problems,
+        }
+
+
+class Chaos:
+    """Runs one soak; `run` returns the report."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        duration_s: float = 60.0,
+        rate: float = 0.25,
+        nodes: int = 3,
+        seed: int = 0,
+        delay_ms: float = 20.0,
+        on_progress: Callable[[str], None] = lambda s: None,
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.duration_s = duration_s
+        self.rate = rate
+        self.nodes = nodes
+        self.rng = random.Random(seed)
+        self.delay_ms = delay_ms
+        self.on_progress = on_progress
+        # Enough steps to outlast the faults at about the rate this job runs between them.
+        self.steps = max(200, int(duration_s * 1000 / (delay_ms + 15) * 0.6))
+        self.env = {"UNBROKEN_SOAK_STEPS": str(self.steps), "UNBROKEN_SOAK_DELAY_MS": str(delay_ms)}
+        self.faults: list[Fault] = []
+        self._count = 0
+        self._due: list[tuple[float, Callable[[], object]]] = []
+        """Deferred actions (restarts, SIGCONTs), run by the main loop: one thread drives the cluster."""
+
+    def run(self) -> ChaosReport:
+        with LocalCluster(
+            JOB, self.workdir, env=self.env, min_nodes=self.nodes, node_args=["--digest-every", "1"]
+        ) as c:
+            _, port = c.start_coordinator()
+            for _ in range(self.nodes):
+                self._start(c)
+            c.wait_step(5, timeout=120)
+            start = time.monotonic()
+            next_at = start + self.rng.expovariate(self.rate)
+            while time.monotonic() - start < self.duration_s:
+                if c.max_committed() >= self.steps:
+                    break
+                self._run_due()
+                if time.monotonic() >= next_at:
+                    self._inject(c, port)
+                    next_at = time.monotonic() + self.rng.expovariate(self.rate)
+                self.on_progress(
+                    f"step {c.max_committed()}/{self.steps}, {len(self.faults)} faults, {len(self._alive(c))} nodes up"
+                )
+                time.sleep(0.05)
+            elapsed = time.monotonic() - start
+            self._run_due(everything=True)
+            if c.coordinator is None or c.coordinator.poll() is not None:
+                c.start_coordinator(port=port)
+            for n in c.nodes.values():
+                n.signal(signal.SIGCONT)
+            self.on_progress("faults over: letting the job finish")
+            live = [n.name for n in self._alive(c)]
+            c.wait_exit(live, timeout=max(120.0, self.steps * (self.delay_ms + 30) / 1000))
+            return self._report(c, elapsed)
+
+    # ---------------------------------------------------------------- faults
+
+    def _alive(self, c: LocalCluster) -> list[NodeProcess]:
+        return [n for n in c.nodes.values() if n.proc.poll() is None and not getattr(n, "stopped", False)]
+
+    def _start(self, c: LocalCluster) -> NodeProcess:
+        self._count += 1
+        return c.start_node(f"n{self._count}")
+
+    def _later(self, delay: float, fn: Callable[[], object]) -> None:
+        self._due.append((time.monotonic() + delay, fn))
+        self._due.sort(key=lambda d: d[0])
+
+    def _run_due(self, everything: bool = False) -> None:
+        if everything:
+            while self._due:
+                wait = self._due[0][0] - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                self._due.pop(0)[1]()
+            return
+        now = time.monotonic()
+        for item in [d for d in self._due if d[0] <= now]:
+            self._due.remove(item)
+            item[1]()
+
+    def _inject(self, c: LocalCluster, port: int) -> None:
+        alive = self._alive(c)
+        kinds = [k for k in KINDS if k in ("join", "coordinator") or len(alive) >= 2]
+        if len(alive) >= self.nodes + 2:
+            kinds = [k for k in kinds if k != "join"]
+        kind = self.rng.choices(kinds, weights=[KINDS[k] for k in kinds])[0]
+        if kind == "coordinator":
+            if c.coordinator is None or c.coordinator.poll() is not None:
+                return
+            c.kill_coordinator()
+            self.faults.append(Fault(kind, time.time(), "coordinator"))
+            self._later(1.0, lambda: c.start_coordinator(port=port))
+            return
+        if kind == "join":
+            node = self._start(c)
+            self.faults.append(Fault(kind, time.time(), node.name))
+            return
+        victim = self.rng.choice(alive)
+        self.faults.append(Fault(kind, time.time(), victim.name))
+        if kind == "kill":
+            victim.kill()
+            self._later(1.0, lambda: self._start(c))
+        elif kind == "term":
+            victim.signal(signal.SIGTERM)
+            self._later(1.0, lambda: self._start(c))
+        elif kind == "stop":
+            victim.signal(signal.SIGSTOP)
+            victim.stopped = True  # type: ignore[attr-defined]
+
+            def wake() -> None:
+                victim.signal(signal.SIGCONT)
+                victim.stopped = False  # type: ignore[attr-defined]
+
+            self._later(self.rng.uniform(1.5, 3.0), wake)
+
+    # ---------------------------------------------------------------- report
+
+    def _report(self, c: LocalCluster, elapsed: float) -> ChaosReport:
+        from unbroken.testing.soakjob import job as make_job
+
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            job = make_job()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        logs = {name: n.entries() for name, n in c.nodes.items()}
+        finishers = [n for n in c.nodes.values() if any(e["kind"] == "final" for e in n.entries())]
+        promises = check_promises(logs, job, finishers=1)
+        commits = sorted((e["t"], e["step"]) for entries in logs.values() for e in entries if e["kind"] == "commit")
+        recoveries: dict[str, list[float]] = collections.defaultdict(list)
+        lost = 0
+        for f in self.faults:
+            if f.kind == "join":
+                node = c.nodes.get(f.target)
+                first = next((e["t"] for e in node.entries() if e["kind"] == "commit"), None) if node else None
+                if first is not None:
+                    recoveries["join (spawn to first commit)"].append(first - f.at)
+                continue
+            before = max((s for t, s in commits if t <= f.at), default=0)
+            after = next(((t, s) for t, s in commits if t > f.at), None)
+            if after is None:
+                continue
+            recoveries[f.kind].append(after[0] - f.at)
+            lost += max(0, before - (after[1] - 1))
+        problems = list(promises.problems)
+        max_diff = None
+        if finishers:
+            final = torch.load(finishers[0].final_state, weights_only=True)["model"]
+            ref = reference_state(job)
+            max_diff = max((final[k] - v).abs().max().item() for k, v in ref.items())
+            if max_diff > ATOL:
+                problems.append(f"final model differs from single-process training by {max_diff:.2e}")
+        else:
+            problems.append("no node finished the job")
+        if lost:
+            problems.append(f"{lost} committed steps were lost")
+        return ChaosReport(elapsed, self.steps, self.faults, dict(recoveries), lost, promises, max_diff, problems)
+
+
+def write_report(report: ChaosReport, path: Path) -> None:
+    path.write_text(json.dumps(report.summary(), indent=2) + "\n", encoding="utf-8")
