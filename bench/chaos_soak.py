@@ -1,0 +1,34 @@
+"""A long chaos soak: 10 minutes of random faults (100+), then every promise checked.
+
+    python bench/chaos_soak.py                     # 600 s at 0.2 faults/s, seed 7
+    python bench/chaos_soak.py --duration 120      # shorter
+
+A thin wrapper over ``unbroken chaos`` (see `unbroken.testing.chaos`) that prints the
+command, the report table and the JSON summary, and keeps the logs under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from common import print_command
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=600.0)
+    p.add_argument("--rate", type=float, default=0.2)
+    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--out", default="/tmp/unbroken-chaos-soak")
+    args = p.parse_args()
+    print_command()
+    cmd = [sys.executable, "-m", "unbroken", "chaos", "--duration", str(args.duration), "--rate", str(args.rate)]
+    cmd += ["--nodes", str(args.nodes), "--seed", str(args.seed), "--out", args.out]
+    return subprocess.run(cmd, check=False).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
