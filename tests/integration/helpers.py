@@ -1,12 +1,12 @@
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from jobs import mlp
 from unbroken.testing import LocalCluster, check_promises, reference_state
+from unbroken.testing.promises import environment
 
 ATOL = 1e-5
 """Final parameters may differ from the single-process run only by float summation order."""
@@ -14,16 +14,8 @@ ATOL = 1e-5
 
 def job_for(env: dict[str, str]) -> Any:
     """The job the nodes ran with ``env`` (the test job reads its shape from the environment)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environment(env):
         return mlp.make(int(env.get("UB_TEST_STEPS", "40")), float(env.get("UB_TEST_DELAY_MS", "20")))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def assert_promises(c: LocalCluster, env: dict[str, str], finishers: int) -> None:

@@ -58,6 +58,18 @@ class Codec(ABC):
         self.load_state_dict({})
 
 
+class _WithResidual(Codec):
+    """A codec with error feedback: its residual is node-local state."""
+
+    residual: torch.Tensor | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residual": self.residual}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residual = state.get("residual")
+
+
 class Identity(Codec):
     """float32 as is: the exact, uncompressed baseline."""
 
@@ -96,7 +108,7 @@ class HalfPrecision(Codec):
         return payload.view(self.dtype)[:numel].to(torch.float32)
 
 
-class Int8(Codec):
+class Int8(_WithResidual):
     """Symmetric int8 with one float32 scale per chunk of `INT8_CHUNK` elements.
 
     Payload: ``ceil(n / chunk)`` float32 scales, then ``n`` int8 values (padded to the chunk).
@@ -141,17 +153,8 @@ class Int8(Codec):
         q = payload[4 * c :].view(torch.int8).to(torch.float32).view(c, self.chunk)
         return (q * scales[:, None]).reshape(-1)[:numel]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"residual": self.residual}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.residual = state.get("residual")
-
-    def reset(self) -> None:
-        self.residual = None
-
-
-class TopK(Codec):
+class TopK(_WithResidual):
     """The largest-magnitude ``ratio`` of elements as (int32 index, float32 value) pairs, with
     error feedback: the elements not sent accumulate in the residual until they are large."""
 
@@ -191,15 +194,6 @@ class TopK(Codec):
         out = torch.zeros(numel, dtype=torch.float32)
         out[idx] = values
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"residual": self.residual}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.residual = state.get("residual")
-
-    def reset(self) -> None:
-        self.residual = None
 
 
 def _with_residual(codec: Int8 | TopK, x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import random
 import signal
 import statistics
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 from unbroken.testing.cluster import LocalCluster, NodeProcess
-from unbroken.testing.promises import PromiseReport, check_promises, reference_state
+from unbroken.testing.promises import PromiseReport, check_promises, environment, reference_state
 
 JOB = "unbroken.testing.soakjob:job"
 KINDS = {"kill": 0.3, "stop": 0.2, "term": 0.15, "join": 0.2, "coordinator": 0.15}
@@ -211,16 +210,8 @@ class Chaos:
     def _report(self, c: LocalCluster, elapsed: float) -> ChaosReport:
         from unbroken.testing.soakjob import job as make_job
 
-        saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-        try:
+        with environment(self.env):
             job = make_job()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         logs = {name: n.entries() for name, n in c.nodes.items()}
         finishers = [n for n in c.nodes.values() if any(e["kind"] == "final" for e in n.entries())]
         promises = check_promises(logs, job, finishers=1)

@@ -7,8 +7,10 @@ received from a peer), ``restore`` (state loaded from a checkpoint) and ``final`
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,22 @@ class PromiseReport:
     def assert_ok(self) -> None:
         if self.problems:
             raise AssertionError("broken promises:\n  " + "\n  ".join(self.problems[:20]))
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration (jobs shaped by the environment are built
+    here exactly as the nodes built them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def check_promises(logs: Mapping[str, Iterable[dict[str, Any]]], job: Job, *, finishers: int = 1) -> PromiseReport:
