@@ -4,7 +4,7 @@ Every member writes the norm of its own contribution into its own slot of the st
 all-reduce (the others write zero there), so after the sum every member sees every
 member's norm and reaches the same verdict: a non-finite norm (NaN/Inf anywhere in that
 gradient), a gradient from a member without a share, or a trainer whose norm per sample is
-far above the others' is refused. The step is then not applied by anyone; the coordinator
+(normalised by the square root of its share) far above the others' is refused. The step is then not applied by anyone; the coordinator
 re-forms the group with the culprit out of training and the step is retried with the same
 samples.
 
@@ -17,8 +17,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
-OUTLIER_RATIO = 50.0
-"""A trainer's gradient norm per sample this many times the median of the others is refused."""
+OUTLIER_RATIO = 100.0
+"""A trainer's share-normalised gradient norm this many times the median of the others is refused."""
 MIN_PEERS = 2
 """Outliers are judged only against at least this many other trainers."""
 
@@ -30,7 +30,10 @@ def judge(norms: Sequence[float], shares: Sequence[int], batch_size: int) -> tup
             return rank, f"its gradient is not finite (norm {norm})"
         if shares[rank] == 0 and norm != 0.0:
             return rank, f"it sent a gradient (norm {norm:.3g}) without a share of the batch"
-    per_sample = {r: norms[r] * batch_size / shares[r] for r in range(len(norms)) if shares[r] > 0}
+    # Normalised by the square root of the share: the sum of s per-sample gradients that do
+    # not agree (late in training) grows like sqrt(s), of ones that agree like s; dividing by
+    # s would make a one-sample share look like an outlier whenever the mean gradient is small.
+    per_sample = {r: norms[r] * batch_size / math.sqrt(shares[r]) for r in range(len(norms)) if shares[r] > 0}
     worst: tuple[float, int] | None = None
     for rank, value in per_sample.items():
         others = [v for r, v in per_sample.items() if r != rank]
@@ -41,5 +44,5 @@ def judge(norms: Sequence[float], shares: Sequence[int], batch_size: int) -> tup
             worst = (value / typical, rank)
     if worst is not None:
         ratio, rank = worst
-        return rank, f"its gradient norm per sample is {ratio:.0f}x the median of the other trainers"
+        return rank, f"its gradient norm is {ratio:.0f}x the median of the other trainers (share-normalised)"
     return None

@@ -25,11 +25,18 @@ def test_a_member_without_a_share_must_send_nothing() -> None:
     assert rank == 2 and "without a share" in why
 
 
-def test_an_outlier_is_judged_per_sample_against_the_others() -> None:
-    # rank 2 computes a third of the samples of the others: its norm is a third, not an outlier.
+def test_an_outlier_is_judged_against_the_others_normalised_by_share() -> None:
+    # rank 2 computes a third of the samples of the others: its smaller norm is no outlier.
     assert judge([1.0, 1.0, 0.34], [30, 30, 10], 70) is None
     rank, why = judge([1.0, 1.0, 1e6], [10, 10, 10], 30)  # type: ignore[misc]
     assert rank == 2 and "x the median of the other trainers" in why
+
+
+def test_a_one_sample_share_late_in_training_is_no_outlier() -> None:
+    # Near convergence 14 per-sample gradients nearly cancel (contributions of norm 0.002),
+    # while one sample's gradient alone is 0.5: divided by the share it looks 117x larger
+    # (refused by a per-sample rule), divided by sqrt(share) 31x (accepted).
+    assert judge([0.002, 0.002, 0.5 / 30], [14, 15, 1], 30) is None
 
 
 def test_outliers_need_enough_peers_to_judge() -> None:
