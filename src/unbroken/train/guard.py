@@ -3,10 +3,10 @@
 Every member writes the norm of its own contribution into its own slot of the step's
 all-reduce (the others write zero there), so after the sum every member sees every
 member's norm and reaches the same verdict: a non-finite norm (NaN/Inf anywhere in that
-gradient), a gradient from a member without a share, or a trainer whose norm per sample is
-(normalised by the square root of its share) far above the others' is refused. The step is then not applied by anyone; the coordinator
-re-forms the group with the culprit out of training and the step is retried with the same
-samples.
+gradient), a gradient from a member without a share, or a trainer whose norm (normalised
+by the square root of its share) is far above the others' is refused. The step is then not
+applied by anyone; the coordinator re-forms the group with the culprit out of training and
+the step is retried with the same samples.
 
 The verdict is pure: it depends only on the all-reduced vector, identical on every member.
 """
