@@ -9,11 +9,12 @@ while faults arrive at random (exponential gaps at ``rate`` per second, seeded):
 - ``join``: a new node joins;
 - ``coordinator``: SIGKILL the coordinator and restart it on the same port a second later.
 
-Link faults (delay, loss) are not injected: this kernel has no ``tc netem``. The last live
-node is never stopped. After ``duration`` seconds the faults stop and the job runs to its
-end; then the report: faults by kind, recovery time after each (fault → the group's next
-commit: median, p95, max), committed steps lost (0 is the promise), replicas equal after
-every step, exactly-once samples, and the final model against single-process training.
+Link faults (delay, loss) are not injected: this kernel has no ``tc netem``. The last node
+that trains is never stopped (nodes still starting up do not count). After ``duration``
+seconds the faults stop and the job runs to its end; then the report: faults by kind,
+recovery time after each (fault → the group's next commit: median, p95, max), committed
+steps lost (0 is the promise), replicas equal after every step, exactly-once samples, and
+the final model against single-process training.
 """
 
 from __future__ import annotations
@@ -170,9 +171,23 @@ class Chaos:
             self._due.remove(item)
             item[1]()
 
+    def _training(self, c: LocalCluster) -> list[NodeProcess]:
+        """Nodes that committed a step in the last two seconds (not merely started)."""
+        now = time.time()
+        out = []
+        for n in self._alive(c):
+            try:
+                if now - n.commit_log.stat().st_mtime < 2.0:
+                    out.append(n)
+            except FileNotFoundError:
+                continue
+        return out
+
     def _inject(self, c: LocalCluster, port: int) -> None:
         alive = self._alive(c)
-        kinds = [k for k in KINDS if k in ("join", "coordinator") or len(alive) >= 2]
+        # Never the last member of the group: processes still starting up do not count.
+        training = self._training(c)
+        kinds = [k for k in KINDS if k in ("join", "coordinator") or len(training) >= 2]
         if len(alive) >= self.nodes + 2:
             kinds = [k for k in kinds if k != "join"]
         kind = self.rng.choices(kinds, weights=[KINDS[k] for k in kinds])[0]
@@ -187,7 +202,7 @@ class Chaos:
             node = self._start(c)
             self.faults.append(Fault(kind, time.time(), node.name))
             return
-        victim = self.rng.choice(alive)
+        victim = self.rng.choice(training)
         self.faults.append(Fault(kind, time.time(), victim.name))
         if kind == "kill":
             victim.kill()
