@@ -26,10 +26,12 @@ def test_embedded_coordinator_serves_state(make_cluster):
         with urllib.request.urlopen(f"http://{host}:{port}/api/state", timeout=5) as r:
             state = json.load(r)
         assert state["job"] == "test-mlp"
-        assert state["epoch"] == 1
+        assert state["epoch"] >= 1  # a rebalance is an epoch too
         assert sorted(m["name"] for m in state["members"]) == ["a", "b"]
         assert sorted(m["rank"] for m in state["members"]) == [0, 1]
-        assert state["plan"]["shares"] == [15, 15] and state["plan"]["batch_size"] == 30
+        # Two equal nodes; their measured speeds decide the exact split.
+        assert sum(state["plan"]["shares"]) == 30 and state["plan"]["batch_size"] == 30
+        assert all(m["capabilities"]["device"] == "cpu" for m in state["members"])
         assert 1 <= state["step"] <= c.max_committed()  # progress reports lag commits slightly
         codes = c.wait_exit(timeout=90)
         assert codes == {"a": 0, "b": 0}, c.diagnostics()
