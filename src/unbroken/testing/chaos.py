@@ -78,6 +78,7 @@ class ChaosReport:
             "faults_total": len(self.faults),
             "recovery_s": {k: stats(v) for k, v in self.recoveries.items()} | {"all": stats(every)},
             "steps_lost": self.steps_lost,
+            "fault_log": [{"kind": f.kind, "at": f.at, "target": f.target} for f in self.faults],
             "replicas_equal_and_exactly_once": self.promises.ok,
             "final_vs_reference_max_abs_diff": self.max_diff,
             "problems": self.problems,
@@ -232,7 +233,6 @@ class Chaos:
         promises = check_promises(logs, job, finishers=1)
         commits = sorted((e["t"], e["step"]) for entries in logs.values() for e in entries if e["kind"] == "commit")
         recoveries: dict[str, list[float]] = collections.defaultdict(list)
-        lost = 0
         for f in self.faults:
             if f.kind == "join":
                 node = c.nodes.get(f.target)
@@ -241,11 +241,12 @@ class Chaos:
                     recoveries["join (spawn to first commit)"].append(first - f.at)
                 continue
             before = max((s for t, s in commits if t <= f.at), default=0)
-            after = next(((t, s) for t, s in commits if t > f.at), None)
-            if after is None:
-                continue
-            recoveries[f.kind].append(after[0] - f.at)
-            lost += max(0, before - (after[1] - 1))
+            # The group's next new step (other nodes may still commit `before` just after).
+            after = next(((t, s) for t, s in commits if t > f.at and s > before), None)
+            if after is not None:
+                recoveries[f.kind].append(after[0] - f.at)
+        # A lost committed step would have to be committed again later, in another epoch.
+        lost = sum(1 for p in promises.problems if "committed in epoch" in p and "and again" in p)
         problems = list(promises.problems)
         max_diff = None
         if finishers:
