@@ -1,6 +1,6 @@
 """A long chaos soak: 10 minutes of random faults (100+), then every promise checked.
 
-    python bench/chaos_soak.py                     # 600 s at 0.2 faults/s, seed 7
+    python bench/chaos_soak.py                     # 600 s at 0.25 faults/s, seed 7
     python bench/chaos_soak.py --duration 120      # shorter
 
 A thin wrapper over ``unbroken chaos`` (see `unbroken.testing.chaos`) that prints the
@@ -19,7 +19,7 @@ from common import print_command
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=600.0)
-    p.add_argument("--rate", type=float, default=0.2)
+    p.add_argument("--rate", type=float, default=0.25)
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default="/tmp/unbroken-chaos-soak")
