@@ -450,9 +450,7 @@ class Membership:
                     roles = [Role(r) for r in first.roles]
                     self.plan = adopt([m.profile() for m in members], first.shares, roles)
                     self.shares = list(first.shares)
-                    self._planned_times = {
-                        m.member_id: m.profile().time_for(s) for m, s in zip(members, self.shares, strict=True)
-                    }
+                    self._planned_times = self._times(members, self.shares)
                     for mem, role in zip(members, roles, strict=True):
                         mem.role = role
                 for mid in group:
@@ -481,6 +479,11 @@ class Membership:
         self._pending_urgent = self._pending_urgent or urgent
 
     @staticmethod
+    def _times(members: Sequence[Member], shares: Sequence[int]) -> dict[str, float]:
+        """Each member's predicted compute time for its share (what stragglers are judged against)."""
+        return {m.member_id: m.profile().time_for(s) for m, s in zip(members, shares, strict=True)}
+
+    @staticmethod
     def _comm_s(trainers: Sequence[Member]) -> float:
         """Time a step spends outside compute: the all-reduce as the slowest trainer sees it
         (it waits for nobody), i.e. the smallest reported."""
@@ -503,7 +506,7 @@ class Membership:
         self.plan, self.shares = p, list(p.shares)
         self._planned_at = now
         self._better_since = None
-        self._planned_times = {m.member_id: m.profile().time_for(s) for m, s in zip(members, p.shares, strict=True)}
+        self._planned_times = self._times(members, p.shares)
         self._vacated = 0
         self._stragglers.clear()
         for m, role, why in zip(members, p.roles, p.reasons, strict=True):

@@ -398,7 +398,7 @@ class Node:
             self._apply(flat, before)
             self._committed(g, step, global_loss, B / max(time.monotonic() - t0, 1e-9))
             if my_share:
-                self.meter.maybe_recalibrate(self._copy_model, self.state.step)
+                self.meter.maybe_recalibrate(self._probe_model, self.state.step)
             if g.role == "validator":
                 self._maybe_validate()
             if switched > 0 or self.state.step >= self.job.num_steps:
@@ -462,14 +462,16 @@ class Node:
 
     def _calibrate(self) -> None:
         """Measure compute speed and activation memory before joining (on a model copy)."""
-        model = self.job.model().to(self.device) if self.replica.separate else self._copy_model()
         model_bytes = sum(t.numel() * t.element_size() for t in self.state.model.state_dict().values())
-        self.meter.calibrate(model, model_bytes, self.config.memory_limit, self.config.max_microbatch, self.state.step)
+        self.meter.calibrate(
+            self._probe_model(), model_bytes, self.config.memory_limit, self.config.max_microbatch, self.state.step
+        )
 
-    def _copy_model(self) -> torch.nn.Module:
+    def _probe_model(self) -> torch.nn.Module:
+        """A copy of the model on the compute device, for timing passes that must not touch the state."""
         model = self.job.model()
         model.load_state_dict(self.state.model.state_dict())
-        return model
+        return model.to(self.device)
 
     def _capabilities(self) -> m.Capabilities:
         return self.meter.capabilities(self.client.rtt_s, self.state.step)
