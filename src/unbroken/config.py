@@ -56,6 +56,9 @@ class CoordinatorConfig:
 
     codec: str = "none"
     """Codec of the inter-zone hop: none, fp16, bf16, int8, topk or topk:RATIO."""
+    aggregate: str = "mean"
+    """How the members' gradients are combined: ``mean`` (exact synchronous training),
+    ``clip[:C]`` or ``trimmed[:F]`` (robust to a faulty node; see `unbroken.comm.robust`)."""
     token: str | None = field(default=None, repr=False)
     """The job's secret: nodes must prove they hold it to join (none: anyone may join)."""
     tls_cert: Path | None = None
@@ -70,6 +73,12 @@ class CoordinatorConfig:
             make_codec(self.codec)
         except ValueError as exc:
             raise ConfigError(f"CoordinatorConfig.codec: {exc}") from None
+        from unbroken.comm.robust import parse_rule
+
+        try:
+            parse_rule(self.aggregate)
+        except ConfigError as exc:
+            raise ConfigError(f"CoordinatorConfig.aggregate: {exc}") from None
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("CoordinatorConfig: give both tls_cert and tls_key (--tls-cert, --tls-key), or neither")
         for path in (self.tls_cert, self.tls_key):

@@ -36,6 +36,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         event_log=Path(args.event_log) if args.event_log else None,
         balance=args.balance == "throughput",
         codec=args.codec,
+        aggregate=args.aggregate,
         token=load_token(args.token, args.token_file),
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
@@ -202,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="split the batch by measured throughput and memory (rebalancing live), or by the nodes' --weight",
     )
     c.add_argument("--codec", default="none", help="inter-zone codec: none, fp16, bf16, int8, topk[:RATIO]")
+    c.add_argument(
+        "--aggregate",
+        default="mean",
+        help="combine gradients: mean (exact), clip[:C] or trimmed[:F] (robust to a faulty node; an all-gather)",
+    )
     _token_args(c)
     c.add_argument("--tls-cert", help="serve the control plane over TLS: certificate chain (PEM)")
     c.add_argument("--tls-key", help="...and its private key (PEM)")

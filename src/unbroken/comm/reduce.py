@@ -27,6 +27,7 @@ import torch
 
 from unbroken.comm.codecs import Codec
 from unbroken.comm.group import AbortCheck, wait_until, wait_work
+from unbroken.comm.robust import Rule, combine
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,12 @@ class Reducer:
     """How many leading elements of the flat tensor the codec compresses (the gradient)."""
     link: LinkEmulation = field(default_factory=LinkEmulation)
     wire: Wire = field(default_factory=Wire)
+    rule: Rule = field(default_factory=lambda: Rule("mean"))
+    """How the gradient is combined; a robust rule all-gathers every member's contribution."""
+    weights: tuple[float, ...] = ()
+    """Each member's share of the batch (as a fraction), for robust rules."""
+    norms_at: int = 0
+    """Where the members' gradient-norm slots start in the flat tensor (one per rank)."""
 
     def allreduce(
         self,
@@ -121,6 +128,9 @@ class Reducer:
         this zone leader's inter-zone exchange is (fault injection hooks).
         """
         n = flat.numel()
+        if self.rule.robust:
+            self._gather(flat, wake, abort, deadline_s, what, after_post)
+            return
         if not self.zones.multi:
             work = self.pg.allreduce([flat])
             after_post()
@@ -185,6 +195,35 @@ class Reducer:
         flat[:k] = total_head
         flat[k:] = total_tail
         return int(mine.numel()) * (int(count) - 1)
+
+    def _gather(
+        self,
+        flat: torch.Tensor,
+        wake: threading.Event,
+        abort: AbortCheck,
+        deadline_s: float,
+        what: str,
+        after_post: Callable[[], None],
+    ) -> None:
+        """Robust rules see every contribution: all-gather over the whole group (zones are
+        not used), sum the exact tail, combine the gradients by the rule."""
+        size = self.pg.size()
+        rows = [torch.empty_like(flat) for _ in range(size)]
+        work = self.pg.allgather([rows], [flat])
+        after_post()
+        wait_work(work, wake, abort, deadline_s, f"{what} (all-gather)")
+        k = self.compressed
+        tail = torch.zeros(flat.numel() - k, dtype=torch.float32)
+        for row in rows:  # rank order: the same sum on every member
+            tail += row[k:]
+        norms = tail[self.norms_at - k :].tolist()
+        flat[:k] = combine([row[:k] for row in rows], self.weights, norms, self.rule)
+        flat[k:] = tail
+        # A ring all-gather: each rank sends (size - 1) payloads to its successor.
+        sent = 4 * flat.numel() * (size - 1)
+        successor = self.zones.of_rank[(self.rank + 1) % size] if self.zones.of_rank else ""
+        across = self.zones.multi and successor != self.zones.of_rank[self.rank]
+        self.wire.add(0 if across else sent, sent if across else 0)
 
     def _emulate_link(
         self, payload: int, hops: int, wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str

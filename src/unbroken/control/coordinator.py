@@ -84,6 +84,7 @@ class Coordinator:
             min_nodes=self.config.min_nodes,
             balance=self.config.balance,
             codec=self.config.codec,
+            aggregate=self.config.aggregate,
         )
         self.events: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
@@ -244,6 +245,7 @@ class Coordinator:
                 "batch_size": ms.batch_size,
                 "balance": "throughput" if ms.balance else "weights",
                 "codec": ms.codec,
+                "aggregate": ms.aggregate,
             },
             "events": self.events[-200:],
             "recoveries": self.recoveries,

@@ -157,9 +157,12 @@ class Membership:
         min_nodes: int = 1,
         balance: bool = True,
         codec: str = "none",
+        aggregate: str = "mean",
     ) -> None:
         self.codec = codec
         """The inter-zone codec every epoch order carries."""
+        self.aggregate = aggregate
+        """How the members' gradients are combined (every epoch order carries it)."""
         self.lease_s = lease_s
         self.min_nodes = min_nodes
         self.balance = balance
@@ -556,6 +559,7 @@ class Membership:
             microbatches=list(self.plan.microbatches) if self.plan else [],
             zones=[m.zone for m in members] if len({m.zone for m in members}) > 1 else [],
             codec=self.codec,
+            aggregate=self.aggregate,
         )
         # Everyone of the old epoch hears of it (a leaver learns it may go), and everyone of the new.
         for mid in dict.fromkeys(old + order):

@@ -205,6 +205,8 @@ class EpochOrder(_Msg):
     """Each member's zone (empty: one zone)."""
     codec: Annotated[str, Field(max_length=64)] = "none"
     """The codec of the inter-zone hop."""
+    aggregate: Annotated[str, Field(max_length=64)] = "mean"
+    """How the members' gradients are combined: ``mean``, ``clip[:C]`` or ``trimmed[:F]``."""
 
 
 class Expel(_Msg):

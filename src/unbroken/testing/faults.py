@@ -23,10 +23,12 @@ SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTER
 HANG = "hang"
 """Not a signal: the step loop blocks forever while the rest of the process (its control
 session, its heartbeats) stays alive — a stuck data read or a hung kernel."""
-CORRUPT = {"nan": float("nan"), "spike": 1e6}
+CORRUPT = {"nan": float("nan"), "spike": 1e6, "flip": -10.0}
 """Not signals: the node's gradient of that step is poisoned (``nan``: every element NaN;
 ``spike``: multiplied by a million) after its backward pass — a faulty device or a bad
-batch. Use PHASE ``grad``."""
+batch. ``flip`` multiplies it by -10 at that step *and every later one*: a persistently
+wrong node that stays inside the guard's range (robust aggregation's case). Use PHASE ``grad``."""
+PERSISTENT = ("flip",)
 PHASES = ("compute", "allreduce", "exchange", "grad")
 
 
@@ -46,7 +48,7 @@ def parse_faults(spec: str) -> list[Fault]:
         if not known or phase not in PHASES or not (step.isascii() and step.isdigit()):
             raise ConfigError(
                 f"fault {part!r} is not SIGNAL@PHASE:STEP with SIGNAL in {sorted([*SIGNALS, HANG])} "
-                f"(or nan@grad:STEP / spike@grad:STEP) "
+                f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP) "
                 f"and PHASE in {list(PHASES)} (e.g. kill@allreduce:12)"
             )
         out.append(Fault(sig, phase, int(step)))
@@ -56,14 +58,20 @@ def parse_faults(spec: str) -> list[Fault]:
 class FaultPlan:
     def __init__(self, faults: list[Fault], record: Callable[[dict[str, object]], None]) -> None:
         self._pending = list(faults)
+        self._persistent: list[Fault] = []
         self._record = record
 
     def corruption(self, step: int) -> float | None:
-        """The poison for this step's gradient (``nan@grad``, ``spike@grad``), if any; fires once."""
+        """The poison for this step's gradient, if any (``flip`` from its step on, the others once)."""
+        for f in self._persistent:
+            if step >= f.step:
+                return CORRUPT[f.signal]
         for f in self._pending:
             if f.phase == "grad" and f.step == step:
                 self._pending.remove(f)
                 self._record({"kind": "fault", "signal": f.signal, "phase": "grad", "step": step, "pid": os.getpid()})
+                if f.signal in PERSISTENT:
+                    self._persistent.append(f)
                 return CORRUPT[f.signal]
         return None
 

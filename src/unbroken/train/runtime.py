@@ -33,6 +33,7 @@ import torch
 from unbroken.comm.codecs import Codec, make_codec
 from unbroken.comm.group import EpochGroup, Graveyard, StoreClient, build_group, wait_until
 from unbroken.comm.reduce import LinkEmulation, Reducer, Wire, Zones
+from unbroken.comm.robust import parse_rule
 from unbroken.comm.transfer import sync_state
 from unbroken.config import NodeConfig
 from unbroken.control import messages as m
@@ -283,8 +284,18 @@ class Node:
         zones = Zones(tuple(order.zones) if order.zones else tuple("" for _ in order.members))
         if self._codec is None or self._codec_spec != order.codec:
             self._codec, self._codec_spec = make_codec(order.codec), order.codec
+        B = self.job.batch_size
         reducer = Reducer(
-            rank, zones, pg, codec=self._codec, compressed=self.compressed_numel, link=self.link, wire=self.wire
+            rank,
+            zones,
+            pg,
+            codec=self._codec,
+            compressed=self.compressed_numel,
+            link=self.link,
+            wire=self.wire,
+            rule=parse_rule(order.aggregate),
+            weights=tuple(s / B for s in order.shares),
+            norms_at=self.numel + _EXTRA,
         )
         if not zones.multi:
             return reducer

@@ -104,3 +104,10 @@ def test_the_fault_is_recorded_before_the_signal(harmless_signals: list[str]) ->
     plan.maybe_fire("compute", 0)
     assert seen_at_record == [[]]
     assert harmless_signals == ["term"]
+
+
+def test_a_flip_poisons_its_step_and_every_later_one() -> None:
+    recorded: list[dict[str, object]] = []
+    plan = FaultPlan(parse_faults("flip@grad:3"), recorded.append)
+    assert [plan.corruption(s) for s in range(6)] == [None, None, None, -10.0, -10.0, -10.0]
+    assert len(recorded) == 1 and recorded[0]["signal"] == "flip"
