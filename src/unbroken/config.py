@@ -59,6 +59,15 @@ class CoordinatorConfig:
     aggregate: str = "mean"
     """How the members' gradients are combined: ``mean`` (exact synchronous training),
     ``clip[:C]`` or ``trimmed[:F]`` (robust to a faulty node; see `unbroken.comm.robust`)."""
+    mode: str = "sync"
+    """``sync`` (one all-reduce per step, exact large-batch math) or ``diloco`` (each zone trains
+    alone for ``inner_steps``, then the zones exchange pseudo-gradients; see `unbroken.train.diloco`)."""
+    inner_steps: int = 50
+    """DiLoCo: inner steps per round (H)."""
+    outer_lr: float = 0.7
+    """DiLoCo: learning rate of the outer optimizer (SGD with Nesterov momentum)."""
+    outer_momentum: float = 0.9
+    """DiLoCo: momentum of the outer optimizer."""
     token: str | None = field(default=None, repr=False)
     """The job's secret: nodes must prove they hold it to join (none: anyone may join)."""
     tls_cert: Path | None = None
@@ -74,6 +83,12 @@ class CoordinatorConfig:
         except ValueError as exc:
             raise ConfigError(f"CoordinatorConfig.codec: {exc}") from None
         from unbroken.comm.robust import parse_rule
+
+        if self.mode not in ("sync", "diloco"):
+            raise ConfigError(f"CoordinatorConfig.mode = {self.mode!r}: choose 'sync' or 'diloco' (--mode)")
+        _check_range("CoordinatorConfig", "inner_steps", self.inner_steps, 1, 1_000_000)
+        _check_range("CoordinatorConfig", "outer_lr", self.outer_lr, 1e-6, 100)
+        _check_range("CoordinatorConfig", "outer_momentum", self.outer_momentum, 0, 0.999)
 
         try:
             parse_rule(self.aggregate)

@@ -37,6 +37,10 @@ def _coordinator(args: argparse.Namespace) -> int:
         balance=args.balance == "throughput",
         codec=args.codec,
         aggregate=args.aggregate,
+        mode=args.mode,
+        inner_steps=args.inner_steps,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
         token=load_token(args.token, args.token_file),
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
@@ -208,6 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="mean",
         help="combine gradients: mean (exact), clip[:C] or trimmed[:F] (robust to a faulty node; an all-gather)",
     )
+    c.add_argument(
+        "--mode",
+        choices=["sync", "diloco"],
+        default="sync",
+        help="sync: one all-reduce per step; diloco: each zone trains alone for --inner-steps, then the zones "
+        "exchange pseudo-gradients (compressed by --codec) and apply an outer Nesterov step",
+    )
+    c.add_argument("--inner-steps", type=int, default=50, help="diloco: inner steps per round (H)")
+    c.add_argument("--outer-lr", type=float, default=0.7, help="diloco: outer learning rate")
+    c.add_argument("--outer-momentum", type=float, default=0.9, help="diloco: outer Nesterov momentum")
     _token_args(c)
     c.add_argument("--tls-cert", help="serve the control plane over TLS: certificate chain (PEM)")
     c.add_argument("--tls-key", help="...and its private key (PEM)")

@@ -196,6 +196,26 @@ class Reducer:
         flat[k:] = total_tail
         return int(mine.numel()) * (int(count) - 1)
 
+    def zone_allreduce(
+        self,
+        flat: torch.Tensor,
+        wake: threading.Event,
+        abort: AbortCheck,
+        deadline_s: float,
+        what: str,
+        after_post: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Sum over this node's zone only (DiLoCo's inner steps: nothing crosses zones)."""
+        pg = self.zone_pg if self.zones.multi else self.pg
+        if pg is None:  # alone in its zone
+            after_post()
+            self.wire.add(0, 0)
+            return
+        work = pg.allreduce([flat])
+        after_post()
+        wait_work(work, wake, abort, deadline_s, what)
+        self.wire.add(_ring_allreduce_bytes(4 * flat.numel(), pg.size()), 0)
+
     def _gather(
         self,
         flat: torch.Tensor,

@@ -11,13 +11,13 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from unbroken.comm.group import AbortCheck, run_abortable, wait_work
 from unbroken.errors import TransferError
-from unbroken.state.snapshot import TrainState, digest_prefix
+from unbroken.state.snapshot import digest_prefix
 from unbroken.train.sync import plan_sync
 
 CHUNK_BYTES = 8 << 20
@@ -91,8 +91,21 @@ class SyncResult:
     seconds: float = 0.0
 
 
+class Replicated(Protocol):
+    """What the sync phase compares and moves (a `TrainState`, or part of one)."""
+
+    @property
+    def step(self) -> int: ...
+
+    def digest(self) -> str: ...
+
+    def to_bytes(self) -> torch.Tensor: ...
+
+    def load_bytes(self, payload: torch.Tensor) -> None: ...
+
+
 def sync_state(
-    pg: Any, rank: int, size: int, state: TrainState, wake: threading.Event, abort: AbortCheck, deadline_s: float
+    pg: Any, rank: int, size: int, state: Replicated, wake: threading.Event, abort: AbortCheck, deadline_s: float
 ) -> SyncResult:
     """The sync phase: compare (step, digest) across the group; whoever is behind or
     different receives the state of the majority at the highest step (`plan_sync`)."""

@@ -85,6 +85,11 @@ class Coordinator:
             balance=self.config.balance,
             codec=self.config.codec,
             aggregate=self.config.aggregate,
+            diloco=(
+                (self.config.inner_steps, self.config.outer_lr, self.config.outer_momentum)
+                if self.config.mode == "diloco"
+                else None
+            ),
         )
         self.events: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
@@ -246,6 +251,7 @@ class Coordinator:
                 "balance": "throughput" if ms.balance else "weights",
                 "codec": ms.codec,
                 "aggregate": ms.aggregate,
+                "mode": "diloco" if ms.diloco else "sync",
             },
             "events": self.events[-200:],
             "recoveries": self.recoveries,

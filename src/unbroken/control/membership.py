@@ -22,6 +22,7 @@ import enum
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from unbroken.control.messages import Capabilities, EpochOrder, Hello, Resume, TensorSpec
 from unbroken.sched.balance import Plan, Preference, Profile, Role, adopt, plan, rebalance
@@ -158,7 +159,10 @@ class Membership:
         balance: bool = True,
         codec: str = "none",
         aggregate: str = "mean",
+        diloco: tuple[int, float, float] | None = None,
     ) -> None:
+        self.diloco = diloco
+        """DiLoCo's (inner steps, outer lr, outer momentum), or None for synchronous training."""
         self.codec = codec
         """The inter-zone codec every epoch order carries."""
         self.aggregate = aggregate
@@ -481,6 +485,12 @@ class Membership:
                 self._pending_reason += f"; {reason}"
         self._pending_urgent = self._pending_urgent or urgent
 
+    def _mode(self) -> dict[str, Any]:
+        if self.diloco is None:
+            return {}
+        h, lr, momentum = self.diloco
+        return {"mode": "diloco", "inner_steps": h, "outer_lr": lr, "outer_momentum": momentum}
+
     @staticmethod
     def _times(members: Sequence[Member], shares: Sequence[int]) -> dict[str, float]:
         """Each member's predicted compute time for its share (what stragglers are judged against)."""
@@ -560,6 +570,7 @@ class Membership:
             zones=[m.zone for m in members] if len({m.zone for m in members}) > 1 else [],
             codec=self.codec,
             aggregate=self.aggregate,
+            **self._mode(),
         )
         # Everyone of the old epoch hears of it (a leaver learns it may go), and everyone of the new.
         for mid in dict.fromkeys(old + order):

@@ -207,6 +207,11 @@ class EpochOrder(_Msg):
     """The codec of the inter-zone hop."""
     aggregate: Annotated[str, Field(max_length=64)] = "mean"
     """How the members' gradients are combined: ``mean``, ``clip[:C]`` or ``trimmed[:F]``."""
+    mode: Literal["sync", "diloco"] = "sync"
+    """``sync``: one all-reduce per step; ``diloco``: zones train alone for ``inner_steps``."""
+    inner_steps: Annotated[int, Field(ge=1, le=1_000_000)] = 50
+    outer_lr: Annotated[float, Field(gt=0, le=100)] = 0.7
+    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
 
 
 class Expel(_Msg):

@@ -59,29 +59,52 @@ class TrainState:
     step: int = 0
     cursor: int = 0
     """Samples consumed so far (step * B): where the next step's data starts."""
+    outer: torch.optim.Optimizer | None = None
+    """DiLoCo's outer optimizer (its momentum is committed state); None in sync mode."""
+    pending_outer: dict[str, Any] | None = None
+    """An outer optimizer state restored before the outer optimizer existed (attached later)."""
+    optimizer_in_digest: bool = True
+    """False in DiLoCo mode: the inner optimizer belongs to a zone, not to every replica."""
+
+    def attach_outer(self, outer: torch.optim.Optimizer) -> None:
+        self.outer = outer
+        if self.pending_outer is not None:
+            outer.load_state_dict(self.pending_outer)
+            self.pending_outer = None
 
     def digest(self) -> str:
         h = hashlib.blake2b(digest_size=16)
         _hash_tree(h, {"step": self.step, "cursor": self.cursor})
         _hash_tree(h, self.model.state_dict())
-        _hash_tree(h, self.optimizer.state_dict())
+        if self.optimizer_in_digest:
+            _hash_tree(h, self.optimizer.state_dict())
+        if self.outer is not None:
+            _hash_tree(h, self.outer.state_dict())
         return h.hexdigest()
 
     def capture(self) -> dict[str, Any]:
         """A deep copy of the state, safe to serialise on another thread."""
-        return {
+        snap = {
             "step": self.step,
             "cursor": self.cursor,
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "rng": {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])},
         }
+        if self.outer is not None:
+            snap["outer"] = copy.deepcopy(self.outer.state_dict())
+        return snap
 
     def restore(self, snap: dict[str, Any]) -> None:
         self.model.load_state_dict(snap["model"])
         self.optimizer.load_state_dict(snap["optimizer"])
         self.step = int(snap["step"])
         self.cursor = int(snap["cursor"])
+        if "outer" in snap:
+            if self.outer is not None:
+                self.outer.load_state_dict(snap["outer"])
+            else:
+                self.pending_outer = snap["outer"]
         torch.set_rng_state(snap["rng"]["torch"])
         state = random.getstate()
         random.setstate((state[0], tuple(snap["rng"]["python"]), state[2]))

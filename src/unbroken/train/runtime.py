@@ -33,7 +33,7 @@ import torch
 from unbroken.comm.codecs import Codec, make_codec
 from unbroken.comm.group import EpochGroup, Graveyard, StoreClient, build_group, wait_until
 from unbroken.comm.reduce import LinkEmulation, Reducer, Wire, Zones
-from unbroken.comm.robust import parse_rule
+from unbroken.comm.robust import Rule, parse_rule
 from unbroken.comm.transfer import sync_state
 from unbroken.config import NodeConfig
 from unbroken.control import messages as m
@@ -55,6 +55,7 @@ from unbroken.testing.faults import Fault, FaultPlan
 from unbroken.testing.throttle import parse_throttle
 from unbroken.train.data import DataPlan
 from unbroken.train.device import ComputeReplica, OutOfMemory, resolve_device
+from unbroken.train.diloco import DiLoCo
 from unbroken.train.guard import judge
 from unbroken.train.measure import Meter
 from unbroken.train.sidecar import Sidecar
@@ -118,6 +119,8 @@ class Node:
         self.checkpointer = Checkpointer(config.checkpoint_dir) if config.checkpoint_dir else None
         self._fingerprint = fingerprint(model)
         self.group: EpochGroup | None = None
+        self.diloco: DiLoCo | None = None
+        """DiLoCo's outer loop, once an epoch order says ``mode="diloco"``."""
         self._leave_requested = False
         self._leave_sent_at: float | None = None
         self._last_progress = 0.0
@@ -278,6 +281,8 @@ class Node:
             self.job.batch_size, took * 1e3,
         )  # fmt: skip
         self._set_role(self.group.role)
+        if order.mode == "diloco" and self.diloco is None:
+            self.diloco = DiLoCo(self, order)
 
     def _build_reducer(self, order: m.EpochOrder, rank: int, pg: Any, store: Any, prefix: str, abort: Any) -> Reducer:
         """The step's reduction: flat, or two-level with a zone group and a leaders' group."""
@@ -293,7 +298,7 @@ class Node:
             compressed=self.compressed_numel,
             link=self.link,
             wire=self.wire,
-            rule=parse_rule(order.aggregate),
+            rule=parse_rule(order.aggregate) if order.mode == "sync" else Rule("mean"),
             weights=tuple(s / B for s in order.shares),
             norms_at=self.numel + _EXTRA,
         )
@@ -326,10 +331,14 @@ class Node:
 
     def _sync(self) -> None:
         """Compare (step, digest) across the group; whoever is behind or different catches up."""
+        if self.diloco is not None:
+            self.diloco.rollback()
         g = self.group
         assert g is not None and g.pg is not None
         abort = functools.partial(self._abort_reason, during_step=False)
         r = sync_state(g.pg, g.rank, g.size, self.state, self.wake, abort, self.config.collective_timeout_s)
+        if self.diloco is not None:
+            self.diloco.sync_zone(received=r.role == "receiver")
         if r.role == "source":
             log.info(
                 "%s: sent state of step %d (%.1f MB) to ranks %s in %.2f s",
@@ -346,6 +355,9 @@ class Node:
     # ---------------------------------------------------------------- steps
 
     def _train(self) -> None:
+        if self.diloco is not None:
+            self.diloco.train()
+            return
         g = self.group
         assert g is not None and g.pg is not None
         B = self.job.batch_size
@@ -577,18 +589,41 @@ class Node:
         if every and self.state.step % every == 0:
             entry["digest"] = self.state.digest()
         self._log(entry)
+        self._report(g, self.state.step, loss, sps)
+        self._maybe_checkpoint(g)
+
+    def _committed_round(self, g: EpochGroup, first: int, last: int, loss: float) -> None:
+        """DiLoCo: the outer step commits the round's inner steps ``first``..``last`` at once."""
+        self.state.step = last + 1
+        self.state.cursor = self.state.step * self.job.batch_size
+        self.client.step = self.state.step
+        for s in range(first + 1, last + 2):
+            entry: dict[str, Any] = {"kind": "commit", "epoch": g.epoch, "step": s, "loss": loss}
+            if s == last + 1:
+                entry["digest"] = self.state.digest()
+                entry["outer"] = True
+                if self.wire.last_inter:
+                    entry["wire"] = {"intra": self.wire.last_intra, "inter": self.wire.last_inter}
+            self._log(entry)
+        log.info(
+            "%s: outer step at %d/%d, epoch %d, %d members, loss %.4f",
+            self.name, self.state.step, self.job.num_steps, g.epoch, g.size, loss,
+        )  # fmt: skip
+        self._maybe_checkpoint(g)
+
+    def _report(self, g: EpochGroup, step: int, loss: float, sps: float) -> None:
         now = time.monotonic()
-        if now - self._last_progress_log >= PROGRESS_LOG_EVERY_S or self.state.step == self.job.num_steps:
+        if now - self._last_progress_log >= PROGRESS_LOG_EVERY_S or step == self.job.num_steps:
             log.info(
                 "%s: step %d/%d, epoch %d, %d members, loss %.4f",
-                self.name, self.state.step, self.job.num_steps, g.epoch, g.size, loss,
+                self.name, step, self.job.num_steps, g.epoch, g.size, loss,
             )  # fmt: skip
             self._last_progress_log = now
         if self._first_in_epoch or now - self._last_progress >= PROGRESS_EVERY_S:
             self.client.send(
                 m.Progress(
                     epoch=g.epoch,
-                    step=self.state.step,
+                    step=step,
                     loss=loss if math.isfinite(loss) else -1.0,
                     wall_time=time.time(),
                     first_in_epoch=self._first_in_epoch,
@@ -601,6 +636,8 @@ class Node:
             )
             self._first_in_epoch = False
             self._last_progress = now
+
+    def _maybe_checkpoint(self, g: EpochGroup) -> None:
         ck = self.config.checkpoint_every
         if self.checkpointer is not None and ck and self.state.step % ck == 0 and g.rank == 0:
             self.checkpointer.save_async(self.state.capture())
