@@ -173,7 +173,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--balance", choices=["throughput", "weights"], default="throughput", help="the coordinator's --balance"
     )
-    p.add_argument("--samples", type=int, default=4096, help="training set size")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=24000,
+        help="training set size (default: the sample budget, each sample seen once, as in pretraining; a small set "
+        "seen many times makes the held-out loss a measure of overfitting)",
+    )
     p.add_argument("--heldout", type=int, default=2048, help="held-out samples for the final loss")
     p.add_argument("--tail", type=int, default=10, help="commit losses in the training-loss median")
     p.add_argument("--latency-ms", type=float, default=25.0, help="one-way inter-zone latency (half the RTT)")

@@ -82,3 +82,20 @@ def test_a_zone_leader_killed_mid_exchange_is_replaced_and_a_dead_zone_drops_out
     b2_inter = [e for e in c.nodes["b2"].entries() if e["kind"] == "commit" and e.get("wire", {}).get("inter")]
     assert b2_inter and min(e["step"] for e in b2_inter) <= 17, "b2 must have taken over as B's leader"
     assert_promises(c, ENV, finishers=2)
+
+
+def test_auto_zones_on_one_site_make_one_zone(make_cluster):
+    # Loopback: every node sees the coordinator within a millisecond, so --zone auto groups
+    # them all into one zone and the step stays a plain all-reduce (exact: the reference).
+    env = {**ENV, "UB_TEST_STEPS": "40"}
+    c = make_cluster(env=env, min_nodes=3, node_args=["--digest-every", "1", "--zone", "auto"])
+    c.start_coordinator()
+    for name in ("n1", "n2", "n3"):
+        c.start_node(name)
+    c.wait_for(lambda: len(c.state()["members"]) == 3 and c.max_committed() >= 5, 60, "three members training")
+    state = c.state()
+    assert {m["zone"] for m in state["members"]} == {"auto-1"}, state["members"]
+    assert all(m["capabilities"]["rtt_s"] < 0.010 for m in state["members"]), state["members"]
+    codes = c.wait_exit(timeout=120)
+    assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
+    assert_promises(c, env, finishers=3)

@@ -241,7 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: the cost model decides; standby: a hot spare promoted when a trainer fails",
     )
-    n.add_argument("--zone", help="where this node is (site, region): reduction is two-level across zones")
+    n.add_argument(
+        "--zone",
+        help="where this node is (site, region): reduction is two-level across zones; auto: grouped by round-trip "
+        "time to the coordinator",
+    )
     n.add_argument("--link-latency-ms", type=float, default=0.0, help="testing aid: emulated inter-zone latency")
     n.add_argument("--link-mbit", type=float, default=0.0, help="testing aid: emulated inter-zone Mbit/s (0: none)")
     n.add_argument("--throttle", help="testing aid: emulate a slower device, e.g. 0.25 or 1,40:0.25,80:1")

@@ -21,6 +21,7 @@ import ssl
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import aiohttp
@@ -70,6 +71,7 @@ class ControlClient:
         self._last_acked_send = 0.0
         self._sent: dict[int, float] = {}
         self.rtt_s = 0.0
+        self._rtts: deque[float] = deque(maxlen=20)
         """Round-trip time of heartbeats to the coordinator, smoothed."""
         self._seq = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -320,8 +322,10 @@ class ControlClient:
                 sent = self._sent.get(msg.seq)
                 if sent is not None:
                     self._last_acked_send = max(self._last_acked_send, sent)
-                    rtt = time.monotonic() - sent
-                    self.rtt_s = rtt if self.rtt_s == 0 else 0.8 * self.rtt_s + 0.2 * rtt
+                    self._rtts.append(time.monotonic() - sent)
+                    # The least of recent round trips is the path's latency; a busy node's
+                    # scheduling delays only add to it (zones by RTT must not follow load).
+                    self.rtt_s = min(self._rtts)
                 return
             if isinstance(msg, m.EpochOrder):
                 newest = self.orders[-1].epoch if self.orders else -1

@@ -204,6 +204,7 @@ class Coordinator:
         ms = self.membership
         now = time.monotonic()
         members = []
+        zones = dict(zip(ms.members, ms.zones_of(list(ms.members.values())), strict=True))
         for mid, mem in ms.members.items():
             rank = ms.epoch_members.index(mid) if mid in ms.epoch_members else None
             members.append(
@@ -225,7 +226,7 @@ class Coordinator:
                     "compute_s": list(mem.compute_times)[-1:] or None,
                     "capabilities": mem.caps.model_dump(),
                     "validation": mem.validation,
-                    "zone": mem.zone or "default",
+                    "zone": zones[mid] or "default",
                     "refused_gradients": mem.flags,
                     "quarantined": mem.quarantined,
                     "bytes_sent": {"intra_zone": mem.bytes_intra, "inter_zone": mem.bytes_inter},

@@ -27,6 +27,7 @@ from typing import Any
 from unbroken.control.messages import Capabilities, EpochOrder, Hello, Resume, TensorSpec
 from unbroken.sched.balance import Plan, Preference, Profile, Role, adopt, plan, rebalance
 from unbroken.sched.stragglers import find_stragglers
+from unbroken.sched.zones import AUTO, group_by_rtt
 
 JOIN_SETTLE_S = 0.25
 """Joins that arrive this close together share one epoch change."""
@@ -172,6 +173,8 @@ class Membership:
         self.balance = balance
         """Shares and roles follow measured throughput (else: the operators' weights)."""
         self.plan: Plan | None = None
+        self._zones_in_force: list[str] = []
+        """The zones of the epoch in force (empty: one zone)."""
         self._planned_at = now
         self._planned_times: dict[str, float] = {}
         self._next_rebalance = now
@@ -422,7 +425,15 @@ class Membership:
             if mid not in self._stragglers:
                 self._stragglers.add(mid)
                 d.events.append(self._event(now, "straggler", mid, f"{self.members[mid].name}: {why}"))
-        if not self.balance or now - self._planned_at < PLAN_DWELL_S:
+        if now - self._planned_at < PLAN_DWELL_S:
+            return d
+        if any(m.zone == AUTO for m in live):
+            zones = self.zones_of(live)
+            if (zones if len(set(zones)) > 1 else []) != self._zones_in_force:
+                groups = ", ".join(f"{m.name} {z}" for m, z in zip(live, zones, strict=True) if m.zone == AUTO)
+                self._want_epoch(now, urgent=False, reason=f"zones regrouped by round-trip time: {groups}", delay=0.0)
+                return d
+        if not self.balance:
             return d
         if any(len(m.compute_times) < PLAN_DWELL_STEPS for m in trainers):
             return d
@@ -484,6 +495,12 @@ class Membership:
             if reason not in self._pending_reason:
                 self._pending_reason += f"; {reason}"
         self._pending_urgent = self._pending_urgent or urgent
+
+    @staticmethod
+    def zones_of(members: Sequence[Member]) -> list[str]:
+        """Each member's zone: its own, or for ``--zone auto`` one grouped by round-trip time."""
+        auto = group_by_rtt({m.member_id: m.caps.rtt_s for m in members if m.zone == AUTO})
+        return [auto.get(m.member_id, m.zone) for m in members]
 
     def _mode(self) -> dict[str, Any]:
         if self.diloco is None:
@@ -557,6 +574,8 @@ class Membership:
         self.epoch_members = order
         members = [self.members[m] for m in order]
         d.events.extend(self._make_plan(members, now))
+        zones = self.zones_of(members)
+        self._zones_in_force = zones if len(set(zones)) > 1 else []
         for m in members:
             m.state = MemberState.ACTIVE
         msg = EpochOrder(
@@ -567,7 +586,7 @@ class Membership:
             reason=reason,
             roles=[r.value for r in self.plan.roles] if self.plan else [],
             microbatches=list(self.plan.microbatches) if self.plan else [],
-            zones=[m.zone for m in members] if len({m.zone for m in members}) > 1 else [],
+            zones=self._zones_in_force,
             codec=self.codec,
             aggregate=self.aggregate,
             **self._mode(),

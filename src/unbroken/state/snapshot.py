@@ -13,7 +13,7 @@ import io
 import json
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -50,6 +50,17 @@ def _hash_tree(h: Any, obj: Any) -> None:
         h.update(json.dumps(obj, default=str).encode())
 
 
+class NodeLocal(Protocol):
+    """State that belongs to one node, not to the replicas (a codec's error-feedback
+    residual): saved in that node's snapshots and restored only by the same node."""
+
+    owner: str
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 @dataclass
 class TrainState:
     """Model, optimizer, committed step and data cursor of one replica."""
@@ -65,6 +76,8 @@ class TrainState:
     """An outer optimizer state restored before the outer optimizer existed (attached later)."""
     optimizer_in_digest: bool = True
     """False in DiLoCo mode: the inner optimizer belongs to a zone, not to every replica."""
+    node_local: NodeLocal | None = None
+    """This node's own state; not in the digest, travels in snapshots under its owner's name."""
 
     def attach_outer(self, outer: torch.optim.Optimizer) -> None:
         self.outer = outer
@@ -93,6 +106,8 @@ class TrainState:
         }
         if self.outer is not None:
             snap["outer"] = copy.deepcopy(self.outer.state_dict())
+        if self.node_local is not None:
+            snap["local"] = {"owner": self.node_local.owner, "state": self.node_local.state_dict()}
         return snap
 
     def restore(self, snap: dict[str, Any]) -> None:
@@ -100,6 +115,9 @@ class TrainState:
         self.optimizer.load_state_dict(snap["optimizer"])
         self.step = int(snap["step"])
         self.cursor = int(snap["cursor"])
+        local = snap.get("local")
+        if local is not None and self.node_local is not None and local.get("owner") == self.node_local.owner:
+            self.node_local.load_state_dict(local["state"])  # a peer's residual is not ours: ignored
         if "outer" in snap:
             if self.outer is not None:
                 self.outer.load_state_dict(snap["outer"])

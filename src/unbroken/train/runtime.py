@@ -111,6 +111,8 @@ class Node:
         self.wire = Wire()
         self._codec: Codec | None = None
         self._codec_spec = ""
+        self._pending_codec_state: dict[str, Any] | None = None
+        self.state.node_local = _CodecResidual(self)
         self.reducer: Reducer
         self.data = DataPlan(job.num_samples, job.batch_size, job.seed)
         self.faults = FaultPlan(faults or [], self._log)
@@ -289,6 +291,9 @@ class Node:
         zones = Zones(tuple(order.zones) if order.zones else tuple("" for _ in order.members))
         if self._codec is None or self._codec_spec != order.codec:
             self._codec, self._codec_spec = make_codec(order.codec), order.codec
+            if self._pending_codec_state is not None and self._pending_codec_state.get("spec") == order.codec:
+                self._codec.load_state_dict(self._pending_codec_state["codec"])
+            self._pending_codec_state = None
         B = self.job.batch_size
         reducer = Reducer(
             rank,
@@ -731,6 +736,31 @@ class Node:
             entry = {"t": time.time(), "node": self.name, **entry}
             self._log_file.write(json.dumps(entry) + "\n")
             self._log_file.flush()
+
+
+class _CodecResidual:
+    """The inter-zone codec's error-feedback residual as node-local snapshot state: a node
+    restarted from its own checkpoint resumes it, so no compression error is dropped."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.owner = node.name
+
+    def state_dict(self) -> dict[str, Any]:
+        codec = self.node._codec
+        if codec is None:
+            return {}
+        state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in codec.state_dict().items()}
+        return {"spec": self.node._codec_spec, "codec": state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        codec = self.node._codec
+        if codec is not None and self.node._codec_spec == state["spec"]:
+            codec.load_state_dict(state["codec"])
+        else:  # the codec is made when the first epoch order names it
+            self.node._pending_codec_state = state
 
 
 def run_node(job: Job, config: NodeConfig, faults: list[Fault] | None = None) -> NodeResult:

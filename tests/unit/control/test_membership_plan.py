@@ -546,3 +546,40 @@ def test_a_refused_gradient_benches_its_member_and_repeat_offenders_are_quaranti
     ms2.fault("a", ms2.epoch, "refused", 1.0, culprit="c")
     assert only_order(ms2.tick(1.0)).shares[2] == 0
     assert ms2.members["c"].profile(1.0 + BENCH_S + 1).benched is False
+
+
+# ---------------------------------------------------------------- zones by round-trip time
+
+
+def test_auto_zones_form_from_measured_round_trips_in_a_non_urgent_epoch() -> None:
+    ms, d = form({"a": FAST, "b": FAST, "c": FAST, "d": FAST}, batch_size=B, zone="auto")
+    assert only_order(d).zones == []  # nothing measured yet: one zone
+    rtts = {"a": 0.0003, "b": 0.0005, "c": 0.041, "d": 0.046}
+    for rank, mid in enumerate(ms.epoch_members):
+        caps = Capabilities(per_sample_s=FAST, measurements=3, rtt_s=rtts[mid])
+        ms.progress(mid, 1, 1.0, 1.0, T0 + 0.1, epoch=ms.epoch, compute_s=ms.shares[rank] * FAST, caps=caps)
+    when, d, _ = tick_until_order(ms, T0 + 0.1, T0 + PLAN_DWELL_S + 2.0)
+    order = only_order(d)
+    assert when >= T0 + PLAN_DWELL_S and order.urgent is False
+    assert order.reason.startswith("zones regrouped by round-trip time")
+    zone = dict(zip(order.members, order.zones, strict=True))
+    assert zone == {"a": "auto-1", "b": "auto-1", "c": "auto-2", "d": "auto-2"}
+    # Formed: the same measurements ask for nothing more.
+    for t in (when + 0.05, when + PLAN_DWELL_S + 0.5):
+        d = ms.tick(t)
+        assert not d.orders or "zones" not in only_order(d).reason
+
+
+def test_named_zones_and_auto_zones_mix() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0)
+    caps = {"x": 0.0002, "y": 0.0004}
+    for mid, zone in (("x", "auto"), ("y", "auto"), ("p", "paris"), ("q", "paris")):
+        c = Capabilities(per_sample_s=FAST, measurements=3, rtt_s=caps.get(mid, 0.03))
+        assert ms.admit(hello(mid, B, capabilities=c, zone=zone), 0.0).refuse is None
+    order = only_order(ms.tick(JOIN_SETTLE_S))
+    assert dict(zip(order.members, order.zones, strict=True)) == {
+        "x": "auto-1",
+        "y": "auto-1",
+        "p": "paris",
+        "q": "paris",
+    }

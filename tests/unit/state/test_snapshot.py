@@ -158,3 +158,47 @@ def test_digest_prefix_fits_a_signed_int64_and_follows_the_digest() -> None:
     assert digest_prefix("0000000000000002" + "f" * 16) == 1
     d1, d2 = make_state(0).digest(), make_state(1).digest()
     assert digest_prefix(d1) != digest_prefix(d2)
+
+
+class Residual:
+    """A node-local state, as `unbroken.state.snapshot.NodeLocal` describes it."""
+
+    def __init__(self, owner: str, value: float) -> None:
+        self.owner = owner
+        self.value = torch.full((3,), value)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"residual": self.value.clone()}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        value = state["residual"]
+        assert isinstance(value, torch.Tensor)
+        self.value = value
+
+
+def test_node_local_state_returns_only_to_its_owner_and_stays_out_of_the_digest() -> None:
+    a, b = make_state(), make_state()
+    a.node_local, b.node_local = Residual("a", 1.0), Residual("b", 2.0)
+    assert a.digest() == b.digest()
+    snap = a.capture()
+    a.node_local.value.fill_(9.0)
+    a.restore(snap)  # its own snapshot: the residual comes back
+    assert torch.equal(a.node_local.value, torch.full((3,), 1.0))
+    b.restore(snap)  # a peer's snapshot: the model is taken, the residual is not
+    assert torch.equal(b.node_local.value, torch.full((3,), 2.0))
+
+
+def test_an_outer_optimizer_is_committed_state_even_when_attached_after_a_restore() -> None:
+    a = make_state()
+    outer = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.7, momentum=0.9, nesterov=True)
+    outer.param_groups[0]["params"][0].grad = torch.ones(2)
+    outer.step()
+    a.attach_outer(outer)
+    snap = a.capture()
+    b = make_state()
+    b.restore(snap)  # before b has an outer optimizer: kept aside
+    fresh = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.7, momentum=0.9, nesterov=True)
+    b.attach_outer(fresh)
+    assert a.digest() == b.digest()
+    fresh.state.clear()
+    assert a.digest() != b.digest()

@@ -1,0 +1,41 @@
+"""Zones from measured round-trip times, for nodes started with ``--zone auto``.
+
+Nodes of one site see the coordinator at about the same round-trip time; nodes of another
+site, a city away, at tens of milliseconds more. Sorting the members' RTTs and cutting
+where the next one is far above the previous (``GAP_RATIO`` times and ``MIN_GAP_S`` more)
+recovers the sites. The RTT is to the coordinator, so two sites at the same distance from
+it fall into one zone: give those nodes ``--zone`` names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+AUTO = "auto"
+"""The zone a node asks for when the coordinator should choose."""
+GAP_RATIO = 2.0
+"""A new zone starts where an RTT is at least this many times the previous one..."""
+MIN_GAP_S = 0.010
+"""...and at least this much longer: a few milliseconds of jitter, or nodes across one city,
+must not split a site."""
+
+
+def group_by_rtt(
+    rtts: Mapping[str, float], gap_ratio: float = GAP_RATIO, min_gap_s: float = MIN_GAP_S
+) -> dict[str, str]:
+    """Each member's zone, ``auto-1`` (nearest the coordinator) to ``auto-N``.
+
+    ``rtts`` maps member ids to their smoothed round-trip time in seconds (0: not measured
+    yet, counted as nearest). Members with the same RTT always share a zone; the result
+    depends only on the values, not on the order of the mapping.
+    """
+    ordered = sorted(rtts.items(), key=lambda kv: (kv[1], kv[0]))
+    zones: dict[str, str] = {}
+    zone = 1
+    previous: float | None = None
+    for member, rtt in ordered:
+        if previous is not None and rtt - previous >= min_gap_s and rtt >= gap_ratio * previous:
+            zone += 1
+        zones[member] = f"{AUTO}-{zone}"
+        previous = rtt
+    return zones
