@@ -97,3 +97,17 @@ def test_every_member_computes_the_same_bits(rule: Rule) -> None:
     rows, weights, norms = contributions(means, [1, 2, 3, 4, 6], 16)
     first = combine([r.clone() for r in rows], weights, norms, rule)
     assert all(torch.equal(first, combine([r.clone() for r in rows], weights, norms, rule)) for _ in range(3))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 16, 17])
+def test_the_trimmed_mean_orders_coordinates_exactly_like_a_sort(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    means = [torch.randn(257, generator=g) for _ in range(n)]
+    rows, weights, norms = contributions(means, [1] * n, n)
+    t = trim_count(n, 0.25)
+    exact = [r / w for r, w in zip(rows, weights, strict=True)]  # what each node's row says
+    kept = torch.sort(torch.stack(exact), dim=0).values[t : n - t]
+    expected = torch.zeros(257)
+    for row in kept:
+        expected += row
+    assert torch.equal(combine(rows, weights, norms, Rule("trimmed", 0.25)), expected / kept.shape[0])
