@@ -16,9 +16,10 @@ import time
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import TensorDataset
+from torch.utils.data import TensorDataset, default_collate
 
 from unbroken import Job
+from unbroken.train.data import DataPlan
 
 _g = torch.Generator().manual_seed(1)
 X = torch.randn(600, 16, generator=_g)
@@ -54,17 +55,36 @@ def make(steps: int | None = None, delay_ms: float | None = None) -> Job:
     hidden = int(os.environ.get("UB_TEST_HIDDEN", "64"))  # a different model, for refusal tests
     batchnorm = os.environ.get("UB_TEST_BATCHNORM") == "1"  # buffers updated by forward passes
     per_sample = float(os.environ.get("UB_TEST_SAMPLE_MS", "0")) / 1000
+    batch_size = int(os.environ.get("UB_TEST_BATCH", "30"))
+    dataset, loss, collate = TensorDataset(X, Y), F.cross_entropy, None
+    bumps = os.environ.get("UB_TEST_LOSS_BUMP")  # "STEP:VALUE,...": the loss *reported* at STEP (samples seen once)
+    if bumps:  # jumps by VALUE (nan: not finite); a constant, so the gradients stay as they were
+        bump = torch.zeros(len(X))
+        plan = DataPlan(len(X), batch_size, 7)
+        for part in bumps.split(","):
+            at, _, value = part.partition(":")
+            bump[plan.indices(int(at), 0, batch_size)] = float(value)
+        dataset, loss, collate = TensorDataset(X, torch.stack([Y.double(), bump.double()], 1)), _bumped, _collate
     return Job(
         name=os.environ.get("UB_TEST_NAME", "test-mlp"),
         model=lambda: SlowMLP(delay, hidden, batchnorm, per_sample),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
-        dataset=TensorDataset(X, Y),
-        loss=F.cross_entropy,
-        batch_size=int(os.environ.get("UB_TEST_BATCH", "30")),
+        dataset=dataset,
+        loss=loss,
+        collate=collate or default_collate,
+        batch_size=batch_size,
         num_steps=steps,
         seed=7,
         evaluate=evaluate if os.environ.get("UB_TEST_EVAL") == "1" else None,
     )
+
+
+def _collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([x for x, _ in samples]), torch.stack([t for _, t in samples])
+
+
+def _bumped(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs, targets[:, 0].long()) + targets[:, 1].float().mean()
 
 
 job = make

@@ -71,8 +71,10 @@ class ControlClient:
         self._last_acked_send = 0.0
         self._sent: dict[int, float] = {}
         self.rtt_s = 0.0
+        """Round-trip time of heartbeats to the coordinator (the least of the last 20)."""
         self._rtts: deque[float] = deque(maxlen=20)
-        """Round-trip time of heartbeats to the coordinator, smoothed."""
+        self.on_command: Callable[[m.Command], None] | None = None
+        """Called (on the control thread) with an operator's command."""
         self._seq = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[BaseModel | None] | None = None
@@ -338,6 +340,8 @@ class ControlClient:
                 self.expelled = msg.reason
             elif isinstance(msg, m.Finished):
                 self.finished = msg.step
+        if isinstance(msg, m.Command) and self.on_command is not None:
+            self.on_command(msg)
         self.wake.set()
 
     def _mark_expelled(self, reason: str) -> None:

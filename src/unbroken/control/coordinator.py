@@ -14,6 +14,7 @@ nodes' reconnecting sessions, and a stable group keeps training while it is down
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -34,6 +35,9 @@ from unbroken.control import auth
 from unbroken.control import messages as m
 from unbroken.control.membership import Decision, Event, Membership
 from unbroken.errors import ProtocolError
+from unbroken.observe.anomaly import Anomaly, Detector
+from unbroken.observe.history import History
+from unbroken.observe.web import add_routes
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,11 @@ class Coordinator:
             ),
         )
         self.events: list[dict[str, Any]] = []
+        self.event_seq = 0
+        """Sequence number of the last event (``/api/events?since=`` pages by it)."""
+        self.event_counts: collections.Counter[str] = collections.Counter()
+        self.history = History()
+        self.anomalies = Detector()
         self.recoveries: list[dict[str, Any]] = []
         self._open_failures: list[dict[str, Any]] = []
         self._sessions: dict[str, _Session] = {}
@@ -123,6 +132,7 @@ class Coordinator:
         app.router.add_get("/api/state", self._state)
         app.router.add_get("/healthz", self._health)
         app.router.add_get("/ws", self._ws)
+        add_routes(app, self)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
         await self._runner.setup()
         ssl_context = None
@@ -385,6 +395,9 @@ class Coordinator:
             )
             if msg.first_in_epoch:
                 self._close_recoveries(msg.epoch, msg.step, msg.wall_time)
+            self._observe(mid, msg)
+        elif isinstance(msg, m.Report):
+            self._record(Event(now, msg.kind, mid, ms.epoch, msg.step, f"{self._name(mid)}: {msg.reason}"))
         elif isinstance(msg, m.Fault):
             self._apply(ms.fault(mid, msg.epoch, msg.reason, now, culprit=msg.culprit))
         elif isinstance(msg, m.Leave):
@@ -435,17 +448,55 @@ class Coordinator:
             if s is not None:
                 s.send(order)
 
-    def _record(self, ev: Event) -> None:
+    def _observe(self, mid: str, msg: m.Progress) -> None:
+        """Curves and anomalies from a progress report."""
+        ms = self.membership
+        mem = ms.members.get(mid)
+        if mem is not None and msg.compute_s > 0 and mid in ms.epoch_members:
+            share = ms.shares[ms.epoch_members.index(mid)] if len(ms.shares) == len(ms.epoch_members) else 0
+            self.history.add_node(mem.name, msg.wall_time, share / msg.compute_s)
+        members = len(ms.epoch_members)
+        for p in msg.recent:
+            loss = p.loss if p.finite else float("nan")
+            if self.history.add(p.step, p.wall_time, loss, p.samples_per_s, members, msg.epoch):
+                self._anomalies(
+                    self.anomalies.loss(p.step, loss) + self.anomalies.throughput(p.step, p.samples_per_s, members)
+                )
+
+    def _anomalies(self, found: list[Anomaly]) -> None:
+        ms = self.membership
+        by_name = {mem.name: mid for mid, mem in ms.members.items()}
+        for a in found:
+            ev = Event(time.monotonic(), a.kind, by_name.get(a.member or ""), ms.epoch, ms.step, a.reason)
+            self._record(ev, node=a.member)
+
+    def command(self, name: str, action: str, reason: str) -> bool:
+        """Send an operator's action to the connected node called ``name`` (from the event loop)."""
+        for mid, session in self._sessions.items():
+            mem = self.membership.members.get(mid)
+            if mem is not None and mem.name == name:
+                session.send(m.Command(action=action, reason=reason))  # type: ignore[arg-type]
+                ms = self.membership
+                self._record(Event(time.monotonic(), "operator", mid, ms.epoch, ms.step, f"{name}: {reason}"))
+                return True
+        return False
+
+    def _record(self, ev: Event, node: str | None = None) -> None:
         wall = time.time() - (time.monotonic() - ev.time)
-        entry = asdict(ev) | {"time": wall, "member_name": self._name(ev.member)}
+        self.event_seq += 1
+        name = self._name(ev.member) or node
+        entry = asdict(ev) | {"time": wall, "member_name": name, "node": name, "seq": self.event_seq}
         self.events.append(entry)
         del self.events[:-MAX_EVENTS]
+        self.event_counts[ev.kind] += 1
         if ev.kind == "failure":
             self._open_failures.append({"cause": ev.reason, "detected_at": wall, "epoch": ev.epoch})
         log.info("event %s: %s", ev.kind, ev.reason)
         if self.config.event_log is not None:
             with open(self.config.event_log, "a", encoding="utf-8") as f:
                 f.write(json.dumps(entry) + "\n")
+        if ev.kind == "failure" and name is not None:
+            self._anomalies(self.anomalies.failure(name, ev.time, ev.reason))
 
     def _close_recoveries(self, epoch: int, step: int, wall_time: float) -> None:
         still_open = []

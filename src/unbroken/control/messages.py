@@ -107,6 +107,18 @@ class Heartbeat(_Msg):
     step: Count
 
 
+class StepPoint(BaseModel):
+    """One committed step as its reporter saw it (the dashboard's curves, anomaly checks)."""
+
+    model_config = ConfigDict(extra="forbid")
+    step: Count
+    loss: float
+    """-1 when not finite (``finite`` says)."""
+    finite: bool = True
+    samples_per_s: Annotated[float, Field(ge=0)] = 0.0
+    wall_time: float = 0.0
+
+
 class Progress(_Msg):
     type: Literal["progress"] = "progress"
     epoch: EpochNo
@@ -122,6 +134,20 @@ class Progress(_Msg):
     bytes_inter: Count = 0
     """Bytes this node has sent to other zones (all steps so far)."""
     capabilities: Capabilities | None = None
+    loss_finite: bool = True
+    """False when the loss was NaN or infinite (``loss`` then carries -1)."""
+    recent: Annotated[list[StepPoint], Field(max_length=512)] = []
+    """The group's rank 0: every step it committed since its last report (others: empty)."""
+
+
+class Report(_Msg):
+    """Something a node did that belongs in the job's event log (a checkpoint written,
+    state received from a peer, a DiLoCo round rolled back...)."""
+
+    type: Literal["report"] = "report"
+    kind: Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[a-z][a-z-]*$")]
+    step: Count
+    reason: Annotated[str, Field(max_length=2000)]
 
 
 class Validation(_Msg):
@@ -224,9 +250,20 @@ class Finished(_Msg):
     step: Count
 
 
-NodeMessage = Annotated[Hello | Heartbeat | Progress | Fault | Leave | Done | Validation, Field(discriminator="type")]
+class Command(_Msg):
+    """An operator's action on one node (from the dashboard or the API)."""
+
+    type: Literal["command"] = "command"
+    action: Literal["drain", "kill"]
+    """``drain``: leave gracefully after the current step; ``kill``: SIGKILL itself (chaos)."""
+    reason: Annotated[str, Field(max_length=2000)]
+
+
+NodeMessage = Annotated[
+    Hello | Heartbeat | Progress | Fault | Leave | Done | Validation | Report, Field(discriminator="type")
+]
 CoordinatorMessage = Annotated[
-    Challenge | Welcome | Refused | Ack | EpochOrder | Expel | Finished, Field(discriminator="type")
+    Challenge | Welcome | Refused | Ack | EpochOrder | Expel | Finished | Command, Field(discriminator="type")
 ]
 _node_adapter: TypeAdapter[NodeMessage] = TypeAdapter(NodeMessage)
 _coord_adapter: TypeAdapter[CoordinatorMessage] = TypeAdapter(CoordinatorMessage)

@@ -128,6 +128,7 @@ class DiLoCo:
         log.info("%s: round abandoned at inner step %d; back to step %s", self.node.name, st.step, back)
         st.restore(self._round_start)
         self.node.client.step = st.step
+        self.node.report("rollback", f"DiLoCo round abandoned; back to its start, step {back}")
 
     # ---------------------------------------------------------------- the round
 

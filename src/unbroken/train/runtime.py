@@ -66,6 +66,8 @@ _EXTRA = 4  # vote, samples, switch, loss; then one gradient-norm slot per membe
 LEAVE_GRACE_S = 5.0
 PROGRESS_EVERY_S = 0.05
 PROGRESS_LOG_EVERY_S = 10.0
+RECENT_MAX = 512
+"""Steps kept for the next progress report (the message's limit)."""
 VALIDATE_EVERY_S = 0.5
 
 
@@ -126,6 +128,8 @@ class Node:
         self._leave_requested = False
         self._leave_sent_at: float | None = None
         self._last_progress = 0.0
+        self._recent: list[m.StepPoint] = []
+        """Steps committed since the last progress report (rank 0 sends them: the curves)."""
         self._last_progress_log = time.monotonic()
         self._epochs_formed = 0
         self._log_file = open(config.commit_log, "a", encoding="utf-8") if config.commit_log else None  # noqa: SIM115
@@ -139,6 +143,8 @@ class Node:
             token=config.token,
             tls_ca=str(config.tls_ca) if config.tls_ca else None,
         )
+
+        self.client.on_command = self._command
 
     # ---------------------------------------------------------------- public
 
@@ -352,6 +358,9 @@ class Node:
         elif r.role == "receiver":
             entry = {"kind": "sync", "epoch": g.epoch, "step": self.state.step, "from": r.peers[0]}
             self._log(entry | {"mb": r.megabytes, "seconds": r.seconds, "digest": self.state.digest()})
+            self.report(
+                "sync", f"received the state of step {self.state.step} ({r.megabytes:.1f} MB in {r.seconds:.2f} s)"
+            )
             log.info(
                 "%s: received state of step %d (%.1f MB, %.0f MB/s)",
                 self.name, self.state.step, r.megabytes, r.megabytes / max(r.seconds, 1e-9),
@@ -618,18 +627,27 @@ class Node:
 
     def _report(self, g: EpochGroup, step: int, loss: float, sps: float) -> None:
         now = time.monotonic()
+        finite = math.isfinite(loss)
+        self._recent.append(
+            m.StepPoint(
+                step=step, loss=loss if finite else -1.0, finite=finite, samples_per_s=sps, wall_time=time.time()
+            )
+        )
+        del self._recent[:-RECENT_MAX]
         if now - self._last_progress_log >= PROGRESS_LOG_EVERY_S or step == self.job.num_steps:
             log.info(
                 "%s: step %d/%d, epoch %d, %d members, loss %.4f",
                 self.name, step, self.job.num_steps, g.epoch, g.size, loss,
             )  # fmt: skip
             self._last_progress_log = now
-        if self._first_in_epoch or now - self._last_progress >= PROGRESS_EVERY_S:
+        if self._first_in_epoch or now - self._last_progress >= PROGRESS_EVERY_S or step >= self.job.num_steps:
             self.client.send(
                 m.Progress(
                     epoch=g.epoch,
                     step=step,
                     loss=loss if math.isfinite(loss) else -1.0,
+                    loss_finite=finite,
+                    recent=self._recent if g.rank == 0 else [],
                     wall_time=time.time(),
                     first_in_epoch=self._first_in_epoch,
                     samples_per_s=sps,
@@ -641,11 +659,14 @@ class Node:
             )
             self._first_in_epoch = False
             self._last_progress = now
+            self._recent = []
 
     def _maybe_checkpoint(self, g: EpochGroup) -> None:
         ck = self.config.checkpoint_every
-        if self.checkpointer is not None and ck and self.state.step % ck == 0 and g.rank == 0:
-            self.checkpointer.save_async(self.state.capture())
+        due = self.checkpointer is not None and ck and self.state.step % ck == 0 and g.rank == 0
+        if due and self.checkpointer is not None and self.checkpointer.save_async(self.state.capture()):
+            where = self.config.checkpoint_dir
+            self.report("checkpoint", f"checkpoint of step {self.state.step} being written to {where}")
 
     # ---------------------------------------------------------------- ends
 
@@ -716,6 +737,21 @@ class Node:
         self.client.step = self.state.step
         self._log({"kind": "restore", "step": self.state.step, "path": str(path), "digest": self.state.digest()})
         log.info("%s: restored step %d from %s", self.name, self.state.step, path)
+
+    def _command(self, cmd: m.Command) -> None:
+        """An operator's action (control thread)."""
+        log.warning("%s: operator command %s: %s", self.name, cmd.action, cmd.reason)
+        if cmd.action == "drain":
+            self.request_leave()
+        elif cmd.action == "kill":
+            self._log(
+                {"kind": "fault", "signal": "kill", "phase": "operator", "step": self.state.step, "pid": os.getpid()}
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def report(self, kind: str, reason: str) -> None:
+        """An event for the job's log at the coordinator (a checkpoint, a state transfer...)."""
+        self.client.send(m.Report(kind=kind, step=self.state.step, reason=reason[:2000]))
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
