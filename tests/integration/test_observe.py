@@ -4,7 +4,10 @@ actions. Real coordinator and node processes; causes injected deterministically.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from typing import Any
@@ -148,3 +151,36 @@ def test_operator_actions_need_the_token_and_drain_or_kill_a_node(make_cluster, 
     ops = events(c, kind="operator")
     assert [e["node"] for e in ops] == ["c", "b"] and "kill" in ops[0]["reason"] and "drain" in ops[1]["reason"]
     assert_promises(c, env, finishers=1)
+
+
+def test_status_and_events_commands(make_cluster):
+    env = {"UB_TEST_STEPS": "30", "UB_TEST_DELAY_MS": "5"}
+    c = make_cluster(env=env, min_nodes=2)
+    c.start_coordinator()
+    c.start_node("a")
+    c.start_node("b")
+    assert c.wait_exit(timeout=120) == {"a": 0, "b": 0}, c.diagnostics()
+    where = f"{c.address[0]}:{c.address[1]}"
+
+    def run(*argv: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "unbroken", *argv, "--coordinator", where],
+            capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    status = run("status", "--once")
+    assert "step 30" in status and "FINISHED" in status and "recent events" in status, status
+    assert "finished" in status  # the last event
+    lines = [json.loads(x) for x in run("events", "--json").splitlines()]
+    assert [e["kind"] for e in lines][:2] == ["join", "join"] and lines[-1]["kind"] == "finished"
+    assert all({"time", "node", "epoch", "step", "kind", "reason"} <= set(e) for e in lines)
+    joins = run("events", "--kind", "join", "--node", "b").splitlines()
+    assert len(joins) == 1 and " join " in joins[0] and " b " in joins[0], joins
+    followed = run("events", "--follow", "--json").splitlines()  # ends with the finished job
+    assert len(followed) == len(lines)
+    bad = subprocess.run(
+        [sys.executable, "-m", "unbroken", "events", "--coordinator", "127.0.0.1:1"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "cannot reach the coordinator" in bad.stderr

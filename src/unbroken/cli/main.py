@@ -16,6 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
+from unbroken.cli.observe import add_parsers as add_observe_parsers
 from unbroken.config import ENV_COORDINATOR, CoordinatorConfig, NodeConfig, parse_address
 from unbroken.control.auth import ENV_TOKEN, load_token
 from unbroken.errors import ConfigError, UnbrokenError
@@ -280,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
     h.add_argument("--out", help="directory for logs and the JSON report (default: a temporary one)")
     h.set_defaults(func=_chaos)
+    add_observe_parsers(sub, fmt)
     return p
 
 

@@ -1,0 +1,181 @@
+"""``unbroken status`` and ``unbroken events``: the job from a terminal.
+
+    unbroken status --coordinator HOST:PORT            # a table that refreshes until the job ends
+    unbroken status --once                              # print it once (scripts)
+    unbroken events --coordinator HOST:PORT --kind failure,recovery --node n3
+    unbroken events --json --follow                     # JSON lines, new events as they come
+
+Both read the coordinator's HTTP API (``/api/state``, ``/api/history``, ``/api/events``);
+``--tls-ca`` for a coordinator served over TLS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import ssl
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from unbroken.config import ENV_COORDINATOR, parse_address
+from unbroken.errors import ConfigError, CoordinatorUnreachable
+from unbroken.observe.anomaly import KINDS as ANOMALIES
+
+ALARMS = {*ANOMALIES, "failure", "bad-gradient", "quarantine", "refused"}
+
+
+class Api:
+    def __init__(self, address: str | None, tls_ca: str | None = None, timeout_s: float = 5.0) -> None:
+        text = address or os.environ.get(ENV_COORDINATOR, "").split(",")[0]
+        if not text:
+            raise ConfigError(f"no coordinator: pass --coordinator HOST:PORT or set {ENV_COORDINATOR}")
+        host, port = parse_address(text)
+        self.base = f"{'https' if tls_ca else 'http'}://{host}:{port}"
+        self.context = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
+        self.timeout_s = timeout_s
+
+    def get(self, path: str) -> Any:
+        try:
+            with urllib.request.urlopen(self.base + path, timeout=self.timeout_s, context=self.context) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            raise CoordinatorUnreachable(f"{self.base}{path}: HTTP {exc.code}: {exc.read().decode()[:200]}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise CoordinatorUnreachable(
+                f"cannot reach the coordinator at {self.base} ({reason}); is it running, and is the address right?"
+            ) from None
+
+
+# ---------------------------------------------------------------- status
+
+
+def status_view(state: dict[str, Any], history: dict[str, Any], events: list[dict[str, Any]]) -> Group:
+    """The status screen from the API's answers (pure: tested on fixed inputs)."""
+    plan = state.get("plan", {})
+    points = history.get("points", [])
+    last = points[-1] if points else {}
+    loss = last.get("loss")
+    head = Text.assemble(
+        ("job ", "bold"), str(state.get("job") or "?"),
+        ("  step ", "bold"), str(state.get("step", 0)),
+        ("  epoch ", "bold"), str(state.get("epoch", 0)),
+        ("  mode ", "bold"), str(plan.get("mode", "sync")),
+        ("  loss ", "bold"), f"{loss:.4f}" if isinstance(loss, float) else "-",
+        ("  steps/s ", "bold"), f"{history.get('step_rate', 0.0):.2f}",
+        ("  samples/s ", "bold"), f"{last.get('samples_per_s', 0.0):.0f}",
+        ("  FINISHED" if state.get("finished") else "  recovering" if state.get("recovering") else "", "bold green"),
+    )  # fmt: skip
+    members = Table(title="members", title_justify="left", expand=False)
+    for col in ("node", "state", "role", "zone", "share", "samples/s", "step", "device", "memory"):
+        members.add_column(col, justify="right" if col in ("share", "samples/s", "step") else "left")
+    for mem in sorted(state.get("members", []), key=lambda x: (x.get("rank") is None, x.get("rank") or 0)):
+        caps = mem.get("capabilities") or {}
+        compute = (mem.get("compute_s") or [0.0])[-1]
+        rate = mem.get("share", 0) / compute if compute else 0.0
+        used, total = caps.get("memory_used", 0), caps.get("memory_total", 0)
+        members.add_row(
+            str(mem.get("name")),
+            str(mem.get("state")),
+            str(mem.get("role") or "-"),
+            str(mem.get("zone") or "default"),
+            str(mem.get("share", 0)),
+            f"{rate:.0f}",
+            str(mem.get("step", 0)),
+            str(caps.get("device_name") or caps.get("device") or "-"),
+            f"{used / 2**30:.1f}/{total / 2**30:.1f} GiB" if total else "-",
+        )
+    log = Table(title="recent events", title_justify="left", show_edge=False)
+    for col in ("time", "kind", "node", "step", "reason"):
+        log.add_column(col)
+    for e in events[-10:]:
+        style = "bold red" if e.get("kind") in ALARMS else ""
+        log.add_row(
+            time.strftime("%H:%M:%S", time.localtime(e.get("time", 0))),
+            Text(str(e.get("kind")), style=style),
+            str(e.get("node") or "-"),
+            str(e.get("step", "")),
+            str(e.get("reason", ""))[:100],
+        )
+    return Group(head, members, log)
+
+
+def _status(args: argparse.Namespace) -> int:
+    api = Api(args.coordinator, args.tls_ca)
+    console = Console()
+
+    def view() -> tuple[Group, bool]:
+        state = api.get("/api/state")
+        history = api.get("/api/history")
+        events = api.get("/api/events?limit=5000")["events"]
+        return status_view(state, history, events), bool(state.get("finished"))
+
+    if args.once:
+        screen, _ = view()
+        console.print(screen)
+        return 0
+    screen, done = view()
+    with Live(screen, console=console, refresh_per_second=4) as live:
+        while not done:
+            time.sleep(args.interval)
+            screen, done = view()
+            live.update(screen)
+    return 0
+
+
+# ---------------------------------------------------------------- events
+
+
+def event_line(e: dict[str, Any]) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.get("time", 0)))
+    where = f"epoch {e.get('epoch')} step {e.get('step')}"
+    return f"{when}  {e.get('kind', '?'):<20} {e.get('node') or '-':<12} {where}  {e.get('reason', '')}"
+
+
+def _events(args: argparse.Namespace) -> int:
+    api = Api(args.coordinator, args.tls_ca)
+    query = []
+    if args.kind:
+        query.append(f"kind={args.kind}")
+    if args.node:
+        query.append(f"node={args.node}")
+    since = -1
+    while True:
+        page = api.get(f"/api/events?since={since}&limit=5000&" + "&".join(query))
+        for e in page["events"]:
+            print(json.dumps(e) if args.json else event_line(e), flush=True)
+            since = max(since, int(e["seq"]))
+        if not page["events"]:
+            since = max(since, int(page.get("last_seq", since)))
+        if not args.follow:
+            return 0
+        if api.get("/api/state").get("finished") and not page["events"]:
+            return 0
+        time.sleep(args.interval)
+
+
+def add_parsers(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
+    for name, func, about in (
+        ("status", _status, "the job at a glance: members, step, loss, recent events (refreshing)"),
+        ("events", _events, "the job's event log (joins, failures, recoveries, anomalies...)"),
+    ):
+        p = sub.add_parser(name, help=about, formatter_class=fmt)
+        p.add_argument("--coordinator", help=f"HOST:PORT of the coordinator (default ${ENV_COORDINATOR})")
+        p.add_argument("--tls-ca", help="the coordinator serves TLS: trust this CA bundle (PEM)")
+        p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+        if name == "status":
+            p.add_argument("--once", action="store_true", help="print once and exit")
+        else:
+            p.add_argument("--kind", help="only these kinds, comma-separated (e.g. failure,recovery,anomaly kinds)")
+            p.add_argument("--node", help="only events of this node")
+            p.add_argument("--json", action="store_true", help="JSON lines instead of text")
+            p.add_argument("--follow", "-f", action="store_true", help="keep printing new events until the job ends")
+        p.set_defaults(func=func)

@@ -1,0 +1,49 @@
+"""`unbroken status` renders the API's answers; `unbroken events` lines carry every field."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from unbroken.cli.observe import event_line, status_view
+
+STATE = {
+    "job": "lm",
+    "step": 120,
+    "epoch": 4,
+    "finished": False,
+    "recovering": False,
+    "plan": {"mode": "diloco"},
+    "members": [
+        {"name": "gpu0", "state": "active", "role": "trainer", "zone": "paris", "share": 48, "rank": 0,
+         "compute_s": [0.2], "step": 120,
+         "capabilities": {"device": "cuda", "device_name": "H200", "memory_used": 2**31, "memory_total": 2**33}},
+        {"name": "cpu1", "state": "active", "role": "standby", "zone": "lyon", "share": 0, "rank": 1,
+         "compute_s": None, "step": 120, "capabilities": {"device": "cpu"}},
+    ],
+}  # fmt: skip
+HISTORY = {"points": [{"step": 120, "loss": 0.75, "samples_per_s": 240.0}], "step_rate": 2.5}
+EVENTS = [
+    {"time": 0, "kind": "join", "node": "cpu1", "epoch": 3, "step": 100, "reason": "cpu1 connected"},
+    {"time": 1, "kind": "flapping", "node": "gpu0", "epoch": 4, "step": 110, "reason": "gpu0 failed 3 times in 40 s"},
+]
+
+
+def render() -> str:
+    console = Console(width=200, record=True, color_system=None)
+    console.print(status_view(STATE, HISTORY, EVENTS))
+    return console.export_text()
+
+
+def test_status_shows_the_job_the_members_and_the_events() -> None:
+    text = render()
+    for needle in ("job lm", "step 120", "epoch 4", "mode diloco", "loss 0.7500", "steps/s 2.50", "samples/s 240"):
+        assert needle in text, needle
+    gpu = next(line for line in text.splitlines() if "gpu0" in line and "trainer" in line)
+    assert "paris" in gpu and "48" in gpu and "240" in gpu and "H200" in gpu and "2.0/8.0 GiB" in gpu
+    assert "standby" in text and "lyon" in text
+    assert "flapping" in text and "failed 3 times" in text
+
+
+def test_an_event_line_has_time_kind_node_epoch_step_and_reason() -> None:
+    line = event_line(EVENTS[1])
+    assert "flapping" in line and "gpu0" in line and "epoch 4 step 110" in line and line.endswith("in 40 s")
