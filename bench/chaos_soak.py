@@ -2,9 +2,13 @@
 
     python bench/chaos_soak.py                     # 600 s at 0.25 faults/s, seed 7
     python bench/chaos_soak.py --duration 120      # shorter
+    sudo python bench/chaos_soak.py                # with real link faults (cut, slow)
 
 A thin wrapper over ``unbroken chaos`` (see `unbroken.testing.chaos`) that prints the
-command, the report table and the JSON summary, and keeps the logs under --out.
+command, the report table and the JSON summary, and keeps the logs under --out. Link
+faults (a node's link cut, or capped by ``tc tbf``: no ``tc netem`` here, so no added
+delay beyond tbf's queueing) are included whenever network namespaces work, i.e. as root;
+the report says when and why they were skipped.
 """
 
 from __future__ import annotations
@@ -23,10 +27,18 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default="/tmp/unbroken-chaos-soak")
+    p.add_argument(
+        "--links",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="real link faults in network namespaces (default: where available, i.e. as root)",
+    )
     args = p.parse_args()
     print_command()
     cmd = [sys.executable, "-m", "unbroken", "chaos", "--duration", str(args.duration), "--rate", str(args.rate)]
     cmd += ["--nodes", str(args.nodes), "--seed", str(args.seed), "--out", args.out]
+    if args.links is not None:
+        cmd.append("--links" if args.links else "--no-links")
     return subprocess.run(cmd, check=False).returncode
 
 

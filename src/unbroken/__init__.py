@@ -8,6 +8,7 @@ promises and README.md for the quick start.
 from unbroken.config import CoordinatorConfig, NodeConfig
 from unbroken.control.coordinator import Coordinator
 from unbroken.errors import (
+    AuditMismatch,
     BadContribution,
     CollectiveFailed,
     ConfigError,
@@ -24,6 +25,7 @@ from unbroken.job import Job, load_job
 from unbroken.train.runtime import Node, NodeResult, run_node
 
 __all__ = [
+    "AuditMismatch",
     "BadContribution",
     "CollectiveFailed",
     "ConfigError",

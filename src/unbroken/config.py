@@ -59,6 +59,9 @@ class CoordinatorConfig:
     aggregate: str = "mean"
     """How the members' gradients are combined: ``mean`` (exact synchronous training),
     ``clip[:C]`` or ``trimmed[:F]`` (robust to a faulty node; see `unbroken.comm.robust`)."""
+    audit_every: int = 100
+    """Every this many steps the trainers compare state digests; a replica that differs from
+    the majority (silent corruption) is named, repaired from a peer, and flagged (0: off)."""
     mode: str = "sync"
     """``sync`` (one all-reduce per step, exact large-batch math) or ``diloco`` (each zone trains
     alone for ``inner_steps``, then the zones exchange pseudo-gradients; see `unbroken.train.diloco`)."""
@@ -87,6 +90,7 @@ class CoordinatorConfig:
         if self.mode not in ("sync", "diloco"):
             raise ConfigError(f"CoordinatorConfig.mode = {self.mode!r}: choose 'sync' or 'diloco' (--mode)")
         _check_range("CoordinatorConfig", "inner_steps", self.inner_steps, 1, 1_000_000)
+        _check_range("CoordinatorConfig", "audit_every", self.audit_every, 0, 1_000_000)
         _check_range("CoordinatorConfig", "outer_lr", self.outer_lr, 1e-6, 100)
         _check_range("CoordinatorConfig", "outer_momentum", self.outer_momentum, 0, 0.999)
 

@@ -12,6 +12,7 @@
      │    └── Expelled                 the coordinator expelled this node (lease lost)
      ├── CollectiveFailed              a data-plane collective failed or ran past its deadline
      │    └── BadContribution          a member's gradient was non-finite or far out of range
+     │         └── AuditMismatch       a member's state differs from the majority's (corruption)
      └── TransferError                 a state transfer was corrupt or incomplete
 """
 
@@ -57,9 +58,18 @@ class CollectiveFailed(UnbrokenError):
 class BadContribution(CollectiveFailed):
     """A member contributed a non-finite or outlying gradient: the step is not applied."""
 
+    kind = "bad-gradient"
+
     def __init__(self, rank: int, reason: str) -> None:
         super().__init__(reason)
         self.rank = rank
+
+
+class AuditMismatch(BadContribution):
+    """A member's state digest differs from the majority's at the same committed step
+    (silent corruption: a flipped bit); it is repaired from a peer in the next sync phase."""
+
+    kind = "audit"
 
 
 class TransferError(UnbrokenError):

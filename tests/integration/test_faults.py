@@ -67,6 +67,27 @@ def test_sigstop_in_allreduce_then_sigcont_rejoins(make_cluster):
     assert time.monotonic() - t_expelled < 60
 
 
+def test_a_freeze_then_a_crash_costs_one_lease_not_a_collective_timeout(make_cluster):
+    # n2 freezes, n1 dies 0.1 s later: the build of the epoch without n1 waits for the
+    # frozen n2 and is abandoned when n2's lease runs out. The next build (n3 alone) must
+    # not queue behind the abandoned one on the shared store connection (that cost the
+    # whole collective timeout: 60 s).
+    env = {"UB_TEST_STEPS": "3000", "UB_TEST_DELAY_MS": "20"}
+    c = start(make_cluster, env, node_args=["--collective-timeout", "60"])
+    n1, n2, n3 = (c.start_node(f"n{i}") for i in (1, 2, 3))
+    c.wait_step(20, timeout=120)
+    n2.signal(signal.SIGSTOP)
+    time.sleep(0.1)
+    n1.kill()
+    t = time.time()
+    before = max(e["step"] for e in n3.entries() if e["kind"] == "commit")
+    c.wait_for(
+        lambda: max(e["step"] for e in n3.entries() if e["kind"] == "commit") > before + 1, 30, "n3 committing alone"
+    )
+    assert time.time() - t < 5.0, c.diagnostics()
+    n2.signal(signal.SIGCONT)
+
+
 def test_join_mid_run(make_cluster):
     env = {"UB_TEST_STEPS": "250", "UB_TEST_DELAY_MS": "20"}
     c = start(make_cluster, env, n=2)

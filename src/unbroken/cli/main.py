@@ -38,6 +38,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         balance=args.balance == "throughput",
         codec=args.codec,
         aggregate=args.aggregate,
+        audit_every=args.audit_every,
         mode=args.mode,
         inner_steps=args.inner_steps,
         outer_lr=args.outer_lr,
@@ -152,22 +153,23 @@ def _chaos(args: argparse.Namespace) -> int:
 
     from unbroken.testing.chaos import Chaos, write_report
 
+    # SIGTERM unwinds like Ctrl-C: the nodes are reaped and the network namespaces deleted.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     console = Console(stderr=True)
     workdir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="unbroken-chaos-"))
+    chaos = Chaos(workdir, duration_s=args.duration, rate=args.rate, nodes=args.nodes, seed=args.seed, links=args.links)
     console.print(
         f"[bold]unbroken chaos[/]: {args.nodes} nodes, faults at {args.rate}/s for {args.duration:g} s "
-        f"(seed {args.seed}); logs in {workdir}"
+        f"(seed {args.seed}); logs in {workdir}\nlink faults {chaos.links_note}"
     )
     with console.status("starting") as status:
-        chaos = Chaos(
-            workdir, duration_s=args.duration, rate=args.rate, nodes=args.nodes, seed=args.seed,
-            on_progress=lambda text: status.update(text),
-        )  # fmt: skip
+        chaos.on_progress = status.update
         report = chaos.run()
     summary = report.summary()
     write_report(report, workdir / "chaos-report.json")
     table = Table(title="chaos report", show_header=False)
     table.add_row("faults injected", f"{summary['faults_total']}: {summary['faults']}")
+    table.add_row("link faults", summary["link_faults"])
     for kind, st in summary["recovery_s"].items():
         if st:
             table.add_row(
@@ -212,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--aggregate",
         default="mean",
         help="combine gradients: mean (exact), clip[:C] or trimmed[:F] (robust to a faulty node; an all-gather)",
+    )
+    c.add_argument(
+        "--audit-every",
+        type=int,
+        default=100,
+        help="every N steps the trainers compare state digests; a corrupted replica is named and repaired (0: off)",
     )
     c.add_argument(
         "--mode",
@@ -279,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--rate", type=float, default=0.25, help="faults per second (random gaps)")
     h.add_argument("--nodes", type=int, default=3, help="nodes to start with")
     h.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    h.add_argument(
+        "--links",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also cut and slow nodes' links for real, in network namespaces (root; None: where available)",
+    )
     h.add_argument("--out", help="directory for logs and the JSON report (default: a temporary one)")
     h.set_defaults(func=_chaos)
     add_observe_parsers(sub, fmt)

@@ -169,7 +169,11 @@ def build_group(
                 opts._devices = [ProcessGroupGloo.create_device(hostname=gloo_host)]
             else:
                 opts._devices = [ProcessGroupGloo.create_default_device()]
-            result["pg"] = ProcessGroupGloo(PrefixStore(prefix, store()), rank, size, opts)
+            # A store client runs one request at a time: an abandoned build still waiting for
+            # a peer that never came would hold every later build behind it until its timeout.
+            # Each build gets its own connection.
+            connection = store().clone()  # type: ignore[attr-defined]
+            result["pg"] = ProcessGroupGloo(PrefixStore(prefix, connection), rank, size, opts)
         except Exception as exc:  # reported to the waiting thread
             result["error"] = exc
         finally:

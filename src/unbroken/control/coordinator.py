@@ -89,6 +89,7 @@ class Coordinator:
             balance=self.config.balance,
             codec=self.config.codec,
             aggregate=self.config.aggregate,
+            audit_every=self.config.audit_every,
             diloco=(
                 (self.config.inner_steps, self.config.outer_lr, self.config.outer_momentum)
                 if self.config.mode == "diloco"
@@ -399,7 +400,7 @@ class Coordinator:
         elif isinstance(msg, m.Report):
             self._record(Event(now, msg.kind, mid, ms.epoch, msg.step, f"{self._name(mid)}: {msg.reason}"))
         elif isinstance(msg, m.Fault):
-            self._apply(ms.fault(mid, msg.epoch, msg.reason, now, culprit=msg.culprit))
+            self._apply(ms.fault(mid, msg.epoch, msg.reason, now, culprit=msg.culprit, kind=msg.kind))
         elif isinstance(msg, m.Leave):
             self._apply(ms.leave(mid, now, msg.reason))
         elif isinstance(msg, m.Done):

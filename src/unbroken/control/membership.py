@@ -161,7 +161,10 @@ class Membership:
         codec: str = "none",
         aggregate: str = "mean",
         diloco: tuple[int, float, float] | None = None,
+        audit_every: int = 0,
     ) -> None:
+        self.audit_every = audit_every
+        """Steps between consistency audits (every epoch order carries it)."""
         self.diloco = diloco
         """DiLoCo's (inner steps, outer lr, outer momentum), or None for synchronous training."""
         self.codec = codec
@@ -348,7 +351,15 @@ class Membership:
         )
         return d
 
-    def fault(self, member_id: str, epoch: int, reason: str, now: float, culprit: str | None = None) -> Decision:
+    def fault(
+        self,
+        member_id: str,
+        epoch: int,
+        reason: str,
+        now: float,
+        culprit: str | None = None,
+        kind: str = "bad-gradient",
+    ) -> Decision:
         """A member saw a collective fail, or refused a bad contribution (``culprit``).
         Re-form the epoch unless it already changed; a culprit is benched, and quarantined
         when it offends again and again."""
@@ -360,15 +371,19 @@ class Membership:
             self._refused.add((epoch, c.member_id))
             c.flags += 1
             c.benched_until = now + BENCH_S
-            d.events.append(self._event(now, "bad-gradient", c.member_id, f"{c.name} (refusal {c.flags}): {reason}"))
+            d.events.append(self._event(now, kind, c.member_id, f"{c.name} (offence {c.flags}): {reason}"))
             if c.flags >= QUARANTINE_AFTER and not c.quarantined:
                 c.quarantined = True
                 d.events.append(
                     self._event(
-                        now, "quarantine", c.member_id, f"{c.name}: {c.flags} refused gradients; out of training"
+                        now,
+                        "quarantine",
+                        c.member_id,
+                        f"{c.name}: {c.flags} offences (refused gradients or failed audits); out of training",
                     )
                 )
-            self._want_epoch(now, urgent=True, reason=f"bad gradient from {c.name}", delay=0.0)
+            what = "bad gradient" if kind == "bad-gradient" else "failed audit"
+            self._want_epoch(now, urgent=True, reason=f"{what} from {c.name}", delay=0.0)
             return d
         m = self.members[member_id]
         d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason}"))
@@ -589,6 +604,7 @@ class Membership:
             zones=self._zones_in_force,
             codec=self.codec,
             aggregate=self.aggregate,
+            audit_every=self.audit_every,
             **self._mode(),
         )
         # Everyone of the old epoch hears of it (a leaver learns it may go), and everyone of the new.

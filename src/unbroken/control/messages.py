@@ -165,6 +165,8 @@ class Fault(_Msg):
     reason: Annotated[str, Field(max_length=2000)]
     culprit: Name | None = None
     """The member whose contribution was refused (a bad gradient), when the fault is one."""
+    kind: Literal["bad-gradient", "audit"] = "bad-gradient"
+    """Why the culprit was refused: its gradient, or its state failed the consistency audit."""
 
 
 class Leave(_Msg):
@@ -231,6 +233,8 @@ class EpochOrder(_Msg):
     """Each member's zone (empty: one zone)."""
     codec: Annotated[str, Field(max_length=64)] = "none"
     """The codec of the inter-zone hop."""
+    audit_every: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    """Every this many steps the members compare state digests (0: never)."""
     aggregate: Annotated[str, Field(max_length=64)] = "mean"
     """How the members' gradients are combined: ``mean``, ``clip[:C]`` or ``trimmed[:F]``."""
     mode: Literal["sync", "diloco"] = "sync"

@@ -1,25 +1,34 @@
 """`unbroken chaos`: train a job while injecting random faults, then check every promise.
 
-A local coordinator and nodes (real processes, loopback) train `unbroken.testing.soakjob`
-while faults arrive at random (exponential gaps at ``rate`` per second, seeded):
+A local coordinator and nodes (real processes) train `unbroken.testing.soakjob` while
+faults arrive at random (exponential gaps at ``rate`` per second, at most three mean gaps
+long so that one long draw does not leave a short soak idle; seeded):
 
 - ``kill``: SIGKILL a node; a replacement node starts a second later;
 - ``stop``: SIGSTOP a node, SIGCONT it 1.5-3 s later (it is expelled and rejoins);
 - ``term``: SIGTERM a node (a graceful leave); a replacement starts a second later;
 - ``join``: a new node joins;
-- ``coordinator``: SIGKILL the coordinator and restart it on the same port a second later.
+- ``coordinator``: SIGKILL the coordinator and restart it on the same port a second later;
+- ``cut``: drop every packet of a node's link for 1.5-3 s (it is expelled and rejoins);
+- ``slow``: cap a node's link at 1-5 Mbit/s for 2-4 s (the group slows, keeps committing).
 
-Link faults (delay, loss) are not injected: this kernel has no ``tc netem``. The last node
-that trains is never stopped (nodes still starting up do not count). After ``duration``
-seconds the faults stop and the job runs to its end; then the report: faults by kind,
-recovery time after each (fault → the group's next commit: median, p95, max), committed
-steps lost (0 is the promise), replicas equal after every step, exactly-once samples, and
-the final model against single-process training.
+The link faults are real (see `unbroken.testing.netns`): where network namespaces work
+(root), every node runs in its own namespace behind a veth pair and a bridge, and the
+coordinator listens on the bridge; ``cut`` sets the veth down, ``slow`` is ``tc tbf``
+(its queueing is the only added latency: this kernel has no ``tc netem``, so no fixed
+delay or random loss). Elsewhere the nodes run on loopback and the report says why link
+faults were skipped. The last node that trains is never stopped or cut (nodes still
+starting up do not count). After ``duration`` seconds the faults stop and the job runs
+to its end; then the report: faults by kind, recovery time after each (fault → the
+group's next commit: median, p95, max), committed steps lost (0 is the promise), replicas
+equal after every step, exactly-once samples, and the final model against single-process
+training.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import random
 import signal
@@ -32,11 +41,15 @@ from typing import Any
 
 import torch
 
+from unbroken.errors import ConfigError
+from unbroken.testing import netns
 from unbroken.testing.cluster import LocalCluster, NodeProcess
 from unbroken.testing.promises import PromiseReport, check_promises, environment, reference_state
 
 JOB = "unbroken.testing.soakjob:job"
-KINDS = {"kill": 0.3, "stop": 0.2, "term": 0.15, "join": 0.2, "coordinator": 0.15}
+KINDS = {"kill": 0.3, "stop": 0.2, "term": 0.15, "join": 0.2, "coordinator": 0.15, "cut": 0.15, "slow": 0.1}
+"""Relative weights. Without link faults the schedule of a seed is what it was before they existed."""
+LINK_KINDS = ("cut", "slow")
 ATOL = 1e-5
 
 
@@ -45,6 +58,29 @@ class Fault:
     kind: str
     at: float
     target: str
+    detail: str = ""
+    """How long a stop, cut or slow lasted, and a slow link's rate."""
+
+
+def feasible_kinds(*, training: int, slowable: int, alive: int, nodes: int, links: bool) -> list[str]:
+    """The fault kinds that may be drawn now, in `KINDS` order.
+
+    Faults that take a trainer out (kill, stop, term, cut) need another one to carry on:
+    the group must never lose its last training node. A slow link only needs a trainer to
+    slow (one not slowed already). Joins stop once two spare nodes are up.
+    """
+    kinds = []
+    for kind in KINDS:
+        if kind in LINK_KINDS and not links:
+            continue
+        if kind in ("kill", "stop", "term", "cut") and training < 2:
+            continue
+        if kind == "slow" and slowable < 1:
+            continue
+        if kind == "join" and alive >= nodes + 2:
+            continue
+        kinds.append(kind)
+    return kinds
 
 
 @dataclass
@@ -57,6 +93,8 @@ class ChaosReport:
     promises: PromiseReport
     max_diff: float | None
     problems: list[str] = field(default_factory=list)
+    links: str = ""
+    """Whether link faults were injected, how, or why not."""
 
     @property
     def ok(self) -> bool:
@@ -78,7 +116,8 @@ class ChaosReport:
             "faults_total": len(self.faults),
             "recovery_s": {k: stats(v) for k, v in self.recoveries.items()} | {"all": stats(every)},
             "steps_lost": self.steps_lost,
-            "fault_log": [{"kind": f.kind, "at": f.at, "target": f.target} for f in self.faults],
+            "link_faults": self.links,
+            "fault_log": [{"kind": f.kind, "at": f.at, "target": f.target, "detail": f.detail} for f in self.faults],
             "replicas_equal_and_exactly_once": self.promises.ok,
             "final_vs_reference_max_abs_diff": self.max_diff,
             "problems": self.problems,
@@ -97,8 +136,15 @@ class Chaos:
         nodes: int = 3,
         seed: int = 0,
         delay_ms: float = 20.0,
+        links: bool | None = None,
         on_progress: Callable[[str], None] = lambda s: None,
     ) -> None:
+        """``links``: inject link faults (True: required, an error where they cannot be;
+        None: where they can be; False: never).
+
+        Raises:
+            ConfigError: ``links=True`` on a host without network namespaces (says why).
+        """
         self.workdir = Path(workdir)
         self.duration_s = duration_s
         self.rate = rate
@@ -106,31 +152,48 @@ class Chaos:
         self.rng = random.Random(seed)
         self.delay_ms = delay_ms
         self.on_progress = on_progress
-        # Enough steps to outlast the faults at about the rate this job runs between them.
-        self.steps = max(200, int(duration_s * 1000 / (delay_ms + 15) * 0.6))
+        # Enough steps to outlast the faults: a healthy group takes more than delay_ms + 10 ms
+        # a step, and quick recoveries must not end the job (and the faults) before ``duration_s``.
+        self.steps = max(200, int(duration_s * 1000 / (delay_ms + 10)))
         self.env = {"UNBROKEN_SOAK_STEPS": str(self.steps), "UNBROKEN_SOAK_DELAY_MS": str(delay_ms)}
         self.faults: list[Fault] = []
         self._count = 0
         self._due: list[tuple[float, Callable[[], object]]] = []
         """Deferred actions (restarts, SIGCONTs), run by the main loop: one thread drives the cluster."""
+        self._held: set[str] = set()
+        """Nodes stopped or cut off right now: alive, but no trainer until they are back."""
+        self._slowed: set[str] = set()
+        self.net: netns.Network | None = None
+        why_not = netns.probe() if links is not False else "turned off (--no-links)"
+        if links and why_not is not None:
+            raise ConfigError(f"--links: link faults cannot be injected here: {why_not}")
+        self.links = why_not is None
+        self.links_note = (
+            "injected: real network namespaces, veth pairs and a bridge; cut = link down, slow = tc tbf "
+            "(added latency only from tbf queueing: no tc netem on this kernel)"
+            if self.links
+            else f"skipped: {why_not}"
+        )
 
     def run(self) -> ChaosReport:
-        with LocalCluster(
-            JOB, self.workdir, env=self.env, min_nodes=self.nodes, node_args=["--digest-every", "1"]
-        ) as c:
+        self.net = netns.Network() if self.links else None
+        args = ["--digest-every", "1"]
+        cluster = LocalCluster(JOB, self.workdir, env=self.env, min_nodes=self.nodes, node_args=args, network=self.net)
+        # The network closes after the cluster (namespaces outlive the nodes in them), on any exit.
+        with self.net or contextlib.nullcontext(), cluster as c:
             _, port = c.start_coordinator()
             for _ in range(self.nodes):
                 self._start(c)
             c.wait_step(5, timeout=120)
             start = time.monotonic()
-            next_at = start + self.rng.expovariate(self.rate)
+            next_at = start + self._gap()
             while time.monotonic() - start < self.duration_s:
                 if c.max_committed() >= self.steps:
                     break
                 self._run_due()
                 if time.monotonic() >= next_at:
                     self._inject(c, port)
-                    next_at = time.monotonic() + self.rng.expovariate(self.rate)
+                    next_at = time.monotonic() + self._gap()
                 self.on_progress(
                     f"step {c.max_committed()}/{self.steps}, {len(self.faults)} faults, {len(self._alive(c))} nodes up"
                 )
@@ -149,7 +212,12 @@ class Chaos:
     # ---------------------------------------------------------------- faults
 
     def _alive(self, c: LocalCluster) -> list[NodeProcess]:
-        return [n for n in c.nodes.values() if n.proc.poll() is None and not getattr(n, "stopped", False)]
+        return [n for n in c.nodes.values() if n.proc.poll() is None and n.name not in self._held]
+
+    def _gap(self) -> float:
+        """Seconds to the next fault: exponential at ``rate``, capped at three mean gaps (a cap
+        changes when faults land, not which ones: the draws stay the same)."""
+        return min(self.rng.expovariate(self.rate), 3.0 / self.rate)
 
     def _start(self, c: LocalCluster) -> NodeProcess:
         self._count += 1
@@ -173,24 +241,33 @@ class Chaos:
             item[1]()
 
     def _training(self, c: LocalCluster) -> list[NodeProcess]:
-        """Nodes that committed a step in the last two seconds (not merely started)."""
+        """Nodes that committed a step in the last two seconds (not merely started).
+
+        A commit, not any line of the log: a node woken from SIGSTOP or back from a cut logs
+        ``expelled`` at once, yet holds a stale state until it has caught up. Counting it
+        let a soak kill the only node holding the last commits (and lose them).
+        """
         now = time.time()
         out = []
         for n in self._alive(c):
             try:
-                if now - n.commit_log.stat().st_mtime < 2.0:
-                    out.append(n)
+                if now - n.commit_log.stat().st_mtime >= 2.0:
+                    continue  # cheap: nothing at all was logged lately
             except FileNotFoundError:
                 continue
+            last = next((e.get("t", 0.0) for e in reversed(n.entries()) if e.get("kind") == "commit"), 0.0)
+            if now - last < 2.0:
+                out.append(n)
         return out
 
     def _inject(self, c: LocalCluster, port: int) -> None:
         alive = self._alive(c)
         # Never the last member of the group: processes still starting up do not count.
         training = self._training(c)
-        kinds = [k for k in KINDS if k in ("join", "coordinator") or len(training) >= 2]
-        if len(alive) >= self.nodes + 2:
-            kinds = [k for k in kinds if k != "join"]
+        slowable = [n for n in training if n.name not in self._slowed]
+        kinds = feasible_kinds(
+            training=len(training), slowable=len(slowable), alive=len(alive), nodes=self.nodes, links=self.links
+        )
         kind = self.rng.choices(kinds, weights=[KINDS[k] for k in kinds])[0]
         if kind == "coordinator":
             if c.coordinator is None or c.coordinator.poll() is not None:
@@ -203,8 +280,9 @@ class Chaos:
             node = self._start(c)
             self.faults.append(Fault(kind, time.time(), node.name))
             return
-        victim = self.rng.choice(training)
-        self.faults.append(Fault(kind, time.time(), victim.name))
+        victim = self.rng.choice(slowable if kind == "slow" else training)
+        fault = Fault(kind, time.time(), victim.name)
+        self.faults.append(fault)
         if kind == "kill":
             victim.kill()
             self._later(1.0, lambda: self._start(c))
@@ -213,13 +291,43 @@ class Chaos:
             self._later(1.0, lambda: self._start(c))
         elif kind == "stop":
             victim.signal(signal.SIGSTOP)
-            victim.stopped = True  # type: ignore[attr-defined]
+            self._held.add(victim.name)
 
             def wake() -> None:
                 victim.signal(signal.SIGCONT)
-                victim.stopped = False  # type: ignore[attr-defined]
+                self._held.discard(victim.name)
 
-            self._later(self.rng.uniform(1.5, 3.0), wake)
+            lasts = self.rng.uniform(1.5, 3.0)
+            fault.detail = f"{lasts:.1f} s"
+            self._later(lasts, wake)
+        elif kind == "cut":
+            assert self.net is not None
+            self.net.cut(victim.name)
+            self._held.add(victim.name)
+
+            def reconnect() -> None:
+                assert self.net is not None
+                self.net.restore(victim.name)  # a no-op if the node exited meanwhile
+                self._held.discard(victim.name)
+
+            lasts = self.rng.uniform(1.5, 3.0)
+            fault.detail = f"{lasts:.1f} s"
+            self._later(lasts, reconnect)
+        elif kind == "slow":
+            assert self.net is not None
+            mbit, lasts = self.rng.uniform(1.0, 5.0), self.rng.uniform(2.0, 4.0)
+            self.net.slow(victim.name, mbit)
+            self._slowed.add(victim.name)
+            step = c.max_committed()
+
+            def unslow() -> None:
+                assert self.net is not None
+                self.net.unslow(victim.name)
+                self._slowed.discard(victim.name)
+                fault.detail += f", {c.max_committed() - step} steps committed meanwhile"
+
+            fault.detail = f"{mbit:.1f} Mbit/s for {lasts:.1f} s"
+            self._later(lasts, unslow)
 
     # ---------------------------------------------------------------- report
 
@@ -259,7 +367,9 @@ class Chaos:
             problems.append("no node finished the job")
         if lost:
             problems.append(f"{lost} committed steps were lost")
-        return ChaosReport(elapsed, self.steps, self.faults, dict(recoveries), lost, promises, max_diff, problems)
+        return ChaosReport(
+            elapsed, self.steps, self.faults, dict(recoveries), lost, promises, max_diff, problems, self.links_note
+        )
 
 
 def write_report(report: ChaosReport, path: Path) -> None:

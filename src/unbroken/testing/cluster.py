@@ -8,6 +8,13 @@ test their own job's behaviour under faults before renting machines::
         nodes = [c.start_node(f"n{i}") for i in range(3)]
         c.wait_step(20); nodes[1].kill()
         c.wait_finished()
+
+With a `unbroken.testing.netns.Network`, each node runs in its own network namespace
+(its data plane on its namespace's address) and the coordinator listens on the bridge, so
+that links can be cut or slowed for real (root only)::
+
+    with Network() as net, LocalCluster("my_job.py:job", workdir, network=net) as c:
+        ...
 """
 
 from __future__ import annotations
@@ -21,9 +28,12 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unbroken.cli.main import READY_PREFIX
+
+if TYPE_CHECKING:
+    from unbroken.testing.netns import Network
 
 
 class NodeProcess:
@@ -77,7 +87,11 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         min_nodes: int = 1,
         coordinator_args: list[str] | None = None,
+        network: Network | None = None,
     ) -> None:
+        self.network = network
+        """Where nodes get a namespace each (None: every process on loopback, as usual)."""
+        self.host = network.gateway if network is not None else "127.0.0.1"
         self.min_nodes = min_nodes
         self.coordinator_args = coordinator_args or []
         self.job = job
@@ -101,7 +115,7 @@ class LocalCluster:
 
     def start_coordinator(self, port: int = 0, timeout: float = 30.0) -> tuple[str, int]:
         cmd = [
-            sys.executable, "-m", "unbroken", "-v", "coordinator", "--host", "127.0.0.1", "--port", str(port),
+            sys.executable, "-m", "unbroken", "-v", "coordinator", "--host", self.host, "--port", str(port),
             "--lease", str(self.lease_s), "--recovery-window", str(self.recovery_window_s),
             "--event-log", str(self.workdir / "events.jsonl"), "--min-nodes", str(self.min_nodes),
             *self.coordinator_args,
@@ -150,12 +164,25 @@ class LocalCluster:
         ]  # fmt: skip
         if fault:
             cmd += ["--fault", fault]
+        if self.network is not None:
+            # Its own namespace; `ip netns exec` execs in place, so `proc.pid` is the node's pid.
+            self._reclaim_namespaces()
+            address = self.network.add(name)
+            cmd = [*self.network.prefix(name), *cmd, "--gloo-host", address]
         err = open(self.workdir / f"{name}.err", "ab")  # noqa: SIM115
         proc = subprocess.Popen(cmd, stdout=err, stderr=err, env={**self._env, **(env or {})})
         err.close()
         node = NodeProcess(name, proc, self.workdir)
         self.nodes[name] = node
         return node
+
+    def _reclaim_namespaces(self) -> None:
+        """Delete the namespaces of nodes that exited (a long soak starts hundreds of nodes)."""
+        assert self.network is not None
+        for name in self.network.nodes():
+            node = self.nodes.get(name)
+            if node is not None and node.proc.poll() is not None:
+                self.network.remove(name)
 
     # ---------------------------------------------------------------- waiting
 

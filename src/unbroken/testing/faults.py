@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from unbroken.errors import ConfigError
 
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
@@ -29,7 +31,10 @@ CORRUPT = {"nan": float("nan"), "spike": 1e6, "flip": -10.0}
 batch. ``flip`` multiplies it by -10 at that step *and every later one*: a persistently
 wrong node that stays inside the guard's range (robust aggregation's case). Use PHASE ``grad``."""
 PERSISTENT = ("flip",)
-PHASES = ("compute", "allreduce", "exchange", "grad")
+BITFLIP = "bitflip"
+"""``bitflip@commit:STEP``: right after committing STEP, one bit of this node's copy of the
+first parameter flips (silent data corruption) — what the consistency audit must catch."""
+PHASES = ("compute", "allreduce", "exchange", "grad", "commit")
 
 
 @dataclass(frozen=True)
@@ -44,11 +49,16 @@ def parse_faults(spec: str) -> list[Fault]:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         sig, _, rest = part.partition("@")
         phase, _, step = rest.partition(":")
-        known = sig in SIGNALS or sig == HANG or (sig in CORRUPT and phase == "grad")
+        known = (
+            sig in SIGNALS
+            or sig == HANG
+            or (sig in CORRUPT and phase == "grad")
+            or (sig == BITFLIP and phase == "commit")
+        )
         if not known or phase not in PHASES or not (step.isascii() and step.isdigit()):
             raise ConfigError(
                 f"fault {part!r} is not SIGNAL@PHASE:STEP with SIGNAL in {sorted([*SIGNALS, HANG])} "
-                f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP) "
+                f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP / bitflip@commit:STEP) "
                 f"and PHASE in {list(PHASES)} (e.g. kill@allreduce:12)"
             )
         out.append(Fault(sig, phase, int(step)))
@@ -75,6 +85,15 @@ class FaultPlan:
                 return CORRUPT[f.signal]
         return None
 
+    def bitflip(self, step: int) -> bool:
+        """True (once) when a bit of this node's state should flip after committing ``step``."""
+        for f in self._pending:
+            if f.signal == BITFLIP and f.step == step:
+                self._pending.remove(f)
+                self._record({"kind": "fault", "signal": BITFLIP, "phase": "commit", "step": step, "pid": os.getpid()})
+                return True
+        return False
+
     def maybe_fire(self, phase: str, step: int) -> None:
         for f in self._pending:
             if f.phase == phase and f.step == step:
@@ -84,3 +103,12 @@ class FaultPlan:
                     threading.Event().wait()
                 os.kill(os.getpid(), SIGNALS[f.signal])
                 return
+
+
+def flip_bit(t: torch.Tensor, index: int = 0, bit: int = 20) -> None:
+    """Flip one bit of one element in place (a float32's mantissa bit by default: a small,
+    silent change of value)."""
+    with torch.no_grad():
+        flat = t.data.view(-1)
+        word = flat[index : index + 1].view(torch.int32)
+        word ^= 1 << bit

@@ -68,7 +68,8 @@ def check_promises(logs: Mapping[str, Iterable[dict[str, Any]]], job: Job, *, fi
         if kind == "contrib":
             contribs[(e["epoch"], e["step"])].append(e["indices"])
         elif kind == "restore":
-            # The one allowed rollback: every node died and the group resumed from a checkpoint.
+            # The allowed rollbacks: every node died and the group resumed from a checkpoint,
+            # or a failed consistency audit took the group back to its last audited state.
             restores.append((e["t"], e["step"]))
             for s in [s for s in digests if s > e["step"]]:
                 del digests[s]

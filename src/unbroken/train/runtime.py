@@ -26,12 +26,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from unbroken.comm.codecs import Codec, make_codec
-from unbroken.comm.group import EpochGroup, Graveyard, StoreClient, build_group, wait_until
+from unbroken.comm.group import EpochGroup, Graveyard, StoreClient, build_group, wait_until, wait_work
 from unbroken.comm.reduce import LinkEmulation, Reducer, Wire, Zones
 from unbroken.comm.robust import Rule, parse_rule
 from unbroken.comm.transfer import sync_state
@@ -39,6 +39,7 @@ from unbroken.config import NodeConfig
 from unbroken.control import messages as m
 from unbroken.control.client import ControlClient
 from unbroken.errors import (
+    AuditMismatch,
     BadContribution,
     CollectiveFailed,
     CoordinatorUnreachable,
@@ -50,8 +51,8 @@ from unbroken.errors import (
 from unbroken.job import Job
 from unbroken.sched.shares import offsets
 from unbroken.state.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
-from unbroken.state.snapshot import TrainState, fingerprint
-from unbroken.testing.faults import Fault, FaultPlan
+from unbroken.state.snapshot import TrainState, digest_prefix, fingerprint
+from unbroken.testing.faults import Fault, FaultPlan, flip_bit
 from unbroken.testing.throttle import parse_throttle
 from unbroken.train.data import DataPlan
 from unbroken.train.device import ComputeReplica, OutOfMemory, resolve_device
@@ -59,6 +60,7 @@ from unbroken.train.diloco import DiLoCo
 from unbroken.train.guard import judge
 from unbroken.train.measure import Meter
 from unbroken.train.sidecar import Sidecar
+from unbroken.train.sync import audit
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,9 @@ class Node:
         self.checkpointer = Checkpointer(config.checkpoint_dir) if config.checkpoint_dir else None
         self._fingerprint = fingerprint(model)
         self.group: EpochGroup | None = None
+        self._audit_every = 0
+        self._audited: dict[str, Any] | None = None
+        """The state at the last audit that passed (what a failed audit rolls back to)."""
         self.diloco: DiLoCo | None = None
         """DiLoCo's outer loop, once an epoch order says ``mode="diloco"``."""
         self._leave_requested = False
@@ -191,8 +196,9 @@ class Node:
             except (CollectiveFailed, TransferError) as exc:
                 log.warning("%s: epoch %d: %s", self.name, order.epoch, exc)
                 culprit = order.members[exc.rank] if isinstance(exc, BadContribution) else None
+                kind: Literal["bad-gradient", "audit"] = "audit" if isinstance(exc, AuditMismatch) else "bad-gradient"
                 self._log({"kind": "refused", "step": self.state.step, "culprit": culprit, "reason": str(exc)})
-                self.client.send(m.Fault(epoch=order.epoch, reason=str(exc)[:2000], culprit=culprit))
+                self.client.send(m.Fault(epoch=order.epoch, reason=str(exc)[:2000], culprit=culprit, kind=kind))
                 self._abandon()
 
     def _next_order(self) -> m.EpochOrder | NodeResult:
@@ -289,6 +295,7 @@ class Node:
             self.job.batch_size, took * 1e3,
         )  # fmt: skip
         self._set_role(self.group.role)
+        self._audit_every = order.audit_every if order.mode == "sync" else 0
         if order.mode == "diloco" and self.diloco is None:
             self.diloco = DiLoCo(self, order)
 
@@ -348,6 +355,9 @@ class Node:
         assert g is not None and g.pg is not None
         abort = functools.partial(self._abort_reason, during_step=False)
         r = sync_state(g.pg, g.rank, g.size, self.state, self.wake, abort, self.config.collective_timeout_s)
+        if self._audit_every and (self._audited is None or r.role == "receiver"):
+            # Agreed by the sync phase: a state a failed audit may come back to.
+            self._audited = self.state.capture()
         if self.diloco is not None:
             self.diloco.sync_zone(received=r.role == "receiver")
         if r.role == "source":
@@ -434,12 +444,44 @@ class Node:
                 raise
             self._apply(flat, before)
             self._committed(g, step, global_loss, B / max(time.monotonic() - t0, 1e-9))
+            if self.faults.bitflip(self.state.step):
+                flip_bit(self.params[0])
+            if self._audit_every and self.state.step % self._audit_every == 0:
+                self._audit(g)
             if my_share:
                 self.meter.maybe_recalibrate(self._probe_model, self.state.step)
             if g.role == "validator":
                 self._maybe_validate()
             if switched > 0 or self.state.step >= self.job.num_steps:
                 return
+
+    def _audit(self, g: EpochGroup) -> None:
+        """Compare state digests. A replica that differs from the majority was corrupted
+        since the last audit, and its contributions since then are suspect: every member goes
+        back to the last audited state (kept in memory), the culprit goes one step behind it
+        so that the sync phase repairs it from a peer, and the steps since are redone with
+        the same samples. The culprit is named and flagged."""
+        assert g.pg is not None
+        digest = self.state.digest()
+        mine = torch.tensor([self.state.step, digest_prefix(digest)], dtype=torch.int64)
+        gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(g.size)]
+        abort = functools.partial(self._abort_reason, during_step=True)
+        wait_work(g.pg.allgather([gathered], [mine]), self.wake, abort, self.config.collective_timeout_s, "audit")
+        verdict = audit([(int(t[0]), int(t[1])) for t in gathered])
+        self._log({"kind": "audit", "step": self.state.step, "digest": digest, "ok": verdict is None})
+        if verdict is None:
+            self._audited = self.state.capture()
+            return
+        rank, why = verdict
+        message = f"audit at step {self.state.step}: {g.members[rank]}'s state {why}"
+        if self._audited is not None:
+            self.state.restore(self._audited)
+            if rank == g.rank:
+                self.state.step -= 1  # behind the group: the sync phase sends it a peer's state
+            else:
+                self._log({"kind": "restore", "step": self.state.step, "digest": self.state.digest(), "why": message})
+            self.client.step = self.state.step
+        raise AuditMismatch(rank, message)
 
     def _compute(self, indices: list[int], step: int, planned_mb: int, before: list[torch.Tensor]) -> float:
         """Forward/backward over this node's slice; gradients summed, scaled to the mean over B.

@@ -33,3 +33,23 @@ def plan_sync(reports: Sequence[tuple[int, int]]) -> SyncPlan:
     source = next(rank for rank, d in at_top if d == winner)
     receivers = tuple(r for r, (step, d) in enumerate(reports) if step != top or d != winner)
     return SyncPlan(source=source, step=top, receivers=receivers)
+
+
+def audit(reports: Sequence[tuple[int, int]]) -> tuple[int, str] | None:
+    """The consistency audit's verdict from each rank's ``(committed step, digest)``: the
+    first rank whose digest differs from a strict majority's, with why; None when all agree
+    (or when no digest has a majority: then nobody can be blamed, and the next sync phase
+    settles it)."""
+    if not reports:
+        return None
+    votes = Counter(reports)
+    ((winner, count),) = votes.most_common(1)
+    if count == len(reports):
+        return None
+    if 2 * count <= len(reports):
+        return None
+    rank = next(r for r, rep in enumerate(reports) if rep != winner)
+    step, _ = reports[rank]
+    if step != winner[0]:
+        return rank, f"is at step {step}, the majority ({count} of {len(reports)}) at {winner[0]}"
+    return rank, f"digest differs from the majority's ({count} of {len(reports)} agree)"

@@ -529,7 +529,7 @@ def test_a_refused_gradient_benches_its_member_and_repeat_offenders_are_quaranti
             ms.heartbeat("a", 0, t), ms.heartbeat("b", 0, t), ms.heartbeat("c", 0, t)
             if reporter == "a":
                 (ev,) = events(d, "bad-gradient")
-                assert ev.member == "c" and f"refusal {offence}" in ev.reason
+                assert ev.member == "c" and f"offence {offence}" in ev.reason
         order = only_order(ms.tick(t))
         assert order.urgent
         if offence < QUARANTINE_AFTER:

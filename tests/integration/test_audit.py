@@ -1,0 +1,36 @@
+"""Consistency audit: a bit flipped in one replica (silent data corruption) is found by the
+next audit, the right node is named and repaired from a peer, the steps its corrupted
+replica took part in are redone, and the job ends equal to the reference."""
+
+from __future__ import annotations
+
+from integration.helpers import assert_promises, events_of, fired
+
+ENV = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "10"}
+
+
+def test_a_flipped_bit_is_found_named_and_repaired(make_cluster):
+    c = make_cluster(env=ENV, min_nodes=3, coordinator_args=["--audit-every", "10"], node_args=["--digest-every", "1"])
+    c.start_coordinator()
+    c.start_node("a")
+    c.start_node("b")
+    bad = c.start_node("c", fault="bitflip@commit:23")
+    codes = c.wait_exit(timeout=120)
+    assert codes == {"a": 0, "b": 0, "c": 0}, c.diagnostics()
+    assert fired(bad, "bitflip")
+    audits = events_of(c, "audit")
+    assert len(audits) == 1 and audits[0]["node"] == "c", audits
+    assert "step 30" in audits[0]["reason"] and "differs from the majority" in audits[0]["reason"]
+    # Repaired: c received the majority's state, then trained on with it.
+    kinds = [e["kind"] for e in bad.entries()]
+    assert "sync" in kinds[kinds.index("refused") :], kinds
+    checks = [e for e in c.nodes["a"].entries() if e["kind"] == "audit"]
+    assert [(e["step"], e["ok"]) for e in checks] == [(10, True), (20, True), (30, False), (30, True), (40, True),
+                                                      (50, True), (60, True)], checks  # fmt: skip
+    restores = [e for e in c.nodes["a"].entries() if e["kind"] == "restore"]
+    assert [e["step"] for e in restores] == [20], "back to the last audited state; steps 21..30 redone"
+    sync = next(e for e in bad.entries() if e["kind"] == "sync")
+    assert sync["step"] == 20, sync
+    # Every promise: exactly-once samples, equal replicas after every step (the corrupted
+    # ones, taken back, excepted), and the final model equal to single-process training.
+    assert_promises(c, ENV, finishers=3)

@@ -1,0 +1,63 @@
+"""The chaos soak's pure parts: which fault kinds may be drawn, and link names that fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from unbroken.testing import netns
+from unbroken.testing.chaos import KINDS, feasible_kinds
+
+SIGNAL_KINDS = ["kill", "stop", "term", "join", "coordinator"]
+
+
+def test_every_kind_when_the_group_is_healthy_and_links_can_fail() -> None:
+    assert feasible_kinds(training=3, slowable=3, alive=3, nodes=3, links=True) == list(KINDS)
+
+
+def test_without_links_the_kinds_and_their_order_are_those_of_before_link_faults() -> None:
+    # Same list, same weights: a seed's schedule on a host without namespaces is unchanged.
+    assert feasible_kinds(training=3, slowable=3, alive=3, nodes=3, links=False) == SIGNAL_KINDS
+
+
+def test_the_last_training_node_is_never_taken_out_but_may_be_slowed() -> None:
+    kinds = feasible_kinds(training=1, slowable=1, alive=3, nodes=3, links=True)
+    assert kinds == ["join", "coordinator", "slow"]
+    assert feasible_kinds(training=0, slowable=0, alive=2, nodes=3, links=True) == ["join", "coordinator"]
+
+
+def test_no_slow_when_every_trainer_is_slowed_already() -> None:
+    assert "slow" not in feasible_kinds(training=2, slowable=0, alive=3, nodes=3, links=True)
+
+
+def test_joins_stop_at_two_spare_nodes() -> None:
+    assert "join" in feasible_kinds(training=3, slowable=3, alive=4, nodes=3, links=False)
+    assert "join" not in feasible_kinds(training=3, slowable=3, alive=5, nodes=3, links=False)
+
+
+@pytest.mark.parametrize("pid", [1, 99999, 2**22])
+@pytest.mark.parametrize("host", [2, 254])
+def test_link_names_fit_the_kernels_15_characters(pid: int, host: int) -> None:
+    netns_name, host_dev, node_dev = netns.names(pid, host)
+    assert len({netns_name, host_dev, node_dev}) == 3
+    assert all(len(n) <= 15 for n in (host_dev, node_dev, f"unb{pid}b"))
+    assert netns._OURS.match(host_dev) and int(netns._OURS.match(host_dev).group(1)) == pid
+
+
+def test_probe_says_why_without_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    netns.probe.cache_clear()
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    try:
+        assert "root" in (netns.probe() or "")
+        assert not netns.available()
+    finally:
+        netns.probe.cache_clear()
+
+
+def test_probe_says_which_tool_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    netns.probe.cache_clear()
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else f"/sbin/{tool}")
+    try:
+        assert "`tc`" in (netns.probe() or "")
+    finally:
+        netns.probe.cache_clear()
