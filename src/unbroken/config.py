@@ -59,6 +59,10 @@ class CoordinatorConfig:
     aggregate: str = "mean"
     """How the members' gradients are combined: ``mean`` (exact synchronous training),
     ``clip[:C]`` or ``trimmed[:F]`` (robust to a faulty node; see `unbroken.comm.robust`)."""
+    fragments: str = ""
+    """``K,M``: nodes write checkpoints (``--checkpoint-every``) as K data + M parity fragments
+    on their own ``--checkpoint-dir`` (any K rebuild it: `unbroken restore`); empty: rank 0
+    writes whole checkpoints."""
     audit_every: int = 100
     """Every this many steps the trainers compare state digests; a replica that differs from
     the majority (silent corruption) is named, repaired from a peer, and flagged (0: off)."""
@@ -91,6 +95,10 @@ class CoordinatorConfig:
             raise ConfigError(f"CoordinatorConfig.mode = {self.mode!r}: choose 'sync' or 'diloco' (--mode)")
         _check_range("CoordinatorConfig", "inner_steps", self.inner_steps, 1, 1_000_000)
         _check_range("CoordinatorConfig", "audit_every", self.audit_every, 0, 1_000_000)
+        if self.fragments:
+            from unbroken.state.fragments import parse_fragments
+
+            parse_fragments(self.fragments)
         _check_range("CoordinatorConfig", "outer_lr", self.outer_lr, 1e-6, 100)
         _check_range("CoordinatorConfig", "outer_momentum", self.outer_momentum, 0, 0.999)
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from unbroken.cli.observe import add_parsers as add_observe_parsers
+from unbroken.cli.restore import add_parser as add_restore_parser
 from unbroken.config import ENV_COORDINATOR, CoordinatorConfig, NodeConfig, parse_address
 from unbroken.control.auth import ENV_TOKEN, load_token
 from unbroken.errors import ConfigError, UnbrokenError
@@ -39,6 +40,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         codec=args.codec,
         aggregate=args.aggregate,
         audit_every=args.audit_every,
+        fragments=args.fragments,
         mode=args.mode,
         inner_steps=args.inner_steps,
         outer_lr=args.outer_lr,
@@ -216,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="combine gradients: mean (exact), clip[:C] or trimmed[:F] (robust to a faulty node; an all-gather)",
     )
     c.add_argument(
+        "--fragments",
+        default="",
+        metavar="K,M",
+        help="checkpoints as K data + M parity fragments over the nodes' own --checkpoint-dir (any K rebuild it)",
+    )
+    c.add_argument(
         "--audit-every",
         type=int,
         default=100,
@@ -296,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--out", help="directory for logs and the JSON report (default: a temporary one)")
     h.set_defaults(func=_chaos)
     add_observe_parsers(sub, fmt)
+    add_restore_parser(sub, fmt)
     return p
 
 

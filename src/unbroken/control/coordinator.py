@@ -90,6 +90,7 @@ class Coordinator:
             codec=self.config.codec,
             aggregate=self.config.aggregate,
             audit_every=self.config.audit_every,
+            fragments=self.config.fragments,
             diloco=(
                 (self.config.inner_steps, self.config.outer_lr, self.config.outer_momentum)
                 if self.config.mode == "diloco"

@@ -162,7 +162,10 @@ class Membership:
         aggregate: str = "mean",
         diloco: tuple[int, float, float] | None = None,
         audit_every: int = 0,
+        fragments: str = "",
     ) -> None:
+        self.fragments = fragments
+        """Checkpoints as K,M fragments (every epoch order carries it)."""
         self.audit_every = audit_every
         """Steps between consistency audits (every epoch order carries it)."""
         self.diloco = diloco
@@ -605,6 +608,7 @@ class Membership:
             codec=self.codec,
             aggregate=self.aggregate,
             audit_every=self.audit_every,
+            fragments=self.fragments,
             **self._mode(),
         )
         # Everyone of the old epoch hears of it (a leaver learns it may go), and everyone of the new.

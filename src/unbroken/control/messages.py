@@ -233,6 +233,8 @@ class EpochOrder(_Msg):
     """Each member's zone (empty: one zone)."""
     codec: Annotated[str, Field(max_length=64)] = "none"
     """The codec of the inter-zone hop."""
+    fragments: Annotated[str, Field(max_length=16)] = ""
+    """Checkpoints as K,M erasure-coded fragments over the nodes' disks (empty: whole files)."""
     audit_every: Annotated[int, Field(ge=0, le=1_000_000)] = 0
     """Every this many steps the members compare state digests (0: never)."""
     aggregate: Annotated[str, Field(max_length=64)] = "mean"

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from unbroken.state.snapshot import snapshot_digest
+
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
@@ -63,6 +65,32 @@ class Checkpointer:
         self._thread = threading.Thread(target=self._write, args=(snap,), name="checkpoint-writer", daemon=True)
         self._thread.start()
         return True
+
+    def save_fragments_async(
+        self, snap: dict[str, Any], k: int, m: int, mine: list[int], optimizer_in_digest: bool = True
+    ) -> bool:
+        """Start writing this node's erasure-coded fragments of ``snap`` (`unbroken.state.fragments`)."""
+        if self.busy:
+            self.skipped += 1
+            return False
+        self._thread = threading.Thread(
+            target=self._write_fragments,
+            args=(snap, k, m, mine, optimizer_in_digest),
+            name="fragment-writer",
+            daemon=True,
+        )
+        self._thread.start()
+        return True
+
+    def _write_fragments(self, snap: dict[str, Any], k: int, m: int, mine: list[int], in_digest: bool) -> None:
+        from unbroken.state.fragments import write_fragments
+
+        start = time.monotonic()
+        try:
+            write_fragments(self.directory, snap, k, m, mine, snapshot_digest(snap, in_digest))
+            self.written.append((int(snap["step"]), time.monotonic() - start))
+        except OSError:
+            log.exception("fragments of step %d failed", snap["step"])
 
     def _write(self, snap: dict[str, Any]) -> None:
         step = int(snap["step"])

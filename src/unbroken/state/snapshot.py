@@ -86,14 +86,11 @@ class TrainState:
             self.pending_outer = None
 
     def digest(self) -> str:
-        h = hashlib.blake2b(digest_size=16)
-        _hash_tree(h, {"step": self.step, "cursor": self.cursor})
-        _hash_tree(h, self.model.state_dict())
-        if self.optimizer_in_digest:
-            _hash_tree(h, self.optimizer.state_dict())
+        state: dict[str, Any] = {"step": self.step, "cursor": self.cursor, "model": self.model.state_dict()}
+        state["optimizer"] = self.optimizer.state_dict()
         if self.outer is not None:
-            _hash_tree(h, self.outer.state_dict())
-        return h.hexdigest()
+            state["outer"] = self.outer.state_dict()
+        return snapshot_digest(state, self.optimizer_in_digest)
 
     def capture(self) -> dict[str, Any]:
         """A deep copy of the state, safe to serialise on another thread."""
@@ -123,9 +120,10 @@ class TrainState:
                 self.outer.load_state_dict(snap["outer"])
             else:
                 self.pending_outer = snap["outer"]
-        torch.set_rng_state(snap["rng"]["torch"])
-        state = random.getstate()
-        random.setstate((state[0], tuple(snap["rng"]["python"]), state[2]))
+        if "rng" in snap:  # absent from a state rebuilt from fragments
+            torch.set_rng_state(snap["rng"]["torch"])
+            state = random.getstate()
+            random.setstate((state[0], tuple(snap["rng"]["python"]), state[2]))
 
     def to_bytes(self) -> torch.Tensor:
         # No whole-buffer copies: one long call holding the GIL starves the heartbeat
@@ -165,6 +163,18 @@ class _TensorReader(io.RawIOBase):
 
     def tell(self) -> int:
         return self._pos
+
+
+def snapshot_digest(snap: dict[str, Any], optimizer_in_digest: bool = True) -> str:
+    """The replica digest of a state or of its `TrainState.capture` (the same value)."""
+    h = hashlib.blake2b(digest_size=16)
+    _hash_tree(h, {"step": snap["step"], "cursor": snap["cursor"]})
+    _hash_tree(h, snap["model"])
+    if optimizer_in_digest:
+        _hash_tree(h, snap["optimizer"])
+    if "outer" in snap:
+        _hash_tree(h, snap["outer"])
+    return h.hexdigest()
 
 
 def digest_prefix(digest: str) -> int:

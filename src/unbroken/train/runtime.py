@@ -51,6 +51,7 @@ from unbroken.errors import (
 from unbroken.job import Job
 from unbroken.sched.shares import offsets
 from unbroken.state.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
+from unbroken.state.fragments import parse_fragments, rebuild
 from unbroken.state.snapshot import TrainState, digest_prefix, fingerprint
 from unbroken.testing.faults import Fault, FaultPlan, flip_bit
 from unbroken.testing.throttle import parse_throttle
@@ -126,6 +127,7 @@ class Node:
         self._fingerprint = fingerprint(model)
         self.group: EpochGroup | None = None
         self._audit_every = 0
+        self._fragments: tuple[int, int] | None = None
         self._audited: dict[str, Any] | None = None
         """The state at the last audit that passed (what a failed audit rolls back to)."""
         self.diloco: DiLoCo | None = None
@@ -296,6 +298,7 @@ class Node:
         )  # fmt: skip
         self._set_role(self.group.role)
         self._audit_every = order.audit_every if order.mode == "sync" else 0
+        self._fragments = parse_fragments(order.fragments) if order.fragments else None
         if order.mode == "diloco" and self.diloco is None:
             self.diloco = DiLoCo(self, order)
 
@@ -705,8 +708,16 @@ class Node:
 
     def _maybe_checkpoint(self, g: EpochGroup) -> None:
         ck = self.config.checkpoint_every
-        due = self.checkpointer is not None and ck and self.state.step % ck == 0 and g.rank == 0
-        if due and self.checkpointer is not None and self.checkpointer.save_async(self.state.capture()):
+        if self.checkpointer is None or not ck or self.state.step % ck:
+            return
+        if self._fragments is not None:
+            k, m = self._fragments
+            mine = [i for i in range(k + m) if i % g.size == g.rank]
+            snap = self.state.capture()
+            if mine and self.checkpointer.save_fragments_async(snap, k, m, mine, self.state.optimizer_in_digest):
+                self.report("checkpoint", f"fragments {mine} of {k}+{m} of step {self.state.step} being written")
+            return
+        if g.rank == 0 and self.checkpointer.save_async(self.state.capture()):
             where = self.config.checkpoint_dir
             self.report("checkpoint", f"checkpoint of step {self.state.step} being written to {where}")
 
@@ -774,8 +785,16 @@ class Node:
             return
         path = latest_checkpoint(self.config.checkpoint_dir)
         if path is None:
-            return
-        self.state.restore(load_checkpoint(path))
+            # Fragments in this directory (a shared one, or one `unbroken restore` did not
+            # merge yet) rebuild the state when K of them are there.
+            try:
+                snap, manifest, _ = rebuild([self.config.checkpoint_dir])
+            except TransferError:
+                return
+            self.state.restore(snap)
+            path = self.config.checkpoint_dir / f"frag-{manifest.step:09d}.json"
+        else:
+            self.state.restore(load_checkpoint(path))
         self.client.step = self.state.step
         self._log({"kind": "restore", "step": self.state.step, "path": str(path), "digest": self.state.digest()})
         log.info("%s: restored step %d from %s", self.name, self.state.step, path)

@@ -1,0 +1,237 @@
+"""Erasure-coded checkpoints: k data and m parity fragments over the nodes' own disks.
+
+Every replica holds the same state, so no fragment crosses the network: each node encodes
+the whole committed state with `zfec` (Reed-Solomon over GF(2^8)) and keeps only its own
+fragments (index i goes to the node of rank i mod n). Any k of the k+m fragments rebuild
+the state, so the job survives losing the disks of m nodes. A manifest beside every
+fragment lists the SHA-256 of each fragment and of the whole: a corrupt or truncated
+fragment is detected and the state rebuilt from the others.
+
+The bytes must be identical on every node, so the state is packed here deterministically
+(a JSON header describing the tree, then each tensor's bytes in tree order; no pickle, no
+timestamps), without the RNG states (each process draws its own numbers) and without
+node-local state (codec residuals).
+
+    unbroken restore --from /disk/node1/ckpt --from /disk/node2/ckpt ... --to /shared/ckpt
+
+rebuilds the newest step that has k good fragments into a plain checkpoint that any
+number of nodes started with ``--checkpoint-dir /shared/ckpt`` resume from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from zfec import easyfec
+
+from unbroken.errors import ConfigError, TransferError
+
+MAGIC = b"UBPACK01"
+_MANIFEST = re.compile(r"^frag-(\d{9})\.json$")
+KEEP = 3
+"""Fragment sets kept per directory (older ones are deleted)."""
+
+
+def parse_fragments(spec: str) -> tuple[int, int]:
+    """``K,M`` (e.g. ``3,2``): K data and M parity fragments."""
+    try:
+        k, m = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"fragments {spec!r} is not K,M (e.g. 3,2: any 3 of 5 fragments rebuild a checkpoint)"
+        ) from None
+    if not (1 <= k <= 128 and 0 <= m <= 128 and k + m <= 256):
+        raise ConfigError(f"fragments {spec!r}: need 1 <= K <= 128, 0 <= M <= 128 and K + M <= 256")
+    return k, m
+
+
+# ---------------------------------------------------------------- deterministic packing
+
+
+def pack(tree: Any) -> bytes:
+    """Tensors, dicts (any key order: sorted), lists, tuples and JSON scalars, deterministically."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            tensors.append(t)
+            return {"t": len(tensors) - 1, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+        if isinstance(x, dict):
+            items = sorted(x.items(), key=lambda kv: (type(kv[0]).__name__, str(kv[0])))
+            return {"d": [[k, walk(v)] for k, v in items]}
+        if isinstance(x, list | tuple):
+            return {"l" if isinstance(x, list) else "u": [walk(v) for v in x]}
+        if x is None or isinstance(x, bool | int | float | str):
+            return {"v": x}
+        raise TypeError(f"cannot pack a {type(x).__name__}")
+
+    header = json.dumps(walk(tree), separators=(",", ":"), allow_nan=True).encode()
+    parts = [MAGIC, struct.pack("<Q", len(header)), header]
+    parts.extend(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"" for t in tensors)
+    return b"".join(parts)
+
+
+def unpack(blob: bytes) -> Any:
+    if blob[:8] != MAGIC:
+        raise TransferError("not a packed state (bad magic)")
+    (n,) = struct.unpack("<Q", blob[8:16])
+    header = json.loads(blob[16 : 16 + n])
+    offset = 16 + n
+    by_index: dict[int, torch.Tensor] = {}
+
+    def tensors_in(x: Any) -> Iterable[dict[str, Any]]:
+        if "t" in x:
+            yield x
+        for key in ("l", "u"):
+            for v in x.get(key, []):
+                yield from tensors_in(v)
+        for _, v in x.get("d", []):
+            yield from tensors_in(v)
+
+    for spec in sorted(tensors_in(header), key=lambda s: s["t"]):
+        dtype = getattr(torch, spec["dtype"])
+        numel = 1
+        for d in spec["shape"]:
+            numel *= d
+        size = numel * torch.empty(0, dtype=dtype).element_size()
+        raw = bytearray(blob[offset : offset + size])
+        if len(raw) != size:
+            raise TransferError("packed state is truncated")
+        flat = torch.frombuffer(raw, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        by_index[spec["t"]] = flat.view(dtype).reshape(spec["shape"]).clone()
+        offset += size
+
+    def build(x: Any) -> Any:
+        if "t" in x:
+            return by_index[x["t"]]
+        if "d" in x:
+            return {k: build(v) for k, v in x["d"]}
+        if "l" in x:
+            return [build(v) for v in x["l"]]
+        if "u" in x:
+            return tuple(build(v) for v in x["u"])
+        return x["v"]
+
+    return build(header)
+
+
+# ---------------------------------------------------------------- fragments
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    k: int
+    m: int
+    size: int
+    """Length of the packed state in bytes."""
+    sha256: str
+    """Of the packed state."""
+    fragments: tuple[str, ...]
+    """SHA-256 of each of the k + m fragments."""
+    digest: str
+    """The state's replica digest (what the nodes compared when it was committed)."""
+
+
+def encode(blob: bytes, k: int, m: int) -> list[bytes]:
+    return list(easyfec.Encoder(k, k + m).encode(blob))
+
+
+def decode(blocks: dict[int, bytes], k: int, m: int, size: int) -> bytes:
+    if len(blocks) < k:
+        raise TransferError(f"{len(blocks)} good fragments, {k} needed")
+    nums = sorted(blocks)[:k]
+    pad = (k - size % k) % k
+    return bytes(easyfec.Decoder(k, k + m).decode([blocks[i] for i in nums], nums, pad))
+
+
+def write_fragments(
+    directory: Path, snap: dict[str, Any], k: int, m: int, mine: Sequence[int], digest: str
+) -> Manifest:
+    """Encode a captured state and write the fragments ``mine`` (and the manifest) atomically."""
+    blob = pack({key: v for key, v in snap.items() if key not in ("rng", "local")})
+    blocks = encode(blob, k, m)
+    manifest = Manifest(
+        step=int(snap["step"]),
+        k=k,
+        m=m,
+        size=len(blob),
+        sha256=hashlib.sha256(blob).hexdigest(),
+        fragments=tuple(hashlib.sha256(b).hexdigest() for b in blocks),
+        digest=digest,
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in mine:
+        _atomic(directory / f"frag-{manifest.step:09d}.{i:03d}", blocks[i])
+    _atomic(directory / f"frag-{manifest.step:09d}.json", json.dumps(manifest.__dict__).encode())
+    _prune(directory)
+    return manifest
+
+
+def rebuild(directories: Iterable[Path], step: int | None = None) -> tuple[dict[str, Any], Manifest, list[str]]:
+    """The newest state (or ``step``) that k good fragments in ``directories`` rebuild, its
+    manifest, and what was wrong on the way (corrupt or missing fragments)."""
+    manifests: dict[int, Manifest] = {}
+    found: dict[int, dict[int, list[Path]]] = {}
+    for d in directories:
+        if not d.is_dir():
+            continue
+        for p in d.iterdir():
+            mt = _MANIFEST.match(p.name)
+            if mt:
+                try:
+                    raw = json.loads(p.read_text())
+                    manifests.setdefault(int(mt.group(1)), Manifest(**{**raw, "fragments": tuple(raw["fragments"])}))
+                except (OSError, ValueError, TypeError):
+                    continue
+            elif p.name.startswith("frag-") and p.suffix[1:].isdigit():
+                s, i = int(p.name[5:14]), int(p.suffix[1:])
+                found.setdefault(s, {}).setdefault(i, []).append(p)
+    notes: list[str] = []
+    for s in sorted(manifests, reverse=True):
+        if step is not None and s != step:
+            continue
+        man = manifests[s]
+        good: dict[int, bytes] = {}
+        for i, paths in sorted(found.get(s, {}).items()):
+            for p in paths:
+                data = p.read_bytes()
+                if i < len(man.fragments) and hashlib.sha256(data).hexdigest() == man.fragments[i]:
+                    good[i] = data
+                    break
+                notes.append(f"{p}: checksum mismatch (corrupt), ignored")
+        if len(good) < man.k:
+            notes.append(f"step {s}: {len(good)} good fragments of {man.k + man.m}, {man.k} needed")
+            continue
+        blob = decode(good, man.k, man.m, man.size)
+        if hashlib.sha256(blob).hexdigest() != man.sha256:
+            notes.append(f"step {s}: rebuilt state fails its checksum")
+            continue
+        return unpack(blob), man, notes
+    raise TransferError("no checkpoint can be rebuilt: " + ("; ".join(notes) or "no fragments found"))
+
+
+def _atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _prune(directory: Path) -> None:
+    steps = sorted({int(mt.group(1)) for p in directory.iterdir() if (mt := _MANIFEST.match(p.name))})
+    for s in steps[:-KEEP]:
+        for p in directory.glob(f"frag-{s:09d}.*"):
+            p.unlink(missing_ok=True)
