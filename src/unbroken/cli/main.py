@@ -61,7 +61,10 @@ def _coordinator(args: argparse.Namespace) -> int:
         host, port = coord.address
         print(f"{READY_PREFIX} {host}:{port}", flush=True)
         scheme = "https" if config.tls_cert else "http"
-        print(f"unbroken coordinator on {scheme}://{host}:{port}  (state: /api/state)", file=sys.stderr, flush=True)
+        url = f"{scheme}://{host}:{port}"
+        print(
+            f"unbroken coordinator on {url}  (dashboard: {url}/, state: {url}/api/state)", file=sys.stderr, flush=True
+        )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, coord.stop_nowait)

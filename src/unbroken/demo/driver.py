@@ -59,7 +59,8 @@ def _drive(console: Console, coord: Coordinator, workdir: Path, env: dict[str, s
 
     with LocalCluster(JOB, workdir, env=env) as cluster:
         cluster.address = host, port = coord.address
-        console.print(f"coordinator on http://{host}:{port}  (live state: http://{host}:{port}/api/state)")
+        url = f"http://{host}:{port}"
+        console.print(f"coordinator on {url}  [bold]dashboard: {url}/[/]  (live state: {url}/api/state)")
         names = [f"node-{i + 1}" for i in range(nodes)]
         for name in names:
             cluster.start_node(name)

@@ -3,7 +3,8 @@
 - ``GET /``: the dashboard (`unbroken/observe/static/`; no CDN: works offline);
 - ``GET /api/state``: members, plan, recent events (served by the coordinator itself);
 - ``GET /api/events?since=SEQ&kind=K1,K2&node=NAME&limit=N``: the event log, oldest first;
-- ``GET /api/history?since_step=S``: loss and throughput per committed step, per-node rates;
+- ``GET /api/history?since_step=S&nodes=0``: loss and throughput per committed step, and
+  each node's recent rates (left out with ``nodes=0``: the dashboard's polls need only the steps);
 - ``GET /metrics``: Prometheus text format;
 - ``POST /api/nodes/{name}/drain`` and ``.../kill``: operator actions. With a job token they
   need ``Authorization: Bearer <token>`` (send it over TLS: ``--tls-cert``); without one,
@@ -78,7 +79,10 @@ class _Pages:
             since = int(request.query.get("since_step", "-1"))
         except ValueError:
             raise web.HTTPBadRequest(text="since_step must be an integer") from None
-        return web.json_response(self.c.history.to_json(since))
+        data = self.c.history.to_json(since)
+        if request.query.get("nodes") == "0":
+            del data["nodes"]
+        return web.json_response(data)
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = render(self.c.snapshot(), self.c.event_counts, self.c.history)

@@ -139,9 +139,7 @@ class DiLoCo:
         g = node.group
         assert g is not None
         B = node.job.batch_size
-        zones = node.reducer.zones
-        mine = zones.of_rank[g.rank] if zones.of_rank else ""
-        zone_ranks = zones.members(mine) if zones.of_rank else list(range(g.size))
+        mine, zone_ranks = self._zone()
         zone_samples = sum(g.shares[r] for r in zone_ranks)
         zone_shares = [s if r in zone_ranks else 0 for r, s in enumerate(g.shares)]
         my_offset, my_share = offsets(g.shares)[g.rank], g.shares[g.rank]
@@ -217,8 +215,7 @@ class DiLoCo:
         assert grp is not None
         B = node.job.batch_size
         zones = node.reducer.zones
-        mine = zones.of_rank[grp.rank] if zones.of_rank else ""
-        zone_ranks = zones.members(mine) if zones.of_rank else list(range(grp.size))
+        mine, zone_ranks = self._zone()
         zone_samples = sum(grp.shares[r] for r in zone_ranks)
         first = int(self._round_start["step"]) if self._round_start else last  # type: ignore[call-overload]
         steps = last + 1 - first

@@ -16,13 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-OUTLIER_RATIO = 100.0
+OUTLIER_RATIO = 1000.0
 """A trainer's share-normalised gradient norm this many times the largest of the others' is refused.
 
 The largest, not the median: late in training most slices of a batch are fitted and their
 gradients nearly vanish while one slice holding a hard example keeps a large one (seen: norms
-0.00015, 0.025, 0.00012 and 0.46 for four honest slices; 3000x their median). A faulty device's
-gradient is orders of magnitude off every honest one."""
+0.00015, 0.025, 0.00012 and 0.46 for four honest slices; 3000x their median), and a slice of
+one sample right after a rebalance was seen at 136x the largest other. A faulty device's
+gradient is orders of magnitude off every honest one (a flipped exponent bit: 2^64)."""
 MIN_PEERS = 2
 """Outliers are judged only against at least this many other trainers."""
 
