@@ -88,7 +88,10 @@ def test_a_zone_leader_killed_mid_exchange_costs_one_round_and_a_dead_zone_drops
     assert codes == {"a1": 0, "b1": -signal.SIGKILL, "a2": 0, "b2": -signal.SIGKILL}, c.diagnostics()
     promises(c, finishers=2)  # no outer step lost or applied twice, each batch once
     b2 = [e["step"] for e in c.nodes["b2"].entries() if e["kind"] == "commit" and e.get("wire", {}).get("inter")]
-    assert b2 == [20, 30], f"b2 must have led zone B for the retried outer step at 20 and at 30: {b2}"
+    # b1 dies after posting its part of the exchange: zone A may complete that outer step (b2
+    # then catches up from A and leads B's next one), or not (then every node retries it from
+    # step 10 and b2 leads it). Either way each outer step is committed once (promises above).
+    assert b2 in ([20, 30], [30]), f"b2 must have led zone B after b1 died: {b2}"
     a1 = [e["step"] for e in c.nodes["a1"].entries() if e["kind"] == "commit" and e.get("outer")]
     assert a1 == [10, 20, 30, 40, 50, 60], a1
     ours, _ = heldout(c, "a1")
