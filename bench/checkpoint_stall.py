@@ -1,0 +1,121 @@
+"""What a checkpoint costs the step: step time with checkpoints every few steps vs none.
+
+    python bench/checkpoint_stall.py                        # ~50M params, 2 nodes, whole files and fragments
+    python bench/checkpoint_stall.py --model small --steps 200 --every 10
+
+Same job, same samples, side by side in one invocation: 2 nodes on loopback train the
+``--model`` MLP of ``bench/jobs.py`` (``large``: ~50M parameters, SGD with momentum: the
+state is 400 MB) for ``--steps`` steps, without checkpoints (the baseline), with whole
+checkpoints every ``--every`` steps (rank 0 captures the state at the step boundary and a
+background thread writes it), and with erasure-coded fragments (``--fragments 1,1``: every
+node captures, packs and encodes the state in the background and writes its own fragment).
+
+Per configuration: the median step time (gaps between consecutive commits after
+``--warmup``), the median of the steps that took a checkpoint (the capture happens in them:
+the capture happens right after a commit, so it lands in the gap to the next one: the
+stall), and their ratios to the baseline. The background write competes for the same
+2 cores, so the steps after a checkpoint slow down too: the mean step time is reported as
+well. Medians over ``--repeats`` interleaved repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jobs
+from common import ProgressLine, fmt, median, print_command, print_table, ratio
+from unbroken.testing import LocalCluster
+
+
+def run(args: argparse.Namespace, workdir: Path, config: str) -> dict[str, Any]:
+    env = jobs.env_for(args.steps, opt="sgd")
+    coord = ["--balance", "weights", "--audit-every", "0"]
+    node_args: list[str] = []
+    if config != "none":
+        node_args = ["--checkpoint-every", str(args.every)]
+    if config == "fragments":
+        coord += ["--fragments", "1,1"]
+    with LocalCluster(jobs.job_ref(args.model), workdir, env=env, min_nodes=2, coordinator_args=coord) as c:
+        c.start_coordinator()
+        for i in range(2):
+            extra = ["--checkpoint-dir", str(workdir / f"ckpt{i}")] if config != "none" else []
+            c.start_node(f"n{i}", extra=[*node_args, *extra])
+        codes = c.wait_exit(timeout=args.timeout)
+        if any(code != 0 for code in codes.values()):
+            raise RuntimeError(f"{config}: run failed: {codes}\n{c.diagnostics()}")
+        commits = [e for e in c.nodes["n0"].entries() if e.get("kind") == "commit"]
+    gaps: dict[int, float] = {}
+    for a, b in itertools.pairwise(commits):
+        if b["step"] == a["step"] + 1 and b["step"] > args.warmup:
+            gaps[b["step"]] = b["t"] - a["t"]
+    # The state is captured right after step s is committed: the stall lands in the gap to s + 1.
+    with_ckpt = [g for s, g in gaps.items() if config != "none" and (s - 1) % args.every == 0]
+    return {
+        "median": statistics.median(gaps.values()),
+        "mean": statistics.fmean(gaps.values()),
+        "ckpt_steps": statistics.median(with_ckpt) if with_ckpt else None,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(jobs.JOBS), default="large")
+    p.add_argument("--steps", type=int, default=60, help="steps per run")
+    p.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out at the start")
+    p.add_argument("--repeats", type=int, default=1, help="repeats of every configuration, interleaved")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for one run")
+    args = p.parse_args()
+    print_command()
+    configs = ["none", "whole", "fragments"]
+    raw: dict[str, list[dict[str, Any]]] = {k: [] for k in configs}
+    progress = ProgressLine(args.repeats * len(configs))
+    with tempfile.TemporaryDirectory(prefix="ub-ckpt-") as tmp:
+        try:
+            for rep in range(args.repeats):
+                for config in configs[rep % 3 :] + configs[: rep % 3]:
+                    progress.update(f"repeat {rep + 1}/{args.repeats}: {config} running")
+                    r = run(args, Path(tmp) / f"{config}-{rep}", config)
+                    raw[config].append(r)
+                    progress.update(
+                        f"repeat {rep + 1}/{args.repeats}: {config}: median step {1e3 * r['median']:.0f} ms", 1
+                    )
+        finally:
+            progress.close()
+    base = median(r["median"] for r in raw["none"])
+    base_mean = median(r["mean"] for r in raw["none"])
+    rows = []
+    for config in configs:
+        med = median(r["median"] for r in raw[config])
+        mean = median(r["mean"] for r in raw[config])
+        stall = median(r["ckpt_steps"] for r in raw[config]) if config != "none" else None
+        rows.append(
+            [
+                config if config != "none" else "none (baseline)",
+                fmt(med and 1e3 * med, " ms", 1),
+                ratio(med, base),
+                fmt(mean and 1e3 * mean, " ms", 1),
+                ratio(mean, base_mean),
+                fmt(stall and 1e3 * stall, " ms", 1),
+                ratio(stall, base),
+            ]
+        )
+    n_params = jobs.num_params(args.model)
+    print_table(
+        f"Checkpoint stall: {args.model} MLP ({n_params / 1e6:.1f}M params), 2 nodes, {args.steps} steps, "
+        f"checkpoint every {args.every}, medians over {args.repeats} repeats",
+        ["checkpoints", "median step", "vs none", "mean step", "vs none", "step with a checkpoint", "vs none"],
+        rows,
+        caption="whole: rank 0 captures, a thread writes ckpt-N.pt; fragments: every node captures, packs, "
+        "encodes (zfec, k=1 m=1) and writes its fragment in a thread. 'Step with a checkpoint': the gap after the "
+        "commit that triggered it (it includes the capture).",
+    )
+
+
+if __name__ == "__main__":
+    main()
