@@ -104,15 +104,23 @@ class Replicated(Protocol):
     def load_bytes(self, payload: torch.Tensor) -> None: ...
 
 
+def gather_digests(
+    pg: Any, size: int, step: int, digest: str, wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str
+) -> list[tuple[int, int]]:
+    """Every rank's ``(committed step, digest prefix)``, in rank order (one small all-gather)."""
+    mine = torch.tensor([step, digest_prefix(digest)], dtype=torch.int64)
+    gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
+    wait_work(pg.allgather([gathered], [mine]), wake, abort, deadline_s, what)
+    return [(int(t[0]), int(t[1])) for t in gathered]
+
+
 def sync_state(
     pg: Any, rank: int, size: int, state: Replicated, wake: threading.Event, abort: AbortCheck, deadline_s: float
 ) -> SyncResult:
     """The sync phase: compare (step, digest) across the group; whoever is behind or
     different receives the state of the majority at the highest step (`plan_sync`)."""
-    mine = torch.tensor([state.step, digest_prefix(state.digest())], dtype=torch.int64)
-    gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
-    wait_work(pg.allgather([gathered], [mine]), wake, abort, deadline_s, "sync exchange")
-    plan = plan_sync([(int(t[0]), int(t[1])) for t in gathered])
+    reports = gather_digests(pg, size, state.step, state.digest(), wake, abort, deadline_s, "sync exchange")
+    plan = plan_sync(reports)
     start = time.monotonic()
     if rank == plan.source and plan.receivers:
         payload = state.to_bytes()

@@ -165,6 +165,13 @@ class _TensorReader(io.RawIOBase):
         return self._pos
 
 
+def tree_digest(tree: Any) -> str:
+    """A digest of tensors, dicts, lists and scalars (values, dtypes and shapes)."""
+    h = hashlib.blake2b(digest_size=16)
+    _hash_tree(h, tree)
+    return h.hexdigest()
+
+
 def snapshot_digest(snap: dict[str, Any], optimizer_in_digest: bool = True) -> str:
     """The replica digest of a state or of its `TrainState.capture` (the same value)."""
     h = hashlib.blake2b(digest_size=16)

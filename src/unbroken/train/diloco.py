@@ -36,7 +36,6 @@ The promises hold at outer-step granularity:
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import logging
 import time
@@ -48,7 +47,7 @@ from torch import nn
 from unbroken.comm.transfer import sync_state
 from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted
 from unbroken.sched.shares import offsets
-from unbroken.state.snapshot import _hash_tree
+from unbroken.state.snapshot import tree_digest
 from unbroken.train.guard import judge
 
 if TYPE_CHECKING:
@@ -293,9 +292,7 @@ class _InnerState:
         self.step = step
 
     def digest(self) -> str:
-        h = hashlib.blake2b(digest_size=16)
-        _hash_tree(h, self.optimizer.state_dict())
-        return h.hexdigest()
+        return tree_digest(self.optimizer.state_dict())
 
     def to_bytes(self) -> torch.Tensor:
         buf = io.BytesIO()

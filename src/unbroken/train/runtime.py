@@ -31,10 +31,10 @@ from typing import Any, Literal
 import torch
 
 from unbroken.comm.codecs import Codec, make_codec
-from unbroken.comm.group import EpochGroup, Graveyard, StoreClient, build_group, wait_until, wait_work
+from unbroken.comm.group import EpochGroup, Graveyard, StoreClient, build_group, wait_until
 from unbroken.comm.reduce import LinkEmulation, Reducer, Wire, Zones
 from unbroken.comm.robust import Rule, parse_rule
-from unbroken.comm.transfer import sync_state
+from unbroken.comm.transfer import gather_digests, sync_state
 from unbroken.config import NodeConfig
 from unbroken.control import messages as m
 from unbroken.control.client import ControlClient
@@ -52,7 +52,7 @@ from unbroken.job import Job
 from unbroken.sched.shares import offsets
 from unbroken.state.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from unbroken.state.fragments import parse_fragments, rebuild
-from unbroken.state.snapshot import TrainState, digest_prefix, fingerprint
+from unbroken.state.snapshot import TrainState, fingerprint
 from unbroken.testing.faults import Fault, FaultPlan, flip_bit
 from unbroken.testing.throttle import parse_throttle
 from unbroken.train.data import DataPlan
@@ -466,11 +466,9 @@ class Node:
         the same samples. The culprit is named and flagged."""
         assert g.pg is not None
         digest = self.state.digest()
-        mine = torch.tensor([self.state.step, digest_prefix(digest)], dtype=torch.int64)
-        gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(g.size)]
         abort = functools.partial(self._abort_reason, during_step=True)
-        wait_work(g.pg.allgather([gathered], [mine]), self.wake, abort, self.config.collective_timeout_s, "audit")
-        verdict = audit([(int(t[0]), int(t[1])) for t in gathered])
+        timeout = self.config.collective_timeout_s
+        verdict = audit(gather_digests(g.pg, g.size, self.state.step, digest, self.wake, abort, timeout, "audit"))
         self._log({"kind": "audit", "step": self.state.step, "digest": digest, "ok": verdict is None})
         if verdict is None:
             self._audited = self.state.capture()
@@ -690,7 +688,7 @@ class Node:
                 m.Progress(
                     epoch=g.epoch,
                     step=step,
-                    loss=loss if math.isfinite(loss) else -1.0,
+                    loss=loss if finite else -1.0,
                     loss_finite=finite,
                     recent=self._recent if g.rank == 0 else [],
                     wall_time=time.time(),
