@@ -71,6 +71,11 @@ class AuditMismatch(BadContribution):
 
     kind = "audit"
 
+    def __init__(self, rank: int, reason: str, rollback_to: int = -1) -> None:
+        super().__init__(rank, reason)
+        self.rollback_to = rollback_to
+        """The step of the last audit that passed: where every member goes back to."""
+
 
 class TransferError(UnbrokenError):
     """A peer-to-peer state transfer failed a checksum or ended early."""

@@ -401,7 +401,11 @@ class Coordinator:
         elif isinstance(msg, m.Report):
             self._record(Event(now, msg.kind, mid, ms.epoch, msg.step, f"{self._name(mid)}: {msg.reason}"))
         elif isinstance(msg, m.Fault):
-            self._apply(ms.fault(mid, msg.epoch, msg.reason, now, culprit=msg.culprit, kind=msg.kind))
+            self._apply(
+                ms.fault(
+                    mid, msg.epoch, msg.reason, now, culprit=msg.culprit, kind=msg.kind, rollback_to=msg.rollback_to
+                )
+            )
         elif isinstance(msg, m.Leave):
             self._apply(ms.leave(mid, now, msg.reason))
         elif isinstance(msg, m.Done):

@@ -179,6 +179,8 @@ class Membership:
         self.balance = balance
         """Shares and roles follow measured throughput (else: the operators' weights)."""
         self.plan: Plan | None = None
+        self._rollback_to = -1
+        """A failed audit's rollback, carried by the next epoch order."""
         self._zones_in_force: list[str] = []
         """The zones of the epoch in force (empty: one zone)."""
         self._planned_at = now
@@ -362,6 +364,7 @@ class Membership:
         now: float,
         culprit: str | None = None,
         kind: str = "bad-gradient",
+        rollback_to: int = -1,
     ) -> Decision:
         """A member saw a collective fail, or refused a bad contribution (``culprit``).
         Re-form the epoch unless it already changed; a culprit is benched, and quarantined
@@ -369,6 +372,8 @@ class Membership:
         d = Decision()
         if epoch != self.epoch or member_id not in self.members:
             return d
+        if rollback_to >= 0:
+            self._rollback_to = rollback_to
         c = self.members.get(culprit) if culprit is not None else None
         if c is not None and (epoch, c.member_id) not in self._refused:
             self._refused.add((epoch, c.member_id))
@@ -609,8 +614,10 @@ class Membership:
             aggregate=self.aggregate,
             audit_every=self.audit_every,
             fragments=self.fragments,
+            rollback_to=self._rollback_to,
             **self._mode(),
         )
+        self._rollback_to = -1  # told once: a later epoch must not roll back again
         # Everyone of the old epoch hears of it (a leaver learns it may go), and everyone of the new.
         for mid in dict.fromkeys(old + order):
             if mid in self.members or mid in old:

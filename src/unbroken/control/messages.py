@@ -167,6 +167,8 @@ class Fault(_Msg):
     """The member whose contribution was refused (a bad gradient), when the fault is one."""
     kind: Literal["bad-gradient", "audit"] = "bad-gradient"
     """Why the culprit was refused: its gradient, or its state failed the consistency audit."""
+    rollback_to: Annotated[int, Field(ge=-1)] = -1
+    """A failed audit: the step of the last audit that passed (every member goes back to it)."""
 
 
 class Leave(_Msg):
@@ -233,6 +235,8 @@ class EpochOrder(_Msg):
     """Each member's zone (empty: one zone)."""
     codec: Annotated[str, Field(max_length=64)] = "none"
     """The codec of the inter-zone hop."""
+    rollback_to: Annotated[int, Field(ge=-1)] = -1
+    """After a failed audit: members holding the state audited at this step go back to it."""
     fragments: Annotated[str, Field(max_length=16)] = ""
     """Checkpoints as K,M erasure-coded fragments over the nodes' disks (empty: whole files)."""
     audit_every: Annotated[int, Field(ge=0, le=1_000_000)] = 0

@@ -200,7 +200,10 @@ class Node:
                 culprit = order.members[exc.rank] if isinstance(exc, BadContribution) else None
                 kind: Literal["bad-gradient", "audit"] = "audit" if isinstance(exc, AuditMismatch) else "bad-gradient"
                 self._log({"kind": "refused", "step": self.state.step, "culprit": culprit, "reason": str(exc)})
-                self.client.send(m.Fault(epoch=order.epoch, reason=str(exc)[:2000], culprit=culprit, kind=kind))
+                back = exc.rollback_to if isinstance(exc, AuditMismatch) else -1
+                self.client.send(
+                    m.Fault(epoch=order.epoch, reason=str(exc)[:2000], culprit=culprit, kind=kind, rollback_to=back)
+                )
                 self._abandon()
 
     def _next_order(self) -> m.EpochOrder | NodeResult:
@@ -354,6 +357,7 @@ class Node:
         """Compare (step, digest) across the group; whoever is behind or different catches up."""
         if self.diloco is not None:
             self.diloco.rollback()
+        self._audit_rollback()
         g = self.group
         assert g is not None and g.pg is not None
         abort = functools.partial(self._abort_reason, during_step=False)
@@ -458,6 +462,17 @@ class Node:
             if switched > 0 or self.state.step >= self.job.num_steps:
                 return
 
+    def _audit_rollback(self) -> None:
+        """A failed audit's order: back to the state audited at ``rollback_to``, if held and ahead of it."""
+        order = self.client.latest_order()
+        back = order.rollback_to if order is not None else -1
+        held = self._audited
+        if back < 0 or held is None or int(held["step"]) != back or self.state.step <= back:
+            return
+        self.state.restore(held)
+        self.client.step = self.state.step
+        self._log({"kind": "restore", "step": self.state.step, "digest": self.state.digest(), "why": "failed audit"})
+
     def _audit(self, g: EpochGroup) -> None:
         """Compare state digests. A replica that differs from the majority was corrupted
         since the last audit, and its contributions since then are suspect: every member goes
@@ -475,14 +490,14 @@ class Node:
             return
         rank, why = verdict
         message = f"audit at step {self.state.step}: {g.members[rank]}'s state {why}"
-        if self._audited is not None:
+        back = int(self._audited["step"]) if self._audited is not None else -1
+        if rank == g.rank and self._audited is not None:
             self.state.restore(self._audited)
-            if rank == g.rank:
-                self.state.step -= 1  # behind the group: the sync phase sends it a peer's state
-            else:
-                self._log({"kind": "restore", "step": self.state.step, "digest": self.state.digest(), "why": message})
+            self.state.step -= 1  # behind the group: the sync phase sends it a peer's state
             self.client.step = self.state.step
-        raise AuditMismatch(rank, message)
+        # The others go back in the next sync phase, told by the epoch order: a member whose
+        # wait on this all-gather was cut short by that order never saw the verdict.
+        raise AuditMismatch(rank, message, rollback_to=back)
 
     def _compute(self, indices: list[int], step: int, planned_mb: int, before: list[torch.Tensor]) -> float:
         """Forward/backward over this node's slice; gradients summed, scaled to the mean over B.
