@@ -60,7 +60,11 @@ def test_two_lost_disks_and_a_corrupt_fragment_then_a_cold_start_on_fewer_nodes(
     assert "checksum mismatch" in out.stderr and f"step {newest}: 2 good fragments" in out.stderr, out.stderr
     restored = torch.load(next(shared.glob("ckpt-*.pt")), weights_only=True)
     assert restored["step"] == newest - 10
-    # Two nodes resume from it: exactly-once data from there on, equal to the reference.
+    # Two nodes resume from it: exactly-once data from there on, equal to the reference. A
+    # fresh coordinator waits for both, so neither finishes the job before the other joins.
+    c.kill_coordinator()
+    c.min_nodes = 2
+    c.start_coordinator()
     resumed = [
         c.start_node(name, extra=["--checkpoint-dir", str(shared), "--checkpoint-every", "0"]) for name in ("r1", "r2")
     ]

@@ -258,8 +258,9 @@ class Membership:
             zone=hello.zone,
         )
         self.step = max(self.step, hello.step)
-        self._epoch_floor = max(self._epoch_floor, hello.last_epoch)
-        self._started = self._started or hello.resume is not None or hello.step > 0 or hello.last_epoch > 0
+        self._epoch_floor = max(self._epoch_floor, hello.last_epoch, hello.restored_epoch or 0)
+        live = hello.resume is not None or hello.last_epoch > 0 or (hello.step > 0 and hello.restored_epoch is None)
+        self._started = self._started or live
         d.events.append(self._event(now, "join", hello.member_id, f"{hello.name} connected"))
         if hello.resume is None and self.recovering_until is not None and not self._resumes:
             # Perhaps a fresh job; perhaps a restarted coordinator whose members have not

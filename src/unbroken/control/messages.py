@@ -88,6 +88,9 @@ class Hello(_Msg):
     pid: Count = 0
     resume: Resume | None = None
     last_epoch: EpochNo = 0
+    restored_epoch: EpochNo | None = None
+    """The epoch of the checkpoint the node cold-started from (None: it did not): the
+    job's epochs go on above it, and a cold start still waits for ``--min-nodes``."""
     capabilities: Capabilities = Capabilities()
     role: Literal["auto", "trainer", "validator", "standby"] = "auto"
     zone: Annotated[str, Field(max_length=128)] = ""

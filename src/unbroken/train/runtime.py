@@ -139,6 +139,8 @@ class Node:
         """Steps committed since the last progress report (rank 0 sends them: the curves)."""
         self._last_progress_log = time.monotonic()
         self._epochs_formed = 0
+        self._restored_epoch: int | None = None
+        """The epoch of the checkpoint this node cold-started from (`m.Hello.restored_epoch`)."""
         self._log_file = open(config.commit_log, "a", encoding="utf-8") if config.commit_log else None  # noqa: SIM115
         self.client = ControlClient(
             config.coordinators,
@@ -726,11 +728,11 @@ class Node:
         if self._fragments is not None:
             k, m = self._fragments
             mine = [i for i in range(k + m) if i % g.size == g.rank]
-            snap = self.state.capture()
+            snap = self._checkpoint_snap()
             if mine and self.checkpointer.save_fragments_async(snap, k, m, mine, self.state.optimizer_in_digest):
                 self.report("checkpoint", f"fragments {mine} of {k}+{m} of step {self.state.step} being written")
             return
-        if g.rank == 0 and self.checkpointer.save_async(self.state.capture()):
+        if g.rank == 0 and self.checkpointer.save_async(self._checkpoint_snap()):
             where = self.config.checkpoint_dir
             self.report("checkpoint", f"checkpoint of step {self.state.step} being written to {where}")
 
@@ -761,7 +763,7 @@ class Node:
         if self.checkpointer is not None and (self.group is None or self.group.size == 1):
             # The last member going: keep what it committed since the last checkpoint.
             self.checkpointer.close()
-            self.checkpointer.save_async(self.state.capture())
+            self.checkpointer.save_async(self._checkpoint_snap())
         self._log({"kind": "left", "step": self.state.step})
         self._abandon()
         return NodeResult("left", self.state.step, self.state.digest(), self._epochs_formed)
@@ -787,11 +789,17 @@ class Node:
             pid=os.getpid(),
             resume=resume,
             last_epoch=latest.epoch if latest is not None else 0,
+            restored_epoch=self._restored_epoch,
             capabilities=self._capabilities(),
             role=self.config.role,  # type: ignore[arg-type]
             evaluates=self.job.evaluate is not None,
             zone=self.config.zone,
         )
+
+    def _checkpoint_snap(self) -> dict[str, Any]:
+        snap = self.state.capture()
+        snap["epoch"] = self.group.epoch if self.group is not None else (self._restored_epoch or 0)
+        return snap
 
     def _restore_checkpoint(self) -> None:
         if self.config.checkpoint_dir is None:
@@ -804,10 +812,11 @@ class Node:
                 snap, manifest, _ = rebuild([self.config.checkpoint_dir])
             except TransferError:
                 return
-            self.state.restore(snap)
             path = self.config.checkpoint_dir / f"frag-{manifest.step:09d}.json"
         else:
-            self.state.restore(load_checkpoint(path))
+            snap = load_checkpoint(path)
+        self.state.restore(snap)
+        self._restored_epoch = int(snap.get("epoch", 0))
         self.client.step = self.state.step
         self._log({"kind": "restore", "step": self.state.step, "path": str(path), "digest": self.state.digest()})
         log.info("%s: restored step %d from %s", self.name, self.state.step, path)

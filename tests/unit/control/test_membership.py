@@ -98,6 +98,24 @@ def test_min_nodes_holds_the_first_epoch_until_enough_have_joined() -> None:
     assert order.epoch == 1
 
 
+def test_a_cold_start_from_a_checkpoint_waits_for_min_nodes_and_numbers_above_its_epoch() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0, min_nodes=2)
+    ms.admit(hello("a", step=20, restored_epoch=9), 0.0)
+    keep_alive(ms, JOIN_SETTLE_S)
+    assert ms.tick(JOIN_SETTLE_S).orders == {}
+    ms.admit(hello("b", step=20, restored_epoch=9), 0.5)
+    keep_alive(ms, 0.5)
+    order = only_order(ms.tick(0.5 + JOIN_SETTLE_S))
+    assert order.members == ["a", "b"] and order.epoch == 10
+
+
+def test_a_live_node_with_steps_behind_it_does_not_wait_for_min_nodes() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0, min_nodes=2)
+    ms.admit(hello("a", step=20), 0.0)
+    keep_alive(ms, JOIN_SETTLE_S)
+    assert only_order(ms.tick(JOIN_SETTLE_S)).members == ["a"]
+
+
 def test_min_nodes_does_not_hold_later_epochs() -> None:
     ms = formed(["a", "b", "c"], min_nodes=3)
     keep_alive(ms, 0.5)
