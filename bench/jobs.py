@@ -3,6 +3,7 @@
 Two synthetic, fully deterministic MLP jobs:
 
 - ``small``: 3 Linear layers 64 -> 768 -> 768 -> 32, 665,120 parameters (~0.67M).
+- ``medium``: 3 Linear layers 256 -> 2048 -> 2048 -> 256, 5,247,232 parameters (~5.2M).
 - ``large``: 3 Linear layers 1024 -> 6144 -> 6144 -> 1024, 50,344,960 parameters (~50M).
 
 Each job is a function of no arguments, so a node loads it as ``bench/jobs.py:small``; the
@@ -16,6 +17,8 @@ and the DDP baseline passes to every rank, so both sides build the very same `Jo
 ``UB_BENCH_DELAY_MS`` a sleep per forward pass (default 0; only to slow a run on purpose)
 ``UB_BENCH_SAMPLE_MS`` a sleep per sample in each forward pass (default 0): a compute cost
                       proportional to the share that does not load the CPU (bench/hetero.py)
+``UB_BENCH_FREEZE``   the first N Linear layers are frozen (default 0): a fine-tune whose
+                      backbone every node builds from the seed (bench/resync.py)
 
 ``heldout`` and ``heldout_loss`` give a held-out set from the same distribution (the same
 label projection, fresh inputs) and the cross-entropy of a trained model on it; the bench
@@ -40,17 +43,22 @@ from unbroken import Job
 
 SHAPES = {
     "small": (64, 768, 32),
+    "medium": (256, 2048, 256),
     "large": (1024, 6144, 1024),
 }
-DEFAULT_BATCH = {"small": 96, "large": 12}
+DEFAULT_BATCH = {"small": 96, "medium": 48, "large": 12}
 
 
 class MLP(nn.Module):
-    def __init__(self, d_in: int, hidden: int, d_out: int, delay_s: float = 0.0, per_sample_s: float = 0.0) -> None:
+    def __init__(
+        self, d_in: int, hidden: int, d_out: int, delay_s: float = 0.0, per_sample_s: float = 0.0, freeze: int = 0
+    ) -> None:
         super().__init__()
         self.net = nn.Sequential(
             nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, d_out)
         )
+        for layer in [m for m in self.net if isinstance(m, nn.Linear)][:freeze]:
+            layer.requires_grad_(False)
         self.delay_s = delay_s
         self.per_sample_s = per_sample_s
 
@@ -108,9 +116,10 @@ def make(kind: str) -> Job:
     opt = os.environ.get("UB_BENCH_OPT", "sgd")
     delay = float(os.environ.get("UB_BENCH_DELAY_MS", "0")) / 1000
     per_sample = float(os.environ.get("UB_BENCH_SAMPLE_MS", "0")) / 1000
+    freeze = int(os.environ.get("UB_BENCH_FREEZE", "0"))
     return Job(
         name=f"bench-{kind}",
-        model=lambda: MLP(d_in, hidden, d_out, delay, per_sample),
+        model=lambda: MLP(d_in, hidden, d_out, delay, per_sample, freeze),
         optimizer=_optimizer(opt),
         dataset=dataset(kind, samples),
         loss=F.cross_entropy,
@@ -124,11 +133,15 @@ def small() -> Job:
     return make("small")
 
 
+def medium() -> Job:
+    return make("medium")
+
+
 def large() -> Job:
     return make("large")
 
 
-JOBS = {"small": small, "large": large}
+JOBS = {"small": small, "medium": medium, "large": large}
 
 
 def job_ref(kind: str) -> str:

@@ -154,6 +154,11 @@ class NodeConfig:
     """Directory for asynchronous checkpoints (none: no checkpoints)."""
     checkpoint_every: int = 0
     """Write a checkpoint every this many committed steps (0: never)."""
+    max_donors: int = 0
+    """Peers this node fetches state from at once when it is behind (0: every peer holding it)."""
+    full_resync: bool = False
+    """Fetch the whole state when behind, not only the chunks that differ from what this
+    node holds (a baseline for benchmarks, or to rule the incremental path out)."""
     connect_timeout_s: float = 15.0
     """How long to wait for a coordinator at start-up before giving up with an error."""
     collective_timeout_s: float = 60.0
@@ -185,6 +190,7 @@ class NodeConfig:
             raise ConfigError(f"NodeConfig.name is {len(self.display_name)} characters long; at most 200 are allowed")
         _check_range("NodeConfig", "max_microbatch", self.max_microbatch, 0)
         _check_range("NodeConfig", "checkpoint_every", self.checkpoint_every, 0)
+        _check_range("NodeConfig", "max_donors", self.max_donors, 0, 100_000)
         _check_range("NodeConfig", "connect_timeout_s", self.connect_timeout_s, 0.1, 86400)
         _check_range("NodeConfig", "collective_timeout_s", self.collective_timeout_s, 1, 86400)
         _check_range("NodeConfig", "digest_every", self.digest_every, 0)

@@ -18,12 +18,16 @@ def job_for(env: dict[str, str]) -> Any:
         return mlp.make(int(env.get("UB_TEST_STEPS", "40")), float(env.get("UB_TEST_DELAY_MS", "20")))
 
 
-def assert_promises(c: LocalCluster, env: dict[str, str], finishers: int) -> None:
-    """Promises of DESIGN.md §1 on every node's log, and the final model against the reference."""
+def assert_promises(c: LocalCluster, env: dict[str, str], finishers: int, reference: bool = True) -> None:
+    """Promises of DESIGN.md §1 on every node's log, and the final model against the
+    reference (unless ``reference`` is False: for a model whose training is so sensitive
+    that float summation order alone moves it further than ``ATOL``)."""
     job = job_for(env)
     logs = {name: n.entries() for name, n in c.nodes.items()}
     report = check_promises(logs, job, finishers=finishers)
     assert report.ok, "\n".join(report.problems) + "\n" + c.diagnostics()
+    if not reference:
+        return
     ref = reference_state(job)
     finished = [n for n in c.nodes.values() if any(e["kind"] == "final" for e in n.entries())]
     assert finished

@@ -24,7 +24,9 @@ def test_chaos_soak_keeps_every_promise(tmp_path):
             p.terminate()  # not SIGKILL: the soak reaps its nodes and deletes its namespaces on SIGTERM
             out, err = p.communicate(timeout=60)
             pytest.fail(f"the chaos soak ran past 400 s:\n{err.decode(errors='replace')[-3000:]}")
-    summary = json.loads(out.decode().strip().splitlines()[-1])
+    lines = out.decode().strip().splitlines()
+    assert lines, f"the chaos soak printed no summary (exit {p.returncode}):\n{err.decode(errors='replace')[-5000:]}"
+    summary = json.loads(lines[-1])
     assert p.returncode == 0, summary["problems"][:10]
     assert summary["faults_total"] >= 10, summary["faults"]
     assert summary["steps_lost"] == 0

@@ -5,7 +5,9 @@ from outside land mid-run) shape it; the math does not depend on either. ``UB_TE
 adds a sleep per sample: a compute cost proportional to the share, without loading the CPU.
 ``UB_TEST_BATCH`` sets B; ``UB_TEST_EVAL=1`` adds a held-out evaluation. ``UB_TEST_HIDDEN``
 and ``UB_TEST_NAME`` make a mismatching model or another job, for refusal tests;
-``UB_TEST_BATCHNORM=1`` adds a BatchNorm layer (running statistics are buffers).
+``UB_TEST_BATCHNORM=1`` adds a BatchNorm layer (running statistics are buffers);
+``UB_TEST_BACKBONE=W`` puts a frozen backbone of width W in front (a fine-tune: only the
+head trains, and every node builds the same backbone from the seed).
 """
 
 from __future__ import annotations
@@ -36,10 +38,17 @@ def evaluate(model: nn.Module) -> dict[str, float]:
 
 
 class SlowMLP(nn.Module):
-    def __init__(self, delay_s: float, hidden: int = 64, batchnorm: bool = False, per_sample_s: float = 0.0) -> None:
+    def __init__(
+        self, delay_s: float, hidden: int = 64, batchnorm: bool = False, per_sample_s: float = 0.0, backbone: int = 0
+    ) -> None:
         super().__init__()
         norm: nn.Module = nn.BatchNorm1d(hidden) if batchnorm else nn.Identity()
-        self.net = nn.Sequential(nn.Linear(16, hidden), norm, nn.Tanh(), nn.Linear(hidden, 4))
+        front: list[nn.Module] = []
+        if backbone:
+            front = [nn.Linear(16, backbone), nn.Tanh(), nn.Linear(backbone, 16)]
+            for layer in front:
+                layer.requires_grad_(False)
+        self.net = nn.Sequential(*front, nn.Linear(16, hidden), norm, nn.Tanh(), nn.Linear(hidden, 4))
         self.delay_s = delay_s
         self.per_sample_s = per_sample_s
 
@@ -55,6 +64,7 @@ def make(steps: int | None = None, delay_ms: float | None = None) -> Job:
     hidden = int(os.environ.get("UB_TEST_HIDDEN", "64"))  # a different model, for refusal tests
     batchnorm = os.environ.get("UB_TEST_BATCHNORM") == "1"  # buffers updated by forward passes
     per_sample = float(os.environ.get("UB_TEST_SAMPLE_MS", "0")) / 1000
+    backbone = int(os.environ.get("UB_TEST_BACKBONE", "0"))
     batch_size = int(os.environ.get("UB_TEST_BATCH", "30"))
     dataset, loss, collate = TensorDataset(X, Y), F.cross_entropy, None
     bumps = os.environ.get("UB_TEST_LOSS_BUMP")  # "STEP:VALUE,...": the loss *reported* at STEP (samples seen once)
@@ -67,7 +77,7 @@ def make(steps: int | None = None, delay_ms: float | None = None) -> Job:
         dataset, loss, collate = TensorDataset(X, torch.stack([Y.double(), bump.double()], 1)), _bumped, _collate
     return Job(
         name=os.environ.get("UB_TEST_NAME", "test-mlp"),
-        model=lambda: SlowMLP(delay, hidden, batchnorm, per_sample),
+        model=lambda: SlowMLP(delay, hidden, batchnorm, per_sample, backbone),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
         dataset=dataset,
         loss=loss,

@@ -93,6 +93,8 @@ def _node(args: argparse.Namespace) -> int:
         max_microbatch=args.max_microbatch,
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
         checkpoint_every=args.checkpoint_every,
+        max_donors=args.max_donors,
+        full_resync=args.full_resync,
         connect_timeout_s=args.connect_timeout,
         collective_timeout_s=args.collective_timeout,
         digest_every=args.digest_every,
@@ -272,6 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--checkpoint-dir", help="directory for asynchronous checkpoints")
     n.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N committed steps")
     n.add_argument("--connect-timeout", type=float, default=15.0, help="seconds to wait for the coordinator")
+    n.add_argument(
+        "--max-donors", type=int, default=0, help="peers to fetch state from at once when behind (0: all holding it)"
+    )
+    n.add_argument(
+        "--full-resync", action="store_true", help="fetch the whole state when behind, not only the chunks that differ"
+    )
     n.add_argument("--collective-timeout", type=float, default=60.0, help="deadline of one collective")
     n.add_argument("--stall-timeout", type=float, default=300.0, help="expel this node if its loop stalls this long")
     n.add_argument("--digest-every", type=int, default=0, help="log a state digest every N steps")

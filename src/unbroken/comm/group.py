@@ -123,24 +123,29 @@ class StoreClient:
     """One TCPStore client per coordinator incarnation."""
 
     def __init__(self) -> None:
-        self._key: tuple[str, str, int] | None = None
-        self._store: TCPStore | None = None
+        self._stores: dict[tuple[str, str, int], TCPStore] = {}
         self._lock = threading.Lock()
 
     def get(self, coordinator_id: str, host: str, port: int, timeout_s: float) -> TCPStore:
-        """The client for this coordinator incarnation (a restarted one gets a new client)."""
+        """The client for this coordinator incarnation (a restarted one gets a new client).
+
+        Connecting happens outside the lock: an abandoned group build still trying a dead
+        coordinator's store (it retries until its timeout) must not hold up the build of
+        the next epoch on the new coordinator's."""
+        key = (coordinator_id, host, port)
         with self._lock:
-            if self._key != (coordinator_id, host, port) or self._store is None:
-                self._store = TCPStore(
-                    host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-                )
-                self._key = (coordinator_id, host, port)
-            return self._store
+            store = self._stores.get(key)
+        if store is not None:
+            return store
+        store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        with self._lock:
+            self._stores = {key: self._stores.get(key, store)}  # older incarnations' clients go
+            return self._stores[key]
 
     def reset(self) -> None:
-        """Forget the client after an error; the next `get` reconnects."""
+        """Forget the clients after an error; the next `get` reconnects."""
         with self._lock:
-            self._key, self._store = None, None
+            self._stores = {}
 
 
 def build_group(

@@ -1,94 +1,51 @@
-"""Peer-to-peer state transfer over an epoch's process group: chunked and checksummed.
+"""The sync phase's state transfer: incremental, from several donors, resumable.
 
-Wire order on one (source, receiver) pair: a header ``[num_bytes, chunk_bytes, num_chunks]``,
-then one CRC32 per chunk, then the chunks. All chunks are posted at once so gloo can
-stream them; the receiver checks every chunk before the state is loaded.
+Every member reports ``(committed step, digest)``; `plan_sync` names the state everyone
+must hold and every member holding it is a donor. The state travels as its deterministic
+layout (`unbroken.state.layout`: a JSON header and a list of tensors) cut into chunks of
+at most ``CHUNK_BYTES`` inside each tensor. Wire order, on the epoch's process group:
+
+1. the source (first donor) sends each receiver ``[header bytes, chunks, chunk bytes]``,
+   the header, and one xxh3-64 digest per chunk;
+2. the receiver digests the same chunks of what it already holds (its own state, or
+   what an earlier attempt fetched of the same state), and asks the donors for the
+   chunks that differ, spread over them round robin;
+3. each donor sends the chunks asked of it; the receiver checks each against its digest.
+
+So a node back after a short absence, or one whose frozen layers are already right,
+receives only what changed; a donor that dies mid-transfer costs only the chunks it did
+not deliver (the receiver keeps the rest in its `Partial` and the next epoch's sync phase
+asks for what is missing); and the whole state is checked against the winning digest
+before it is loaded.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
-import zlib
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import xxhash
 
 from unbroken.comm.group import AbortCheck, run_abortable, wait_work
 from unbroken.errors import TransferError
+from unbroken.state import layout
 from unbroken.state.snapshot import digest_prefix
-from unbroken.train.sync import plan_sync
+from unbroken.train.sync import SyncPlan, plan_sync
 
-CHUNK_BYTES = 8 << 20
-_TAG_HEADER, _TAG_CHECKS, _TAG_CHUNKS = 101, 102, 1000
-
-
-def checksums(buf: torch.Tensor, chunk: int) -> list[int]:
-    view = memoryview(buf.numpy())  # type: ignore[arg-type]
-    return [zlib.crc32(view[i : i + chunk]) for i in range(0, len(view), chunk)]
-
-
-def _send(pg: Any, dst: int, payload: torch.Tensor, chunk: int) -> None:
-    checks = checksums(payload, chunk)
-    header = torch.tensor([payload.numel(), chunk, len(checks)], dtype=torch.int64)
-    works = [pg.send([header], dst, _TAG_HEADER), pg.send([torch.tensor(checks, dtype=torch.int64)], dst, _TAG_CHECKS)]
-    for i, start in enumerate(range(0, payload.numel(), chunk)):
-        works.append(pg.send([payload[start : start + chunk]], dst, _TAG_CHUNKS + i))
-    for w in works:
-        w.wait()
-
-
-def _recv(pg: Any, src: int) -> torch.Tensor:
-    header = torch.zeros(3, dtype=torch.int64)
-    pg.recv([header], src, _TAG_HEADER).wait()
-    num_bytes, chunk, num_chunks = (int(x) for x in header)
-    if num_bytes < 0 or chunk <= 0 or num_chunks != -(-num_bytes // chunk):
-        raise TransferError(f"state header from rank {src} is inconsistent: {header.tolist()}")
-    checks = torch.zeros(num_chunks, dtype=torch.int64)
-    payload = torch.empty(num_bytes, dtype=torch.uint8)
-    works = [pg.recv([checks], src, _TAG_CHECKS)]
-    for i, start in enumerate(range(0, num_bytes, chunk)):
-        works.append(pg.recv([payload[start : start + chunk]], src, _TAG_CHUNKS + i))
-    for w in works:
-        w.wait()
-    for i, (want, have) in enumerate(zip(checks.tolist(), checksums(payload, chunk), strict=True)):
-        if want != have:
-            raise TransferError(f"state chunk {i} from rank {src} failed its checksum ({have:#x} != {want:#x})")
-    return payload
-
-
-def send_state(
-    pg: Any,
-    dst: int,
-    payload: torch.Tensor,
-    wake: threading.Event,
-    should_abort: AbortCheck,
-    deadline_s: float,
-    chunk: int = CHUNK_BYTES,
-) -> None:
-    """Send a uint8 tensor to rank ``dst``; abandoned at once if the epoch ends."""
-    run_abortable(
-        lambda: _send(pg, dst, payload, chunk), wake, should_abort, deadline_s, f"state transfer to rank {dst}"
-    )
-
-
-def recv_state(pg: Any, src: int, wake: threading.Event, should_abort: AbortCheck, deadline_s: float) -> torch.Tensor:
-    """Receive a uint8 tensor from rank ``src`` and verify every chunk's checksum."""
-    return run_abortable(lambda: _recv(pg, src), wake, should_abort, deadline_s, f"state transfer from rank {src}")
-
-
-@dataclass(frozen=True)
-class SyncResult:
-    """What the sync phase did on this rank."""
-
-    role: str
-    """``source``, ``receiver`` or ``none``."""
-    step: int
-    peers: tuple[int, ...]
-    """Receivers (for the source) or the source (for a receiver)."""
-    megabytes: float = 0.0
-    seconds: float = 0.0
+CHUNK_BYTES = 1 << 20
+MAX_HEADER_BYTES = 64 << 20
+MAX_CHUNKS = 1 << 24
+_TAG_META, _TAG_HEADER, _TAG_DIGESTS, _TAG_COUNT, _TAG_WANT = 101, 102, 103, 104, 105
+_TAG_CHUNKS = 1000
+WINDOW = 4
+"""Chunks in flight per donor and receiver: bounds the memory a transfer takes, and what a
+donor that dies had on the wire."""
 
 
 class Replicated(Protocol):
@@ -99,9 +56,124 @@ class Replicated(Protocol):
 
     def digest(self) -> str: ...
 
-    def to_bytes(self) -> torch.Tensor: ...
+    def tree(self) -> Any:
+        """The state as a tree of tensors and scalars (the tensors themselves, not copies)."""
+        ...
 
-    def load_bytes(self, payload: torch.Tensor) -> None: ...
+    def digest_of(self, tree: Any) -> str:
+        """What `digest` would say after `load_tree(tree)`."""
+        ...
+
+    def load_tree(self, tree: Any) -> None: ...
+
+    def source_only(self) -> tuple[str, ...]:
+        """Paths in the tree that the digest does not cover (RNG states, a per-zone
+        optimizer): donors with equal digests may hold different bytes there, so those
+        chunks come from the source alone."""
+        ...
+
+
+# ---------------------------------------------------------------- chunks
+
+
+@dataclass(frozen=True)
+class Chunk:
+    tensor: int
+    start: int
+    end: int
+    """Byte offsets inside the tensor."""
+
+
+def chunk_table(sizes: Sequence[int], chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
+    """Every tensor cut into pieces of at most ``chunk_bytes`` (a chunk never spans two
+    tensors, so one frozen layer is whole chunks that match)."""
+    return [Chunk(i, a, min(a + chunk_bytes, n)) for i, n in enumerate(sizes) for a in range(0, n, chunk_bytes)]
+
+
+def chunk_view(tensors: Sequence[torch.Tensor], c: Chunk) -> torch.Tensor:
+    return layout.byte_view(tensors[c.tensor])[c.start : c.end]
+
+
+def chunk_digests(tensors: Sequence[torch.Tensor], table: Sequence[Chunk]) -> torch.Tensor:
+    """One xxh3-64 per chunk, as int64 (a fast checksum; the whole state's digest is the proof)."""
+    out = torch.empty(len(table), dtype=torch.int64)
+    values = out.numpy()
+    for i, c in enumerate(table):
+        values[i] = _checksum(chunk_view(tensors, c))
+    return out
+
+
+def _checksum(chunk: torch.Tensor) -> int:
+    x = xxhash.xxh3_64_intdigest(memoryview(chunk.numpy()))  # type: ignore[arg-type]
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def assign(needed: Sequence[int], donors: Sequence[int], offset: int = 0) -> dict[int, list[int]]:
+    """The chunks to ask of each donor: round robin, starting ``offset`` donors along (so
+    several receivers do not all start on the same donor)."""
+    out: dict[int, list[int]] = {d: [] for d in donors}
+    for k, i in enumerate(needed):
+        out[donors[(k + offset) % len(donors)]].append(i)
+    return out
+
+
+class Partial:
+    """A receiver's copy of the state it is fetching, kept across attempts: chunks that
+    arrived before a donor died are not asked for again."""
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int] | None = None
+        self.header = b""
+        self.tensors: list[torch.Tensor] = []
+        self.fetched: set[int] = set()
+        self.generation = 0
+        self.lock = threading.Lock()
+        """Held while a chunk is written in: a helper thread of an abandoned attempt never
+        writes into a generation that has moved on."""
+
+    def prepare(self, key: tuple[int, int], header: bytes, slots: list[layout.Slot], own: Any) -> None:
+        """Start from what this node holds, unless an earlier attempt was fetching the same state."""
+        if key == self.key and header == self.header:
+            return
+        own_header, mine = layout.split(own)
+        by_path = {s.path: t for s, t in zip(layout.slots(own_header), mine, strict=True)}
+        tensors = []
+        for s in slots:
+            have = by_path.get(s.path)
+            same = have is not None and have.dtype == s.dtype and tuple(have.shape) == s.shape
+            tensors.append(have.clone() if same and have is not None else torch.zeros(s.shape, dtype=s.dtype))
+        with self.lock:
+            self.generation += 1
+            self.key, self.header, self.tensors, self.fetched = key, header, tensors, set()
+
+    def close(self) -> None:
+        with self.lock:
+            self.generation += 1
+            self.key, self.header, self.tensors, self.fetched = None, b"", [], set()
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What the sync phase did on this rank."""
+
+    role: str
+    """``source`` (the first donor), ``donor``, ``receiver`` or ``none``."""
+    step: int
+    peers: tuple[int, ...]
+    """Receivers (for a donor) or donors (for a receiver)."""
+    megabytes: float = 0.0
+    """Chunk bytes this rank sent or received."""
+    seconds: float = 0.0
+    state_megabytes: float = 0.0
+    """The size of the whole state (what a full transfer would move)."""
+    chunks: int = 0
+    """Chunks moved."""
+    total_chunks: int = 0
+    resumed_chunks: int = 0
+    """Chunks an earlier, interrupted attempt had already fetched."""
+
+
+# ---------------------------------------------------------------- the sync phase
 
 
 def gather_digests(
@@ -115,21 +187,210 @@ def gather_digests(
 
 
 def sync_state(
-    pg: Any, rank: int, size: int, state: Replicated, wake: threading.Event, abort: AbortCheck, deadline_s: float
+    pg: Any,
+    rank: int,
+    size: int,
+    state: Replicated,
+    wake: threading.Event,
+    abort: AbortCheck,
+    deadline_s: float,
+    partial: Partial | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    on_sent: Callable[[int], None] | None = None,
+    max_donors: int = 0,
+    incremental: bool = True,
 ) -> SyncResult:
     """The sync phase: compare (step, digest) across the group; whoever is behind or
-    different receives the state of the majority at the highest step (`plan_sync`)."""
+    different fetches the chunks it lacks of the majority's state at the highest step.
+
+    ``on_sent(n)`` is called on a donor after its n-th chunk went out (fault injection);
+    ``max_donors`` caps the donors a receiver asks (0: all of them); ``incremental=False``
+    fetches every chunk, whatever the receiver holds."""
     reports = gather_digests(pg, size, state.step, state.digest(), wake, abort, deadline_s, "sync exchange")
     plan = plan_sync(reports)
+    if not plan.receivers:
+        return SyncResult("none", plan.step, ())
     start = time.monotonic()
-    if rank == plan.source and plan.receivers:
-        payload = state.to_bytes()
+    if rank in plan.donors:
+        tree = state.tree()
+        header, tensors = layout.split(tree)
+        head = json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
+        table = chunk_table([layout.byte_view(t).numel() for t in tensors], chunk_bytes)
+        digests = chunk_digests(tensors, table) if rank == plan.source else None
+        sent = run_abortable(
+            lambda: _serve(pg, plan, head, tensors, table, chunk_bytes, digests, on_sent),
+            wake, abort, deadline_s, "state transfer (sending)",
+        )  # fmt: skip
+        role = "source" if rank == plan.source else "donor"
+        total = sum(c.end - c.start for c in table)
+        return SyncResult(role, plan.step, plan.receivers, sent / 1e6, time.monotonic() - start, total / 1e6)
+    if rank not in plan.receivers:
+        return SyncResult("none", plan.step, ())
+    if partial is None or not incremental:
+        partial = Partial()
+    return _fetch(pg, rank, plan, state, partial, wake, abort, deadline_s, max_donors, incremental, start)
+
+
+def _serve(
+    pg: Any,
+    plan: SyncPlan,
+    head: bytes,
+    tensors: list[torch.Tensor],
+    table: list[Chunk],
+    chunk_bytes: int,
+    digests: torch.Tensor | None,
+    on_sent: Callable[[int], None] | None,
+) -> int:
+    works = []
+    if digests is not None:  # the source describes the state to every receiver
+        meta = torch.tensor([len(head), len(table), chunk_bytes])
+        blob = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         for r in plan.receivers:
-            send_state(pg, r, payload, wake, abort, deadline_s)
-        mb = payload.numel() / 1e6
-        return SyncResult("source", plan.step, plan.receivers, mb, time.monotonic() - start)
-    if rank in plan.receivers:
-        payload = recv_state(pg, plan.source, wake, abort, deadline_s)
-        state.load_bytes(payload)
-        return SyncResult("receiver", plan.step, (plan.source,), payload.numel() / 1e6, time.monotonic() - start)
-    return SyncResult("none", plan.step, ())
+            works += [pg.send([meta], r, _TAG_META), pg.send([blob], r, _TAG_HEADER)]
+            works.append(pg.send([digests], r, _TAG_DIGESTS))
+    counts = {r: torch.zeros(1, dtype=torch.int64) for r in plan.receivers}
+    for w in [pg.recv([counts[r]], r, _TAG_COUNT) for r in plan.receivers]:
+        w.wait()
+    if any(not 0 <= int(n) <= len(table) for n in counts.values()):
+        raise TransferError(f"a receiver asked for an impossible number of chunks: {counts}")
+    wants = {r: torch.zeros(int(n), dtype=torch.int64) for r, n in counts.items()}
+    for w in [pg.recv([wants[r]], r, _TAG_WANT) for r in plan.receivers if wants[r].numel()]:
+        w.wait()
+    order = []
+    for r, want in wants.items():
+        for i in want.tolist():
+            if not 0 <= i < len(table):
+                raise TransferError(f"rank {r} asked for chunk {i} of {len(table)}")
+            order.append((r, i))
+    sent, done, inflight = 0, 0, deque[tuple[Any, Chunk]]()
+
+    def finish_one() -> None:
+        nonlocal sent, done
+        w, c = inflight.popleft()
+        w.wait()
+        sent, done = sent + c.end - c.start, done + 1
+        if on_sent is not None:
+            on_sent(done)
+
+    for r, i in order:
+        inflight.append((pg.send([chunk_view(tensors, table[i])], r, _TAG_CHUNKS + i), table[i]))
+        if len(inflight) >= WINDOW:
+            finish_one()
+    while inflight:
+        finish_one()
+    for w in works:
+        w.wait()
+    return sent
+
+
+def _fetch(
+    pg: Any,
+    rank: int,
+    plan: SyncPlan,
+    state: Replicated,
+    partial: Partial,
+    wake: threading.Event,
+    abort: AbortCheck,
+    deadline_s: float,
+    max_donors: int,
+    incremental: bool,
+    start: float,
+) -> SyncResult:
+    src = plan.source
+    head, digests, chunk_bytes = run_abortable(
+        lambda: _recv_description(pg, src), wake, abort, deadline_s, f"state description from rank {src}"
+    )
+    try:
+        header = json.loads(head)
+        slots = layout.slots(header)
+    except (ValueError, TransferError) as exc:
+        raise TransferError(f"state header from rank {src} is malformed: {exc}") from None
+    table = chunk_table([s.nbytes for s in slots], chunk_bytes)
+    if len(table) != digests.numel():
+        raise TransferError(f"rank {src} described {digests.numel()} chunks, its header makes {len(table)}")
+    partial.prepare((plan.step, plan.digest), head, slots, state.tree())
+    with partial.lock:
+        tensors, fetched, generation = partial.tensors, partial.fetched, partial.generation
+        held = chunk_digests(tensors, table)
+    needed = [i for i in range(len(table)) if int(held[i]) != int(digests[i]) or not incremental]
+    resumed = len(fetched - set(needed))
+    donors = list(plan.donors[:max_donors] if max_donors > 0 else plan.donors)
+    # Every donor hears how many chunks it is to send, none included.
+    private = state.source_only()
+    from_source = {i for i in needed if private and slots[table[i].tensor].path.startswith(private)}
+    asks: dict[int, list[int]] = {d: [] for d in plan.donors}
+    asks |= assign([i for i in needed if i not in from_source], donors, offset=plan.receivers.index(rank))
+    asks[plan.source] = sorted(asks[plan.source] + list(from_source))
+    run_abortable(
+        lambda: _recv_chunks(pg, partial, generation, tensors, fetched, table, digests, asks),
+        wake, abort, deadline_s, f"state transfer from ranks {donors}",
+    )  # fmt: skip
+    with partial.lock:
+        partial.generation += 1  # nothing of this attempt writes into these tensors any more
+    tree = layout.join(header, tensors)
+    good = digest_prefix(state.digest_of(tree)) == plan.digest
+    partial.close()
+    if not good:
+        raise TransferError(f"the state fetched from ranks {donors} does not match its digest; starting over")
+    state.load_tree(tree)
+    moved = sum(table[i].end - table[i].start for i in needed)
+    return SyncResult(
+        "receiver", plan.step, tuple(d for d in donors if asks[d]), moved / 1e6, time.monotonic() - start,
+        sum(s.nbytes for s in slots) / 1e6, len(needed), len(table), resumed,
+    )  # fmt: skip
+
+
+def _recv_description(pg: Any, src: int) -> tuple[bytes, torch.Tensor, int]:
+    meta = torch.zeros(3, dtype=torch.int64)
+    pg.recv([meta], src, _TAG_META).wait()
+    head_len, num_chunks, chunk_bytes = (int(x) for x in meta)
+    if not (0 < head_len <= MAX_HEADER_BYTES and 0 <= num_chunks <= MAX_CHUNKS and chunk_bytes > 0):
+        raise TransferError(f"state description from rank {src} is inconsistent: {meta.tolist()}")
+    blob = torch.empty(head_len, dtype=torch.uint8)
+    digests = torch.empty(num_chunks, dtype=torch.int64)
+    works = [pg.recv([blob], src, _TAG_HEADER), pg.recv([digests], src, _TAG_DIGESTS)]
+    for w in works:
+        w.wait()
+    return blob.numpy().tobytes(), digests, chunk_bytes
+
+
+def _recv_chunks(
+    pg: Any,
+    partial: Partial,
+    generation: int,
+    tensors: list[torch.Tensor],
+    fetched: set[int],
+    table: list[Chunk],
+    digests: torch.Tensor,
+    asks: dict[int, list[int]],
+) -> None:
+    works = []
+    for d, want in asks.items():
+        works.append(pg.send([torch.tensor([len(want)], dtype=torch.int64)], d, _TAG_COUNT))
+        if want:
+            works.append(pg.send([torch.tensor(want, dtype=torch.int64)], d, _TAG_WANT))
+    queues = {d: deque(want) for d, want in asks.items()}
+    inflight = deque[tuple[int, int, torch.Tensor, Any]]()
+
+    def post(d: int) -> None:
+        if queues[d]:
+            i = queues[d].popleft()
+            buf = torch.empty(table[i].end - table[i].start, dtype=torch.uint8)
+            inflight.append((d, i, buf, pg.recv([buf], d, _TAG_CHUNKS + i)))
+
+    for d in queues:
+        for _ in range(WINDOW):
+            post(d)
+    while inflight:
+        d, i, buf, w = inflight.popleft()
+        w.wait()
+        if _checksum(buf) != int(digests[i]):
+            raise TransferError(f"state chunk {i} from rank {d} failed its checksum")
+        with partial.lock:
+            if partial.generation != generation:
+                return  # an abandoned attempt: the state it was fetching is no longer wanted
+            chunk_view(tensors, table[i]).copy_(buf)
+            fetched.add(i)
+        post(d)
+    for w in works:
+        w.wait()

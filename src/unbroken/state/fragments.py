@@ -34,6 +34,7 @@ import torch
 from zfec import easyfec
 
 from unbroken.errors import ConfigError, TransferError
+from unbroken.state import layout
 
 MAGIC = b"UBPACK01"
 _MANIFEST = re.compile(r"^frag-(\d{9})\.json$")
@@ -59,26 +60,9 @@ def parse_fragments(spec: str) -> tuple[int, int]:
 
 def pack(tree: Any) -> bytes:
     """Tensors, dicts (any key order: sorted), lists, tuples and JSON scalars, deterministically."""
-    tensors: list[torch.Tensor] = []
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous()
-            tensors.append(t)
-            return {"t": len(tensors) - 1, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-        if isinstance(x, dict):
-            items = sorted(x.items(), key=lambda kv: (type(kv[0]).__name__, str(kv[0])))
-            return {"d": [[k, walk(v)] for k, v in items]}
-        if isinstance(x, list | tuple):
-            return {"l" if isinstance(x, list) else "u": [walk(v) for v in x]}
-        if x is None or isinstance(x, bool | int | float | str):
-            return {"v": x}
-        raise TypeError(f"cannot pack a {type(x).__name__}")
-
-    header = json.dumps(walk(tree), separators=(",", ":"), allow_nan=True).encode()
-    parts = [MAGIC, struct.pack("<Q", len(header)), header]
-    parts.extend(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"" for t in tensors)
-    return b"".join(parts)
+    header, tensors = layout.split(tree)
+    head = json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
+    return b"".join([MAGIC, struct.pack("<Q", len(head)), head, *layout.iter_bytes(tensors)])
 
 
 def unpack(blob: bytes) -> Any:
@@ -87,42 +71,15 @@ def unpack(blob: bytes) -> Any:
     (n,) = struct.unpack("<Q", blob[8:16])
     header = json.loads(blob[16 : 16 + n])
     offset = 16 + n
-    by_index: dict[int, torch.Tensor] = {}
-
-    def tensors_in(x: Any) -> Iterable[dict[str, Any]]:
-        if "t" in x:
-            yield x
-        for key in ("l", "u"):
-            for v in x.get(key, []):
-                yield from tensors_in(v)
-        for _, v in x.get("d", []):
-            yield from tensors_in(v)
-
-    for spec in sorted(tensors_in(header), key=lambda s: s["t"]):
-        dtype = getattr(torch, spec["dtype"])
-        numel = 1
-        for d in spec["shape"]:
-            numel *= d
-        size = numel * torch.empty(0, dtype=dtype).element_size()
-        raw = bytearray(blob[offset : offset + size])
-        if len(raw) != size:
+    tensors = []
+    for slot in layout.slots(header):
+        raw = bytearray(blob[offset : offset + slot.nbytes])
+        if len(raw) != slot.nbytes:
             raise TransferError("packed state is truncated")
-        flat = torch.frombuffer(raw, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-        by_index[spec["t"]] = flat.view(dtype).reshape(spec["shape"]).clone()
-        offset += size
-
-    def build(x: Any) -> Any:
-        if "t" in x:
-            return by_index[x["t"]]
-        if "d" in x:
-            return {k: build(v) for k, v in x["d"]}
-        if "l" in x:
-            return [build(v) for v in x["l"]]
-        if "u" in x:
-            return tuple(build(v) for v in x["u"])
-        return x["v"]
-
-    return build(header)
+        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        tensors.append(flat.view(slot.dtype).reshape(slot.shape))
+        offset += slot.nbytes
+    return layout.join(header, tensors)
 
 
 # ---------------------------------------------------------------- fragments

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import io
 import json
 import random
 from dataclasses import dataclass
@@ -125,44 +124,30 @@ class TrainState:
             state = random.getstate()
             random.setstate((state[0], tuple(snap["rng"]["python"]), state[2]))
 
-    def to_bytes(self) -> torch.Tensor:
-        # No whole-buffer copies: one long call holding the GIL starves the heartbeat
-        # thread, and a state of a few hundred MB would cost the node its lease.
-        buf = io.BytesIO()
-        torch.save(self.capture(), buf)
-        return torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+    def tree(self, local: bool = False) -> dict[str, Any]:
+        """The state as `capture` has it, but the tensors themselves, not copies (a peer
+        catching up gets it without ``local``: node-local state is not sent to others)."""
+        tree: dict[str, Any] = {
+            "step": self.step,
+            "cursor": self.cursor,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])},
+        }
+        if self.outer is not None:
+            tree["outer"] = self.outer.state_dict()
+        if local and self.node_local is not None:
+            tree["local"] = {"owner": self.node_local.owner, "state": self.node_local.state_dict()}
+        return tree
 
-    def load_bytes(self, payload: torch.Tensor) -> None:
-        snap = torch.load(_TensorReader(payload), weights_only=True)  # type: ignore[arg-type]
-        self.restore(snap)
+    def digest_of(self, tree: dict[str, Any]) -> str:
+        return snapshot_digest(tree, self.optimizer_in_digest)
 
+    def source_only(self) -> tuple[str, ...]:
+        return ("/rng",) if self.optimizer_in_digest else ("/rng", "/optimizer")
 
-class _TensorReader(io.RawIOBase):
-    """A read-only file over a uint8 tensor, copying only what each read asks for."""
-
-    def __init__(self, payload: torch.Tensor) -> None:
-        self._view = memoryview(payload.numpy())  # type: ignore[arg-type]
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        n = min(len(b), len(self._view) - self._pos)
-        b[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
+    def load_tree(self, tree: dict[str, Any]) -> None:
+        self.restore(tree)
 
 
 def tree_digest(tree: Any) -> str:

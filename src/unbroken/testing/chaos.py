@@ -206,8 +206,15 @@ class Chaos:
                 n.signal(signal.SIGCONT)
             self.on_progress("faults over: letting the job finish")
             live = [n.name for n in self._alive(c)]
-            c.wait_exit(live, timeout=max(120.0, self.steps * (self.delay_ms + 30) / 1000))
-            return self._report(c, elapsed)
+            try:
+                c.wait_exit(live, timeout=max(120.0, self.steps * (self.delay_ms + 30) / 1000))
+                stuck = ""
+            except TimeoutError as exc:  # a broken promise like any other: reported, not raised
+                stuck = str(exc).splitlines()[0]
+            report = self._report(c, elapsed)
+            if stuck:
+                report.problems.insert(0, f"the job did not finish after the faults: {stuck} (see its log)")
+            return report
 
     # ---------------------------------------------------------------- faults
 

@@ -34,7 +34,9 @@ PERSISTENT = ("flip",)
 BITFLIP = "bitflip"
 """``bitflip@commit:STEP``: right after committing STEP, one bit of this node's copy of the
 first parameter flips (silent data corruption) — what the consistency audit must catch."""
-PHASES = ("compute", "allreduce", "exchange", "grad", "commit")
+PHASES = ("compute", "allreduce", "exchange", "grad", "commit", "resync")
+"""``resync``'s number counts chunks, not steps: ``kill@resync:3`` kills a node right after
+it sent its third chunk of state to a peer that is catching up (a donor dying mid-transfer)."""
 
 
 @dataclass(frozen=True)

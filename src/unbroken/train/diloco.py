@@ -36,10 +36,9 @@ The promises hold at outer-step granularity:
 from __future__ import annotations
 
 import functools
-import io
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -294,10 +293,14 @@ class _InnerState:
     def digest(self) -> str:
         return tree_digest(self.optimizer.state_dict())
 
-    def to_bytes(self) -> torch.Tensor:
-        buf = io.BytesIO()
-        torch.save(self.optimizer.state_dict(), buf)
-        return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+    def tree(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
 
-    def load_bytes(self, payload: torch.Tensor) -> None:
-        self.optimizer.load_state_dict(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True))
+    def digest_of(self, tree: dict[str, Any]) -> str:
+        return tree_digest(tree)
+
+    def source_only(self) -> tuple[str, ...]:
+        return ()
+
+    def load_tree(self, tree: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(tree)

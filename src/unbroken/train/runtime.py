@@ -34,7 +34,7 @@ from unbroken.comm.codecs import Codec, make_codec
 from unbroken.comm.group import EpochGroup, Graveyard, StoreClient, build_group, wait_until
 from unbroken.comm.reduce import LinkEmulation, Reducer, Wire, Zones
 from unbroken.comm.robust import Rule, parse_rule
-from unbroken.comm.transfer import gather_digests, sync_state
+from unbroken.comm.transfer import Partial, gather_digests, sync_state
 from unbroken.config import NodeConfig
 from unbroken.control import messages as m
 from unbroken.control.client import ControlClient
@@ -140,6 +140,8 @@ class Node:
         self._last_progress_log = time.monotonic()
         self._epochs_formed = 0
         self._restored_epoch: int | None = None
+        self._partial = Partial()
+        """What this node fetched of a peer's state so far (kept when a transfer is cut short)."""
         """The epoch of the checkpoint this node cold-started from (`m.Hello.restored_epoch`)."""
         self._log_file = open(config.commit_log, "a", encoding="utf-8") if config.commit_log else None  # noqa: SIM115
         self.client = ControlClient(
@@ -363,27 +365,33 @@ class Node:
         g = self.group
         assert g is not None and g.pg is not None
         abort = functools.partial(self._abort_reason, during_step=False)
-        r = sync_state(g.pg, g.rank, g.size, self.state, self.wake, abort, self.config.collective_timeout_s)
+        r = sync_state(
+            g.pg, g.rank, g.size, self.state, self.wake, abort, self.config.collective_timeout_s,
+            partial=self._partial, on_sent=functools.partial(self.faults.maybe_fire, "resync"),
+            max_donors=self.config.max_donors, incremental=not self.config.full_resync,
+        )  # fmt: skip
+        if r.role != "receiver":
+            self._partial.close()  # a fetch cut short earlier is moot now: let its copy go
         if self._audit_every and (self._audited is None or r.role == "receiver"):
             # Agreed by the sync phase: a state a failed audit may come back to.
             self._audited = self.state.capture()
         if self.diloco is not None:
             self.diloco.sync_zone(received=r.role == "receiver")
-        if r.role == "source":
+        if r.role in ("source", "donor"):
             log.info(
-                "%s: sent state of step %d (%.1f MB) to ranks %s in %.2f s",
-                self.name, r.step, r.megabytes, list(r.peers), r.seconds,
+                "%s: sent %.1f MB of the %.1f MB state of step %d to ranks %s in %.2f s",
+                self.name, r.megabytes, r.state_megabytes, r.step, list(r.peers), r.seconds,
             )  # fmt: skip
         elif r.role == "receiver":
-            entry = {"kind": "sync", "epoch": g.epoch, "step": self.state.step, "from": r.peers[0]}
-            self._log(entry | {"mb": r.megabytes, "seconds": r.seconds, "digest": self.state.digest()})
-            self.report(
-                "sync", f"received the state of step {self.state.step} ({r.megabytes:.1f} MB in {r.seconds:.2f} s)"
-            )
-            log.info(
-                "%s: received state of step %d (%.1f MB, %.0f MB/s)",
-                self.name, self.state.step, r.megabytes, r.megabytes / max(r.seconds, 1e-9),
+            entry = {"kind": "sync", "epoch": g.epoch, "step": self.state.step, "from": [g.members[p] for p in r.peers]}
+            counts = {"chunks": r.chunks, "total_chunks": r.total_chunks, "resumed_chunks": r.resumed_chunks}
+            self._log(
+                entry | counts | {"mb": r.megabytes, "state_mb": r.state_megabytes, "seconds": r.seconds}
+                | {"digest": self.state.digest()}
             )  # fmt: skip
+            what = f"{r.megabytes:.1f} of {r.state_megabytes:.1f} MB from {len(r.peers)} peer(s) in {r.seconds:.2f} s"
+            self.report("sync", f"received the state of step {self.state.step} ({what})")
+            log.info("%s: received the state of step %d: %s", self.name, self.state.step, what)
 
     # ---------------------------------------------------------------- steps
 
@@ -728,11 +736,11 @@ class Node:
         if self._fragments is not None:
             k, m = self._fragments
             mine = [i for i in range(k + m) if i % g.size == g.rank]
-            snap = self._checkpoint_snap()
+            snap = self._checkpoint_tree()
             if mine and self.checkpointer.save_fragments_async(snap, k, m, mine, self.state.optimizer_in_digest):
                 self.report("checkpoint", f"fragments {mine} of {k}+{m} of step {self.state.step} being written")
             return
-        if g.rank == 0 and self.checkpointer.save_async(self._checkpoint_snap()):
+        if g.rank == 0 and self.checkpointer.save_async(self._checkpoint_tree()):
             where = self.config.checkpoint_dir
             self.report("checkpoint", f"checkpoint of step {self.state.step} being written to {where}")
 
@@ -763,7 +771,7 @@ class Node:
         if self.checkpointer is not None and (self.group is None or self.group.size == 1):
             # The last member going: keep what it committed since the last checkpoint.
             self.checkpointer.close()
-            self.checkpointer.save_async(self._checkpoint_snap())
+            self.checkpointer.save_async(self._checkpoint_tree())
         self._log({"kind": "left", "step": self.state.step})
         self._abandon()
         return NodeResult("left", self.state.step, self.state.digest(), self._epochs_formed)
@@ -796,10 +804,10 @@ class Node:
             zone=self.config.zone,
         )
 
-    def _checkpoint_snap(self) -> dict[str, Any]:
-        snap = self.state.capture()
-        snap["epoch"] = self.group.epoch if self.group is not None else (self._restored_epoch or 0)
-        return snap
+    def _checkpoint_tree(self) -> dict[str, Any]:
+        tree = self.state.tree(local=True)  # the checkpointer copies it before the step goes on
+        tree["epoch"] = self.group.epoch if self.group is not None else (self._restored_epoch or 0)
+        return tree
 
     def _restore_checkpoint(self) -> None:
         if self.config.checkpoint_dir is None:

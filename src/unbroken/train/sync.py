@@ -15,6 +15,10 @@ class SyncPlan:
     """The highest committed step in the group."""
     receivers: tuple[int, ...]
     """Ranks that are behind or hold a different state at that step."""
+    digest: int = 0
+    """The winning digest (prefix) at that step: what every receiver must end up holding."""
+    donors: tuple[int, ...] = ()
+    """Every rank holding it (the source first): they share the sending."""
 
 
 def plan_sync(reports: Sequence[tuple[int, int]]) -> SyncPlan:
@@ -32,7 +36,8 @@ def plan_sync(reports: Sequence[tuple[int, int]]) -> SyncPlan:
     winner = next(d for _, d in at_top if votes[d] == best)
     source = next(rank for rank, d in at_top if d == winner)
     receivers = tuple(r for r, (step, d) in enumerate(reports) if step != top or d != winner)
-    return SyncPlan(source=source, step=top, receivers=receivers)
+    donors = tuple(rank for rank, d in at_top if d == winner)
+    return SyncPlan(source=source, step=top, receivers=receivers, digest=winner, donors=donors)
 
 
 def audit(reports: Sequence[tuple[int, int]]) -> tuple[int, str] | None:

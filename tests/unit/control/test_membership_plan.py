@@ -583,3 +583,25 @@ def test_named_zones_and_auto_zones_mix() -> None:
         "p": "paris",
         "q": "paris",
     }
+
+
+def test_failed_audits_count_as_offences_and_a_replica_that_keeps_failing_them_is_quarantined() -> None:
+    from unbroken.control.membership import QUARANTINE_AFTER
+
+    ms = Membership(lease_s=LEASE, now=0.0)
+    for mid in ("a", "b", "c"):
+        ms.admit(hello(mid, 30), 0.0)
+    ms.tick(JOIN_SETTLE_S)
+    t = JOIN_SETTLE_S
+    for offence in range(1, QUARANTINE_AFTER + 1):
+        reason = "digest differs from the majority's (2 of 3 agree)"
+        d = ms.fault("a", ms.epoch, reason, t, culprit="c", kind="audit", rollback_to=10 * offence)
+        (ev,) = events(d, "audit")
+        assert ev.member == "c" and f"offence {offence}" in ev.reason
+        for mid in ("a", "b", "c"):
+            ms.heartbeat(mid, 0, t)
+        order = only_order(ms.tick(t))
+        assert order.rollback_to == 10 * offence, "everyone holding the audited state goes back to it"
+        t += 0.1
+    assert ms.members["c"].quarantined and "c" not in order.members
+    assert [e.kind for e in d.events] == ["audit", "quarantine"]

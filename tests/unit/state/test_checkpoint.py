@@ -163,3 +163,22 @@ def test_a_failed_write_leaves_no_file_and_keeps_the_previous_checkpoint(
     assert ckpt_names(tmp_path) == ["ckpt-000000001.pt"]
     assert latest_checkpoint(tmp_path) == tmp_path / "ckpt-000000001.pt"
     assert [s for s, _ in c.written] == [1]
+
+
+def test_the_copy_goes_into_buffers_kept_from_one_checkpoint_to_the_next(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(300, 200)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    c = Checkpointer(tmp_path)
+    c.save_async(state.tree())
+    c.close()
+    first = [b.data_ptr() for b in c._buffers]
+    with torch.no_grad():
+        model.weight += 1  # the live state moves on; the checkpoint taken before must not
+    state.step = 1
+    c.save_async(state.tree())
+    c.close()
+    assert [b.data_ptr() for b in c._buffers] == first, "no new allocation for an unchanged layout"
+    back = load_checkpoint(checkpoint_path(tmp_path, 1))
+    assert torch.equal(back["model"]["weight"], model.weight) and len(c.staged_s) == 2
+    assert not torch.equal(load_checkpoint(checkpoint_path(tmp_path, 0))["model"]["weight"], model.weight)

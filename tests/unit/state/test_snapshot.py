@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import torch
 from torch import nn
 
 from unbroken.control.messages import TensorSpec
+from unbroken.state import layout
 from unbroken.state.snapshot import TrainState, digest_prefix, fingerprint
 
 
@@ -94,14 +96,15 @@ def test_different_models_have_different_digests() -> None:
     assert make_state(seed=0).digest() != make_state(seed=1).digest()
 
 
-def test_to_bytes_and_load_bytes_round_trip_state_and_rng() -> None:
+def test_a_tree_through_its_layout_round_trips_state_and_rng() -> None:
     src = make_state(seed=0)
     for _ in range(3):
         train_step(src)
     torch.manual_seed(1234)
     random.seed(99)
-    payload = src.to_bytes()
-    assert payload.dtype == torch.uint8
+    header, tensors = layout.split(src.tree())
+    header = json.loads(json.dumps(header))  # what crosses the wire
+    tensors = [t.clone() for t in tensors]
     expected_torch = torch.rand(5)
     expected_py = [random.random() for _ in range(5)]
 
@@ -109,7 +112,9 @@ def test_to_bytes_and_load_bytes_round_trip_state_and_rng() -> None:
     assert dst.digest() != src.digest()
     torch.manual_seed(0)
     random.seed(0)
-    dst.load_bytes(payload)
+    tree = layout.join(header, tensors)
+    assert dst.digest_of(tree) == src.digest()
+    dst.load_tree(tree)
     assert dst.digest() == src.digest()
     assert (dst.step, dst.cursor) == (3, 24)
     assert torch.equal(torch.rand(5), expected_torch)
@@ -118,6 +123,13 @@ def test_to_bytes_and_load_bytes_round_trip_state_and_rng() -> None:
     train_step(src)
     train_step(dst)  # the restored replica keeps training in lockstep
     assert dst.digest() == src.digest()
+
+
+def test_a_tree_is_the_state_itself_not_a_copy() -> None:
+    a = make_state()
+    _, tensors = layout.split(a.tree())
+    weight = next(a.model.parameters())
+    assert any(t.data_ptr() == weight.data_ptr() for t in tensors), "a donor sends its tensors without copying"
 
 
 def test_capture_is_a_copy_not_a_view() -> None:

@@ -8,15 +8,16 @@ from unbroken.train.sync import SyncPlan, plan_sync
 
 
 def test_the_highest_step_wins_even_against_a_majority_behind() -> None:
-    plan = plan_sync([(4, "x"), (4, "x"), (5, "y"), (4, "x")])
-    assert plan == SyncPlan(source=2, step=5, receivers=(0, 1, 3))
+    plan = plan_sync([(4, 1), (4, 1), (5, 2), (4, 1)])
+    assert plan == SyncPlan(source=2, step=5, receivers=(0, 1, 3), digest=2, donors=(2,))
 
 
 def test_the_majority_digest_wins_among_ranks_at_the_top_step() -> None:
-    plan = plan_sync([(9, "bad"), (9, "good"), (9, "good"), (8, "old")])
+    plan = plan_sync([(9, 66), (9, 20), (9, 20), (8, 3)])
     assert plan.source == 1
     assert plan.step == 9
     assert plan.receivers == (0, 3)
+    assert plan.donors == (1, 2) and plan.digest == 20
 
 
 def test_a_single_corrupted_replica_on_rank_zero_cannot_win() -> None:
@@ -26,7 +27,7 @@ def test_a_single_corrupted_replica_on_rank_zero_cannot_win() -> None:
 
 
 def test_a_tie_between_digests_goes_to_the_lowest_rank() -> None:
-    assert plan_sync([(3, "b"), (3, "a")]) == SyncPlan(source=0, step=3, receivers=(1,))
+    assert plan_sync([(3, 2), (3, 1)]) == SyncPlan(source=0, step=3, receivers=(1,), digest=2, donors=(0,))
     assert plan_sync([(2, "z"), (3, "b"), (3, "a"), (3, "a"), (3, "b")]).source == 1
 
 
@@ -37,8 +38,8 @@ def test_receivers_are_those_behind_or_different() -> None:
 
 
 def test_nobody_receives_when_all_agree() -> None:
-    assert plan_sync([(5, "d")] * 4) == SyncPlan(source=0, step=5, receivers=())
-    assert plan_sync([(0, "d")]) == SyncPlan(source=0, step=0, receivers=())
+    assert plan_sync([(5, 4)] * 4) == SyncPlan(source=0, step=5, receivers=(), digest=4, donors=(0, 1, 2, 3))
+    assert plan_sync([(0, 4)]) == SyncPlan(source=0, step=0, receivers=(), digest=4, donors=(0,))
 
 
 def test_no_reports_is_an_error() -> None:

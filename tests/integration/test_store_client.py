@@ -1,0 +1,33 @@
+"""A node's store client across coordinator restarts (real TCPStores on loopback)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+from unbroken.comm.group import StoreClient
+
+
+def test_a_build_stuck_on_a_dead_coordinators_store_does_not_hold_up_the_next_one() -> None:
+    with socket.socket() as s:  # a port nobody listens on: the old coordinator's, gone
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    live = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = StoreClient()
+    stuck = threading.Thread(target=lambda: _try(client, "old", dead), daemon=True)
+    stuck.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    store = client.get("new", "127.0.0.1", live.port, 10.0)
+    store.set("k", "v")
+    assert time.monotonic() - start < 2.0 and stuck.is_alive(), "the new store must not wait for the dead one"
+    assert client.get("new", "127.0.0.1", live.port, 10.0) is store, "one client per coordinator incarnation"
+
+
+def _try(client: StoreClient, cid: str, port: int) -> None:
+    with contextlib.suppress(Exception):  # the dead store: refused after retrying for its timeout
+        client.get(cid, "127.0.0.1", port, 5.0)
