@@ -8,7 +8,10 @@ Same job, same samples, side by side in one invocation: 2 nodes on loopback trai
 state is 400 MB) for ``--steps`` steps, without checkpoints (the baseline), with whole
 checkpoints every ``--every`` steps (rank 0 captures the state at the step boundary and a
 background thread writes it), and with erasure-coded fragments (``--fragments 1,1``: every
-node captures, packs and encodes the state in the background and writes its own fragment).
+node captures, packs and encodes the state in the background and writes its own fragment),
+and, for the consistency audit's cost, with ``--audit-every`` the same period and no
+checkpoints (every trainer digests its state, the digests are all-gathered, and the state
+is copied in memory as the point a failed audit comes back to).
 
 Per configuration: the median step time (gaps between consecutive commits after
 ``--warmup``), the median of the steps that took a checkpoint (the capture happens in them:
@@ -34,16 +37,16 @@ from unbroken.testing import LocalCluster
 
 def run(args: argparse.Namespace, workdir: Path, config: str) -> dict[str, Any]:
     env = jobs.env_for(args.steps, opt="sgd")
-    coord = ["--balance", "weights", "--audit-every", "0"]
+    coord = ["--balance", "weights", "--audit-every", str(args.every) if config == "audit" else "0"]
     node_args: list[str] = []
-    if config != "none":
+    if config in ("whole", "fragments"):
         node_args = ["--checkpoint-every", str(args.every)]
     if config == "fragments":
         coord += ["--fragments", "1,1"]
     with LocalCluster(jobs.job_ref(args.model), workdir, env=env, min_nodes=2, coordinator_args=coord) as c:
         c.start_coordinator()
         for i in range(2):
-            extra = ["--checkpoint-dir", str(workdir / f"ckpt{i}")] if config != "none" else []
+            extra = ["--checkpoint-dir", str(workdir / f"ckpt{i}")] if node_args else []
             c.start_node(f"n{i}", extra=[*node_args, *extra])
         codes = c.wait_exit(timeout=args.timeout)
         if any(code != 0 for code in codes.values()):
@@ -72,13 +75,13 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for one run")
     args = p.parse_args()
     print_command()
-    configs = ["none", "whole", "fragments"]
+    configs = ["none", "whole", "fragments", "audit"]
     raw: dict[str, list[dict[str, Any]]] = {k: [] for k in configs}
     progress = ProgressLine(args.repeats * len(configs))
     with tempfile.TemporaryDirectory(prefix="ub-ckpt-") as tmp:
         try:
             for rep in range(args.repeats):
-                for config in configs[rep % 3 :] + configs[: rep % 3]:
+                for config in configs[rep % len(configs) :] + configs[: rep % len(configs)]:
                     progress.update(f"repeat {rep + 1}/{args.repeats}: {config} running")
                     r = run(args, Path(tmp) / f"{config}-{rep}", config)
                     raw[config].append(r)
@@ -112,8 +115,9 @@ def main() -> None:
         ["checkpoints", "median step", "vs none", "mean step", "vs none", "step with a checkpoint", "vs none"],
         rows,
         caption="whole: rank 0 captures, a thread writes ckpt-N.pt; fragments: every node captures, packs, "
-        "encodes (zfec, k=1 m=1) and writes its fragment in a thread. 'Step with a checkpoint': the gap after the "
-        "commit that triggered it (it includes the capture).",
+        "encodes (zfec, k=1 m=1) and writes its fragment in a thread; audit: no checkpoints, a consistency audit "
+        "(digest all-gather + an in-memory copy to come back to) every N steps instead. 'Step with a checkpoint': "
+        "the gap after the commit that triggered it (it includes the capture).",
     )
 
 

@@ -9,7 +9,6 @@ every node: no pickle, no memory addresses, no timestamps.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,9 +112,3 @@ def join(header: Any, tensors: list[torch.Tensor]) -> Any:
         return x["v"]
 
     return build(header)
-
-
-def iter_bytes(tensors: list[torch.Tensor]) -> Iterator[bytes]:
-    for t in tensors:
-        if t.numel():
-            yield byte_view(t).numpy().tobytes()

@@ -3,21 +3,27 @@
 What replicas must agree on (and what the digest covers): model parameters and buffers,
 optimizer state and hyper-parameters, the committed step and the data cursor. RNG states
 travel with the snapshot so a restored node continues the same random stream.
+
+The digest is a 128-bit xxh3 over every byte: it catches corruption and divergence (what
+replicas compare every sync phase, audit and ``--digest-every`` commit) at memory speed,
+20x faster than blake2b. It is not a defence against a node that lies: a node can report
+any digest it likes whatever the hash.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import xxhash
 from torch import nn
 
 from unbroken.control.messages import TensorSpec
+from unbroken.state import layout
 
 
 def fingerprint(model: nn.Module) -> list[TensorSpec]:
@@ -91,24 +97,29 @@ class TrainState:
             state["outer"] = self.outer.state_dict()
         return snapshot_digest(state, self.optimizer_in_digest)
 
-    def capture(self) -> dict[str, Any]:
-        """A deep copy of the state, safe to serialise on another thread."""
-        snap = {
-            "step": self.step,
-            "cursor": self.cursor,
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "rng": {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])},
-        }
-        if self.outer is not None:
-            snap["outer"] = copy.deepcopy(self.outer.state_dict())
-        if self.node_local is not None:
-            snap["local"] = {"owner": self.node_local.owner, "state": self.node_local.state_dict()}
-        return snap
+    def capture(self, reuse: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A copy of the state (every tensor cloned), safe to serialise on another thread or
+        to come back to. ``reuse``: an earlier capture whose tensors are overwritten when
+        the layout is the same (no allocation: a fresh one costs several times the copy)."""
+        header, tensors = layout.split(self.tree(local=True))
+        if reuse is not None:
+            old_header, old = layout.split(reuse)
+            if layout.slots(old_header) == layout.slots(header):
+                for dst, src in zip(old, tensors, strict=True):
+                    dst.copy_(src)
+                return dict(layout.join(header, old))
+        return dict(layout.join(header, [t.clone() for t in tensors]))
 
-    def restore(self, snap: dict[str, Any]) -> None:
+    def restore(self, snap: dict[str, Any], own: bool = False) -> None:
+        """Load ``snap``. Optimizers keep the tensors they are given, so they get copies
+        unless ``own`` (the snapshot's tensors are handed over): a snapshot kept to come back
+        to again (an audited state) must not change as training goes on."""
+        def take(x: Any) -> Any:
+            return x if own else copy.deepcopy(x)
+
         self.model.load_state_dict(snap["model"])
-        self.optimizer.load_state_dict(snap["optimizer"])
+        if "optimizer" in snap:
+            self.optimizer.load_state_dict(take(snap["optimizer"]))
         self.step = int(snap["step"])
         self.cursor = int(snap["cursor"])
         local = snap.get("local")
@@ -116,9 +127,9 @@ class TrainState:
             self.node_local.load_state_dict(local["state"])  # a peer's residual is not ours: ignored
         if "outer" in snap:
             if self.outer is not None:
-                self.outer.load_state_dict(snap["outer"])
+                self.outer.load_state_dict(take(snap["outer"]))
             else:
-                self.pending_outer = snap["outer"]
+                self.pending_outer = take(snap["outer"])
         if "rng" in snap:  # absent from a state rebuilt from fragments
             torch.set_rng_state(snap["rng"]["torch"])
             state = random.getstate()
@@ -147,19 +158,19 @@ class TrainState:
         return ("/rng",) if self.optimizer_in_digest else ("/rng", "/optimizer")
 
     def load_tree(self, tree: dict[str, Any]) -> None:
-        self.restore(tree)
+        self.restore(tree, own=True)
 
 
 def tree_digest(tree: Any) -> str:
     """A digest of tensors, dicts, lists and scalars (values, dtypes and shapes)."""
-    h = hashlib.blake2b(digest_size=16)
+    h = xxhash.xxh3_128()
     _hash_tree(h, tree)
     return h.hexdigest()
 
 
 def snapshot_digest(snap: dict[str, Any], optimizer_in_digest: bool = True) -> str:
     """The replica digest of a state or of its `TrainState.capture` (the same value)."""
-    h = hashlib.blake2b(digest_size=16)
+    h = xxhash.xxh3_128()
     _hash_tree(h, {"step": snap["step"], "cursor": snap["cursor"]})
     _hash_tree(h, snap["model"])
     if optimizer_in_digest:

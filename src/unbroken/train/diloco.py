@@ -115,7 +115,7 @@ class DiLoCo:
             for a, p in zip(self.anchor, self.node.params, strict=True):
                 a.copy_(p.detach())
         self._round_buffers = [b.detach().clone() for b in self.node.buffers]
-        self._round_start = st.capture()
+        self._round_start = st.capture(reuse=self._round_start)
 
     def rollback(self) -> None:
         """Back to the round's start (a failed round is retried with the same samples)."""

@@ -374,7 +374,7 @@ class Node:
             self._partial.close()  # a fetch cut short earlier is moot now: let its copy go
         if self._audit_every and (self._audited is None or r.role == "receiver"):
             # Agreed by the sync phase: a state a failed audit may come back to.
-            self._audited = self.state.capture()
+            self._audited = self.state.capture(reuse=self._audited)
         if self.diloco is not None:
             self.diloco.sync_zone(received=r.role == "receiver")
         if r.role in ("source", "donor"):
@@ -496,7 +496,7 @@ class Node:
         verdict = audit(gather_digests(g.pg, g.size, self.state.step, digest, self.wake, abort, timeout, "audit"))
         self._log({"kind": "audit", "step": self.state.step, "digest": digest, "ok": verdict is None})
         if verdict is None:
-            self._audited = self.state.capture()
+            self._audited = self.state.capture(reuse=self._audited)
             return
         rank, why = verdict
         message = f"audit at step {self.state.step}: {g.members[rank]}'s state {why}"

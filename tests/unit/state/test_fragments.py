@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from unbroken.errors import ConfigError, TransferError
-from unbroken.state.fragments import decode, encode, pack, parse_fragments, rebuild, unpack, write_fragments
+from unbroken.state.fragments import (
+    decode,
+    encode,
+    pack,
+    pack_into,
+    parse_fragments,
+    rebuild,
+    unpack,
+    write_fragments,
+)
 from unbroken.state.snapshot import TrainState
 
 
@@ -44,6 +53,15 @@ def test_packing_keeps_types_and_odd_values() -> None:
     back = unpack(pack(tree))
     assert back[2] == (1.5, float("inf")) and back["x"][:3] == [None, True, "s"]
     assert torch.equal(back["x"][3], tree["x"][3]) and back[1].numel() == 0
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_packing_into_a_padded_buffer_gives_the_same_bytes_and_the_same_fragments(k: int) -> None:
+    snap = {key: v for key, v in trained_state().capture().items() if key != "rng"}
+    buf, size = pack_into(snap, pad_to=k)
+    blob = pack(snap)
+    assert size == len(blob) and bytes(buf[:size]) == blob and len(buf) % k == 0 and not any(buf[size:])
+    assert [bytes(b) for b in encode(buf, k, 2)] == [bytes(b) for b in encode(blob, k, 2)]
 
 
 @pytest.mark.parametrize(("k", "m"), [(1, 0), (3, 2), (2, 3), (4, 1)])

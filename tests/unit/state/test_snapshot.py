@@ -214,3 +214,27 @@ def test_an_outer_optimizer_is_committed_state_even_when_attached_after_a_restor
     assert a.digest() == b.digest()
     fresh.state.clear()
     assert a.digest() != b.digest()
+
+
+def test_a_kept_snapshot_does_not_move_with_the_training_that_follows_its_restore() -> None:
+    a = make_state()
+    train_step(a)
+    kept = a.capture()
+    at = a.digest()
+    a.restore(kept)
+    train_step(a)  # the momentum buffers change in place
+    a.restore(kept)
+    assert a.digest() == at, "the optimizer got copies, not the snapshot's own tensors"
+
+
+def test_capturing_again_reuses_the_tensors_of_the_last_capture() -> None:
+    a = make_state()
+    train_step(a)
+    first = a.capture()
+    ptrs = [t.data_ptr() for t in layout.split(first)[1]]
+    train_step(a)
+    again = a.capture(reuse=first)
+    assert [t.data_ptr() for t in layout.split(again)[1]] == ptrs
+    b = make_state(seed=3)
+    b.restore(again)
+    assert b.digest() == a.digest()
