@@ -4,6 +4,7 @@ a corrupt chunk or a state that does not match its digest is refused."""
 
 from __future__ import annotations
 
+import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,6 +17,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from unbroken.comm.group import build_group
 from unbroken.comm.transfer import Partial, SyncResult, sync_state
 from unbroken.errors import EpochAborted, TransferError
+from unbroken.state import layout
 from unbroken.state.snapshot import TrainState
 
 CHUNK = 64 << 10
@@ -180,3 +182,30 @@ def test_what_the_digest_does_not_cover_comes_from_the_source_alone() -> None:
     r = sync([*donors, joiner])[4]
     assert isinstance(r, SyncResult) and joiner.digest() == donors[0].digest(), r
     assert r.peers == (0, 1, 2, 3)
+
+
+def test_a_donor_whose_layout_differs_where_the_digest_does_not_look_is_left_out() -> None:
+    # DiLoCo's case: the inner optimizer is per zone, outside the digest; one zone's holds
+    # no state at all, so its chunk numbers would mean other bytes.
+    donors = [make_state(1) for _ in range(3)]
+    joiner = make_state(2, frozen_seed=5)
+    joiner.step = 0
+    for st in (*donors, joiner):
+        st.optimizer_in_digest = False
+    donors[2].optimizer.state.clear()
+    r = sync([*donors, joiner])[3]
+    assert isinstance(r, SyncResult) and r.peers == (0, 1), r
+    assert joiner.digest() == donors[0].digest()
+
+
+def test_a_later_attempt_keeps_what_an_earlier_one_fetched_from_another_source() -> None:
+    st = make_state(1)
+    partial = Partial()
+    header, _ = layout.split(st.tree())
+    partial.prepare((5, 7), layout.slots(header), st.tree())
+    tensors, generation = partial.tensors, partial.generation
+    random.random()  # another source: another Python RNG state in its header, the same layout
+    partial.prepare((5, 7), layout.slots(layout.split(st.tree())[0]), st.tree())
+    assert partial.tensors is tensors and partial.generation == generation + 1
+    partial.prepare((6, 7), layout.slots(header), st.tree())
+    assert partial.tensors is not tensors, "another state: start again from what this node holds"

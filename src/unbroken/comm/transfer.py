@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -123,7 +123,7 @@ class Partial:
 
     def __init__(self) -> None:
         self.key: tuple[int, int] | None = None
-        self.header = b""
+        self.slots: list[layout.Slot] = []
         self.tensors: list[torch.Tensor] = []
         self.fetched: set[int] = set()
         self.generation = 0
@@ -131,9 +131,13 @@ class Partial:
         """Held while a chunk is written in: a helper thread of an abandoned attempt never
         writes into a generation that has moved on."""
 
-    def prepare(self, key: tuple[int, int], header: bytes, slots: list[layout.Slot], own: Any) -> None:
-        """Start from what this node holds, unless an earlier attempt was fetching the same state."""
-        if key == self.key and header == self.header:
+    def prepare(self, key: tuple[int, int], slots: list[layout.Slot], own: Any) -> None:
+        """Start from what this node holds, unless an earlier attempt was fetching the same
+        state (the same step, digest and layout: another source's header may differ in what
+        the digest does not cover, and those chunks are compared again like the rest)."""
+        if key == self.key and slots == self.slots:
+            with self.lock:
+                self.generation += 1  # the earlier attempt's helper, if still alive, writes no more
             return
         own_header, mine = layout.split(own)
         by_path = {s.path: t for s, t in zip(layout.slots(own_header), mine, strict=True)}
@@ -144,12 +148,12 @@ class Partial:
             tensors.append(have.clone() if same and have is not None else torch.zeros(s.shape, dtype=s.dtype))
         with self.lock:
             self.generation += 1
-            self.key, self.header, self.tensors, self.fetched = key, header, tensors, set()
+            self.key, self.slots, self.tensors, self.fetched = key, slots, tensors, set()
 
     def close(self) -> None:
         with self.lock:
             self.generation += 1
-            self.key, self.header, self.tensors, self.fetched = None, b"", [], set()
+            self.key, self.slots, self.tensors, self.fetched = None, [], [], set()
 
 
 @dataclass(frozen=True)
@@ -180,10 +184,24 @@ def gather_digests(
     pg: Any, size: int, step: int, digest: str, wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str
 ) -> list[tuple[int, int]]:
     """Every rank's ``(committed step, digest prefix)``, in rank order (one small all-gather)."""
-    mine = torch.tensor([step, digest_prefix(digest)], dtype=torch.int64)
-    gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
+    return [(s, d) for s, d, _ in _gather(pg, size, [step, digest_prefix(digest), 0], wake, abort, deadline_s, what)]
+
+
+def _gather(
+    pg: Any, size: int, values: list[int], wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str
+) -> list[tuple[int, ...]]:
+    mine = torch.tensor(values, dtype=torch.int64)
+    gathered = [torch.zeros(len(values), dtype=torch.int64) for _ in range(size)]
     wait_work(pg.allgather([gathered], [mine]), wake, abort, deadline_s, what)
-    return [(int(t[0]), int(t[1])) for t in gathered]
+    return [tuple(int(x) for x in t) for t in gathered]
+
+
+def layout_id(header: Any, chunk_bytes: int) -> int:
+    """Which tensors a state has, and how they are cut (63 bits): donors whose digests agree
+    may still differ here where the digest does not look (a per-zone optimizer that holds
+    state for other parameters), and a chunk number means the same bytes only between equals."""
+    desc = json.dumps([chunk_bytes, [(s.path, str(s.dtype), s.shape) for s in layout.slots(header)]])
+    return xxhash.xxh3_64_intdigest(desc.encode()) >> 1
 
 
 def sync_state(
@@ -206,14 +224,16 @@ def sync_state(
     ``on_sent(n)`` is called on a donor after its n-th chunk went out (fault injection);
     ``max_donors`` caps the donors a receiver asks (0: all of them); ``incremental=False``
     fetches every chunk, whatever the receiver holds."""
-    reports = gather_digests(pg, size, state.step, state.digest(), wake, abort, deadline_s, "sync exchange")
-    plan = plan_sync(reports)
+    tree = state.tree()
+    header, tensors = layout.split(tree)
+    values = [state.step, digest_prefix(state.digest()), layout_id(header, chunk_bytes)]
+    reports = _gather(pg, size, values, wake, abort, deadline_s, "sync exchange")
+    plan = plan_sync([(s, d) for s, d, _ in reports])
     if not plan.receivers:
         return SyncResult("none", plan.step, ())
+    plan = replace(plan, donors=tuple(r for r in plan.donors if reports[r][2] == reports[plan.source][2]))
     start = time.monotonic()
     if rank in plan.donors:
-        tree = state.tree()
-        header, tensors = layout.split(tree)
         head = json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
         table = chunk_table([layout.byte_view(t).numel() for t in tensors], chunk_bytes)
         digests = chunk_digests(tensors, table) if rank == plan.source else None
@@ -228,7 +248,7 @@ def sync_state(
         return SyncResult("none", plan.step, ())
     if partial is None or not incremental:
         partial = Partial()
-    return _fetch(pg, rank, plan, state, partial, wake, abort, deadline_s, max_donors, incremental, start)
+    return _fetch(pg, rank, plan, state, tree, partial, wake, abort, deadline_s, max_donors, incremental, start)
 
 
 def _serve(
@@ -288,6 +308,7 @@ def _fetch(
     rank: int,
     plan: SyncPlan,
     state: Replicated,
+    own: Any,
     partial: Partial,
     wake: threading.Event,
     abort: AbortCheck,
@@ -308,7 +329,7 @@ def _fetch(
     table = chunk_table([s.nbytes for s in slots], chunk_bytes)
     if len(table) != digests.numel():
         raise TransferError(f"rank {src} described {digests.numel()} chunks, its header makes {len(table)}")
-    partial.prepare((plan.step, plan.digest), head, slots, state.tree())
+    partial.prepare((plan.step, plan.digest), slots, own)
     with partial.lock:
         tensors, fetched, generation = partial.tensors, partial.fetched, partial.generation
         held = chunk_digests(tensors, table)
@@ -388,7 +409,7 @@ def _recv_chunks(
             raise TransferError(f"state chunk {i} from rank {d} failed its checksum")
         with partial.lock:
             if partial.generation != generation:
-                return  # an abandoned attempt: the state it was fetching is no longer wanted
+                raise TransferError("an abandoned fetch: a later attempt took over its copy")
             chunk_view(tensors, table[i]).copy_(buf)
             fetched.add(i)
         post(d)

@@ -114,6 +114,7 @@ class TrainState:
         """Load ``snap``. Optimizers keep the tensors they are given, so they get copies
         unless ``own`` (the snapshot's tensors are handed over): a snapshot kept to come back
         to again (an audited state) must not change as training goes on."""
+
         def take(x: Any) -> Any:
             return x if own else copy.deepcopy(x)
 
