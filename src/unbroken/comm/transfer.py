@@ -402,16 +402,28 @@ def _recv_chunks(
     for d in queues:
         for _ in range(WINDOW):
             post(d)
+    # A donor that fails (it died) does not stop the others: what they deliver until the
+    # epoch ends is kept for the next attempt. The first failure is raised at the end.
+    failed: dict[int, BaseException] = {}
     while inflight:
         d, i, buf, w = inflight.popleft()
-        w.wait()
-        if _checksum(buf) != int(digests[i]):
-            raise TransferError(f"state chunk {i} from rank {d} failed its checksum")
+        if d in failed:
+            continue
+        try:
+            w.wait()
+            if _checksum(buf) != int(digests[i]):
+                raise TransferError(f"state chunk {i} from rank {d} failed its checksum")
+        except (RuntimeError, TransferError) as exc:
+            failed[d] = exc
+            queues[d].clear()
+            continue
         with partial.lock:
             if partial.generation != generation:
                 raise TransferError("an abandoned fetch: a later attempt took over its copy")
             chunk_view(tensors, table[i]).copy_(buf)
             fetched.add(i)
         post(d)
+    if failed:
+        raise next(iter(failed.values()))
     for w in works:
         w.wait()
