@@ -3,7 +3,7 @@
     unbroken restore --from /mnt/node1/ckpt --from /mnt/node2/ckpt --from /mnt/node4/ckpt --to /shared/ckpt
 
 Reads every fragment and manifest in the ``--from`` directories (the nodes' own disks,
-copied or mounted), checks each fragment's SHA-256, rebuilds the newest step that K good
+copied or mounted), checks each fragment's checksum, rebuilds the newest step that K good
 fragments allow (or ``--step``), and writes it as a plain checkpoint into ``--to``. Nodes
 started with ``--checkpoint-dir`` pointing there resume from it, however many they are.
 """

@@ -4,7 +4,8 @@ Every replica holds the same state, so no fragment crosses the network: each nod
 the whole committed state with `zfec` (Reed-Solomon over GF(2^8)) and keeps only its own
 fragments (index i goes to the node of rank i mod n). Any k of the k+m fragments rebuild
 the state, so the job survives losing the disks of m nodes. A manifest beside every
-fragment lists the SHA-256 of each fragment and of the whole: a corrupt or truncated
+fragment lists the checksum (xxh3-128: bit rot, not forgery, is what it is for; whoever can
+write a disk can rewrite its manifest too) of each fragment and of the whole: a corrupt or truncated
 fragment is detected and the state rebuilt from the others.
 
 The bytes must be identical on every node, so the state is packed here deterministically
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 import zfec
 from zfec import easyfec
 
@@ -41,6 +43,8 @@ MAGIC = b"UBPACK01"
 _MANIFEST = re.compile(r"^frag-(\d{9})\.json$")
 KEEP = 3
 """Fragment sets kept per directory (older ones are deleted)."""
+HASH = "xxh3-128"
+"""The checksum of new manifests: 20x faster than SHA-256 on a state of hundreds of MB."""
 
 
 def parse_fragments(spec: str) -> tuple[int, int]:
@@ -113,12 +117,14 @@ class Manifest:
     m: int
     size: int
     """Length of the packed state in bytes."""
-    sha256: str
+    checksum: str
     """Of the packed state."""
     fragments: tuple[str, ...]
-    """SHA-256 of each of the k + m fragments."""
+    """The checksum of each of the k + m fragments."""
     digest: str
     """The state's replica digest (what the nodes compared when it was committed)."""
+    hash: str = "sha256"
+    """How the checksums were computed (``xxh3-128``; ``sha256`` in older manifests)."""
 
 
 def encode(blob: bytes | bytearray, k: int, m: int) -> list[bytes | memoryview]:
@@ -150,9 +156,10 @@ def write_fragments(
         k=k,
         m=m,
         size=size,
-        sha256=hashlib.sha256(memoryview(padded)[:size]).hexdigest(),
-        fragments=tuple(hashlib.sha256(b).hexdigest() for b in blocks),
+        checksum=_checksum(HASH, memoryview(padded)[:size]),
+        fragments=tuple(_checksum(HASH, b) for b in blocks),
         digest=digest,
+        hash=HASH,
     )
     directory.mkdir(parents=True, exist_ok=True)
     for i in mine:
@@ -175,6 +182,8 @@ def rebuild(directories: Iterable[Path], step: int | None = None) -> tuple[dict[
             if mt:
                 try:
                     raw = json.loads(p.read_text())
+                    if "sha256" in raw:  # written before the checksum became xxh3
+                        raw["checksum"], raw["hash"] = raw.pop("sha256"), "sha256"
                     manifests.setdefault(int(mt.group(1)), Manifest(**{**raw, "fragments": tuple(raw["fragments"])}))
                 except (OSError, ValueError, TypeError):
                     continue
@@ -190,7 +199,7 @@ def rebuild(directories: Iterable[Path], step: int | None = None) -> tuple[dict[
         for i, paths in sorted(found.get(s, {}).items()):
             for p in paths:
                 data = p.read_bytes()
-                if i < len(man.fragments) and hashlib.sha256(data).hexdigest() == man.fragments[i]:
+                if i < len(man.fragments) and _checksum(man.hash, data) == man.fragments[i]:
                     good[i] = data
                     break
                 notes.append(f"{p}: checksum mismatch (corrupt), ignored")
@@ -198,11 +207,19 @@ def rebuild(directories: Iterable[Path], step: int | None = None) -> tuple[dict[
             notes.append(f"step {s}: {len(good)} good fragments of {man.k + man.m}, {man.k} needed")
             continue
         blob = decode(good, man.k, man.m, man.size)
-        if hashlib.sha256(blob).hexdigest() != man.sha256:
+        if _checksum(man.hash, blob) != man.checksum:
             notes.append(f"step {s}: rebuilt state fails its checksum")
             continue
         return unpack(blob), man, notes
     raise TransferError("no checkpoint can be rebuilt: " + ("; ".join(notes) or "no fragments found"))
+
+
+def _checksum(algo: str, data: bytes | bytearray | memoryview) -> str:
+    if algo == "xxh3-128":
+        return str(xxhash.xxh3_128(data).hexdigest())
+    if algo == "sha256":
+        return hashlib.sha256(data).hexdigest()
+    raise TransferError(f"unknown checksum {algo!r} in a fragment manifest")
 
 
 def _atomic(path: Path, data: bytes | memoryview) -> None:

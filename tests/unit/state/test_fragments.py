@@ -128,3 +128,22 @@ def test_the_newest_rebuildable_step_wins_and_old_sets_are_pruned(tmp_path: Path
 def test_bad_fragment_specs(spec: str) -> None:
     with pytest.raises(ConfigError, match="fragments"):
         parse_fragments(spec)
+
+
+def test_a_manifest_of_sha256s_written_before_xxh3_still_rebuilds(tmp_path: Path) -> None:
+    import hashlib
+    import json
+
+    state = trained_state()
+    snap, digest = state.capture(), state.digest()
+    write_fragments(tmp_path, snap, 2, 1, [0, 1, 2], digest)
+    path = next(tmp_path.glob("frag-*.json"))
+    raw = json.loads(path.read_text())
+    assert raw.pop("hash") == "xxh3-128"
+    del raw["checksum"]
+    blob = pack({k: v for k, v in snap.items() if k not in ("rng", "local")})
+    raw["sha256"] = hashlib.sha256(blob).hexdigest()
+    raw["fragments"] = [hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp_path.glob("frag-*.00*"))]
+    path.write_text(json.dumps(raw))
+    tree, manifest, notes = rebuild([tmp_path])
+    assert manifest.hash == "sha256" and not notes and tree["step"] == 3
