@@ -131,21 +131,15 @@ class Partial:
         """Held while a chunk is written in: a helper thread of an abandoned attempt never
         writes into a generation that has moved on."""
 
-    def prepare(self, key: tuple[int, int], slots: list[layout.Slot], own: Any) -> None:
-        """Start from what this node holds, unless an earlier attempt was fetching the same
+    def prepare(self, key: tuple[int, int], slots: list[layout.Slot], own: dict[layout.Slot, torch.Tensor]) -> None:
+        """Start from what this node holds (its tensors by slot), unless an earlier attempt was fetching the same
         state (the same step, digest and layout: another source's header may differ in what
         the digest does not cover, and those chunks are compared again like the rest)."""
         if key == self.key and slots == self.slots:
             with self.lock:
                 self.generation += 1  # the earlier attempt's helper, if still alive, writes no more
             return
-        own_header, mine = layout.split(own)
-        by_path = {s.path: t for s, t in zip(layout.slots(own_header), mine, strict=True)}
-        tensors = []
-        for s in slots:
-            have = by_path.get(s.path)
-            same = have is not None and have.dtype == s.dtype and tuple(have.shape) == s.shape
-            tensors.append(have.clone() if same and have is not None else torch.zeros(s.shape, dtype=s.dtype))
+        tensors = [own[s].clone() if s in own else torch.zeros(s.shape, dtype=s.dtype) for s in slots]
         with self.lock:
             self.generation += 1
             self.key, self.slots, self.tensors, self.fetched = key, slots, tensors, set()
@@ -184,7 +178,7 @@ def gather_digests(
     pg: Any, size: int, step: int, digest: str, wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str
 ) -> list[tuple[int, int]]:
     """Every rank's ``(committed step, digest prefix)``, in rank order (one small all-gather)."""
-    return [(s, d) for s, d, _ in _gather(pg, size, [step, digest_prefix(digest), 0], wake, abort, deadline_s, what)]
+    return [(s, d) for s, d in _gather(pg, size, [step, digest_prefix(digest)], wake, abort, deadline_s, what)]
 
 
 def _gather(
@@ -196,11 +190,11 @@ def _gather(
     return [tuple(int(x) for x in t) for t in gathered]
 
 
-def layout_id(header: Any, chunk_bytes: int) -> int:
+def layout_id(slots: Sequence[layout.Slot], chunk_bytes: int) -> int:
     """Which tensors a state has, and how they are cut (63 bits): donors whose digests agree
     may still differ here where the digest does not look (a per-zone optimizer that holds
     state for other parameters), and a chunk number means the same bytes only between equals."""
-    desc = json.dumps([chunk_bytes, [(s.path, str(s.dtype), s.shape) for s in layout.slots(header)]])
+    desc = json.dumps([chunk_bytes, [(s.path, str(s.dtype), s.shape) for s in slots]])
     return xxhash.xxh3_64_intdigest(desc.encode()) >> 1
 
 
@@ -224,9 +218,9 @@ def sync_state(
     ``on_sent(n)`` is called on a donor after its n-th chunk went out (fault injection);
     ``max_donors`` caps the donors a receiver asks (0: all of them); ``incremental=False``
     fetches every chunk, whatever the receiver holds."""
-    tree = state.tree()
-    header, tensors = layout.split(tree)
-    values = [state.step, digest_prefix(state.digest()), layout_id(header, chunk_bytes)]
+    header, tensors = layout.split(state.tree())
+    own_slots = layout.slots(header)
+    values = [state.step, digest_prefix(state.digest()), layout_id(own_slots, chunk_bytes)]
     reports = _gather(pg, size, values, wake, abort, deadline_s, "sync exchange")
     plan = plan_sync([(s, d) for s, d, _ in reports])
     if not plan.receivers:
@@ -248,7 +242,8 @@ def sync_state(
         return SyncResult("none", plan.step, ())
     if partial is None or not incremental:
         partial = Partial()
-    return _fetch(pg, rank, plan, state, tree, partial, wake, abort, deadline_s, max_donors, incremental, start)
+    own = dict(zip(own_slots, tensors, strict=True))
+    return _fetch(pg, rank, plan, state, own, partial, wake, abort, deadline_s, max_donors, incremental, start)
 
 
 def _serve(
@@ -308,7 +303,7 @@ def _fetch(
     rank: int,
     plan: SyncPlan,
     state: Replicated,
-    own: Any,
+    own: dict[layout.Slot, torch.Tensor],
     partial: Partial,
     wake: threading.Event,
     abort: AbortCheck,

@@ -57,7 +57,8 @@ class Checkpointer:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self._thread: threading.Thread | None = None
-        self._buffers: list[torch.Tensor] = []
+        self._staged: dict[str, Any] | None = None
+        """The last copy handed to the writer; the next one is copied into its tensors."""
         self.written: list[tuple[int, float]] = []
         self.skipped = 0
         self.staged_s: list[float] = []
@@ -98,17 +99,9 @@ class Checkpointer:
     def _stage(self, tree: dict[str, Any]) -> dict[str, Any]:
         """The tree over this checkpointer's own copy of its tensors."""
         start = time.monotonic()
-        header, tensors = layout.split(tree)
-        slots = layout.slots(header)
-        if [b.numel() for b in self._buffers] != [s.nbytes for s in slots]:
-            self._buffers = [torch.empty(s.nbytes, dtype=torch.uint8) for s in slots]
-        for buf, t in zip(self._buffers, tensors, strict=True):
-            buf.copy_(layout.byte_view(t))
-        staged: dict[str, Any] = layout.join(
-            header, [b.view(s.dtype).reshape(s.shape) for b, s in zip(self._buffers, slots, strict=True)]
-        )
+        self._staged = dict(layout.copy(tree, into=self._staged))
         self.staged_s.append(time.monotonic() - start)
-        return staged
+        return self._staged
 
     def _write_fragments(self, snap: dict[str, Any], k: int, m: int, mine: list[int], in_digest: bool) -> None:
         from unbroken.state.fragments import write_fragments

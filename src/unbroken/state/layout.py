@@ -93,10 +93,6 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def empty_tensors(header: Any) -> list[torch.Tensor]:
-    return [torch.empty(s.shape, dtype=s.dtype) for s in slots(header)]
-
-
 def join(header: Any, tensors: list[torch.Tensor]) -> Any:
     """The tree back from its header and tensors (the tensors are used, not copied)."""
 
@@ -112,3 +108,17 @@ def join(header: Any, tensors: list[torch.Tensor]) -> Any:
         return x["v"]
 
     return build(header)
+
+
+def copy(tree: Any, into: Any = None) -> Any:
+    """``tree`` with every tensor copied (to the CPU). ``into``: an earlier copy of the same
+    layout whose tensors are overwritten instead (no allocation: a fresh 400 MB one costs
+    six times the copy, and it lands on the step that asked for it)."""
+    header, tensors = split(tree)
+    if into is not None:
+        old_header, old = split(into)
+        if slots(old_header) == slots(header):
+            for dst, src in zip(old, tensors, strict=True):
+                dst.copy_(src)
+            return join(header, old)
+    return join(header, [t.clone() for t in tensors])

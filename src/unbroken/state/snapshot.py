@@ -91,24 +91,13 @@ class TrainState:
             self.pending_outer = None
 
     def digest(self) -> str:
-        state: dict[str, Any] = {"step": self.step, "cursor": self.cursor, "model": self.model.state_dict()}
-        state["optimizer"] = self.optimizer.state_dict()
-        if self.outer is not None:
-            state["outer"] = self.outer.state_dict()
-        return snapshot_digest(state, self.optimizer_in_digest)
+        return self.digest_of(self.tree())
 
     def capture(self, reuse: dict[str, Any] | None = None) -> dict[str, Any]:
         """A copy of the state (every tensor cloned), safe to serialise on another thread or
         to come back to. ``reuse``: an earlier capture whose tensors are overwritten when
         the layout is the same (no allocation: a fresh one costs several times the copy)."""
-        header, tensors = layout.split(self.tree(local=True))
-        if reuse is not None:
-            old_header, old = layout.split(reuse)
-            if layout.slots(old_header) == layout.slots(header):
-                for dst, src in zip(old, tensors, strict=True):
-                    dst.copy_(src)
-                return dict(layout.join(header, old))
-        return dict(layout.join(header, [t.clone() for t in tensors]))
+        return dict(layout.copy(self.tree(local=True), into=reuse))
 
     def restore(self, snap: dict[str, Any], own: bool = False) -> None:
         """Load ``snap``. Optimizers keep the tensors they are given, so they get copies

@@ -140,9 +140,9 @@ class Node:
         self._last_progress_log = time.monotonic()
         self._epochs_formed = 0
         self._restored_epoch: int | None = None
+        """The epoch of the checkpoint this node cold-started from (`m.Hello.restored_epoch`)."""
         self._partial = Partial()
         """What this node fetched of a peer's state so far (kept when a transfer is cut short)."""
-        """The epoch of the checkpoint this node cold-started from (`m.Hello.restored_epoch`)."""
         self._log_file = open(config.commit_log, "a", encoding="utf-8") if config.commit_log else None  # noqa: SIM115
         self.client = ControlClient(
             config.coordinators,
