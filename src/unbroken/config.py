@@ -13,6 +13,8 @@ from pathlib import Path
 from unbroken.errors import ConfigError
 
 ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
+ENV_ETCD = "UNBROKEN_ETCD"
+DEFAULT_ETCD_PREFIX = "/unbroken/job"
 ROLES = ("auto", "trainer", "validator", "standby")
 
 
@@ -20,6 +22,18 @@ def _check_range(owner: str, name: str, value: float, low: float, high: float | 
     if not value >= low or (high is not None and not value <= high):  # also refuses NaN
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise ConfigError(f"{owner}.{name} = {value!r} is out of range: it must be {bound}")
+
+
+def _check_etcd(owner: str, endpoints: tuple[str, ...], prefix: str, ttl_s: int) -> None:
+    from unbroken.control.etcd import parse_endpoints
+
+    parse_endpoints(endpoints)
+    if not prefix.startswith("/") or len(prefix) > 200 or any(c.isspace() for c in prefix):
+        raise ConfigError(
+            f"{owner}.etcd_prefix = {prefix!r}: use a path such as /unbroken/myjob (one per job; "
+            "every coordinator and node of the job the same)"
+        )
+    _check_range(owner, "etcd_ttl_s", ttl_s, 1, 60)
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -81,9 +95,24 @@ class CoordinatorConfig:
     """Serve the control plane over TLS with this certificate chain (PEM)..."""
     tls_key: Path | None = None
     """...and this private key (PEM)."""
+    etcd: tuple[str, ...] = ()
+    """Client URLs of an etcd cluster: coordinators of the job elect a leader there and the
+    others stand by (empty: this coordinator alone leads, as in the embedded default)."""
+    etcd_prefix: str = DEFAULT_ETCD_PREFIX
+    """Where in etcd this job's leadership lives (one prefix per job)."""
+    etcd_ttl_s: int = 1
+    """The leader's etcd lease: a leader that cannot renew it for this long stops leading
+    and a standby takes over (etcd may raise it to its own minimum)."""
+    advertise: str = ""
+    """HOST:PORT nodes use to reach this coordinator, published in etcd when it leads
+    (default: --host and the port it listens on; give it when --host is 0.0.0.0)."""
 
     def __post_init__(self) -> None:
         from unbroken.comm.codecs import make_codec
+
+        _check_etcd("CoordinatorConfig", self.etcd, self.etcd_prefix, self.etcd_ttl_s)
+        if self.advertise:
+            parse_address(self.advertise)
 
         try:
             make_codec(self.codec)
@@ -124,7 +153,15 @@ class NodeConfig:
     """Settings of one node process."""
 
     coordinators: tuple[tuple[str, int], ...] = field(default_factory=tuple)
-    """Coordinator addresses, tried in order (a standby may follow the primary)."""
+    """Coordinator addresses, tried in order (a standby names the leader, which is tried next)."""
+    etcd: tuple[str, ...] = ()
+    """Client URLs of the job's etcd cluster: the node asks it who leads, before the
+    addresses above (either may be empty, not both)."""
+    etcd_prefix: str = DEFAULT_ETCD_PREFIX
+    """The job's prefix in etcd (the coordinators' ``--etcd-prefix``)."""
+    coordinate: bool = False
+    """Also be a coordinator candidate (needs ``etcd``): when elected, this node runs the
+    job's coordinator in a child process beside its training."""
     name: str = ""
     """Human-readable name shown in events and the dashboard (default: host-pid)."""
     weight: float = 1.0
@@ -180,10 +217,14 @@ class NodeConfig:
     """Connect to the coordinator over TLS, trusting this CA bundle (PEM) for its certificate."""
 
     def __post_init__(self) -> None:
-        if not self.coordinators:
+        if not self.coordinators and not self.etcd:
             raise ConfigError(
-                f"NodeConfig.coordinators is empty: pass --coordinator HOST:PORT or set {ENV_COORDINATOR}"
+                f"NodeConfig.coordinators is empty: pass --coordinator HOST:PORT (or set {ENV_COORDINATOR}), "
+                f"or --etcd URL,... (or set {ENV_ETCD}) to find the job's leader"
             )
+        _check_etcd("NodeConfig", self.etcd, self.etcd_prefix, 1)
+        if self.coordinate and not self.etcd:
+            raise ConfigError("NodeConfig.coordinate needs etcd (--etcd URL,...): candidates are elected there")
         if not 0 < self.weight <= 1e9:
             raise ConfigError(f"NodeConfig.weight = {self.weight!r} must be greater than 0 and at most 1e9")
         if len(self.display_name) > 200:

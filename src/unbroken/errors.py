@@ -6,6 +6,7 @@
      ├── ConfigError                   a job or node setting is invalid (names the field)
      ├── JobLoadError                  `file.py:attr` / `module:attr` could not be loaded
      ├── CoordinatorUnreachable        no coordinator answered within the connect deadline
+     ├── EtcdUnavailable               no member of the etcd cluster answered (or no majority)
      ├── JoinRefused                   the coordinator refused this node (names the reason)
      ├── ProtocolError                 a control message was malformed or too large
      ├── EpochAborted                  the current epoch ended under us; form the next one
@@ -33,6 +34,11 @@ class JobLoadError(UnbrokenError):
 
 class CoordinatorUnreachable(UnbrokenError):
     """No coordinator address answered within the connect deadline."""
+
+
+class EtcdUnavailable(UnbrokenError):
+    """No member of the etcd cluster answered, or the cluster has no majority; the message
+    names every endpoint tried and what each said."""
 
 
 class JoinRefused(UnbrokenError):

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from unbroken.cli.observe import add_parsers as add_observe_parsers
 from unbroken.cli.restore import add_parser as add_restore_parser
-from unbroken.config import ENV_COORDINATOR, CoordinatorConfig, NodeConfig, parse_address
+from unbroken.config import DEFAULT_ETCD_PREFIX, ENV_COORDINATOR, ENV_ETCD, CoordinatorConfig, NodeConfig, parse_address
 from unbroken.control.auth import ENV_TOKEN, load_token
+from unbroken.control.etcd import parse_endpoints
 from unbroken.errors import ConfigError, UnbrokenError
 
 READY_PREFIX = "UNBROKEN_COORDINATOR_READY"
@@ -48,6 +49,10 @@ def _coordinator(args: argparse.Namespace) -> int:
         token=load_token(args.token, args.token_file),
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
+        etcd=_etcd(args),
+        etcd_prefix=args.etcd_prefix,
+        etcd_ttl_s=args.etcd_ttl,
+        advertise=args.advertise or "",
     )
     coord = Coordinator(config)
 
@@ -85,9 +90,13 @@ def _node(args: argparse.Namespace) -> int:
     from unbroken.testing.faults import parse_faults
     from unbroken.train.runtime import run_node
 
-    addresses = args.coordinator or os.environ.get(ENV_COORDINATOR, "").split(",")
+    etcd = _etcd(args)
+    addresses = args.coordinator or ([] if etcd else os.environ.get(ENV_COORDINATOR, "").split(","))
     config = NodeConfig(
-        coordinators=tuple(parse_address(a) for a in addresses if a),
+        coordinators=tuple(parse_address(p) for a in addresses for p in a.split(",") if p),
+        etcd=etcd,
+        etcd_prefix=args.etcd_prefix,
+        coordinate=args.coordinate,
         name=args.name or "",
         weight=args.weight,
         max_microbatch=args.max_microbatch,
@@ -126,6 +135,19 @@ def _node(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _etcd(args: argparse.Namespace) -> tuple[str, ...]:
+    return parse_endpoints(",".join(args.etcd or []) or os.environ.get(ENV_ETCD, ""))
+
+
+def _etcd_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--etcd",
+        action="append",
+        help=f"etcd client URLs, comma-separated (repeatable; default ${ENV_ETCD}): the job's leader is elected there",
+    )
+    p.add_argument("--etcd-prefix", default=DEFAULT_ETCD_PREFIX, help="the job's place in etcd (one per job)")
 
 
 def _token_args(p: argparse.ArgumentParser) -> None:
@@ -247,11 +269,22 @@ def build_parser() -> argparse.ArgumentParser:
     _token_args(c)
     c.add_argument("--tls-cert", help="serve the control plane over TLS: certificate chain (PEM)")
     c.add_argument("--tls-key", help="...and its private key (PEM)")
+    _etcd_args(c)
+    c.add_argument("--etcd-ttl", type=int, default=1, help="seconds of the leader's etcd lease (failover time)")
+    c.add_argument("--advertise", help="HOST:PORT nodes reach this coordinator at (default: --host and the port)")
     c.set_defaults(func=_coordinator)
 
     n = sub.add_parser("node", help="run one training node", formatter_class=fmt)
     n.add_argument("job", help="the job: path/to/file.py:ATTR or package.module:ATTR")
-    n.add_argument("--coordinator", action="append", help=f"HOST:PORT (repeatable; default ${ENV_COORDINATOR})")
+    n.add_argument(
+        "--coordinator",
+        action="append",
+        help=f"HOST:PORT, or several comma-separated: any of them names the leader (default ${ENV_COORDINATOR})",
+    )
+    _etcd_args(n)
+    n.add_argument(
+        "--coordinate", action="store_true", help="also be a coordinator candidate (with --etcd): no separate machine"
+    )
     n.add_argument("--name", help="name shown in events (default: host-pid)")
     n.add_argument("--weight", type=float, default=1.0, help="relative share of the global batch")
     n.add_argument("--max-microbatch", type=int, default=0, help="largest micro-batch (0: as memory allows)")

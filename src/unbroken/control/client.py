@@ -10,6 +10,11 @@ coordinator counts the lease from when it *received* that heartbeat, which is la
 node whose session dropped while its lease was fresh assumes a coordinator outage and
 keeps training with its group; one that finds its lease stale (it was frozen) must not
 commit until the coordinator has answered.
+
+Leaders and terms: with etcd, the node asks it who leads before trying the addresses it
+was given, and a standby it reaches names the leader. Every welcome and order carries
+the leader's term; the node remembers the highest it has seen and refuses a session or
+an order of an older one (a deposed leader that has not noticed yet).
 """
 
 from __future__ import annotations
@@ -27,13 +32,24 @@ from collections.abc import Callable, Sequence
 import aiohttp
 from pydantic import BaseModel
 
+from unbroken.config import parse_address
 from unbroken.control import auth
 from unbroken.control import messages as m
-from unbroken.errors import CoordinatorUnreachable, JoinRefused, ProtocolError
+from unbroken.control.election import find_leader
+from unbroken.control.etcd import Etcd
+from unbroken.errors import ConfigError, CoordinatorUnreachable, EtcdUnavailable, JoinRefused, ProtocolError
 
 log = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.1
+
+
+class _Standby(Exception):
+    """The coordinator reached is a standby; ``leader`` is where it says the leader is."""
+
+    def __init__(self, leader: str, reason: str) -> None:
+        super().__init__(reason)
+        self.leader = leader
 
 
 class ControlClient:
@@ -50,9 +66,16 @@ class ControlClient:
         stall_timeout_s: float = 300.0,
         token: str | None = None,
         tls_ca: str | None = None,
+        etcd: Sequence[str] = (),
+        etcd_prefix: str = "",
     ) -> None:
         self._ssl = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
         self.addresses = list(addresses)
+        self.etcd_endpoints = list(etcd)
+        self.etcd_prefix = etcd_prefix
+        self.term = 0
+        """The highest leader term this node has seen (sessions and orders of older ones are refused)."""
+        self._why_no_leader = ""
         self._hello = hello
         self._token = token
         self.name = name
@@ -166,12 +189,24 @@ class ControlClient:
         self._queue = asyncio.Queue()
         deadline = time.monotonic() + self.connect_timeout_s
         last_error = "no attempt"
+        etcd = Etcd(self.etcd_endpoints, timeout_s=0.5) if self.etcd_endpoints else None
         async with aiohttp.ClientSession() as http:
             while not self._stale(run_id):
-                for host, port in self.addresses:
+                candidates = await self._candidates(etcd)
+                tried: set[tuple[str, int]] = set()
+                while candidates:
+                    host, port = candidates.pop(0)
+                    if (host, port) in tried:
+                        continue
+                    tried.add((host, port))
                     try:
                         await self._session(http, host, port, run_id)
                         last_error = "session ended"
+                    except _Standby as exc:
+                        last_error = f"{host}:{port}: {exc}"
+                        with contextlib.suppress(ConfigError):
+                            if exc.leader:
+                                candidates.insert(0, parse_address(exc.leader))
                     except JoinRefused as exc:
                         if not self._first.is_set():
                             self._first_error = exc
@@ -190,11 +225,45 @@ class ControlClient:
                 if not self._first.is_set() and time.monotonic() > deadline:
                     self._first_error = CoordinatorUnreachable(self._unreachable_message(last_error))
                     self._first.set()
+                    if etcd is not None:
+                        await etcd.close()
                     return
                 await asyncio.sleep(RECONNECT_DELAY_S)
+        if etcd is not None:
+            await etcd.close()
+
+    async def _candidates(self, etcd: Etcd | None) -> list[tuple[str, int]]:
+        """Where to look for the leader: the one etcd names first, then the given addresses."""
+        out = list(self.addresses)
+        if etcd is None:
+            return out
+        try:
+            found = await find_leader(etcd, self.etcd_prefix)
+        except EtcdUnavailable as exc:
+            self._why_no_leader = str(exc)
+            return out
+        if found is None:
+            self._why_no_leader = f"etcd has no leader under {self.etcd_prefix!r}"
+            return out
+        record, _ = found
+        try:
+            leader = parse_address(str(record.get("address", "")))
+        except ConfigError:
+            self._why_no_leader = f"the leader record under {self.etcd_prefix!r} has no usable address: {record}"
+            return out
+        self._why_no_leader = ""
+        return [leader, *(a for a in out if a != leader)]
 
     def _unreachable_message(self, why: str) -> str:
         where = ", ".join(f"{h}:{p}" for h, p in self.addresses)
+        if self.etcd_endpoints:
+            etcd = ", ".join(self.etcd_endpoints)
+            return (
+                f"found no coordinator leading under {self.etcd_prefix!r} in etcd at {etcd}"
+                f"{' or at ' + where if where else ''} within {self.connect_timeout_s:g} s "
+                f"({self._why_no_leader or why}); check that `unbroken coordinator --etcd ...` runs with "
+                "the same --etcd-prefix, and that a majority of etcd is up"
+            )
         return (
             f"could not reach a coordinator at {where} within {self.connect_timeout_s:g} s "
             f"({why}); check the address and that `unbroken coordinator` is running there"
@@ -242,6 +311,8 @@ class ControlClient:
             hello_sent = time.monotonic()
             await ws.send_str(m.encode(hello))
             msg = await self._receive(ws, "welcoming")
+            if isinstance(msg, m.Refused) and msg.standby:
+                raise _Standby(msg.leader, msg.reason)
             if isinstance(msg, m.Refused):
                 if msg.finished:
                     with self._lock:
@@ -257,6 +328,11 @@ class ControlClient:
                         "not the job's coordinator (wrong address or an impostor)"
                     )
             with self._lock:
+                if msg.term < self.term:
+                    raise ProtocolError(
+                        f"coordinator at {host}:{port} leads term {msg.term}, older than term {self.term}: deposed"
+                    )
+                self.term = msg.term
                 self.welcome = msg
                 self.lease_s = msg.lease_s
                 self.connected = True
@@ -328,6 +404,9 @@ class ControlClient:
                     # The least of recent round trips is the path's latency; a busy node's
                     # scheduling delays only add to it (zones by RTT must not follow load).
                     self.rtt_s = min(self._rtts)
+                return
+            if isinstance(msg, (m.EpochOrder, m.Command)) and msg.term < self.term:
+                log.warning("refusing a %s of term %d (have seen term %d): fenced", msg.type, msg.term, self.term)
                 return
             if isinstance(msg, m.EpochOrder):
                 newest = self.orders[-1].epoch if self.orders else -1

@@ -9,6 +9,14 @@ Run it with ``unbroken coordinator --host H --port P``, or from Python::
 
 Its state is soft: a coordinator restarted on the same address rebuilds its view from the
 nodes' reconnecting sessions, and a stable group keeps training while it is down.
+
+With ``etcd`` set, any number of coordinators serve one job: one leads (`election`), the
+others stand by and answer every node with the leader's address. Whatever a coordinator
+sends — epoch orders, expulsions, commands — goes out only while it is sure it leads, and
+an epoch is ordered only after its record was written to etcd under the leader's term:
+a deposed leader that has not noticed yet can neither publish an epoch nor reach a node
+(which refuses an older term anyway). A new leader rebuilds its view from the nodes, as
+after a restart.
 """
 
 from __future__ import annotations
@@ -18,10 +26,12 @@ import collections
 import contextlib
 import json
 import logging
+import socket
 import ssl
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
@@ -33,8 +43,10 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from unbroken.config import CoordinatorConfig
 from unbroken.control import auth
 from unbroken.control import messages as m
+from unbroken.control.election import Leadership
+from unbroken.control.etcd import Etcd
 from unbroken.control.membership import Decision, Event, Membership
-from unbroken.errors import ProtocolError
+from unbroken.errors import EtcdUnavailable, ProtocolError
 from unbroken.observe.anomaly import Anomaly, Detector
 from unbroken.observe.history import History
 from unbroken.observe.web import add_routes
@@ -49,14 +61,17 @@ MAX_EVENTS = 10_000
 class _Session:
     """One node's connection; a writer task keeps each session's messages in order."""
 
-    def __init__(self, ws: web.WebSocketResponse, member_id: str) -> None:
+    def __init__(self, ws: web.WebSocketResponse, member_id: str, may_send: Callable[[], bool]) -> None:
         self.ws = ws
         self.member_id = member_id
+        self.may_send = may_send
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
         self.writer = asyncio.create_task(self._write(), name=f"session-writer-{member_id}")
 
     async def _write(self) -> None:
         while (text := await self.queue.get()) is not None:
+            if not self.may_send():
+                break  # deposed while this waited: say nothing more, not even late orders
             try:
                 await self.ws.send_str(text)
             except (ConnectionError, RuntimeError):
@@ -80,23 +95,14 @@ class Coordinator:
         self.token = self.config.token
         self.rendezvous = auth.new_nonce()
         """Part of every process-group prefix; told to admitted members only."""
-        self.membership = Membership(
-            lease_s=self.config.lease_s,
-            now=time.monotonic(),
-            recovering=True,
-            recovery_window_s=self.config.recovery_window_s,
-            min_nodes=self.config.min_nodes,
-            balance=self.config.balance,
-            codec=self.config.codec,
-            aggregate=self.config.aggregate,
-            audit_every=self.config.audit_every,
-            fragments=self.config.fragments,
-            diloco=(
-                (self.config.inner_steps, self.config.outer_lr, self.config.outer_momentum)
-                if self.config.mode == "diloco"
-                else None
-            ),
-        )
+        self.membership = self._new_membership()
+        self.term = 0
+        """The term this coordinator leads (0 without etcd, or before it ever led)."""
+        self.leadership: Leadership | None = None
+        self._etcd: Etcd | None = None
+        self._took_over = self.config.etcd == ()
+        """Leading and ready: the view was reset for this term (always, without etcd)."""
+        self._outbox: asyncio.Queue[Decision] | None = None
         self.events: list[dict[str, Any]] = []
         self.event_seq = 0
         """Sequence number of the last event (``/api/events?since=`` pages by it)."""
@@ -115,6 +121,25 @@ class Coordinator:
         self._startup_error: BaseException | None = None
         self.address: tuple[str, int] = (self.config.host, self.config.port)
         self.store_port = 0
+
+    def _new_membership(self) -> Membership:
+        return Membership(
+            lease_s=self.config.lease_s,
+            now=time.monotonic(),
+            recovering=True,
+            recovery_window_s=self.config.recovery_window_s,
+            min_nodes=self.config.min_nodes,
+            balance=self.config.balance,
+            codec=self.config.codec,
+            aggregate=self.config.aggregate,
+            audit_every=self.config.audit_every,
+            fragments=self.config.fragments,
+            diloco=(
+                (self.config.inner_steps, self.config.outer_lr, self.config.outer_momentum)
+                if self.config.mode == "diloco"
+                else None
+            ),
+        )
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -149,16 +174,130 @@ class Coordinator:
         if sockets:
             self.address = (self.config.host, sockets[0].getsockname()[1])
         log.info("coordinator %s on %s:%d (store %d)", self.coordinator_id, *self.address, self.store_port)
-        ticker = asyncio.create_task(self._tick_forever(), name="coordinator-tick")
+        tasks = [asyncio.create_task(self._tick_forever(), name="coordinator-tick")]
+        if self.config.etcd:
+            tasks += await self._start_election()
         self._ready.set()
         try:
             await self._stopping.wait()
         finally:
-            ticker.cancel()
+            if self.leadership is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.leadership.resign(), timeout=1.0)
+            for task in tasks:
+                task.cancel()
+            if self._etcd is not None:
+                await self._etcd.close()
             for s in list(self._sessions.values()):
                 s.close()
             await self._runner.cleanup()
             self._store = None
+
+    # ---------------------------------------------------------------- leadership
+
+    def leading(self) -> bool:
+        """True while this coordinator may act: always without etcd; with it, while it
+        holds the lease (and has reset its view for the term)."""
+        if self.leadership is None:
+            return True
+        return self._took_over and self.leadership.leading()
+
+    @property
+    def advertised(self) -> str:
+        if self.config.advertise:
+            return self.config.advertise
+        host = self.config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.getfqdn()
+        return f"{host}:{self.address[1]}"
+
+    async def _start_election(self) -> list[asyncio.Task[None]]:
+        self._etcd = Etcd(self.config.etcd)
+        try:
+            await self._etcd.status()
+        except EtcdUnavailable as exc:
+            await self._etcd.close()
+            raise EtcdUnavailable(f"cannot start the coordinator: {exc}") from None
+        self._outbox = asyncio.Queue()
+        self.leadership = Leadership(
+            self._etcd,
+            self.config.etcd_prefix,
+            self.config.etcd_ttl_s,
+            lambda: {"address": self.advertised, "coordinator_id": self.coordinator_id, "job": self.membership.job},
+            on_elected=self._elected,
+            on_deposed=self._deposed,
+        )
+        return [
+            asyncio.create_task(self.leadership.run(), name="coordinator-election"),
+            asyncio.create_task(self._send_forever(), name="coordinator-outbox"),
+        ]
+
+    def _elected(self, term: int) -> None:
+        self._record(Event(time.monotonic(), "leader", None, 0, 0, f"{self.advertised} leads (term {term})"))
+        asyncio.get_running_loop().create_task(self._take_over(term))
+
+    async def _take_over(self, term: int) -> None:
+        """A fresh view for the new term: the nodes hand theirs over as they reconnect."""
+        assert self.leadership is not None
+        floor = 0
+        try:
+            last = await self.leadership.last_epoch()
+            floor = int(last.get("epoch", 0)) if last else 0
+        except (EtcdUnavailable, ValueError, TypeError):
+            pass  # the nodes' hellos carry the newest epoch they heard of as well
+        if self.leadership.term != term or not self.leadership.leading():
+            return
+        for session in list(self._sessions.values()):
+            session.close()
+        self._sessions.clear()
+        self.term = term
+        self.rendezvous = auth.new_nonce()  # the new term's groups meet elsewhere in the store
+        self.membership = self._new_membership()
+        self.membership.term = term
+        self.membership._epoch_floor = floor
+        self._took_over = True
+
+    def _deposed(self, reason: str) -> None:
+        self._took_over = False
+        for session in list(self._sessions.values()):
+            session.close()
+        self._sessions.clear()
+        self.membership = self._new_membership()
+        self._record(Event(time.monotonic(), "deposed", None, 0, 0, f"{self.advertised} stops leading: {reason}"))
+
+    async def _send_forever(self) -> None:
+        """Deliver decisions in order; an epoch is published (fenced by the term) before it is ordered."""
+        assert self._outbox is not None and self.leadership is not None
+        while True:
+            d = await self._outbox.get()
+            epochs = {o.epoch: o for o in d.orders.values()}
+            for epoch, order in sorted(epochs.items()):
+                if not await self._publish(epoch, order):
+                    d = Decision()
+                    break
+            if self.leading():
+                self._send_decision(d)
+
+    async def _publish(self, epoch: int, order: m.EpochOrder) -> bool:
+        assert self.leadership is not None
+        record = {"epoch": epoch, "term": order.term, "members": len(order.members), "step": self.membership.step}
+        while self.leading():
+            try:
+                if await self.leadership.record_epoch(record):
+                    return True
+                self.leadership.depose(f"epoch {epoch} could not be published: another coordinator leads")
+                return False
+            except EtcdUnavailable as exc:
+                log.warning("publishing epoch %d: %s", epoch, exc)
+                await asyncio.sleep(0.05)
+        return False
+
+    def standby_refusal(self) -> m.Refused:
+        assert self.leadership is not None
+        leader = self.leadership.leader or {}
+        address = str(leader.get("address", "")) if leader.get("coordinator_id") != self.coordinator_id else ""
+        why = f"the leader is {address}" if address else "no coordinator leads yet (an election is under way)"
+        return m.Refused(reason=f"this coordinator is a standby: {why}", standby=True, leader=address[:300])
 
     def start(self, timeout: float = 10.0) -> Coordinator:
         """Serve from a background thread; returns once the service is listening."""
@@ -248,6 +387,7 @@ class Coordinator:
         return {
             "job": ms.job,
             "coordinator_id": self.coordinator_id,
+            "leadership": self._leadership_state(),
             "epoch": ms.epoch,
             "step": ms.step,
             "finished": ms.finished,
@@ -273,6 +413,19 @@ class Coordinator:
             "store_port": self.store_port,
         }
 
+    def _leadership_state(self) -> dict[str, Any]:
+        if self.leadership is None:
+            return {"role": "single", "term": 0, "leader": f"{self.address[0]}:{self.address[1]}", "etcd": None}
+        lead = self.leadership
+        leader = lead.leader or {}
+        return {
+            "role": "leader" if self.leading() else "standby",
+            "term": self.term if self.leading() else lead.leader_term,
+            "leader": leader.get("address"),
+            "self": self.advertised,
+            "etcd": {"endpoints": list(self.config.etcd), "prefix": self.config.etcd_prefix, "error": lead.error},
+        }
+
     # ---------------------------------------------------------------- sessions
 
     async def _ws(self, request: web.Request) -> web.StreamResponse:
@@ -283,6 +436,7 @@ class Coordinator:
         challenge = auth.new_nonce()
         try:
             await ws.send_str(m.encode(m.Challenge(nonce=challenge, auth=self.token is not None)))
+            term = self.term
             first = await asyncio.wait_for(ws.receive(), timeout=HELLO_TIMEOUT_S)
             if first.type == WSMsgType.ERROR:
                 raise ProtocolError(f"session error before hello: {ws.exception()}")
@@ -291,6 +445,10 @@ class Coordinator:
             hello = m.parse_node_message(first.data, self.config.max_message_bytes)
             if not isinstance(hello, m.Hello):
                 raise ProtocolError(f"the first message must be a hello, got {hello.type!r}")
+            if not self.leading():
+                await ws.send_str(m.encode(self.standby_refusal()))
+                await ws.close()
+                return ws
             unproven = self._check_token(hello, challenge)
             decision = Decision(refuse=unproven) if unproven else self.membership.admit(hello, time.monotonic())
             if decision.refuse is not None:
@@ -309,7 +467,7 @@ class Coordinator:
                 await ws.send_str(m.encode(refusal))
                 await ws.close()
                 return ws
-            session = _Session(ws, hello.member_id)
+            session = _Session(ws, hello.member_id, self.leading)
             self._sessions[hello.member_id] = session
             session.send(
                 m.Welcome(
@@ -322,6 +480,7 @@ class Coordinator:
                     if self.token
                     else "",
                     rendezvous=self.rendezvous,
+                    term=self.term,
                 )
             )
             self._apply(decision)
@@ -330,6 +489,8 @@ class Coordinator:
                     if raw.type == WSMsgType.ERROR:
                         raise ProtocolError(f"session error: {ws.exception()}")
                     raise ProtocolError(f"unexpected {raw.type.name} frame")
+                if not self.leading() or self.term != term:
+                    break  # deposed (or re-elected: a new term's view): the node reconnects
                 self._dispatch(session, m.parse_node_message(raw.data, self.config.max_message_bytes))
         except ProtocolError as exc:
             log.warning("dropping session from %s: %s", peer, exc)
@@ -347,7 +508,7 @@ class Coordinator:
             log.warning("session from %s sent no hello within %s s", peer, HELLO_TIMEOUT_S)
         finally:
             if session is not None:
-                if self._sessions.get(session.member_id) is session:
+                if self._sessions.get(session.member_id) is session and self.leading():
                     del self._sessions[session.member_id]
                     self._apply(self.membership.session_closed(session.member_id, time.monotonic()))
                 session.close()
@@ -430,6 +591,8 @@ class Coordinator:
             # expiring leases now would expel healthy nodes, so this tick only forms epochs.
             late = now - last > self.config.lease_s / 2
             last = now
+            if not self.leading():
+                continue
             try:
                 self._apply(self.membership.tick(now, expire=not late))
             except Exception:  # a bug here must not stop the service
@@ -444,6 +607,12 @@ class Coordinator:
     def _deliver(self, d: Decision) -> None:
         for ev in d.events:
             self._record(ev)
+        if self._outbox is not None:
+            self._outbox.put_nowait(Decision(orders=d.orders, expel=d.expel))
+        elif self.leading():
+            self._send_decision(d)
+
+    def _send_decision(self, d: Decision) -> None:
         for mid, reason in d.expel.items():
             s = self._sessions.pop(mid, None)
             if s is not None:
@@ -481,7 +650,9 @@ class Coordinator:
         for mid, session in self._sessions.items():
             mem = self.membership.members.get(mid)
             if mem is not None and mem.name == name:
-                session.send(m.Command(action=action, reason=reason))  # type: ignore[arg-type]
+                if not self.leading():
+                    return False
+                session.send(m.Command(action=action, reason=reason, term=self.term))  # type: ignore[arg-type]
                 ms = self.membership
                 self._record(Event(time.monotonic(), "operator", mid, ms.epoch, ms.step, f"{name}: {reason}"))
                 return True

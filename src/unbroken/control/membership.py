@@ -36,6 +36,9 @@ FAULT_GRACE_S = 0.1
 so one failure makes one epoch change."""
 FRESH_JOB_GRACE_S = 1.0
 """After a restart, how long a first hello without a resume waits for members to come back."""
+BROKEN_SETTLE_S = 0.3
+"""After a restart, once a member says the newest epoch is broken (it abandoned it), how
+long to wait for the rest of the group to reconnect before forming the next epoch."""
 PLAN_DWELL_S = 1.0
 """A plan stays at least this long before a rebalance may replace it."""
 PLAN_DWELL_STEPS = 3
@@ -166,6 +169,8 @@ class Membership:
     ) -> None:
         self.fragments = fragments
         """Checkpoints as K,M fragments (every epoch order carries it)."""
+        self.term = 0
+        """The leader's term, carried by every epoch order (0 without etcd)."""
         self.audit_every = audit_every
         """Steps between consistency audits (every epoch order carries it)."""
         self.diloco = diloco
@@ -271,6 +276,9 @@ class Membership:
             r = hello.resume
             self._resumes[hello.member_id] = r
             self.epoch = max(self.epoch, r.epoch)
+            if r.abandoned and r.epoch >= max(x.epoch for x in self._resumes.values()):
+                # The newest epoch cannot go on: form the next as soon as the others are back.
+                self.recovering_until = min(self.recovering_until, now + BROKEN_SETTLE_S)
             return d
         self._want_epoch(now, urgent=False, reason=f"{hello.name} joined", delay=JOIN_SETTLE_S)
         return d
@@ -481,7 +489,8 @@ class Membership:
             first = next(r for r in self._resumes.values() if r.epoch == newest)
             group = first.members
             back = {mid for mid, r in self._resumes.items() if r.epoch == newest and r.members == group}
-            if set(group) <= back and set(group) <= set(self.members):
+            intact = not any(r.abandoned for r in self._resumes.values() if r.epoch == newest)
+            if intact and set(group) <= back and set(group) <= set(self.members):
                 self.recovering_until = None
                 self.epoch = newest
                 self.epoch_members = list(group)
@@ -504,9 +513,14 @@ class Membership:
         if now >= self.recovering_until:
             self.recovering_until = None
             if self.members:
-                self._want_epoch(
-                    now, urgent=True, reason="members of the last epoch did not return after restart", delay=0.0
+                why = (
+                    "a member abandoned the last epoch while no coordinator led"
+                    if any(r.abandoned for r in self._resumes.values())
+                    else "members of the last epoch did not return after restart"
+                    if self._resumes
+                    else "nodes connected to a coordinator that had just started"
                 )
+                self._want_epoch(now, urgent=True, reason=why, delay=0.0)
         return d
 
     def _want_epoch(self, now: float, urgent: bool, reason: str, delay: float) -> None:
@@ -604,6 +618,7 @@ class Membership:
             m.state = MemberState.ACTIVE
         msg = EpochOrder(
             epoch=self.epoch,
+            term=self.term,
             members=order,
             shares=self.shares,
             urgent=urgent,

@@ -43,7 +43,13 @@ class Resume(BaseModel):
     step: Count
     shares: Annotated[list[Count], Field(max_length=4096)] = []
     roles: Annotated[list[RoleName], Field(max_length=4096)] = []
+    abandoned: bool = False
+    """The member left this epoch (a collective failed while no coordinator could be told):
+    the epoch is over, so a new coordinator forms the next one without waiting for the rest."""
 
+
+Term = Annotated[int, Field(ge=0, le=2**62)]
+"""A leader's term (its etcd election key's create revision; 0 without etcd)."""
 
 Seconds = Annotated[float, Field(ge=0, le=1e6)]
 
@@ -206,6 +212,8 @@ class Welcome(_Msg):
     """The coordinator's proof that it holds the job token ("" without one)."""
     rendezvous: Annotated[str, Field(max_length=64)] = ""
     """A random key in every process-group prefix, known to admitted members only."""
+    term: Term = 0
+    """The leader's term: a node refuses sessions and orders of an older term than it has seen."""
 
 
 class Refused(_Msg):
@@ -213,6 +221,10 @@ class Refused(_Msg):
     reason: str
     finished: bool = False
     """True when the job is already over (nothing is wrong with the node)."""
+    standby: bool = False
+    """This coordinator does not lead: try ``leader`` (or again shortly, when it is empty)."""
+    leader: Annotated[str, Field(max_length=300)] = ""
+    """HOST:PORT of the current leader, as the standby last read it from etcd."""
 
 
 class Ack(_Msg):
@@ -225,6 +237,8 @@ class EpochOrder(_Msg):
 
     type: Literal["epoch"] = "epoch"
     epoch: EpochNo
+    term: Term = 0
+    """The term of the leader that ordered it (nodes refuse orders of older terms)."""
     members: list[Name]
     shares: list[Count]
     urgent: bool
@@ -270,6 +284,7 @@ class Command(_Msg):
     action: Literal["drain", "kill"]
     """``drain``: leave gracefully after the current step; ``kill``: SIGKILL itself (chaos)."""
     reason: Annotated[str, Field(max_length=2000)]
+    term: Term = 0
 
 
 NodeMessage = Annotated[

@@ -9,6 +9,14 @@ test their own job's behaviour under faults before renting machines::
         c.wait_step(20); nodes[1].kill()
         c.wait_finished()
 
+With ``etcd`` (client URLs, e.g. of a `unbroken.testing.etcd.EtcdCluster`), every
+coordinator started is a candidate and nodes find the leader through etcd and the
+coordinators' addresses::
+
+    with EtcdCluster(workdir) as etcd, LocalCluster(job, workdir, etcd=etcd.endpoints) as c:
+        c.start_coordinator(); c.start_coordinator()
+        c.kill_coordinator(c.leader())
+
 With a `unbroken.testing.netns.Network`, each node runs in its own network namespace
 (its data plane on its namespace's address) and the coordinator listens on the bridge, so
 that links can be cut or slowed for real (root only)::
@@ -88,7 +96,9 @@ class LocalCluster:
         min_nodes: int = 1,
         coordinator_args: list[str] | None = None,
         network: Network | None = None,
+        etcd: list[str] | None = None,
     ) -> None:
+        self.etcd = etcd
         self.network = network
         """Where nodes get a namespace each (None: every process on loopback, as usual)."""
         self.host = network.gateway if network is not None else "127.0.0.1"
@@ -101,7 +111,10 @@ class LocalCluster:
         self.recovery_window_s = recovery_window_s
         self.node_args = node_args or []
         self.coordinator: subprocess.Popen[bytes] | None = None
+        """The coordinator started last."""
         self.address: tuple[str, int] | None = None
+        self.coordinators: list[tuple[subprocess.Popen[bytes], tuple[str, int]]] = []
+        """Every coordinator started, with its address (several with etcd)."""
         self.nodes: dict[str, NodeProcess] = {}
         self._env = dict(os.environ, OMP_NUM_THREADS=str(threads_per_node), PYTHONUNBUFFERED="1", **(env or {}))
 
@@ -113,35 +126,69 @@ class LocalCluster:
 
     # ---------------------------------------------------------------- coordinator
 
-    def start_coordinator(self, port: int = 0, timeout: float = 30.0) -> tuple[str, int]:
+    def start_coordinator(
+        self, port: int = 0, timeout: float = 30.0, extra: list[str] | None = None
+    ) -> tuple[str, int]:
         cmd = [
             sys.executable, "-m", "unbroken", "-v", "coordinator", "--host", self.host, "--port", str(port),
             "--lease", str(self.lease_s), "--recovery-window", str(self.recovery_window_s),
             "--event-log", str(self.workdir / "events.jsonl"), "--min-nodes", str(self.min_nodes),
-            *self.coordinator_args,
+            *self.coordinator_args, *(extra or []),
         ]  # fmt: skip
-        err = open(self.workdir / "coordinator.err", "ab")  # noqa: SIM115
-        self.coordinator = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=self._env)
+        if self.etcd:
+            cmd += ["--etcd", ",".join(self.etcd)]
+        index = len(self.coordinators)
+        err_path = self.workdir / ("coordinator.err" if index == 0 else f"coordinator{index}.err")
+        err = open(err_path, "ab")  # noqa: SIM115
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=self._env)
         err.close()
-        assert self.coordinator.stdout is not None
+        assert proc.stdout is not None
         deadline = time.monotonic() + timeout
         line = b""
         while time.monotonic() < deadline:
-            line = self.coordinator.stdout.readline()
+            line = proc.stdout.readline()
             if line.startswith(READY_PREFIX.encode()) or not line:
                 break
         if not line.startswith(READY_PREFIX.encode()):
-            raise RuntimeError(f"coordinator did not start: {(self.workdir / 'coordinator.err').read_text()[-2000:]}")
+            proc.kill()
+            proc.wait(10)
+            proc.stdout.close()
+            raise RuntimeError(f"coordinator did not start: {err_path.read_text()[-2000:]}")
         host, port_s = line.decode().split()[1].rsplit(":", 1)
-        self.address = (host, int(port_s))
+        self.coordinator, self.address = proc, (host, int(port_s))
+        self.coordinators.append((proc, self.address))
         return self.address
 
-    def kill_coordinator(self) -> None:
-        if self.coordinator is not None and self.coordinator.poll() is None:
-            self.coordinator.kill()
-            self.coordinator.wait(10)
+    def kill_coordinator(self, index: int | None = None) -> None:
+        """SIGKILL the coordinator started last, or the one at ``index`` (see `leader`)."""
+        proc = self.coordinator if index is None else self.coordinators[index][0]
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def coordinator_state(self, index: int, timeout: float = 2.0) -> dict[str, Any]:
+        host, port = self.coordinators[index][1]
+        with urllib.request.urlopen(f"http://{host}:{port}/api/state", timeout=timeout) as r:
+            data: dict[str, Any] = json.load(r)
+            return data
+
+    def leader(self) -> int | None:
+        """Index of the coordinator that leads now (None: none does)."""
+        for i, (proc, _) in enumerate(self.coordinators):
+            if proc.poll() is not None:
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                if self.coordinator_state(i, timeout=0.5)["leadership"]["role"] in ("leader", "single"):
+                    return i
+        return None
 
     def state(self, timeout: float = 2.0) -> dict[str, Any]:
+        """The job's state as the leading coordinator (or the one started last) sees it."""
+        if self.etcd:
+            index = self.leader()
+            if index is None:
+                raise OSError("no coordinator leads")
+            return self.coordinator_state(index, timeout)
         assert self.address is not None
         url = f"http://{self.address[0]}:{self.address[1]}/api/state"
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -153,10 +200,12 @@ class LocalCluster:
     def start_node(
         self, name: str, *, fault: str = "", extra: list[str] | None = None, env: dict[str, str] | None = None
     ) -> NodeProcess:
-        assert self.address is not None, "start the coordinator first"
+        assert self.address is not None or self.etcd, "start the coordinator first"
+        where = ",".join(f"{h}:{p}" for _, (h, p) in self.coordinators)
         cmd = [
             sys.executable, "-m", "unbroken", "-v", "node", self.job,
-            "--coordinator", f"{self.address[0]}:{self.address[1]}",
+            *(["--coordinator", where] if where else []),
+            *(["--etcd", ",".join(self.etcd)] if self.etcd else []),
             "--name", name,
             "--commit-log", str(self.workdir / f"{name}.jsonl"),
             "--final-state", str(self.workdir / f"{name}.final.pt"),
@@ -233,9 +282,8 @@ class LocalCluster:
         parts = []
         for n in self.nodes.values():
             parts.append(f"--- {n.name} (rc={n.proc.poll()}) ---\n{n.stderr()[-3000:]}")
-        cerr = self.workdir / "coordinator.err"
-        if cerr.exists():
-            parts.append(f"--- coordinator ---\n{cerr.read_text(errors='replace')[-3000:]}")
+        for cerr in sorted(self.workdir.glob("coordinator*.err")):
+            parts.append(f"--- {cerr.stem} ---\n{cerr.read_text(errors='replace')[-3000:]}")
         return "\n".join(parts)
 
     def close(self) -> None:
@@ -245,9 +293,11 @@ class LocalCluster:
         for n in self.nodes.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 n.proc.wait(10)
-        if self.coordinator is not None:
-            if self.coordinator.poll() is None:
-                self.coordinator.kill()
-            self.coordinator.wait(10)
-            if self.coordinator.stdout is not None:
-                self.coordinator.stdout.close()
+        for proc, _ in self.coordinators:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()

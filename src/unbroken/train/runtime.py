@@ -153,6 +153,8 @@ class Node:
             stall_timeout_s=config.stall_timeout_s,
             token=config.token,
             tls_ca=str(config.tls_ca) if config.tls_ca else None,
+            etcd=config.etcd,
+            etcd_prefix=config.etcd_prefix,
         )
 
         self.client.on_command = self._command
@@ -295,6 +297,7 @@ class Node:
             self.stores.reset()  # the store may be gone with its coordinator
             raise
         self.group.pg, self.group.built_in_s = pg, took
+        self._log({"kind": "epoch", "epoch": order.epoch, "term": order.term, "step": self.state.step})
         self.reducer = self._build_reducer(order, rank, pg, store, prefix, abort)
         self._epochs_formed += 1
         self._first_in_epoch = True
@@ -782,8 +785,15 @@ class Node:
         g = self.group
         latest = self.client.latest_order()
         resume = None
-        if g is not None and g.pg is not None and member_id in g.members:
-            resume = m.Resume(epoch=g.epoch, members=g.members, step=self.state.step, shares=g.shares, roles=g.roles)  # type: ignore[arg-type]
+        if g is not None and member_id in g.members:
+            resume = m.Resume(
+                epoch=g.epoch,
+                members=g.members,
+                step=self.state.step,
+                shares=g.shares,
+                roles=g.roles,  # type: ignore[arg-type]
+                abandoned=g.pg is None,
+            )
         return m.Hello(
             job=self.job.name,
             job_identity=self.job.identity(),

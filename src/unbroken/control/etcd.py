@@ -1,0 +1,210 @@
+"""A small asyncio client for etcd's v3 JSON gateway (``POST /v3/...``), over aiohttp.
+
+etcd holds who leads a job, the leader's term and small epoch records; heartbeats and
+reports never go through it (DESIGN.md §2). The gateway ships with every etcd server, so
+this needs no gRPC stack: a handful of calls, each with a deadline, tried on every
+endpoint in turn until one answers (a cluster member that is down costs one connection
+refusal, not the call).
+
+Keys and values are bytes on the wire as base64, as the gateway wants them; revisions and
+lease ids travel as decimal strings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from unbroken.errors import EtcdUnavailable
+
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 1.0
+"""One request to one endpoint; a member that does not answer in this long is skipped."""
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+    @staticmethod
+    def parse(raw: dict[str, Any]) -> KeyValue:
+        return KeyValue(
+            key=base64.b64decode(raw.get("key", "")),
+            value=base64.b64decode(raw.get("value", "")),
+            create_revision=int(raw.get("create_revision", 0)),
+            mod_revision=int(raw.get("mod_revision", 0)),
+            lease=int(raw.get("lease", 0)),
+        )
+
+    def json(self) -> dict[str, Any]:
+        """The value parsed as a JSON object (empty when it is not one)."""
+        try:
+            data = json.loads(self.value)
+        except (ValueError, UnicodeDecodeError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+
+def parse_endpoints(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``http://h1:2379,http://h2:2379`` (or a list) as a tuple of base URLs."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for item in (i.strip().rstrip("/") for i in items):
+        if not item:
+            continue
+        if "://" not in item:
+            item = f"http://{item}"
+        if not item.startswith(("http://", "https://")):
+            from unbroken.errors import ConfigError
+
+            raise ConfigError(f"etcd endpoint {item!r} must be an http:// or https:// URL (e.g. http://10.0.0.5:2379)")
+        out.append(item)
+    return tuple(out)
+
+
+class Etcd:
+    """An etcd cluster reached through any of its members' client URLs."""
+
+    def __init__(self, endpoints: Sequence[str], *, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        if not endpoints:
+            raise ValueError("no etcd endpoints")
+        self.endpoints = list(endpoints)
+        self.timeout_s = timeout_s
+        self._preferred = 0
+        self._http: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    async def __aenter__(self) -> Etcd:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def call(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """POST ``body`` to ``/v3/<path>`` on the first member that answers.
+
+        Raises:
+            EtcdUnavailable: no member answered (every one refused, timed out or erred).
+        """
+        if self._http is None:
+            self._http = aiohttp.ClientSession()
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        errors = []
+        n = len(self.endpoints)
+        for i in range(n):
+            index = (self._preferred + i) % n
+            url = f"{self.endpoints[index]}/v3/{path}"
+            try:
+                async with self._http.post(url, json=body, timeout=timeout) as r:
+                    data = await r.json(content_type=None)
+                    if r.status != 200:
+                        message = data.get("message") or data.get("error") if isinstance(data, dict) else data
+                        errors.append(f"{self.endpoints[index]}: HTTP {r.status} {message}")
+                        continue
+                    self._preferred = index
+                    if not isinstance(data, dict):
+                        raise EtcdUnavailable(f"etcd at {self.endpoints[index]} answered {data!r} to {path}")
+                    return data
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+                errors.append(f"{self.endpoints[index]}: {type(exc).__name__} {exc}".strip())
+        raise EtcdUnavailable(
+            f"no etcd member answered {path} ({'; '.join(errors)}); check --etcd and that a majority "
+            "of the etcd cluster is up"
+        )
+
+    # ---------------------------------------------------------------- leases
+
+    async def grant(self, ttl_s: int) -> int:
+        data = await self.call("lease/grant", {"TTL": ttl_s})
+        if data.get("error"):
+            raise EtcdUnavailable(f"etcd refused a {ttl_s} s lease: {data['error']}")
+        return int(data["ID"])
+
+    async def keepalive(self, lease: int) -> int:
+        """Renew a lease; its TTL in seconds, 0 when it has already expired."""
+        data = await self.call("lease/keepalive", {"ID": str(lease)})
+        return int(data.get("result", {}).get("TTL", 0))
+
+    async def revoke(self, lease: int) -> None:
+        await self.call("lease/revoke", {"ID": str(lease)})
+
+    # ---------------------------------------------------------------- keys
+
+    async def get(self, key: bytes) -> KeyValue | None:
+        data = await self.call("kv/range", {"key": _b64(key)})
+        kvs = data.get("kvs") or []
+        return KeyValue.parse(kvs[0]) if kvs else None
+
+    async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = str(lease)
+        data = await self.call("kv/put", body)
+        return int(data.get("header", {}).get("revision", 0))
+
+    async def create(self, key: bytes, value: bytes, lease: int) -> tuple[bool, KeyValue | None]:
+        """Put ``key`` only if it does not exist. (True, the new key) or (False, the holder's key)."""
+        k = _b64(key)
+        data = await self.call(
+            "kv/txn",
+            {
+                "compare": [{"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+                "success": [
+                    {"request_put": {"key": k, "value": _b64(value), "lease": str(lease)}},
+                    {"request_range": {"key": k}},
+                ],
+                "failure": [{"request_range": {"key": k}}],
+            },
+        )
+        won = bool(data.get("succeeded"))
+        ranges = [r["response_range"] for r in data.get("responses", []) if "response_range" in r]
+        kvs = ranges[-1].get("kvs", []) if ranges else []
+        return won, (KeyValue.parse(kvs[0]) if kvs else None)
+
+    async def put_if_held(self, guard: bytes, create_revision: int, key: bytes, value: bytes) -> bool:
+        """Put ``key`` only while ``guard`` still has this create revision (a leader's fenced write)."""
+        data = await self.call(
+            "kv/txn",
+            {
+                "compare": [
+                    {"key": _b64(guard), "target": "CREATE", "result": "EQUAL", "create_revision": str(create_revision)}
+                ],
+                "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}],
+            },
+        )
+        return bool(data.get("succeeded"))
+
+    async def delete_if_held(self, key: bytes, create_revision: int) -> bool:
+        k = _b64(key)
+        data = await self.call(
+            "kv/txn",
+            {
+                "compare": [{"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": str(create_revision)}],
+                "success": [{"request_delete_range": {"key": k}}],
+            },
+        )
+        return bool(data.get("succeeded"))
+
+    async def status(self) -> dict[str, Any]:
+        """The answering member's status (version, leader, raft term)."""
+        return await self.call("maintenance/status", {})
