@@ -104,15 +104,15 @@ class CoordinatorConfig:
     """The leader's etcd lease: a leader that cannot renew it for this long stops leading
     and a standby takes over (etcd may raise it to its own minimum)."""
     advertise: str = ""
-    """HOST:PORT nodes use to reach this coordinator, published in etcd when it leads
-    (default: --host and the port it listens on; give it when --host is 0.0.0.0)."""
+    """HOST or HOST:PORT nodes use to reach this coordinator, published in etcd when it
+    leads (default: --host and the port it listens on; give it when --host is 0.0.0.0)."""
 
     def __post_init__(self) -> None:
         from unbroken.comm.codecs import make_codec
 
         _check_etcd("CoordinatorConfig", self.etcd, self.etcd_prefix, self.etcd_ttl_s)
-        if self.advertise:
-            parse_address(self.advertise)
+        if self.advertise and (len(self.advertise) > 256 or any(c.isspace() for c in self.advertise)):
+            raise ConfigError(f"CoordinatorConfig.advertise = {self.advertise!r}: give HOST or HOST:PORT")
 
         try:
             make_codec(self.codec)
@@ -162,6 +162,9 @@ class NodeConfig:
     coordinate: bool = False
     """Also be a coordinator candidate (needs ``etcd``): when elected, this node runs the
     job's coordinator in a child process beside its training."""
+    coordinator_args: tuple[str, ...] = ()
+    """Extra ``unbroken coordinator`` arguments for this node's candidate (``--coordinate``),
+    e.g. ``("--min-nodes", "3", "--mode", "diloco")``: every candidate of a job the same."""
     name: str = ""
     """Human-readable name shown in events and the dashboard (default: host-pid)."""
     weight: float = 1.0
@@ -225,6 +228,11 @@ class NodeConfig:
         _check_etcd("NodeConfig", self.etcd, self.etcd_prefix, 1)
         if self.coordinate and not self.etcd:
             raise ConfigError("NodeConfig.coordinate needs etcd (--etcd URL,...): candidates are elected there")
+        if self.coordinate and self.tls_ca is not None:
+            raise ConfigError(
+                "NodeConfig.coordinate cannot serve TLS yet: run TLS coordinators separately "
+                "(unbroken coordinator --etcd ... --tls-cert ... --tls-key ...)"
+            )
         if not 0 < self.weight <= 1e9:
             raise ConfigError(f"NodeConfig.weight = {self.weight!r} must be greater than 0 and at most 1e9")
         if len(self.display_name) > 200:

@@ -12,9 +12,11 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from unbroken.cli.observe import add_parsers as add_observe_parsers
 from unbroken.cli.restore import add_parser as add_restore_parser
@@ -73,7 +75,10 @@ def _coordinator(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, coord.stop_nowait)
+        watcher = loop.create_task(_exit_with_parent(coord)) if args.exit_with_parent else None
         await task
+        if watcher is not None:
+            watcher.cancel()
 
     try:
         asyncio.run(serve())
@@ -83,6 +88,14 @@ def _coordinator(args: argparse.Namespace) -> int:
             "is another coordinator running there? Use --port 0 or another port"
         ) from None
     return 0
+
+
+async def _exit_with_parent(coord: Any) -> None:
+    """A node's candidate (``--coordinate``) resigns as soon as its node is gone, even SIGKILLed."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(0.05)
+    coord.stop_nowait()
 
 
 def _node(args: argparse.Namespace) -> int:
@@ -97,6 +110,7 @@ def _node(args: argparse.Namespace) -> int:
         etcd=etcd,
         etcd_prefix=args.etcd_prefix,
         coordinate=args.coordinate,
+        coordinator_args=tuple(shlex.split(args.coordinator_args or "")),
         name=args.name or "",
         weight=args.weight,
         max_microbatch=args.max_microbatch,
@@ -186,9 +200,18 @@ def _chaos(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     console = Console(stderr=True)
     workdir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="unbroken-chaos-"))
-    chaos = Chaos(workdir, duration_s=args.duration, rate=args.rate, nodes=args.nodes, seed=args.seed, links=args.links)
+    chaos = Chaos(
+        workdir,
+        duration_s=args.duration,
+        rate=args.rate,
+        nodes=args.nodes,
+        seed=args.seed,
+        links=args.links,
+        ha=args.ha,
+    )
+    ha = " with etcd (3 members) and 2 coordinators" if args.ha else ""
     console.print(
-        f"[bold]unbroken chaos[/]: {args.nodes} nodes, faults at {args.rate}/s for {args.duration:g} s "
+        f"[bold]unbroken chaos[/]: {args.nodes} nodes{ha}, faults at {args.rate}/s for {args.duration:g} s "
         f"(seed {args.seed}); logs in {workdir}\nlink faults {chaos.links_note}"
     )
     with console.status("starting") as status:
@@ -271,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tls-key", help="...and its private key (PEM)")
     _etcd_args(c)
     c.add_argument("--etcd-ttl", type=int, default=1, help="seconds of the leader's etcd lease (failover time)")
-    c.add_argument("--advertise", help="HOST:PORT nodes reach this coordinator at (default: --host and the port)")
+    c.add_argument("--advertise", help="HOST[:PORT] nodes reach this coordinator at (default: --host and the port)")
+    c.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     c.set_defaults(func=_coordinator)
 
     n = sub.add_parser("node", help="run one training node", formatter_class=fmt)
@@ -285,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument(
         "--coordinate", action="store_true", help="also be a coordinator candidate (with --etcd): no separate machine"
     )
+    n.add_argument("--coordinator-args", help='with --coordinate: the candidate\'s options, e.g. "--min-nodes 3"')
     n.add_argument("--name", help="name shown in events (default: host-pid)")
     n.add_argument("--weight", type=float, default=1.0, help="relative share of the global batch")
     n.add_argument("--max-microbatch", type=int, default=0, help="largest micro-batch (0: as memory allows)")
@@ -346,6 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also cut and slow nodes' links for real, in network namespaces (root; None: where available)",
     )
     h.add_argument("--out", help="directory for logs and the JSON report (default: a temporary one)")
+    h.add_argument(
+        "--ha",
+        action="store_true",
+        help="a real etcd cluster and 2 coordinators: leader-kill, leader-stop and etcd-kill faults",
+    )
     h.set_defaults(func=_chaos)
     add_observe_parsers(sub, fmt)
     add_restore_parser(sub, fmt)

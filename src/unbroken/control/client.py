@@ -14,7 +14,11 @@ commit until the coordinator has answered.
 Leaders and terms: with etcd, the node asks it who leads before trying the addresses it
 was given, and a standby it reaches names the leader. Every welcome and order carries
 the leader's term; the node remembers the highest it has seen and refuses a session or
-an order of an older one (a deposed leader that has not noticed yet).
+an order of an older one (a deposed leader that has not noticed yet). A leader that stops
+acknowledging heartbeats (frozen, cut off) is looked up in etcd: once etcd shows it lost
+its lease, the node leaves its session at once, with its own lease still fresh, so it
+trains on (as after a coordinator crash) and joins the new leader, instead of waiting two
+leases for a frozen process and pausing its commits meanwhile.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class ControlClient:
         self.etcd_prefix = etcd_prefix
         self.term = 0
         """The highest leader term this node has seen (sessions and orders of older ones are refused)."""
+        self._etcd: Etcd | None = None
         self._why_no_leader = ""
         self._hello = hello
         self._token = token
@@ -190,6 +195,7 @@ class ControlClient:
         deadline = time.monotonic() + self.connect_timeout_s
         last_error = "no attempt"
         etcd = Etcd(self.etcd_endpoints, timeout_s=0.5) if self.etcd_endpoints else None
+        self._etcd = etcd
         async with aiohttp.ClientSession() as http:
             while not self._stale(run_id):
                 candidates = await self._candidates(etcd)
@@ -368,6 +374,11 @@ class ControlClient:
                 log.warning("no heartbeat acknowledged for %.1f s; dropping the session", 2 * self.lease_s)
                 await ws.close()
                 return
+            unacked = time.monotonic() - self._last_acked_send
+            if unacked > self.lease_s / 2 and self.term > 0 and await self._leader_moved():
+                log.warning("the leader of term %d lost its etcd lease: leaving its session", self.term)
+                await ws.close()
+                return
             self._seq += 1
             with self._lock:
                 self._sent[self._seq] = time.monotonic()
@@ -384,6 +395,16 @@ class ControlClient:
                 self._stall_reported = False
                 self._queue.put_nowait(m.Heartbeat(seq=self._seq, step=self.step))
             await asyncio.sleep(period)
+
+    async def _leader_moved(self) -> bool:
+        """True when etcd shows no leader, or one of another term than this session's."""
+        if self._etcd is None:
+            return False
+        try:
+            found = await find_leader(self._etcd, self.etcd_prefix)
+        except EtcdUnavailable:
+            return False  # cut off from etcd too: nothing is known; the lease decides
+        return found is None or found[1] != self.term
 
     async def _writer(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         assert self._queue is not None

@@ -26,6 +26,7 @@ import collections
 import contextlib
 import json
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -103,6 +104,7 @@ class Coordinator:
         self._took_over = self.config.etcd == ()
         """Leading and ready: the view was reset for this term (always, without etcd)."""
         self._outbox: asyncio.Queue[Decision] | None = None
+        self._takeover: asyncio.Task[None] | None = None
         self.events: list[dict[str, Any]] = []
         self.event_seq = 0
         """Sequence number of the last event (``/api/events?since=`` pages by it)."""
@@ -204,8 +206,9 @@ class Coordinator:
 
     @property
     def advertised(self) -> str:
-        if self.config.advertise:
-            return self.config.advertise
+        advertise = self.config.advertise
+        if advertise:
+            return advertise if advertise.rpartition(":")[2].isdigit() else f"{advertise}:{self.address[1]}"
         host = self.config.host
         if host in ("0.0.0.0", "::", ""):
             host = socket.getfqdn()
@@ -234,7 +237,7 @@ class Coordinator:
 
     def _elected(self, term: int) -> None:
         self._record(Event(time.monotonic(), "leader", None, 0, 0, f"{self.advertised} leads (term {term})"))
-        asyncio.get_running_loop().create_task(self._take_over(term))
+        self._takeover = asyncio.get_running_loop().create_task(self._take_over(term))
 
     async def _take_over(self, term: int) -> None:
         """A fresh view for the new term: the nodes hand theirs over as they reconnect."""
@@ -423,6 +426,7 @@ class Coordinator:
             "term": self.term if self.leading() else lead.leader_term,
             "leader": leader.get("address"),
             "self": self.advertised,
+            "pid": os.getpid(),
             "etcd": {"endpoints": list(self.config.etcd), "prefix": self.config.etcd_prefix, "error": lead.error},
         }
 

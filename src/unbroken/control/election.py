@@ -131,8 +131,11 @@ class Leadership:
         self.on_elected(self.term)
 
     async def _renew(self) -> None:
-        await asyncio.sleep(max(0.05, self.ttl_s / 4))
+        await asyncio.sleep(max(0.01, min(self.ttl_s / 4, self.valid_until - self.clock())))
         if self.role is not Role.LEADING:
+            return
+        if not self.leading():
+            self._depose("the lease lapsed before it could be renewed (this process was frozen or starved)")
             return
         sent = self.clock()
         ttl = await self.etcd.keepalive(self.lease)

@@ -12,6 +12,13 @@ long so that one long draw does not leave a short soak idle; seeded):
 - ``cut``: drop every packet of a node's link for 1.5-3 s (it is expelled and rejoins);
 - ``slow``: cap a node's link at 1-5 Mbit/s for 2-4 s (the group slows, keeps committing).
 
+With ``ha`` (``unbroken chaos --ha``), a real 3-member etcd cluster runs on loopback and
+two coordinators stand for election; ``coordinator`` is then replaced by:
+
+- ``leader-kill``: SIGKILL the leading coordinator, restart it a second later (a standby);
+- ``leader-stop``: SIGSTOP the leader for 1.5-3 s (a standby takes over; woken, it is fenced);
+- ``etcd-kill``: SIGKILL one etcd member (never a second), restart it 2-4 s later.
+
 The link faults are real (see `unbroken.testing.netns`): where network namespaces work
 (root), every node runs in its own namespace behind a veth pair and a bridge, and the
 coordinator listens on the bridge; ``cut`` sets the veth down, ``slow`` is ``tc tbf``
@@ -44,12 +51,18 @@ import torch
 from unbroken.errors import ConfigError
 from unbroken.testing import netns
 from unbroken.testing.cluster import LocalCluster, NodeProcess
+from unbroken.testing.etcd import EtcdCluster
 from unbroken.testing.promises import PromiseReport, check_promises, environment, reference_state
 
 JOB = "unbroken.testing.soakjob:job"
-KINDS = {"kill": 0.3, "stop": 0.2, "term": 0.15, "join": 0.2, "coordinator": 0.15, "cut": 0.15, "slow": 0.1}
-"""Relative weights. Without link faults the schedule of a seed is what it was before they existed."""
+KINDS = {
+    "kill": 0.3, "stop": 0.2, "term": 0.15, "join": 0.2, "coordinator": 0.15, "cut": 0.15, "slow": 0.1,
+    "leader-kill": 0.1, "leader-stop": 0.1, "etcd-kill": 0.1,
+}  # fmt: skip
+"""Relative weights. Without link faults the schedule of a seed is what it was before they
+existed, and so it is without ``ha``, whose kinds come last."""
 LINK_KINDS = ("cut", "slow")
+HA_KINDS = ("leader-kill", "leader-stop", "etcd-kill")
 ATOL = 1e-5
 
 
@@ -62,16 +75,23 @@ class Fault:
     """How long a stop, cut or slow lasted, and a slow link's rate."""
 
 
-def feasible_kinds(*, training: int, slowable: int, alive: int, nodes: int, links: bool) -> list[str]:
+def feasible_kinds(
+    *, training: int, slowable: int, alive: int, nodes: int, links: bool, ha: bool = False, etcd_down: bool = False
+) -> list[str]:
     """The fault kinds that may be drawn now, in `KINDS` order.
 
     Faults that take a trainer out (kill, stop, term, cut) need another one to carry on:
     the group must never lose its last training node. A slow link only needs a trainer to
-    slow (one not slowed already). Joins stop once two spare nodes are up.
+    slow (one not slowed already). Joins stop once two spare nodes are up. With ``ha`` the
+    leader faults replace ``coordinator``, and one etcd member at most is down at a time.
     """
     kinds = []
     for kind in KINDS:
         if kind in LINK_KINDS and not links:
+            continue
+        if (kind in HA_KINDS and not ha) or (kind == "coordinator" and ha):
+            continue
+        if kind == "etcd-kill" and etcd_down:
             continue
         if kind in ("kill", "stop", "term", "cut") and training < 2:
             continue
@@ -137,6 +157,7 @@ class Chaos:
         seed: int = 0,
         delay_ms: float = 20.0,
         links: bool | None = None,
+        ha: bool = False,
         on_progress: Callable[[str], None] = lambda s: None,
     ) -> None:
         """``links``: inject link faults (True: required, an error where they cannot be;
@@ -146,6 +167,9 @@ class Chaos:
             ConfigError: ``links=True`` on a host without network namespaces (says why).
         """
         self.workdir = Path(workdir)
+        self.ha = ha
+        self.etcd: EtcdCluster | None = None
+        self._etcd_down: int | None = None
         self.duration_s = duration_s
         self.rate = rate
         self.nodes = nodes
@@ -177,11 +201,25 @@ class Chaos:
 
     def run(self) -> ChaosReport:
         self.net = netns.Network() if self.links else None
+        self.etcd = EtcdCluster(self.workdir / "etcd", start=False) if self.ha else None
         args = ["--digest-every", "1"]
-        cluster = LocalCluster(JOB, self.workdir, env=self.env, min_nodes=self.nodes, node_args=args, network=self.net)
+        cluster = LocalCluster(
+            JOB,
+            self.workdir,
+            env=self.env,
+            min_nodes=self.nodes,
+            node_args=args,
+            network=self.net,
+            etcd=self.etcd.endpoints if self.etcd else None,
+        )
         # The network closes after the cluster (namespaces outlive the nodes in them), on any exit.
-        with self.net or contextlib.nullcontext(), cluster as c:
+        with self.net or contextlib.nullcontext(), self.etcd or contextlib.nullcontext(), cluster as c:
+            if self.etcd is not None:
+                self.etcd.start()
             _, port = c.start_coordinator()
+            if self.etcd is not None:
+                c.start_coordinator()
+                c.wait_for(lambda: c.leader() is not None, 30, "a leader")
             for _ in range(self.nodes):
                 self._start(c)
             c.wait_step(5, timeout=120)
@@ -200,7 +238,7 @@ class Chaos:
                 time.sleep(0.05)
             elapsed = time.monotonic() - start
             self._run_due(everything=True)
-            if c.coordinator is None or c.coordinator.poll() is not None:
+            if not any(proc.poll() is None for proc, _ in c.coordinators):
                 c.start_coordinator(port=port)
             for n in c.nodes.values():
                 n.signal(signal.SIGCONT)
@@ -273,9 +311,18 @@ class Chaos:
         training = self._training(c)
         slowable = [n for n in training if n.name not in self._slowed]
         kinds = feasible_kinds(
-            training=len(training), slowable=len(slowable), alive=len(alive), nodes=self.nodes, links=self.links
+            training=len(training),
+            slowable=len(slowable),
+            alive=len(alive),
+            nodes=self.nodes,
+            links=self.links,
+            ha=self.ha,
+            etcd_down=self._etcd_down is not None,
         )
         kind = self.rng.choices(kinds, weights=[KINDS[k] for k in kinds])[0]
+        if kind in HA_KINDS:
+            self._inject_ha(c, kind)
+            return
         if kind == "coordinator":
             if c.coordinator is None or c.coordinator.poll() is not None:
                 return
@@ -335,6 +382,39 @@ class Chaos:
 
             fault.detail = f"{mbit:.1f} Mbit/s for {lasts:.1f} s"
             self._later(lasts, unslow)
+
+    def _inject_ha(self, c: LocalCluster, kind: str) -> None:
+        assert self.etcd is not None
+        if kind == "etcd-kill":
+            member = self.rng.randrange(self.etcd.size)
+            self.etcd.kill(member)
+            self._etcd_down = member
+            fault = Fault(kind, time.time(), f"etcd e{member}")
+            lasts = self.rng.uniform(2.0, 4.0)
+            fault.detail = f"{lasts:.1f} s"
+            self.faults.append(fault)
+
+            def back() -> None:
+                assert self.etcd is not None
+                self.etcd.restart(member, wait=False)
+                self._etcd_down = None
+
+            self._later(lasts, back)
+            return
+        index = c.leader()
+        if index is None:
+            return  # an election is under way: no leader to hit
+        proc, (_, port) = c.coordinators[index]
+        fault = Fault(kind, time.time(), f"coordinator :{port}")
+        self.faults.append(fault)
+        if kind == "leader-kill":
+            c.kill_coordinator(index)
+            self._later(1.0, lambda: c.start_coordinator(port=port))
+            return
+        proc.send_signal(signal.SIGSTOP)
+        lasts = self.rng.uniform(1.5, 3.0)
+        fault.detail = f"{lasts:.1f} s"
+        self._later(lasts, lambda: proc.send_signal(signal.SIGCONT))
 
     # ---------------------------------------------------------------- report
 

@@ -55,6 +55,7 @@ from unbroken.state.fragments import parse_fragments, rebuild
 from unbroken.state.snapshot import TrainState, fingerprint
 from unbroken.testing.faults import Fault, FaultPlan, flip_bit
 from unbroken.testing.throttle import parse_throttle
+from unbroken.train.candidate import Candidate
 from unbroken.train.data import DataPlan
 from unbroken.train.device import ComputeReplica, OutOfMemory, resolve_device
 from unbroken.train.diloco import DiLoCo
@@ -164,11 +165,17 @@ class Node:
     def run(self) -> NodeResult:
         self._restore_checkpoint()
         self._install_signals()
-        self._calibrate()
-        self.client.start()
+        candidate = Candidate(self.config) if self.config.coordinate else None
         try:
+            if candidate is not None:
+                candidate.start()
+                self._log({"kind": "candidate", "pid": candidate.proc.pid if candidate.proc else 0})
+            self._calibrate()
+            self.client.start()
             return self._loop()
         finally:
+            if candidate is not None:
+                candidate.close()
             if self.sidecar is not None:
                 self.sidecar.close()
             self.client.close()

@@ -5,13 +5,22 @@ from __future__ import annotations
 import pytest
 
 from unbroken.testing import netns
-from unbroken.testing.chaos import KINDS, feasible_kinds
+from unbroken.testing.chaos import HA_KINDS, KINDS, feasible_kinds
 
 SIGNAL_KINDS = ["kill", "stop", "term", "join", "coordinator"]
 
 
 def test_every_kind_when_the_group_is_healthy_and_links_can_fail() -> None:
-    assert feasible_kinds(training=3, slowable=3, alive=3, nodes=3, links=True) == list(KINDS)
+    assert feasible_kinds(training=3, slowable=3, alive=3, nodes=3, links=True) == [
+        k for k in KINDS if k not in HA_KINDS
+    ]
+
+
+def test_with_etcd_the_leader_faults_replace_the_coordinator_restart_and_one_etcd_member_at_most_is_down() -> None:
+    kinds = feasible_kinds(training=3, slowable=3, alive=3, nodes=3, links=False, ha=True)
+    assert kinds == ["kill", "stop", "term", "join", "leader-kill", "leader-stop", "etcd-kill"]
+    down = feasible_kinds(training=3, slowable=3, alive=3, nodes=3, links=False, ha=True, etcd_down=True)
+    assert "etcd-kill" not in down and "leader-kill" in down
 
 
 def test_without_links_the_kinds_and_their_order_are_those_of_before_link_faults() -> None:

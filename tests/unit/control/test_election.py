@@ -1,0 +1,207 @@
+"""The leader's lease and term, against an in-memory etcd with a clock the test moves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from unbroken.control import election
+from unbroken.control.election import Leadership, Role
+from unbroken.control.etcd import KeyValue
+from unbroken.errors import EtcdUnavailable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeEtcd:
+    """Keys with leases and a cluster-wide revision, as etcd keeps them; ``down`` makes every call fail."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.revision = 1
+        self.keys: dict[bytes, KeyValue] = {}
+        self.leases: dict[int, tuple[int, float]] = {}
+        self.down = False
+        self._next_lease = 7
+
+    def _check(self) -> None:
+        if self.down:
+            raise EtcdUnavailable("no etcd member answered")
+        now = self.clock()
+        for lease, (_, expires) in list(self.leases.items()):
+            if now >= expires:
+                del self.leases[lease]
+                self.keys = {k: v for k, v in self.keys.items() if v.lease != lease}
+
+    async def grant(self, ttl_s: int) -> int:
+        self._check()
+        self._next_lease += 1
+        self.leases[self._next_lease] = (ttl_s, self.clock() + ttl_s)
+        return self._next_lease
+
+    async def keepalive(self, lease: int) -> int:
+        self._check()
+        if lease not in self.leases:
+            return 0
+        ttl, _ = self.leases[lease]
+        self.leases[lease] = (ttl, self.clock() + ttl)
+        return ttl
+
+    async def revoke(self, lease: int) -> None:
+        self._check()
+        self.leases.pop(lease, None)
+        self.keys = {k: v for k, v in self.keys.items() if v.lease != lease}
+
+    async def get(self, key: bytes) -> KeyValue | None:
+        self._check()
+        return self.keys.get(key)
+
+    async def create(self, key: bytes, value: bytes, lease: int) -> tuple[bool, KeyValue | None]:
+        self._check()
+        if key in self.keys:
+            return False, self.keys[key]
+        self.revision += 1
+        self.keys[key] = KeyValue(key, value, self.revision, self.revision, lease)
+        return True, self.keys[key]
+
+    async def put_if_held(self, guard: bytes, create_revision: int, key: bytes, value: bytes) -> bool:
+        self._check()
+        held = self.keys.get(guard)
+        if held is None or held.create_revision != create_revision:
+            return False
+        self.revision += 1
+        self.keys[key] = KeyValue(key, value, self.revision, self.revision, 0)
+        return True
+
+
+def candidate(etcd: FakeEtcd, clock: Clock, name: str, log: list[str]) -> Leadership:
+    return Leadership(
+        etcd,  # type: ignore[arg-type]
+        "/job",
+        1,
+        lambda: {"address": name},
+        on_elected=lambda term: log.append(f"{name} elected {term}"),
+        on_deposed=lambda why: log.append(f"{name} deposed: {why}"),
+        clock=clock,
+    )
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_one_leader_the_other_stands_by_and_knows_it():
+    clock, log = Clock(), []
+    etcd = FakeEtcd(clock)
+    a, b = candidate(etcd, clock, "a", log), candidate(etcd, clock, "b", log)
+    run(a._campaign())
+    run(b._campaign())
+    assert a.role is Role.LEADING and a.leading()
+    assert b.role is Role.STANDBY and not b.leading()
+    assert b.leader == {"address": "a"} and b.leader_term == a.term
+    assert log == [f"a elected {a.term}"]
+
+
+def test_validity_runs_from_the_renewal_send_time_and_a_frozen_leader_is_deposed_before_a_standby_wins():
+    clock, log = Clock(), []
+    etcd = FakeEtcd(clock)
+    a, b = candidate(etcd, clock, "a", log), candidate(etcd, clock, "b", log)
+    run(a._campaign())
+    assert a.valid_until == pytest.approx(100.0 + 1 - election.MARGIN_S)
+    clock.t += 0.9
+    assert a.leading()  # inside its lease
+    clock.t += 0.2  # a frozen leader: it renewed nothing
+    assert not a.leading()  # it stops acting on its own, before etcd lets the lease go
+    run(b._campaign())
+    assert b.role is Role.LEADING and b.term > a.term
+    run(a._renew())  # awake again: the lease is gone
+    assert a.role is Role.STANDBY
+    assert log[-1].startswith("a deposed")
+
+
+def test_renewal_extends_validity_and_an_etcd_outage_past_the_lease_deposes():
+    clock, log = Clock(), []
+    etcd = FakeEtcd(clock)
+    a = candidate(etcd, clock, "a", log)
+    run(a._campaign())
+    clock.t += 0.5
+    before = clock.t
+
+    async def renew_now() -> None:
+        a.ttl_s = 0  # no wait before the renewal in this test
+        await a._renew()
+        a.ttl_s = 1
+
+    run(renew_now())
+    assert a.valid_until == pytest.approx(before + 1 - election.MARGIN_S)
+    etcd.down = True
+    clock.t += 0.5
+
+    async def one_round() -> None:
+        task = asyncio.create_task(a.run())
+        await asyncio.sleep(0.3)
+        task.cancel()
+
+    run(one_round())
+    assert a.role is Role.LEADING  # etcd down inside the lease: it still leads
+    clock.t += 0.6
+    run(one_round())
+    assert a.role is Role.STANDBY and "deposed" in log[-1]
+
+
+def test_epoch_records_are_fenced_by_the_term():
+    clock, log = Clock(), []
+    etcd = FakeEtcd(clock)
+    a, b = candidate(etcd, clock, "a", log), candidate(etcd, clock, "b", log)
+    run(a._campaign())
+    assert run(a.record_epoch({"epoch": 3}))
+    clock.t += 2  # a's lease lapses; b wins
+    run(b._campaign())
+    assert not run(a.record_epoch({"epoch": 4}))  # a deposed leader cannot publish
+    assert run(b.record_epoch({"epoch": 4}))
+    assert json.loads(etcd.keys[b"/job/epoch"].value) == {"epoch": 4}
+    assert run(b.last_epoch()) == {"epoch": 4}
+
+
+def test_resign_hands_over_at_once():
+    clock, log = Clock(), []
+    etcd = FakeEtcd(clock)
+    a, b = candidate(etcd, clock, "a", log), candidate(etcd, clock, "b", log)
+    run(a._campaign())
+    run(a.resign())
+    assert a.role is Role.STANDBY
+    run(b._campaign())
+    assert b.role is Role.LEADING  # no lease to wait out
+
+
+def test_a_node_refuses_orders_and_commands_of_an_older_term():
+    import threading
+
+    from unbroken.control import messages as m
+    from unbroken.control.client import ControlClient
+
+    commands: list[m.Command] = []
+    client = ControlClient([("127.0.0.1", 1)], lambda mid: None, name="n", connect_timeout_s=1, wake=threading.Event())  # type: ignore[arg-type,return-value]
+    client.on_command = commands.append
+    client.term = 5
+
+    def order(epoch: int, term: int) -> m.EpochOrder:
+        return m.EpochOrder(epoch=epoch, term=term, members=["n"], shares=[4], urgent=False, reason="test")
+
+    client._on_message(order(10, 4))
+    assert client.latest_order() is None  # deposed leader's order: refused
+    client._on_message(order(10, 5))
+    assert client.latest_order() is not None and client.latest_order().epoch == 10
+    client._on_message(m.Command(action="kill", reason="old", term=4))
+    assert commands == []
+    client._on_message(m.Command(action="drain", reason="now", term=5))
+    assert [c.reason for c in commands] == ["now"]
