@@ -185,3 +185,39 @@ def test_nodes_coordinate_themselves_and_survive_the_leading_nodes_death(make_cl
     assert codes == dict.fromkeys(survivors, 0), c.diagnostics()
     assert_promises(c, env, finishers=2)
     assert_terms_never_go_back(c)
+
+
+def test_etcd_faults_one_member_down_changes_nothing_no_majority_pauses_only_membership(make_cluster, etcd):
+    env = {"UB_TEST_STEPS": "500", "UB_TEST_DELAY_MS": "20"}
+    c = start(make_cluster, etcd, env, n=3)
+    nodes = [c.start_node(f"n{i}") for i in (1, 2, 3)]
+    c.wait_step(15)
+    leader = c.leader()
+    epochs_before = len(events_of(c, "epoch"))
+    # One member down: the leader keeps its lease, nothing changes, training goes on.
+    etcd.kill(0)
+    at = c.max_committed()
+    c.wait_step(at + 20)
+    assert c.leader() == leader
+    assert len(events_of(c, "epoch")) == epochs_before, "one etcd member down must not change the epoch"
+    # No majority: nobody can lead, the group trains on in its epoch.
+    etcd.kill(1)
+    c.wait_for(lambda: c.leader() is None, 10, "the leader to step down without an etcd majority")
+    at = c.max_committed()
+    c.wait_step(at + 30, timeout=30)
+    assert c.leader() is None
+    # A membership change waits: n3 dies, the survivors cannot commit in a new epoch yet.
+    nodes[2].kill()
+    time.sleep(2.0)
+    stuck_at = c.max_committed()
+    time.sleep(1.0)
+    assert c.max_committed() == stuck_at, "no epoch may form while etcd has no majority"
+    # etcd back: a leader is elected, the survivors form an epoch without n3 and finish.
+    etcd.restart(0)
+    etcd.restart(1)
+    c.wait_for(lambda: c.leader() is not None, 20, "a leader once etcd has its majority back")
+    c.wait_step(stuck_at + 10, timeout=60)
+    codes = c.wait_exit(["n1", "n2"], timeout=180)
+    assert codes == {"n1": 0, "n2": 0}, c.diagnostics()
+    assert_promises(c, env, finishers=2)
+    assert_terms_never_go_back(c)

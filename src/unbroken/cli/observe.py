@@ -6,12 +6,14 @@
     unbroken events --json --follow                     # JSON lines, new events as they come
 
 Both read the coordinator's HTTP API (``/api/state``, ``/api/history``, ``/api/events``);
-``--tls-ca`` for a coordinator served over TLS.
+``--tls-ca`` for a coordinator served over TLS. With replicated coordinators, give any of
+them (``--coordinator A,B``): a standby names the leader, which is read instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import ssl
@@ -34,15 +36,39 @@ ALARMS = {*ANOMALIES, "failure", "bad-gradient", "quarantine", "refused"}
 
 class Api:
     def __init__(self, address: str | None, tls_ca: str | None = None, timeout_s: float = 5.0) -> None:
-        text = address or os.environ.get(ENV_COORDINATOR, "").split(",")[0]
-        if not text:
+        texts = [t for t in (address or os.environ.get(ENV_COORDINATOR, "")).split(",") if t.strip()]
+        if not texts:
             raise ConfigError(f"no coordinator: pass --coordinator HOST:PORT or set {ENV_COORDINATOR}")
-        host, port = parse_address(text)
-        self.base = f"{'https' if tls_ca else 'http'}://{host}:{port}"
+        self.scheme = "https" if tls_ca else "http"
+        self.bases = [self._base(parse_address(t)) for t in texts]
+        self.base = self.bases[0]
         self.context = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
         self.timeout_s = timeout_s
 
+    def _base(self, address: tuple[str, int]) -> str:
+        return f"{self.scheme}://{address[0]}:{address[1]}"
+
     def get(self, path: str) -> Any:
+        """GET from the leader: the first address that answers, or the leader a standby names."""
+        error: CoordinatorUnreachable | None = None
+        for base in dict.fromkeys([self.base, *self.bases]):
+            self.base = base
+            try:
+                data = self._get(path)
+            except CoordinatorUnreachable as exc:
+                error = exc
+                continue
+            lead = data.get("leadership") if isinstance(data, dict) else None
+            if isinstance(lead, dict) and lead.get("role") == "standby" and lead.get("leader"):
+                with contextlib.suppress(ConfigError, CoordinatorUnreachable):
+                    self.base = self._base(parse_address(str(lead["leader"])))
+                    return self._get(path)
+                self.base = base
+            return data
+        assert error is not None
+        raise error
+
+    def _get(self, path: str) -> Any:
         try:
             with urllib.request.urlopen(self.base + path, timeout=self.timeout_s, context=self.context) as r:
                 return json.loads(r.read())
@@ -58,6 +84,15 @@ class Api:
 # ---------------------------------------------------------------- status
 
 
+def _leadership(lead: dict[str, Any]) -> list[tuple[str, str] | str]:
+    """Who leads, in the status line (nothing for a single coordinator without etcd)."""
+    if lead.get("role") in (None, "single"):
+        return []
+    standbys = ", ".join(lead.get("standbys") or []) or "none"
+    return [("  leader ", "bold"), f"{lead.get('leader') or 'none (election)'} term {lead.get('term', 0)}",
+            ("  standbys ", "bold"), standbys]  # fmt: skip
+
+
 def status_view(state: dict[str, Any], history: dict[str, Any], events: list[dict[str, Any]]) -> Group:
     """The status screen from the API's answers (pure: tested on fixed inputs)."""
     plan = state.get("plan", {})
@@ -68,6 +103,7 @@ def status_view(state: dict[str, Any], history: dict[str, Any], events: list[dic
         ("job ", "bold"), str(state.get("job") or "?"),
         ("  step ", "bold"), str(state.get("step", 0)),
         ("  epoch ", "bold"), str(state.get("epoch", 0)),
+        *_leadership(state.get("leadership") or {}),
         ("  mode ", "bold"), str(plan.get("mode", "sync")),
         ("  loss ", "bold"), f"{loss:.4f}" if isinstance(loss, float) else "-",
         ("  steps/s ", "bold"), f"{history.get('step_rate', 0.0):.2f}",

@@ -16,9 +16,10 @@ was given, and a standby it reaches names the leader. Every welcome and order ca
 the leader's term; the node remembers the highest it has seen and refuses a session or
 an order of an older one (a deposed leader that has not noticed yet). A leader that stops
 acknowledging heartbeats (frozen, cut off) is looked up in etcd: once etcd shows it lost
-its lease, the node leaves its session at once, with its own lease still fresh, so it
-trains on (as after a coordinator crash) and joins the new leader, instead of waiting two
-leases for a frozen process and pausing its commits meanwhile.
+its lease, the node leaves its session at once and trains on as after a coordinator
+crash (the only authority that could have expelled it can no longer act; the next one is
+still gathering the group, this node included), then joins the new leader, instead of
+waiting two leases for a frozen process with its commits paused meanwhile.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class ControlClient:
         self.term = 0
         """The highest leader term this node has seen (sessions and orders of older ones are refused)."""
         self._etcd: Etcd | None = None
+        self._leader_gone = False
+        """etcd showed that this session's leader lost its lease (see the module docstring)."""
         self._why_no_leader = ""
         self._hello = hello
         self._token = token
@@ -286,7 +289,7 @@ class ControlClient:
         connect = asyncio.wait_for(
             http.ws_connect(
                 url,
-                timeout=aiohttp.ClientWSTimeout(ws_close=1.0),
+                timeout=aiohttp.ClientWSTimeout(ws_close=0.2),  # a frozen peer never answers a close
                 max_msg_size=64 << 20,
                 heartbeat=None,
                 ssl=self._ssl if self._ssl is not None else True,
@@ -360,7 +363,8 @@ class ControlClient:
                 with self._lock:
                     fresh = time.monotonic() - self._last_acked_send < self.lease_s
                     self.connected = False
-                    self.outage = fresh and self.expelled is None
+                    self.outage = (fresh or self._leader_gone) and self.expelled is None
+                    self._leader_gone = False
                 self.wake.set()
                 if not self._closing and self.expelled is None:
                     log.warning("lost the coordinator session (%s)", "lease fresh: outage" if fresh else "lease stale")
@@ -377,6 +381,7 @@ class ControlClient:
             unacked = time.monotonic() - self._last_acked_send
             if unacked > self.lease_s / 2 and self.term > 0 and await self._leader_moved():
                 log.warning("the leader of term %d lost its etcd lease: leaving its session", self.term)
+                self._leader_gone = True
                 await ws.close()
                 return
             self._seq += 1

@@ -421,10 +421,12 @@ class Coordinator:
             return {"role": "single", "term": 0, "leader": f"{self.address[0]}:{self.address[1]}", "etcd": None}
         lead = self.leadership
         leader = lead.leader or {}
+        leader_id = self.coordinator_id if self.leading() else leader.get("coordinator_id")
         return {
             "role": "leader" if self.leading() else "standby",
             "term": self.term if self.leading() else lead.leader_term,
-            "leader": leader.get("address"),
+            "leader": self.advertised if self.leading() else leader.get("address"),
+            "standbys": sorted(str(c.get("address")) for c in lead.candidates if c.get("coordinator_id") != leader_id),
             "self": self.advertised,
             "pid": os.getpid(),
             "etcd": {"endpoints": list(self.config.etcd), "prefix": self.config.etcd_prefix, "error": lead.error},

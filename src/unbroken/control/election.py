@@ -40,6 +40,9 @@ POLL_S = 0.1
 """How often a standby looks at the leader key (a lapsed lease is seen this much later)."""
 MARGIN_S = 0.05
 """Validity is cut this much short of the lease (message delay to etcd, clock rate)."""
+PRESENCE_TTL_S = 5
+"""Every candidate, leading or not, is listed under ``<prefix>/candidates/`` on a lease this
+long (renewed every second): what the dashboard and ``unbroken status`` show as standbys."""
 
 
 class Role(str, enum.Enum):
@@ -49,6 +52,10 @@ class Role(str, enum.Enum):
 
 def leader_key(prefix: str) -> bytes:
     return f"{prefix.rstrip('/')}/leader".encode()
+
+
+def candidates_key(prefix: str) -> bytes:
+    return f"{prefix.rstrip('/')}/candidates/".encode()
 
 
 def epoch_key(prefix: str) -> bytes:
@@ -86,6 +93,10 @@ class Leadership:
         self.leader_term = 0
         self.error: str | None = None
         """Why etcd could not be used on the last attempt (None: it answered)."""
+        self.candidates: list[dict[str, Any]] = []
+        """Every coordinator standing for this job, as last listed in etcd (this one included)."""
+        self.name = ""
+        """This candidate's key under ``<prefix>/candidates/`` (set by `run`)."""
         self._resigning = False
 
     @property
@@ -97,6 +108,27 @@ class Leadership:
         return self.role is Role.LEADING and (self.clock() if now is None else now) < self.valid_until
 
     async def run(self) -> None:
+        presence = asyncio.create_task(self._present(), name="candidate-presence")
+        try:
+            await self._campaign_forever()
+        finally:
+            presence.cancel()
+
+    async def _present(self) -> None:
+        """Keep this candidate listed, and the list of every candidate fresh."""
+        lease = 0
+        record = self._record()
+        self.name = str(record.get("coordinator_id") or id(self))
+        key = candidates_key(self.prefix) + self.name.encode()
+        while True:
+            with contextlib.suppress(EtcdUnavailable):
+                if lease == 0 or await self.etcd.keepalive(lease) <= 0:
+                    lease = await self.etcd.grant(PRESENCE_TTL_S)
+                    await self.etcd.put(key, json.dumps(self._record()).encode(), lease)
+                self.candidates = [kv.json() for kv in await self.etcd.get_prefix(candidates_key(self.prefix))]
+            await asyncio.sleep(1.0)
+
+    async def _campaign_forever(self) -> None:
         while not self._resigning:
             try:
                 if self.role is Role.STANDBY:

@@ -155,6 +155,12 @@ class Etcd:
         kvs = data.get("kvs") or []
         return KeyValue.parse(kvs[0]) if kvs else None
 
+    async def get_prefix(self, prefix: bytes, limit: int = 1000) -> list[KeyValue]:
+        """Every key that starts with ``prefix`` (at most ``limit``), in key order."""
+        end = prefix[:-1] + bytes([prefix[-1] + 1]) if prefix and prefix[-1] < 255 else b"\0"
+        data = await self.call("kv/range", {"key": _b64(prefix), "range_end": _b64(end), "limit": limit})
+        return [KeyValue.parse(kv) for kv in data.get("kvs") or []]
+
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
         if lease:

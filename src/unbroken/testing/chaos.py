@@ -201,7 +201,8 @@ class Chaos:
 
     def run(self) -> ChaosReport:
         self.net = netns.Network() if self.links else None
-        self.etcd = EtcdCluster(self.workdir / "etcd", start=False) if self.ha else None
+        host = self.net.gateway if self.net is not None else "127.0.0.1"
+        self.etcd = EtcdCluster(self.workdir / "etcd", start=False, host=host) if self.ha else None
         args = ["--digest-every", "1"]
         cluster = LocalCluster(
             JOB,
@@ -215,7 +216,7 @@ class Chaos:
         # The network closes after the cluster (namespaces outlive the nodes in them), on any exit.
         with self.net or contextlib.nullcontext(), self.etcd or contextlib.nullcontext(), cluster as c:
             if self.etcd is not None:
-                self.etcd.start()
+                self.etcd.start()  # the network is up: the members listen on its gateway
             _, port = c.start_coordinator()
             if self.etcd is not None:
                 c.start_coordinator()

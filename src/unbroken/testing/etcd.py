@@ -55,7 +55,10 @@ def _free_ports(n: int) -> list[int]:
 class EtcdCluster:
     """``size`` etcd members on loopback, started at once."""
 
-    def __init__(self, workdir: Path, size: int = 3, *, start: bool = True) -> None:
+    def __init__(self, workdir: Path, size: int = 3, *, start: bool = True, host: str = "127.0.0.1") -> None:
+        """``host``: where clients reach the members (e.g. a `netns.Network` gateway); peers
+        talk on loopback."""
+        self.host = host
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.size = size
@@ -67,7 +70,7 @@ class EtcdCluster:
 
     @property
     def endpoints(self) -> list[str]:
-        return [f"http://127.0.0.1:{p}" for p in self.client_ports]
+        return [f"http://{self.host}:{p}" for p in self.client_ports]
 
     def _cmd(self, i: int, state: str) -> list[str]:
         cluster = ",".join(f"e{j}=http://127.0.0.1:{p}" for j, p in enumerate(self.peer_ports))
@@ -75,8 +78,8 @@ class EtcdCluster:
             etcd_binary(), "--name", f"e{i}", "--data-dir", str(self.workdir / f"e{i}.data"),
             "--listen-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
-            "--listen-client-urls", f"http://127.0.0.1:{self.client_ports[i]}",
-            "--advertise-client-urls", f"http://127.0.0.1:{self.client_ports[i]}",
+            "--listen-client-urls", self.endpoints[i],
+            "--advertise-client-urls", self.endpoints[i],
             "--initial-cluster", cluster, "--initial-cluster-state", state,
             "--initial-cluster-token", f"unbroken-{self.peer_ports[0]}",
             "--heartbeat-interval", str(HEARTBEAT_MS), "--election-timeout", str(ELECTION_MS),

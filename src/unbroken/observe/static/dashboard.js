@@ -147,7 +147,13 @@
     const active = state.members.filter((m) => m.rank !== null).length;
     text("count", `${active} in epoch · ${state.members.length} connected`);
     text("recovery-count", String((state.recoveries || []).length));
-    if (state.finished) setStatus("finished");
+    const lead = state.leadership || {};
+    const standbys = lead.standbys || [];
+    if (!lead.role || lead.role === "single") text("leader", "single coordinator");
+    else text("leader", `${lead.leader || "electing…"} · term ${lead.term} · ${standbys.length} standby`);
+    $("leader").title = standbys.length ? `standbys: ${standbys.join(", ")}` : "";
+    if (lead.role === "standby") setStatus("standby", `this coordinator stands by; the leader is ${lead.leader || "being elected"}`);
+    else if (state.finished) setStatus("finished");
     else if (state.recovering) setStatus("recovering", "the coordinator restarted and rebuilds its view from the nodes");
     else if (view.lastFailureSeq > view.lastEpochSeq) setStatus("re-forming", "a member failed: the next epoch is being formed");
     else if (!state.epoch) setStatus("waiting", "waiting for enough nodes to start");
