@@ -221,3 +221,41 @@ def test_etcd_faults_one_member_down_changes_nothing_no_majority_pauses_only_mem
     assert codes == {"n1": 0, "n2": 0}, c.diagnostics()
     assert_promises(c, env, finishers=2)
     assert_terms_never_go_back(c)
+
+
+def test_bad_etcd_input_gets_errors_that_name_the_fix(make_cluster, etcd, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import JOB
+    from unbroken.testing.cluster import READY_PREFIX
+
+    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "unbroken", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **(env or {})},
+        )
+
+    # etcd unreachable: the coordinator does not start, and says why.
+    dead = "http://127.0.0.1:1"
+    r = run("coordinator", "--port", "0", "--etcd", dead)
+    assert r.returncode == 2 and "cannot start the coordinator" in r.stderr and "--etcd" in r.stderr, r.stderr
+    assert READY_PREFIX not in r.stdout
+    # A node under a prefix where no coordinator stands: a clear error after its connect timeout.
+    r = run("node", JOB, "--etcd", ",".join(etcd.endpoints), "--etcd-prefix", "/nobody/here", "--connect-timeout", "2")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "found no coordinator leading under '/nobody/here'" in r.stderr and "--etcd-prefix" in r.stderr
+    # Two jobs under one prefix: the second job's node is refused with the job named and the fix.
+    c = start(make_cluster, etcd, {"UB_TEST_STEPS": "200", "UB_TEST_DELAY_MS": "20"}, n=1, coordinators=1)
+    c.start_node("a")
+    c.wait_step(5)
+    r = run(
+        "node", JOB, "--etcd", ",".join(etcd.endpoints), "--connect-timeout", "5",
+        env={"UB_TEST_NAME": "other-job", "UB_TEST_STEPS": "200"},
+    )  # fmt: skip
+    assert r.returncode == 2 and "separate --etcd-prefix" in r.stderr, r.stderr[-2000:]
+    at = c.max_committed()
+    c.wait_step(at + 5)  # the running job lost nothing

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import enum
 import json
 import logging
 import os
@@ -59,19 +60,29 @@ HELLO_TIMEOUT_S = 10.0
 MAX_EVENTS = 10_000
 
 
+class Gate(enum.Enum):
+    """May a message go out now: yes, not yet (the lease awaits its renewal), never (deposed)."""
+
+    SEND = "send"
+    WAIT = "wait"
+    STOP = "stop"
+
+
 class _Session:
     """One node's connection; a writer task keeps each session's messages in order."""
 
-    def __init__(self, ws: web.WebSocketResponse, member_id: str, may_send: Callable[[], bool]) -> None:
+    def __init__(self, ws: web.WebSocketResponse, member_id: str, gate: Callable[[], Gate]) -> None:
         self.ws = ws
         self.member_id = member_id
-        self.may_send = may_send
+        self.gate = gate
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
         self.writer = asyncio.create_task(self._write(), name=f"session-writer-{member_id}")
 
     async def _write(self) -> None:
         while (text := await self.queue.get()) is not None:
-            if not self.may_send():
+            while (gate := self.gate()) is Gate.WAIT:
+                await asyncio.sleep(0.01)
+            if gate is Gate.STOP:
                 break  # deposed while this waited: say nothing more, not even late orders
             try:
                 await self.ws.send_str(text)
@@ -204,6 +215,16 @@ class Coordinator:
             return True
         return self._took_over and self.leadership.leading()
 
+    def in_office(self) -> bool:
+        """Elected for the current term and not deposed (always, without etcd); whether it may
+        send right now is `leading` (the lease can be awaiting its renewal)."""
+        return self.leadership is None or self._took_over
+
+    def gate(self) -> Gate:
+        if not self.in_office():
+            return Gate.STOP
+        return Gate.SEND if self.leading() else Gate.WAIT
+
     @property
     def advertised(self) -> str:
         advertise = self.config.advertise
@@ -278,13 +299,15 @@ class Coordinator:
                 if not await self._publish(epoch, order):
                     d = Decision()
                     break
-            if self.leading():
+            while (gate := self.gate()) is Gate.WAIT:
+                await asyncio.sleep(0.01)
+            if gate is Gate.SEND:
                 self._send_decision(d)
 
     async def _publish(self, epoch: int, order: m.EpochOrder) -> bool:
         assert self.leadership is not None
         record = {"epoch": epoch, "term": order.term, "members": len(order.members), "step": self.membership.step}
-        while self.leading():
+        while self.in_office():
             try:
                 if await self.leadership.record_epoch(record):
                     return True
@@ -421,11 +444,11 @@ class Coordinator:
             return {"role": "single", "term": 0, "leader": f"{self.address[0]}:{self.address[1]}", "etcd": None}
         lead = self.leadership
         leader = lead.leader or {}
-        leader_id = self.coordinator_id if self.leading() else leader.get("coordinator_id")
+        leader_id = self.coordinator_id if self.in_office() else leader.get("coordinator_id")
         return {
-            "role": "leader" if self.leading() else "standby",
-            "term": self.term if self.leading() else lead.leader_term,
-            "leader": self.advertised if self.leading() else leader.get("address"),
+            "role": "leader" if self.in_office() else "standby",
+            "term": self.term if self.in_office() else lead.leader_term,
+            "leader": self.advertised if self.in_office() else leader.get("address"),
             "standbys": sorted(str(c.get("address")) for c in lead.candidates if c.get("coordinator_id") != leader_id),
             "self": self.advertised,
             "pid": os.getpid(),
@@ -451,12 +474,19 @@ class Coordinator:
             hello = m.parse_node_message(first.data, self.config.max_message_bytes)
             if not isinstance(hello, m.Hello):
                 raise ProtocolError(f"the first message must be a hello, got {hello.type!r}")
-            if not self.leading():
+            if not self.in_office():
                 await ws.send_str(m.encode(self.standby_refusal()))
                 await ws.close()
                 return ws
             unproven = self._check_token(hello, challenge)
-            decision = Decision(refuse=unproven) if unproven else self.membership.admit(hello, time.monotonic())
+            old = None if unproven else self._sessions.pop(hello.member_id, None)
+            if old is not None:
+                old.close()  # the node reconnected before its old session ended here: it replaces it
+            decision = (
+                Decision(refuse=unproven)
+                if unproven
+                else self.membership.admit(hello, time.monotonic(), reconnect=old is not None)
+            )
             if decision.refuse is not None:
                 log.warning("refused %s from %s: %s", hello.name, peer, decision.refuse)
                 self._record(
@@ -473,7 +503,7 @@ class Coordinator:
                 await ws.send_str(m.encode(refusal))
                 await ws.close()
                 return ws
-            session = _Session(ws, hello.member_id, self.leading)
+            session = _Session(ws, hello.member_id, self.gate)
             self._sessions[hello.member_id] = session
             session.send(
                 m.Welcome(
@@ -495,7 +525,7 @@ class Coordinator:
                     if raw.type == WSMsgType.ERROR:
                         raise ProtocolError(f"session error: {ws.exception()}")
                     raise ProtocolError(f"unexpected {raw.type.name} frame")
-                if not self.leading() or self.term != term:
+                if not self.in_office() or self.term != term:
                     break  # deposed (or re-elected: a new term's view): the node reconnects
                 self._dispatch(session, m.parse_node_message(raw.data, self.config.max_message_bytes))
         except ProtocolError as exc:
@@ -514,7 +544,7 @@ class Coordinator:
             log.warning("session from %s sent no hello within %s s", peer, HELLO_TIMEOUT_S)
         finally:
             if session is not None:
-                if self._sessions.get(session.member_id) is session and self.leading():
+                if self._sessions.get(session.member_id) is session and self.in_office():
                     del self._sessions[session.member_id]
                     self._apply(self.membership.session_closed(session.member_id, time.monotonic()))
                 session.close()
@@ -597,7 +627,7 @@ class Coordinator:
             # expiring leases now would expel healthy nodes, so this tick only forms epochs.
             late = now - last > self.config.lease_s / 2
             last = now
-            if not self.leading():
+            if not self.in_office():
                 continue
             try:
                 self._apply(self.membership.tick(now, expire=not late))

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.1
 """How often a standby looks at the leader key (a lapsed lease is seen this much later)."""
+RETRY_S = 0.03
+"""How soon a leader tries again after a renewal that etcd did not answer."""
 MARGIN_S = 0.05
 """Validity is cut this much short of the lease (message delay to etcd, clock rate)."""
 PRESENCE_TTL_S = 5
@@ -98,6 +100,7 @@ class Leadership:
         self.name = ""
         """This candidate's key under ``<prefix>/candidates/`` (set by `run`)."""
         self._resigning = False
+        self._retrying = False
 
     @property
     def key(self) -> bytes:
@@ -140,8 +143,12 @@ class Leadership:
             except EtcdUnavailable as exc:
                 self.error = str(exc)
                 if self.role is Role.LEADING and not self.leading():
+                    lease = self.lease
                     self._depose(f"etcd unreachable past the lease: {exc}")
-                await asyncio.sleep(POLL_S)
+                    await self._revoke(lease)
+                # A leader retries at once: an etcd election (a member died) must not outlast its lease.
+                await asyncio.sleep(RETRY_S if self.role is Role.LEADING else POLL_S)
+                self._retrying = self.role is Role.LEADING
 
     async def _campaign(self) -> None:
         current = await self.etcd.get(self.key)
@@ -163,14 +170,18 @@ class Leadership:
         self.on_elected(self.term)
 
     async def _renew(self) -> None:
-        await asyncio.sleep(max(0.01, min(self.ttl_s / 4, self.valid_until - self.clock())))
+        if not self._retrying:
+            await asyncio.sleep(max(0.01, min(self.ttl_s / 4, self.valid_until - self.clock())))
+        self._retrying = False
         if self.role is not Role.LEADING:
             return
         if not self.leading():
+            lease = self.lease
             self._depose("the lease lapsed before it could be renewed (this process was frozen or starved)")
+            await self._revoke(lease)  # let a standby (or this one) lead now rather than at etcd's expiry
             return
         sent = self.clock()
-        ttl = await self.etcd.keepalive(self.lease)
+        ttl = await self.etcd.keepalive(self.lease, timeout_s=max(0.1, self.ttl_s / 4))
         if ttl <= 0:
             self._depose("the leader's etcd lease expired")
             return

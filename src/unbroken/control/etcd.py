@@ -140,9 +140,9 @@ class Etcd:
             raise EtcdUnavailable(f"etcd refused a {ttl_s} s lease: {data['error']}")
         return int(data["ID"])
 
-    async def keepalive(self, lease: int) -> int:
+    async def keepalive(self, lease: int, timeout_s: float | None = None) -> int:
         """Renew a lease; its TTL in seconds, 0 when it has already expired."""
-        data = await self.call("lease/keepalive", {"ID": str(lease)})
+        data = await self.call("lease/keepalive", {"ID": str(lease)}, timeout_s)
         return int(data.get("result", {}).get("TTL", 0))
 
     async def revoke(self, lease: int) -> None:

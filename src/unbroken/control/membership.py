@@ -218,14 +218,15 @@ class Membership:
 
     # ----------------------------------------------------------------- joins and leaves
 
-    def admit(self, hello: Hello, now: float) -> Decision:
-        """Check a hello; on success the node becomes a joining member."""
+    def admit(self, hello: Hello, now: float, reconnect: bool = False) -> Decision:
+        """Check a hello; on success the node becomes a joining member. ``reconnect``: the
+        member's previous session was still open and has been replaced (it stays as it was)."""
         d = Decision()
         if self.job is not None and (hello.job != self.job or hello.job_identity != self.job_identity):
             d.refuse = (
                 f"this coordinator runs job {self.job!r} ({self.job_identity}); this node runs "
-                f"{hello.job!r} ({hello.job_identity}): start a separate coordinator per job, "
-                "or use the same job settings (name, batch size, steps, seed, dataset size)"
+                f"{hello.job!r} ({hello.job_identity}): start a separate coordinator per job (with etcd: "
+                "a separate --etcd-prefix), or use the same job settings (name, batch size, steps, seed, dataset size)"
             )
             return d
         if self.fingerprint is not None:
@@ -234,6 +235,9 @@ class Membership:
                 d.refuse = f"model does not match the group's: {diff}"
                 return d
         if hello.member_id in self.members:
+            if reconnect:
+                self.heartbeat(hello.member_id, hello.step, now)
+                return d
             d.refuse = f"member id {hello.member_id!r} is already connected"
             return d
         if self.finished:

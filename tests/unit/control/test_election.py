@@ -48,7 +48,7 @@ class FakeEtcd:
         self.leases[self._next_lease] = (ttl_s, self.clock() + ttl_s)
         return self._next_lease
 
-    async def keepalive(self, lease: int) -> int:
+    async def keepalive(self, lease: int, timeout_s: float | None = None) -> int:
         self._check()
         if lease not in self.leases:
             return 0

@@ -564,3 +564,45 @@ def test_a_late_tick_does_not_expire_leases() -> None:
     late = 10 * LEASE
     assert ms.tick(late, expire=False).expel == {}
     assert set(ms.tick(late).expel) == {"a", "b"}
+
+
+# ---------------------------------------------------------------- leaders and reconnects
+
+
+def test_a_reconnect_that_replaces_an_open_session_keeps_the_member_and_its_epoch():
+    ms = formed(["a", "b"])
+    epoch = ms.epoch
+    assert ms.admit(hello("a"), 5.0).refuse is not None  # a second session without replacing the first
+    d = ms.admit(hello("a", step=7), 5.0, reconnect=True)
+    assert d.refuse is None and not d.orders and not d.events
+    assert ms.epoch == epoch and ms.epoch_members == ["a", "b"]
+    assert ms.members["a"].last_seen == 5.0 and ms.members["a"].step == 7
+
+
+def test_orders_carry_the_leaders_term():
+    ms = Membership(lease_s=LEASE, now=0.0)
+    ms.term = 42
+    admit_all(ms, ["a"], 0.0)
+    assert only_order(ms.tick(JOIN_SETTLE_S)).term == 42
+
+
+def test_a_member_that_abandoned_the_newest_epoch_ends_a_new_leaders_wait_early():
+    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    resume = {"epoch": 5, "members": ["a", "b", "c"], "step": 40}
+    assert ms.admit(hello("a", resume=Resume(**resume, abandoned=True), last_epoch=5), 0.0).refuse is None
+    assert ms.admit(hello("b", resume=Resume(**resume, abandoned=True), last_epoch=5), 0.05).refuse is None
+    # c died with the old leader; a and b cannot go on in epoch 5: no 3 s wait for c.
+    assert not ms.tick(0.2).orders
+    order = only_order(ms.tick(0.5))
+    assert order.members == ["a", "b"] and order.urgent and order.epoch > 5
+    assert "abandoned" in order.reason
+
+
+def test_an_intact_epoch_is_still_adopted_when_everyone_is_back():
+    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    resume = {"epoch": 5, "members": ["a", "b"], "step": 40, "shares": [6, 6], "roles": ["trainer", "trainer"]}
+    for mid in ("a", "b"):
+        assert ms.admit(hello(mid, resume=Resume(**resume), last_epoch=5), 0.0).refuse is None
+    d = ms.tick(0.01)
+    assert not d.orders and ms.epoch == 5 and ms.epoch_members == ["a", "b"]
+    assert any(e.kind == "adopt" for e in d.events)
