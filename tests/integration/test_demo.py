@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -24,3 +25,20 @@ def test_demo_survives_its_kill_and_ends_with_identical_replicas(tmp_path):
     assert "faults survived" in out and "node-2: control connection dropped" in out
     assert "replicas bit-identical" in out and "│ yes" in out
     assert "heldout bits per char" in out
+
+
+def test_ha_demo_survives_the_leaders_kill_and_a_nodes(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "unbroken", "demo", "--ha", "--steps", "400", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert "SIGKILL the leading coordinator" in out and "SIGKILL node-2" in out
+    assert "400 / 400" in out
+    assert "leader SIGKILL -> a standby leads" in out and "the killed one led term" in out
+    assert "kill -> survivors' next commit" in out
+    assert "replicas bit-identical" in out and "│ yes" in out

@@ -185,7 +185,7 @@ def _bytes(text: str) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from unbroken.demo.driver import run_demo
 
-    return run_demo(steps=args.steps, nodes=args.nodes, out_dir=Path(args.out) if args.out else None)
+    return run_demo(steps=args.steps, nodes=args.nodes, out_dir=Path(args.out) if args.out else None, ha=args.ha)
 
 
 def _chaos(args: argparse.Namespace) -> int:
@@ -355,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=0, help="training steps (default: the demo job's)")
     d.add_argument("--nodes", type=int, default=3, help="nodes to start with")
     d.add_argument("--out", help="directory for logs and checkpoints (default: a temporary one)")
+    d.add_argument(
+        "--ha", action="store_true", help="3 etcd members and 2 coordinators; the leader is killed, then a node"
+    )
     d.set_defaults(func=_demo)
 
     h = sub.add_parser(

@@ -195,10 +195,16 @@ class ControlClient:
     async def _main(self, run_id: int) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
+        self._etcd = Etcd(self.etcd_endpoints, timeout_s=0.5) if self.etcd_endpoints else None
+        try:
+            await self._connect_forever(run_id, self._etcd)
+        finally:
+            if self._etcd is not None:
+                await self._etcd.close()
+
+    async def _connect_forever(self, run_id: int, etcd: Etcd | None) -> None:
         deadline = time.monotonic() + self.connect_timeout_s
         last_error = "no attempt"
-        etcd = Etcd(self.etcd_endpoints, timeout_s=0.5) if self.etcd_endpoints else None
-        self._etcd = etcd
         async with aiohttp.ClientSession() as http:
             while not self._stale(run_id):
                 candidates = await self._candidates(etcd)
@@ -234,12 +240,8 @@ class ControlClient:
                 if not self._first.is_set() and time.monotonic() > deadline:
                     self._first_error = CoordinatorUnreachable(self._unreachable_message(last_error))
                     self._first.set()
-                    if etcd is not None:
-                        await etcd.close()
                     return
                 await asyncio.sleep(RECONNECT_DELAY_S)
-        if etcd is not None:
-            await etcd.close()
 
     async def _candidates(self, etcd: Etcd | None) -> list[tuple[str, int]]:
         """Where to look for the leader: the one etcd names first, then the given addresses."""
