@@ -47,3 +47,25 @@ def test_status_shows_the_job_the_members_and_the_events() -> None:
 def test_an_event_line_has_time_kind_node_epoch_step_and_reason() -> None:
     line = event_line(EVENTS[1])
     assert "flapping" in line and "gpu0" in line and "epoch 4 step 110" in line and line.endswith("in 40 s")
+
+
+def test_status_shows_who_leads_in_which_term_and_the_standbys() -> None:
+    lead = {"role": "leader", "term": 7, "leader": "c1:29400", "standbys": ["c2:29400", "c3:29400"]}
+    console = Console(width=200, record=True, color_system=None)
+    console.print(status_view({**STATE, "leadership": lead}, HISTORY, EVENTS))
+    text = console.export_text()
+    assert "leader c1:29400 term 7" in text and "standbys c2:29400, c3:29400" in text
+    assert "leader" not in render().splitlines()[0]  # a single coordinator: nothing to say
+
+
+def test_status_follows_a_standby_to_the_leader(monkeypatch) -> None:
+    from unbroken.cli import observe
+
+    answers = {
+        "http://c2:1/api/state": {"leadership": {"role": "standby", "leader": "c1:1"}, "members": []},
+        "http://c1:1/api/state": {"leadership": {"role": "leader", "leader": "c1:1"}, "members": [{"name": "n"}]},
+    }
+    api = observe.Api("c2:1")
+    monkeypatch.setattr(api, "_get", lambda path: answers[api.base + path])
+    assert api.get("/api/state")["members"] == [{"name": "n"}]
+    assert api.base == "http://c1:1"
