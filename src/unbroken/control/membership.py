@@ -278,6 +278,10 @@ class Membership:
             self.recovering_until = min(self.recovering_until, now + max(FRESH_JOB_GRACE_S, 2 * self.lease_s))
         if hello.resume is not None and self.recovering_until is not None:
             r = hello.resume
+            if not self._resumes:
+                # Live members retry every 0.1 s: one silent for a lease after the first is back
+                # would be failed by its lease anyway. Waiting longer only stalls the group.
+                self.recovering_until = min(self.recovering_until, now + self.lease_s + JOIN_SETTLE_S)
             self._resumes[hello.member_id] = r
             self.epoch = max(self.epoch, r.epoch)
             if r.abandoned and r.epoch >= max(x.epoch for x in self._resumes.values()):
@@ -313,7 +317,16 @@ class Membership:
         self._vacated += m.role is Role.TRAINER
         if member_id in self.epoch_members and not self.finished:
             self._want_epoch(now, urgent=True, reason=f"{m.name} failed ({cause})", delay=0.0)
+        if self._resumes.pop(member_id, None) is not None:
+            self._epoch_broke(now, f"{m.name} failed ({cause})")
         return d
+
+    def _epoch_broke(self, now: float, reason: str) -> None:
+        """During a recovery, the epoch the members came back with cannot go on: stop
+        waiting for the rest of them (the others are back within a settle)."""
+        if self.recovering_until is not None:
+            self.recovering_until = min(self.recovering_until, now + BROKEN_SETTLE_S)
+            self._want_epoch(now, urgent=True, reason=reason, delay=BROKEN_SETTLE_S)
 
     def session_closed(self, member_id: str, now: float) -> Decision:
         """The member's session ended; after ``done``, ``leave`` or the job's end that is no failure."""
@@ -385,6 +398,8 @@ class Membership:
         d = Decision()
         if epoch != self.epoch or member_id not in self.members:
             return d
+        if self.recovering_until is not None:
+            self._epoch_broke(now, f"{self.members[member_id].name} reports: {reason}")
         if rollback_to >= 0:
             self._rollback_to = rollback_to
         c = self.members.get(culprit) if culprit is not None else None
@@ -516,7 +531,9 @@ class Membership:
                 return d
         if now >= self.recovering_until:
             self.recovering_until = None
-            if self.members:
+            if self.members and self._pending_due is not None:
+                self._pending_due, self._pending_urgent = now, True  # a failure during recovery said why
+            elif self.members:
                 why = (
                     "a member abandoned the last epoch while no coordinator led"
                     if any(r.abandoned for r in self._resumes.values())

@@ -464,14 +464,14 @@ def test_after_adoption_a_failure_makes_an_epoch_above_the_adopted_one() -> None
     assert (order.epoch, order.members, order.urgent) == (8, ["a"], True)
 
 
-def test_recovery_without_a_missing_member_ends_in_an_urgent_epoch_after_the_window() -> None:
+def test_recovery_without_a_missing_member_ends_in_an_urgent_epoch_a_lease_after_the_first_is_back() -> None:
     ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
     ms.admit(resume_hello("a"), 0.1)
-    for t in (0.5, 1.0, 1.5, 2.0, 2.5, 2.9):
+    for t in (0.5, 1.0, 1.3):
         keep_alive(ms, t)
         assert ms.tick(t).orders == {}
-    keep_alive(ms, 3.0)
-    d = ms.tick(3.0)
+    keep_alive(ms, 1.4)
+    d = ms.tick(1.4)
     order = only_order(d)
     assert order.urgent is True
     assert order.members == ["a"]
@@ -606,3 +606,36 @@ def test_an_intact_epoch_is_still_adopted_when_everyone_is_back():
     d = ms.tick(0.01)
     assert not d.orders and ms.epoch == 5 and ms.epoch_members == ["a", "b"]
     assert any(e.kind == "adopt" for e in d.events)
+
+
+def test_after_a_restart_members_not_back_within_a_lease_of_the_first_are_not_waited_for():
+    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    resume = {"epoch": 5, "members": ["a", "b", "c"], "step": 40}
+    for mid in ("a", "b"):
+        assert ms.admit(hello(mid, resume=Resume(**resume), last_epoch=5), 0.1).refuse is None
+    keep_alive(ms, 1.0)
+    assert not ms.tick(1.0).orders  # c may still be on its way
+    keep_alive(ms, 1.3)
+    order = only_order(ms.tick(0.1 + LEASE + JOIN_SETTLE_S))
+    assert order.members == ["a", "b"] and order.urgent  # not the 3 s window
+
+
+def test_a_failure_reported_during_a_recovery_ends_it_after_a_settle():
+    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    resume = {"epoch": 5, "members": ["a", "b", "c"], "step": 40}
+    for mid in ("a", "b", "c"):
+        assert ms.admit(hello(mid, resume=Resume(**resume), last_epoch=5), 0.0).refuse is None
+    ms.fail("c", 0.1, "control connection dropped")  # c died right after reconnecting
+    order = only_order(ms.tick(0.1 + 0.3))
+    assert order.members == ["a", "b"] and order.urgent and "c" in order.reason
+
+
+def test_a_collective_failure_reported_during_a_recovery_ends_it_after_a_settle():
+    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    resume = {"epoch": 5, "members": ["a", "b", "c"], "step": 40}
+    for mid in ("a", "b"):
+        assert ms.admit(hello(mid, resume=Resume(**resume), last_epoch=5), 0.0).refuse is None
+    ms.fault("a", 5, "all-reduce failed: connection reset", 0.2)
+    assert not ms.tick(0.3).orders
+    order = only_order(ms.tick(0.2 + 0.3))
+    assert order.members == ["a", "b"] and order.urgent
