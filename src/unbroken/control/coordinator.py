@@ -56,6 +56,8 @@ from unbroken.observe.web import add_routes
 log = logging.getLogger(__name__)
 
 TICK_S = 0.02
+LAG_FORGIVEN_S = 0.1
+"""A tick this much later than due extends every lease by the delay (see `_tick_forever`)."""
 HELLO_TIMEOUT_S = 10.0
 MAX_EVENTS = 10_000
 
@@ -134,6 +136,8 @@ class Coordinator:
         self._startup_error: BaseException | None = None
         self.address: tuple[str, int] = (self.config.host, self.config.port)
         self.store_port = 0
+        self.loop_lag_s = 0.0
+        """The longest stall of the event loop seen (leases were extended by each)."""
 
     def _new_membership(self) -> Membership:
         return Membership(
@@ -437,6 +441,7 @@ class Coordinator:
             "final_digests": ms.final_digests,
             "final_metrics": ms.final_metrics,
             "store_port": self.store_port,
+            "loop_lag_s": round(self.loop_lag_s, 3),
         }
 
     def _leadership_state(self) -> dict[str, Any]:
@@ -623,9 +628,14 @@ class Coordinator:
         while True:
             await asyncio.sleep(TICK_S)
             now = time.monotonic()
-            # After a stall of this loop, heartbeats may still sit unread in the sockets:
-            # expiring leases now would expel healthy nodes, so this tick only forms epochs.
-            late = now - last > self.config.lease_s / 2
+            # Time this loop was not listening (a stall: GC, swap, a burst of work) does not
+            # count against anyone's lease, as etcd extends leases after a leader pause; and
+            # heartbeats may still sit unread in the sockets, so this tick expires nothing.
+            lag = now - last - TICK_S
+            late = lag > self.config.lease_s / 2
+            if lag > LAG_FORGIVEN_S:
+                self.membership.pause(lag)
+                self.loop_lag_s = max(self.loop_lag_s, lag)
             last = now
             if not self.in_office():
                 continue

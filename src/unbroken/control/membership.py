@@ -335,6 +335,11 @@ class Membership:
             return Decision()
         return self.fail(member_id, now, "control connection dropped")
 
+    def pause(self, seconds: float) -> None:
+        """The service was not listening for ``seconds``: that time counts against no lease."""
+        for m in self.members.values():
+            m.last_seen += seconds
+
     # ---------------------------------------------------------------- reports
 
     def heartbeat(self, member_id: str, step: int, now: float) -> None:

@@ -639,3 +639,13 @@ def test_a_collective_failure_reported_during_a_recovery_ends_it_after_a_settle(
     assert not ms.tick(0.3).orders
     order = only_order(ms.tick(0.2 + 0.3))
     assert order.members == ["a", "b"] and order.urgent
+
+
+def test_time_the_coordinator_was_not_listening_counts_against_no_lease():
+    ms = formed(["a", "b"])
+    keep_alive(ms, 1.0)
+    ms.pause(2.0)  # the service's loop stalled for 2 s (its tick saw the lag)
+    d = ms.tick(3.5)  # 2.5 s since the last heartbeat, of which 2 s were not listened for
+    assert not d.expel and not d.orders
+    d = ms.tick(4.1)  # past the lease once the stall is forgiven: a real failure is still seen
+    assert set(d.expel) == {"a", "b"}
