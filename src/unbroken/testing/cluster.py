@@ -201,7 +201,9 @@ class LocalCluster:
         self, name: str, *, fault: str = "", extra: list[str] | None = None, env: dict[str, str] | None = None
     ) -> NodeProcess:
         assert self.address is not None or self.etcd, "start the coordinator first"
-        where = ",".join(f"{h}:{p}" for _, (h, p) in self.coordinators)
+        # Every coordinator started here, or the one whose address the caller set (embedded).
+        known = [a for _, a in self.coordinators] or ([self.address] if self.address else [])
+        where = ",".join(f"{h}:{p}" for h, p in known)
         cmd = [
             sys.executable, "-m", "unbroken", "-v", "node", self.job,
             *(["--coordinator", where] if where else []),
