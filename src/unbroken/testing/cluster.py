@@ -278,7 +278,11 @@ class LocalCluster:
         path = self.workdir / "events.jsonl"
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out = []
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):  # a line still being written
+                out.append(json.loads(line))
+        return out
 
     def diagnostics(self) -> str:
         parts = []

@@ -1,0 +1,33 @@
+"""The control plane under load: fake nodes that speak the real protocol, a real coordinator."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from integration.helpers import events_of
+from unbroken.testing.fakes import FakeNodes
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_a_stalled_coordinator_expels_no_healthy_node(make_cluster):
+    """Its loop stops for 2 s (SIGSTOP: no heartbeat is read, no tick runs) under 200 members;
+    once it runs again, none of them is expelled: the time it was not listening is forgiven."""
+    c = make_cluster()
+    c.start_coordinator()
+    with FakeNodes(c.address, 200) as fakes:
+        fakes.wait_joined(60)
+        c.wait_for(lambda: all(n.epochs for n in fakes.nodes), 30, "an epoch with every fake node")
+        time.sleep(1.0)
+        c.coordinator.send_signal(signal.SIGSTOP)
+        time.sleep(2.0)
+        c.coordinator.send_signal(signal.SIGCONT)
+        time.sleep(3.0)  # three leases of heartbeats after the stall
+        assert fakes.expelled() == 0, [n.expelled for n in fakes.nodes if n.expelled][:3]
+        assert not events_of(c, "failure"), events_of(c, "failure")[:3]
+        assert c.state()["loop_lag_s"] >= 1.5
+        # A member that really goes silent is still found out: close the fakes, every lease runs out.
+    c.wait_for(lambda: len(events_of(c, "failure")) == 200, 30, "the fake nodes' sessions to be failed")
