@@ -387,7 +387,7 @@ class Coordinator:
         members = []
         zones = dict(zip(ms.members, ms.zones_of(list(ms.members.values())), strict=True))
         for mid, mem in ms.members.items():
-            rank = ms.epoch_members.index(mid) if mid in ms.epoch_members else None
+            rank = ms.rank_of(mid)
             members.append(
                 {
                     "id": mid,
@@ -673,8 +673,9 @@ class Coordinator:
         """Curves and anomalies from a progress report."""
         ms = self.membership
         mem = ms.members.get(mid)
-        if mem is not None and msg.compute_s > 0 and mid in ms.epoch_members:
-            share = ms.shares[ms.epoch_members.index(mid)] if len(ms.shares) == len(ms.epoch_members) else 0
+        rank = ms.rank_of(mid)
+        if mem is not None and msg.compute_s > 0 and rank is not None:
+            share = ms.shares[rank] if len(ms.shares) == len(ms.epoch_members) else 0
             self.history.add_node(mem.name, msg.wall_time, share / msg.compute_s)
         members = len(ms.epoch_members)
         for p in msg.recent:

@@ -200,7 +200,8 @@ class Membership:
         self._epoch_floor = 0
         self._started = False
         """Nodes have heard of epochs up to this one (from before a restart): number above it."""
-        self.epoch_members: list[str] = []
+        self._epoch_members: list[str] = []
+        self._ranks: dict[str, int] = {}
         self.shares: list[int] = []
         self.job: str | None = None
         self.job_identity: str | None = None
@@ -215,6 +216,20 @@ class Membership:
         self._pending_reason = ""
         self.recovering_until = now + recovery_window_s if recovering else None
         self._resumes: dict[str, Resume] = {}
+
+    @property
+    def epoch_members(self) -> list[str]:
+        """The members of the epoch in force; rank = position."""
+        return self._epoch_members
+
+    @epoch_members.setter
+    def epoch_members(self, members: list[str]) -> None:
+        self._epoch_members = list(members)
+        self._ranks = {mid: rank for rank, mid in enumerate(self._epoch_members)}
+
+    def rank_of(self, member_id: str) -> int | None:
+        """The member's rank in the epoch in force (None: not in it), in constant time."""
+        return self._ranks.get(member_id)
 
     # ----------------------------------------------------------------- joins and leaves
 
@@ -284,7 +299,7 @@ class Membership:
                 self.recovering_until = min(self.recovering_until, now + self.lease_s + JOIN_SETTLE_S)
             self._resumes[hello.member_id] = r
             self.epoch = max(self.epoch, r.epoch)
-            if r.abandoned and r.epoch >= max(x.epoch for x in self._resumes.values()):
+            if r.abandoned and r.epoch >= self.epoch:  # self.epoch: the newest resumed so far
                 # The newest epoch cannot go on: form the next as soon as the others are back.
                 self.recovering_until = min(self.recovering_until, now + BROKEN_SETTLE_S)
             return d
@@ -298,7 +313,7 @@ class Membership:
             return d
         d.events.append(self._event(now, "leave", member_id, f"{m.name} leaves: {reason}"))
         self._vacated += m.role is Role.TRAINER
-        if member_id in self.epoch_members:
+        if self.rank_of(member_id) is not None:
             m.state = MemberState.LEAVING
             # A failure already pending keeps its urgency: its step in flight must be abandoned.
             d.merge(self._form_epoch(now, urgent=self._pending_urgent, reason=f"{m.name} left"))
@@ -315,7 +330,7 @@ class Membership:
             return d
         d.events.append(self._event(now, "failure", member_id, f"{m.name}: {cause}"))
         self._vacated += m.role is Role.TRAINER
-        if member_id in self.epoch_members and not self.finished:
+        if self.rank_of(member_id) is not None and not self.finished:
             self._want_epoch(now, urgent=True, reason=f"{m.name} failed ({cause})", delay=0.0)
         if self._resumes.pop(member_id, None) is not None:
             self._epoch_broke(now, f"{m.name} failed ({cause})")
@@ -621,11 +636,12 @@ class Membership:
             for m in self.epoch_members
             if m in self.members and self.members[m].state != MemberState.LEAVING and not self.members[m].quarantined
         ]
+        kept = set(keep)
         new = sorted(
             (
                 m
                 for m in self.members.values()
-                if m.member_id not in keep and m.state == MemberState.JOINING and not m.quarantined
+                if m.member_id not in kept and m.state == MemberState.JOINING and not m.quarantined
             ),
             key=lambda m: (m.joined_at, m.member_id),
         )

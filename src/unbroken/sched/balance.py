@@ -21,6 +21,7 @@ Everything here is pure: the coordinator calls it with the nodes' reports.
 from __future__ import annotations
 
 import enum
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -157,9 +158,16 @@ def _level(profiles: Sequence[Profile], batch_size: int) -> list[int]:
     if sum(shares) < batch_size:  # float edge: give the rest to the fastest finisher
         best = min(range(len(profiles)), key=lambda i: (profiles[i].time_for(shares[i] + 1), i))
         shares[best] += batch_size - sum(shares)
-    while sum(shares) > batch_size:
-        last = max(range(len(profiles)), key=lambda i: (profiles[i].time_for(shares[i]), i))
+    # Take the surplus back one sample at a time from whoever finishes last (ties: the
+    # highest index): a heap, so thousands of nodes cost N log N, not N per sample.
+    excess = sum(shares) - batch_size
+    heap = [(-profiles[i].time_for(shares[i]), -i) for i in range(len(profiles))]
+    heapq.heapify(heap)
+    for _ in range(excess):
+        _, neg = heap[0]
+        last = -neg
         shares[last] -= 1
+        heapq.heapreplace(heap, (-profiles[last].time_for(shares[last]), neg))
     return shares
 
 
@@ -231,14 +239,19 @@ def plan(
         by_weight = _split(batch_size, ps, trainers, by_weight=True)
         if _step_time(ps, by_weight) + overhead_s <= (_step_time(ps, shares) + overhead_s) * (1 + REBALANCE_MARGIN):
             shares = by_weight
-    for i in trainers:
-        # A node asked to train, or not measured on real steps yet (its start-up estimate may
-        # be off), gets at least one sample, taken from the largest share.
-        if shares[i] == 0 and (ps[i].preference is Preference.TRAINER or not ps[i].settled):
-            donor = max(trainers, key=lambda j: (shares[j], -j))
-            if shares[donor] > 1:
-                shares[donor] -= 1
-                shares[i] = 1
+    # A node asked to train, or not measured on real steps yet (its start-up estimate may be
+    # off), gets at least one sample, taken from the largest share (ties: the lowest index).
+    needy = [i for i in trainers if shares[i] == 0 and (ps[i].preference is Preference.TRAINER or not ps[i].settled)]
+    donors = [(-shares[j], j) for j in trainers]
+    heapq.heapify(donors)
+    for i in needy:
+        neg, donor = donors[0]
+        if -neg <= 1:
+            break  # no share left to split; later needy nodes would find none either
+        shares[donor] -= 1
+        shares[i] = 1
+        heapq.heapreplace(donors, (-shares[donor], donor))
+        heapq.heappush(donors, (-1, i))
     # The validator place goes to a node that asked for it, else to the first that can evaluate.
     able = [i for i, p in enumerate(ps) if p.evaluates and not (i in trainers and shares[i] > 0)]
     asked = [i for i in able if ps[i].preference is Preference.VALIDATOR]
