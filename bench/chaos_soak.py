@@ -3,6 +3,7 @@
     python bench/chaos_soak.py                     # 600 s at 0.25 faults/s, seed 7
     python bench/chaos_soak.py --duration 120      # shorter
     sudo python bench/chaos_soak.py                # with real link faults (cut, slow)
+    python bench/chaos_soak.py --ha --rate 0.3     # etcd + 2 coordinators: leader and etcd faults too
 
 A thin wrapper over ``unbroken chaos`` (see `unbroken.testing.chaos`) that prints the
 command, the report table and the JSON summary, and keeps the logs under --out. Link
@@ -33,12 +34,15 @@ def main() -> int:
         default=None,
         help="real link faults in network namespaces (default: where available, i.e. as root)",
     )
+    p.add_argument("--ha", action="store_true", help="a real etcd cluster and 2 coordinators (leader/etcd faults)")
     args = p.parse_args()
     print_command()
     cmd = [sys.executable, "-m", "unbroken", "chaos", "--duration", str(args.duration), "--rate", str(args.rate)]
     cmd += ["--nodes", str(args.nodes), "--seed", str(args.seed), "--out", args.out]
     if args.links is not None:
         cmd.append("--links" if args.links else "--no-links")
+    if args.ha:
+        cmd.append("--ha")
     return subprocess.run(cmd, check=False).returncode
 
 
