@@ -38,6 +38,14 @@ class _Job(Collector):
 
         yield gauge("unbroken_step", "Highest committed step.", s.get("step") or 0)
         yield gauge("unbroken_epoch", "Current membership epoch.", s.get("epoch") or 0)
+        lead = s.get("leadership") or {}
+        yield gauge(
+            "unbroken_coordinator_leading",
+            "1 when this coordinator leads the job (always, without etcd); 0 for a standby.",
+            0 if lead.get("role") == "standby" else 1,
+        )
+        yield gauge("unbroken_leader_term", "The leader's term (its etcd election revision; 0 without etcd).",
+                    lead.get("term") or 0)  # fmt: skip
         yield counter("unbroken_epoch_changes", "Epochs formed (membership or plan changes).", s.get("epoch") or 0)
         points = self.history.points()
         last = points[-1] if points else None

@@ -57,3 +57,17 @@ def test_metrics_parse_and_carry_the_state() -> None:
     )
     roles = {(s.labels["state"], s.labels["role"]): s.value for s in fams["unbroken_members"]}
     assert roles == {("active", "trainer"): 1, ("active", "standby"): 1}
+
+
+def test_metrics_say_whether_this_coordinator_leads_and_in_which_term() -> None:
+    def scrape(leadership: dict[str, object] | None) -> dict[str, float]:
+        snapshot = {"job": "j", "step": 1, "epoch": 1, "members": [], "recoveries": []}
+        if leadership is not None:
+            snapshot["leadership"] = leadership
+        text = render(snapshot, {}, History()).decode()
+        return {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if len(f.samples) == 1}
+
+    assert scrape(None)["unbroken_coordinator_leading"] == 1  # a single coordinator leads
+    standby = scrape({"role": "standby", "term": 12})
+    assert standby["unbroken_coordinator_leading"] == 0 and standby["unbroken_leader_term"] == 12
+    assert scrape({"role": "leader", "term": 13})["unbroken_coordinator_leading"] == 1
