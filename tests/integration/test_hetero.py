@@ -83,7 +83,9 @@ def test_a_node_too_slow_to_train_validates_committed_state(make_cluster):
     # speed is measured on real steps, then validates.
     contribs = [e for e in slow.entries() if e["kind"] == "contrib"]
     first = next(i for i, e in enumerate(contribs) if e["role"] == "validator")
-    assert contribs[first]["step"] <= 12, contribs[first]
+    # The plan waits for measured steps and a dwell time (seconds, not steps): on an idle
+    # machine it is demoted near step 10; a busy one runs more steps in that time.
+    assert contribs[first]["step"] <= 30, contribs[first]
     assert all(len(e["indices"]) <= 1 for e in contribs[:first]), contribs[:first]
     assert all(e["role"] == "validator" and not e["indices"] for e in contribs[first:]), contribs[first:][:3]
     roles = [e for e in events_of(c, "role") if "slow" in e["reason"]]
