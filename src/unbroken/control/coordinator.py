@@ -24,11 +24,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import enum
 import json
 import logging
-import os
-import socket
 import ssl
 import threading
 import time
@@ -45,10 +42,9 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from unbroken.config import CoordinatorConfig
 from unbroken.control import auth
 from unbroken.control import messages as m
-from unbroken.control.election import Leadership
-from unbroken.control.etcd import Etcd
 from unbroken.control.membership import Decision, Event, Membership
-from unbroken.errors import EtcdUnavailable, ProtocolError
+from unbroken.control.office import Gate, Office
+from unbroken.errors import ProtocolError
 from unbroken.observe.anomaly import Anomaly, Detector
 from unbroken.observe.history import History
 from unbroken.observe.web import add_routes
@@ -60,14 +56,6 @@ LAG_FORGIVEN_S = 0.1
 """A tick this much later than due extends every lease by the delay (see `_tick_forever`)."""
 HELLO_TIMEOUT_S = 10.0
 MAX_EVENTS = 10_000
-
-
-class Gate(enum.Enum):
-    """May a message go out now: yes, not yet (the lease awaits its renewal), never (deposed)."""
-
-    SEND = "send"
-    WAIT = "wait"
-    STOP = "stop"
 
 
 class _Session:
@@ -110,14 +98,16 @@ class Coordinator:
         self.rendezvous = auth.new_nonce()
         """Part of every process-group prefix; told to admitted members only."""
         self.membership = self._new_membership()
-        self.term = 0
-        """The term this coordinator leads (0 without etcd, or before it ever led)."""
-        self.leadership: Leadership | None = None
-        self._etcd: Etcd | None = None
-        self._took_over = self.config.etcd == ()
-        """Leading and ready: the view was reset for this term (always, without etcd)."""
-        self._outbox: asyncio.Queue[Decision] | None = None
-        self._takeover: asyncio.Task[None] | None = None
+        self.office = Office(
+            self.config,
+            self.coordinator_id,
+            lambda: self.address,
+            job=lambda: self.membership.job,
+            step=lambda: self.membership.step,
+            on_elected=self._elected,
+            on_deposed=self._deposed,
+            deliver=self._send_decision,
+        )
         self.events: list[dict[str, Any]] = []
         self.event_seq = 0
         """Sequence number of the last event (``/api/events?since=`` pages by it)."""
@@ -191,20 +181,14 @@ class Coordinator:
         if sockets:
             self.address = (self.config.host, sockets[0].getsockname()[1])
         log.info("coordinator %s on %s:%d (store %d)", self.coordinator_id, *self.address, self.store_port)
-        tasks = [asyncio.create_task(self._tick_forever(), name="coordinator-tick")]
-        if self.config.etcd:
-            tasks += await self._start_election()
+        ticker = asyncio.create_task(self._tick_forever(), name="coordinator-tick")
+        await self.office.start()
         self._ready.set()
         try:
             await self._stopping.wait()
         finally:
-            if self.leadership is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.leadership.resign(), timeout=1.0)
-            for task in tasks:
-                task.cancel()
-            if self._etcd is not None:
-                await self._etcd.close()
+            await self.office.close()
+            ticker.cancel()
             for s in list(self._sessions.values()):
                 s.close()
             await self._runner.cleanup()
@@ -213,121 +197,34 @@ class Coordinator:
     # ---------------------------------------------------------------- leadership
 
     def leading(self) -> bool:
-        """True while this coordinator may act: always without etcd; with it, while it
-        holds the lease (and has reset its view for the term)."""
-        if self.leadership is None:
-            return True
-        return self._took_over and self.leadership.leading()
+        """True while this coordinator may send (see `office.Office`)."""
+        return self.office.leading()
 
     def in_office(self) -> bool:
-        """Elected for the current term and not deposed (always, without etcd); whether it may
-        send right now is `leading` (the lease can be awaiting its renewal)."""
-        return self.leadership is None or self._took_over
-
-    def gate(self) -> Gate:
-        if not self.in_office():
-            return Gate.STOP
-        return Gate.SEND if self.leading() else Gate.WAIT
+        return self.office.in_office()
 
     @property
-    def advertised(self) -> str:
-        advertise = self.config.advertise
-        if advertise:
-            return advertise if advertise.rpartition(":")[2].isdigit() else f"{advertise}:{self.address[1]}"
-        host = self.config.host
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.getfqdn()
-        return f"{host}:{self.address[1]}"
+    def term(self) -> int:
+        return self.office.term
 
-    async def _start_election(self) -> list[asyncio.Task[None]]:
-        self._etcd = Etcd(self.config.etcd)
-        try:
-            await self._etcd.status()
-        except EtcdUnavailable as exc:
-            await self._etcd.close()
-            raise EtcdUnavailable(f"cannot start the coordinator: {exc}") from None
-        self._outbox = asyncio.Queue()
-        self.leadership = Leadership(
-            self._etcd,
-            self.config.etcd_prefix,
-            self.config.etcd_ttl_s,
-            lambda: {"address": self.advertised, "coordinator_id": self.coordinator_id, "job": self.membership.job},
-            on_elected=self._elected,
-            on_deposed=self._deposed,
-        )
-        return [
-            asyncio.create_task(self.leadership.run(), name="coordinator-election"),
-            asyncio.create_task(self._send_forever(), name="coordinator-outbox"),
-        ]
-
-    def _elected(self, term: int) -> None:
-        self._record(Event(time.monotonic(), "leader", None, 0, 0, f"{self.advertised} leads (term {term})"))
-        self._takeover = asyncio.get_running_loop().create_task(self._take_over(term))
-
-    async def _take_over(self, term: int) -> None:
+    def _elected(self, term: int, epoch_floor: int) -> None:
         """A fresh view for the new term: the nodes hand theirs over as they reconnect."""
-        assert self.leadership is not None
-        floor = 0
-        try:
-            last = await self.leadership.last_epoch()
-            floor = int(last.get("epoch", 0)) if last else 0
-        except (EtcdUnavailable, ValueError, TypeError):
-            pass  # the nodes' hellos carry the newest epoch they heard of as well
-        if self.leadership.term != term or not self.leadership.leading():
-            return
+        self._record(Event(time.monotonic(), "leader", None, 0, 0, f"{self.office.advertised} leads (term {term})"))
         for session in list(self._sessions.values()):
             session.close()
         self._sessions.clear()
-        self.term = term
         self.rendezvous = auth.new_nonce()  # the new term's groups meet elsewhere in the store
         self.membership = self._new_membership()
         self.membership.term = term
-        self.membership._epoch_floor = floor
-        self._took_over = True
+        self.membership._epoch_floor = epoch_floor
 
     def _deposed(self, reason: str) -> None:
-        self._took_over = False
         for session in list(self._sessions.values()):
             session.close()
         self._sessions.clear()
         self.membership = self._new_membership()
-        self._record(Event(time.monotonic(), "deposed", None, 0, 0, f"{self.advertised} stops leading: {reason}"))
-
-    async def _send_forever(self) -> None:
-        """Deliver decisions in order; an epoch is published (fenced by the term) before it is ordered."""
-        assert self._outbox is not None and self.leadership is not None
-        while True:
-            d = await self._outbox.get()
-            epochs = {o.epoch: o for o in d.orders.values()}
-            for epoch, order in sorted(epochs.items()):
-                if not await self._publish(epoch, order):
-                    d = Decision()
-                    break
-            while (gate := self.gate()) is Gate.WAIT:
-                await asyncio.sleep(0.01)
-            if gate is Gate.SEND:
-                self._send_decision(d)
-
-    async def _publish(self, epoch: int, order: m.EpochOrder) -> bool:
-        assert self.leadership is not None
-        record = {"epoch": epoch, "term": order.term, "members": len(order.members), "step": self.membership.step}
-        while self.in_office():
-            try:
-                if await self.leadership.record_epoch(record):
-                    return True
-                self.leadership.depose(f"epoch {epoch} could not be published: another coordinator leads")
-                return False
-            except EtcdUnavailable as exc:
-                log.warning("publishing epoch %d: %s", epoch, exc)
-                await asyncio.sleep(0.05)
-        return False
-
-    def standby_refusal(self) -> m.Refused:
-        assert self.leadership is not None
-        leader = self.leadership.leader or {}
-        address = str(leader.get("address", "")) if leader.get("coordinator_id") != self.coordinator_id else ""
-        why = f"the leader is {address}" if address else "no coordinator leads yet (an election is under way)"
-        return m.Refused(reason=f"this coordinator is a standby: {why}", standby=True, leader=address[:300])
+        advertised = self.office.advertised
+        self._record(Event(time.monotonic(), "deposed", None, 0, 0, f"{advertised} stops leading: {reason}"))
 
     def start(self, timeout: float = 10.0) -> Coordinator:
         """Serve from a background thread; returns once the service is listening."""
@@ -417,7 +314,7 @@ class Coordinator:
         return {
             "job": ms.job,
             "coordinator_id": self.coordinator_id,
-            "leadership": self._leadership_state(),
+            "leadership": self.office.state(),
             "epoch": ms.epoch,
             "step": ms.step,
             "finished": ms.finished,
@@ -444,22 +341,6 @@ class Coordinator:
             "loop_lag_s": round(self.loop_lag_s, 3),
         }
 
-    def _leadership_state(self) -> dict[str, Any]:
-        if self.leadership is None:
-            return {"role": "single", "term": 0, "leader": f"{self.address[0]}:{self.address[1]}", "etcd": None}
-        lead = self.leadership
-        leader = lead.leader or {}
-        leader_id = self.coordinator_id if self.in_office() else leader.get("coordinator_id")
-        return {
-            "role": "leader" if self.in_office() else "standby",
-            "term": self.term if self.in_office() else lead.leader_term,
-            "leader": self.advertised if self.in_office() else leader.get("address"),
-            "standbys": sorted(str(c.get("address")) for c in lead.candidates if c.get("coordinator_id") != leader_id),
-            "self": self.advertised,
-            "pid": os.getpid(),
-            "etcd": {"endpoints": list(self.config.etcd), "prefix": self.config.etcd_prefix, "error": lead.error},
-        }
-
     # ---------------------------------------------------------------- sessions
 
     async def _ws(self, request: web.Request) -> web.StreamResponse:
@@ -480,7 +361,7 @@ class Coordinator:
             if not isinstance(hello, m.Hello):
                 raise ProtocolError(f"the first message must be a hello, got {hello.type!r}")
             if not self.in_office():
-                await ws.send_str(m.encode(self.standby_refusal()))
+                await ws.send_str(m.encode(self.office.standby_refusal()))
                 await ws.close()
                 return ws
             unproven = self._check_token(hello, challenge)
@@ -508,7 +389,7 @@ class Coordinator:
                 await ws.send_str(m.encode(refusal))
                 await ws.close()
                 return ws
-            session = _Session(ws, hello.member_id, self.gate)
+            session = _Session(ws, hello.member_id, self.office.gate)
             self._sessions[hello.member_id] = session
             session.send(
                 m.Welcome(
@@ -653,10 +534,7 @@ class Coordinator:
     def _deliver(self, d: Decision) -> None:
         for ev in d.events:
             self._record(ev)
-        if self._outbox is not None:
-            self._outbox.put_nowait(Decision(orders=d.orders, expel=d.expel))
-        elif self.leading():
-            self._send_decision(d)
+        self.office.submit(d)
 
     def _send_decision(self, d: Decision) -> None:
         for mid, reason in d.expel.items():
