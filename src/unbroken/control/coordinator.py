@@ -182,9 +182,9 @@ class Coordinator:
             self.address = (self.config.host, sockets[0].getsockname()[1])
         log.info("coordinator %s on %s:%d (store %d)", self.coordinator_id, *self.address, self.store_port)
         ticker = asyncio.create_task(self._tick_forever(), name="coordinator-tick")
-        await self.office.start()
-        self._ready.set()
         try:
+            await self.office.start()
+            self._ready.set()
             await self._stopping.wait()
         finally:
             await self.office.close()
@@ -216,7 +216,7 @@ class Coordinator:
         self.rendezvous = auth.new_nonce()  # the new term's groups meet elsewhere in the store
         self.membership = self._new_membership()
         self.membership.term = term
-        self.membership._epoch_floor = epoch_floor
+        self.membership.number_above(epoch_floor)
 
     def _deposed(self, reason: str) -> None:
         for session in list(self._sessions.values()):

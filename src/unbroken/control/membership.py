@@ -350,6 +350,10 @@ class Membership:
             return Decision()
         return self.fail(member_id, now, "control connection dropped")
 
+    def number_above(self, epoch: int) -> None:
+        """Epochs formed from now on are numbered above ``epoch`` (one published before)."""
+        self._epoch_floor = max(self._epoch_floor, epoch)
+
     def pause(self, seconds: float) -> None:
         """The service was not listening for ``seconds``: that time counts against no lease."""
         for m in self.members.values():
