@@ -518,7 +518,9 @@ class Coordinator:
                 self.membership.pause(lag)
                 self.loop_lag_s = max(self.loop_lag_s, lag)
             last = now
-            if not self.in_office():
+            if not self.leading():
+                # Not sure of the lease this instant (a renewal is late, or this process just
+                # woke from a freeze and will find itself deposed): decide nothing now.
                 continue
             try:
                 self._apply(self.membership.tick(now, expire=not late))
