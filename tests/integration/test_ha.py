@@ -60,14 +60,15 @@ def test_standby_names_the_leader_and_serves_its_state(make_cluster, etcd):
     s = c.coordinator_state(standby)["leadership"]
     assert s["role"] == "standby"
     assert s["leader"] == "{}:{}".format(*c.coordinators[leader][1])
+    # Given only the standby's address and no etcd, the nodes follow its answer to the leader.
     for name in ("a", "b"):
-        c.start_node(name)
-    assert c.wait_exit(timeout=120) == {"a": 0, "b": 0}, c.diagnostics()
-    assert_promises(c, {"UB_TEST_STEPS": "30", "UB_TEST_DELAY_MS": "10"}, finishers=2)
+        c.start_node(name, via=[c.coordinators[standby][1]])
+    c.wait_step(5)
     lead = c.coordinator_state(leader)
     assert lead["leadership"]["role"] == "leader" and lead["leadership"]["term"] > 0
-    # Nodes given only the standby's address (and etcd) still reached the leader.
-    assert {m["name"] for m in lead["members"]} <= {"a", "b"}
+    assert {m["name"] for m in lead["members"]} == {"a", "b"}
+    assert c.wait_exit(timeout=120) == {"a": 0, "b": 0}, c.diagnostics()
+    assert_promises(c, {"UB_TEST_STEPS": "30", "UB_TEST_DELAY_MS": "10"}, finishers=2)
 
 
 def test_leader_killed_then_a_node_killed_training_goes_on(make_cluster, etcd):

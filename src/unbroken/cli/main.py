@@ -60,7 +60,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         task = asyncio.create_task(coord.serve())
-        while coord.store_port == 0 or coord._runner is None:
+        while not coord.ready:
             await asyncio.sleep(0.01)
             if task.done():
                 await task

@@ -16,10 +16,10 @@ was given, and a standby it reaches names the leader. Every welcome and order ca
 the leader's term; the node remembers the highest it has seen and refuses a session or
 an order of an older one (a deposed leader that has not noticed yet). A leader that stops
 acknowledging heartbeats (frozen, cut off) is looked up in etcd: once etcd shows it lost
-its lease, the node leaves its session at once and trains on as after a coordinator
-crash (the only authority that could have expelled it can no longer act; the next one is
-still gathering the group, this node included), then joins the new leader, instead of
-waiting two leases for a frozen process with its commits paused meanwhile.
+its lease, the node leaves its session at once and joins the new leader, instead of
+waiting two leases for a frozen process. (It still stops committing once its own lease is
+stale: it cannot tell a frozen leader from a link that lost its heartbeats on the way, after
+which a live leader would have expelled it.)
 """
 
 from __future__ import annotations
@@ -81,8 +81,6 @@ class ControlClient:
         self.term = 0
         """The highest leader term this node has seen (sessions and orders of older ones are refused)."""
         self._etcd: Etcd | None = None
-        self._leader_gone = False
-        """etcd showed that this session's leader lost its lease (see the module docstring)."""
         self._why_no_leader = ""
         self._hello = hello
         self._token = token
@@ -195,12 +193,13 @@ class ControlClient:
     async def _main(self, run_id: int) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
-        self._etcd = Etcd(self.etcd_endpoints, timeout_s=0.5) if self.etcd_endpoints else None
+        etcd = Etcd(self.etcd_endpoints, timeout_s=0.5) if self.etcd_endpoints else None
+        self._etcd = etcd
         try:
-            await self._connect_forever(run_id, self._etcd)
+            await self._connect_forever(run_id, etcd)
         finally:
-            if self._etcd is not None:
-                await self._etcd.close()
+            if etcd is not None:
+                await etcd.close()  # this run's client: a later run has its own
 
     async def _connect_forever(self, run_id: int, etcd: Etcd | None) -> None:
         deadline = time.monotonic() + self.connect_timeout_s
@@ -353,6 +352,7 @@ class ControlClient:
             self.wake.set()
             log.info("%s joined coordinator %s at %s:%d", self.member_id, msg.coordinator_id, host, port)
             beats = asyncio.create_task(self._heartbeats(msg.heartbeat_s, ws))
+            watch = asyncio.create_task(self._watch_leader(ws, msg.heartbeat_s))
             writer = asyncio.create_task(self._writer(ws))
             try:
                 async for raw in ws:
@@ -361,12 +361,12 @@ class ControlClient:
                     self._on_message(m.parse_coordinator_message(raw.data))
             finally:
                 beats.cancel()
+                watch.cancel()
                 writer.cancel()
                 with self._lock:
                     fresh = time.monotonic() - self._last_acked_send < self.lease_s
                     self.connected = False
-                    self.outage = (fresh or self._leader_gone) and self.expelled is None
-                    self._leader_gone = False
+                    self.outage = fresh and self.expelled is None
                 self.wake.set()
                 if not self._closing and self.expelled is None:
                     log.warning("lost the coordinator session (%s)", "lease fresh: outage" if fresh else "lease stale")
@@ -378,12 +378,6 @@ class ControlClient:
                 # A coordinator that went silent (host down, cable cut) sends no reset;
                 # give up on the session so we reconnect or fail over to another address.
                 log.warning("no heartbeat acknowledged for %.1f s; dropping the session", 2 * self.lease_s)
-                await ws.close()
-                return
-            unacked = time.monotonic() - self._last_acked_send
-            if unacked > self.lease_s / 2 and self.term > 0 and await self._leader_moved():
-                log.warning("the leader of term %d lost its etcd lease: leaving its session", self.term)
-                self._leader_gone = True
                 await ws.close()
                 return
             self._seq += 1
@@ -402,6 +396,17 @@ class ControlClient:
                 self._stall_reported = False
                 self._queue.put_nowait(m.Heartbeat(seq=self._seq, step=self.step))
             await asyncio.sleep(period)
+
+    async def _watch_leader(self, ws: aiohttp.ClientWebSocketResponse, period: float) -> None:
+        """Leave a leader that stopped answering as soon as etcd shows it lost its lease (its
+        own task: a slow etcd member must not hold up the heartbeats)."""
+        while True:
+            await asyncio.sleep(period)
+            unacked = time.monotonic() - self._last_acked_send
+            if unacked > self.lease_s / 2 and self.term > 0 and await self._leader_moved():
+                log.warning("the leader of term %d lost its etcd lease: leaving its session", self.term)
+                await ws.close()
+                return
 
     async def _leader_moved(self) -> bool:
         """True when etcd shows no leader, or one of another term than this session's."""
@@ -433,7 +438,7 @@ class ControlClient:
                     # scheduling delays only add to it (zones by RTT must not follow load).
                     self.rtt_s = min(self._rtts)
                 return
-            if isinstance(msg, (m.EpochOrder, m.Command)) and msg.term < self.term:
+            if isinstance(msg, (m.EpochOrder, m.Command, m.Expel, m.Finished)) and msg.term < self.term:
                 log.warning("refusing a %s of term %d (have seen term %d): fenced", msg.type, msg.term, self.term)
                 return
             if isinstance(msg, m.EpochOrder):

@@ -226,6 +226,11 @@ class Coordinator:
         advertised = self.office.advertised
         self._record(Event(time.monotonic(), "deposed", None, 0, 0, f"{advertised} stops leading: {reason}"))
 
+    @property
+    def ready(self) -> bool:
+        """Listening, and standing for election (with etcd)."""
+        return self._ready.is_set()
+
     def start(self, timeout: float = 10.0) -> Coordinator:
         """Serve from a background thread; returns once the service is listening."""
 
@@ -351,7 +356,6 @@ class Coordinator:
         challenge = auth.new_nonce()
         try:
             await ws.send_str(m.encode(m.Challenge(nonce=challenge, auth=self.token is not None)))
-            term = self.term
             first = await asyncio.wait_for(ws.receive(), timeout=HELLO_TIMEOUT_S)
             if first.type == WSMsgType.ERROR:
                 raise ProtocolError(f"session error before hello: {ws.exception()}")
@@ -364,6 +368,7 @@ class Coordinator:
                 await ws.send_str(m.encode(self.office.standby_refusal()))
                 await ws.close()
                 return ws
+            term = self.term  # the session belongs to this term (an election may come while it waited)
             unproven = self._check_token(hello, challenge)
             old = None if unproven else self._sessions.pop(hello.member_id, None)
             if old is not None:
@@ -496,7 +501,7 @@ class Coordinator:
             if ms.finished:
                 for other_id, other in self._sessions.items():
                     if other_id not in ms.final_digests:
-                        other.send(m.Finished(step=ms.step))
+                        other.send(m.Finished(step=ms.step, term=self.term))
         elif isinstance(msg, m.Validation):
             self._apply(ms.validation(mid, msg.step, msg.metrics, msg.seconds, now))
         elif isinstance(msg, m.Hello):
@@ -531,7 +536,9 @@ class Coordinator:
         """Deliver a decision, then let the clock act on it at once (a failure's epoch now)."""
         self._deliver(d)
         if d.events:
-            self._deliver(self.membership.tick(time.monotonic()))
+            # Leases expire in the tick loop alone, which forgives the time the loop stalled:
+            # a burst of session drops read right after a stall must not expel everyone else.
+            self._deliver(self.membership.tick(time.monotonic(), expire=False))
 
     def _deliver(self, d: Decision) -> None:
         for ev in d.events:
@@ -542,7 +549,7 @@ class Coordinator:
         for mid, reason in d.expel.items():
             s = self._sessions.pop(mid, None)
             if s is not None:
-                s.send(m.Expel(reason=reason))
+                s.send(m.Expel(reason=reason, term=self.term))
                 s.close()
         for mid, order in d.orders.items():
             s = self._sessions.get(mid)

@@ -101,6 +101,7 @@ class Leadership:
         """This candidate's key under ``<prefix>/candidates/`` (set by `run`)."""
         self._resigning = False
         self._retrying = False
+        self._revoking: asyncio.Task[None] | None = None
 
     @property
     def key(self) -> bytes:
@@ -140,12 +141,12 @@ class Leadership:
                 else:
                     await self._renew()
                 self.error = None
-            except EtcdUnavailable as exc:
+            except Exception as exc:  # EtcdUnavailable, or a bug: never let the candidacy die silently
+                if not isinstance(exc, EtcdUnavailable):
+                    log.exception("election step failed")
                 self.error = str(exc)
                 if self.role is Role.LEADING and not self.leading():
-                    lease = self.lease
                     self._depose(f"etcd unreachable past the lease: {exc}")
-                    await self._revoke(lease)
                 # A leader retries at once: an etcd election (a member died) must not outlast its lease.
                 await asyncio.sleep(RETRY_S if self.role is Role.LEADING else POLL_S)
                 self._retrying = self.role is Role.LEADING
@@ -176,9 +177,7 @@ class Leadership:
         if self.role is not Role.LEADING:
             return
         if not self.leading():
-            lease = self.lease
             self._depose("the lease lapsed before it could be renewed (this process was frozen or starved)")
-            await self._revoke(lease)  # let a standby (or this one) lead now rather than at etcd's expiry
             return
         sent = self.clock()
         ttl = await self.etcd.keepalive(self.lease, timeout_s=max(0.1, self.ttl_s / 4))
@@ -196,8 +195,11 @@ class Leadership:
         if self.role is not Role.LEADING:
             return
         log.warning("no longer the leader of %s (term %d): %s", self.prefix, self.term, reason)
+        lease = self.lease
         self.role, self.valid_until, self.lease = Role.STANDBY, 0.0, 0
         self.leader, self.leader_term = None, 0
+        # Let the key go now: a standby (or this one) leads at once, not after the TTL.
+        self._revoking = asyncio.get_running_loop().create_task(self._revoke(lease))
         self.on_deposed(reason)
 
     def depose(self, reason: str) -> None:
@@ -212,15 +214,15 @@ class Leadership:
         """Hand leadership over at once (a graceful stop): revoke the lease."""
         self._resigning = True
         if self.role is Role.LEADING:
-            lease = self.lease
             self._depose("resigned")
-            await self._revoke(lease)
+            if self._revoking is not None:
+                await self._revoking
 
     # ---------------------------------------------------------------- epoch records
 
-    async def record_epoch(self, record: dict[str, Any]) -> bool:
-        """Publish the epoch about to be ordered, only while this term still leads."""
-        return await self.etcd.put_if_held(self.key, self.term, epoch_key(self.prefix), json.dumps(record).encode())
+    async def record_epoch(self, record: dict[str, Any], term: int) -> bool:
+        """Publish the epoch about to be ordered, only while ``term`` still leads."""
+        return await self.etcd.put_if_held(self.key, term, epoch_key(self.prefix), json.dumps(record).encode())
 
     async def last_epoch(self) -> dict[str, Any] | None:
         kv = await self.etcd.get(epoch_key(self.prefix))

@@ -136,14 +136,16 @@ class Etcd:
 
     async def grant(self, ttl_s: int) -> int:
         data = await self.call("lease/grant", {"TTL": ttl_s})
-        if data.get("error"):
-            raise EtcdUnavailable(f"etcd refused a {ttl_s} s lease: {data['error']}")
+        if data.get("error") or "ID" not in data:
+            raise EtcdUnavailable(f"etcd refused a {ttl_s} s lease: {data.get('error') or data}")
         return int(data["ID"])
 
     async def keepalive(self, lease: int, timeout_s: float | None = None) -> int:
         """Renew a lease; its TTL in seconds, 0 when it has already expired."""
         data = await self.call("lease/keepalive", {"ID": str(lease)}, timeout_s)
-        return int(data.get("result", {}).get("TTL", 0))
+        if "result" not in data:  # a stream error, not an answer: the lease may well be alive
+            raise EtcdUnavailable(f"etcd did not answer the keepalive: {str(data)[:200]}")
+        return int(data["result"].get("TTL", 0))
 
     async def revoke(self, lease: int) -> None:
         await self.call("lease/revoke", {"ID": str(lease)})

@@ -270,11 +270,13 @@ class EpochOrder(_Msg):
 class Expel(_Msg):
     type: Literal["expelled"] = "expelled"
     reason: str
+    term: Term = 0
 
 
 class Finished(_Msg):
     type: Literal["finished"] = "finished"
     step: Count
+    term: Term = 0
 
 
 class Command(_Msg):

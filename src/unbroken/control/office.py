@@ -71,8 +71,11 @@ class Office:
         self.leadership: Leadership | None = None
         self._etcd: Etcd | None = None
         self._took_over = not config.etcd
-        self._outbox: asyncio.Queue[Decision] | None = None
+        self._outbox: asyncio.Queue[tuple[int, Decision]] | None = None
+        """Decisions with the term they were made in: one of an older term is never sent."""
         self._tasks: list[asyncio.Task[None]] = []
+        self._takeover: asyncio.Task[None] | None = None
+        self._host: str | None = None
 
     # ---------------------------------------------------------------- standing
 
@@ -96,10 +99,10 @@ class Office:
         advertise = self.config.advertise
         if advertise:
             return advertise if advertise.rpartition(":")[2].isdigit() else f"{advertise}:{port}"
-        host = self.config.host
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.getfqdn()
-        return f"{host}:{port}"
+        if self._host is None:  # looked up once: a DNS query must not run on every /api/state
+            wildcard = self.config.host in ("0.0.0.0", "::", "")
+            self._host = socket.getfqdn() if wildcard else self.config.host
+        return f"{self._host}:{port}"
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -142,7 +145,7 @@ class Office:
             await self._etcd.close()
 
     def _elected(self, term: int) -> None:
-        self._tasks.append(asyncio.get_running_loop().create_task(self._take_over(term)))
+        self._takeover = asyncio.get_running_loop().create_task(self._take_over(term))
 
     async def _take_over(self, term: int) -> None:
         """A fresh view for the new term, numbered above the newest epoch published."""
@@ -161,6 +164,9 @@ class Office:
 
     def _deposed(self, reason: str) -> None:
         self._took_over = False
+        if self._outbox is not None:
+            while not self._outbox.empty():  # decisions of the lost term: never to be sent
+                self._outbox.get_nowait()
         self._on_deposed(reason)
 
     # ---------------------------------------------------------------- sending
@@ -168,32 +174,41 @@ class Office:
     def submit(self, d: Decision) -> None:
         """Send a decision's messages: through the outbox with etcd, at once without."""
         if self._outbox is not None:
-            self._outbox.put_nowait(Decision(orders=d.orders, expel=d.expel))
+            self._outbox.put_nowait((self.term, Decision(orders=d.orders, expel=d.expel)))
         elif self.leading():
             self._deliver(d)
+
+    def _current(self, term: int) -> bool:
+        return self.in_office() and self.term == term
 
     async def _send_forever(self) -> None:
         assert self._outbox is not None
         while True:
-            d = await self._outbox.get()
-            epochs = {o.epoch: o for o in d.orders.values()}
-            for epoch, order in sorted(epochs.items()):
-                if not await self._publish(epoch, order):
-                    d = Decision()
-                    break
-            while (gate := self.gate()) is Gate.WAIT:
-                await asyncio.sleep(0.01)
-            if gate is Gate.SEND:
-                self._deliver(d)
-
-    async def _publish(self, epoch: int, order: m.EpochOrder) -> bool:
-        assert self.leadership is not None
-        record = {"epoch": epoch, "term": order.term, "members": len(order.members), "step": self._step()}
-        while self.in_office():
+            term, d = await self._outbox.get()
             try:
-                if await self.leadership.record_epoch(record):
+                await self._send(term, d)
+            except Exception:  # a bug here must not silence the leader for good
+                log.exception("delivering a decision failed")
+
+    async def _send(self, term: int, d: Decision) -> None:
+        epochs = {o.epoch: o for o in d.orders.values()}
+        for epoch, order in sorted(epochs.items()):
+            if not await self._publish(term, epoch, order):
+                return
+        while self._current(term) and self.gate() is Gate.WAIT:
+            await asyncio.sleep(0.01)
+        if self._current(term) and self.gate() is Gate.SEND:
+            self._deliver(d)
+
+    async def _publish(self, term: int, epoch: int, order: m.EpochOrder) -> bool:
+        assert self.leadership is not None
+        record = {"epoch": epoch, "term": term, "members": len(order.members), "step": self._step()}
+        while self._current(term):
+            try:
+                if await self.leadership.record_epoch(record, term):
                     return True
-                self.leadership.depose(f"epoch {epoch} could not be published: another coordinator leads")
+                if self._current(term):
+                    self.leadership.depose(f"epoch {epoch} could not be published: another coordinator leads")
                 return False
             except EtcdUnavailable as exc:
                 log.warning("publishing epoch %d: %s", epoch, exc)

@@ -198,16 +198,23 @@ class LocalCluster:
     # ---------------------------------------------------------------- nodes
 
     def start_node(
-        self, name: str, *, fault: str = "", extra: list[str] | None = None, env: dict[str, str] | None = None
+        self,
+        name: str,
+        *,
+        fault: str = "",
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        via: list[tuple[str, int]] | None = None,
     ) -> NodeProcess:
+        """``via``: the only coordinator addresses the node is given (no etcd), e.g. a standby's."""
         assert self.address is not None or self.etcd, "start the coordinator first"
         # Every coordinator started here, or the one whose address the caller set (embedded).
-        known = [a for _, a in self.coordinators] or ([self.address] if self.address else [])
+        known = via or [a for _, a in self.coordinators] or ([self.address] if self.address else [])
         where = ",".join(f"{h}:{p}" for h, p in known)
         cmd = [
             sys.executable, "-m", "unbroken", "-v", "node", self.job,
             *(["--coordinator", where] if where else []),
-            *(["--etcd", ",".join(self.etcd)] if self.etcd else []),
+            *(["--etcd", ",".join(self.etcd)] if self.etcd and via is None else []),
             "--name", name,
             "--commit-log", str(self.workdir / f"{name}.jsonl"),
             "--final-state", str(self.workdir / f"{name}.final.pt"),

@@ -92,9 +92,13 @@ class EtcdCluster:
         log.close()
 
     def start(self, timeout: float = 30.0) -> EtcdCluster:
-        for i in range(self.size):
-            self._launch(i, "new")
-        self.wait_healthy(timeout)
+        try:
+            for i in range(self.size):
+                self._launch(i, "new")
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.close()  # never leave members behind when the cluster did not come up
+            raise
         return self
 
     def healthy(self, i: int) -> bool:

@@ -47,6 +47,8 @@ class FakeNodes:
         self.batch_size = batch_size or max(count, 1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self.silent = False
+        """Set to stop every heartbeat while the sessions stay open (members that hang)."""
         self._thread = threading.Thread(target=self._run, name="fake-nodes", daemon=True)
 
     def __enter__(self) -> FakeNodes:
@@ -129,11 +131,11 @@ class FakeNodes:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, AssertionError) as exc:
             node.error = f"{type(exc).__name__}: {exc}"
 
-    @staticmethod
-    async def _heartbeats(ws: aiohttp.ClientWebSocketResponse, period: float, sent: dict[int, float]) -> None:
+    async def _heartbeats(self, ws: aiohttp.ClientWebSocketResponse, period: float, sent: dict[int, float]) -> None:
         seq = 0
         while True:
-            seq += 1
-            sent[seq] = time.monotonic()
-            await ws.send_str(m.encode(m.Heartbeat(seq=seq, step=0)))
+            if not self.silent:
+                seq += 1
+                sent[seq] = time.monotonic()
+                await ws.send_str(m.encode(m.Heartbeat(seq=seq, step=0)))
             await asyncio.sleep(period)

@@ -163,11 +163,11 @@ def test_epoch_records_are_fenced_by_the_term():
     etcd = FakeEtcd(clock)
     a, b = candidate(etcd, clock, "a", log), candidate(etcd, clock, "b", log)
     run(a._campaign())
-    assert run(a.record_epoch({"epoch": 3}))
+    assert run(a.record_epoch({"epoch": 3}, a.term))
     clock.t += 2  # a's lease lapses; b wins
     run(b._campaign())
-    assert not run(a.record_epoch({"epoch": 4}))  # a deposed leader cannot publish
-    assert run(b.record_epoch({"epoch": 4}))
+    assert not run(a.record_epoch({"epoch": 4}, a.term))  # a deposed leader cannot publish
+    assert run(b.record_epoch({"epoch": 4}, b.term))
     assert json.loads(etcd.keys[b"/job/epoch"].value) == {"epoch": 4}
     assert run(b.last_epoch()) == {"epoch": 4}
 
@@ -205,3 +205,18 @@ def test_a_node_refuses_orders_and_commands_of_an_older_term():
     assert commands == []
     client._on_message(m.Command(action="drain", reason="now", term=5))
     assert [c.reason for c in commands] == ["now"]
+
+
+def test_a_node_refuses_expulsions_and_job_ends_of_an_older_term():
+    import threading
+
+    from unbroken.control import messages as m
+    from unbroken.control.client import ControlClient
+
+    client = ControlClient([("127.0.0.1", 1)], lambda mid: None, name="n", connect_timeout_s=1, wake=threading.Event())  # type: ignore[arg-type,return-value]
+    client.term = 5
+    client._on_message(m.Expel(reason="from a deposed leader", term=4))
+    client._on_message(m.Finished(step=3, term=4))
+    assert client.expelled is None and client.finished is None
+    client._on_message(m.Expel(reason="lease expired", term=5))
+    assert client.expelled == "lease expired"
