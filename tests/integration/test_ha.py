@@ -39,6 +39,15 @@ def start(make_cluster, etcd, env, n=3, coordinators=2):
     return c
 
 
+def training_under_a_leader(make_cluster, etcd, env):
+    """Three nodes past step 15 under an elected leader: (cluster, nodes, leader index, its term)."""
+    c = start(make_cluster, etcd, env, n=3)
+    nodes = [c.start_node(f"n{i}") for i in (1, 2, 3)]
+    c.wait_step(15)
+    leader = c.leader()
+    return c, nodes, leader, c.coordinator_state(leader)["leadership"]["term"]
+
+
 def terms_followed(node) -> list[tuple[int, int]]:
     """(epoch, term) of every epoch the node formed, in order."""
     return [(e["epoch"], e["term"]) for e in node.entries() if e["kind"] == "epoch"]
@@ -73,11 +82,7 @@ def test_standby_names_the_leader_and_serves_its_state(make_cluster, etcd):
 
 def test_leader_killed_then_a_node_killed_training_goes_on(make_cluster, etcd):
     env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20"}
-    c = start(make_cluster, etcd, env, n=3)
-    nodes = [c.start_node(f"n{i}") for i in (1, 2, 3)]
-    c.wait_step(15)
-    old = c.leader()
-    old_term = c.coordinator_state(old)["leadership"]["term"]
+    c, nodes, old, old_term = training_under_a_leader(make_cluster, etcd, env)
     killed_at = time.monotonic()
     c.kill_coordinator(old)
     before = c.max_committed()
@@ -103,12 +108,8 @@ def test_leader_killed_then_a_node_killed_training_goes_on(make_cluster, etcd):
 
 def test_frozen_leader_is_fenced_after_it_wakes(make_cluster, etcd):
     env = {"UB_TEST_STEPS": "300", "UB_TEST_DELAY_MS": "20"}
-    c = start(make_cluster, etcd, env, n=3)
-    nodes = [c.start_node(f"n{i}") for i in (1, 2, 3)]
-    c.wait_step(15)
-    old = c.leader()
+    c, nodes, old, old_term = training_under_a_leader(make_cluster, etcd, env)
     old_proc, old_addr = c.coordinators[old]
-    old_term = c.coordinator_state(old)["leadership"]["term"]
     old_proc.send_signal(signal.SIGSTOP)
     try:
         new = c.wait_for(lambda: c.leader(), 15, "a standby to lead")
@@ -190,10 +191,7 @@ def test_nodes_coordinate_themselves_and_survive_the_leading_nodes_death(make_cl
 
 def test_etcd_faults_one_member_down_changes_nothing_no_majority_pauses_only_membership(make_cluster, etcd):
     env = {"UB_TEST_STEPS": "500", "UB_TEST_DELAY_MS": "20"}
-    c = start(make_cluster, etcd, env, n=3)
-    nodes = [c.start_node(f"n{i}") for i in (1, 2, 3)]
-    c.wait_step(15)
-    leader = c.leader()
+    c, nodes, leader, _ = training_under_a_leader(make_cluster, etcd, env)
     epochs_before = len(events_of(c, "epoch"))
     # One member down: the leader keeps its lease, nothing changes, training goes on.
     etcd.kill(0)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from typing import Any
 
 import pytest
 
 from unbroken.control import election
+from unbroken.control import messages as m
+from unbroken.control.client import ControlClient
 from unbroken.control.election import Leadership, Role
 from unbroken.control.etcd import KeyValue
 from unbroken.errors import EtcdUnavailable
@@ -183,14 +186,14 @@ def test_resign_hands_over_at_once():
     assert b.role is Role.LEADING  # no lease to wait out
 
 
+def node_client() -> ControlClient:
+    """A node's control client that is never started: its message handling alone."""
+    return ControlClient([("127.0.0.1", 1)], lambda mid: None, name="n", connect_timeout_s=1, wake=threading.Event())  # type: ignore[arg-type,return-value]
+
+
 def test_a_node_refuses_orders_and_commands_of_an_older_term():
-    import threading
-
-    from unbroken.control import messages as m
-    from unbroken.control.client import ControlClient
-
     commands: list[m.Command] = []
-    client = ControlClient([("127.0.0.1", 1)], lambda mid: None, name="n", connect_timeout_s=1, wake=threading.Event())  # type: ignore[arg-type,return-value]
+    client = node_client()
     client.on_command = commands.append
     client.term = 5
 
@@ -208,12 +211,7 @@ def test_a_node_refuses_orders_and_commands_of_an_older_term():
 
 
 def test_a_node_refuses_expulsions_and_job_ends_of_an_older_term():
-    import threading
-
-    from unbroken.control import messages as m
-    from unbroken.control.client import ControlClient
-
-    client = ControlClient([("127.0.0.1", 1)], lambda mid: None, name="n", connect_timeout_s=1, wake=threading.Event())  # type: ignore[arg-type,return-value]
+    client = node_client()
     client.term = 5
     client._on_message(m.Expel(reason="from a deposed leader", term=4))
     client._on_message(m.Finished(step=3, term=4))
