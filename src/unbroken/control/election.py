@@ -146,7 +146,7 @@ class Leadership:
                     log.exception("election step failed")
                 self.error = str(exc)
                 if self.role is Role.LEADING and not self.leading():
-                    self._depose(f"etcd unreachable past the lease: {exc}")
+                    self.depose(f"etcd unreachable past the lease: {exc}")
                 # A leader retries at once: an etcd election (a member died) must not outlast its lease.
                 await asyncio.sleep(RETRY_S if self.role is Role.LEADING else POLL_S)
                 self._retrying = self.role is Role.LEADING
@@ -177,21 +177,22 @@ class Leadership:
         if self.role is not Role.LEADING:
             return
         if not self.leading():
-            self._depose("the lease lapsed before it could be renewed (this process was frozen or starved)")
+            self.depose("the lease lapsed before it could be renewed (this process was frozen or starved)")
             return
         sent = self.clock()
         ttl = await self.etcd.keepalive(self.lease, timeout_s=max(0.1, self.ttl_s / 4))
         if ttl <= 0:
-            self._depose("the leader's etcd lease expired")
+            self.depose("the leader's etcd lease expired")
             return
         self.valid_until = max(self.valid_until, sent + ttl - MARGIN_S)
         if not self.leading():
-            self._depose("the lease was renewed too late")
+            self.depose("the lease was renewed too late")
 
     def _saw(self, kv: KeyValue) -> None:
         self.leader, self.leader_term = kv.json(), kv.create_revision
 
-    def _depose(self, reason: str) -> None:
+    def depose(self, reason: str) -> None:
+        """Step down now: the lease lapsed, or a fenced write failed (another leader exists)."""
         if self.role is not Role.LEADING:
             return
         log.warning("no longer the leader of %s (term %d): %s", self.prefix, self.term, reason)
@@ -202,10 +203,6 @@ class Leadership:
         self._revoking = asyncio.get_running_loop().create_task(self._revoke(lease))
         self.on_deposed(reason)
 
-    def depose(self, reason: str) -> None:
-        """Step down now (a fenced write failed: another leader exists)."""
-        self._depose(reason)
-
     async def _revoke(self, lease: int) -> None:
         with contextlib.suppress(EtcdUnavailable):  # else it lapses on its own
             await self.etcd.revoke(lease)
@@ -214,7 +211,7 @@ class Leadership:
         """Hand leadership over at once (a graceful stop): revoke the lease."""
         self._resigning = True
         if self.role is Role.LEADING:
-            self._depose("resigned")
+            self.depose("resigned")
             if self._revoking is not None:
                 await self._revoking
 

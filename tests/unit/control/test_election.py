@@ -98,14 +98,19 @@ def candidate(etcd: FakeEtcd, clock: Clock, name: str, log: list[str]) -> Leader
     )
 
 
+def two_candidates() -> tuple[Clock, list[str], FakeEtcd, Leadership, Leadership]:
+    """A clock, the election log, an in-memory etcd and candidates "a" and "b" on it."""
+    clock, log = Clock(), []
+    etcd = FakeEtcd(clock)
+    return clock, log, etcd, candidate(etcd, clock, "a", log), candidate(etcd, clock, "b", log)
+
+
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
 def test_one_leader_the_other_stands_by_and_knows_it():
-    clock, log = Clock(), []
-    etcd = FakeEtcd(clock)
-    a, b = candidate(etcd, clock, "a", log), candidate(etcd, clock, "b", log)
+    _clock, log, _etcd, a, b = two_candidates()
     run(a._campaign())
     run(b._campaign())
     assert a.role is Role.LEADING and a.leading()
@@ -115,9 +120,7 @@ def test_one_leader_the_other_stands_by_and_knows_it():
 
 
 def test_validity_runs_from_the_renewal_send_time_and_a_frozen_leader_is_deposed_before_a_standby_wins():
-    clock, log = Clock(), []
-    etcd = FakeEtcd(clock)
-    a, b = candidate(etcd, clock, "a", log), candidate(etcd, clock, "b", log)
+    clock, log, _etcd, a, b = two_candidates()
     run(a._campaign())
     assert a.valid_until == pytest.approx(100.0 + 1 - election.MARGIN_S)
     clock.t += 0.9
@@ -162,9 +165,7 @@ def test_renewal_extends_validity_and_an_etcd_outage_past_the_lease_deposes():
 
 
 def test_epoch_records_are_fenced_by_the_term():
-    clock, log = Clock(), []
-    etcd = FakeEtcd(clock)
-    a, b = candidate(etcd, clock, "a", log), candidate(etcd, clock, "b", log)
+    clock, _log, etcd, a, b = two_candidates()
     run(a._campaign())
     assert run(a.record_epoch({"epoch": 3}, a.term))
     clock.t += 2  # a's lease lapses; b wins
@@ -176,9 +177,7 @@ def test_epoch_records_are_fenced_by_the_term():
 
 
 def test_resign_hands_over_at_once():
-    clock, log = Clock(), []
-    etcd = FakeEtcd(clock)
-    a, b = candidate(etcd, clock, "a", log), candidate(etcd, clock, "b", log)
+    _clock, _log, _etcd, a, b = two_candidates()
     run(a._campaign())
     run(a.resign())
     assert a.role is Role.STANDBY
