@@ -5,8 +5,12 @@ hang, leave and join, with no lost, repeated or diverging step. See DESIGN.md fo
 promises and README.md for the quick start.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from unbroken.config import CoordinatorConfig, NodeConfig
-from unbroken.control.coordinator import Coordinator
 from unbroken.errors import (
     AuditMismatch,
     BadContribution,
@@ -22,8 +26,29 @@ from unbroken.errors import (
     TransferError,
     UnbrokenError,
 )
-from unbroken.job import Job, load_job
-from unbroken.train.runtime import Node, NodeResult, run_node
+
+if TYPE_CHECKING:
+    from unbroken.control.coordinator import Coordinator
+    from unbroken.job import Job, load_job
+    from unbroken.train.runtime import Node, NodeResult, run_node
+
+_LAZY = {
+    "Coordinator": "unbroken.control.coordinator",
+    "Job": "unbroken.job",
+    "load_job": "unbroken.job",
+    "Node": "unbroken.train.runtime",
+    "NodeResult": "unbroken.train.runtime",
+    "run_node": "unbroken.train.runtime",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """What needs torch is imported when first used: a relay or `unbroken status` starts
+    in a fraction of a second and a fraction of the memory."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'unbroken' has no attribute {name!r}")
+
 
 __all__ = [
     "AuditMismatch",

@@ -157,6 +157,9 @@ class NodeConfig:
     etcd: tuple[str, ...] = ()
     """Client URLs of the job's etcd cluster: the node asks it who leads, before the
     addresses above (either may be empty, not both)."""
+    relays: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+    """Relays (zones' sub-coordinators) tried before the leader, in order: the leader then
+    sees one session per relay, not one per node (`unbroken.control.relay`)."""
     etcd_prefix: str = DEFAULT_ETCD_PREFIX
     """The job's prefix in etcd (the coordinators' ``--etcd-prefix``)."""
     coordinate: bool = False
@@ -220,7 +223,7 @@ class NodeConfig:
     """Connect to the coordinator over TLS, trusting this CA bundle (PEM) for its certificate."""
 
     def __post_init__(self) -> None:
-        if not self.coordinators and not self.etcd:
+        if not self.coordinators and not self.etcd and not self.relays:
             raise ConfigError(
                 f"NodeConfig.coordinators is empty: pass --coordinator HOST:PORT (or set {ENV_COORDINATOR}), "
                 f"or --etcd URL,... (or set {ENV_ETCD}) to find the job's leader"

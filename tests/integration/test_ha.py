@@ -258,3 +258,29 @@ def test_bad_etcd_input_gets_errors_that_name_the_fix(make_cluster, etcd, tmp_pa
     assert r.returncode == 2 and "separate --etcd-prefix" in r.stderr, r.stderr[-2000:]
     at = c.max_committed()
     c.wait_step(at + 5)  # the running job lost nothing
+
+
+def test_relays_follow_a_new_leader_after_the_old_one_is_killed(make_cluster, etcd):
+    """Nodes behind a relay; the leader is SIGKILLed: the relay links to the new leader
+    (found through etcd) and the job ends with every promise kept and terms never going back."""
+    env = {"UB_TEST_STEPS": "120", "UB_TEST_DELAY_MS": "20"}
+    c = start(make_cluster, etcd, env, n=3)
+    relay = c.start_relay(zone="R")
+    for i in (1, 2, 3):
+        c.start_node(f"n{i}", relays=[relay])
+    c.wait_step(20)
+    old = c.leader()
+    assert old is not None
+    c.kill_coordinator(old)
+    c.wait_for(lambda: c.leader() not in (None, old), 20, "a new leader")
+    new = c.coordinators[c.leader()][1]  # type: ignore[index]
+
+    def relinked() -> bool:
+        with urllib.request.urlopen(f"http://{relay[0]}:{relay[1]}/api/state", timeout=2) as r:
+            return json.load(r)["leader"] == f"{new[0]}:{new[1]}"
+
+    c.wait_for(relinked, 30, "the relay to link to the new leader")
+    codes = c.wait_exit(timeout=150)
+    assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
+    assert_terms_never_go_back(c)
+    assert_promises(c, env, finishers=3)

@@ -90,6 +90,47 @@ def _coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _relay(args: argparse.Namespace) -> int:
+    from unbroken.control.relay import Relay, RelayConfig
+
+    addresses = args.coordinator or os.environ.get(ENV_COORDINATOR, "").split(",")
+    config = RelayConfig(
+        coordinators=[parse_address(p) for a in addresses for p in a.split(",") if p],
+        host=args.host,
+        port=args.port,
+        zone=args.zone or "",
+        token=load_token(args.token, args.token_file),
+        etcd=list(_etcd(args)),
+        etcd_prefix=args.etcd_prefix,
+    )
+    if not config.coordinators and not config.etcd:
+        raise ConfigError("a relay needs the job's coordinator: --coordinator HOST:PORT[,...] or --etcd URL,...")
+    relay = Relay(config)
+
+    async def serve() -> None:
+        task = asyncio.create_task(relay.serve())
+        while not relay.ready:
+            await asyncio.sleep(0.01)
+            if task.done():
+                await task
+        host, port = relay.address
+        print(f"{READY_PREFIX} {host}:{port}", flush=True)
+        print(f"unbroken relay {relay.relay_id} on {host}:{port} (state: http://{host}:{port}/api/state)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, relay.stop_nowait)
+        await task
+
+    try:
+        asyncio.run(serve())
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot listen on {config.host}:{config.port} ({exc.strerror or exc}); use --port 0"
+        ) from None
+    return 0
+
+
 async def _exit_with_parent(coord: Any) -> None:
     """A node's candidate (``--coordinate``) resigns as soon as its node is gone, even SIGKILLed."""
     parent = os.getppid()
@@ -109,6 +150,7 @@ def _node(args: argparse.Namespace) -> int:
         coordinators=tuple(parse_address(p) for a in addresses for p in a.split(",") if p),
         etcd=etcd,
         etcd_prefix=args.etcd_prefix,
+        relays=tuple(parse_address(p) for a in args.relay or [] for p in a.split(",") if p),
         coordinate=args.coordinate,
         coordinator_args=tuple(shlex.split(args.coordinator_args or "")),
         name=args.name or "",
@@ -298,12 +340,30 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     c.set_defaults(func=_coordinator)
 
+    r = sub.add_parser(
+        "relay",
+        help="a zone's sub-coordinator: holds its nodes' sessions, speaks for them to the leader",
+        formatter_class=fmt,
+    )
+    r.add_argument("--coordinator", action="append", help="HOST:PORT of the job's coordinator(s), comma-separated")
+    r.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for other machines)")
+    r.add_argument("--port", type=int, default=29450, help="port nodes connect to (0: pick a free one)")
+    r.add_argument("--zone", help="the zone this relay serves (shown on the dashboard)")
+    _etcd_args(r)
+    _token_args(r)
+    r.set_defaults(func=_relay)
+
     n = sub.add_parser("node", help="run one training node", formatter_class=fmt)
     n.add_argument("job", help="the job: path/to/file.py:ATTR or package.module:ATTR")
     n.add_argument(
         "--coordinator",
         action="append",
         help=f"HOST:PORT, or several comma-separated: any of them names the leader (default ${ENV_COORDINATOR})",
+    )
+    n.add_argument(
+        "--relay",
+        action="append",
+        help="HOST:PORT of this zone's relay (comma-separated for several), tried before the leader",
     )
     _etcd_args(n)
     n.add_argument(

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from unbroken.state.checkpoint import checkpoint_path
-from unbroken.state.fragments import rebuild
-
 
 def _restore(args: argparse.Namespace) -> int:
+    import torch
+
+    from unbroken.state.checkpoint import checkpoint_path
+    from unbroken.state.fragments import rebuild
+
     sources = [Path(d) for d in args.source]
     snap, manifest, notes = rebuild(sources, args.step)
     for note in notes:

@@ -42,6 +42,7 @@ from unbroken.control import auth
 from unbroken.control import messages as m
 from unbroken.control.election import find_leader
 from unbroken.control.etcd import Etcd
+from unbroken.control.orders import complete
 from unbroken.errors import ConfigError, CoordinatorUnreachable, EtcdUnavailable, JoinRefused, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,11 @@ class ControlClient:
         tls_ca: str | None = None,
         etcd: Sequence[str] = (),
         etcd_prefix: str = "",
+        relays: Sequence[tuple[str, int]] = (),
     ) -> None:
         self._ssl = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
         self.addresses = list(addresses)
+        self.relays = list(relays)
         self.etcd_endpoints = list(etcd)
         self.etcd_prefix = etcd_prefix
         self.term = 0
@@ -105,6 +108,8 @@ class ControlClient:
         self.on_command: Callable[[m.Command], None] | None = None
         """Called (on the control thread) with an operator's command."""
         self._seq = 0
+        self._counted_at = 0.0
+        """When a message that keeps the lease (heartbeat or progress report) last went out."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[BaseModel | None] | None = None
         self._thread: threading.Thread | None = None
@@ -243,26 +248,27 @@ class ControlClient:
                 await asyncio.sleep(RECONNECT_DELAY_S)
 
     async def _candidates(self, etcd: Etcd | None) -> list[tuple[str, int]]:
-        """Where to look for the leader: the one etcd names first, then the given addresses."""
+        """Where to look for the leader: through a relay first, then the leader etcd names,
+        then the given addresses."""
         out = list(self.addresses)
         if etcd is None:
-            return out
+            return self.relays + out
         try:
             found = await find_leader(etcd, self.etcd_prefix)
         except EtcdUnavailable as exc:
             self._why_no_leader = str(exc)
-            return out
+            return self.relays + out
         if found is None:
             self._why_no_leader = f"etcd has no leader under {self.etcd_prefix!r}"
-            return out
+            return self.relays + out
         record, _ = found
         try:
             leader = parse_address(str(record.get("address", "")))
         except ConfigError:
             self._why_no_leader = f"the leader record under {self.etcd_prefix!r} has no usable address: {record}"
-            return out
+            return self.relays + out
         self._why_no_leader = ""
-        return [leader, *(a for a in out if a != leader)]
+        return [*self.relays, leader, *(a for a in out if a != leader)]
 
     def _unreachable_message(self, why: str) -> str:
         where = ", ".join(f"{h}:{p}" for h, p in self.addresses)
@@ -380,11 +386,9 @@ class ControlClient:
                 log.warning("no heartbeat acknowledged for %.1f s; dropping the session", 2 * self.lease_s)
                 await ws.close()
                 return
-            self._seq += 1
-            with self._lock:
-                self._sent[self._seq] = time.monotonic()
-                for old in [s for s in self._sent if s < self._seq - 64]:
-                    del self._sent[old]
+            if time.monotonic() - self._counted_at < period:
+                await asyncio.sleep(period)  # a progress report just kept the lease: no heartbeat needed
+                continue
             stalled = time.monotonic() - self._loop_alive_at
             if stalled > self.stall_timeout_s:
                 # Heartbeats say "this node trains"; a step loop stuck this long does not,
@@ -394,7 +398,7 @@ class ControlClient:
                     self._stall_reported = True
             else:
                 self._stall_reported = False
-                self._queue.put_nowait(m.Heartbeat(seq=self._seq, step=self.step))
+                self._queue.put_nowait(m.Heartbeat(seq=0, step=self.step))
             await asyncio.sleep(period)
 
     async def _watch_leader(self, ws: aiohttp.ClientWebSocketResponse, period: float) -> None:
@@ -425,7 +429,19 @@ class ControlClient:
             if msg is None:
                 await ws.close()
                 return
+            if isinstance(msg, (m.Heartbeat, m.Progress)):
+                msg = msg.model_copy(update={"seq": self._count_send()})
             await ws.send_str(m.encode(msg))
+
+    def _count_send(self) -> int:
+        """Number a message that keeps the lease (its acknowledgement says when it was sent)."""
+        self._seq += 1
+        self._counted_at = time.monotonic()
+        with self._lock:
+            self._sent[self._seq] = self._counted_at
+            for old in [s for s in self._sent if s < self._seq - 64]:
+                del self._sent[old]
+        return self._seq
 
     def _on_message(self, msg: m.CoordinatorMessage) -> None:
         with self._lock:
@@ -446,6 +462,7 @@ class ControlClient:
                 if msg.epoch <= newest:
                     log.warning("ignoring order for epoch %d (have %d): fenced", msg.epoch, newest)
                     return
+                msg = complete(msg, self.orders[-1] if self.orders else None)
                 self.orders.append(msg)
                 del self.orders[:-8]
             elif isinstance(msg, m.Expel):

@@ -26,6 +26,7 @@ import collections
 import contextlib
 import json
 import logging
+import re
 import ssl
 import threading
 import time
@@ -33,17 +34,19 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from aiohttp import WSMsgType, web
-from pydantic import BaseModel
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from unbroken.config import CoordinatorConfig
 from unbroken.control import auth
 from unbroken.control import messages as m
 from unbroken.control.membership import Decision, Event, Membership
-from unbroken.control.office import Gate, Office
+from unbroken.control.office import Office
+from unbroken.control.orders import compact
+from unbroken.control.sessions import HELLO_TIMEOUT_S, RelayedMember, RelayLink, Sender, Session, send_all, serve_relay
 from unbroken.errors import ProtocolError
 from unbroken.observe.anomaly import Anomaly, Detector
 from unbroken.observe.history import History
@@ -54,38 +57,9 @@ log = logging.getLogger(__name__)
 TICK_S = 0.02
 LAG_FORGIVEN_S = 0.1
 """A tick this much later than due extends every lease by the delay (see `_tick_forever`)."""
-HELLO_TIMEOUT_S = 10.0
 MAX_EVENTS = 10_000
-
-
-class _Session:
-    """One node's connection; a writer task keeps each session's messages in order."""
-
-    def __init__(self, ws: web.WebSocketResponse, member_id: str, gate: Callable[[], Gate]) -> None:
-        self.ws = ws
-        self.member_id = member_id
-        self.gate = gate
-        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
-        self.writer = asyncio.create_task(self._write(), name=f"session-writer-{member_id}")
-
-    async def _write(self) -> None:
-        while (text := await self.queue.get()) is not None:
-            while (gate := self.gate()) is Gate.WAIT:
-                await asyncio.sleep(0.01)
-            if gate is Gate.STOP:
-                break  # deposed while this waited: say nothing more, not even late orders
-            try:
-                await self.ws.send_str(text)
-            except (ConnectionError, RuntimeError):
-                return
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.ws.close(), timeout=1.0)
-
-    def send(self, msg: BaseModel) -> None:
-        self.queue.put_nowait(m.encode(msg))
-
-    def close(self) -> None:
-        self.queue.put_nowait(None)
+REPORT_S = 0.05
+"""How often a training node reports progress, at least (a lease's heartbeat period, if longer)."""
 
 
 class Coordinator:
@@ -116,7 +90,13 @@ class Coordinator:
         self.anomalies = Detector()
         self.recoveries: list[dict[str, Any]] = []
         self._open_failures: list[dict[str, Any]] = []
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, Sender] = {}
+        self._relays: dict[str, RelayLink] = {}
+        self._detached: set[str] = set()
+        self._last_order: m.EpochOrder | None = None
+        self._told: dict[str, int] = {}
+        """The epoch of the last order each member's session was sent."""
+        """Members whose relay's link ended: their leases run on until they are back."""
         self._store: TCPStore | None = None
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -126,6 +106,7 @@ class Coordinator:
         self._startup_error: BaseException | None = None
         self.address: tuple[str, int] = (self.config.host, self.config.port)
         self.store_port = 0
+        self._pruning = False
         self.loop_lag_s = 0.0
         """The longest stall of the event loop seen (leases were extended by each)."""
 
@@ -166,6 +147,7 @@ class Coordinator:
         app.router.add_get("/api/state", self._state)
         app.router.add_get("/healthz", self._health)
         app.router.add_get("/ws", self._ws)
+        app.router.add_get("/relay", self._relay)
         add_routes(app, self)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
         await self._runner.setup()
@@ -210,21 +192,28 @@ class Coordinator:
     def _elected(self, term: int, epoch_floor: int) -> None:
         """A fresh view for the new term: the nodes hand theirs over as they reconnect."""
         self._record(Event(time.monotonic(), "leader", None, 0, 0, f"{self.office.advertised} leads (term {term})"))
-        for session in list(self._sessions.values()):
-            session.close()
-        self._sessions.clear()
+        self._drop_sessions()
         self.rendezvous = auth.new_nonce()  # the new term's groups meet elsewhere in the store
         self.membership = self._new_membership()
         self.membership.term = term
         self.membership.number_above(epoch_floor)
 
     def _deposed(self, reason: str) -> None:
-        for session in list(self._sessions.values()):
-            session.close()
-        self._sessions.clear()
+        self._drop_sessions()
         self.membership = self._new_membership()
         advertised = self.office.advertised
         self._record(Event(time.monotonic(), "deposed", None, 0, 0, f"{advertised} stops leading: {reason}"))
+
+    def _drop_sessions(self) -> None:
+        for session in list(self._sessions.values()):
+            session.close()
+        for link in list(self._relays.values()):
+            link.session.close()
+        self._sessions.clear()
+        self._relays.clear()
+        self._detached.clear()
+        self._told.clear()
+        self._last_order = None
 
     @property
     def ready(self) -> bool:
@@ -344,6 +333,15 @@ class Coordinator:
             "final_metrics": ms.final_metrics,
             "store_port": self.store_port,
             "loop_lag_s": round(self.loop_lag_s, 3),
+            "relays": [
+                {
+                    "relay_id": r.relay_id,
+                    "zone": r.zone,
+                    "members": len(r.members),
+                    "heard_s": round(now - r.heard_at, 3),
+                }
+                for r in self._relays.values()
+            ],
         }
 
     # ---------------------------------------------------------------- sessions
@@ -352,7 +350,7 @@ class Coordinator:
         ws = web.WebSocketResponse(max_msg_size=self.config.max_message_bytes, heartbeat=None)
         await ws.prepare(request)
         peer = request.remote or "?"
-        session: _Session | None = None
+        session: Sender | None = None
         challenge = auth.new_nonce()
         try:
             await ws.send_str(m.encode(m.Challenge(nonce=challenge, auth=self.token is not None)))
@@ -369,48 +367,20 @@ class Coordinator:
                 await ws.close()
                 return ws
             term = self.term  # the session belongs to this term (an election may come while it waited)
-            unproven = self._check_token(hello, challenge)
-            old = None if unproven else self._sessions.pop(hello.member_id, None)
-            if old is not None:
-                old.close()  # the node reconnected before its old session ended here: it replaces it
-            decision = (
-                Decision(refuse=unproven)
-                if unproven
-                else self.membership.admit(hello, time.monotonic(), reconnect=old is not None)
+            proof = auth.coordinator_proof(self.token, challenge, hello.nonce, hello.member_id) if self.token else ""
+            joined = self._join(
+                hello,
+                self._check_token(hello, challenge),
+                peer,
+                lambda: Session(ws, hello.member_id, self.office.settled),
+                self._store_host(request),
+                proof,
             )
-            if decision.refuse is not None:
-                log.warning("refused %s from %s: %s", hello.name, peer, decision.refuse)
-                self._record(
-                    Event(
-                        time.monotonic(),
-                        "refused",
-                        None,
-                        self.membership.epoch,
-                        self.membership.step,
-                        f"{hello.name}: {decision.refuse}",
-                    )
-                )
-                refusal = m.Refused(reason=decision.refuse, finished=self.membership.finished)
-                await ws.send_str(m.encode(refusal))
+            if isinstance(joined, m.Refused):
+                await ws.send_str(m.encode(joined))
                 await ws.close()
                 return ws
-            session = _Session(ws, hello.member_id, self.office.gate)
-            self._sessions[hello.member_id] = session
-            session.send(
-                m.Welcome(
-                    store_host=self._store_host(request),
-                    store_port=self.store_port,
-                    lease_s=self.config.lease_s,
-                    heartbeat_s=self.config.lease_s / 5,
-                    coordinator_id=self.coordinator_id,
-                    proof=auth.coordinator_proof(self.token, challenge, hello.nonce, hello.member_id)
-                    if self.token
-                    else "",
-                    rendezvous=self.rendezvous,
-                    term=self.term,
-                )
-            )
-            self._apply(decision)
+            session = joined
             async for raw in ws:
                 if raw.type != WSMsgType.TEXT:
                     if raw.type == WSMsgType.ERROR:
@@ -435,14 +405,113 @@ class Coordinator:
             log.warning("session from %s sent no hello within %s s", peer, HELLO_TIMEOUT_S)
         finally:
             if session is not None:
-                if self._sessions.get(session.member_id) is session and self.in_office():
-                    del self._sessions[session.member_id]
-                    self._apply(self.membership.session_closed(session.member_id, time.monotonic()))
+                self._session_ended(session)
                 session.close()
             if not ws.closed:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(ws.close(), timeout=1.0)
         return ws
+
+    def _join(
+        self,
+        hello: m.Hello,
+        unproven: str | None,
+        peer: str,
+        open_session: Callable[[], Sender],
+        store_host: str,
+        proof: str,
+    ) -> Sender | m.Refused:
+        """Admit a hello (``unproven``: why its token proof failed): its new session, welcomed,
+        or the refusal to send."""
+        mid = hello.member_id
+        old = None if unproven else self._sessions.pop(mid, None)
+        if old is not None:
+            old.close()  # the node reconnected before its old session ended here: it replaces it
+        back = not unproven and (old is not None or mid in self._detached)
+        self._detached.discard(mid)
+        now = time.monotonic()
+        decision = Decision(refuse=unproven) if unproven else self.membership.admit(hello, now, reconnect=back)
+        if decision.refuse is not None:
+            log.warning("refused %s from %s: %s", hello.name, peer, decision.refuse)
+            ms = self.membership
+            self._record(Event(now, "refused", None, ms.epoch, ms.step, f"{hello.name}: {decision.refuse}"))
+            return m.Refused(reason=decision.refuse, finished=self.membership.finished)
+        session = open_session()
+        self._sessions[mid] = session
+        self._told.pop(mid, None)  # a new session: its next order goes in full
+        lease = self.config.lease_s
+        session.send(
+            m.Welcome(
+                store_host=store_host,
+                store_port=self.store_port,
+                lease_s=lease,
+                heartbeat_s=lease / 5,
+                report_s=max(REPORT_S, lease / 5),
+                coordinator_id=self.coordinator_id,
+                proof=proof,
+                rendezvous=self.rendezvous,
+                term=self.term,
+            )
+        )
+        self._apply(decision)
+        return session
+
+    def _session_ended(self, session: Sender) -> None:
+        mid = session.member_id
+        if self._sessions.get(mid) is session and self.in_office():
+            del self._sessions[mid]
+            self._apply(self.membership.session_closed(mid, time.monotonic()))
+
+    # ---------------------------------------------------------------- relays
+
+    def relay_joined(self, link: RelayLink) -> None:
+        old = self._relays.get(link.relay_id)
+        if old is not None:
+            self.relay_lost(old)
+            old.session.close()
+        self._relays[link.relay_id] = link
+
+    def relay_up(self, link: RelayLink, up: m.Up, request: web.Request) -> None:
+        """A relay's batch: its members' liveness, what they said, whose session ended."""
+        now = time.monotonic()
+        ms = self.membership
+        for mid, step in zip(up.alive, up.steps, strict=False):
+            if mid in link.members:
+                ms.heartbeat(mid, step, now)
+        for said in up.said:
+            session = self._sessions.get(said.member)
+            msg = said.msg
+            if isinstance(msg, m.Hello):
+                if said.member != msg.member_id:
+                    raise ProtocolError(f"relay {link.relay_id} forwarded {msg.member_id}'s hello as {said.member}'s")
+                # The relay checked the node's token proof (it holds the token); it proves
+                # itself to the node with its own challenge.
+                joined = self._join(
+                    msg, None, link.relay_id, partial(link.member, msg.member_id), self._store_host(request), ""
+                )
+                if isinstance(joined, m.Refused):
+                    link.session.send_text(m.down_text([msg.member_id], m.encode(joined)))
+            elif isinstance(session, RelayedMember) and session.link is link:
+                self._dispatch(session, msg)
+        for gone in up.gone:
+            session = self._sessions.get(gone.member)
+            if isinstance(session, RelayedMember) and session.link is link:
+                link.members.discard(gone.member)
+                self._session_ended(session)
+
+    def relay_lost(self, link: RelayLink) -> None:
+        """Its members are detached, not failed: they reconnect elsewhere within their lease."""
+        if self._relays.get(link.relay_id) is link:
+            del self._relays[link.relay_id]
+        for mid in link.members:
+            session = self._sessions.get(mid)
+            if isinstance(session, RelayedMember) and session.link is link:
+                del self._sessions[mid]
+                self._detached.add(mid)
+        link.members.clear()
+
+    async def _relay(self, request: web.Request) -> web.StreamResponse:
+        return await serve_relay(self, request)
 
     def _check_token(self, hello: m.Hello, challenge: str) -> str | None:
         """Why this hello may not join (wrong, missing or replayed proof), or None."""
@@ -464,7 +533,7 @@ class Coordinator:
         sock = request.transport.get_extra_info("sockname") if request.transport else None
         return sock[0] if sock else "127.0.0.1"
 
-    def _dispatch(self, session: _Session, msg: m.NodeMessage) -> None:
+    def _dispatch(self, session: Sender, msg: m.NodeMessage) -> None:
         now = time.monotonic()
         mid = session.member_id
         ms = self.membership
@@ -483,6 +552,8 @@ class Coordinator:
                 caps=msg.capabilities,
                 wire=(msg.bytes_intra, msg.bytes_inter),
             )
+            if msg.seq:
+                session.send(m.Ack(seq=msg.seq))
             if msg.first_in_epoch:
                 self._close_recoveries(msg.epoch, msg.step, msg.wall_time)
             self._observe(mid, msg)
@@ -551,10 +622,45 @@ class Coordinator:
             if s is not None:
                 s.send(m.Expel(reason=reason, term=self.term))
                 s.close()
-        for mid, order in d.orders.items():
-            s = self._sessions.get(mid)
-            if s is not None:
-                s.send(order)
+        if d.orders:
+            send_all(self._sessions, self._compact(d.orders))
+            self._prune_store(max(o.epoch for o in d.orders.values()))
+
+    def _compact(self, orders: dict[str, m.EpochOrder]) -> dict[str, m.EpochOrder]:
+        """Orders as sent (`orders.compact`): a member whose session got the previous order
+        gets this one as a change to it, anyone else in full."""
+        out: dict[str, m.EpochOrder] = {}
+        for order in sorted({id(o): o for o in orders.values()}.values(), key=lambda o: o.epoch):
+            last, self._last_order = self._last_order, order
+            full = compact(order)
+            delta = compact(order, last) if last is not None else full
+            for mid, o in orders.items():
+                if o is order and mid in self._sessions:
+                    out[mid] = delta if delta.base and self._told.get(mid) == delta.base else full
+                    self._told[mid] = order.epoch
+        return out
+
+    def _prune_store(self, epoch: int) -> None:
+        """Delete the rendezvous keys of epochs before the last (every rank writes one per
+        epoch: at a thousand members megabytes an epoch), and any key of no current epoch."""
+        store, loop = self._store, self._loop
+        if store is None or loop is None or self._pruning:
+            return
+        ours = re.compile(rf"/{re.escape(self.rendezvous)}/e(\d+)/")
+
+        def prune() -> None:
+            try:
+                for key in store.list_keys():
+                    found = ours.search(key)
+                    if found is None or int(found.group(1)) < epoch - 1:
+                        store.delete_key(key)
+            except RuntimeError as exc:  # the store is shutting down
+                log.debug("store pruning stopped: %s", exc)
+            finally:
+                self._pruning = False
+
+        self._pruning = True
+        loop.run_in_executor(None, prune)
 
     def _observe(self, mid: str, msg: m.Progress) -> None:
         """Curves and anomalies from a progress report."""

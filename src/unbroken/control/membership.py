@@ -39,12 +39,16 @@ FRESH_JOB_GRACE_S = 1.0
 BROKEN_SETTLE_S = 0.3
 """After a restart, once a member says the newest epoch is broken (it abandoned it), how
 long to wait for the rest of the group to reconnect before forming the next epoch."""
+REASONS_SHOWN = 8
+"""An epoch's reason names this many causes, then counts the rest."""
 PLAN_DWELL_S = 1.0
 """A plan stays at least this long before a rebalance may replace it."""
 PLAN_DWELL_STEPS = 3
 """...and until every trainer has reported this many step times under it."""
 REBALANCE_EVERY_S = 0.25
 """How often the coordinator reconsiders the plan (the cost model is not free)."""
+REVIEW_MEMBERS = 500
+"""Groups larger than this are reviewed proportionally less often."""
 REBALANCE_PERSIST_S = 0.5
 """A better plan must stay better for this long before it replaces the current one."""
 SETTLED_AFTER = 3
@@ -213,9 +217,10 @@ class Membership:
         self.final_metrics: dict[str, float] = {}
         self._pending_due: float | None = None
         self._pending_urgent = False
-        self._pending_reason = ""
+        self._pending_reasons: dict[str, None] = {}
         self.recovering_until = now + recovery_window_s if recovering else None
         self._resumes: dict[str, Resume] = {}
+        self._next_expiry_scan = now
 
     @property
     def epoch_members(self) -> list[str]:
@@ -468,7 +473,12 @@ class Membership:
     def tick(self, now: float, expire: bool = True) -> Decision:
         """Expire leases, end a recovery window, and form a pending epoch when due."""
         d = Decision()
-        for mid, m in list(self.members.items()) if expire else []:
+        # Leases are checked a tenth of a lease apart, not on every tick: with thousands of
+        # members a scan costs milliseconds, and a tenth of a lease late is soon enough.
+        scan = expire and now >= self._next_expiry_scan
+        if scan:
+            self._next_expiry_scan = now + self.lease_s / 10
+        for mid, m in list(self.members.items()) if scan else []:
             if now - m.last_seen > self.lease_s and not (self.finished and mid in self.final_digests):
                 d.expel[mid] = f"no heartbeat for {now - m.last_seen:.2f} s (lease {self.lease_s} s)"
                 d.merge(self.fail(mid, now, f"lease expired after {now - m.last_seen:.2f} s"))
@@ -479,9 +489,11 @@ class Membership:
         if not self._started and len(self.members) < self.min_nodes:
             return d  # the job has not started: wait for enough nodes
         if self._pending_due is not None and now >= self._pending_due and not self.finished:
-            d.merge(self._form_epoch(now, self._pending_urgent, self._pending_reason))
+            d.merge(self._form_epoch(now, self._pending_urgent, self._pending_reason()))
         elif self._pending_due is None and not self.finished and now >= self._next_rebalance:
-            self._next_rebalance = now + REBALANCE_EVERY_S
+            # A large group is reviewed less often (a review costs about 10 µs a member):
+            # it stays a few percent of the loop at any size.
+            self._next_rebalance = now + REBALANCE_EVERY_S * max(1.0, len(self._epoch_members) / REVIEW_MEMBERS)
             d.merge(self._review_plan(now))
         return d
 
@@ -572,12 +584,19 @@ class Membership:
         due = now + delay
         if self._pending_due is None:
             self._pending_due = due
-            self._pending_reason = reason
+            self._pending_reasons = {reason: None}
         else:
             self._pending_due = min(self._pending_due, due)
-            if reason not in self._pending_reason:
-                self._pending_reason += f"; {reason}"
+            self._pending_reasons[reason] = None
         self._pending_urgent = self._pending_urgent or urgent
+
+    def _pending_reason(self) -> str:
+        """Why the pending epoch forms: every reason when few, else the first few and a count
+        (a thousand joins make one epoch, not a reason of a thousand parts)."""
+        reasons = list(self._pending_reasons)
+        if len(reasons) <= REASONS_SHOWN:
+            return "; ".join(reasons)
+        return "; ".join(reasons[:REASONS_SHOWN]) + f"; and {len(reasons) - REASONS_SHOWN} more"
 
     @staticmethod
     def zones_of(members: Sequence[Member]) -> list[str]:
@@ -634,7 +653,7 @@ class Membership:
 
     def _form_epoch(self, now: float, urgent: bool, reason: str) -> Decision:
         d = Decision()
-        self._pending_due, self._pending_urgent, self._pending_reason = None, False, ""
+        self._pending_due, self._pending_urgent, self._pending_reasons = None, False, {}
         keep = [
             m
             for m in self.epoch_members

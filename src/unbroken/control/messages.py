@@ -20,6 +20,9 @@ Count = Annotated[int, Field(ge=0, le=2**53)]
 EpochNo = Annotated[int, Field(ge=0, le=2**31)]
 """Epoch numbers stay far below any overflow, whatever a hostile hello claims."""
 RoleName = Literal["trainer", "validator", "standby"]
+MAX_MEMBERS = 1 << 20
+"""Members one message may list: far above any job, a bound on what a hostile peer sends
+(the message size limit binds first)."""
 
 
 class _Msg(BaseModel):
@@ -39,10 +42,10 @@ class Resume(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     epoch: EpochNo
-    members: Annotated[list[Name], Field(max_length=4096)]
+    members: Annotated[list[Name], Field(max_length=MAX_MEMBERS)]
     step: Count
-    shares: Annotated[list[Count], Field(max_length=4096)] = []
-    roles: Annotated[list[RoleName], Field(max_length=4096)] = []
+    shares: Annotated[list[Count], Field(max_length=MAX_MEMBERS)] = []
+    roles: Annotated[list[RoleName], Field(max_length=MAX_MEMBERS)] = []
     abandoned: bool = False
     """The member left this epoch (a collective failed while no coordinator could be told):
     the epoch is over, so a new coordinator forms the next one without waiting for the rest."""
@@ -111,6 +114,9 @@ class Hello(_Msg):
 
 
 class Heartbeat(_Msg):
+    """Sent only while a node has nothing else to say: its progress reports carry the same
+    ``seq`` and keep its lease while it trains."""
+
     type: Literal["heartbeat"] = "heartbeat"
     seq: Count
     step: Count
@@ -147,6 +153,8 @@ class Progress(_Msg):
     """False when the loss was NaN or infinite (``loss`` then carries -1)."""
     recent: Annotated[list[StepPoint], Field(max_length=512)] = []
     """The group's rank 0: every step it committed since its last report (others: empty)."""
+    seq: Count = 0
+    """Like a heartbeat's: acknowledged, and keeps the lease (0: not counted as one)."""
 
 
 class Report(_Msg):
@@ -214,6 +222,8 @@ class Welcome(_Msg):
     """A random key in every process-group prefix, known to admitted members only."""
     term: Term = 0
     """The leader's term: a node refuses sessions and orders of an older term than it has seen."""
+    report_s: Seconds = 0.05
+    """How often a training node reports progress (larger groups report less often)."""
 
 
 class Refused(_Msg):
@@ -265,6 +275,18 @@ class EpochOrder(_Msg):
     inner_steps: Annotated[int, Field(ge=1, le=1_000_000)] = 50
     outer_lr: Annotated[float, Field(gt=0, le=100)] = 0.7
     outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    # On the wire only (`unbroken.control.orders`): a node sees the full order.
+    base: EpochNo = 0
+    """Non-zero: ``members`` is empty and the order is a change to epoch ``base``'s."""
+    removed: Annotated[list[Count], Field(max_length=MAX_MEMBERS)] = []
+    """Ranks of the base order that are not in this one."""
+    added: Annotated[list[Name], Field(max_length=MAX_MEMBERS)] = []
+    """Members appended after the base order's remaining ones."""
+    shares_runs: Annotated[list[Count], Field(max_length=MAX_MEMBERS)] = []
+    """Non-empty: ``shares`` holds runs of equal values, each repeated this many times."""
+    microbatches_runs: Annotated[list[Count], Field(max_length=MAX_MEMBERS)] = []
+    roles_runs: Annotated[list[Count], Field(max_length=MAX_MEMBERS)] = []
+    zones_runs: Annotated[list[Count], Field(max_length=MAX_MEMBERS)] = []
 
 
 class Expel(_Msg):
@@ -295,8 +317,79 @@ NodeMessage = Annotated[
 CoordinatorMessage = Annotated[
     Challenge | Welcome | Refused | Ack | EpochOrder | Expel | Finished | Command, Field(discriminator="type")
 ]
+
+
+# ---------------------------------------------------------------- relays
+#
+# A relay (a zone's sub-coordinator, `unbroken.control.relay`) holds its members' sessions
+# and speaks for them to the leader on one session of its own: what they say goes up in
+# batches, with one list of the members heard from (their liveness); what the leader
+# tells them comes down once per relay, addressed to the members it is for.
+
+
+class RelayHello(_Msg):
+    """A relay's first message to the leader (after its challenge), proving the job token."""
+
+    type: Literal["relay-hello"] = "relay-hello"
+    relay_id: Name
+    zone: Annotated[str, Field(max_length=128)] = ""
+    nonce: Annotated[str, Field(max_length=64)] = ""
+    proof: Annotated[str, Field(max_length=64)] = ""
+
+
+class RelayWelcome(_Msg):
+    type: Literal["relay-welcome"] = "relay-welcome"
+    coordinator_id: str
+    term: Term = 0
+    lease_s: float
+    proof: Annotated[str, Field(max_length=64)] = ""
+
+
+class Said(BaseModel):
+    """One member's message, as its relay received it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    member: Name
+    msg: NodeMessage
+
+
+class Gone(BaseModel):
+    """A member's session with the relay ended."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    member: Name
+    reason: Annotated[str, Field(max_length=2000)]
+
+
+class Up(_Msg):
+    """What a relay's members said since its last batch."""
+
+    type: Literal["up"] = "up"
+    seq: Count
+    """Acknowledged by the leader; the relay then acknowledges its members' heartbeats."""
+    alive: Annotated[list[Name], Field(max_length=MAX_MEMBERS)] = []
+    """Members heard from since the last batch (a heartbeat or a report each)."""
+    steps: Annotated[list[Count], Field(max_length=MAX_MEMBERS)] = []
+    """Their steps, in the order of ``alive``."""
+    said: Annotated[list[Said], Field(max_length=MAX_MEMBERS)] = []
+    gone: Annotated[list[Gone], Field(max_length=MAX_MEMBERS)] = []
+
+
+class Down(_Msg):
+    """A message of the leader for some of a relay's members."""
+
+    type: Literal["down"] = "down"
+    to: Annotated[list[Name], Field(max_length=MAX_MEMBERS)]
+    msg: CoordinatorMessage
+
+
+RelayMessage = Annotated[RelayHello | Up, Field(discriminator="type")]
+LeaderMessage = Annotated[Challenge | RelayWelcome | Refused | Ack | Down, Field(discriminator="type")]
+
 _node_adapter: TypeAdapter[NodeMessage] = TypeAdapter(NodeMessage)
 _coord_adapter: TypeAdapter[CoordinatorMessage] = TypeAdapter(CoordinatorMessage)
+_relay_adapter: TypeAdapter[RelayMessage] = TypeAdapter(RelayMessage)
+_leader_adapter: TypeAdapter[LeaderMessage] = TypeAdapter(LeaderMessage)
 
 
 def _parse(adapter: TypeAdapter[object], data: str | bytes, limit: int) -> object:
@@ -330,6 +423,19 @@ def parse_node_message(data: str | bytes, limit: int = 1 << 20) -> NodeMessage:
 
 def parse_coordinator_message(data: str | bytes, limit: int = 64 << 20) -> CoordinatorMessage:
     return _parse(_coord_adapter, data, limit)  # type: ignore[arg-type,return-value]
+
+
+def parse_relay_message(data: str | bytes, limit: int = 64 << 20) -> RelayMessage:
+    return _parse(_relay_adapter, data, limit)  # type: ignore[arg-type,return-value]
+
+
+def parse_leader_message(data: str | bytes, limit: int = 64 << 20) -> LeaderMessage:
+    return _parse(_leader_adapter, data, limit)  # type: ignore[arg-type,return-value]
+
+
+def down_text(to: list[str], encoded: str) -> str:
+    """A `Down` around a message encoded once (an order goes to every relay alike)."""
+    return f'{{"v":1,"type":"down","to":{json.dumps(to)},"msg":{encoded}}}'
 
 
 def encode(msg: BaseModel) -> str:

@@ -76,6 +76,7 @@ class Office:
         self._tasks: list[asyncio.Task[None]] = []
         self._takeover: asyncio.Task[None] | None = None
         self._host: str | None = None
+        self._settling: asyncio.Future[Gate] | None = None
 
     # ---------------------------------------------------------------- standing
 
@@ -91,6 +92,22 @@ class Office:
         if not self.in_office():
             return Gate.STOP
         return Gate.SEND if self.leading() else Gate.WAIT
+
+    async def settled(self) -> Gate:
+        """The gate once it is no longer `Gate.WAIT`. Every session's writer waits here, on
+        one shared poll: thousands of sessions must not each wake a hundred times a second
+        while a lease renewal is late."""
+        gate = self.gate()
+        if gate is not Gate.WAIT:
+            return gate
+        if self._settling is None or self._settling.done():
+            self._settling = asyncio.ensure_future(self._poll_gate())
+        return await asyncio.shield(self._settling)
+
+    async def _poll_gate(self) -> Gate:
+        while (gate := self.gate()) is Gate.WAIT:
+            await asyncio.sleep(0.01)
+        return gate
 
     @property
     def advertised(self) -> str:

@@ -23,8 +23,10 @@ from __future__ import annotations
 import enum
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from unbroken.sched.shares import split_batch
 
@@ -141,20 +143,42 @@ def _capacity(p: Profile, t: float) -> int:
     return k * p.max_microbatch + extra
 
 
+def _capacities(profiles: Sequence[Profile]) -> Callable[[float], np.ndarray]:
+    """`_capacity` of every profile at once (the level search asks at 64 levels: with
+    thousands of nodes a loop over them per level is what the plan would cost)."""
+    c = np.array([p.per_sample_s for p in profiles], dtype=np.float64)
+    o = np.array([p.overhead_s for p in profiles], dtype=np.float64)
+    mb = np.array([p.max_microbatch for p in profiles], dtype=np.int64)
+    limited = mb > 0
+    full = o + np.where(limited, mb, 1) * c
+
+    def at(t: float) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            free = np.floor((t - o) / c)
+            k = np.floor(t / full)
+            rest = t - k * full
+            extra = np.where(rest >= o + c, np.minimum(mb - 1, np.floor((rest - o) / c)), 0)
+            caps = np.where(limited, k * mb + extra, free)
+        return np.where(t < o + c, 0, caps).astype(np.int64)
+
+    return at
+
+
 def _level(profiles: Sequence[Profile], batch_size: int) -> list[int]:
     """Shares that finish together: the lowest time level at which the nodes' capacities
     cover B (fixed costs per micro-batch included), then the surplus taken back from the
     nodes that would finish last. With no fixed costs this is the proportional split."""
     if batch_size == 0:
         return [0] * len(profiles)
+    capacities = _capacities(profiles)
     lo, hi = 0.0, min(p.time_for(batch_size) for p in profiles)
     for _ in range(64):
         mid = (lo + hi) / 2
-        if sum(_capacity(p, mid) for p in profiles) >= batch_size:
+        if int(capacities(mid).sum()) >= batch_size:
             hi = mid
         else:
             lo = mid
-    shares = [min(_capacity(p, hi), batch_size) for p in profiles]
+    shares = [min(int(x), batch_size) for x in capacities(hi)]
     if sum(shares) < batch_size:  # float edge: give the rest to the fastest finisher
         best = min(range(len(profiles)), key=lambda i: (profiles[i].time_for(shares[i] + 1), i))
         shares[best] += batch_size - sum(shares)
@@ -224,13 +248,15 @@ def plan(
         # A node the levelled split leaves without a sample would only lengthen the step.
         shares = _split(batch_size, ps, trainers, by_weight=False)
         step = _step_time(ps, shares)
+        dropped: set[int] = set()
         for i in [i for i in trainers if shares[i] == 0]:
-            if ps[i].preference is Preference.TRAINER or not ps[i].settled or len(trainers) == 1:
+            if ps[i].preference is Preference.TRAINER or not ps[i].settled or len(trainers) - len(dropped) == 1:
                 continue
             reasons[i] = (
                 f"predicted step {step * 1e3:.1f} ms without it; one sample takes it {ps[i].time_for(1) * 1e3:.1f} ms"
             )
-            trainers.remove(i)
+            dropped.add(i)
+        trainers = [i for i in trainers if i not in dropped]
     shares = _split(batch_size, ps, trainers, by_weight=not balance)
     if balance:
         # Where compute hardly depends on the share (a fixed cost per micro-batch dominates),
@@ -253,12 +279,14 @@ def plan(
         heapq.heapreplace(donors, (-shares[donor], donor))
         heapq.heappush(donors, (-1, i))
     # The validator place goes to a node that asked for it, else to the first that can evaluate.
-    able = [i for i, p in enumerate(ps) if p.evaluates and not (i in trainers and shares[i] > 0)]
+    training = {i for i in trainers if shares[i] > 0}
+    able = [i for i, p in enumerate(ps) if p.evaluates and i not in training]
     asked = [i for i in able if ps[i].preference is Preference.VALIDATOR]
     validator = (asked or able or [-1])[0]
     roles = []
+    chosen = set(trainers)
     for i, p in enumerate(ps):
-        if i in trainers and shares[i] > 0:
+        if i in training:
             roles.append(Role.TRAINER)
             if not reasons[i]:
                 reasons[i] = f"{shares[i]} of {batch_size} samples, predicted {p.time_for(shares[i]) * 1e3:.1f} ms"
@@ -266,7 +294,7 @@ def plan(
             roles.append(Role.VALIDATOR)
         else:
             roles.append(Role.STANDBY)
-        if i in trainers and shares[i] == 0:
+        if i in chosen and shares[i] == 0:
             reasons[i] = reasons[i] or "its share of the batch rounds to zero samples"
     micro = tuple(min(s, p.max_microbatch) if p.max_microbatch > 0 else s for s, p in zip(shares, ps, strict=True))
     return Plan(tuple(shares), micro, tuple(roles), _step_time(ps, shares), tuple(reasons))

@@ -8,6 +8,7 @@ garbage collection) is not a straggler.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections.abc import Mapping, Sequence
 
@@ -20,27 +21,46 @@ MAD_Z = 3.0
 """...and this many scaled median absolute deviations above it, when the group has spread."""
 
 
+def _median_without(ordered: Sequence[float], value: float) -> float:
+    """The median of ``ordered`` (sorted) with one element equal to ``value`` taken out."""
+    i = bisect.bisect_left(ordered, value)
+    n = len(ordered) - 1
+
+    def at(j: int) -> float:
+        return ordered[j] if j < i else ordered[j + 1]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+
+
 def find_stragglers(times: Mapping[str, Sequence[float]], expected: Mapping[str, float]) -> dict[str, str]:
     """Trainers whose recent compute times stand out, each with the reason.
 
     ``times`` holds each trainer's recent compute times per step (seconds); ``expected``
     the plan's prediction for each (its share at the speed it had when the plan was made).
-    A trainer is a straggler when it is slow against both its prediction and its peers.
+    A trainer is a straggler when it is slow against both its prediction and its peers
+    (the median of the others, and their median absolute deviation from it).
+
+    O(N log N) for N trainers: a median without one element is read off the sorted list,
+    and the peers' median takes at most three values, each with its sorted deviations.
     """
     medians = {k: statistics.median(list(v)[-MIN_SAMPLES:]) for k, v in times.items() if len(v) >= MIN_SAMPLES}
+    ordered = sorted(medians.values())
+    deviations: dict[float, list[float]] = {}
     out = {}
     for name, med in medians.items():
-        others = [v for k, v in medians.items() if k != name]
         predicted = expected.get(name, 0.0)
         if predicted > 0 and med < RATIO * predicted:
             continue  # as fast as the plan expects: any difference is the plan's
-        if not others:
+        if len(ordered) < 2:
             if predicted <= 0:
                 continue
             baseline, against = predicted, "planned"
         else:
-            baseline, against = statistics.median(others), "peers' median"
-            spread = statistics.median(abs(x - baseline) for x in others) * 1.4826
+            baseline, against = _median_without(ordered, med), "peers' median"
+            around = deviations.get(baseline)
+            if around is None:
+                around = deviations[baseline] = sorted(abs(x - baseline) for x in ordered)
+            spread = _median_without(around, abs(med - baseline)) * 1.4826
             if med < RATIO * baseline or (spread > 0 and med - baseline < MAD_Z * spread):
                 continue
         out[name] = (

@@ -115,6 +115,8 @@ class LocalCluster:
         self.address: tuple[str, int] | None = None
         self.coordinators: list[tuple[subprocess.Popen[bytes], tuple[str, int]]] = []
         """Every coordinator started, with its address (several with etcd)."""
+        self.relays: list[tuple[subprocess.Popen[bytes], tuple[str, int]]] = []
+        """Every relay started, with its address."""
         self.nodes: dict[str, NodeProcess] = {}
         self._env = dict(os.environ, OMP_NUM_THREADS=str(threads_per_node), PYTHONUNBUFFERED="1", **(env or {}))
 
@@ -139,6 +141,30 @@ class LocalCluster:
             cmd += ["--etcd", ",".join(self.etcd)]
         index = len(self.coordinators)
         err_path = self.workdir / ("coordinator.err" if index == 0 else f"coordinator{index}.err")
+        proc, (host, port_s) = self._service(cmd, err_path, timeout, "coordinator")
+        self.coordinator, self.address = proc, (host, int(port_s))
+        self.coordinators.append((proc, self.address))
+        return self.address
+
+    def start_relay(self, zone: str = "", timeout: float = 30.0, extra: list[str] | None = None) -> tuple[str, int]:
+        """A relay (a zone's sub-coordinator) linked to every coordinator started so far."""
+        assert self.coordinators, "start a coordinator first"
+        cmd = [
+            sys.executable, "-m", "unbroken", "-v", "relay", "--host", self.host, "--port", "0",
+            "--coordinator", ",".join(f"{h}:{p}" for _, (h, p) in self.coordinators),
+            *(["--zone", zone] if zone else []), *(extra or []),
+        ]  # fmt: skip
+        if self.etcd:
+            cmd += ["--etcd", ",".join(self.etcd)]
+        err_path = self.workdir / f"relay{len(self.relays)}.err"
+        proc, (host, port_s) = self._service(cmd, err_path, timeout, "relay")
+        self.relays.append((proc, (host, int(port_s))))
+        return host, int(port_s)
+
+    def _service(
+        self, cmd: list[str], err_path: Path, timeout: float, what: str
+    ) -> tuple[subprocess.Popen[bytes], tuple[str, str]]:
+        """Start a process that prints a READY line with its address; wait for that line."""
         err = open(err_path, "ab")  # noqa: SIM115
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=self._env)
         err.close()
@@ -153,11 +179,9 @@ class LocalCluster:
             proc.kill()
             proc.wait(10)
             proc.stdout.close()
-            raise RuntimeError(f"coordinator did not start: {err_path.read_text()[-2000:]}")
+            raise RuntimeError(f"{what} did not start: {err_path.read_text()[-2000:]}")
         host, port_s = line.decode().split()[1].rsplit(":", 1)
-        self.coordinator, self.address = proc, (host, int(port_s))
-        self.coordinators.append((proc, self.address))
-        return self.address
+        return proc, (host, port_s)
 
     def kill_coordinator(self, index: int | None = None) -> None:
         """SIGKILL the coordinator started last, or the one at ``index`` (see `leader`)."""
@@ -205,8 +229,10 @@ class LocalCluster:
         extra: list[str] | None = None,
         env: dict[str, str] | None = None,
         via: list[tuple[str, int]] | None = None,
+        relays: list[tuple[str, int]] | None = None,
     ) -> NodeProcess:
-        """``via``: the only coordinator addresses the node is given (no etcd), e.g. a standby's."""
+        """``via``: the only coordinator addresses the node is given (no etcd), e.g. a standby's;
+        ``relays``: relays it tries first (``--relay``)."""
         assert self.address is not None or self.etcd, "start the coordinator first"
         # Every coordinator started here, or the one whose address the caller set (embedded).
         known = via or [a for _, a in self.coordinators] or ([self.address] if self.address else [])
@@ -214,6 +240,7 @@ class LocalCluster:
         cmd = [
             sys.executable, "-m", "unbroken", "-v", "node", self.job,
             *(["--coordinator", where] if where else []),
+            *(["--relay", ",".join(f"{h}:{p}" for h, p in relays)] if relays else []),
             *(["--etcd", ",".join(self.etcd)] if self.etcd and via is None else []),
             "--name", name,
             "--commit-log", str(self.workdir / f"{name}.jsonl"),
@@ -306,7 +333,7 @@ class LocalCluster:
         for n in self.nodes.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 n.proc.wait(10)
-        for proc, _ in self.coordinators:
+        for proc, _ in self.coordinators + self.relays:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGCONT)
             if proc.poll() is None:

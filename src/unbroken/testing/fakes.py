@@ -1,13 +1,17 @@
 """Fake nodes: many sessions that speak the real control protocol from one event loop.
 
 For tests and benchmarks of the control plane at a scale that real node processes cannot
-reach on one machine. A fake node joins (challenge, hello, welcome), heartbeats every
-``heartbeat_s`` the welcome gives, answers nothing else, and records what it hears: the
-round trip of each heartbeat, the epoch orders, an expulsion. It never joins the data
-plane, so the coordinator sees members that are alive but never commit::
+reach on one machine. A fake node joins (challenge, hello, welcome), reports progress once
+per ``step_s`` as a training node does (each report keeps its lease), heartbeats only
+when it has said nothing for a heartbeat period, and records what it hears: the round
+trip of each acknowledgement, when each epoch order arrived, an expulsion. Expelled, it
+rejoins as a new member (as a real node does); if its session drops, it reconnects with
+the same identity to the next address it has (a relay died: it falls back to the leader).
+It never joins the data plane::
 
-    with FakeNodes(("127.0.0.1", 29400), 200) as fakes:   # a thread running the loop
+    with FakeNodes([("127.0.0.1", 29400)], 200) as fakes:   # a thread running the loop
         fakes.wait_joined(30)
+        killed_at = fakes.kill(1)
         ...
         assert fakes.expelled() == 0
 """
@@ -16,43 +20,89 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import random
+import re
 import threading
 import time
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from unbroken.control import messages as m
+from unbroken.errors import ProtocolError
 
 FINGERPRINT = [m.TensorSpec(name="fake.weight", shape=[4, 4], dtype="float32")]
+_EPOCH = re.compile(r'"epoch":(\d+)')
 
 
 @dataclass
 class FakeNode:
     name: str
+    first: int
+    """Index of the address it tries first."""
+    member_id: str = ""
     welcomed: bool = False
+    welcomed_at: float = 0.0
     expelled: str | None = None
-    epochs: list[int] = field(default_factory=list)
+    """The last expulsion's reason."""
+    expulsions: int = 0
+    killed: bool = False
+    epochs: dict[int, float] = field(default_factory=dict)
+    """Epoch number -> when its order arrived (monotonic)."""
     rtts: list[float] = field(default_factory=list)
+    reconnects: int = 0
     error: str | None = None
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.welcomed and not self.killed
 
 
 class FakeNodes:
-    """``count`` fake nodes against the coordinator at ``address``, on a thread of their own."""
+    """``count`` fake nodes against the coordinators or relays at ``addresses`` (node i uses
+    address i mod n, then ``fallback`` in turn), on a thread of their own."""
 
-    def __init__(self, address: tuple[str, int], count: int, *, job: str = "fake-job", batch_size: int = 0) -> None:
-        self.address = address
-        self.nodes = [FakeNode(f"fake{i}") for i in range(count)]
+    def __init__(
+        self,
+        addresses: Sequence[tuple[str, int]] | tuple[str, int],
+        count: int,
+        *,
+        job: str = "fake-job",
+        batch_size: int = 0,
+        step_s: float = 0.5,
+        ramp_s: float = 0.0,
+        fallback: Sequence[tuple[str, int]] = (),
+    ) -> None:
+        if addresses and isinstance(addresses[0], str):
+            addresses = [addresses]  # type: ignore[list-item]
+        self.addresses: list[tuple[str, int]] = list(addresses)  # type: ignore[arg-type]
+        self.fallback = list(fallback)
+        """Tried in turn after a node's own address fails (relays' nodes fall back to the leader)."""
+        self.nodes: list[FakeNode] = []
+        self._initial = count
         self.job = job
         self.batch_size = batch_size or max(count, 1)
+        self.step_s = step_s
+        self.ramp_s = ramp_s
+        """Spread the first connections over this long (a real fleet does not start at once)."""
+        self.silent = False
+        """Set to stop every heartbeat and report while the sessions stay open (members that hang)."""
+        self.sent = 0
+        self.received = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self.silent = False
-        """Set to stop every heartbeat while the sessions stay open (members that hang)."""
+        self._http: aiohttp.ClientSession | None = None
+        self._rng = random.Random(0)
+        self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake-nodes", daemon=True)
 
     def __enter__(self) -> FakeNodes:
         self._thread.start()
+        self._started.wait(10)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -62,21 +112,68 @@ class FakeNodes:
         if self._loop is not None and self._stop is not None:
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=20)
+        self._thread.join(timeout=30)
+
+    # ---------------------------------------------------------------- what the test sees
+
+    def live(self) -> list[FakeNode]:
+        return [n for n in self.nodes if n.live]
 
     def joined(self) -> int:
         return sum(n.welcomed for n in self.nodes)
 
     def expelled(self) -> int:
-        return sum(n.expelled is not None for n in self.nodes)
+        """Expulsions of nodes nobody killed (false ones, for a node that kept talking)."""
+        return sum(n.expulsions for n in self.nodes if not n.killed)
 
     def wait_joined(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while self.joined() < len(self.nodes):
+        while self.joined() < len(self.nodes) or len(self.nodes) < self._initial:
             if time.monotonic() > deadline:
                 errors = {n.error for n in self.nodes if n.error}
                 raise TimeoutError(f"{self.joined()} of {len(self.nodes)} fake nodes joined; errors: {errors}")
             time.sleep(0.05)
+
+    def newest_epoch(self) -> int:
+        return max((max(n.epochs, default=0) for n in self.live()), default=0)
+
+    def all_reached(self, epoch: int) -> float | None:
+        """When the last live node heard of an epoch at least ``epoch`` (None: not all yet)."""
+        times = []
+        for n in self.live():
+            later = [t for e, t in n.epochs.items() if e >= epoch]
+            if not later:
+                return None
+            times.append(min(later))
+        return max(times, default=None)
+
+    def rtts(self, since: float = 0.0) -> list[float]:
+        return [r for n in self.nodes for r in n.rtts]
+
+    def clear_rtts(self) -> None:
+        for n in self.nodes:
+            n.rtts.clear()
+
+    def kill(self, count: int) -> float:
+        """End ``count`` live nodes' sessions abruptly (a crash); returns when, monotonic."""
+        assert self._loop is not None
+        victims = self._rng.sample(self.live(), min(count, len(self.live())))
+        for v in victims:
+            v.killed = True
+        at = time.monotonic()
+        for v in victims:
+            if v.task is not None:
+                self._loop.call_soon_threadsafe(v.task.cancel)
+        return at
+
+    def add(self, count: int) -> float:
+        """Start ``count`` more nodes (joins); returns when, monotonic."""
+        assert self._loop is not None
+        at = time.monotonic()
+        self._loop.call_soon_threadsafe(self._spawn, count, 0.0)
+        return at
+
+    # ---------------------------------------------------------------- the loop
 
     def _run(self) -> None:
         asyncio.run(self._main())
@@ -86,56 +183,111 @@ class FakeNodes:
         self._stop = asyncio.Event()
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as http:
-            tasks = [asyncio.create_task(self._node(http, n)) for n in self.nodes]
+            self._http = http
+            self._spawn(self._initial, self.ramp_s)
+            self._started.set()
             await self._stop.wait()
+            tasks = [n.task for n in self.nodes if n.task is not None]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _node(self, http: aiohttp.ClientSession, node: FakeNode) -> None:
-        host, port = self.address
-        try:
-            async with http.ws_connect(f"http://{host}:{port}/ws", heartbeat=None, max_msg_size=64 << 20) as ws:
-                challenge = m.parse_coordinator_message((await ws.receive(timeout=30)).data)
-                assert isinstance(challenge, m.Challenge)
-                hello = m.Hello(
-                    job=self.job,
-                    job_identity="fake",
-                    fingerprint=FINGERPRINT,
-                    member_id=f"{node.name}#fake",
-                    name=node.name,
-                    batch_size=self.batch_size,
-                )
-                await ws.send_str(m.encode(hello))
-                welcome = m.parse_coordinator_message((await ws.receive(timeout=30)).data)
-                if not isinstance(welcome, m.Welcome):
-                    node.error = f"not welcomed: {welcome}"
-                    return
-                node.welcomed = True
-                sent: dict[int, float] = {}
-                beats = asyncio.create_task(self._heartbeats(ws, welcome.heartbeat_s, sent))
-                try:
-                    async for raw in ws:
-                        if raw.type != aiohttp.WSMsgType.TEXT:
-                            break
-                        msg = m.parse_coordinator_message(raw.data)
-                        if isinstance(msg, m.Ack) and msg.seq in sent:
-                            node.rtts.append(time.monotonic() - sent.pop(msg.seq))
-                        elif isinstance(msg, m.EpochOrder):
-                            node.epochs.append(msg.epoch)
-                        elif isinstance(msg, m.Expel):
-                            node.expelled = msg.reason
-                            return
-                finally:
-                    beats.cancel()
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, AssertionError) as exc:
-            node.error = f"{type(exc).__name__}: {exc}"
+    def _spawn(self, count: int, ramp_s: float) -> None:
+        base = len(self.nodes)
+        for i in range(base, base + count):
+            node = FakeNode(f"fake{i}", first=i % len(self.addresses))
+            self.nodes.append(node)
+            node.task = asyncio.create_task(self._node(node, ramp_s * (i - base) / max(count, 1)))
 
-    async def _heartbeats(self, ws: aiohttp.ClientWebSocketResponse, period: float, sent: dict[int, float]) -> None:
-        seq = 0
+    async def _node(self, node: FakeNode, delay: float) -> None:
+        await asyncio.sleep(delay)
+        attempt = 0
+        while not node.killed:
+            if not node.member_id or node.expelled is not None:
+                node.member_id, node.expelled = f"{node.name}#{uuid.uuid4().hex[:8]}", None
+            order = [self.addresses[node.first], *self.fallback]
+            host, port = order[attempt % len(order)]
+            try:
+                await self._session(node, host, port)
+                attempt = 0
+            except asyncio.CancelledError:
+                return
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, ProtocolError) as exc:
+                node.error = f"{type(exc).__name__}: {exc}"
+                attempt += 1
+            node.reconnects += 1
+            await asyncio.sleep(0.1)
+
+    async def _session(self, node: FakeNode, host: str, port: int) -> None:
+        assert self._http is not None
+        async with self._http.ws_connect(f"http://{host}:{port}/ws", heartbeat=None, max_msg_size=256 << 20) as ws:
+            challenge = m.parse_coordinator_message((await ws.receive(timeout=30)).data)
+            if not isinstance(challenge, m.Challenge):
+                raise ValueError(f"expected a challenge, got {challenge}")
+            hello = m.Hello(
+                job=self.job,
+                job_identity="fake",
+                fingerprint=FINGERPRINT,
+                member_id=node.member_id,
+                name=node.name,
+                batch_size=self.batch_size,
+            )
+            await ws.send_str(m.encode(hello))
+            welcome = m.parse_coordinator_message((await ws.receive(timeout=30)).data)
+            if not isinstance(welcome, m.Welcome):
+                raise ValueError(f"not welcomed: {welcome}")
+            node.welcomed, node.welcomed_at, node.error = True, time.monotonic(), None
+            sent: dict[int, float] = {}
+            talker = asyncio.create_task(self._talk(ws, welcome.heartbeat_s, sent))
+            try:
+                async for raw in ws:
+                    if raw.type != aiohttp.WSMsgType.TEXT:
+                        break
+                    self.received += 1
+                    data = raw.data
+                    if data.startswith('{"v":1,"type":"ack"'):
+                        seq = json.loads(data)["seq"]
+                        if seq in sent:
+                            node.rtts.append(time.monotonic() - sent.pop(seq))
+                    elif data.startswith('{"v":1,"type":"epoch"'):
+                        # The epoch number is read off the front: a fake node does not build
+                        # groups, and parsing a 10,000-member order 10,000 times is the fake
+                        # side's cost, not the control plane's.
+                        found = _EPOCH.search(data, 0, 200)
+                        if found:
+                            node.epochs.setdefault(int(found.group(1)), time.monotonic())
+                    elif data.startswith('{"v":1,"type":"expelled"'):
+                        node.expelled = json.loads(data)["reason"]
+                        node.expulsions += 1
+                        return
+            finally:
+                talker.cancel()
+
+    async def _talk(self, ws: aiohttp.ClientWebSocketResponse, heartbeat_s: float, sent: dict[int, float]) -> None:
+        """Progress every step, heartbeats in between when a step is longer than a heartbeat."""
+        seq, step, counted = 0, 0, 0.0
+        next_step = time.monotonic() + self.step_s * self._rng.random()
         while True:
+            now = time.monotonic()
             if not self.silent:
-                seq += 1
-                sent[seq] = time.monotonic()
-                await ws.send_str(m.encode(m.Heartbeat(seq=seq, step=0)))
-            await asyncio.sleep(period)
+                if now >= next_step:
+                    step += 1
+                    seq += 1
+                    sent[seq] = counted = now
+                    text = (
+                        f'{{"v":1,"type":"progress","epoch":0,"step":{step},"loss":1.0,'
+                        f'"wall_time":{time.time()},"samples_per_s":10.0,"compute_s":0.01,"seq":{seq}}}'
+                    )
+                    await ws.send_str(text)
+                    self.sent += 1
+                    next_step += self.step_s
+                elif now - counted >= heartbeat_s:
+                    seq += 1
+                    sent[seq] = counted = now
+                    await ws.send_str(f'{{"v":1,"type":"heartbeat","seq":{seq},"step":{step}}}')
+                    self.sent += 1
+                if len(sent) > 64:
+                    for old in sorted(sent)[:-64]:
+                        del sent[old]
+            wake = min(next_step, counted + heartbeat_s) - time.monotonic()
+            await asyncio.sleep(max(wake, 0.005))

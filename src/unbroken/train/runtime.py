@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 _EXTRA = 4  # vote, samples, switch, loss; then one gradient-norm slot per member
 LEAVE_GRACE_S = 5.0
 PROGRESS_EVERY_S = 0.05
+"""How often progress is reported until a coordinator says (`Welcome.report_s`)."""
 PROGRESS_LOG_EVERY_S = 10.0
 RECENT_MAX = 512
 """Steps kept for the next progress report (the message's limit)."""
@@ -156,6 +157,7 @@ class Node:
             tls_ca=str(config.tls_ca) if config.tls_ca else None,
             etcd=config.etcd,
             etcd_prefix=config.etcd_prefix,
+            relays=config.relays,
         )
 
         self.client.on_command = self._command
@@ -364,7 +366,7 @@ class Node:
     def _gloo_host(self) -> str | None:
         if self.config.gloo_host:
             return self.config.gloo_host
-        host = self.config.coordinators[0][0]
+        host = (self.config.coordinators or self.config.relays or (("", 0),))[0][0]
         return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else None
 
     def _sync(self) -> None:
@@ -718,7 +720,9 @@ class Node:
                 self.name, step, self.job.num_steps, g.epoch, g.size, loss,
             )  # fmt: skip
             self._last_progress_log = now
-        if self._first_in_epoch or now - self._last_progress >= PROGRESS_EVERY_S or step >= self.job.num_steps:
+        welcome = self.client.welcome
+        every = welcome.report_s if welcome is not None else PROGRESS_EVERY_S
+        if self._first_in_epoch or now - self._last_progress >= every or step >= self.job.num_steps:
             self.client.send(
                 m.Progress(
                     epoch=g.epoch,

@@ -170,7 +170,8 @@ def test_lease_expiry_expels_and_orders_an_urgent_epoch() -> None:
     ms.heartbeat("a", 3, t + 0.9)
     d = ms.tick(t + LEASE * 0.99)
     assert d.expel == {} and d.orders == {}  # b is late but within its lease
-    d = ms.tick(t + LEASE + 0.05)
+    assert ms.tick(t + LEASE + 0.05).expel == {}  # leases are checked a tenth of a lease apart
+    d = ms.tick(t + LEASE * 1.1)
     assert set(d.expel) == {"b"}
     assert "no heartbeat" in d.expel["b"] and "lease" in d.expel["b"]
     order = d.orders["a"]

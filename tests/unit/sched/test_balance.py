@@ -14,6 +14,8 @@ from unbroken.sched.balance import (
     Preference,
     Profile,
     Role,
+    _capacities,
+    _capacity,
     plan,
     rebalance,
 )
@@ -583,3 +585,12 @@ def test_a_gain_small_against_the_whole_step_is_not_worth_a_new_plan() -> None:
     profiles = [node("a", 0.01), node("b", 0.013)]
     assert rebalance(64, [32, 32], profiles) is not None
     assert rebalance(64, [32, 32], profiles, overhead_s=0.2) is None
+
+
+@given(
+    st.lists(st.tuples(st.floats(1e-5, 0.1), st.floats(0, 0.05), st.integers(0, 64)), min_size=1, max_size=30),
+    st.floats(0, 5),
+)
+def test_capacities_at_once_equal_each_node_alone(nodes, t):
+    profiles = [Profile(f"n{i}", c, o, mb) for i, (c, o, mb) in enumerate(nodes)]
+    assert list(_capacities(profiles)(t)) == [_capacity(p, t) for p in profiles]

@@ -1,0 +1,422 @@
+"""A zone's sub-coordinator: it holds its members' sessions and speaks for them to the leader.
+
+::
+
+    unbroken relay --coordinator ROOT:29400 --port 29450 --zone eu [--token-file F]
+    unbroken node job.py --coordinator RELAY:29450,ROOT:29400 --zone eu
+
+Nodes connect to a relay exactly as to a coordinator (same challenge, hello, heartbeats).
+The relay checks each node's token proof itself, forwards its hello, and from then on:
+
+* liveness: it collects its members' heartbeats and progress reports and sends the leader,
+  every tenth of a lease, one batch (`messages.Up`) listing who was heard and what they
+  said; a node's heartbeat is acknowledged only once the leader acknowledged the batch
+  that carried it, so a node's commit fence still means "the leader counts my lease";
+* orders: the leader sends each epoch order once per relay (`messages.Down`, addressed to
+  the members it is for); the relay fans it out;
+* failures: a member whose session with the relay drops is reported at once (it fails as
+  a dropped direct session does); if the relay itself dies, its members lose only their
+  session: they reconnect to the next address they were given (the leader, or another
+  relay) within their lease and the leader takes them back as they were, with no epoch
+  change. A relay cut off from the leader refuses hellos as a standby naming the leader,
+  so nodes go there directly.
+
+The leader sees one session per relay instead of one per node: at a hundred members a
+relay, ten thousand nodes are a hundred sessions and about a thousand batches a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import WSMsgType, web
+
+from unbroken.config import parse_address
+from unbroken.control import auth
+from unbroken.control import messages as m
+from unbroken.control.election import find_leader
+from unbroken.control.etcd import Etcd
+from unbroken.control.office import Gate
+from unbroken.control.sessions import HELLO_TIMEOUT_S, Session
+from unbroken.errors import ConfigError, EtcdUnavailable, ProtocolError
+
+log = logging.getLogger(__name__)
+
+RECONNECT_DELAY_S = 0.1
+REPORT_EVERY_S = 1.0
+"""Members' routine progress reports go up this often (the newest of each); a report that
+opens an epoch or carries the loss curve goes up with the next batch."""
+BATCH_BYTES = 256 << 10
+"""A batch is sent early once what it carries reaches this size (the leader caps messages)."""
+
+
+@dataclass
+class RelayConfig:
+    coordinators: list[tuple[str, int]] = field(default_factory=list)
+    """The leader, or any coordinator of the job (a standby names the leader)."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    zone: str = ""
+    token: str | None = None
+    etcd: list[str] = field(default_factory=list)
+    etcd_prefix: str = "/unbroken/job"
+    relay_id: str = ""
+    max_message_bytes: int = 1 << 20
+    """The largest message a node may send."""
+
+
+async def _always() -> Gate:
+    return Gate.SEND  # the leader decided when to send; a relay passes it on at once
+
+
+class _Member:
+    def __init__(self, ws: web.WebSocketResponse, member_id: str) -> None:
+        self.member_id = member_id
+        self.session = Session(ws, member_id, _always)
+        self.unacked = 0
+        """The newest heartbeat or report seq heard and not yet sent up."""
+
+
+class Relay:
+    """One relay process's service (``serve``), or from Python: ``Relay(config).start()``."""
+
+    def __init__(self, config: RelayConfig) -> None:
+        self.config = config
+        self.relay_id = config.relay_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        self.address: tuple[str, int] = (config.host, config.port)
+        self.leader: tuple[str, int] | None = None
+        """The leader this relay is linked to (None: none now)."""
+        self.term = 0
+        self.lease_s = 1.0
+        self._leader_hint: tuple[str, int] | None = None
+        self._up: aiohttp.ClientWebSocketResponse | None = None
+        self._members: dict[str, _Member] = {}
+        self._hellos: dict[str, asyncio.Future[m.CoordinatorMessage]] = {}
+        self._alive: dict[str, int] = {}
+        self._said: list[m.Said] = []
+        self._said_bytes = 0
+        self._latest: dict[str, tuple[m.Progress, int]] = {}
+        """Each member's newest routine progress report, sent up every `REPORT_EVERY_S`."""
+        self._reported_at = 0.0
+        self._gone: list[m.Gone] = []
+        self._seq = 0
+        self._batches: dict[int, dict[str, int]] = {}
+        """Per batch sent up and not yet acknowledged: the members' seqs it carried."""
+        self._acked_at = 0.0
+        self._urgent: asyncio.Event | None = None
+        self._stopping: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.batches_sent = 0
+        self.messages_down = 0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        self._urgent = asyncio.Event()
+        app = web.Application(client_max_size=self.config.max_message_bytes)
+        app.router.add_get("/ws", self._downstream)
+        app.router.add_get("/api/state", self._state)
+        app.router.add_get("/healthz", self._health)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.host, self.config.port, reuse_address=True)
+        await site.start()
+        sockets = getattr(site._server, "sockets", None) or []
+        if sockets:
+            self.address = (self.config.host, sockets[0].getsockname()[1])
+        log.info("relay %s on %s:%d (zone %r)", self.relay_id, *self.address, self.config.zone)
+        upstream = asyncio.create_task(self._upstream_forever(), name="relay-upstream")
+        self._ready.set()
+        try:
+            await self._stopping.wait()
+        finally:
+            upstream.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await upstream
+            for member in list(self._members.values()):
+                member.session.close()
+            await runner.cleanup()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def start(self, timeout: float = 10.0) -> Relay:
+        self._thread = threading.Thread(target=lambda: asyncio.run(self.serve()), name="relay", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"relay did not start within {timeout} s")
+        return self
+
+    def stop_nowait(self) -> None:
+        if self._loop is not None and self._stopping is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+
+    def stop(self) -> None:
+        self.stop_nowait()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "relay_id": self.relay_id,
+            "zone": self.config.zone,
+            "leader": f"{self.leader[0]}:{self.leader[1]}" if self.leader else None,
+            "term": self.term,
+            "members": sorted(self._members),
+            "batches_sent": self.batches_sent,
+            "messages_down": self.messages_down,
+        }
+
+    async def _state(self, request: web.Request) -> web.Response:
+        return web.json_response(self.snapshot())
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "relay_id": self.relay_id, "linked": self._up is not None})
+
+    # ---------------------------------------------------------------- upstream
+
+    async def _upstream_forever(self) -> None:
+        etcd = Etcd(self.config.etcd, timeout_s=0.5) if self.config.etcd else None
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=2)) as http:
+            while True:
+                for host, port in await self._candidates(etcd):
+                    try:
+                        await self._link(http, host, port)
+                    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ProtocolError) as exc:
+                        log.debug("relay link to %s:%d: %s", host, port, exc)
+                    if self._leader_hint is not None:
+                        break  # a standby named the leader: try it first
+                await asyncio.sleep(RECONNECT_DELAY_S)
+
+    async def _candidates(self, etcd: Etcd | None) -> list[tuple[str, int]]:
+        found: list[tuple[str, int]] = []
+        if self._leader_hint is not None:
+            found.append(self._leader_hint)
+            self._leader_hint = None
+        if etcd is not None:
+            with contextlib.suppress(EtcdUnavailable, ConfigError):
+                leader = await find_leader(etcd, self.config.etcd_prefix)
+                if leader is not None:
+                    found.append(parse_address(str(leader[0].get("address", ""))))
+        return list(dict.fromkeys(found + list(self.config.coordinators)))
+
+    async def _link(self, http: aiohttp.ClientSession, host: str, port: int) -> None:
+        async with http.ws_connect(f"http://{host}:{port}/relay", heartbeat=None, max_msg_size=256 << 20) as ws:
+            raw = await ws.receive(timeout=HELLO_TIMEOUT_S)
+            challenge = m.parse_leader_message(raw.data)
+            if not isinstance(challenge, m.Challenge):
+                raise ProtocolError(f"expected a challenge, got {challenge.type!r}")
+            token = self.config.token
+            nonce = auth.new_nonce()
+            proof = auth.node_proof(token, challenge.nonce, nonce, self.relay_id) if token else ""
+            hello = m.RelayHello(relay_id=self.relay_id, zone=self.config.zone, nonce=nonce, proof=proof)
+            await ws.send_str(m.encode(hello))
+            answer = m.parse_leader_message((await ws.receive(timeout=HELLO_TIMEOUT_S)).data)
+            if isinstance(answer, m.Refused):
+                if answer.standby and answer.leader:
+                    self._leader_hint = parse_address(answer.leader)
+                    return
+                raise ProtocolError(f"refused by {host}:{port}: {answer.reason}")
+            if not isinstance(answer, m.RelayWelcome):
+                raise ProtocolError(f"expected a relay welcome, got {answer.type!r}")
+            if token and not auth.same(
+                auth.coordinator_proof(token, challenge.nonce, nonce, self.relay_id), answer.proof
+            ):
+                raise ProtocolError(f"{host}:{port} could not prove it holds the job token")
+            self._up, self.leader, self.term, self.lease_s = ws, (host, port), answer.term, answer.lease_s
+            log.info("relay %s linked to %s:%d (term %d)", self.relay_id, host, port, answer.term)
+            flusher = asyncio.create_task(self._flush_forever(ws))
+            try:
+                async for raw in ws:
+                    if raw.type != WSMsgType.TEXT:
+                        break
+                    self._from_leader(m.parse_leader_message(raw.data))
+            finally:
+                flusher.cancel()
+                self._unlink(f"lost the leader at {host}:{port}")
+
+    def _unlink(self, why: str) -> None:
+        """Without a leader the members' sessions end: they fall back to their next address."""
+        self._up, self.leader = None, None
+        log.warning("relay %s: %s; ending %d member sessions", self.relay_id, why, len(self._members))
+        for member in list(self._members.values()):
+            member.session.close()
+        self._members.clear()
+        for fut in self._hellos.values():
+            if not fut.done():
+                fut.set_exception(ProtocolError(why))
+        self._hellos.clear()
+        self._alive.clear()
+        self._said.clear()
+        self._gone.clear()
+        self._latest.clear()
+        self._batches.clear()
+        self._said_bytes = 0
+
+    async def _flush_forever(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        assert self._urgent is not None
+        period = self.lease_s / 10
+        self._acked_at = time.monotonic()
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._urgent.wait(), timeout=period)
+            self._urgent.clear()
+            if time.monotonic() - self._acked_at > 2 * self.lease_s:
+                # A leader that stopped answering (frozen, cut off) sends no reset: leave it,
+                # so the members fall back and this relay links to whoever leads now.
+                log.warning("relay %s: no batch acknowledged for %.1f s; leaving the leader", self.relay_id,
+                            2 * self.lease_s)  # fmt: skip
+                await ws.close()
+                return
+            if time.monotonic() - self._reported_at >= REPORT_EVERY_S:
+                self._reported_at = time.monotonic()
+                for mid, (progress, size) in self._latest.items():
+                    if mid in self._members:
+                        self._tell(mid, progress, size, urgent=False)
+                self._latest.clear()
+            self._seq += 1
+            self._batches[self._seq] = {mid: mem.unacked for mid in self._alive if (mem := self._members.get(mid))}
+            for mem in self._members.values():
+                mem.unacked = 0
+            up = m.Up(
+                seq=self._seq,
+                alive=list(self._alive),
+                steps=list(self._alive.values()),
+                said=self._said,
+                gone=self._gone,
+            )
+            self._alive, self._said, self._gone, self._said_bytes = {}, [], [], 0
+            await ws.send_str(m.encode(up))
+            self.batches_sent += 1
+
+    def _from_leader(self, msg: m.LeaderMessage) -> None:
+        if isinstance(msg, m.Ack):
+            self._acked_at = time.monotonic()
+            for seq in [s for s in self._batches if s <= msg.seq]:
+                for mid, node_seq in self._batches.pop(seq).items():
+                    member = self._members.get(mid)
+                    if member is not None and node_seq:
+                        member.session.send(m.Ack(seq=node_seq))
+            return
+        if not isinstance(msg, m.Down):
+            raise ProtocolError(f"unexpected {msg.type!r} from the leader")
+        inner = msg.msg
+        if isinstance(inner, (m.Welcome, m.Refused)):
+            for mid in msg.to:
+                fut = self._hellos.pop(mid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(inner)
+            return
+        text = m.encode(inner)
+        for mid in msg.to:
+            member = self._members.get(mid)
+            if member is None:
+                continue
+            member.session.send_text(text)
+            self.messages_down += 1
+            if isinstance(inner, m.Expel):
+                member.session.close()
+
+    # ---------------------------------------------------------------- members
+
+    def _tell(self, member_id: str, msg: m.NodeMessage, size: int, urgent: bool) -> None:
+        self._said.append(m.Said(member=member_id, msg=msg))
+        self._said_bytes += size
+        if (urgent or self._said_bytes >= BATCH_BYTES) and self._urgent is not None:
+            self._urgent.set()
+
+    async def _downstream(self, request: web.Request) -> web.StreamResponse:
+        ws = web.WebSocketResponse(max_msg_size=self.config.max_message_bytes, heartbeat=None)
+        await ws.prepare(request)
+        member: _Member | None = None
+        challenge = auth.new_nonce()
+        try:
+            await ws.send_str(m.encode(m.Challenge(nonce=challenge, auth=self.config.token is not None)))
+            first = await asyncio.wait_for(ws.receive(), timeout=HELLO_TIMEOUT_S)
+            if first.type != WSMsgType.TEXT:
+                raise ProtocolError(f"expected a hello message, got {first.type.name}")
+            hello = m.parse_node_message(first.data, self.config.max_message_bytes)
+            if not isinstance(hello, m.Hello):
+                raise ProtocolError(f"the first message must be a hello, got {hello.type!r}")
+            answer = await self._forward_hello(hello, challenge, len(first.data))
+            if not isinstance(answer, m.Welcome):
+                await ws.send_str(m.encode(answer))
+                return ws
+            token = self.config.token
+            proof = auth.coordinator_proof(token, challenge, hello.nonce, hello.member_id) if token else ""
+            member = _Member(ws, hello.member_id)
+            old = self._members.pop(hello.member_id, None)
+            if old is not None:
+                old.session.close()
+            self._members[hello.member_id] = member
+            member.session.send(answer.model_copy(update={"proof": proof}))
+            async for raw in ws:
+                if raw.type != WSMsgType.TEXT:
+                    raise ProtocolError(f"unexpected {raw.type.name} frame")
+                msg = m.parse_node_message(raw.data, self.config.max_message_bytes)
+                if isinstance(msg, m.Hello):
+                    raise ProtocolError("hello sent twice on one session")
+                if isinstance(msg, (m.Heartbeat, m.Progress)):
+                    self._alive[member.member_id] = msg.step
+                    if msg.seq:
+                        member.unacked = msg.seq
+                if isinstance(msg, m.Progress):
+                    msg = msg.model_copy(update={"seq": 0})  # its liveness goes up in the batch's list
+                    if msg.first_in_epoch or msg.recent:
+                        self._tell(member.member_id, msg, len(raw.data), urgent=False)  # recoveries, curves
+                    else:
+                        self._latest[member.member_id] = (msg, len(raw.data))
+                elif not isinstance(msg, m.Heartbeat):
+                    self._tell(member.member_id, msg, len(raw.data), urgent=True)
+        except ProtocolError as exc:
+            log.warning("relay %s: dropping a session: %s", self.relay_id, exc)
+        except (TimeoutError, asyncio.TimeoutError):
+            log.warning("relay %s: a session sent no hello, or its hello got no answer", self.relay_id)
+        finally:
+            if member is not None and self._members.get(member.member_id) is member:
+                del self._members[member.member_id]
+                self._gone.append(m.Gone(member=member.member_id, reason="its session with the relay ended"))
+                if self._urgent is not None:
+                    self._urgent.set()
+            if member is not None:
+                member.session.close()
+            elif not ws.closed:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(ws.close(), timeout=1.0)
+        return ws
+
+    async def _forward_hello(self, hello: m.Hello, challenge: str, size: int) -> m.CoordinatorMessage:
+        """The leader's answer to a node's hello (a refusal when the token is wrong or no
+        leader is linked: a standby's, naming the leader, so the node goes there)."""
+        if self._up is None:
+            leader = self._leader_hint or (self.config.coordinators[0] if self.config.coordinators else None)
+            return m.Refused(
+                reason=f"relay {self.relay_id} has no link to the leader",
+                standby=True,
+                leader=f"{leader[0]}:{leader[1]}" if leader else "",
+            )
+        token = self.config.token
+        if token is not None:
+            if not hello.proof:
+                return m.Refused(reason="this job requires a token: start the node with --token or --token-file")
+            if not auth.same(auth.node_proof(token, challenge, hello.nonce, hello.member_id), hello.proof):
+                return m.Refused(reason="the job token does not match the relay's (or the handshake was replayed)")
+        assert self._loop is not None
+        fut: asyncio.Future[m.CoordinatorMessage] = self._loop.create_future()
+        self._hellos[hello.member_id] = fut
+        self._tell(hello.member_id, hello, size, urgent=True)
+        return await asyncio.wait_for(fut, timeout=HELLO_TIMEOUT_S)

@@ -1,0 +1,199 @@
+"""The coordinator's sessions: a node's own, and the members a relay speaks for.
+
+A node connected straight to the coordinator has a `Session` (one websocket, one writer
+task keeping its messages in order). A relay (`unbroken.control.relay`, a zone's
+sub-coordinator) has one `RelayLink` for all of its members; each member is a
+`RelayedMember` that sends through it. The coordinator treats both alike: whatever it
+tells a member goes through ``send`` or ``send_text``.
+
+A relay's link ending is not its members' failure: they are *detached* (their leases run
+on) and come back through another relay or straight to the coordinator, which takes them
+back as they were. A member whose own session with its relay ended is reported ``gone``
+and fails at once, as a dropped direct session does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+from aiohttp import WSMsgType, web
+from pydantic import BaseModel
+
+from unbroken.control import auth
+from unbroken.control import messages as m
+from unbroken.control.office import Gate
+from unbroken.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from unbroken.control.coordinator import Coordinator
+
+log = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 10.0
+
+GateWait = Callable[[], Awaitable[Gate]]
+"""Waits until a message may go out, and says whether it may (`office.Office.settled`)."""
+
+
+class Sender(Protocol):
+    member_id: str
+
+    def send(self, msg: BaseModel) -> None: ...
+
+    def send_text(self, text: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Session:
+    """One websocket; a writer task keeps its messages in order and holds them while the
+    coordinator is unsure of its lease (`Gate.WAIT`)."""
+
+    def __init__(self, ws: web.WebSocketResponse, member_id: str, gate: GateWait) -> None:
+        """``gate`` says when a message may go out (`office.Office.settled`)."""
+        self.ws = ws
+        self.member_id = member_id
+        self.gate = gate
+        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self.writer = asyncio.create_task(self._write(), name=f"session-writer-{member_id}")
+
+    async def _write(self) -> None:
+        while (text := await self.queue.get()) is not None:
+            if await self.gate() is Gate.STOP:
+                break  # deposed while this waited: say nothing more, not even late orders
+            try:
+                await self.ws.send_str(text)
+            except (ConnectionError, RuntimeError):
+                return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.ws.close(), timeout=1.0)
+
+    def send(self, msg: BaseModel) -> None:
+        self.queue.put_nowait(m.encode(msg))
+
+    def send_text(self, text: str) -> None:
+        self.queue.put_nowait(text)
+
+    def close(self) -> None:
+        self.queue.put_nowait(None)
+
+
+class RelayLink:
+    """A relay's session: the members it speaks for, and when it was last heard."""
+
+    def __init__(
+        self, ws: web.WebSocketResponse, relay_id: str, zone: str, gate: Callable[[], Awaitable[Gate]]
+    ) -> None:
+        self.relay_id = relay_id
+        self.zone = zone
+        self.session = Session(ws, f"relay:{relay_id}", gate)
+        self.members: set[str] = set()
+        self.heard_at = time.monotonic()
+
+    def member(self, member_id: str) -> RelayedMember:
+        self.members.add(member_id)
+        return RelayedMember(self, member_id)
+
+
+class RelayedMember:
+    """A member reached through its relay."""
+
+    def __init__(self, link: RelayLink, member_id: str) -> None:
+        self.link = link
+        self.member_id = member_id
+
+    def send(self, msg: BaseModel) -> None:
+        self.send_text(m.encode(msg))
+
+    def send_text(self, text: str) -> None:
+        self.link.session.send_text(m.down_text([self.member_id], text))
+
+    def close(self) -> None:
+        self.link.members.discard(self.member_id)  # an expelled member's relay ends its session
+
+
+def send_all(sessions: Mapping[str, Sender], messages: Mapping[str, BaseModel]) -> None:
+    """Send each member its message, encoding each message once and sending it once per
+    relay (a large epoch order goes to thousands of members alike)."""
+    encoded: dict[int, str] = {}
+    relayed: dict[tuple[RelayLink, int], list[str]] = {}
+    for mid, msg in messages.items():
+        s = sessions.get(mid)
+        if s is None:
+            continue
+        text = encoded.get(id(msg))
+        if text is None:
+            text = encoded[id(msg)] = m.encode(msg)
+        if isinstance(s, RelayedMember):
+            relayed.setdefault((s.link, id(msg)), []).append(mid)
+        else:
+            s.send_text(text)
+    for (link, key), mids in relayed.items():
+        link.session.send_text(m.down_text(mids, encoded[key]))
+
+
+async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamResponse:
+    """One relay's session: its handshake, then its batches until it ends."""
+    ws = web.WebSocketResponse(max_msg_size=coord.config.max_message_bytes, heartbeat=None)
+    await ws.prepare(request)
+    peer = request.remote or "?"
+    link: RelayLink | None = None
+    challenge = auth.new_nonce()
+    try:
+        await ws.send_str(m.encode(m.Challenge(nonce=challenge, auth=coord.token is not None)))
+        first = await asyncio.wait_for(ws.receive(), timeout=HELLO_TIMEOUT_S)
+        if first.type != WSMsgType.TEXT:
+            raise ProtocolError(f"expected a relay hello, got {first.type.name}")
+        hello = m.parse_relay_message(first.data, coord.config.max_message_bytes)
+        if not isinstance(hello, m.RelayHello):
+            raise ProtocolError(f"the first message of a relay must be its hello, got {hello.type!r}")
+        if not coord.in_office():
+            await ws.send_str(m.encode(coord.office.standby_refusal()))
+            return ws
+        if coord.token is not None and not auth.same(
+            auth.node_proof(coord.token, challenge, hello.nonce, hello.relay_id), hello.proof
+        ):
+            await ws.send_str(m.encode(m.Refused(reason="the relay's job token does not match the coordinator's")))
+            return ws
+        term = coord.term
+        link = RelayLink(ws, hello.relay_id, hello.zone, coord.office.settled)
+        coord.relay_joined(link)
+        link.session.send(
+            m.RelayWelcome(
+                coordinator_id=coord.coordinator_id,
+                term=term,
+                lease_s=coord.config.lease_s,
+                proof=auth.coordinator_proof(coord.token, challenge, hello.nonce, hello.relay_id)
+                if coord.token
+                else "",
+            )
+        )
+        log.info("relay %s (zone %r) joined from %s", hello.relay_id, hello.zone, peer)
+        async for raw in ws:
+            if raw.type != WSMsgType.TEXT:
+                raise ProtocolError(f"unexpected {raw.type.name} frame from relay {hello.relay_id}")
+            if not coord.in_office() or coord.term != term:
+                break
+            up = m.parse_relay_message(raw.data, coord.config.max_message_bytes)
+            if not isinstance(up, m.Up):
+                raise ProtocolError("a relay sent its hello twice")
+            link.heard_at = time.monotonic()
+            coord.relay_up(link, up, request)
+            link.session.send(m.Ack(seq=up.seq))
+    except ProtocolError as exc:
+        log.warning("dropping relay session from %s: %s", peer, exc)
+    except (TimeoutError, asyncio.TimeoutError):
+        log.warning("relay session from %s sent no hello within %s s", peer, HELLO_TIMEOUT_S)
+    finally:
+        if link is not None:
+            coord.relay_lost(link)
+            link.session.close()
+        if not ws.closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ws.close(), timeout=1.0)
+    return ws

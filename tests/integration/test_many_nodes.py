@@ -1,0 +1,38 @@
+"""Thirty-two real node processes in four zones, each zone behind its relay: five are
+killed and two join while they train, and every promise of DESIGN.md §1 holds."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from integration.helpers import assert_promises, events_of
+
+pytestmark = pytest.mark.timeout(600)
+
+ENV = {"UB_TEST_STEPS": "70", "UB_TEST_DELAY_MS": "10", "UB_TEST_BATCH": "64"}
+ZONES = "abcd"
+KILLS = {"a3": 12, "b5": 20, "c2": 28, "d7": 36, "a6": 44}
+"""Node -> the step at which it SIGKILLs itself (mid-compute)."""
+
+
+def test_32_nodes_in_4_zones_with_5_kills_and_2_joins_keep_every_promise(make_cluster):
+    c = make_cluster(env=ENV, min_nodes=32, node_args=["--digest-every", "1"])
+    c.start_coordinator()
+    relays = {z: c.start_relay(zone=z.upper()) for z in ZONES}
+    for i in range(8):
+        for z in ZONES:
+            name = f"{z}{i}"
+            fault = f"kill@compute:{KILLS[name]}" if name in KILLS else ""
+            c.start_node(name, extra=["--zone", z.upper()], relays=[relays[z]], fault=fault)
+    c.wait_for(lambda: c.state()["step"] >= 24, 300, "step 24 with 32 nodes")
+    for name in ("b8", "d8"):
+        c.start_node(name, extra=["--zone", name[0].upper()], relays=[relays[name[0]]])
+    codes = c.wait_exit(timeout=400)
+    killed = {n for n, code in codes.items() if code == -signal.SIGKILL}
+    assert killed == set(KILLS), c.diagnostics()
+    assert all(code == 0 for n, code in codes.items() if n not in KILLS), codes
+    joins = [e for e in events_of(c, "epoch") if "joined" in e["reason"]]
+    assert any("b8" in e["reason"] or "d8" in e["reason"] for e in joins), [e["reason"] for e in joins][-5:]
+    assert_promises(c, ENV, finishers=29)
