@@ -34,3 +34,21 @@ def test_a_stalled_coordinator_expels_no_healthy_node(make_cluster):
         c.wait_for(lambda: fakes.expelled() == 200, 30, "every silent fake node to be expelled")
         leases = [e for e in events_of(c, "failure") if "lease expired" in e["reason"]]
         assert len(leases) == 200, events_of(c, "failure")[:3]
+
+
+def test_sessions_that_drop_together_make_one_epoch_change_not_one_each(make_cluster):
+    """30 of 100 members crash at once (a host, a switch): the group moves on in one or a few
+    epochs, not thirty, and nobody else is expelled."""
+    c = make_cluster()
+    c.start_coordinator()
+    with FakeNodes(c.address, 100) as fakes:
+        fakes.wait_joined(60)
+        c.wait_for(lambda: fakes.all_reached(1) is not None, 30, "an epoch with every fake node")
+        time.sleep(1.0)
+        before = c.state()["epoch"]
+        fakes.kill(30)
+        c.wait_for(lambda: len(c.state()["members"]) == 70, 10, "the 30 crashed members to be failed")
+        time.sleep(0.5)
+        formed = c.state()["epoch"] - before
+        assert 1 <= formed <= 3, [e["reason"] for e in events_of(c, "epoch")][-5:]
+        assert fakes.expelled() == 0 and len(events_of(c, "failure")) == 30

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from unbroken.comm.group import build_group
+from unbroken.comm.group import EpochStore, build_group
 from unbroken.comm.transfer import Partial, SyncResult, sync_state
 from unbroken.errors import EpochAborted, TransferError
 from unbroken.state import layout
@@ -54,7 +54,9 @@ class Group:
         wake = threading.Event()
 
         def one(rank: int) -> Any:
-            pg, _ = build_group(lambda: self.store, prefix, rank, self.size, "127.0.0.1", 10.0, wake, lambda: None)
+            pg, _ = build_group(
+                EpochStore(lambda: self.store), prefix, rank, self.size, "127.0.0.1", 10.0, wake, lambda: None
+            )
             try:
                 return fn(rank, pg)
             except Exception as exc:  # returned, so every rank's outcome can be checked

@@ -148,6 +148,27 @@ class StoreClient:
             self._stores = {}
 
 
+class EpochStore:
+    """The store connection of one epoch's group builds (the epoch's group, then its zone
+    and leaders' groups, one after the other).
+
+    A store client runs one request at a time: an abandoned build still waiting for a peer
+    that never came would hold every later build behind it until its timeout, so each epoch
+    has a connection of its own; and only one, because every connection costs the store a
+    reverse lookup of the peer's address on both sides (seconds where DNS is slow)."""
+
+    def __init__(self, store: Callable[[], TCPStore]) -> None:
+        self._store = store
+        self._connection: TCPStore | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> TCPStore:
+        with self._lock:
+            if self._connection is None:
+                self._connection = self._store().clone()  # type: ignore[attr-defined]
+            return self._connection
+
+
 def build_group(
     store: Callable[[], TCPStore],
     prefix: str,
@@ -160,8 +181,9 @@ def build_group(
 ) -> tuple[Any, float]:
     """Build a `ProcessGroupGloo` for one epoch without letting a missing peer block us.
 
-    The store client and the constructor block (the latter until every rank has connected),
-    so both run on a helper thread;
+    ``store`` gives the store connection to meet on (`EpochStore`: one per epoch). The store
+    client and the constructor block (the latter until every rank has connected), so both
+    run on a helper thread;
     if the epoch is superseded meanwhile we walk away and the helper ends at its timeout.
     """
     result: dict[str, Any] = {}
@@ -174,11 +196,7 @@ def build_group(
                 opts._devices = [ProcessGroupGloo.create_device(hostname=gloo_host)]
             else:
                 opts._devices = [ProcessGroupGloo.create_default_device()]
-            # A store client runs one request at a time: an abandoned build still waiting for
-            # a peer that never came would hold every later build behind it until its timeout.
-            # Each build gets its own connection.
-            connection = store().clone()  # type: ignore[attr-defined]
-            result["pg"] = ProcessGroupGloo(PrefixStore(prefix, connection), rank, size, opts)
+            result["pg"] = ProcessGroupGloo(PrefixStore(prefix, store()), rank, size, opts)
         except Exception as exc:  # reported to the waiting thread
             result["error"] = exc
         finally:

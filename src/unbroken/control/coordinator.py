@@ -107,6 +107,7 @@ class Coordinator:
         self.address: tuple[str, int] = (self.config.host, self.config.port)
         self.store_port = 0
         self._pruning = False
+        self._prompted = False
         self.loop_lag_s = 0.0
         """The longest stall of the event loop seen (leases were extended by each)."""
 
@@ -604,9 +605,17 @@ class Coordinator:
                 log.exception("coordinator tick failed")
 
     def _apply(self, d: Decision) -> None:
-        """Deliver a decision, then let the clock act on it at once (a failure's epoch now)."""
+        """Deliver a decision, then let the clock act on it at once (a failure's epoch now):
+        right after whatever else this loop already has to handle, so that sessions that
+        dropped together (a host with many nodes, a switch) make one epoch, not one each."""
         self._deliver(d)
-        if d.events:
+        if d.events and not self._prompted and self._loop is not None:
+            self._prompted = True
+            self._loop.call_soon(self._prompt)
+
+    def _prompt(self) -> None:
+        self._prompted = False
+        if self.leading():
             # Leases expire in the tick loop alone, which forgives the time the loop stalled:
             # a burst of session drops read right after a stall must not expel everyone else.
             self._deliver(self.membership.tick(time.monotonic(), expire=False))

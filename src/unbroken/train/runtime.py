@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from unbroken.comm.codecs import Codec, make_codec
-from unbroken.comm.group import EpochGroup, Graveyard, StoreClient, build_group, wait_until
+from unbroken.comm.group import EpochGroup, EpochStore, Graveyard, StoreClient, build_group, wait_until
 from unbroken.comm.reduce import LinkEmulation, Reducer, Wire, Zones
 from unbroken.comm.robust import Rule, parse_rule
 from unbroken.comm.transfer import Partial, gather_digests, sync_state
@@ -284,8 +284,8 @@ class Node:
         assert welcome is not None
         rank = order.members.index(self.client.member_id)
         timeout = self.config.collective_timeout_s
-        store = functools.partial(
-            self.stores.get, welcome.coordinator_id, welcome.store_host, welcome.store_port, timeout
+        store = EpochStore(
+            functools.partial(self.stores.get, welcome.coordinator_id, welcome.store_host, welcome.store_port, timeout)
         )
         prefix = f"{self.job.name}/{welcome.coordinator_id}/{welcome.rendezvous}/e{order.epoch}/"
         self.group = EpochGroup(
