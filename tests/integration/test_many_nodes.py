@@ -11,7 +11,7 @@ from integration.helpers import assert_promises, events_of
 
 pytestmark = pytest.mark.timeout(600)
 
-ENV = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "10", "UB_TEST_BATCH": "64"}
+ENV = {"UB_TEST_STEPS": "200", "UB_TEST_DELAY_MS": "10", "UB_TEST_BATCH": "64"}
 ZONES = "abcd"
 KILLS = {"a3": 12, "b5": 20, "c2": 28, "d7": 36, "a6": 44}
 """Node -> the step at which it SIGKILLs itself (mid-compute)."""
@@ -26,8 +26,8 @@ def test_32_nodes_in_4_zones_with_5_kills_and_2_joins_keep_every_promise(make_cl
             name = f"{z}{i}"
             fault = f"kill@compute:{KILLS[name]}" if name in KILLS else ""
             c.start_node(name, extra=["--zone", z.upper()], relays=[relays[z]], fault=fault)
-    c.wait_for(lambda: c.state()["step"] >= 24, 300, "step 24 with 32 nodes")
-    for name in ("b8", "d8"):
+    c.wait_for(lambda: c.state()["step"] >= 1, 300, "the first step of 32 nodes")
+    for name in ("b8", "d8"):  # they take seconds to start: they join a group in training
         c.start_node(name, extra=["--zone", name[0].upper()], relays=[relays[name[0]]])
     codes = c.wait_exit(timeout=400)
     killed = {n for n, code in codes.items() if code == -signal.SIGKILL}

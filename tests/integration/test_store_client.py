@@ -6,6 +6,7 @@ import contextlib
 import socket
 import threading
 import time
+from datetime import timedelta
 
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
@@ -25,7 +26,29 @@ def test_a_build_stuck_on_a_dead_coordinators_store_does_not_hold_up_the_next_on
     store = client.get("new", "127.0.0.1", live.port, 10.0)
     store.set("k", "v")
     assert time.monotonic() - start < 2.0 and stuck.is_alive(), "the new store must not wait for the dead one"
-    assert client.get("new", "127.0.0.1", live.port, 10.0) is store, "one client per coordinator incarnation"
+
+
+def test_an_epochs_connection_is_reused_only_once_its_builds_finished() -> None:
+    live = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = StoreClient()
+    first = client.get("c", "127.0.0.1", live.port, 10.0)
+    # Not given back (an abandoned build may still wait on it): the next epoch gets another,
+    # which works while the first is blocked.
+    blocked = threading.Thread(target=lambda: _wait_forever(first), daemon=True)
+    blocked.start()
+    second = client.get("c", "127.0.0.1", live.port, 10.0)
+    assert second is not first
+    second.set("k", "v")
+    client.give_back("c", "127.0.0.1", live.port, second)
+    assert client.get("c", "127.0.0.1", live.port, 10.0) is second  # a healthy node keeps one connection
+    client.give_back("old", "127.0.0.1", live.port, first)  # another incarnation's: dropped
+    assert client.get("c", "127.0.0.1", live.port, 10.0) not in (first, second)
+    blocked.join(10)  # its wait times out: no thread is left inside the store when it goes
+
+
+def _wait_forever(store: TCPStore) -> None:
+    with contextlib.suppress(Exception):
+        store.wait(["never"], timedelta(seconds=1))
 
 
 def _try(client: StoreClient, cid: str, port: int) -> None:

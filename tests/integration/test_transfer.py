@@ -55,7 +55,7 @@ class Group:
 
         def one(rank: int) -> Any:
             pg, _ = build_group(
-                EpochStore(lambda: self.store), prefix, rank, self.size, "127.0.0.1", 10.0, wake, lambda: None
+                EpochStore(lambda: self.store.clone()), prefix, rank, self.size, "127.0.0.1", 10.0, wake, lambda: None
             )
             try:
                 return fn(rank, pg)

@@ -120,53 +120,80 @@ def run_abortable(
 
 
 class StoreClient:
-    """One TCPStore client per coordinator incarnation."""
+    """The store connections of one coordinator incarnation (a restarted one gets new ones).
+
+    A store client runs one request at a time, and a group build blocks its connection until
+    every rank has arrived: an abandoned build still waiting for a peer that never came
+    would hold every later build on that connection until its timeout. So each epoch's
+    builds get a connection of their own (`EpochStore`), and a connection whose builds
+    finished goes back to a pool for the next epoch: a healthy node keeps one connection,
+    not one per epoch (each new one costs a reverse lookup of the peer's address on both
+    sides, which takes seconds where DNS is slow or rate-limited)."""
 
     def __init__(self) -> None:
-        self._stores: dict[tuple[str, str, int], TCPStore] = {}
+        self._key: tuple[str, str, int] | None = None
+        self._base: TCPStore | None = None
+        self._idle: list[TCPStore] = []
         self._lock = threading.Lock()
 
     def get(self, coordinator_id: str, host: str, port: int, timeout_s: float) -> TCPStore:
-        """The client for this coordinator incarnation (a restarted one gets a new client).
+        """A connection of its own for this coordinator incarnation's store.
 
         Connecting happens outside the lock: an abandoned group build still trying a dead
         coordinator's store (it retries until its timeout) must not hold up the build of
         the next epoch on the new coordinator's."""
         key = (coordinator_id, host, port)
         with self._lock:
-            store = self._stores.get(key)
-        if store is not None:
-            return store
-        store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+            if self._key == key:
+                if self._idle:
+                    return self._idle.pop()
+                base = self._base
+            else:
+                base = None
+        if base is None:
+            base = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+            with self._lock:
+                if self._key != key:  # older incarnations' connections go
+                    self._key, self._base, self._idle = key, base, []
+                base = self._base
+            assert base is not None
+            return base.clone()  # type: ignore[attr-defined,no-any-return]
+        return base.clone()  # type: ignore[attr-defined,no-any-return]
+
+    def give_back(self, coordinator_id: str, host: str, port: int, connection: TCPStore) -> None:
+        """A connection whose builds all finished, for the next epoch."""
         with self._lock:
-            self._stores = {key: self._stores.get(key, store)}  # older incarnations' clients go
-            return self._stores[key]
+            if self._key == (coordinator_id, host, port):
+                self._idle.append(connection)
 
     def reset(self) -> None:
-        """Forget the clients after an error; the next `get` reconnects."""
+        """Forget the connections after an error; the next `get` reconnects."""
         with self._lock:
-            self._stores = {}
+            self._key, self._base, self._idle = None, None, []
 
 
 class EpochStore:
     """The store connection of one epoch's group builds (the epoch's group, then its zone
-    and leaders' groups, one after the other).
+    and leaders' groups, one after the other), taken when first needed; `release` hands it
+    back once they all finished (`StoreClient`)."""
 
-    A store client runs one request at a time: an abandoned build still waiting for a peer
-    that never came would hold every later build behind it until its timeout, so each epoch
-    has a connection of its own; and only one, because every connection costs the store a
-    reverse lookup of the peer's address on both sides (seconds where DNS is slow)."""
-
-    def __init__(self, store: Callable[[], TCPStore]) -> None:
-        self._store = store
+    def __init__(self, take: Callable[[], TCPStore], give_back: Callable[[TCPStore], None] | None = None) -> None:
+        self._take = take
+        self._give_back = give_back
         self._connection: TCPStore | None = None
         self._lock = threading.Lock()
 
     def __call__(self) -> TCPStore:
         with self._lock:
             if self._connection is None:
-                self._connection = self._store().clone()  # type: ignore[attr-defined]
+                self._connection = self._take()
             return self._connection
+
+    def release(self) -> None:
+        with self._lock:
+            connection, self._connection = self._connection, None
+        if connection is not None and self._give_back is not None:
+            self._give_back(connection)
 
 
 def build_group(

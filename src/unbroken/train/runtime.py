@@ -284,8 +284,9 @@ class Node:
         assert welcome is not None
         rank = order.members.index(self.client.member_id)
         timeout = self.config.collective_timeout_s
+        where = (welcome.coordinator_id, welcome.store_host, welcome.store_port)
         store = EpochStore(
-            functools.partial(self.stores.get, welcome.coordinator_id, welcome.store_host, welcome.store_port, timeout)
+            functools.partial(self.stores.get, *where, timeout), functools.partial(self.stores.give_back, *where)
         )
         prefix = f"{self.job.name}/{welcome.coordinator_id}/{welcome.rendezvous}/e{order.epoch}/"
         self.group = EpochGroup(
@@ -308,6 +309,7 @@ class Node:
         self.group.pg, self.group.built_in_s = pg, took
         self._log({"kind": "epoch", "epoch": order.epoch, "term": order.term, "step": self.state.step})
         self.reducer = self._build_reducer(order, rank, pg, store, prefix, abort)
+        store.release()  # every build of the epoch finished: the next epoch may use the connection
         self._epochs_formed += 1
         self._first_in_epoch = True
         log.info(
