@@ -2,7 +2,7 @@
 
     python bench/scale.py                                  # 300, 1000, 3000 nodes; flat and relayed
     python bench/scale.py --sizes 10000 --layouts relay --duration 300 --events 50
-    python bench/scale.py --short                          # the CI version (200 nodes, 20 s)
+    python bench/scale.py --short                          # the CI version (200 nodes, 8 s)
 
 Per layout and size: a real `unbroken coordinator` process (and, relayed, one `unbroken
 relay` process per ``--zone-size`` nodes) and fake nodes in this process that speak the
@@ -44,6 +44,8 @@ from unbroken.testing.cluster import LocalCluster
 from unbroken.testing.fakes import FakeNodes
 
 TICKS = os.sysconf("SC_CLK_TCK")
+RECOVERY_WINDOW_S = 1.0
+"""The coordinator's wait for members of a previous incarnation (there are none here)."""
 
 
 def cpu_s(pid: int) -> float:
@@ -70,14 +72,14 @@ def pct(xs: list[float], q: float) -> float | None:
 def run_one(layout: str, n: int, args: argparse.Namespace, progress: ProgressLine) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix=f"scale-{layout}-{n}-"))
     zones = max(1, round(n / args.zone_size)) if layout == "relay" else 0
-    with LocalCluster("fake-job", workdir, lease_s=args.lease, recovery_window_s=3.0) as c:
+    with LocalCluster("fake-job", workdir, lease_s=args.lease, recovery_window_s=RECOVERY_WINDOW_S) as c:
         root = c.start_coordinator(extra=["--store-port", "0"])
         relays = [c.start_relay(zone=f"z{i}") for i in range(zones)]
         procs = [c.coordinator] + [p for p, _ in c.relays]
         assert procs[0] is not None
         pids = [p.pid for p in procs if p is not None]
         me = os.getpid()
-        time.sleep(3.5)  # past the coordinator's recovery window: admission alone is measured
+        time.sleep(RECOVERY_WINDOW_S + 0.2)  # past the coordinator's recovery window: admission alone is measured
         start = time.monotonic()
         with FakeNodes(relays or [root], n, step_s=args.step, fallback=[root] if relays else [], ramp_s=0.0) as fakes:
             progress.update(f"{layout} {n}: admitting")
@@ -156,11 +158,11 @@ def main() -> None:
     p.add_argument("--step", type=float, default=0.5, help="the fake nodes' step time (a report each)")
     p.add_argument("--lease", type=float, default=1.0)
     p.add_argument("--admit-timeout", type=float, default=120.0)
-    p.add_argument("--short", action="store_true", help="the CI version: 200 nodes, 20 s, 4 events")
+    p.add_argument("--short", action="store_true", help="the CI version: 200 nodes, 8 s, 4 events")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     if args.short:
-        args.sizes, args.duration, args.events, args.zone_size = "200", 20.0, 4, 50
+        args.sizes, args.duration, args.events, args.zone_size = "200", 8.0, 4, 50
     print_command()
     sizes = [int(s) for s in args.sizes.split(",")]
     layouts = args.layouts.split(",")
