@@ -76,6 +76,27 @@ def test_a_relay_killed_under_150_members_expels_none_of_them(make_cluster):
         assert (fakes.all_reached(epoch + 1) or 0) - killed_at < 5.0
 
 
+def test_a_frozen_relays_members_come_back_through_the_leader_none_expelled(make_cluster):
+    """SIGSTOP, as a host that dies without closing its connections: the leader finds the
+    relay silent and keeps its members' leases while they leave it and come back directly."""
+    c = make_cluster()
+    root = c.start_coordinator(extra=["--store-port", "0"])
+    relays = [c.start_relay(zone=f"z{i}") for i in range(3)]
+    with FakeNodes(relays, 150, fallback=[root]) as fakes:
+        fakes.wait_joined(60)
+        c.wait_for(lambda: fakes.all_reached(1) is not None, 30, "an epoch with every fake node")
+        time.sleep(1.0)
+        c.relays[2][0].send_signal(signal.SIGSTOP)
+        try:
+            c.wait_for(lambda: len(c.state()["relays"]) == 2, 10, "the frozen relay to be found silent")
+            time.sleep(4.0)  # its members' leave, reconnect, and a few leases more
+            state = c.state()
+            assert len(state["members"]) == 150 and fakes.expelled() == 0, events_of(c, "failure")[:3]
+            assert not events_of(c, "failure")
+        finally:
+            c.relays[2][0].send_signal(signal.SIGCONT)
+
+
 def test_a_relay_without_the_token_never_links_and_nodes_refuse_it(make_cluster):
     c = make_cluster(env={"UB_TEST_STEPS": "30", "UB_TEST_DELAY_MS": "5"}, coordinator_args=["--token", TOKEN])
     c.start_coordinator()

@@ -79,6 +79,10 @@ class ControlClient:
         self._ssl = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
         self.addresses = list(addresses)
         self.relays = list(relays)
+        self._via_relay = False
+        self._current: tuple[str, int] | None = None
+        self._shunned: tuple[str, int] | None = None
+        """An address whose session went silent: tried after the others."""
         self.etcd_endpoints = list(etcd)
         self.etcd_prefix = etcd_prefix
         self.term = 0
@@ -212,6 +216,8 @@ class ControlClient:
         async with aiohttp.ClientSession() as http:
             while not self._stale(run_id):
                 candidates = await self._candidates(etcd)
+                if self._shunned in candidates:
+                    candidates = [a for a in candidates if a != self._shunned] + [self._shunned]
                 tried: set[tuple[str, int]] = set()
                 while candidates:
                     host, port = candidates.pop(0)
@@ -354,6 +360,10 @@ class ControlClient:
                 self.connected = True
                 self.outage = False
                 self._last_acked_send = hello_sent  # the lease runs from our hello, not its answer
+            self._via_relay = (host, port) in self.relays
+            self._current = (host, port)
+            if self._shunned == self._current:
+                self._shunned = None
             self._first.set()
             self.wake.set()
             log.info("%s joined coordinator %s at %s:%d", self.member_id, msg.coordinator_id, host, port)
@@ -380,10 +390,16 @@ class ControlClient:
     async def _heartbeats(self, period: float, ws: aiohttp.ClientWebSocketResponse) -> None:
         assert self._queue is not None
         while True:
-            if time.monotonic() - self._last_acked_send > 2 * self.lease_s:
-                # A coordinator that went silent (host down, cable cut) sends no reset;
-                # give up on the session so we reconnect or fail over to another address.
-                log.warning("no heartbeat acknowledged for %.1f s; dropping the session", 2 * self.lease_s)
+            # A coordinator that went silent (host down, cable cut) sends no reset: give up on
+            # the session so we reconnect or fail over to another address; but not while it
+            # may only be stalled (it forgives the time it was not listening, and a session
+            # dropped then would be a failure). With etcd a leader that lost its lease is left
+            # sooner (`_watch_leader`). A relay's members leave it after a lease: the leader
+            # keeps their leases a lease and a half after it finds the relay silent.
+            patience = (1.0 if self._via_relay else 3.0) * self.lease_s
+            if time.monotonic() - self._last_acked_send > patience:
+                log.warning("no heartbeat acknowledged for %.1f s; dropping the session", patience)
+                self._shunned = self._current  # tried last next time: a frozen peer answers no handshake
                 await ws.close()
                 return
             if time.monotonic() - self._counted_at < period:

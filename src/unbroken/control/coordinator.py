@@ -455,12 +455,19 @@ class Coordinator:
             )
         )
         self._apply(decision)
+        last = self._last_order
+        if back and last is not None and hello.last_epoch < last.epoch and mid in last.members:
+            # Formed while it was away (its relay died, its session was being replaced): the
+            # order it missed, in full, or it would never build the epoch it belongs to.
+            session.send(compact(last))
+            self._told[mid] = last.epoch
         return session
 
     def _session_ended(self, session: Sender) -> None:
         mid = session.member_id
         if self._sessions.get(mid) is session and self.in_office():
             del self._sessions[mid]
+            self._told.pop(mid, None)
             self._apply(self.membership.session_closed(mid, time.monotonic()))
 
     # ---------------------------------------------------------------- relays
@@ -473,7 +480,9 @@ class Coordinator:
         self._relays[link.relay_id] = link
 
     def relay_up(self, link: RelayLink, up: m.Up, request: web.Request) -> None:
-        """A relay's batch: its members' liveness, what they said, whose session ended."""
+        """A relay's batch: its members' liveness, what they said, whose session ended (in
+        that order: a member's last words come before its session's end; a relay reports no
+        end of a session that a new one, whose hello it forwarded, replaces)."""
         now = time.monotonic()
         ms = self.membership
         for mid, step in zip(up.alive, up.steps, strict=False):
@@ -499,6 +508,25 @@ class Coordinator:
             if isinstance(session, RelayedMember) and session.link is link:
                 link.members.discard(gone.member)
                 self._session_ended(session)
+
+    def _check_relays(self, now: float) -> None:
+        """A relay not heard from for half a lease (it sends ten batches a lease) is gone:
+        its host died without closing the connection, or it froze, and its members' leases,
+        renewed by its batches alone, would lapse with it. They get a lease and a half from
+        now to come back instead (they leave a relay that stops acknowledging after a lease).
+        A relay merely slow is dropped too: its members only reconnect."""
+        lease = self.config.lease_s
+        for link in [r for r in self._relays.values() if now - r.heard_at > lease / 2]:
+            log.warning("relay %s silent for %.2f s: its members are detached", link.relay_id, now - link.heard_at)
+            members = list(link.members)
+            self.relay_lost(link)
+            link.session.close()
+            for mid in members:
+                mem = self.membership.members.get(mid)
+                if mem is not None:
+                    mem.last_seen = max(mem.last_seen, now + lease / 2)
+        if self._detached:
+            self._detached &= self.membership.members.keys()
 
     def relay_lost(self, link: RelayLink) -> None:
         """Its members are detached, not failed: they reconnect elsewhere within their lease."""
@@ -569,11 +597,11 @@ class Coordinator:
         elif isinstance(msg, m.Leave):
             self._apply(ms.leave(mid, now, msg.reason))
         elif isinstance(msg, m.Done):
+            was_finished = ms.finished
             self._apply(ms.done(mid, msg.step, msg.digest, msg.metrics, now))
-            if ms.finished:
-                for other_id, other in self._sessions.items():
-                    if other_id not in ms.final_digests:
-                        other.send(m.Finished(step=ms.step, term=self.term))
+            if ms.finished and not was_finished:  # told once, not again at every later Done
+                finished = m.Finished(step=ms.step, term=self.term)
+                send_all(self._sessions, {o: finished for o in self._sessions if o not in ms.final_digests})
         elif isinstance(msg, m.Validation):
             self._apply(ms.validation(mid, msg.step, msg.metrics, msg.seconds, now))
         elif isinstance(msg, m.Hello):
@@ -593,6 +621,8 @@ class Coordinator:
             late = lag > self.config.lease_s / 2
             if lag > LAG_FORGIVEN_S:
                 self.membership.pause(lag)
+                for link in self._relays.values():
+                    link.heard_at += lag
                 self.loop_lag_s = max(self.loop_lag_s, lag)
             last = now
             if not self.leading():
@@ -600,6 +630,8 @@ class Coordinator:
                 # woke from a freeze and will find itself deposed): decide nothing now.
                 continue
             try:
+                if not late:
+                    self._check_relays(now)
                 self._apply(self.membership.tick(now, expire=not late))
             except Exception:  # a bug here must not stop the service
                 log.exception("coordinator tick failed")
@@ -627,6 +659,7 @@ class Coordinator:
 
     def _send_decision(self, d: Decision) -> None:
         for mid, reason in d.expel.items():
+            self._told.pop(mid, None)
             s = self._sessions.pop(mid, None)
             if s is not None:
                 s.send(m.Expel(reason=reason, term=self.term))

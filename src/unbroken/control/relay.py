@@ -74,6 +74,26 @@ class RelayConfig:
     """The largest message a node may send."""
 
 
+def _chunks(said: list[tuple[m.Said, int]], limit: int) -> list[list[m.Said]]:
+    """What members said, in order, in parts of at most ``limit`` bytes (or one message)."""
+    out: list[list[m.Said]] = [[]]
+    size = 0
+    for one, n in said:
+        if out[-1] and size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(one)
+        size += n
+    return out
+
+
+async def _text(ws: aiohttp.ClientWebSocketResponse) -> str:
+    raw = await ws.receive(timeout=HELLO_TIMEOUT_S)
+    if raw.type != WSMsgType.TEXT:
+        raise ProtocolError(f"the leader's session ended during the handshake ({raw.type.name})")
+    return str(raw.data)
+
+
 async def _always() -> Gate:
     return Gate.SEND  # the leader decided when to send; a relay passes it on at once
 
@@ -101,8 +121,11 @@ class Relay:
         self._up: aiohttp.ClientWebSocketResponse | None = None
         self._members: dict[str, _Member] = {}
         self._hellos: dict[str, asyncio.Future[m.CoordinatorMessage]] = {}
+        self._early: dict[str, list[str]] = {}
+        """Messages for members welcomed but not yet registered (their welcome came in the same read)."""
         self._alive: dict[str, int] = {}
-        self._said: list[m.Said] = []
+        self._said: list[tuple[m.Said, int]] = []
+        """What members said since the last batch, each with its size on the wire."""
         self._said_bytes = 0
         self._latest: dict[str, tuple[m.Progress, int]] = {}
         """Each member's newest routine progress report, sent up every `REPORT_EVERY_S`."""
@@ -198,6 +221,8 @@ class Relay:
                         await self._link(http, host, port)
                     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ProtocolError) as exc:
                         log.debug("relay link to %s:%d: %s", host, port, exc)
+                    except Exception:  # the link must be tried again whatever went wrong
+                        log.exception("relay link to %s:%d failed", host, port)
                     if self._leader_hint is not None:
                         break  # a standby named the leader: try it first
                 await asyncio.sleep(RECONNECT_DELAY_S)
@@ -216,8 +241,7 @@ class Relay:
 
     async def _link(self, http: aiohttp.ClientSession, host: str, port: int) -> None:
         async with http.ws_connect(f"http://{host}:{port}/relay", heartbeat=None, max_msg_size=256 << 20) as ws:
-            raw = await ws.receive(timeout=HELLO_TIMEOUT_S)
-            challenge = m.parse_leader_message(raw.data)
+            challenge = m.parse_leader_message(await _text(ws))
             if not isinstance(challenge, m.Challenge):
                 raise ProtocolError(f"expected a challenge, got {challenge.type!r}")
             token = self.config.token
@@ -225,7 +249,7 @@ class Relay:
             proof = auth.node_proof(token, challenge.nonce, nonce, self.relay_id) if token else ""
             hello = m.RelayHello(relay_id=self.relay_id, zone=self.config.zone, nonce=nonce, proof=proof)
             await ws.send_str(m.encode(hello))
-            answer = m.parse_leader_message((await ws.receive(timeout=HELLO_TIMEOUT_S)).data)
+            answer = m.parse_leader_message(await _text(ws))
             if isinstance(answer, m.Refused):
                 if answer.standby and answer.leader:
                     self._leader_hint = parse_address(answer.leader)
@@ -260,6 +284,7 @@ class Relay:
             if not fut.done():
                 fut.set_exception(ProtocolError(why))
         self._hellos.clear()
+        self._early.clear()
         self._alive.clear()
         self._said.clear()
         self._gone.clear()
@@ -292,16 +317,20 @@ class Relay:
             self._batches[self._seq] = {mid: mem.unacked for mid in self._alive if (mem := self._members.get(mid))}
             for mem in self._members.values():
                 mem.unacked = 0
-            up = m.Up(
+            chunks = _chunks(self._said, BATCH_BYTES)
+            first = m.Up(
                 seq=self._seq,
                 alive=list(self._alive),
                 steps=list(self._alive.values()),
-                said=self._said,
+                said=chunks[0],
                 gone=self._gone,
             )
             self._alive, self._said, self._gone, self._said_bytes = {}, [], [], 0
-            await ws.send_str(m.encode(up))
-            self.batches_sent += 1
+            await ws.send_str(m.encode(first))
+            for said in chunks[1:]:  # a burst (hellos after a failover) goes as several batches
+                self._seq += 1
+                await ws.send_str(m.encode(m.Up(seq=self._seq, said=said)))
+            self.batches_sent += len(chunks)
 
     def _from_leader(self, msg: m.LeaderMessage) -> None:
         if isinstance(msg, m.Ack):
@@ -320,11 +349,15 @@ class Relay:
                 fut = self._hellos.pop(mid, None)
                 if fut is not None and not fut.done():
                     fut.set_result(inner)
+                    if isinstance(inner, m.Welcome):
+                        self._early[mid] = []  # what comes before its session is registered
             return
         text = m.encode(inner)
         for mid in msg.to:
             member = self._members.get(mid)
             if member is None:
+                if mid in self._early:
+                    self._early[mid].append(text)  # read in the same batch as its welcome
                 continue
             member.session.send_text(text)
             self.messages_down += 1
@@ -334,7 +367,7 @@ class Relay:
     # ---------------------------------------------------------------- members
 
     def _tell(self, member_id: str, msg: m.NodeMessage, size: int, urgent: bool) -> None:
-        self._said.append(m.Said(member=member_id, msg=msg))
+        self._said.append((m.Said(member=member_id, msg=msg), size))
         self._said_bytes += size
         if (urgent or self._said_bytes >= BATCH_BYTES) and self._urgent is not None:
             self._urgent.set()
@@ -364,6 +397,8 @@ class Relay:
                 old.session.close()
             self._members[hello.member_id] = member
             member.session.send(answer.model_copy(update={"proof": proof}))
+            for text in self._early.pop(hello.member_id, []):
+                member.session.send_text(text)
             async for raw in ws:
                 if raw.type != WSMsgType.TEXT:
                     raise ProtocolError(f"unexpected {raw.type.name} frame")
@@ -389,7 +424,8 @@ class Relay:
         finally:
             if member is not None and self._members.get(member.member_id) is member:
                 del self._members[member.member_id]
-                self._gone.append(m.Gone(member=member.member_id, reason="its session with the relay ended"))
+                if member.member_id not in self._hellos:  # else a new session replaces this one
+                    self._gone.append(m.Gone(member=member.member_id, reason="its session with the relay ended"))
                 if self._urgent is not None:
                     self._urgent.set()
             if member is not None:
@@ -419,4 +455,8 @@ class Relay:
         fut: asyncio.Future[m.CoordinatorMessage] = self._loop.create_future()
         self._hellos[hello.member_id] = fut
         self._tell(hello.member_id, hello, size, urgent=True)
-        return await asyncio.wait_for(fut, timeout=HELLO_TIMEOUT_S)
+        try:
+            return await asyncio.wait_for(fut, timeout=HELLO_TIMEOUT_S)
+        finally:
+            if self._hellos.get(hello.member_id) is fut:
+                del self._hellos[hello.member_id]

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 10.0
+RELAY_MESSAGE_FACTOR = 8
+"""A relay's batch may be this many times a node's message limit: it carries up to
+`relay.BATCH_BYTES` and then one more of its members' messages (each within the limit)."""
 
 GateWait = Callable[[], Awaitable[Gate]]
 """Waits until a message may go out, and says whether it may (`office.Office.settled`)."""
@@ -139,7 +142,8 @@ def send_all(sessions: Mapping[str, Sender], messages: Mapping[str, BaseModel]) 
 
 async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamResponse:
     """One relay's session: its handshake, then its batches until it ends."""
-    ws = web.WebSocketResponse(max_msg_size=coord.config.max_message_bytes, heartbeat=None)
+    limit = RELAY_MESSAGE_FACTOR * coord.config.max_message_bytes
+    ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=None)
     await ws.prepare(request)
     peer = request.remote or "?"
     link: RelayLink | None = None
@@ -149,7 +153,7 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
         first = await asyncio.wait_for(ws.receive(), timeout=HELLO_TIMEOUT_S)
         if first.type != WSMsgType.TEXT:
             raise ProtocolError(f"expected a relay hello, got {first.type.name}")
-        hello = m.parse_relay_message(first.data, coord.config.max_message_bytes)
+        hello = m.parse_relay_message(first.data, limit)
         if not isinstance(hello, m.RelayHello):
             raise ProtocolError(f"the first message of a relay must be its hello, got {hello.type!r}")
         if not coord.in_office():
@@ -179,7 +183,7 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
                 raise ProtocolError(f"unexpected {raw.type.name} frame from relay {hello.relay_id}")
             if not coord.in_office() or coord.term != term:
                 break
-            up = m.parse_relay_message(raw.data, coord.config.max_message_bytes)
+            up = m.parse_relay_message(raw.data, limit)
             if not isinstance(up, m.Up):
                 raise ProtocolError("a relay sent its hello twice")
             link.heard_at = time.monotonic()

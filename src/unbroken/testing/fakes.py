@@ -135,13 +135,13 @@ class FakeNodes:
             time.sleep(0.05)
 
     def newest_epoch(self) -> int:
-        return max((max(n.epochs, default=0) for n in self.live()), default=0)
+        return max((max(tuple(n.epochs), default=0) for n in self.live()), default=0)
 
     def all_reached(self, epoch: int) -> float | None:
         """When the last live node heard of an epoch at least ``epoch`` (None: not all yet)."""
         times = []
         for n in self.live():
-            later = [t for e, t in n.epochs.items() if e >= epoch]
+            later = [t for e, t in tuple(n.epochs.items()) if e >= epoch]
             if not later:
                 return None
             times.append(min(later))
@@ -208,8 +208,8 @@ class FakeNodes:
             order = [self.addresses[node.first], *self.fallback]
             host, port = order[attempt % len(order)]
             try:
-                await self._session(node, host, port)
-                attempt = 0
+                silenced = await self._session(node, host, port)
+                attempt = attempt + 1 if silenced else 0  # a silent peer is tried after the others
             except asyncio.CancelledError:
                 return
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, ProtocolError) as exc:
@@ -218,9 +218,15 @@ class FakeNodes:
             node.reconnects += 1
             await asyncio.sleep(0.1)
 
-    async def _session(self, node: FakeNode, host: str, port: int) -> None:
+    async def _session(self, node: FakeNode, host: str, port: int) -> bool:
+        """One session; True when it ended because its peer went silent."""
         assert self._http is not None
-        async with self._http.ws_connect(f"http://{host}:{port}/ws", heartbeat=None, max_msg_size=256 << 20) as ws:
+        async with self._http.ws_connect(
+            f"http://{host}:{port}/ws",
+            heartbeat=None,
+            max_msg_size=256 << 20,
+            timeout=aiohttp.ClientWSTimeout(ws_close=0.2),  # as a node: a frozen peer never answers a close
+        ) as ws:
             challenge = m.parse_coordinator_message((await ws.receive(timeout=30)).data)
             if not isinstance(challenge, m.Challenge):
                 raise ValueError(f"expected a challenge, got {challenge}")
@@ -236,9 +242,14 @@ class FakeNodes:
             welcome = m.parse_coordinator_message((await ws.receive(timeout=30)).data)
             if not isinstance(welcome, m.Welcome):
                 raise ValueError(f"not welcomed: {welcome}")
+            # (a standby's refusal names the leader; the next address is tried instead)
             node.welcomed, node.welcomed_at, node.error = True, time.monotonic(), None
             sent: dict[int, float] = {}
-            talker = asyncio.create_task(self._talk(ws, welcome.heartbeat_s, sent))
+            acked = [time.monotonic()]
+            silenced = [False]
+            # As a real node: leave a session that stops acknowledging (a relay's sooner).
+            patience = welcome.lease_s * (1.0 if self.fallback else 3.0)
+            talker = asyncio.create_task(self._talk(ws, welcome.heartbeat_s, sent, acked, patience, silenced))
             try:
                 async for raw in ws:
                     if raw.type != aiohttp.WSMsgType.TEXT:
@@ -248,7 +259,9 @@ class FakeNodes:
                     if data.startswith('{"v":1,"type":"ack"'):
                         seq = json.loads(data)["seq"]
                         if seq in sent:
-                            node.rtts.append(time.monotonic() - sent.pop(seq))
+                            at = sent.pop(seq)
+                            acked[0] = max(acked[0], at)
+                            node.rtts.append(time.monotonic() - at)
                     elif data.startswith('{"v":1,"type":"epoch"'):
                         # The epoch number is read off the front: a fake node does not build
                         # groups, and parsing a 10,000-member order 10,000 times is the fake
@@ -259,16 +272,29 @@ class FakeNodes:
                     elif data.startswith('{"v":1,"type":"expelled"'):
                         node.expelled = json.loads(data)["reason"]
                         node.expulsions += 1
-                        return
+                        return False
             finally:
                 talker.cancel()
+            return silenced[0]
 
-    async def _talk(self, ws: aiohttp.ClientWebSocketResponse, heartbeat_s: float, sent: dict[int, float]) -> None:
+    async def _talk(
+        self,
+        ws: aiohttp.ClientWebSocketResponse,
+        heartbeat_s: float,
+        sent: dict[int, float],
+        acked: list[float],
+        patience: float,
+        silenced: list[bool],
+    ) -> None:
         """Progress every step, heartbeats in between when a step is longer than a heartbeat."""
         seq, step, counted = 0, 0, 0.0
         next_step = time.monotonic() + self.step_s * self._rng.random()
         while True:
             now = time.monotonic()
+            if now - acked[0] > patience and not self.silent:
+                silenced[0] = True  # its coordinator or relay went silent: reconnect elsewhere
+                await ws.close()
+                return
             if not self.silent:
                 if now >= next_step:
                     step += 1

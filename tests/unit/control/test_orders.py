@@ -69,3 +69,12 @@ def test_any_change_round_trips_exactly(before, joined, shares, roles):
     for base in (old, None):
         sent = m.parse_coordinator_message(m.encode(compact(new, base)))
         assert complete(sent, old) == new  # type: ignore[arg-type]
+
+
+def test_a_relays_burst_is_split_into_batches_under_the_limit_in_order():
+    from unbroken.control.relay import _chunks
+
+    said = [(m.Said(member=f"n{i}", msg=m.Leave()), size) for i, size in enumerate([100, 200, 300, 900, 50, 60])]
+    parts = _chunks(said, 500)
+    assert [[s.member for s in p] for p in parts] == [["n0", "n1"], ["n2"], ["n3"], ["n4", "n5"]]
+    assert _chunks([], 500) == [[]]
