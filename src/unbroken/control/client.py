@@ -394,9 +394,10 @@ class ControlClient:
             # the session so we reconnect or fail over to another address; but not while it
             # may only be stalled (it forgives the time it was not listening, and a session
             # dropped then would be a failure). With etcd a leader that lost its lease is left
-            # sooner (`_watch_leader`). A relay's members leave it after a lease: the leader
-            # keeps their leases a lease and a half after it finds the relay silent.
-            patience = (1.0 if self._via_relay else 3.0) * self.lease_s
+            # sooner (`_watch_leader`). A relay's members leave it after two leases (its
+            # acknowledgements wait for the leader's, slower under load): the leader keeps
+            # their leases two and a half leases after it finds the relay silent.
+            patience = (2.0 if self._via_relay else 3.0) * self.lease_s
             if time.monotonic() - self._last_acked_send > patience:
                 log.warning("no heartbeat acknowledged for %.1f s; dropping the session", patience)
                 self._shunned = self._current  # tried last next time: a frozen peer answers no handshake

@@ -512,9 +512,9 @@ class Coordinator:
     def _check_relays(self, now: float) -> None:
         """A relay not heard from for half a lease (it sends ten batches a lease) is gone:
         its host died without closing the connection, or it froze, and its members' leases,
-        renewed by its batches alone, would lapse with it. They get a lease and a half from
-        now to come back instead (they leave a relay that stops acknowledging after a lease).
-        A relay merely slow is dropped too: its members only reconnect."""
+        renewed by its batches alone, would lapse with it. They get two leases and a half
+        from now to come back instead (they leave a relay that stops acknowledging after
+        two). A relay merely slow is dropped too: its members only reconnect."""
         lease = self.config.lease_s
         for link in [r for r in self._relays.values() if now - r.heard_at > lease / 2]:
             log.warning("relay %s silent for %.2f s: its members are detached", link.relay_id, now - link.heard_at)
@@ -524,7 +524,7 @@ class Coordinator:
             for mid in members:
                 mem = self.membership.members.get(mid)
                 if mem is not None:
-                    mem.last_seen = max(mem.last_seen, now + lease / 2)
+                    mem.last_seen = max(mem.last_seen, now + 1.5 * lease)
         if self._detached:
             self._detached &= self.membership.members.keys()
 

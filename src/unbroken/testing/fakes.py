@@ -248,7 +248,7 @@ class FakeNodes:
             acked = [time.monotonic()]
             silenced = [False]
             # As a real node: leave a session that stops acknowledging (a relay's sooner).
-            patience = welcome.lease_s * (1.0 if self.fallback else 3.0)
+            patience = welcome.lease_s * (2.0 if self.fallback else 3.0)
             talker = asyncio.create_task(self._talk(ws, welcome.heartbeat_s, sent, acked, patience, silenced))
             try:
                 async for raw in ws:
