@@ -17,7 +17,7 @@ the leader's term; the node remembers the highest it has seen and refuses a sess
 an order of an older one (a deposed leader that has not noticed yet). A leader that stops
 acknowledging heartbeats (frozen, cut off) is looked up in etcd: once etcd shows it lost
 its lease, the node leaves its session at once and joins the new leader, instead of
-waiting two leases for a frozen process. (It still stops committing once its own lease is
+waiting three leases for a frozen process. (It still stops committing once its own lease is
 stale: it cannot tell a frozen leader from a link that lost its heartbeats on the way, after
 which a live leader would have expelled it.)
 """
