@@ -50,6 +50,23 @@ def same(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
+def unproven(
+    token: str | None, challenge: str, nonce: str, member_id: str, proof: str, *, who: str, checker: str
+) -> str | None:
+    """Why a ``who`` (node, relay) did not prove it holds the job token to its ``checker``
+    (coordinator, relay) in answer to ``challenge`` (missing, wrong or replayed), or None."""
+    if token is None:
+        return None
+    if not proof:
+        return (
+            f"this job requires a token: start the {who} with --token, --token-file or ${ENV_TOKEN} "
+            f"set to the {checker}'s"
+        )
+    if not same(node_proof(token, challenge, nonce, member_id), proof):
+        return f"the job token does not match the {checker}'s (or the handshake was replayed)"
+    return None
+
+
 def load_token(token: str | None = None, token_file: str | None = None) -> str | None:
     """The job token from ``--token``, ``--token-file`` or ``$UNBROKEN_TOKEN`` (in that order)."""
     if token and token_file:

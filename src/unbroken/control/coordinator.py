@@ -544,17 +544,9 @@ class Coordinator:
 
     def _check_token(self, hello: m.Hello, challenge: str) -> str | None:
         """Why this hello may not join (wrong, missing or replayed proof), or None."""
-        if self.token is None:
-            return None
-        if not hello.proof:
-            return (
-                "this job requires a token: start the node with --token, --token-file or "
-                f"${auth.ENV_TOKEN} set to the coordinator's"
-            )
-        expected = auth.node_proof(self.token, challenge, hello.nonce, hello.member_id)
-        if not auth.same(expected, hello.proof):
-            return "the job token does not match the coordinator's (or the handshake was replayed)"
-        return None
+        return auth.unproven(
+            self.token, challenge, hello.nonce, hello.member_id, hello.proof, who="node", checker="coordinator"
+        )
 
     def _store_host(self, request: web.Request) -> str:
         if self.config.host not in ("0.0.0.0", "::", ""):

@@ -445,12 +445,11 @@ class Relay:
                 standby=True,
                 leader=f"{leader[0]}:{leader[1]}" if leader else "",
             )
-        token = self.config.token
-        if token is not None:
-            if not hello.proof:
-                return m.Refused(reason="this job requires a token: start the node with --token or --token-file")
-            if not auth.same(auth.node_proof(token, challenge, hello.nonce, hello.member_id), hello.proof):
-                return m.Refused(reason="the job token does not match the relay's (or the handshake was replayed)")
+        why = auth.unproven(
+            self.config.token, challenge, hello.nonce, hello.member_id, hello.proof, who="node", checker="relay"
+        )
+        if why is not None:
+            return m.Refused(reason=why)
         assert self._loop is not None
         fut: asyncio.Future[m.CoordinatorMessage] = self._loop.create_future()
         self._hellos[hello.member_id] = fut

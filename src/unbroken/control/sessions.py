@@ -159,10 +159,11 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
         if not coord.in_office():
             await ws.send_str(m.encode(coord.office.standby_refusal()))
             return ws
-        if coord.token is not None and not auth.same(
-            auth.node_proof(coord.token, challenge, hello.nonce, hello.relay_id), hello.proof
-        ):
-            await ws.send_str(m.encode(m.Refused(reason="the relay's job token does not match the coordinator's")))
+        why = auth.unproven(
+            coord.token, challenge, hello.nonce, hello.relay_id, hello.proof, who="relay", checker="coordinator"
+        )
+        if why is not None:
+            await ws.send_str(m.encode(m.Refused(reason=why)))
             return ws
         term = coord.term
         link = RelayLink(ws, hello.relay_id, hello.zone, coord.office.settled)
