@@ -521,10 +521,7 @@ class Coordinator:
             members = list(link.members)
             self.relay_lost(link)
             link.session.close()
-            for mid in members:
-                mem = self.membership.members.get(mid)
-                if mem is not None:
-                    mem.last_seen = max(mem.last_seen, now + 1.5 * lease)
+            self.membership.extend(members, now + 2.5 * lease)
         if self._detached:
             self._detached &= self.membership.members.keys()
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -358,6 +358,14 @@ class Membership:
     def number_above(self, epoch: int) -> None:
         """Epochs formed from now on are numbered above ``epoch`` (one published before)."""
         self._epoch_floor = max(self._epoch_floor, epoch)
+
+    def extend(self, member_ids: Iterable[str], until: float) -> None:
+        """These members' leases run at least until ``until`` (their relay went silent: they
+        need time to reconnect elsewhere before their lease may lapse)."""
+        for mid in member_ids:
+            m = self.members.get(mid)
+            if m is not None:
+                m.last_seen = max(m.last_seen, until - self.lease_s)
 
     def pause(self, seconds: float) -> None:
         """The service was not listening for ``seconds``: that time counts against no lease."""

@@ -650,3 +650,12 @@ def test_time_the_coordinator_was_not_listening_counts_against_no_lease():
     assert not d.expel and not d.orders
     d = ms.tick(4.1)  # past the lease once the stall is forgiven: a real failure is still seen
     assert set(d.expel) == {"a", "b"}
+
+
+def test_extended_leases_lapse_only_after_the_time_given() -> None:
+    ms = formed(["a", "b"])
+    t = JOIN_SETTLE_S
+    keep_alive(ms, t)
+    ms.extend(["b", "ghost"], t + 2.5 * LEASE)  # b's relay went silent; unknown ids are ignored
+    assert set(ms.tick(t + 2 * LEASE).expel) == {"a"}
+    assert set(ms.tick(t + 2.6 * LEASE).expel) == {"b"}
