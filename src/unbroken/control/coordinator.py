@@ -28,7 +28,6 @@ import json
 import logging
 import re
 import ssl
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from unbroken.control import messages as m
 from unbroken.control.membership import Decision, Event, Membership
 from unbroken.control.office import Office
 from unbroken.control.orders import compact
+from unbroken.control.service import ThreadedService
 from unbroken.control.sessions import HELLO_TIMEOUT_S, RelayedMember, RelayLink, Sender, Session, send_all, serve_relay
 from unbroken.errors import ProtocolError
 from unbroken.observe.anomaly import Anomaly, Detector
@@ -62,10 +62,13 @@ REPORT_S = 0.05
 """How often a training node reports progress, at least (a lease's heartbeat period, if longer)."""
 
 
-class Coordinator:
+class Coordinator(ThreadedService):
     """Membership service for one job."""
 
+    name = "coordinator"
+
     def __init__(self, config: CoordinatorConfig | None = None) -> None:
+        super().__init__()
         self.config = config or CoordinatorConfig()
         self.coordinator_id = uuid.uuid4().hex[:12]
         self.token = self.config.token
@@ -93,17 +96,12 @@ class Coordinator:
         self._sessions: dict[str, Sender] = {}
         self._relays: dict[str, RelayLink] = {}
         self._detached: set[str] = set()
+        """Members whose relay's link ended: their leases run on until they are back."""
         self._last_order: m.EpochOrder | None = None
         self._told: dict[str, int] = {}
         """The epoch of the last order each member's session was sent."""
-        """Members whose relay's link ended: their leases run on until they are back."""
         self._store: TCPStore | None = None
         self._runner: web.AppRunner | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._stopping: asyncio.Event | None = None
-        self._startup_error: BaseException | None = None
         self.address: tuple[str, int] = (self.config.host, self.config.port)
         self.store_port = 0
         self._pruning = False
@@ -134,8 +132,7 @@ class Coordinator:
 
     async def serve(self) -> None:
         """Serve until `stop` is called (or the task is cancelled)."""
-        self._loop = asyncio.get_running_loop()
-        self._stopping = asyncio.Event()
+        stopping = self._begin()
         self._store = TCPStore(
             self.config.host,
             self.config.store_port,
@@ -167,8 +164,8 @@ class Coordinator:
         ticker = asyncio.create_task(self._tick_forever(), name="coordinator-tick")
         try:
             await self.office.start()
-            self._ready.set()
-            await self._stopping.wait()
+            self._listening()
+            await stopping.wait()
         finally:
             await self.office.close()
             ticker.cancel()
@@ -215,39 +212,6 @@ class Coordinator:
         self._detached.clear()
         self._told.clear()
         self._last_order = None
-
-    @property
-    def ready(self) -> bool:
-        """Listening, and standing for election (with etcd)."""
-        return self._ready.is_set()
-
-    def start(self, timeout: float = 10.0) -> Coordinator:
-        """Serve from a background thread; returns once the service is listening."""
-
-        def run() -> None:
-            try:
-                asyncio.run(self.serve())
-            except BaseException as exc:  # reported to the starter below
-                self._startup_error = exc
-                self._ready.set()
-
-        self._thread = threading.Thread(target=run, name="coordinator", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError(f"coordinator did not start within {timeout} s")
-        if self._startup_error is not None:
-            raise self._startup_error
-        return self
-
-    def stop_nowait(self) -> None:
-        """Ask the service to stop (from any thread); `stop` also waits for it."""
-        if self._loop is not None and self._stopping is not None:
-            self._loop.call_soon_threadsafe(self._stopping.set)
-
-    def stop(self) -> None:
-        self.stop_nowait()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
 
     # ---------------------------------------------------------------- HTTP
 

@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from unbroken.control import messages as m
 from unbroken.control.election import find_leader
 from unbroken.control.etcd import Etcd
 from unbroken.control.office import Gate
+from unbroken.control.service import ThreadedService
 from unbroken.control.sessions import HELLO_TIMEOUT_S, Session
 from unbroken.errors import ConfigError, EtcdUnavailable, ProtocolError
 
@@ -106,10 +106,13 @@ class _Member:
         """The newest heartbeat or report seq heard and not yet sent up."""
 
 
-class Relay:
+class Relay(ThreadedService):
     """One relay process's service (``serve``), or from Python: ``Relay(config).start()``."""
 
+    name = "relay"
+
     def __init__(self, config: RelayConfig) -> None:
+        super().__init__()
         self.config = config
         self.relay_id = config.relay_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         self.address: tuple[str, int] = (config.host, config.port)
@@ -136,18 +139,13 @@ class Relay:
         """Per batch sent up and not yet acknowledged: the members' seqs it carried."""
         self._acked_at = 0.0
         self._urgent: asyncio.Event | None = None
-        self._stopping: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready = threading.Event()
-        self._thread: threading.Thread | None = None
         self.batches_sent = 0
         self.messages_down = 0
 
     # ---------------------------------------------------------------- lifecycle
 
     async def serve(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stopping = asyncio.Event()
+        stopping = self._begin()
         self._urgent = asyncio.Event()
         app = web.Application(client_max_size=self.config.max_message_bytes)
         app.router.add_get("/ws", self._downstream)
@@ -162,9 +160,9 @@ class Relay:
             self.address = (self.config.host, sockets[0].getsockname()[1])
         log.info("relay %s on %s:%d (zone %r)", self.relay_id, *self.address, self.config.zone)
         upstream = asyncio.create_task(self._upstream_forever(), name="relay-upstream")
-        self._ready.set()
+        self._listening()
         try:
-            await self._stopping.wait()
+            await stopping.wait()
         finally:
             upstream.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -172,26 +170,6 @@ class Relay:
             for member in list(self._members.values()):
                 member.session.close()
             await runner.cleanup()
-
-    @property
-    def ready(self) -> bool:
-        return self._ready.is_set()
-
-    def start(self, timeout: float = 10.0) -> Relay:
-        self._thread = threading.Thread(target=lambda: asyncio.run(self.serve()), name="relay", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError(f"relay did not start within {timeout} s")
-        return self
-
-    def stop_nowait(self) -> None:
-        if self._loop is not None and self._stopping is not None:
-            self._loop.call_soon_threadsafe(self._stopping.set)
-
-    def stop(self) -> None:
-        self.stop_nowait()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
 
     def snapshot(self) -> dict[str, Any]:
         return {
