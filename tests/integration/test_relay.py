@@ -8,10 +8,12 @@ connected directly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 
@@ -55,14 +57,21 @@ def test_nodes_behind_relays_train_and_survive_a_relay_and_a_node_dying(make_clu
     assert_promises(c, ENV, finishers=3)
 
 
-def test_a_relay_killed_under_150_members_expels_none_of_them(make_cluster):
-    c = make_cluster()
+@contextlib.contextmanager
+def fakes_behind_three_relays(c) -> Iterator[FakeNodes]:
+    """150 fake nodes spread over three relays (the leader as their fallback), in an epoch."""
     root = c.start_coordinator(extra=["--store-port", "0"])
     relays = [c.start_relay(zone=f"z{i}") for i in range(3)]
     with FakeNodes(relays, 150, fallback=[root]) as fakes:
         fakes.wait_joined(60)
         c.wait_for(lambda: fakes.all_reached(1) is not None, 30, "an epoch with every fake node")
         time.sleep(1.0)
+        yield fakes
+
+
+def test_a_relay_killed_under_150_members_expels_none_of_them(make_cluster):
+    c = make_cluster()
+    with fakes_behind_three_relays(c) as fakes:
         epoch = c.state()["epoch"]
         c.relays[1][0].send_signal(signal.SIGKILL)
         time.sleep(3.0)  # three leases
@@ -80,12 +89,7 @@ def test_a_frozen_relays_members_come_back_through_the_leader_none_expelled(make
     """SIGSTOP, as a host that dies without closing its connections: the leader finds the
     relay silent and keeps its members' leases while they leave it and come back directly."""
     c = make_cluster()
-    root = c.start_coordinator(extra=["--store-port", "0"])
-    relays = [c.start_relay(zone=f"z{i}") for i in range(3)]
-    with FakeNodes(relays, 150, fallback=[root]) as fakes:
-        fakes.wait_joined(60)
-        c.wait_for(lambda: fakes.all_reached(1) is not None, 30, "an epoch with every fake node")
-        time.sleep(1.0)
+    with fakes_behind_three_relays(c) as fakes:
         c.relays[2][0].send_signal(signal.SIGSTOP)
         try:
             c.wait_for(lambda: len(c.state()["relays"]) == 2, 10, "the frozen relay to be found silent")
