@@ -46,7 +46,16 @@ from unbroken.control.membership import Decision, Event, Membership
 from unbroken.control.office import Office
 from unbroken.control.orders import compact
 from unbroken.control.service import ThreadedService
-from unbroken.control.sessions import HELLO_TIMEOUT_S, RelayedMember, RelayLink, Sender, Session, send_all, serve_relay
+from unbroken.control.sessions import (
+    HELLO_TIMEOUT_S,
+    RelayedMember,
+    RelayLink,
+    Sender,
+    Session,
+    greet,
+    send_all,
+    serve_relay,
+)
 from unbroken.errors import ProtocolError
 from unbroken.observe.anomaly import Anomaly, Detector
 from unbroken.observe.history import History
@@ -316,15 +325,9 @@ class Coordinator(ThreadedService):
         await ws.prepare(request)
         peer = request.remote or "?"
         session: Sender | None = None
-        challenge = auth.new_nonce()
         try:
-            await ws.send_str(m.encode(m.Challenge(nonce=challenge, auth=self.token is not None)))
-            first = await asyncio.wait_for(ws.receive(), timeout=HELLO_TIMEOUT_S)
-            if first.type == WSMsgType.ERROR:
-                raise ProtocolError(f"session error before hello: {ws.exception()}")
-            if first.type != WSMsgType.TEXT:
-                raise ProtocolError(f"expected a hello message, got {first.type.name}")
-            hello = m.parse_node_message(first.data, self.config.max_message_bytes)
+            challenge, first = await greet(ws, self.token is not None)
+            hello = m.parse_node_message(first, self.config.max_message_bytes)
             if not isinstance(hello, m.Hello):
                 raise ProtocolError(f"the first message must be a hello, got {hello.type!r}")
             if not self.in_office():

@@ -46,7 +46,7 @@ from unbroken.control.election import find_leader
 from unbroken.control.etcd import Etcd
 from unbroken.control.office import Gate
 from unbroken.control.service import ThreadedService
-from unbroken.control.sessions import HELLO_TIMEOUT_S, Session
+from unbroken.control.sessions import HELLO_TIMEOUT_S, Session, greet
 from unbroken.errors import ConfigError, EtcdUnavailable, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -354,16 +354,12 @@ class Relay(ThreadedService):
         ws = web.WebSocketResponse(max_msg_size=self.config.max_message_bytes, heartbeat=None)
         await ws.prepare(request)
         member: _Member | None = None
-        challenge = auth.new_nonce()
         try:
-            await ws.send_str(m.encode(m.Challenge(nonce=challenge, auth=self.config.token is not None)))
-            first = await asyncio.wait_for(ws.receive(), timeout=HELLO_TIMEOUT_S)
-            if first.type != WSMsgType.TEXT:
-                raise ProtocolError(f"expected a hello message, got {first.type.name}")
-            hello = m.parse_node_message(first.data, self.config.max_message_bytes)
+            challenge, first = await greet(ws, self.config.token is not None)
+            hello = m.parse_node_message(first, self.config.max_message_bytes)
             if not isinstance(hello, m.Hello):
                 raise ProtocolError(f"the first message must be a hello, got {hello.type!r}")
-            answer = await self._forward_hello(hello, challenge, len(first.data))
+            answer = await self._forward_hello(hello, challenge, len(first))
             if not isinstance(answer, m.Welcome):
                 await ws.send_str(m.encode(answer))
                 return ws

@@ -120,6 +120,18 @@ class RelayedMember:
         self.link.members.discard(self.member_id)  # an expelled member's relay ends its session
 
 
+async def greet(ws: web.WebSocketResponse, asks_token: bool) -> tuple[str, str]:
+    """Send a session's challenge; returns it and the peer's first message (its hello, as text)."""
+    challenge = auth.new_nonce()
+    await ws.send_str(m.encode(m.Challenge(nonce=challenge, auth=asks_token)))
+    first = await asyncio.wait_for(ws.receive(), timeout=HELLO_TIMEOUT_S)
+    if first.type == WSMsgType.ERROR:
+        raise ProtocolError(f"session error before hello: {ws.exception()}")
+    if first.type != WSMsgType.TEXT:
+        raise ProtocolError(f"expected a hello message, got {first.type.name}")
+    return challenge, str(first.data)
+
+
 def send_all(sessions: Mapping[str, Sender], messages: Mapping[str, BaseModel]) -> None:
     """Send each member its message, encoding each message once and sending it once per
     relay (a large epoch order goes to thousands of members alike)."""
@@ -147,13 +159,9 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
     await ws.prepare(request)
     peer = request.remote or "?"
     link: RelayLink | None = None
-    challenge = auth.new_nonce()
     try:
-        await ws.send_str(m.encode(m.Challenge(nonce=challenge, auth=coord.token is not None)))
-        first = await asyncio.wait_for(ws.receive(), timeout=HELLO_TIMEOUT_S)
-        if first.type != WSMsgType.TEXT:
-            raise ProtocolError(f"expected a relay hello, got {first.type.name}")
-        hello = m.parse_relay_message(first.data, limit)
+        challenge, first = await greet(ws, coord.token is not None)
+        hello = m.parse_relay_message(first, limit)
         if not isinstance(hello, m.RelayHello):
             raise ProtocolError(f"the first message of a relay must be its hello, got {hello.type!r}")
         if not coord.in_office():
