@@ -147,7 +147,8 @@ class FakeNodes:
             times.append(min(later))
         return max(times, default=None)
 
-    def rtts(self, since: float = 0.0) -> list[float]:
+    def rtts(self) -> list[float]:
+        """Every acknowledgement's round trip since the last `clear_rtts`."""
         return [r for n in self.nodes for r in n.rtts]
 
     def clear_rtts(self) -> None:
