@@ -52,10 +52,11 @@ class CoordinatorConfig:
     """Interface to listen on (use 0.0.0.0 to accept nodes from other machines)."""
     port: int = 29400
     """Port of the control service (HTTP + node sessions); 0 picks a free one."""
-    store_port: int = 0
-    """Port of the c10d TCPStore used for process-group rendezvous; 0 picks a free one."""
     lease_s: float = 1.0
     """A node whose heartbeats stop for this long is declared failed."""
+    build_deadline_s: float = 5.0
+    """How long an epoch's group build may take once its first member started it: then
+    members that never wrote their rendezvous entry are benched, and nodes give up."""
     recovery_window_s: float = 3.0
     """After a restart, how long to wait for the last epoch's members to reconnect."""
     min_nodes: int = 1
@@ -141,7 +142,7 @@ class CoordinatorConfig:
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"TLS file {path} does not exist")
         _check_range("CoordinatorConfig", "port", self.port, 0, 65535)
-        _check_range("CoordinatorConfig", "store_port", self.store_port, 0, 65535)
+        _check_range("CoordinatorConfig", "build_deadline_s", self.build_deadline_s, 0.5, 3600)
         _check_range("CoordinatorConfig", "lease_s", self.lease_s, 0.05, 3600)
         _check_range("CoordinatorConfig", "recovery_window_s", self.recovery_window_s, 0, 3600)
         _check_range("CoordinatorConfig", "min_nodes", self.min_nodes, 1, 100_000)

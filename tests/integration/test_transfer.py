@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributed import TCPStore  # type: ignore[attr-defined]
+from torch.distributed import HashStore  # type: ignore[attr-defined]
 
-from unbroken.comm.group import EpochStore, build_group
+from unbroken.comm.group import build_group
 from unbroken.comm.transfer import Partial, SyncResult, sync_state
 from unbroken.errors import EpochAborted, TransferError
 from unbroken.state import layout
@@ -41,11 +41,11 @@ def make_state(seed: int, frozen_seed: int = 0) -> TrainState:
 
 
 class Group:
-    """``size`` ranks in threads over one TCPStore; a fresh gloo group per `run`."""
+    """``size`` ranks in threads over one in-memory store; a fresh gloo group per `run`."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store = HashStore()
         self.runs = 0
 
     def run(self, fn: Any, timeout: float = 30.0) -> list[Any]:
@@ -54,9 +54,7 @@ class Group:
         wake = threading.Event()
 
         def one(rank: int) -> Any:
-            pg, _ = build_group(
-                EpochStore(lambda: self.store.clone()), prefix, rank, self.size, "127.0.0.1", 10.0, wake, lambda: None
-            )
+            pg, _ = build_group(self.store, prefix, rank, self.size, "127.0.0.1", 10.0, 10.0, wake, lambda: None)
             try:
                 return fn(rank, pg)
             except Exception as exc:  # returned, so every rank's outcome can be checked

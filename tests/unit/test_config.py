@@ -24,7 +24,7 @@ def test_defaults_are_valid() -> None:
     [
         ("port", -1, "between 0 and 65535"),
         ("port", 65536, "between 0 and 65535"),
-        ("store_port", 70000, "between 0 and 65535"),
+        ("build_deadline_s", 0.1, "between 0.5 and 3600"),
         ("lease_s", 0.01, "between 0.05 and 3600"),
         ("lease_s", 7200.0, "between 0.05 and 3600"),
         ("recovery_window_s", -1.0, "between 0 and 3600"),

@@ -34,7 +34,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     config = CoordinatorConfig(
         host=args.host,
         port=args.port,
-        store_port=args.store_port,
+        build_deadline_s=args.build_deadline,
         lease_s=args.lease,
         recovery_window_s=args.recovery_window,
         min_nodes=args.min_nodes,
@@ -292,7 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("coordinator", help="run the membership service for one job", formatter_class=fmt)
     c.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for other machines)")
     c.add_argument("--port", type=int, default=29400, help="control port (0: pick a free one)")
-    c.add_argument("--store-port", type=int, default=0, help="rendezvous TCPStore port (0: pick a free one)")
+    c.add_argument(
+        "--build-deadline", type=float, default=5.0, metavar="S",
+        help="seconds an epoch's group build may take once its first member started it; members that "
+        "never joined the data plane by then are benched",
+    )  # fmt: skip
     c.add_argument("--lease", type=float, default=1.0, help="seconds without heartbeat before a node is failed")
     c.add_argument("--recovery-window", type=float, default=3.0, help="after a restart, seconds to wait for members")
     c.add_argument("--min-nodes", type=int, default=1, help="start training once this many nodes joined")

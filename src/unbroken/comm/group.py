@@ -17,13 +17,16 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from torch._C._distributed_c10d import ProcessGroupGloo
-from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import HashStore, PrefixStore  # type: ignore[attr-defined]
 
 from unbroken.errors import CollectiveFailed, EpochAborted, UnbrokenError
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+
+PUBLISH_S = 0.002
+"""How often a build passes on what its rank wrote to the rendezvous (`Meeting.publish`)."""
 
 AbortCheck = Callable[[], str | None]
 """Returns a reason to give up, or None to keep waiting."""
@@ -119,99 +122,91 @@ def run_abortable(
     return value
 
 
-class StoreClient:
-    """The store connections of one coordinator incarnation (a restarted one gets new ones).
+class Meeting:
+    """A node's side of the rendezvous (`unbroken.control.meeting`): a private in-memory
+    store per epoch that its group builds meet on. Entries the data plane writes go to
+    the leader through ``send``; entries the leader hands over are written in by
+    `deliver`. Nothing listens on a port: no one outside the job reads or writes it."""
 
-    A store client runs one request at a time, and a group build blocks its connection until
-    every rank has arrived: an abandoned build still waiting for a peer that never came
-    would hold every later build on that connection until its timeout. So each epoch's
-    builds get a connection of their own (`EpochStore`), and a connection whose builds
-    finished goes back to a pool for the next epoch: a healthy node keeps one connection,
-    not one per epoch (each new one costs a reverse lookup of the peer's address on both
-    sides, which takes seconds where DNS is slow or rate-limited)."""
-
-    def __init__(self) -> None:
-        self._key: tuple[str, str, int] | None = None
-        self._base: TCPStore | None = None
-        self._idle: list[TCPStore] = []
+    def __init__(self, send: Callable[[int, str, bytes], None], keep: int = 3) -> None:
+        self._send = send
+        self._keep = keep
+        self._epochs: dict[int, _Entries] = {}
         self._lock = threading.Lock()
 
-    def get(self, coordinator_id: str, host: str, port: int, timeout_s: float) -> TCPStore:
-        """A connection of its own for this coordinator incarnation's store.
+    def store(self, epoch: int) -> HashStore:
+        return self._get(epoch).store
 
-        Connecting happens outside the lock: an abandoned group build still trying a dead
-        coordinator's store (it retries until its timeout) must not hold up the build of
-        the next epoch on the new coordinator's."""
-        key = (coordinator_id, host, port)
+    def _get(self, epoch: int) -> _Entries:
         with self._lock:
-            if self._key == key:
-                if self._idle:
-                    return self._idle.pop()
-                base = self._base
-            else:
-                base = None
-        if base is None:
-            base = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-            with self._lock:
-                if self._key != key:  # older incarnations' connections go
-                    self._key, self._base, self._idle = key, base, []
-                base = self._base
-            assert base is not None
-            return base.clone()  # type: ignore[attr-defined,no-any-return]
-        return base.clone()  # type: ignore[attr-defined,no-any-return]
+            found = self._epochs.get(epoch)
+            if found is None:
+                found = self._epochs[epoch] = _Entries(HashStore())
+                for old in sorted(self._epochs)[: -self._keep]:
+                    del self._epochs[old]
+            return found
 
-    def give_back(self, coordinator_id: str, host: str, port: int, connection: TCPStore) -> None:
-        """A connection whose builds all finished, for the next epoch."""
+    def deliver(self, epoch: int, entries: dict[str, bytes]) -> None:
+        """Entries of the epoch's members, from the leader."""
+        ep = self._get(epoch)
         with self._lock:
-            if self._key == (coordinator_id, host, port):
-                self._idle.append(connection)
+            for key, value in entries.items():
+                if key not in ep.known:
+                    ep.known.add(key)  # before it is visible: `publish` must not take it for ours
+                    ep.store.set(key, value)  # type: ignore[arg-type]  # bytes, as gloo wrote them
+
+    def publish(self, epoch: int) -> None:
+        """Send the leader whatever this node's data plane wrote since the last call."""
+        ep = self._get(epoch)
+        with self._lock:
+            new = {k: ep.store.get(k) for k in ep.store.list_keys() if k not in ep.known}
+            ep.known.update(new)
+            ep.mine.update(new)
+        for key, value in new.items():
+            self._send(epoch, key, value)
+
+    def republish(self) -> None:
+        """Send this node's entries again (a new session: the leader may not have them)."""
+        with self._lock:
+            mine = [(epoch, dict(ep.mine)) for epoch, ep in self._epochs.items()]
+        for epoch, entries in mine:
+            for key, value in entries.items():
+                self._send(epoch, key, value)
 
     def reset(self) -> None:
-        """Forget the connections after an error; the next `get` reconnects."""
+        """A new leader incarnation: its epochs are new, so are their entries."""
         with self._lock:
-            self._key, self._base, self._idle = None, None, []
+            self._epochs.clear()
 
 
-class EpochStore:
-    """The store connection of one epoch's group builds (the epoch's group, then its zone
-    and leaders' groups, one after the other), taken when first needed; `release` hands it
-    back once they all finished (`StoreClient`)."""
-
-    def __init__(self, take: Callable[[], TCPStore], give_back: Callable[[TCPStore], None] | None = None) -> None:
-        self._take = take
-        self._give_back = give_back
-        self._connection: TCPStore | None = None
-        self._lock = threading.Lock()
-
-    def __call__(self) -> TCPStore:
-        with self._lock:
-            if self._connection is None:
-                self._connection = self._take()
-            return self._connection
-
-    def release(self) -> None:
-        with self._lock:
-            connection, self._connection = self._connection, None
-        if connection is not None and self._give_back is not None:
-            self._give_back(connection)
+@dataclass
+class _Entries:
+    store: HashStore
+    known: set[str] = field(default_factory=set)
+    """Keys the leader knows (received from it, or sent)."""
+    mine: dict[str, bytes] = field(default_factory=dict)
+    """What this node's data plane wrote."""
 
 
 def build_group(
-    store: Callable[[], TCPStore],
-    prefix: str,
+    store: Any,
+    group: str,
     rank: int,
     size: int,
     gloo_host: str | None,
     timeout_s: float,
+    deadline_s: float,
     wake: threading.Event,
     should_abort: AbortCheck,
+    publish: Callable[[], None] | None = None,
 ) -> tuple[Any, float]:
-    """Build a `ProcessGroupGloo` for one epoch without letting a missing peer block us.
+    """Build a `ProcessGroupGloo` named ``group`` without letting a missing peer block us.
 
-    ``store`` gives the store connection to meet on (`EpochStore`: one per epoch). The store
-    client and the constructor block (the latter until every rank has connected), so both
-    run on a helper thread;
-    if the epoch is superseded meanwhile we walk away and the helper ends at its timeout.
+    The members meet on ``store`` under ``group/`` (`Meeting.store`); ``publish`` is called
+    every few milliseconds meanwhile to pass on what this rank wrote. The constructor
+    blocks until every rank has connected, so it runs on a helper thread; if the epoch is
+    superseded, or the build runs past ``deadline_s``, we walk away and the helper ends at
+    its timeout (``timeout_s``, the group's collective timeout).
     """
     result: dict[str, Any] = {}
 
@@ -223,17 +218,22 @@ def build_group(
                 opts._devices = [ProcessGroupGloo.create_device(hostname=gloo_host)]
             else:
                 opts._devices = [ProcessGroupGloo.create_default_device()]
-            result["pg"] = ProcessGroupGloo(PrefixStore(prefix, store()), rank, size, opts)
+            result["pg"] = ProcessGroupGloo(PrefixStore(group, store), rank, size, opts)
         except Exception as exc:  # reported to the waiting thread
             result["error"] = exc
         finally:
             wake.set()
 
+    def built() -> bool:
+        if publish is not None:
+            publish()
+        return bool(result)
+
     start = time.monotonic()
-    threading.Thread(target=build, name=f"pg-build-{prefix}", daemon=True).start()
-    wait_until(lambda: bool(result), wake, should_abort, timeout_s, f"building group {prefix}")
+    threading.Thread(target=build, name=f"pg-build-{group}", daemon=True).start()
+    wait_until(built, wake, should_abort, deadline_s, f"building group {group}", poll_s=PUBLISH_S)
     if "error" in result:
-        raise CollectiveFailed(f"building group {prefix} failed: {result['error']}")
+        raise CollectiveFailed(f"building group {group} failed: {result['error']}")
     return result["pg"], time.monotonic() - start
 
 

@@ -28,28 +28,7 @@ import torch
 from unbroken.comm.codecs import Codec
 from unbroken.comm.group import AbortCheck, wait_until, wait_work
 from unbroken.comm.robust import Rule, combine
-
-
-@dataclass(frozen=True)
-class Zones:
-    """Who is in which zone, and who leads each (the first member of a zone in rank order)."""
-
-    of_rank: tuple[str, ...]
-
-    @property
-    def names(self) -> list[str]:
-        return list(dict.fromkeys(self.of_rank))
-
-    def members(self, zone: str) -> list[int]:
-        return [r for r, z in enumerate(self.of_rank) if z == zone]
-
-    @property
-    def leaders(self) -> list[int]:
-        return [self.members(z)[0] for z in self.names]
-
-    @property
-    def multi(self) -> bool:
-        return len(self.names) > 1
+from unbroken.sched.zones import Zones
 
 
 @dataclass(frozen=True)

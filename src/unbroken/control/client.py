@@ -111,6 +111,11 @@ class ControlClient:
         self._rtts: deque[float] = deque(maxlen=20)
         self.on_command: Callable[[m.Command], None] | None = None
         """Called (on the control thread) with an operator's command."""
+        self.on_met: Callable[[m.Met], None] | None = None
+        """Called (on the control thread) with rendezvous entries for this node's group builds."""
+        self.on_welcome: Callable[[m.Welcome, bool], None] | None = None
+        """Called (on the control thread) after each welcome, with whether it came from
+        another coordinator incarnation than the last one."""
         self._seq = 0
         self._counted_at = 0.0
         """When a message that keeps the lease (heartbeat or progress report) last went out."""
@@ -355,6 +360,7 @@ class ControlClient:
                         f"coordinator at {host}:{port} leads term {msg.term}, older than term {self.term}: deposed"
                     )
                 self.term = msg.term
+                other = self.welcome is None or self.welcome.coordinator_id != msg.coordinator_id
                 self.welcome = msg
                 self.lease_s = msg.lease_s
                 self.connected = True
@@ -364,6 +370,8 @@ class ControlClient:
             self._current = (host, port)
             if self._shunned == self._current:
                 self._shunned = None
+            if self.on_welcome is not None:
+                self.on_welcome(msg, other)
             self._first.set()
             self.wake.set()
             log.info("%s joined coordinator %s at %s:%d", self.member_id, msg.coordinator_id, host, port)
@@ -471,7 +479,7 @@ class ControlClient:
                     # scheduling delays only add to it (zones by RTT must not follow load).
                     self.rtt_s = min(self._rtts)
                 return
-            if isinstance(msg, (m.EpochOrder, m.Command, m.Expel, m.Finished)) and msg.term < self.term:
+            if isinstance(msg, (m.EpochOrder, m.Command, m.Expel, m.Finished, m.Met)) and msg.term < self.term:
                 log.warning("refusing a %s of term %d (have seen term %d): fenced", msg.type, msg.term, self.term)
                 return
             if isinstance(msg, m.EpochOrder):
@@ -488,6 +496,10 @@ class ControlClient:
                 self.finished = msg.step
         if isinstance(msg, m.Command) and self.on_command is not None:
             self.on_command(msg)
+        if isinstance(msg, m.Met):
+            if self.on_met is not None:
+                self.on_met(msg)
+            return  # nothing for the step loop to wake for: the build waits on its store
         self.wake.set()
 
     def _mark_expelled(self, reason: str) -> None:

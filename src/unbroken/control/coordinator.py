@@ -1,4 +1,4 @@
-"""The coordinator service: node sessions, leases, epochs, rendezvous store, JSON state.
+"""The coordinator service: node sessions, leases, epochs, the data plane's rendezvous, JSON state.
 
 Run it with ``unbroken coordinator --host H --port P``, or from Python::
 
@@ -26,22 +26,20 @@ import collections
 import contextlib
 import json
 import logging
-import re
 import ssl
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import timedelta
 from functools import partial
 from typing import Any
 
 from aiohttp import WSMsgType, web
-from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from unbroken.config import CoordinatorConfig
 from unbroken.control import auth
 from unbroken.control import messages as m
+from unbroken.control.meeting import Rendezvous
 from unbroken.control.membership import Decision, Event, Membership
 from unbroken.control.office import Office
 from unbroken.control.orders import compact
@@ -69,6 +67,8 @@ LAG_FORGIVEN_S = 0.1
 MAX_EVENTS = 10_000
 REPORT_S = 0.05
 """How often a training node reports progress, at least (a lease's heartbeat period, if longer)."""
+MEET_BATCH_S = 0.003
+"""Rendezvous entries arriving within this long go to the members in one message."""
 
 
 class Coordinator(ThreadedService):
@@ -81,8 +81,6 @@ class Coordinator(ThreadedService):
         self.config = config or CoordinatorConfig()
         self.coordinator_id = uuid.uuid4().hex[:12]
         self.token = self.config.token
-        self.rendezvous = auth.new_nonce()
-        """Part of every process-group prefix; told to admitted members only."""
         self.membership = self._new_membership()
         self.office = Office(
             self.config,
@@ -109,11 +107,11 @@ class Coordinator(ThreadedService):
         self._last_order: m.EpochOrder | None = None
         self._told: dict[str, int] = {}
         """The epoch of the last order each member's session was sent."""
-        self._store: TCPStore | None = None
+        self.rendezvous = Rendezvous(self.config.build_deadline_s)
+        """The data plane's rendezvous entries of the last epochs (`control.meeting`)."""
+        self._meet_flush: asyncio.Handle | None = None
         self._runner: web.AppRunner | None = None
         self.address: tuple[str, int] = (self.config.host, self.config.port)
-        self.store_port = 0
-        self._pruning = False
         self._prompted = False
         self.loop_lag_s = 0.0
         """The longest stall of the event loop seen (leases were extended by each)."""
@@ -142,14 +140,6 @@ class Coordinator(ThreadedService):
     async def serve(self) -> None:
         """Serve until `stop` is called (or the task is cancelled)."""
         stopping = self._begin()
-        self._store = TCPStore(
-            self.config.host,
-            self.config.store_port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=60),
-        )
-        self.store_port = self._store.port
         app = web.Application(client_max_size=self.config.max_message_bytes)
         app.router.add_get("/api/state", self._state)
         app.router.add_get("/healthz", self._health)
@@ -169,7 +159,7 @@ class Coordinator(ThreadedService):
         sockets = getattr(site._server, "sockets", None) or []
         if sockets:
             self.address = (self.config.host, sockets[0].getsockname()[1])
-        log.info("coordinator %s on %s:%d (store %d)", self.coordinator_id, *self.address, self.store_port)
+        log.info("coordinator %s on %s:%d", self.coordinator_id, *self.address)
         ticker = asyncio.create_task(self._tick_forever(), name="coordinator-tick")
         try:
             await self.office.start()
@@ -181,7 +171,6 @@ class Coordinator(ThreadedService):
             for s in list(self._sessions.values()):
                 s.close()
             await self._runner.cleanup()
-            self._store = None
 
     # ---------------------------------------------------------------- leadership
 
@@ -200,7 +189,7 @@ class Coordinator(ThreadedService):
         """A fresh view for the new term: the nodes hand theirs over as they reconnect."""
         self._record(Event(time.monotonic(), "leader", None, 0, 0, f"{self.office.advertised} leads (term {term})"))
         self._drop_sessions()
-        self.rendezvous = auth.new_nonce()  # the new term's groups meet elsewhere in the store
+        self.rendezvous = Rendezvous(self.config.build_deadline_s)  # the new term's epochs meet anew
         self.membership = self._new_membership()
         self.membership.term = term
         self.membership.number_above(epoch_floor)
@@ -305,7 +294,6 @@ class Coordinator(ThreadedService):
             "recoveries": self.recoveries,
             "final_digests": ms.final_digests,
             "final_metrics": ms.final_metrics,
-            "store_port": self.store_port,
             "loop_lag_s": round(self.loop_lag_s, 3),
             "relays": [
                 {
@@ -341,7 +329,6 @@ class Coordinator(ThreadedService):
                 self._check_token(hello, challenge),
                 peer,
                 lambda: Session(ws, hello.member_id, self.office.settled),
-                self._store_host(request),
                 proof,
             )
             if isinstance(joined, m.Refused):
@@ -386,7 +373,6 @@ class Coordinator(ThreadedService):
         unproven: str | None,
         peer: str,
         open_session: Callable[[], Sender],
-        store_host: str,
         proof: str,
     ) -> Sender | m.Refused:
         """Admit a hello (``unproven``: why its token proof failed): its new session, welcomed,
@@ -410,15 +396,13 @@ class Coordinator(ThreadedService):
         lease = self.config.lease_s
         session.send(
             m.Welcome(
-                store_host=store_host,
-                store_port=self.store_port,
                 lease_s=lease,
                 heartbeat_s=lease / 5,
                 report_s=max(REPORT_S, lease / 5),
                 coordinator_id=self.coordinator_id,
                 proof=proof,
-                rendezvous=self.rendezvous,
                 term=self.term,
+                build_s=self.config.build_deadline_s,
             )
         )
         self._apply(decision)
@@ -428,6 +412,8 @@ class Coordinator(ThreadedService):
             # order it missed, in full, or it would never build the epoch it belongs to.
             session.send(compact(last))
             self._told[mid] = last.epoch
+        if back and last is not None and mid in last.members and (entries := self.rendezvous.entries(last.epoch)):
+            session.send(m.Met(epoch=last.epoch, term=self.term, entries=entries))
         return session
 
     def _session_ended(self, session: Sender) -> None:
@@ -463,9 +449,7 @@ class Coordinator(ThreadedService):
                     raise ProtocolError(f"relay {link.relay_id} forwarded {msg.member_id}'s hello as {said.member}'s")
                 # The relay checked the node's token proof (it holds the token); it proves
                 # itself to the node with its own challenge.
-                joined = self._join(
-                    msg, None, link.relay_id, partial(link.member, msg.member_id), self._store_host(request), ""
-                )
+                joined = self._join(msg, None, link.relay_id, partial(link.member, msg.member_id), "")
                 if isinstance(joined, m.Refused):
                     link.session.send_text(m.down_text([msg.member_id], m.encode(joined)))
             elif isinstance(session, RelayedMember) and session.link is link:
@@ -512,12 +496,6 @@ class Coordinator(ThreadedService):
             self.token, challenge, hello.nonce, hello.member_id, hello.proof, who="node", checker="coordinator"
         )
 
-    def _store_host(self, request: web.Request) -> str:
-        if self.config.host not in ("0.0.0.0", "::", ""):
-            return self.config.host
-        sock = request.transport.get_extra_info("sockname") if request.transport else None
-        return sock[0] if sock else "127.0.0.1"
-
     def _dispatch(self, session: Sender, msg: m.NodeMessage) -> None:
         now = time.monotonic()
         mid = session.member_id
@@ -560,8 +538,35 @@ class Coordinator(ThreadedService):
                 send_all(self._sessions, {o: finished for o in self._sessions if o not in ms.final_digests})
         elif isinstance(msg, m.Validation):
             self._apply(ms.validation(mid, msg.step, msg.metrics, msg.seconds, now))
+        elif isinstance(msg, m.Meet):
+            self.rendezvous.put(mid, msg, now)
+            if self._meet_flush is None and self._loop is not None:
+                self._meet_flush = self._loop.call_later(MEET_BATCH_S, self._send_meetings)
         elif isinstance(msg, m.Hello):
             raise ProtocolError("hello sent twice on one session")
+
+    def _send_meetings(self) -> None:
+        """Rendezvous entries written since the last call, to their epochs' members: one
+        message per epoch, encoded once (`send_all`), however many members wrote."""
+        self._meet_flush = None
+        for epoch, (members, entries) in self.rendezvous.take().items():
+            met = m.Met(epoch=epoch, term=self.term, entries=entries)
+            send_all(self._sessions, {mid: met for mid in members if mid in self._sessions})
+
+    def _name_absent(self, now: float) -> None:
+        """Members of the epoch that never wrote their rendezvous entries, ``build_s``
+        after the first one did, are benched: the group cannot form without them, and a
+        member that heartbeats but never joins the data plane would hold every epoch up."""
+        last = self._last_order
+        if last is None:
+            return
+        for mid, groups in self.rendezvous.absent(last.epoch, now).items():
+            why = (
+                f"did not join the data plane of epoch {last.epoch} within {self.config.build_deadline_s:g} s "
+                f"of the first member (no rendezvous entry for {', '.join(groups)}): its data plane is "
+                "not running, or stuck before building its groups"
+            )
+            self._apply(self.membership.absent(mid, last.epoch, why, now))
 
     # ---------------------------------------------------------------- decisions
 
@@ -588,6 +593,7 @@ class Coordinator(ThreadedService):
             try:
                 if not late:
                     self._check_relays(now)
+                    self._name_absent(now)
                 self._apply(self.membership.tick(now, expire=not late))
             except Exception:  # a bug here must not stop the service
                 log.exception("coordinator tick failed")
@@ -621,8 +627,9 @@ class Coordinator(ThreadedService):
                 s.send(m.Expel(reason=reason, term=self.term))
                 s.close()
         if d.orders:
+            for order in sorted({id(o): o for o in d.orders.values()}.values(), key=lambda o: o.epoch):
+                self.rendezvous.order(order)
             send_all(self._sessions, self._compact(d.orders))
-            self._prune_store(max(o.epoch for o in d.orders.values()))
 
     def _compact(self, orders: dict[str, m.EpochOrder]) -> dict[str, m.EpochOrder]:
         """Orders as sent (`orders.compact`): a member whose session got the previous order
@@ -637,28 +644,6 @@ class Coordinator(ThreadedService):
                     out[mid] = delta if delta.base and self._told.get(mid) == delta.base else full
                     self._told[mid] = order.epoch
         return out
-
-    def _prune_store(self, epoch: int) -> None:
-        """Delete the rendezvous keys of epochs before the last (every rank writes one per
-        epoch: at a thousand members megabytes an epoch), and any key of no current epoch."""
-        store, loop = self._store, self._loop
-        if store is None or loop is None or self._pruning:
-            return
-        ours = re.compile(rf"/{re.escape(self.rendezvous)}/e(\d+)/")
-
-        def prune() -> None:
-            try:
-                for key in store.list_keys():
-                    found = ours.search(key)
-                    if found is None or int(found.group(1)) < epoch - 1:
-                        store.delete_key(key)
-            except RuntimeError as exc:  # the store is shutting down
-                log.debug("store pruning stopped: %s", exc)
-            finally:
-                self._pruning = False
-
-        self._pruning = True
-        loop.run_in_executor(None, prune)
 
     def _observe(self, mid: str, msg: m.Progress) -> None:
         """Curves and anomalies from a progress report."""

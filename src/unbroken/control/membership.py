@@ -440,27 +440,44 @@ class Membership:
         if rollback_to >= 0:
             self._rollback_to = rollback_to
         c = self.members.get(culprit) if culprit is not None else None
-        if c is not None and (epoch, c.member_id) not in self._refused:
-            self._refused.add((epoch, c.member_id))
-            c.flags += 1
-            c.benched_until = now + BENCH_S
-            d.events.append(self._event(now, kind, c.member_id, f"{c.name} (offence {c.flags}): {reason}"))
-            if c.flags >= QUARANTINE_AFTER and not c.quarantined:
-                c.quarantined = True
-                d.events.append(
-                    self._event(
-                        now,
-                        "quarantine",
-                        c.member_id,
-                        f"{c.name}: {c.flags} offences (refused gradients or failed audits); out of training",
-                    )
-                )
+        if c is not None:
             what = "bad gradient" if kind == "bad-gradient" else "failed audit"
-            self._want_epoch(now, urgent=True, reason=f"{what} from {c.name}", delay=0.0)
-            return d
+            return self._offence(c, epoch, reason, now, kind, f"{what} from {c.name}")
         m = self.members[member_id]
         d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason}"))
         self._want_epoch(now, urgent=True, reason=f"collective failed at {m.name}: {reason}", delay=FAULT_GRACE_S)
+        return d
+
+    def absent(self, member_id: str, epoch: int, reason: str, now: float) -> Decision:
+        """The leader saw ``member_id`` never join epoch ``epoch``'s data plane (its own
+        evidence: it holds the rendezvous). Benched like a culprit; quarantined when it
+        happens again and again."""
+        c = self.members.get(member_id)
+        if c is None or epoch != self.epoch or self.rank_of(member_id) is None:
+            return Decision()
+        return self._offence(c, epoch, reason, now, "absent", f"{c.name} never joined the data plane")
+
+    def _offence(self, c: Member, epoch: int, reason: str, now: float, kind: str, why: str) -> Decision:
+        """Bench ``c`` for an offence in ``epoch`` (counted once per epoch) and re-form."""
+        d = Decision()
+        if (epoch, c.member_id) in self._refused:
+            return d
+        self._refused.add((epoch, c.member_id))
+        c.flags += 1
+        c.benched_until = now + BENCH_S
+        d.events.append(self._event(now, kind, c.member_id, f"{c.name} (offence {c.flags}): {reason}"))
+        if c.flags >= QUARANTINE_AFTER and not c.quarantined:
+            c.quarantined = True
+            d.events.append(
+                self._event(
+                    now,
+                    "quarantine",
+                    c.member_id,
+                    f"{c.name}: {c.flags} offences (refused gradients, failed audits, absent from the data plane); "
+                    "out of training",
+                )
+            )
+        self._want_epoch(now, urgent=True, reason=why, delay=0.0)
         return d
 
     def done(self, member_id: str, step: int, digest: str, metrics: dict[str, float], now: float) -> Decision:

@@ -211,19 +211,18 @@ class Challenge(_Msg):
 
 class Welcome(_Msg):
     type: Literal["welcome"] = "welcome"
-    store_host: str
-    store_port: int
     lease_s: float
     heartbeat_s: float
     coordinator_id: str
     proof: Annotated[str, Field(max_length=64)] = ""
     """The coordinator's proof that it holds the job token ("" without one)."""
-    rendezvous: Annotated[str, Field(max_length=64)] = ""
-    """A random key in every process-group prefix, known to admitted members only."""
     term: Term = 0
     """The leader's term: a node refuses sessions and orders of an older term than it has seen."""
     report_s: Seconds = 0.05
     """How often a training node reports progress (larger groups report less often)."""
+    build_s: Seconds = 5.0
+    """How long an epoch's group build may take once its first member started it: a node
+    gives up then, and the leader names the members that never wrote their rendezvous entry."""
 
 
 class Refused(_Msg):
@@ -311,11 +310,42 @@ class Command(_Msg):
     term: Term = 0
 
 
+MEET_KEY_CHARS = 512
+MEET_VALUE_CHARS = 1 << 16
+"""A data-plane address blob (base64): gloo writes about 170 bytes plus 8 per rank."""
+
+
+class Meet(_Msg):
+    """An entry of a process group's rendezvous, written by this member's data plane.
+
+    The rendezvous travels on the authenticated control sessions: no one without the job's
+    credentials can read the members' data-plane addresses or write into a group build."""
+
+    type: Literal["meet"] = "meet"
+    epoch: EpochNo
+    key: Annotated[str, Field(min_length=1, max_length=MEET_KEY_CHARS)]
+    value: Annotated[str, Field(max_length=MEET_VALUE_CHARS)]
+    """Base64 of the bytes the data plane wrote."""
+
+
+class Met(_Msg):
+    """Rendezvous entries of the epoch's members, for this member's group builds."""
+
+    type: Literal["met"] = "met"
+    epoch: EpochNo
+    term: Term = 0
+    entries: Annotated[
+        dict[Annotated[str, Field(max_length=MEET_KEY_CHARS)], Annotated[str, Field(max_length=MEET_VALUE_CHARS)]],
+        Field(max_length=MAX_MEMBERS),
+    ]
+
+
 NodeMessage = Annotated[
-    Hello | Heartbeat | Progress | Fault | Leave | Done | Validation | Report, Field(discriminator="type")
+    Hello | Heartbeat | Progress | Fault | Leave | Done | Validation | Report | Meet, Field(discriminator="type")
 ]
 CoordinatorMessage = Annotated[
-    Challenge | Welcome | Refused | Ack | EpochOrder | Expel | Finished | Command, Field(discriminator="type")
+    Challenge | Welcome | Refused | Ack | EpochOrder | Expel | Finished | Command | Met,
+    Field(discriminator="type"),
 ]
 
 

@@ -10,6 +10,7 @@ it fall into one zone: give those nodes ``--zone`` names.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 AUTO = "auto"
 """The zone a node asks for when the coordinator should choose."""
@@ -39,3 +40,42 @@ def group_by_rtt(
         zones[member] = f"{AUTO}-{zone}"
         previous = rtt
     return zones
+
+
+WORLD = "world"
+"""The name of an epoch's group of all members (its rendezvous entries start with it)."""
+
+
+@dataclass(frozen=True)
+class Zones:
+    """Who is in which zone, and who leads each (the first member of a zone in rank order)."""
+
+    of_rank: tuple[str, ...]
+
+    @property
+    def names(self) -> list[str]:
+        return list(dict.fromkeys(self.of_rank))
+
+    def members(self, zone: str) -> list[int]:
+        return [r for r, z in enumerate(self.of_rank) if z == zone]
+
+    @property
+    def leaders(self) -> list[int]:
+        return [self.members(z)[0] for z in self.names]
+
+    @property
+    def multi(self) -> bool:
+        return len(self.names) > 1
+
+    def groups(self) -> dict[str, list[int]]:
+        """The epoch's process groups by name, each with its ranks in group-rank order:
+        the world, then with several zones each zone of more than one member and the
+        zone leaders. Nodes build exactly these; the leader checks rendezvous entries
+        against them (`unbroken.control.meeting`)."""
+        out = {WORLD: list(range(len(self.of_rank)))}
+        if self.multi:
+            for z, name in enumerate(self.names):
+                if len(members := self.members(name)) > 1:
+                    out[f"zone{z}"] = members
+            out["leaders"] = self.leaders
+        return out

@@ -16,6 +16,7 @@ A failure order is urgent instead: the step in flight is abandoned at once.
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import logging
@@ -25,14 +26,15 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from unbroken.comm.codecs import Codec, make_codec
-from unbroken.comm.group import EpochGroup, EpochStore, Graveyard, StoreClient, build_group, wait_until
-from unbroken.comm.reduce import LinkEmulation, Reducer, Wire, Zones
+from unbroken.comm.group import EpochGroup, Graveyard, Meeting, build_group, wait_until
+from unbroken.comm.reduce import LinkEmulation, Reducer, Wire
 from unbroken.comm.robust import Rule, parse_rule
 from unbroken.comm.transfer import Partial, gather_digests, sync_state
 from unbroken.config import NodeConfig
@@ -50,6 +52,7 @@ from unbroken.errors import (
 )
 from unbroken.job import Job
 from unbroken.sched.shares import offsets
+from unbroken.sched.zones import WORLD, Zones
 from unbroken.state.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from unbroken.state.fragments import parse_fragments, rebuild
 from unbroken.state.snapshot import TrainState, fingerprint
@@ -124,7 +127,7 @@ class Node:
         self.data = DataPlan(job.num_samples, job.batch_size, job.seed)
         self.faults = FaultPlan(faults or [], self._log)
         self.graveyard = Graveyard(hold_s=config.collective_timeout_s + 5)
-        self.stores = StoreClient()
+        self.meeting = Meeting(self._meet)
         self.checkpointer = Checkpointer(config.checkpoint_dir) if config.checkpoint_dir else None
         self._fingerprint = fingerprint(model)
         self.group: EpochGroup | None = None
@@ -161,6 +164,8 @@ class Node:
         )
 
         self.client.on_command = self._command
+        self.client.on_met = self._met
+        self.client.on_welcome = self._welcomed
 
     # ---------------------------------------------------------------- public
 
@@ -283,12 +288,6 @@ class Node:
         welcome = self.client.welcome
         assert welcome is not None
         rank = order.members.index(self.client.member_id)
-        timeout = self.config.collective_timeout_s
-        where = (welcome.coordinator_id, welcome.store_host, welcome.store_port)
-        store = EpochStore(
-            functools.partial(self.stores.get, *where, timeout), functools.partial(self.stores.give_back, *where)
-        )
-        prefix = f"{self.job.name}/{welcome.coordinator_id}/{welcome.rendezvous}/e{order.epoch}/"
         self.group = EpochGroup(
             order.epoch,
             rank,
@@ -299,17 +298,11 @@ class Node:
             microbatches=list(order.microbatches),
         )
         abort = functools.partial(self._abort_reason, during_step=False)
-        try:
-            pg, took = build_group(
-                store, prefix, rank, len(order.members), self._gloo_host(), timeout, self.wake, abort
-            )
-        except CollectiveFailed:
-            self.stores.reset()  # the store may be gone with its coordinator
-            raise
+        build = self._builder(order.epoch, welcome.build_s, abort)
+        pg, took = build(WORLD, rank, len(order.members))
         self.group.pg, self.group.built_in_s = pg, took
         self._log({"kind": "epoch", "epoch": order.epoch, "term": order.term, "step": self.state.step})
-        self.reducer = self._build_reducer(order, rank, pg, store, prefix, abort)
-        store.release()  # every build of the epoch finished: the next epoch may use the connection
+        self.reducer = self._build_reducer(order, rank, pg, build)
         self._epochs_formed += 1
         self._first_in_epoch = True
         log.info(
@@ -323,7 +316,30 @@ class Node:
         if order.mode == "diloco" and self.diloco is None:
             self.diloco = DiLoCo(self, order)
 
-    def _build_reducer(self, order: m.EpochOrder, rank: int, pg: Any, store: Any, prefix: str, abort: Any) -> Reducer:
+    def _builder(self, epoch: int, deadline_s: float, abort: Any) -> Callable[[str, int, int], tuple[Any, float]]:
+        """Builds the epoch's groups (by name, `Zones.groups`) on its rendezvous."""
+
+        def build(group: str, rank: int, size: int) -> tuple[Any, float]:
+            return build_group(
+                self.meeting.store(epoch), group, rank, size, self._gloo_host(), self.config.collective_timeout_s,
+                deadline_s, self.wake, abort, functools.partial(self.meeting.publish, epoch),
+            )  # fmt: skip
+
+        return build
+
+    def _meet(self, epoch: int, key: str, value: bytes) -> None:
+        self.client.send(m.Meet(epoch=epoch, key=key, value=base64.b64encode(value).decode()))
+
+    def _met(self, met: m.Met) -> None:
+        self.meeting.deliver(met.epoch, {k: base64.b64decode(v) for k, v in met.entries.items()})
+
+    def _welcomed(self, welcome: m.Welcome, new_coordinator: bool) -> None:
+        if new_coordinator:
+            self.meeting.reset()
+        else:
+            self.meeting.republish()
+
+    def _build_reducer(self, order: m.EpochOrder, rank: int, pg: Any, build: Any) -> Reducer:
         """The step's reduction: flat, or two-level with a zone group and a leaders' group."""
         zones = Zones(tuple(order.zones) if order.zones else tuple("" for _ in order.members))
         if self._codec is None or self._codec_spec != order.codec:
@@ -346,22 +362,15 @@ class Node:
         )
         if not zones.multi:
             return reducer
-        timeout = self.config.collective_timeout_s
         mine = zones.of_rank[rank]
         members = zones.members(mine)
         z = zones.names.index(mine)
         assert self.group is not None
         if len(members) > 1:
-            reducer.zone_pg, _ = build_group(
-                store, f"{prefix}zone{z}/", members.index(rank), len(members), self._gloo_host(), timeout,
-                self.wake, abort,
-            )  # fmt: skip
+            reducer.zone_pg, _ = build(f"zone{z}", members.index(rank), len(members))
             self.group.extra_pgs.append(reducer.zone_pg)
         if rank in zones.leaders:
-            reducer.leaders_pg, _ = build_group(
-                store, f"{prefix}leaders/", zones.leaders.index(rank), len(zones.leaders), self._gloo_host(),
-                timeout, self.wake, abort,
-            )  # fmt: skip
+            reducer.leaders_pg, _ = build("leaders", zones.leaders.index(rank), len(zones.leaders))
             self.group.extra_pgs.append(reducer.leaders_pg)
         return reducer
 

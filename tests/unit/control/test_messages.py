@@ -47,7 +47,7 @@ NODE_MESSAGES: list[BaseModel] = [
 ]
 
 COORDINATOR_MESSAGES: list[BaseModel] = [
-    m.Welcome(store_host="127.0.0.1", store_port=1234, lease_s=1.0, heartbeat_s=0.2, coordinator_id="c0ffee"),
+    m.Welcome(lease_s=1.0, heartbeat_s=0.2, coordinator_id="c0ffee"),
     m.Refused(reason="model does not match"),
     m.Refused(reason="job finished", finished=True),
     m.Ack(seq=4),

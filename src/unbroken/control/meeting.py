@@ -1,0 +1,119 @@
+"""The data plane's rendezvous, kept by the leader and spoken on the control sessions.
+
+gloo meets through a key-value store: each rank writes its address under its rank and
+reads everyone else's. A store listening on its own port is readable and writable by
+anyone who reaches it (addresses leak; deleted or forged keys stop every group build).
+Here each node keeps a private in-memory store per epoch (`unbroken.comm.group`); what
+its data plane writes goes to the leader as `Meet`, and the leader hands every entry
+to the epoch's members as `Met`. Only admitted members speak on those sessions, and the
+leader checks each entry before anyone sees it:
+
+* it belongs to the newest or the previous epoch, and its writer is a member of it;
+* it is named ``GROUP/.../RANK`` for one of the epoch's groups (`Zones.groups`), and
+  RANK is the writer's own rank in that group: no member writes another's address;
+* an entry, once written, never changes.
+
+It also knows who has not written: a member whose entries are still missing
+``deadline_s`` after the first member of the epoch wrote its own never joined the data
+plane, and is named as the epoch's culprit (`Rendezvous.absent`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, field
+
+from unbroken.control import messages as m
+from unbroken.errors import ProtocolError
+from unbroken.sched.zones import Zones
+
+EPOCHS_KEPT = 2
+"""Entries of the newest epoch and the one before (a slow member may still build it)."""
+
+
+@dataclass
+class _Epoch:
+    members: list[str]
+    groups: dict[str, dict[str, int]]
+    """Group name → member → its rank in the group."""
+    entries: dict[str, str] = field(default_factory=dict)
+    missing: dict[str, set[str]] = field(default_factory=dict)
+    """Member → the groups it has not written its entry for yet."""
+    pending: dict[str, str] = field(default_factory=dict)
+    """Entries written since the last `take`."""
+    first_at: float | None = None
+    """When the first entry arrived (the members started building)."""
+    named: bool = False
+
+
+class Rendezvous:
+    """The rendezvous entries of the last epochs, checked as they arrive."""
+
+    def __init__(self, deadline_s: float) -> None:
+        self.deadline_s = deadline_s
+        self._epochs: dict[int, _Epoch] = {}
+
+    def order(self, order: m.EpochOrder) -> None:
+        """An epoch was ordered: its entries may come (older epochs' go)."""
+        zones = Zones(tuple(order.zones) if order.zones else tuple("" for _ in order.members))
+        groups = {name: {order.members[r]: i for i, r in enumerate(ranks)} for name, ranks in zones.groups().items()}
+        missing: dict[str, set[str]] = {mid: set() for mid in order.members}
+        for name, ranks in groups.items():
+            for mid in ranks:
+                missing[mid].add(name)
+        self._epochs[order.epoch] = _Epoch(list(order.members), groups, missing=missing)
+        for old in sorted(self._epochs)[:-EPOCHS_KEPT]:
+            del self._epochs[old]
+
+    def put(self, member_id: str, meet: m.Meet, now: float) -> None:
+        """Take one member's entry; raise `ProtocolError` (the session is dropped) for an
+        entry no honest node writes. Entries of an epoch that is over are ignored."""
+        ep = self._epochs.get(meet.epoch)
+        if ep is None or member_id not in ep.missing:
+            return  # late, or for an epoch this member was not ordered into
+        group, *_, rank = meet.key.split("/")
+        ranks = ep.groups.get(group)
+        if ranks is None or not rank.isdigit():
+            raise ProtocolError(f"rendezvous entry {meet.key!r} names no group of epoch {meet.epoch}")
+        if ranks.get(member_id) != int(rank):
+            raise ProtocolError(
+                f"rendezvous entry {meet.key!r}: rank {rank} of group {group} is not this member's "
+                f"({ranks.get(member_id)})"
+            )
+        try:
+            base64.b64decode(meet.value, validate=True)
+        except binascii.Error:
+            raise ProtocolError(f"rendezvous entry {meet.key!r} is not base64") from None
+        known = ep.entries.get(meet.key)
+        if known is not None:
+            if known != meet.value:
+                raise ProtocolError(f"rendezvous entry {meet.key!r} written twice with different values")
+            return
+        ep.entries[meet.key] = ep.pending[meet.key] = meet.value
+        ep.missing[member_id].discard(group)
+        if ep.first_at is None:
+            ep.first_at = now
+
+    def take(self) -> dict[int, tuple[list[str], dict[str, str]]]:
+        """Entries written since the last call, by epoch, with the members to send them to."""
+        out = {}
+        for epoch, ep in self._epochs.items():
+            if ep.pending:
+                out[epoch] = (ep.members, ep.pending)
+                ep.pending = {}
+        return out
+
+    def entries(self, epoch: int) -> dict[str, str]:
+        """Every entry of ``epoch`` so far (for a member whose session came back)."""
+        ep = self._epochs.get(epoch)
+        return dict(ep.entries) if ep is not None else {}
+
+    def absent(self, epoch: int, now: float) -> dict[str, list[str]]:
+        """Members of ``epoch`` still missing entries ``deadline_s`` after its first one
+        (each with the groups it did not join); each epoch's absentees are named once."""
+        ep = self._epochs.get(epoch)
+        if ep is None or ep.named or ep.first_at is None or now - ep.first_at < self.deadline_s:
+            return {}
+        ep.named = True
+        return {mid: sorted(groups) for mid, groups in ep.missing.items() if groups}
