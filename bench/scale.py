@@ -73,7 +73,7 @@ def run_one(layout: str, n: int, args: argparse.Namespace, progress: ProgressLin
     workdir = Path(tempfile.mkdtemp(prefix=f"scale-{layout}-{n}-"))
     zones = max(1, round(n / args.zone_size)) if layout == "relay" else 0
     with LocalCluster("fake-job", workdir, lease_s=args.lease, recovery_window_s=RECOVERY_WINDOW_S) as c:
-        root = c.start_coordinator(extra=["--store-port", "0"])
+        root = c.start_coordinator()
         relays = [c.start_relay(zone=f"z{i}") for i in range(zones)]
         procs = [c.coordinator] + [p for p, _ in c.relays]
         assert procs[0] is not None

@@ -41,33 +41,33 @@ def test_wrong_or_missing_token_is_refused_and_the_job_goes_on(make_cluster):
 
 
 async def _handshake(
-    url: str, hello: m.Hello | None, token: str | None
-) -> tuple[m.Hello, m.CoordinatorMessage, m.Challenge]:
+    url: str, knock: m.Knock | None, token: str | None
+) -> tuple[m.Knock, m.CoordinatorMessage, m.Challenge]:
     async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
         challenge = m.parse_coordinator_message((await ws.receive()).data)
         assert isinstance(challenge, m.Challenge) and challenge.auth
-        if hello is None:
+        if knock is None:
             nonce = auth.new_nonce()
             proof = auth.node_proof(token or "", challenge.nonce, nonce, "m1#1")
-            hello = m.Hello(
-                job="j", job_identity="i", fingerprint=[], member_id="m1#1", name="n", batch_size=4,
-                nonce=nonce, proof=proof,
-            )  # fmt: skip
-        await ws.send_str(m.encode(hello))
+            knock = m.Knock(member_id="m1#1", nonce=nonce, proof=proof)
+        await ws.send_str(m.encode(knock))
+        await ws.send_str(
+            m.encode(m.Hello(job="j", job_identity="i", fingerprint=[], member_id="m1#1", name="n", batch_size=4))
+        )
         answer = m.parse_coordinator_message((await ws.receive()).data)
-        return hello, answer, challenge
+        return knock, answer, challenge
 
 
 def test_a_replayed_hello_is_refused():
     coord = Coordinator(CoordinatorConfig(port=0, token=TOKEN, recovery_window_s=0)).start()
     try:
         url = f"http://{coord.address[0]}:{coord.address[1]}/ws"
-        hello, first, challenge = asyncio.run(_handshake(url, None, TOKEN))
-        assert isinstance(first, m.Welcome) and first.rendezvous
+        knock, first, challenge = asyncio.run(_handshake(url, None, TOKEN))
+        assert isinstance(first, m.Welcome)
         # The coordinator proves it holds the token, for this session's nonces only.
-        assert auth.same(first.proof, auth.coordinator_proof(TOKEN, challenge.nonce, hello.nonce, hello.member_id))
+        assert auth.same(first.proof, auth.coordinator_proof(TOKEN, challenge.nonce, knock.nonce, knock.member_id))
         # The same bytes on a new session answer a challenge they were not made for.
-        _, again, _ = asyncio.run(_handshake(url, hello, TOKEN))
+        _, again, _ = asyncio.run(_handshake(url, knock, TOKEN))
         assert isinstance(again, m.Refused) and "replayed" in again.reason
         assert TOKEN not in json.dumps(coord.snapshot())
     finally:
@@ -77,7 +77,7 @@ def test_a_replayed_hello_is_refused():
 class Impostor(Coordinator):
     """Accepts anyone (it cannot check proofs without the token) and answers with a forged proof."""
 
-    def _check_token(self, hello: m.Hello, challenge: str) -> str | None:
+    def _check_token(self, knock: m.Knock, challenge: str) -> str | None:
         return None
 
 

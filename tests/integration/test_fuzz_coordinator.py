@@ -29,6 +29,7 @@ JSON = st.recursive(
     max_leaves=15,
 )
 HELLO = m.Hello(job="j", job_identity="i", fingerprint=[], member_id="x#1", name="x", batch_size=8).model_dump()
+KNOCK = m.Knock(member_id="x#1").model_dump()
 
 
 def rss_bytes() -> int:
@@ -53,9 +54,10 @@ class Member(threading.Thread):
             challenge = m.parse_coordinator_message((await ws.receive()).data)
             assert isinstance(challenge, m.Challenge)
             nonce = auth.new_nonce()
+            proof = auth.node_proof(TOKEN, challenge.nonce, nonce, self.member_id)
+            await ws.send_str(m.encode(m.Knock(member_id=self.member_id, nonce=nonce, proof=proof)))
             hello = m.Hello(
-                job="j", job_identity="i", fingerprint=[], member_id=self.member_id, name=self.member_id,
-                batch_size=8, nonce=nonce, proof=auth.node_proof(TOKEN, challenge.nonce, nonce, self.member_id),
+                job="j", job_identity="i", fingerprint=[], member_id=self.member_id, name=self.member_id, batch_size=8
             )  # fmt: skip
             await ws.send_str(m.encode(hello))
             seq = 0
@@ -92,7 +94,8 @@ frames = st.lists(
     st.one_of(
         JSON.map(json.dumps),
         st.builds(lambda k, v: json.dumps({**HELLO, k: v}), st.sampled_from(list(HELLO)), JSON),
-        st.just(json.dumps({**HELLO, "nonce": "00", "proof": "f" * 64})),  # a forged proof
+        st.builds(lambda k, v: json.dumps({**KNOCK, k: v}), st.sampled_from(list(KNOCK)), JSON),
+        st.just(json.dumps({**KNOCK, "nonce": "00", "proof": "f" * 64})),  # a forged proof
         st.binary(max_size=64),
         st.just("x" * (2 << 20)),
     ),

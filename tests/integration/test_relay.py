@@ -60,7 +60,7 @@ def test_nodes_behind_relays_train_and_survive_a_relay_and_a_node_dying(make_clu
 @contextlib.contextmanager
 def fakes_behind_three_relays(c) -> Iterator[FakeNodes]:
     """150 fake nodes spread over three relays (the leader as their fallback), in an epoch."""
-    root = c.start_coordinator(extra=["--store-port", "0"])
+    root = c.start_coordinator()
     relays = [c.start_relay(zone=f"z{i}") for i in range(3)]
     with FakeNodes(relays, 150, fallback=[root]) as fakes:
         fakes.wait_joined(60)

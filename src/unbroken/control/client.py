@@ -331,12 +331,10 @@ class ControlClient:
                     "refusing to train under it (wrong address, or a coordinator started without --token?)"
                 )
             nonce = auth.new_nonce()
-            hello = self._hello(self.member_id)
-            if self._token is not None:
-                proof = auth.node_proof(self._token, challenge.nonce, nonce, self.member_id)
-                hello = hello.model_copy(update={"nonce": nonce, "proof": proof})
+            proof = auth.node_proof(self._token, challenge.nonce, nonce, self.member_id) if self._token else ""
             hello_sent = time.monotonic()
-            await ws.send_str(m.encode(hello))
+            await ws.send_str(m.encode(m.Knock(member_id=self.member_id, nonce=nonce, proof=proof)))
+            await ws.send_str(m.encode(self._hello(self.member_id)))
             msg = await self._receive(ws, "welcoming")
             if isinstance(msg, m.Refused) and msg.standby:
                 raise _Standby(msg.leader, msg.reason)

@@ -46,17 +46,22 @@ from unbroken.control.orders import compact
 from unbroken.control.service import ThreadedService
 from unbroken.control.sessions import (
     HELLO_TIMEOUT_S,
+    Doorman,
     RelayedMember,
     RelayLink,
     Sender,
     Session,
     greet,
+    parse_off_loop,
+    read_hello,
     send_all,
     serve_relay,
+    turn_away,
 )
 from unbroken.errors import ProtocolError
 from unbroken.observe.anomaly import Anomaly, Detector
 from unbroken.observe.history import History
+from unbroken.observe.quiet import Quiet, Say
 from unbroken.observe.web import add_routes
 
 log = logging.getLogger(__name__)
@@ -110,6 +115,8 @@ class Coordinator(ThreadedService):
         self.rendezvous = Rendezvous(self.config.build_deadline_s)
         """The data plane's rendezvous entries of the last epochs (`control.meeting`)."""
         self._meet_flush: asyncio.Handle | None = None
+        self.doorman = Doorman()
+        self.quiet = Quiet()
         self._runner: web.AppRunner | None = None
         self.address: tuple[str, int] = (self.config.host, self.config.port)
         self._prompted = False
@@ -309,28 +316,34 @@ class Coordinator(ThreadedService):
     # ---------------------------------------------------------------- sessions
 
     async def _ws(self, request: web.Request) -> web.StreamResponse:
-        ws = web.WebSocketResponse(max_msg_size=self.config.max_message_bytes, heartbeat=None)
+        limit = self.config.max_message_bytes
+        ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=None)
         await ws.prepare(request)
         peer = request.remote or "?"
+        if not self.doorman.enter(peer):
+            await turn_away(ws)
+            return ws
+        waiting = True
         session: Sender | None = None
         try:
             challenge, first = await greet(ws, self.token is not None)
-            hello = m.parse_node_message(first, self.config.max_message_bytes)
-            if not isinstance(hello, m.Hello):
-                raise ProtocolError(f"the first message must be a hello, got {hello.type!r}")
+            knock = m.parse_knock(first)
             if not self.in_office():
                 await ws.send_str(m.encode(self.office.standby_refusal()))
                 await ws.close()
                 return ws
+            why = self._check_token(knock, challenge)
+            if why is not None:
+                self._refusal(peer, f"{knock.member_id} from {peer}: {why}")
+                await ws.send_str(m.encode(m.Refused(reason=why)))
+                await ws.close()
+                return ws
+            self.doorman.leave(peer)
+            waiting = False
+            hello, _ = await read_hello(ws, knock, limit)
             term = self.term  # the session belongs to this term (an election may come while it waited)
-            proof = auth.coordinator_proof(self.token, challenge, hello.nonce, hello.member_id) if self.token else ""
-            joined = self._join(
-                hello,
-                self._check_token(hello, challenge),
-                peer,
-                lambda: Session(ws, hello.member_id, self.office.settled),
-                proof,
-            )
+            proof = auth.coordinator_proof(self.token, challenge, knock.nonce, knock.member_id) if self.token else ""
+            joined = self._join(hello, peer, lambda: Session(ws, hello.member_id, self.office.settled), proof)
             if isinstance(joined, m.Refused):
                 await ws.send_str(m.encode(joined))
                 await ws.close()
@@ -343,22 +356,20 @@ class Coordinator(ThreadedService):
                     raise ProtocolError(f"unexpected {raw.type.name} frame")
                 if not self.in_office() or self.term != term:
                     break  # deposed (or re-elected: a new term's view): the node reconnects
-                self._dispatch(session, m.parse_node_message(raw.data, self.config.max_message_bytes))
+                self._dispatch(session, await parse_off_loop(m.parse_node_message, raw.data, limit))
         except ProtocolError as exc:
             log.warning("dropping session from %s: %s", peer, exc)
-            self._record(
-                Event(
-                    time.monotonic(),
-                    "protocol",
-                    session.member_id if session else None,
-                    self.membership.epoch,
-                    self.membership.step,
-                    f"session from {peer} dropped: {exc}",
-                )
-            )
+            ms = self.membership
+            reason = f"session from {peer} dropped: {exc}"
+            if session is None:
+                self._refusal(peer, reason, "protocol")
+            else:
+                self._record(Event(time.monotonic(), "protocol", session.member_id, ms.epoch, ms.step, reason))
         except (TimeoutError, asyncio.TimeoutError):
             log.warning("session from %s sent no hello within %s s", peer, HELLO_TIMEOUT_S)
         finally:
+            if waiting:
+                self.doorman.leave(peer)
             if session is not None:
                 self._session_ended(session)
                 session.close()
@@ -370,25 +381,22 @@ class Coordinator(ThreadedService):
     def _join(
         self,
         hello: m.Hello,
-        unproven: str | None,
         peer: str,
         open_session: Callable[[], Sender],
         proof: str,
     ) -> Sender | m.Refused:
-        """Admit a hello (``unproven``: why its token proof failed): its new session, welcomed,
-        or the refusal to send."""
+        """Admit a proven member's hello: its new session, welcomed, or the refusal to send."""
         mid = hello.member_id
-        old = None if unproven else self._sessions.pop(mid, None)
+        old = self._sessions.pop(mid, None)
         if old is not None:
             old.close()  # the node reconnected before its old session ended here: it replaces it
-        back = not unproven and (old is not None or mid in self._detached)
+        back = old is not None or mid in self._detached
         self._detached.discard(mid)
         now = time.monotonic()
-        decision = Decision(refuse=unproven) if unproven else self.membership.admit(hello, now, reconnect=back)
+        decision = self.membership.admit(hello, now, reconnect=back)
         if decision.refuse is not None:
             log.warning("refused %s from %s: %s", hello.name, peer, decision.refuse)
-            ms = self.membership
-            self._record(Event(now, "refused", None, ms.epoch, ms.step, f"{hello.name}: {decision.refuse}"))
+            self._refusal(peer, f"{hello.name}: {decision.refuse}")
             return m.Refused(reason=decision.refuse, finished=self.membership.finished)
         session = open_session()
         self._sessions[mid] = session
@@ -449,7 +457,7 @@ class Coordinator(ThreadedService):
                     raise ProtocolError(f"relay {link.relay_id} forwarded {msg.member_id}'s hello as {said.member}'s")
                 # The relay checked the node's token proof (it holds the token); it proves
                 # itself to the node with its own challenge.
-                joined = self._join(msg, None, link.relay_id, partial(link.member, msg.member_id), "")
+                joined = self._join(msg, link.relay_id, partial(link.member, msg.member_id), "")
                 if isinstance(joined, m.Refused):
                     link.session.send_text(m.down_text([msg.member_id], m.encode(joined)))
             elif isinstance(session, RelayedMember) and session.link is link:
@@ -490,10 +498,10 @@ class Coordinator(ThreadedService):
     async def _relay(self, request: web.Request) -> web.StreamResponse:
         return await serve_relay(self, request)
 
-    def _check_token(self, hello: m.Hello, challenge: str) -> str | None:
-        """Why this hello may not join (wrong, missing or replayed proof), or None."""
+    def _check_token(self, knock: m.Knock, challenge: str) -> str | None:
+        """Why this knock may not go on to its hello (wrong, missing or replayed proof), or None."""
         return auth.unproven(
-            self.token, challenge, hello.nonce, hello.member_id, hello.proof, who="node", checker="coordinator"
+            self.token, challenge, knock.nonce, knock.member_id, knock.proof, who="node", checker="coordinator"
         )
 
     def _dispatch(self, session: Sender, msg: m.NodeMessage) -> None:
@@ -680,6 +688,25 @@ class Coordinator(ThreadedService):
                 self._record(Event(time.monotonic(), "operator", mid, ms.epoch, ms.step, f"{name}: {reason}"))
                 return True
         return False
+
+    def _refusal(self, source: str, reason: str, kind: str = "refused") -> None:
+        """Record a refused or dropped session, a few per source and window: a flood of
+        them must not push the job's own events out of the history or fill the disk."""
+        now = time.monotonic()
+        ms = self.membership
+        match self.quiet.allow(source, now):
+            case Say.YES:
+                self._record(Event(now, kind, None, ms.epoch, ms.step, reason))
+            case Say.LAST:
+                self._record(
+                    Event(
+                        now, kind, None, ms.epoch, ms.step,
+                        f"{reason} (more from {source} are counted in /metrics, not listed, for "
+                        f"{self.quiet.window_s:g} s)",
+                    )
+                )  # fmt: skip
+            case Say.NO:
+                self.event_counts[kind] += 1
 
     def _record(self, ev: Event, node: str | None = None) -> None:
         wall = time.time() - (time.monotonic() - ev.time)

@@ -83,7 +83,25 @@ class Capabilities(BaseModel):
     """Emulated speed factor (testing aid; 1 = full speed)."""
 
 
+KNOCK_BYTES = 2048
+"""The most a peer may send before it has proven it holds the job token."""
+
+
+class Knock(_Msg):
+    """A node's first message: who it is and its token proof, small enough to be checked
+    before anything else it sends is read. Its hello follows."""
+
+    type: Literal["knock"] = "knock"
+    member_id: Name
+    nonce: Annotated[str, Field(max_length=64)] = ""
+    """The node's half of the challenge-response (see `unbroken.control.auth`)."""
+    proof: Annotated[str, Field(max_length=64)] = ""
+    """HMAC of the coordinator's challenge and ``nonce`` under the job token ("" without one)."""
+
+
 class Hello(_Msg):
+    """What a node brings (its model's fingerprint, its state, its speed), after its knock."""
+
     type: Literal["hello"] = "hello"
     job: Name
     job_identity: Annotated[str, Field(max_length=64)]
@@ -104,10 +122,6 @@ class Hello(_Msg):
     role: Literal["auto", "trainer", "validator", "standby"] = "auto"
     zone: Annotated[str, Field(max_length=128)] = ""
     """Where the node is (a site, a region); empty is the default zone."""
-    nonce: Annotated[str, Field(max_length=64)] = ""
-    """The node's half of the challenge-response (see `unbroken.control.auth`)."""
-    proof: Annotated[str, Field(max_length=64)] = ""
-    """HMAC of the coordinator's challenge and ``nonce`` under the job token ("" without one)."""
     evaluates: bool = False
     """The job has an evaluation function (the node can be a validator)."""
     """The newest epoch this node has heard of; epochs after a restart are numbered above it."""
@@ -416,6 +430,7 @@ class Down(_Msg):
 RelayMessage = Annotated[RelayHello | Up, Field(discriminator="type")]
 LeaderMessage = Annotated[Challenge | RelayWelcome | Refused | Ack | Down, Field(discriminator="type")]
 
+_knock_adapter: TypeAdapter[Knock] = TypeAdapter(Knock)
 _node_adapter: TypeAdapter[NodeMessage] = TypeAdapter(NodeMessage)
 _coord_adapter: TypeAdapter[CoordinatorMessage] = TypeAdapter(CoordinatorMessage)
 _relay_adapter: TypeAdapter[RelayMessage] = TypeAdapter(RelayMessage)
@@ -445,6 +460,10 @@ def _parse(adapter: TypeAdapter[object], data: str | bytes, limit: int) -> objec
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "message"
         raise ProtocolError(f"invalid control message at {where}: {first['msg']}") from None
+
+
+def parse_knock(data: str | bytes) -> Knock:
+    return _parse(_knock_adapter, data, KNOCK_BYTES)  # type: ignore[arg-type,return-value]
 
 
 def parse_node_message(data: str | bytes, limit: int = 1 << 20) -> NodeMessage:

@@ -46,7 +46,7 @@ from unbroken.control.election import find_leader
 from unbroken.control.etcd import Etcd
 from unbroken.control.office import Gate
 from unbroken.control.service import ThreadedService
-from unbroken.control.sessions import HELLO_TIMEOUT_S, Session, greet
+from unbroken.control.sessions import HELLO_TIMEOUT_S, Doorman, Session, greet, parse_off_loop, read_hello, turn_away
 from unbroken.errors import ConfigError, EtcdUnavailable, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class Relay(ThreadedService):
         self._members: dict[str, _Member] = {}
         self._hellos: dict[str, asyncio.Future[m.CoordinatorMessage]] = {}
         self._early: dict[str, list[str]] = {}
+        self.doorman = Doorman()
         """Messages for members welcomed but not yet registered (their welcome came in the same read)."""
         self._alive: dict[str, int] = {}
         self._said: list[tuple[m.Said, int]] = []
@@ -351,20 +352,33 @@ class Relay(ThreadedService):
             self._urgent.set()
 
     async def _downstream(self, request: web.Request) -> web.StreamResponse:
-        ws = web.WebSocketResponse(max_msg_size=self.config.max_message_bytes, heartbeat=None)
+        limit = self.config.max_message_bytes
+        ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=None)
         await ws.prepare(request)
+        peer = request.remote or "?"
+        if not self.doorman.enter(peer):
+            await turn_away(ws)
+            return ws
+        waiting = True
         member: _Member | None = None
         try:
             challenge, first = await greet(ws, self.config.token is not None)
-            hello = m.parse_node_message(first, self.config.max_message_bytes)
-            if not isinstance(hello, m.Hello):
-                raise ProtocolError(f"the first message must be a hello, got {hello.type!r}")
-            answer = await self._forward_hello(hello, challenge, len(first))
+            knock = m.parse_knock(first)
+            why = auth.unproven(
+                self.config.token, challenge, knock.nonce, knock.member_id, knock.proof, who="node", checker="relay"
+            )
+            if why is not None:
+                await ws.send_str(m.encode(m.Refused(reason=why)))
+                return ws
+            self.doorman.leave(peer)
+            waiting = False
+            hello, size = await read_hello(ws, knock, limit)
+            answer = await self._forward_hello(hello, size)
             if not isinstance(answer, m.Welcome):
                 await ws.send_str(m.encode(answer))
                 return ws
             token = self.config.token
-            proof = auth.coordinator_proof(token, challenge, hello.nonce, hello.member_id) if token else ""
+            proof = auth.coordinator_proof(token, challenge, knock.nonce, knock.member_id) if token else ""
             member = _Member(ws, hello.member_id)
             old = self._members.pop(hello.member_id, None)
             if old is not None:
@@ -376,7 +390,7 @@ class Relay(ThreadedService):
             async for raw in ws:
                 if raw.type != WSMsgType.TEXT:
                     raise ProtocolError(f"unexpected {raw.type.name} frame")
-                msg = m.parse_node_message(raw.data, self.config.max_message_bytes)
+                msg = await parse_off_loop(m.parse_node_message, raw.data, limit)
                 if isinstance(msg, m.Hello):
                     raise ProtocolError("hello sent twice on one session")
                 if isinstance(msg, (m.Heartbeat, m.Progress)):
@@ -396,6 +410,8 @@ class Relay(ThreadedService):
         except (TimeoutError, asyncio.TimeoutError):
             log.warning("relay %s: a session sent no hello, or its hello got no answer", self.relay_id)
         finally:
+            if waiting:
+                self.doorman.leave(peer)
             if member is not None and self._members.get(member.member_id) is member:
                 del self._members[member.member_id]
                 if member.member_id not in self._hellos:  # else a new session replaces this one
@@ -409,7 +425,7 @@ class Relay(ThreadedService):
                     await asyncio.wait_for(ws.close(), timeout=1.0)
         return ws
 
-    async def _forward_hello(self, hello: m.Hello, challenge: str, size: int) -> m.CoordinatorMessage:
+    async def _forward_hello(self, hello: m.Hello, size: int) -> m.CoordinatorMessage:
         """The leader's answer to a node's hello (a refusal when the token is wrong or no
         leader is linked: a standby's, naming the leader, so the node goes there)."""
         if self._up is None:
@@ -419,11 +435,6 @@ class Relay(ThreadedService):
                 standby=True,
                 leader=f"{leader[0]}:{leader[1]}" if leader else "",
             )
-        why = auth.unproven(
-            self.config.token, challenge, hello.nonce, hello.member_id, hello.proof, who="node", checker="relay"
-        )
-        if why is not None:
-            return m.Refused(reason=why)
         assert self._loop is not None
         fut: asyncio.Future[m.CoordinatorMessage] = self._loop.create_future()
         self._hellos[hello.member_id] = fut

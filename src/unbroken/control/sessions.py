@@ -15,11 +15,12 @@ and fails at once, as a dropped direct session does.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from aiohttp import WSMsgType, web
 from pydantic import BaseModel
@@ -33,8 +34,15 @@ if TYPE_CHECKING:
     from unbroken.control.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 HELLO_TIMEOUT_S = 10.0
+PREAUTH_PER_ADDRESS = 64
+"""Sessions one address may hold open before proving the job token; more are closed unread."""
+PREAUTH_TOTAL = 1024
+"""...and from all addresses together."""
+INLINE_PARSE_BYTES = 64 << 10
+"""Larger messages are parsed on a worker thread: the event loop keeps acknowledging leases."""
 RELAY_MESSAGE_FACTOR = 8
 """A relay's batch may be this many times a node's message limit: it carries up to
 `relay.BATCH_BYTES` and then one more of its members' messages (each within the limit)."""
@@ -120,16 +128,76 @@ class RelayedMember:
         self.link.members.discard(self.member_id)  # an expelled member's relay ends its session
 
 
+class Doorman:
+    """Counts sessions that have not proven the job token yet, per address and in all: a
+    flood of them cannot take the event loop from the members (`PREAUTH_PER_ADDRESS`)."""
+
+    def __init__(self, per_address: int = PREAUTH_PER_ADDRESS, total: int = PREAUTH_TOTAL) -> None:
+        self.per_address = per_address
+        self.total = total
+        self._waiting: collections.Counter[str] = collections.Counter()
+        self.turned_away = 0
+
+    def enter(self, peer: str) -> bool:
+        """Let a new session from ``peer`` in (then `leave` once it proved itself or ended)."""
+        if self._waiting[peer] >= self.per_address or sum(self._waiting.values()) >= self.total:
+            self.turned_away += 1
+            return False
+        self._waiting[peer] += 1
+        return True
+
+    def leave(self, peer: str) -> None:
+        self._waiting[peer] -= 1
+        if self._waiting[peer] <= 0:
+            del self._waiting[peer]
+
+
+async def turn_away(ws: web.WebSocketResponse) -> None:
+    """Close a session over `Doorman`'s limits without reading anything from it."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(ws.close(code=1013, message=b"too many unauthenticated sessions"), timeout=1.0)
+
+
+async def receive_text(ws: web.WebSocketResponse, what: str) -> str:
+    """The session's next message, as text (within `HELLO_TIMEOUT_S`)."""
+    msg = await asyncio.wait_for(ws.receive(), timeout=HELLO_TIMEOUT_S)
+    if msg.type == WSMsgType.ERROR:
+        raise ProtocolError(f"session error before its {what}: {ws.exception()}")
+    if msg.type != WSMsgType.TEXT:
+        raise ProtocolError(f"expected its {what}, got {msg.type.name}")
+    return str(msg.data)
+
+
 async def greet(ws: web.WebSocketResponse, asks_token: bool) -> tuple[str, str]:
-    """Send a session's challenge; returns it and the peer's first message (its hello, as text)."""
+    """Send a session's challenge; returns it and the peer's first message (its knock or a
+    relay's hello, as text), which is refused unread above `messages.KNOCK_BYTES`."""
     challenge = auth.new_nonce()
     await ws.send_str(m.encode(m.Challenge(nonce=challenge, auth=asks_token)))
-    first = await asyncio.wait_for(ws.receive(), timeout=HELLO_TIMEOUT_S)
-    if first.type == WSMsgType.ERROR:
-        raise ProtocolError(f"session error before hello: {ws.exception()}")
-    if first.type != WSMsgType.TEXT:
-        raise ProtocolError(f"expected a hello message, got {first.type.name}")
-    return challenge, str(first.data)
+    first = await receive_text(ws, "first message")
+    if len(first) > m.KNOCK_BYTES:
+        raise ProtocolError(
+            f"first message of {len(first)} bytes before authentication (at most {m.KNOCK_BYTES}): "
+            "not an unbroken node of this version"
+        )
+    return challenge, first
+
+
+async def parse_off_loop(parse: Callable[[str, int], T], text: str, limit: int) -> T:
+    """``parse(text, limit)``, on a worker thread when the text is large."""
+    if len(text) <= INLINE_PARSE_BYTES:
+        return parse(text, limit)
+    return await asyncio.get_running_loop().run_in_executor(None, parse, text, limit)
+
+
+async def read_hello(ws: web.WebSocketResponse, knock: m.Knock, limit: int) -> tuple[m.Hello, int]:
+    """The hello that follows a proven knock, from the same member, and its size."""
+    text = await receive_text(ws, "hello")
+    hello = await parse_off_loop(m.parse_node_message, text, limit)
+    if not isinstance(hello, m.Hello):
+        raise ProtocolError(f"a knock must be followed by a hello, got {hello.type!r}")
+    if hello.member_id != knock.member_id:
+        raise ProtocolError(f"knocked as {knock.member_id!r}, said hello as {hello.member_id!r}")
+    return hello, len(text)
 
 
 def send_all(sessions: Mapping[str, Sender], messages: Mapping[str, BaseModel]) -> None:
@@ -158,6 +226,10 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
     ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=None)
     await ws.prepare(request)
     peer = request.remote or "?"
+    if not coord.doorman.enter(peer):
+        await turn_away(ws)
+        return ws
+    waiting = True
     link: RelayLink | None = None
     try:
         challenge, first = await greet(ws, coord.token is not None)
@@ -173,6 +245,8 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
         if why is not None:
             await ws.send_str(m.encode(m.Refused(reason=why)))
             return ws
+        coord.doorman.leave(peer)
+        waiting = False
         term = coord.term
         link = RelayLink(ws, hello.relay_id, hello.zone, coord.office.settled)
         coord.relay_joined(link)
@@ -192,7 +266,7 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
                 raise ProtocolError(f"unexpected {raw.type.name} frame from relay {hello.relay_id}")
             if not coord.in_office() or coord.term != term:
                 break
-            up = m.parse_relay_message(raw.data, limit)
+            up = await parse_off_loop(m.parse_relay_message, raw.data, limit)
             if not isinstance(up, m.Up):
                 raise ProtocolError("a relay sent its hello twice")
             link.heard_at = time.monotonic()
@@ -203,6 +277,8 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
     except (TimeoutError, asyncio.TimeoutError):
         log.warning("relay session from %s sent no hello within %s s", peer, HELLO_TIMEOUT_S)
     finally:
+        if waiting:
+            coord.doorman.leave(peer)
         if link is not None:
             coord.relay_lost(link)
             link.session.close()

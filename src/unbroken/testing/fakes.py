@@ -239,6 +239,7 @@ class FakeNodes:
                 name=node.name,
                 batch_size=self.batch_size,
             )
+            await ws.send_str(m.encode(m.Knock(member_id=node.member_id)))
             await ws.send_str(m.encode(hello))
             welcome = m.parse_coordinator_message((await ws.receive(timeout=30)).data)
             if not isinstance(welcome, m.Welcome):
