@@ -34,7 +34,11 @@ PERSISTENT = ("flip",)
 BITFLIP = "bitflip"
 """``bitflip@commit:STEP``: right after committing STEP, one bit of this node's copy of the
 first parameter flips (silent data corruption) — what the consistency audit must catch."""
-PHASES = ("compute", "allreduce", "exchange", "grad", "commit", "resync")
+MUTE = "mute"
+"""``mute@build:EPOCH``: from epoch EPOCH on, this node's data plane never reaches the
+rendezvous while its control session goes on — a node that heartbeats but never joins the
+data plane (a data plane that cannot start, or a hostile member)."""
+PHASES = ("compute", "allreduce", "exchange", "grad", "commit", "resync", "build")
 """``resync``'s number counts chunks, not steps: ``kill@resync:3`` kills a node right after
 it sent its third chunk of state to a peer that is catching up (a donor dying mid-transfer)."""
 
@@ -56,11 +60,12 @@ def parse_faults(spec: str) -> list[Fault]:
             or sig == HANG
             or (sig in CORRUPT and phase == "grad")
             or (sig == BITFLIP and phase == "commit")
+            or (sig == MUTE and phase == "build")
         )
         if not known or phase not in PHASES or not (step.isascii() and step.isdigit()):
             raise ConfigError(
                 f"fault {part!r} is not SIGNAL@PHASE:STEP with SIGNAL in {sorted([*SIGNALS, HANG])} "
-                f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP / bitflip@commit:STEP) "
+                f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP / bitflip@commit:STEP / mute@build:EPOCH) "
                 f"and PHASE in {list(PHASES)} (e.g. kill@allreduce:12)"
             )
         out.append(Fault(sig, phase, int(step)))
@@ -76,7 +81,7 @@ class FaultPlan:
     def corruption(self, step: int) -> float | None:
         """The poison for this step's gradient, if any (``flip`` from its step on, the others once)."""
         for f in self._persistent:
-            if step >= f.step:
+            if f.signal in CORRUPT and step >= f.step:
                 return CORRUPT[f.signal]
         for f in self._pending:
             if f.phase == "grad" and f.step == step:
@@ -86,6 +91,15 @@ class FaultPlan:
                     self._persistent.append(f)
                 return CORRUPT[f.signal]
         return None
+
+    def muted(self, epoch: int) -> bool:
+        """True when this node's rendezvous entries for ``epoch`` must not go out."""
+        for f in self._pending:
+            if f.signal == MUTE and epoch >= f.step:
+                self._pending.remove(f)
+                self._persistent.append(f)
+                self._record({"kind": "fault", "signal": MUTE, "phase": "build", "step": epoch, "pid": os.getpid()})
+        return any(f.signal == MUTE and epoch >= f.step for f in self._persistent)
 
     def bitflip(self, step: int) -> bool:
         """True (once) when a bit of this node's state should flip after committing ``step``."""

@@ -328,6 +328,8 @@ class Node:
         return build
 
     def _meet(self, epoch: int, key: str, value: bytes) -> None:
+        if self.faults.muted(epoch):
+            return
         self.client.send(m.Meet(epoch=epoch, key=key, value=base64.b64encode(value).decode()))
 
     def _met(self, met: m.Met) -> None:

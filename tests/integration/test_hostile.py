@@ -1,0 +1,168 @@
+"""Hostile peers and careless use against a live job (issue: trust nothing a peer says).
+
+Each test attacks a running job of real node processes the way a probe of a live job did,
+and asserts that the job keeps committing and every promise of DESIGN.md §1 holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from integration.helpers import assert_promises, events_of, fired
+from unbroken.control import auth
+from unbroken.control import messages as m
+
+pytestmark = pytest.mark.timeout(240)
+
+TOKEN = "hostile-suite-token-0123456789"
+
+
+def listening_ports(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket ``pid`` listens on, from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            addr, port = fields[1].split(":")
+            if width == 8:
+                host = ".".join(str(int(addr[i : i + 2], 16)) for i in (6, 4, 2, 0))
+            else:
+                host = "::" if set(addr) == {"0"} else addr
+            found.add((host, int(port, 16)))
+    return found
+
+
+def commit_gaps(node) -> list[float]:
+    """Seconds between consecutive commits of one node."""
+    times = sorted(e["t"] for e in node.entries() if e["kind"] == "commit")
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def test_the_rendezvous_is_not_on_the_network(make_cluster):
+    """No port but the control service: the data plane's addresses travel on the
+    authenticated sessions, and nothing listens on an interface not asked for."""
+    env = {"UB_TEST_STEPS": "30", "UB_TEST_DELAY_MS": "20"}
+    c = make_cluster(env=env, min_nodes=2)
+    c.start_coordinator(extra=["--token", TOKEN])
+    for name in ("a", "b"):
+        c.start_node(name, extra=["--token", TOKEN])
+    c.wait_step(5)
+    ports = listening_ports(c.coordinator.pid)
+    assert ports == {("127.0.0.1", c.address[1])}, ports
+    assert c.wait_exit(timeout=120) == {"a": 0, "b": 0}, c.diagnostics()
+    assert_promises(c, env, finishers=2)
+
+
+def test_a_member_that_never_joins_the_data_plane_is_benched(make_cluster):
+    """A member that heartbeats but never writes its rendezvous entry (its data plane never
+    comes up) is named and benched after the build deadline; the others train on."""
+    env = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "20"}
+    c = make_cluster(env=env, min_nodes=3)
+    c.start_coordinator(extra=["--build-deadline", "2"])
+    c.start_node("a")
+    c.start_node("b")
+    mute = c.start_node("mute", fault="mute@build:0")
+    c.wait_for(lambda: events_of(c, "absent"), 60, "the mute member named")
+    absent = events_of(c, "absent")
+    assert "mute" in absent[0]["reason"] and "did not join the data plane" in absent[0]["reason"], absent
+    assert not [e for e in absent if "mute" not in e["reason"]], "only the mute member is named"
+    codes = c.wait_exit(["a", "b"], timeout=150)
+    assert codes == {"a": 0, "b": 0}, c.diagnostics()
+    assert fired(mute, "mute")
+    mute.kill()
+    del c.nodes["mute"]
+    assert_promises(c, env, finishers=2)
+    # The wait is the deadline, once, plus forming the next epoch: never the 60 s collective timeout.
+    assert max(commit_gaps(c.nodes["a"])) < 2 + 6, commit_gaps(c.nodes["a"])
+    assert not events_of(c, "failure"), "a silent data plane is not a node failure"
+
+
+async def _flood(url: str, stop: threading.Event, sent: list[int]) -> None:
+    """Open sessions and send 1 MB first messages until stopped (no token needed)."""
+    junk = '{"v":1,"type":"hello","name":"' + "x" * (1 << 20) + '"}'
+    async with aiohttp.ClientSession() as http:
+        while not stop.is_set():
+            try:
+                async with http.ws_connect(url, max_msg_size=0) as ws:
+                    await ws.receive(timeout=5)  # the challenge
+                    await ws.send_str(junk)
+                    sent[0] += 1
+                    await ws.receive(timeout=5)
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                await asyncio.sleep(0.01)
+
+
+async def _refused_hellos(url: str, stop: threading.Event, sent: list[int]) -> None:
+    """Well-formed knocks with a wrong token proof, as fast as they are answered."""
+    async with aiohttp.ClientSession() as http:
+        while not stop.is_set():
+            try:
+                async with http.ws_connect(url) as ws:
+                    challenge = m.parse_coordinator_message((await ws.receive(timeout=5)).data)
+                    assert isinstance(challenge, m.Challenge)
+                    nonce = auth.new_nonce()
+                    proof = auth.node_proof("not-the-token-of-this-job", challenge.nonce, nonce, "intruder#1")
+                    await ws.send_str(m.encode(m.Knock(member_id="intruder#1", nonce=nonce, proof=proof)))
+                    sent[0] += 1
+                    await ws.receive(timeout=5)
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                await asyncio.sleep(0.01)
+
+
+def test_a_flood_of_unauthenticated_sessions_expels_no_member(make_cluster):
+    """12 connections sending 1 MB first messages, and refused knocks as fast as they are
+    answered: members keep their leases, the job keeps committing, the event history keeps
+    the job's own events."""
+    env = {"UB_TEST_STEPS": "150", "UB_TEST_DELAY_MS": "20"}
+    c = make_cluster(env=env, min_nodes=3)
+    c.start_coordinator(extra=["--token", TOKEN])
+    for name in ("a", "b", "c"):
+        c.start_node(name, extra=["--token", TOKEN])
+    c.wait_step(10)
+    url = f"http://{c.address[0]}:{c.address[1]}/ws"
+    stop = threading.Event()
+    big, refused = [0], [0]
+
+    def attack() -> None:
+        async def all_of_them() -> None:
+            await asyncio.gather(
+                *[_flood(url, stop, big) for _ in range(12)], *[_refused_hellos(url, stop, refused) for _ in range(4)]
+            )
+
+        asyncio.run(all_of_them())
+
+    attacker = threading.Thread(target=attack, daemon=True)
+    attacker.start()
+    try:
+        time.sleep(15)
+    finally:
+        stop.set()
+        attacker.join(30)
+    print(f"flood: {big[0]} frames of 1 MB, {refused[0]} refused knocks in 15 s")
+    assert big[0] > 50 and refused[0] > 50, (big, refused)
+    assert c.wait_exit(timeout=150) == {"a": 0, "b": 0, "c": 0}, c.diagnostics()
+    assert not events_of(c, "failure"), events_of(c, "failure")
+    assert_promises(c, env, finishers=3)
+    state = c.state()
+    listed = [e for e in state["events"] if e["kind"] in ("refused", "protocol")]
+    assert len(listed) <= 60, f"{len(listed)} refusals listed: the history would lose the job's events"
+    assert [e for e in state["events"] if e["kind"] == "epoch"], "the job's epochs are still in the history"
+    assert max(commit_gaps(c.nodes["a"])) < 5, max(commit_gaps(c.nodes["a"]))

@@ -1,0 +1,103 @@
+"""The leader's check of rendezvous entries (`unbroken.control.meeting`)."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from unbroken.control import messages as m
+from unbroken.control.meeting import Rendezvous
+from unbroken.errors import ProtocolError
+
+ADDR = base64.b64encode(b"\x02\x00address-of-a-rank").decode()
+
+
+def order(epoch: int, members: list[str], zones: list[str] | None = None) -> m.EpochOrder:
+    return m.EpochOrder(
+        epoch=epoch, members=members, shares=[1] * len(members), urgent=False, reason="t", zones=zones or []
+    )
+
+
+def meet(epoch: int, key: str, value: str = ADDR) -> m.Meet:
+    return m.Meet(epoch=epoch, key=key, value=value)
+
+
+def test_entries_reach_the_epochs_members_once():
+    r = Rendezvous(deadline_s=5)
+    r.order(order(3, ["a", "b", "c"]))
+    r.put("a", meet(3, "world/0/0"), now=0)
+    r.put("c", meet(3, "world/0/2"), now=0.1)
+    members, entries = r.take()[3]
+    assert members == ["a", "b", "c"] and entries == {"world/0/0": ADDR, "world/0/2": ADDR}
+    assert r.take() == {}
+    r.put("a", meet(3, "world/0/0"), now=0.2)  # the same entry again (a new session): nothing new
+    assert r.take() == {}
+    assert r.entries(3) == {"world/0/0": ADDR, "world/0/2": ADDR}
+
+
+@pytest.mark.parametrize(
+    ("member", "key", "value", "why"),
+    [
+        ("a", "world/0/1", ADDR, "not this member's"),  # b's rank
+        ("a", "zone0/0/0", ADDR, "names no group"),  # one zone: no zone groups
+        ("a", "world/0/x", ADDR, "names no group"),
+        ("a", "world/0/0", "not base64!", "not base64"),
+    ],
+)
+def test_an_entry_no_honest_node_writes_is_refused(member, key, value, why):
+    r = Rendezvous(deadline_s=5)
+    r.order(order(1, ["a", "b"]))
+    with pytest.raises(ProtocolError, match=why):
+        r.put(member, meet(1, key, value), now=0)
+    assert r.take() == {}
+
+
+def test_an_entry_never_changes():
+    r = Rendezvous(deadline_s=5)
+    r.order(order(1, ["a", "b"]))
+    r.put("a", meet(1, "world/0/0"), now=0)
+    other = base64.b64encode(b"somewhere else").decode()
+    with pytest.raises(ProtocolError, match="written twice"):
+        r.put("a", meet(1, "world/0/0", other), now=0)
+    assert r.entries(1)["world/0/0"] == ADDR
+
+
+def test_zone_and_leader_groups_are_checked_by_rank_in_group():
+    r = Rendezvous(deadline_s=5)
+    r.order(order(2, ["a", "b", "c", "d"], zones=["x", "y", "x", "y"]))
+    r.put("c", meet(2, "zone0/0/1"), now=0)  # c is the second of zone x
+    r.put("b", meet(2, "leaders/0/1"), now=0)  # b leads zone y
+    with pytest.raises(ProtocolError):
+        r.put("c", meet(2, "leaders/0/0"), now=0)  # a leads zone x, not c
+    with pytest.raises(ProtocolError):
+        r.put("d", meet(2, "zone0/0/1"), now=0)  # d is in zone y
+
+
+def test_late_and_foreign_entries_are_ignored():
+    r = Rendezvous(deadline_s=5)
+    r.order(order(1, ["a", "b"]))
+    r.order(order(2, ["a", "b"]))
+    r.order(order(3, ["a", "c"]))
+    r.put("a", meet(1, "world/0/0"), now=0)  # epoch 1 is over
+    r.put("b", meet(3, "world/0/1"), now=0)  # b is not in epoch 3
+    r.put("a", meet(9, "world/0/0"), now=0)  # no such epoch
+    assert r.take() == {}
+    r.put("b", meet(2, "world/0/1"), now=0)  # the previous epoch still meets (a slow member)
+    assert list(r.take()) == [2]
+
+
+def test_members_missing_entries_past_the_deadline_are_named_once():
+    r = Rendezvous(deadline_s=2)
+    r.order(order(5, ["a", "b", "c", "d"], zones=["x", "x", "y", "y"]))
+    assert r.absent(5, now=100) == {}, "nobody started: no one to blame"
+    r.put("a", meet(5, "world/0/0"), now=10)
+    r.put("a", meet(5, "zone0/0/0"), now=10)
+    r.put("a", meet(5, "leaders/0/0"), now=10)
+    r.put("b", meet(5, "world/0/1"), now=10.5)  # b never builds its zone group
+    r.put("c", meet(5, "world/0/2"), now=10.5)
+    r.put("c", meet(5, "zone1/0/0"), now=10.5)
+    r.put("c", meet(5, "leaders/0/1"), now=10.5)
+    assert r.absent(5, now=11.9) == {}
+    assert r.absent(5, now=12.0) == {"b": ["zone0"], "d": ["world", "zone1"]}
+    assert r.absent(5, now=20) == {}
