@@ -106,8 +106,8 @@ async def _hostile_sessions(host: str, port: int) -> list[str]:
     """Open sessions that misbehave in different ways; return how each ended."""
     url = f"http://{host}:{port}/ws"
     outcomes = []
-    hello_extra = {"v": 1, "type": "heartbeat", "seq": 1, "step": 0, "evil": True}
-    bad_version = {"v": 99, "type": "heartbeat", "seq": 1, "step": 0}
+    hello_extra = {"v": 1, "type": "knock", "member_id": "x#1", "evil": True}
+    bad_version = {"v": 99, "type": "knock", "member_id": "x#1"}
     async with aiohttp.ClientSession() as http:
         for payload in ["not json {", json.dumps(hello_extra), json.dumps(bad_version), "x" * (2 << 20), b"\x00\x01"]:
             async with http.ws_connect(url, max_msg_size=0) as ws:

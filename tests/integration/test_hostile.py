@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from integration.helpers import assert_promises, events_of, fired
+from integration.helpers import assert_promises, events_of, fired, job_for
 from unbroken.control import auth
 from unbroken.control import messages as m
+from unbroken.state.snapshot import fingerprint
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -166,3 +169,77 @@ def test_a_flood_of_unauthenticated_sessions_expels_no_member(make_cluster):
     assert len(listed) <= 60, f"{len(listed)} refusals listed: the history would lose the job's events"
     assert [e for e in state["events"] if e["kind"] == "epoch"], "the job's epochs are still in the history"
     assert max(commit_gaps(c.nodes["a"])) < 5, max(commit_gaps(c.nodes["a"]))
+
+
+class Liar(threading.Thread):
+    """A member holding the token (a compromised node) that joins with the job's true hello
+    and then lies: done at step 0, a NaN loss, a step of 2^53 — each on a session of its own."""
+
+    def __init__(self, url: str, job, lies: list[str]) -> None:
+        super().__init__(name="liar", daemon=True)
+        self.url, self.job, self.lies = url, job, lies
+        self.answers: list[str] = []
+
+    def run(self) -> None:
+        asyncio.run(self._run())
+
+    async def _run(self) -> None:
+        model, _ = self.job.build()
+        async with aiohttp.ClientSession() as http:
+            for i, lie in enumerate(self.lies):
+                member_id = f"liar#{i}"
+                async with http.ws_connect(self.url) as ws:
+                    challenge = m.parse_coordinator_message((await ws.receive(timeout=10)).data)
+                    assert isinstance(challenge, m.Challenge)
+                    nonce = auth.new_nonce()
+                    proof = auth.node_proof(TOKEN, challenge.nonce, nonce, member_id)
+                    await ws.send_str(m.encode(m.Knock(member_id=member_id, nonce=nonce, proof=proof)))
+                    hello = m.Hello(
+                        job=self.job.name, job_identity=self.job.identity(), fingerprint=fingerprint(model),
+                        member_id=member_id, name=f"liar{i}", batch_size=self.job.batch_size,
+                        steps=self.job.num_steps,
+                    )  # fmt: skip
+                    await ws.send_str(m.encode(hello))
+                    welcome = m.parse_coordinator_message((await ws.receive(timeout=10)).data)
+                    assert isinstance(welcome, m.Welcome), welcome
+                    await ws.send_str(lie)
+                    try:  # the session ends if the lie is refused; else it lingers a while
+                        while (msg := await ws.receive(timeout=3)).type == aiohttp.WSMsgType.TEXT:
+                            pass
+                        self.answers.append(f"closed: {msg.type.name}")
+                    except asyncio.TimeoutError:
+                        self.answers.append("open")
+
+
+def test_a_members_lies_about_its_progress_and_the_end_are_not_taken(make_cluster):
+    """Done at step 0, a NaN loss and a step of 2^53 from a member holding the token: the
+    job does not end early, the state stays valid JSON with true figures, the liar's
+    sessions end, and the honest group's final model is the reference's."""
+    env = {"UB_TEST_STEPS": "80", "UB_TEST_DELAY_MS": "30"}
+    c = make_cluster(env=env, min_nodes=2)
+    c.start_coordinator(extra=["--token", TOKEN, "--build-deadline", "2"])
+    for name in ("a", "b"):
+        c.start_node(name, extra=["--token", TOKEN])
+    c.wait_step(5)
+    progress = '{"v":1,"type":"progress","epoch":1,"step":%s,"loss":%s,"wall_time":1.0}'
+    lies = [
+        m.encode(m.Done(step=0, digest="0" * 16)),
+        progress % ("3", "NaN"),
+        progress % (str(2**53), "1.0"),
+    ]
+    liar = Liar(f"http://{c.address[0]}:{c.address[1]}/ws", job_for(env), lies)
+    liar.start()
+    liar.join(60)
+    assert liar.answers[1:] == ["closed: CLOSE"] * 2, liar.answers  # (the first lapses: it never heartbeats)
+    with urllib.request.urlopen(f"http://{c.address[0]}:{c.address[1]}/api/state", timeout=5) as r:
+        state = json.loads(r.read(), parse_constant=lambda name: pytest.fail(f"/api/state holds {name}"))
+    assert not state["finished"], "one member's done does not end the job"
+    assert state["step"] <= 80, state["step"]
+    assert c.wait_exit(timeout=150) == {"a": 0, "b": 0}, c.diagnostics()
+    assert_promises(c, env, finishers=2)
+    refused = [e["reason"] for e in events_of(c, "refused") if "done at step 0" in e["reason"]]
+    assert refused, events_of(c, "refused")
+    dropped = [e["reason"] for e in events_of(c, "protocol")]
+    assert {e["member"] for e in events_of(c, "protocol")} == {"liar#1", "liar#2"}, dropped
+    assert any("finite" in r or "nan" in r.lower() for r in dropped), dropped
+    assert any("past the job's last step 80" in r for r in dropped), dropped

@@ -448,7 +448,7 @@ class Coordinator(ThreadedService):
         ms = self.membership
         for mid, step in zip(up.alive, up.steps, strict=False):
             if mid in link.members:
-                ms.heartbeat(mid, step, now)
+                ms.heartbeat(mid, step if ms.beyond(step) is None else 0, now)  # alive, whatever it claims
         for said in up.said:
             session = self._sessions.get(said.member)
             msg = said.msg
@@ -461,7 +461,10 @@ class Coordinator(ThreadedService):
                 if isinstance(joined, m.Refused):
                     link.session.send_text(m.down_text([msg.member_id], m.encode(joined)))
             elif isinstance(session, RelayedMember) and session.link is link:
-                self._dispatch(session, msg)
+                try:
+                    self._dispatch(session, msg)
+                except ProtocolError as exc:  # that member's lie, not its relay's
+                    self._drop(session, f"sent an invalid message: {exc}")
         for gone in up.gone:
             session = self._sessions.get(gone.member)
             if isinstance(session, RelayedMember) and session.link is link:
@@ -504,10 +507,24 @@ class Coordinator(ThreadedService):
             self.token, challenge, knock.nonce, knock.member_id, knock.proof, who="node", checker="coordinator"
         )
 
+    def _drop(self, session: Sender, reason: str) -> None:
+        """End a relayed member's session for a message no honest node sends (a direct
+        session ends by raising `ProtocolError` out of its reader)."""
+        mid = session.member_id
+        if self._sessions.get(mid) is session:
+            del self._sessions[mid]
+            self._told.pop(mid, None)
+        session.send(m.Expel(reason=reason, term=self.term))
+        session.close()
+        self._apply(self.membership.fail(mid, time.monotonic(), reason))
+
     def _dispatch(self, session: Sender, msg: m.NodeMessage) -> None:
         now = time.monotonic()
         mid = session.member_id
         ms = self.membership
+        step = getattr(msg, "step", None)
+        if step is not None and (why := ms.beyond(step)) is not None:
+            raise ProtocolError(f"{type(msg).__name__.lower()} claims {why}")
         if isinstance(msg, m.Heartbeat):
             ms.heartbeat(mid, msg.step, now)
             session.send(m.Ack(seq=msg.seq))

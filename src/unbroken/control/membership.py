@@ -212,8 +212,14 @@ class Membership:
         self.batch_size: int | None = None
         self.fingerprint: list[TensorSpec] | None = None
         self.step = 0
+        self.num_steps = 0
+        """The job's last step, as its first member said (0: not said)."""
         self.finished = False
         self.final_digests: dict[str, str] = {}
+        """Members that reported the job's last step, with their state's digest."""
+        self.final_digest: str | None = None
+        """The state most of the last epoch's trainers finished with."""
+        self._final_metrics: dict[str, dict[str, float]] = {}
         self.final_metrics: dict[str, float] = {}
         self._pending_due: float | None = None
         self._pending_urgent = False
@@ -270,6 +276,7 @@ class Membership:
             d.refuse = f"epoch {r.epoch} is over (the group is in epoch {self.epoch}); rejoin as a new member"
             return d
         self.job, self.job_identity = hello.job, hello.job_identity
+        self.num_steps = self.num_steps or hello.steps
         self.fingerprint = list(hello.fingerprint)
         self.batch_size = hello.batch_size
         self.members[hello.member_id] = Member(
@@ -335,7 +342,7 @@ class Membership:
             return d
         d.events.append(self._event(now, "failure", member_id, f"{m.name}: {cause}"))
         self._vacated += m.role is Role.TRAINER
-        if self.rank_of(member_id) is not None and not self.finished:
+        if self.rank_of(member_id) is not None and not self.finished and member_id not in self.final_digests:
             self._want_epoch(now, urgent=True, reason=f"{m.name} failed ({cause})", delay=0.0)
         if self._resumes.pop(member_id, None) is not None:
             self._epoch_broke(now, f"{m.name} failed ({cause})")
@@ -350,7 +357,7 @@ class Membership:
 
     def session_closed(self, member_id: str, now: float) -> Decision:
         """The member's session ended; after ``done``, ``leave`` or the job's end that is no failure."""
-        if self.finished:
+        if self.finished or member_id in self.final_digests:
             self.members.pop(member_id, None)
             return Decision()
         return self.fail(member_id, now, "control connection dropped")
@@ -481,17 +488,43 @@ class Membership:
         return d
 
     def done(self, member_id: str, step: int, digest: str, metrics: dict[str, float], now: float) -> Decision:
+        """A member reached the job's last step. The job is finished once most of the
+        epoch's trainers said so with the same state: one member's word ends nothing."""
         d = Decision()
         m = self.members.get(member_id)
         if m is None:
             return d
+        if self.num_steps and step != self.num_steps:
+            d.events.append(
+                self._event(now, "refused", member_id, f"{m.name} reports done at step {step}, not the job's "
+                            f"last step {self.num_steps}: ignored")
+            )  # fmt: skip
+            return d
         self.heartbeat(member_id, step, now)
         self.final_digests[member_id] = digest
-        self.final_metrics.update(metrics)
-        if not self.finished:
-            self.finished = True
-            d.events.append(self._event(now, "finished", member_id, f"final step {step} reached"))
+        self._final_metrics[member_id] = metrics
+        if self.finished:
+            if digest == self.final_digest:
+                self.final_metrics.update(metrics)
+            return d
+        trainers = [mid for mid in self._epoch_members if (x := self.members.get(mid)) and x.role is Role.TRAINER]
+        agree = [mid for mid, dg in self.final_digests.items() if dg == digest]
+        if len(agree) < len(trainers) // 2 + 1:
+            return d
+        self.finished = True
+        self.final_digest = digest
+        for mid in agree:
+            self.final_metrics.update(self._final_metrics[mid])
+        d.events.append(
+            self._event(now, "finished", member_id, f"final step {step} reached ({len(agree)} agree on the state)")
+        )
         return d
+
+    def beyond(self, step: int) -> str | None:
+        """Why ``step``, as a member reported it, cannot be true (past the job's last step)."""
+        if self.num_steps and step > self.num_steps:
+            return f"step {step} is past the job's last step {self.num_steps}"
+        return None
 
     # ---------------------------------------------------------------- time
 

@@ -26,12 +26,14 @@ MAX_MEMBERS = 1 << 20
 
 
 class _Msg(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and infinities are refused at the boundary: no peer puts them into the state or
+    # the JSON the dashboard reads (nodes send non-finite figures as flagged sentinels).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     v: Literal[1] = 1
 
 
 class TensorSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     name: Annotated[str, Field(max_length=1024)]
     shape: Annotated[list[Count], Field(max_length=64)]
     dtype: Annotated[str, Field(max_length=64)]
@@ -40,7 +42,7 @@ class TensorSpec(BaseModel):
 class Resume(BaseModel):
     """What a reconnecting member knows, so a restarted coordinator can rebuild its view."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     epoch: EpochNo
     members: Annotated[list[Name], Field(max_length=MAX_MEMBERS)]
     step: Count
@@ -60,7 +62,7 @@ Seconds = Annotated[float, Field(ge=0, le=1e6)]
 class Capabilities(BaseModel):
     """What a node can do, measured at join and refreshed with every progress report."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     device: Annotated[str, Field(max_length=128)] = "cpu"
     """Device kind and index, e.g. ``cpu``, ``cuda:0``."""
     device_name: Annotated[str, Field(max_length=256)] = ""
@@ -109,6 +111,8 @@ class Hello(_Msg):
     member_id: Name
     name: Name
     batch_size: Annotated[int, Field(ge=1, le=2**31)]
+    steps: Count = 0
+    """The job's last step (0: not said); no member reports a step beyond it."""
     weight: Annotated[float, Field(gt=0, le=1e9)] = 1.0
     step: Count = 0
     host: Annotated[str, Field(max_length=256)] = ""
@@ -139,7 +143,7 @@ class Heartbeat(_Msg):
 class StepPoint(BaseModel):
     """One committed step as its reporter saw it (the dashboard's curves, anomaly checks)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     step: Count
     loss: float
     """-1 when not finite (``finite`` says)."""

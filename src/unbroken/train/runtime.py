@@ -637,7 +637,7 @@ class Node:
         self.sidecar.submit(self.state.step, state)
 
     def _validated(self, step: int, metrics: dict[str, float], seconds: float) -> None:
-        self.client.send(m.Validation(step=step, metrics=metrics, seconds=seconds))
+        self.client.send(m.Validation(step=step, metrics=finite(metrics), seconds=seconds))
         self._log({"kind": "validation", "step": step, "metrics": metrics, "seconds": seconds})
         log.info("%s: validated step %d: %s", self.name, step, metrics)
 
@@ -784,7 +784,7 @@ class Node:
             torch.save(self.state.capture(), self.config.final_state)
         self._log({"kind": "final", "step": self.state.step, "digest": digest})
         # Sent before the session closes: `client.close` queues behind it.
-        self.client.send(m.Done(step=self.state.step, digest=digest, metrics=metrics))
+        self.client.send(m.Done(step=self.state.step, digest=digest, metrics=finite(metrics)))
         self._abandon()
         return NodeResult("finished", self.state.step, digest, self._epochs_formed, metrics)
 
@@ -825,6 +825,7 @@ class Node:
             member_id=member_id,
             name=self.name,
             batch_size=self.job.batch_size,
+            steps=self.job.num_steps,
             weight=self.config.weight,
             step=self.state.step,
             host=socket.gethostname(),
@@ -927,3 +928,12 @@ class _CodecResidual:
 def run_node(job: Job, config: NodeConfig, faults: list[Fault] | None = None) -> NodeResult:
     """Run one node to the end of the job (see `Node`)."""
     return Node(job, config, faults).run()
+
+
+def finite(metrics: dict[str, float]) -> dict[str, float]:
+    """Metrics as the control plane takes them: a NaN or infinite one (a diverged model's
+    evaluation) is left out, with a warning, instead of refusing the whole report."""
+    bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
+    if bad:
+        log.warning("metrics %s are not finite: left out of the report", ", ".join(bad))
+    return {k: v for k, v in metrics.items() if k not in bad}

@@ -395,6 +395,35 @@ def test_finished_members_outlive_their_lease_and_their_session() -> None:
     assert ms.final_digests == {"a": "d1", "b": "d1"}
 
 
+def test_one_members_done_finishes_nothing() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0)
+    for mid in ("a", "b", "c"):
+        ms.admit(hello(mid, steps=40), 0.0)
+    ms.tick(JOIN_SETTLE_S)
+    ms.done("liar", 40, "forged", {}, 0.5)  # not a member
+    ms.done("c", 0, "forged", {}, 0.5)  # step 0 of a 40-step job
+    assert not ms.finished
+    ms.done("c", 40, "forged", {"val_loss": 9.9}, 0.6)  # the right step, a state nobody else has
+    ms.done("a", 40, "true", {"val_loss": 1.0}, 0.7)
+    assert not ms.finished, "one honest member and one liar: no majority yet"
+    ms.done("b", 40, "true", {}, 0.8)
+    assert ms.finished and ms.final_digest == "true" and ms.final_metrics == {"val_loss": 1.0}
+    assert ms.beyond(40) is None and "past the job's last step 40" in (ms.beyond(2**53) or "")
+
+
+def test_a_finisher_leaving_before_the_others_report_is_no_failure() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0)
+    for mid in ("a", "b"):
+        ms.admit(hello(mid, steps=40), 0.0)
+    ms.tick(JOIN_SETTLE_S)
+    ms.done("a", 40, "d", {}, 0.5)
+    assert not ms.finished
+    ms.session_closed("a", 0.6)
+    assert ms.tick(0.7).orders == {}, "no epoch for a member that finished"
+    ms.done("b", 40, "d", {}, 0.8)
+    assert ms.finished
+
+
 # ---------------------------------------------------------------- epoch numbers
 
 
