@@ -271,6 +271,7 @@ class Coordinator(ThreadedService):
                     "zone": zones[mid] or "default",
                     "refused_gradients": mem.flags,
                     "quarantined": mem.quarantined,
+                    "checkpoint_error": mem.checkpoint_error,
                     "bytes_sent": {"intra_zone": mem.bytes_intra, "inter_zone": mem.bytes_inter},
                     "last_seen_s": round(now - mem.last_seen, 3),
                 }
@@ -320,7 +321,7 @@ class Coordinator(ThreadedService):
         ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=None)
         await ws.prepare(request)
         peer = request.remote or "?"
-        if not self.doorman.enter(peer):
+        if not await self.doorman.enter(peer):
             await turn_away(ws)
             return ws
         waiting = True
@@ -393,6 +394,8 @@ class Coordinator(ThreadedService):
         back = old is not None or mid in self._detached
         self._detached.discard(mid)
         now = time.monotonic()
+        ms = self.membership
+        group_step = ms.step if ms.epoch_members and ms.recovering_until is None else 0
         decision = self.membership.admit(hello, now, reconnect=back)
         if decision.refuse is not None:
             log.warning("refused %s from %s: %s", hello.name, peer, decision.refuse)
@@ -410,6 +413,7 @@ class Coordinator(ThreadedService):
                 coordinator_id=self.coordinator_id,
                 proof=proof,
                 term=self.term,
+                group_step=group_step,
                 build_s=self.config.build_deadline_s,
             )
         )
@@ -546,6 +550,8 @@ class Coordinator(ThreadedService):
                 self._close_recoveries(msg.epoch, msg.step, msg.wall_time)
             self._observe(mid, msg)
         elif isinstance(msg, m.Report):
+            if (mem := ms.members.get(mid)) is not None and msg.kind in ("checkpoint", "checkpoint-failed"):
+                mem.checkpoint_error = msg.reason if msg.kind == "checkpoint-failed" else None
             self._record(Event(now, msg.kind, mid, ms.epoch, msg.step, f"{self._name(mid)}: {msg.reason}"))
         elif isinstance(msg, m.Fault):
             self._apply(

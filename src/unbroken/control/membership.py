@@ -86,6 +86,8 @@ class Member:
     role: Role | None = None
     compute_times: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     validation: dict[str, float] | None = None
+    checkpoint_error: str | None = None
+    """Why its last checkpoint failed (None: it did not, or it writes none)."""
     zone: str = ""
     flags: int = 0
     """Times its gradient was refused."""
@@ -217,6 +219,8 @@ class Membership:
         self.finished = False
         self.final_digests: dict[str, str] = {}
         """Members that reported the job's last step, with their state's digest."""
+        self._accusers: dict[tuple[int, str, str], set[str]] = {}
+        """(epoch, culprit, kind) → the members that named it."""
         self.final_digest: str | None = None
         """The state most of the last epoch's trainers finished with."""
         self._final_metrics: dict[str, dict[str, float]] = {}
@@ -275,6 +279,10 @@ class Membership:
             # commit anything more there, so it comes back as a new member and catches up.
             d.refuse = f"epoch {r.epoch} is over (the group is in epoch {self.epoch}); rejoin as a new member"
             return d
+        # A group in training never takes a newcomer's word that it is ahead (a checkpoint of
+        # another run): its step counts from the group's; the node drops that state itself.
+        running = bool(self._epoch_members) and self.recovering_until is None and hello.resume is None
+        step = min(hello.step, self.step) if running else hello.step
         self.job, self.job_identity = hello.job, hello.job_identity
         self.num_steps = self.num_steps or hello.steps
         self.fingerprint = list(hello.fingerprint)
@@ -287,13 +295,13 @@ class Membership:
             last_seen=now,
             host=hello.host,
             pid=hello.pid,
-            step=hello.step,
+            step=step,
             caps=hello.capabilities,
             preference=Preference(hello.role),
             evaluates=hello.evaluates,
             zone=hello.zone,
         )
-        self.step = max(self.step, hello.step)
+        self.step = max(self.step, step)
         self._epoch_floor = max(self._epoch_floor, hello.last_epoch, hello.restored_epoch or 0)
         live = hello.resume is not None or hello.last_epoch > 0 or (hello.step > 0 and hello.restored_epoch is None)
         self._started = self._started or live
@@ -446,11 +454,20 @@ class Membership:
             self._epoch_broke(now, f"{self.members[member_id].name} reports: {reason}")
         if rollback_to >= 0:
             self._rollback_to = rollback_to
+        m = self.members[member_id]
         c = self.members.get(culprit) if culprit is not None else None
         if c is not None:
-            what = "bad gradient" if kind == "bad-gradient" else "failed audit"
-            return self._offence(c, epoch, reason, now, kind, f"{what} from {c.name}")
-        m = self.members[member_id]
+            # Every member reaches the same verdict from the same all-reduced data (or the
+            # same gathered digests): a culprit is named by most of the epoch, or by no one.
+            self._accusers = {k: v for k, v in self._accusers.items() if k[0] == epoch}
+            accusers = self._accusers.setdefault((epoch, c.member_id, kind), set())
+            accusers.add(member_id)
+            if len(accusers) >= len(self._epoch_members) // 2 + 1:
+                what = "bad gradient" if kind == "bad-gradient" else "failed audit"
+                return self._offence(c, epoch, reason, now, kind, f"{what} from {c.name}")
+            if len(accusers) > 1:
+                return d
+            reason = f"{reason} (names {c.name}; benched only when most of the epoch agrees)"
         d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason}"))
         self._want_epoch(now, urgent=True, reason=f"collective failed at {m.name}: {reason}", delay=FAULT_GRACE_S)
         return d

@@ -238,6 +238,9 @@ class Welcome(_Msg):
     """The leader's term: a node refuses sessions and orders of an older term than it has seen."""
     report_s: Seconds = 0.05
     """How often a training node reports progress (larger groups report less often)."""
+    group_step: Count = 0
+    """The step the group has committed (0: no group trains yet, a cold start): a node whose
+    restored checkpoint is ahead of it does not use it (another run's)."""
     build_s: Seconds = 5.0
     """How long an epoch's group build may take once its first member started it: a node
     gives up then, and the leader names the members that never wrote their rendezvous entry."""

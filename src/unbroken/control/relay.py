@@ -356,7 +356,7 @@ class Relay(ThreadedService):
         ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=None)
         await ws.prepare(request)
         peer = request.remote or "?"
-        if not self.doorman.enter(peer):
+        if not await self.doorman.enter(peer):
             await turn_away(ws)
             return ws
         waiting = True

@@ -37,10 +37,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HELLO_TIMEOUT_S = 10.0
-PREAUTH_PER_ADDRESS = 64
-"""Sessions one address may hold open before proving the job token; more are closed unread."""
-PREAUTH_TOTAL = 1024
-"""...and from all addresses together."""
+PREAUTH_PER_ADDRESS = 16
+"""Sessions of one address read at a time before they proved the job token (`Doorman`)."""
+PREAUTH_TOTAL = 4096
+"""Sessions held before proving the token, from all addresses together; more are closed unread."""
 INLINE_PARSE_BYTES = 64 << 10
 """Larger messages are parsed on a worker thread: the event loop keeps acknowledging leases."""
 RELAY_MESSAGE_FACTOR = 8
@@ -129,27 +129,42 @@ class RelayedMember:
 
 
 class Doorman:
-    """Counts sessions that have not proven the job token yet, per address and in all: a
-    flood of them cannot take the event loop from the members (`PREAUTH_PER_ADDRESS`)."""
+    """Sessions that have not proven the job token yet: at most ``per_address`` of one
+    address are read at a time (the rest wait, unread, for a slot: a burst of honest
+    reconnects behind one NAT only queues), and at most ``total`` are held in all (more
+    are closed unread): a flood of them cannot take the event loop from the members."""
 
     def __init__(self, per_address: int = PREAUTH_PER_ADDRESS, total: int = PREAUTH_TOTAL) -> None:
         self.per_address = per_address
         self.total = total
-        self._waiting: collections.Counter[str] = collections.Counter()
+        self._held: collections.Counter[str] = collections.Counter()
+        self._slots: dict[str, asyncio.Semaphore] = {}
         self.turned_away = 0
 
-    def enter(self, peer: str) -> bool:
-        """Let a new session from ``peer`` in (then `leave` once it proved itself or ended)."""
-        if self._waiting[peer] >= self.per_address or sum(self._waiting.values()) >= self.total:
+    async def enter(self, peer: str) -> bool:
+        """Wait for a slot for a new session from ``peer`` (then `leave` once it proved
+        itself or ended); False when too many are held already."""
+        if sum(self._held.values()) >= self.total:
             self.turned_away += 1
             return False
-        self._waiting[peer] += 1
+        self._held[peer] += 1
+        slot = self._slots.setdefault(peer, asyncio.Semaphore(self.per_address))
+        try:
+            await slot.acquire()
+        except BaseException:
+            self._release(peer, acquired=False)
+            raise
         return True
 
     def leave(self, peer: str) -> None:
-        self._waiting[peer] -= 1
-        if self._waiting[peer] <= 0:
-            del self._waiting[peer]
+        self._release(peer, acquired=True)
+
+    def _release(self, peer: str, acquired: bool) -> None:
+        if acquired:
+            self._slots[peer].release()
+        self._held[peer] -= 1
+        if self._held[peer] <= 0:
+            del self._held[peer], self._slots[peer]
 
 
 async def turn_away(ws: web.WebSocketResponse) -> None:
@@ -226,7 +241,7 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
     ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=None)
     await ws.prepare(request)
     peer = request.remote or "?"
-    if not coord.doorman.enter(peer):
+    if not await coord.doorman.enter(peer):
         await turn_away(ws)
         return ws
     waiting = True

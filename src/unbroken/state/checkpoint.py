@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from unbroken.errors import ConfigError
 from unbroken.state import layout
 from unbroken.state.snapshot import snapshot_digest
 
@@ -50,12 +51,53 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return snap
 
 
+def load_newest(directory: Path) -> tuple[Path, dict[str, Any], list[str]] | None:
+    """The newest checkpoint in ``directory`` that loads, and why each newer one did not
+    (truncated, garbage, not a state); None when none loads."""
+    if not directory.is_dir():
+        return None
+    found = sorted((int(mt.group(1)), p) for p in directory.iterdir() if (mt := _NAME.match(p.name)))
+    bad: list[str] = []
+    for _, path in reversed(found):
+        try:
+            snap = load_checkpoint(path)
+            if not isinstance(snap, dict) or not {"step", "cursor", "model"} <= snap.keys():
+                raise ValueError("it holds no training state")
+            return path, snap, bad
+        except Exception as exc:  # torch.load raises whatever the unpickler met
+            bad.append(f"{path} cannot be used ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+    return None
+
+
+def set_aside(directory: Path, why: str) -> Path:
+    """Move the checkpoints of ``directory`` into a new subdirectory (another run's: kept,
+    but out of the way of this run's, which `Checkpointer` prunes by step)."""
+    aside = directory / f"set-aside-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    aside.mkdir()
+    for p in directory.iterdir():
+        if _NAME.match(p.name):
+            p.rename(aside / p.name)
+    (aside / "WHY.txt").write_text(why + "\n", encoding="utf-8")
+    return aside
+
+
 class Checkpointer:
     """Writes captured states in the background, one at a time."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(
+                f"checkpoint directory {directory} cannot be written ({exc.strerror or exc}): give a writable "
+                "--checkpoint-dir, or none"
+            ) from None
+        self.failure: str | None = None
+        """Why the last write failed (None after a write that succeeded)."""
         self._thread: threading.Thread | None = None
         self._staged: dict[str, Any] | None = None
         """The last copy handed to the writer; the next one is copied into its tensors."""
@@ -111,8 +153,10 @@ class Checkpointer:
         try:
             write_fragments(self.directory, snap, k, m, mine, snapshot_digest(snap, in_digest))
             self.written.append((int(snap["step"]), time.monotonic() - start))
-        except OSError:
-            log.exception("fragments of step %d failed", snap["step"])
+            self.failure = None
+        except OSError as exc:
+            log.error("fragments of step %d failed: %s", snap["step"], exc)
+            self.failure = f"fragments of step {snap['step']} could not be written to {self.directory}: {exc}"
 
     def _write(self, snap: dict[str, Any]) -> None:
         step = int(snap["step"])
@@ -127,10 +171,13 @@ class Checkpointer:
                 os.fsync(f.fileno())
             os.replace(tmp, final)
             self.written.append((step, time.monotonic() - start))
+            self.failure = None
             self._prune()
-        except OSError:
-            log.exception("checkpoint of step %d failed", step)
-            tmp.unlink(missing_ok=True)
+        except OSError as exc:
+            log.error("checkpoint of step %d failed: %s", step, exc)
+            self.failure = f"checkpoint of step {step} could not be written to {self.directory}: {exc}"
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
     def _prune(self) -> None:
         found = sorted((int(mt.group(1)), p) for p in self.directory.iterdir() if (mt := _NAME.match(p.name)))

@@ -228,7 +228,10 @@ class FakeNodes:
             max_msg_size=256 << 20,
             timeout=aiohttp.ClientWSTimeout(ws_close=0.2),  # as a node: a frozen peer never answers a close
         ) as ws:
-            challenge = m.parse_coordinator_message((await ws.receive(timeout=30)).data)
+            first = await ws.receive(timeout=30)
+            if first.type != aiohttp.WSMsgType.TEXT:
+                raise ValueError(f"closed before its challenge ({first.type.name})")
+            challenge = m.parse_coordinator_message(first.data)
             if not isinstance(challenge, m.Challenge):
                 raise ValueError(f"expected a challenge, got {challenge}")
             hello = m.Hello(

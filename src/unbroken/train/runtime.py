@@ -53,7 +53,7 @@ from unbroken.errors import (
 from unbroken.job import Job
 from unbroken.sched.shares import offsets
 from unbroken.sched.zones import WORLD, Zones
-from unbroken.state.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
+from unbroken.state.checkpoint import Checkpointer, load_newest, set_aside
 from unbroken.state.fragments import parse_fragments, rebuild
 from unbroken.state.snapshot import TrainState, fingerprint
 from unbroken.testing.faults import Fault, FaultPlan, flip_bit
@@ -145,6 +145,11 @@ class Node:
         self._last_progress_log = time.monotonic()
         self._epochs_formed = 0
         self._restored_epoch: int | None = None
+        self._fresh: dict[str, Any] | None = None
+        """The state as built, while a restored checkpoint may still prove another run's."""
+        self._notes: list[tuple[str, str]] = []
+        self._checkpoint_failure: str | None = None
+        """Events for the job's log from before this node joined (sent once it has)."""
         """The epoch of the checkpoint this node cold-started from (`m.Hello.restored_epoch`)."""
         self._partial = Partial()
         """What this node fetched of a peer's state so far (kept when a transfer is cut short)."""
@@ -200,6 +205,7 @@ class Node:
 
     def _loop(self) -> NodeResult:
         while True:
+            self._joined()
             if self.state.step >= self.job.num_steps:
                 return self._finish()
             order = self._next_order()
@@ -760,6 +766,10 @@ class Node:
         ck = self.config.checkpoint_every
         if self.checkpointer is None or not ck or self.state.step % ck:
             return
+        failure = self.checkpointer.failure
+        if failure is not None and failure != self._checkpoint_failure:
+            self.report("checkpoint-failed", failure)
+        self._checkpoint_failure = failure
         if self._fragments is not None:
             k, m = self._fragments
             mine = [i for i in range(k + m) if i % g.size == g.rank]
@@ -842,13 +852,25 @@ class Node:
     def _checkpoint_tree(self) -> dict[str, Any]:
         tree = self.state.tree(local=True)  # the checkpointer copies it before the step goes on
         tree["epoch"] = self.group.epoch if self.group is not None else (self._restored_epoch or 0)
+        tree["job"] = self.job.identity()
         return tree
 
     def _restore_checkpoint(self) -> None:
         if self.config.checkpoint_dir is None:
             return
-        path = latest_checkpoint(self.config.checkpoint_dir)
-        if path is None:
+        directory = self.config.checkpoint_dir
+        newest = load_newest(directory)
+        for why in newest[2] if newest else []:
+            self._note("checkpoint-failed", f"{why}: using an older one")
+        if newest is not None and newest[1].get("job", self.job.identity()) != self.job.identity():
+            aside = set_aside(directory, f"checkpoints of job {newest[1]['job']}, not of {self.job.identity()}")
+            self._note(
+                "checkpoint-failed",
+                f"{newest[0]} is another job's (job identity {newest[1]['job']}, this job {self.job.identity()}: "
+                f"name, batch size, steps, seed or dataset differ): not used, moved to {aside}",
+            )
+            newest = None
+        if newest is None:
             # Fragments in this directory (a shared one, or one `unbroken restore` did not
             # merge yet) rebuild the state when K of them are there.
             try:
@@ -857,7 +879,8 @@ class Node:
                 return
             path = self.config.checkpoint_dir / f"frag-{manifest.step:09d}.json"
         else:
-            snap = load_checkpoint(path)
+            path, snap, _ = newest
+        self._fresh = self.state.capture()  # until the group says this checkpoint is not ahead of it
         self.state.restore(snap)
         self._restored_epoch = int(snap.get("epoch", 0))
         self.client.step = self.state.step
@@ -874,6 +897,34 @@ class Node:
                 {"kind": "fault", "signal": "kill", "phase": "operator", "step": self.state.step, "pid": os.getpid()}
             )
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _note(self, kind: str, reason: str) -> None:
+        """An event for the job's log from before joining: logged now, reported once joined."""
+        log.warning("%s: %s", self.name, reason)
+        self._log({"kind": kind, "reason": reason, "step": self.state.step})
+        self._notes.append((kind, reason))
+
+    def _joined(self) -> None:
+        """Once welcomed: drop a restored checkpoint that is ahead of the group (another run's:
+        the group never moves to a step it did not commit), and send the notes."""
+        welcome = self.client.welcome
+        if welcome is None:
+            return
+        if self._fresh is not None:
+            if welcome.group_step and self.state.step > welcome.group_step and self.config.checkpoint_dir:
+                ahead = self.state.step
+                self.state.restore(self._fresh, own=True)
+                self._restored_epoch = None
+                why = f"a checkpoint of step {ahead}, ahead of the group's step {welcome.group_step}"
+                aside = set_aside(self.config.checkpoint_dir, f"{why}: another run's")
+                self._note(
+                    "checkpoint-failed",
+                    f"{why}: another run's? Not used (moved to {aside}); this node joins with the group's state",
+                )
+            self._fresh = None
+        for kind, reason in self._notes:
+            self.report(kind, reason)
+        self._notes.clear()
 
     def report(self, kind: str, reason: str) -> None:
         """An event for the job's log at the coordinator (a checkpoint, a state transfer...)."""

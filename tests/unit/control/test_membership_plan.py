@@ -524,10 +524,10 @@ def test_a_refused_gradient_benches_its_member_and_repeat_offenders_are_quaranti
     order = only_order(ms.tick(JOIN_SETTLE_S))
     t = JOIN_SETTLE_S
     for offence in range(1, QUARANTINE_AFTER + 1):
-        for reporter in ("a", "b"):  # every member reports the same culprit: counted once
+        for reporter in ("a", "b", "c"):  # every member reports the same culprit: counted once
             d = ms.fault(reporter, ms.epoch, "refused: not finite", t, culprit="c")
             ms.heartbeat("a", 0, t), ms.heartbeat("b", 0, t), ms.heartbeat("c", 0, t)
-            if reporter == "a":
+            if reporter == "b":  # the second of three: most of the epoch agrees
                 (ev,) = events(d, "bad-gradient")
                 assert ev.member == "c" and f"offence {offence}" in ev.reason
         order = only_order(ms.tick(t))
@@ -544,8 +544,27 @@ def test_a_refused_gradient_benches_its_member_and_repeat_offenders_are_quaranti
         ms2.admit(hello(mid, 30), 0.0)
     ms2.tick(JOIN_SETTLE_S)
     ms2.fault("a", ms2.epoch, "refused", 1.0, culprit="c")
+    ms2.fault("b", ms2.epoch, "refused", 1.0, culprit="c")
     assert only_order(ms2.tick(1.0)).shares[2] == 0
     assert ms2.members["c"].profile(1.0 + BENCH_S + 1).benched is False
+
+
+def test_one_members_accusations_bench_nobody() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0)
+    for mid in ("a", "b", "c"):
+        ms.admit(hello(mid, 30), 0.0)
+    ms.tick(JOIN_SETTLE_S)
+    t = JOIN_SETTLE_S
+    for _ in range(5):  # made-up reports, again and again, in each new epoch
+        d = ms.fault("a", ms.epoch, "refused: not finite", t, culprit="c")
+        ms.fault("a", ms.epoch, "refused: not finite", t, culprit="c")
+        assert not events(d, "bad-gradient") and "benched only when most of the epoch agrees" in d.events[0].reason
+        for mid in ("a", "b", "c"):
+            ms.heartbeat(mid, 0, t + 1)
+        ms.tick(t + 1)
+        t += 1
+    assert ms.members["c"].flags == 0 and not ms.members["c"].quarantined
+    assert ms.members["c"].role is Role.TRAINER
 
 
 # ---------------------------------------------------------------- zones by round-trip time
@@ -595,7 +614,8 @@ def test_failed_audits_count_as_offences_and_a_replica_that_keeps_failing_them_i
     t = JOIN_SETTLE_S
     for offence in range(1, QUARANTINE_AFTER + 1):
         reason = "digest differs from the majority's (2 of 3 agree)"
-        d = ms.fault("a", ms.epoch, reason, t, culprit="c", kind="audit", rollback_to=10 * offence)
+        ms.fault("a", ms.epoch, reason, t, culprit="c", kind="audit", rollback_to=10 * offence)
+        d = ms.fault("b", ms.epoch, reason, t, culprit="c", kind="audit", rollback_to=10 * offence)
         (ev,) = events(d, "audit")
         assert ev.member == "c" and f"offence {offence}" in ev.reason
         for mid in ("a", "b", "c"):
