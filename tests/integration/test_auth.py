@@ -50,11 +50,12 @@ async def _handshake(
             nonce = auth.new_nonce()
             proof = auth.node_proof(token or "", challenge.nonce, nonce, "m1#1")
             knock = m.Knock(member_id="m1#1", nonce=nonce, proof=proof)
+        seal = auth.Seal(token or "", challenge.nonce, knock.nonce, knock.member_id, sending="up")
         await ws.send_str(m.encode(knock))
-        await ws.send_str(
-            m.encode(m.Hello(job="j", job_identity="i", fingerprint=[], member_id="m1#1", name="n", batch_size=4))
-        )
-        answer = m.parse_coordinator_message((await ws.receive()).data)
+        hello = m.Hello(job="j", job_identity="i", fingerprint=[], member_id="m1#1", name="n", batch_size=4)
+        await ws.send_str(seal.seal(m.encode(hello)))
+        text = (await ws.receive()).data
+        answer = m.parse_coordinator_message(text if text.startswith("{") else seal.open(text))
         return knock, answer, challenge
 
 

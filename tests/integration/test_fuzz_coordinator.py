@@ -56,17 +56,18 @@ class Member(threading.Thread):
             nonce = auth.new_nonce()
             proof = auth.node_proof(TOKEN, challenge.nonce, nonce, self.member_id)
             await ws.send_str(m.encode(m.Knock(member_id=self.member_id, nonce=nonce, proof=proof)))
+            seal = auth.Seal(TOKEN, challenge.nonce, nonce, self.member_id, sending="up")
             hello = m.Hello(
                 job="j", job_identity="i", fingerprint=[], member_id=self.member_id, name=self.member_id, batch_size=8
             )  # fmt: skip
-            await ws.send_str(m.encode(hello))
+            await ws.send_str(seal.seal(m.encode(hello)))
             seq = 0
             while not self.stop.is_set():
                 seq += 1
-                await ws.send_str(m.encode(m.Heartbeat(seq=seq, step=0)))
+                await ws.send_str(seal.seal(m.encode(m.Heartbeat(seq=seq, step=0))))
                 try:
                     msg = await asyncio.wait_for(ws.receive(), timeout=0.1)
-                    if msg.type == aiohttp.WSMsgType.TEXT and '"welcome"' in msg.data:
+                    if msg.type == aiohttp.WSMsgType.TEXT and '"welcome"' in seal.open(msg.data):
                         self.welcomed.set()
                 except TimeoutError:
                     pass

@@ -16,7 +16,9 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+import aiohttp.web
 import pytest
+import torch
 
 from integration.helpers import assert_promises, events_of, fired, job_for
 from unbroken.control import auth
@@ -194,15 +196,16 @@ class Liar(threading.Thread):
                     nonce = auth.new_nonce()
                     proof = auth.node_proof(TOKEN, challenge.nonce, nonce, member_id)
                     await ws.send_str(m.encode(m.Knock(member_id=member_id, nonce=nonce, proof=proof)))
+                    seal = auth.Seal(TOKEN, challenge.nonce, nonce, member_id, sending="up")
                     hello = m.Hello(
                         job=self.job.name, job_identity=self.job.identity(), fingerprint=fingerprint(model),
                         member_id=member_id, name=f"liar{i}", batch_size=self.job.batch_size,
                         steps=self.job.num_steps,
                     )  # fmt: skip
-                    await ws.send_str(m.encode(hello))
-                    welcome = m.parse_coordinator_message((await ws.receive(timeout=10)).data)
+                    await ws.send_str(seal.seal(m.encode(hello)))
+                    welcome = m.parse_coordinator_message(seal.open((await ws.receive(timeout=10)).data))
                     assert isinstance(welcome, m.Welcome), welcome
-                    await ws.send_str(lie)
+                    await ws.send_str(seal.seal(lie))
                     try:  # the session ends if the lie is refused; else it lingers a while
                         while (msg := await ws.receive(timeout=3)).type == aiohttp.WSMsgType.TEXT:
                             pass
@@ -243,3 +246,147 @@ def test_a_members_lies_about_its_progress_and_the_end_are_not_taken(make_cluste
     assert {e["member"] for e in events_of(c, "protocol")} == {"liar#1", "liar#2"}, dropped
     assert any("finite" in r or "nan" in r.lower() for r in dropped), dropped
     assert any("past the job's last step 80" in r for r in dropped), dropped
+
+
+def _foreign_checkpoint(directory: Path, job, step: int, identity: str) -> None:
+    """A checkpoint of ``step`` whose weights no run of this job had (another run's)."""
+    from unbroken.state.snapshot import TrainState
+
+    model, optimizer = job.build()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    tree = TrainState(model, optimizer).capture()
+    tree.update(step=step, cursor=step * job.batch_size, epoch=9, job=identity)
+    directory.mkdir(parents=True)
+    torch.save(tree, directory / f"ckpt-{step:09d}.pt")
+
+
+def test_a_checkpoint_of_another_run_never_moves_the_group(make_cluster, tmp_path):
+    """A node joining with a checkpoint ahead of the group (another run's), and one with
+    another job's checkpoint: neither state is used, both are set aside with an event that
+    says why, and the group's final model is the reference's."""
+    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20"}
+    job = job_for(env)
+    ahead, other = tmp_path / "ahead", tmp_path / "other"
+    _foreign_checkpoint(ahead, job, 390, job.identity())
+    _foreign_checkpoint(other, job, 10, "feedfacefeedface")
+    c = make_cluster(env=env, min_nodes=2)
+    c.start_coordinator()
+    c.start_node("a")
+    c.start_node("b")
+    c.wait_step(15)
+    c.start_node("ahead", extra=["--checkpoint-dir", str(ahead)])
+    c.start_node("other", extra=["--checkpoint-dir", str(other)])
+    assert c.wait_exit(timeout=150) == {"a": 0, "b": 0, "ahead": 0, "other": 0}, c.diagnostics()
+    assert_promises(c, env, finishers=4)
+    reasons = [e["reason"] for e in events_of(c, "checkpoint-failed")]
+    assert any("a checkpoint of step 390, ahead of the group's step" in r for r in reasons), reasons
+    assert any("another job's (job identity feedfacefeedface" in r for r in reasons), reasons
+    for d in (ahead, other):
+        (aside,) = d.glob("set-aside-*")
+        assert list(aside.glob("ckpt-*.pt")), f"{d}: the other run's checkpoint is kept, out of the way"
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_an_older_one(make_cluster, tmp_path):
+    """Every node killed, the newest checkpoint truncated and another garbage: the restart
+    resumes from the newest valid one, names the bad files, and keeps every promise."""
+    env = {"UB_TEST_STEPS": "80", "UB_TEST_DELAY_MS": "20"}
+    ckpt = tmp_path / "ckpt"
+    c = make_cluster(env=env, min_nodes=2, node_args=["--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"])
+    c.start_coordinator()
+    first = [c.start_node(f"n{i}") for i in (1, 2)]
+    c.wait_step(27)
+    for n in first:
+        n.kill()
+        n.wait(10)
+    *_, older, newest = sorted(ckpt.glob("ckpt-*.pt"))
+    newest.write_bytes(newest.read_bytes()[:1000])
+    older.write_bytes(b"not a checkpoint at all")
+    restarted = [c.start_node(f"n{i}") for i in (1, 2)]
+    assert c.wait_exit(timeout=120) == {"n1": 0, "n2": 0}, c.diagnostics()
+    restores = [e for n in restarted for e in n.entries() if e["kind"] == "restore"]
+    assert restores and all(e["path"] not in (str(older), str(newest)) for e in restores), restores
+    reasons = " ".join(e["reason"] for e in events_of(c, "checkpoint-failed"))
+    assert str(newest) in reasons and str(older) in reasons, reasons
+    assert_promises(c, env, finishers=2)
+
+
+def test_an_unwritable_checkpoint_directory_stops_the_node_with_a_clear_message(make_cluster, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    c = make_cluster(env={"UB_TEST_STEPS": "5"})
+    c.start_coordinator()
+    node = c.start_node("n", extra=["--checkpoint-dir", str(tmp_path / "a-file" / "ckpt")])
+    assert node.wait(60) == 2, node.stderr()
+    assert "cannot be written" in node.stderr() and "Traceback" not in node.stderr(), node.stderr()
+
+
+class OnPath(threading.Thread):
+    """A relay on the path between a node and its coordinator (no TLS): passes every frame
+    on, and once, right after the welcome, injects an order of its own to the node."""
+
+    def __init__(self, upstream: tuple[str, int], inject: str) -> None:
+        super().__init__(name="on-path", daemon=True)
+        self.upstream, self.inject = upstream, inject
+        self.injected = threading.Event()
+        self.ready = threading.Event()
+        self.address: tuple[str, int] = ("127.0.0.1", 0)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self._serve())
+        self.loop.run_forever()
+
+    async def _serve(self) -> None:
+        app = aiohttp.web.Application()
+        app.router.add_get("/ws", self._ws)
+        runner = aiohttp.web.AppRunner(app)
+        await runner.setup()
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.address = ("127.0.0.1", site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        self.ready.set()
+
+    async def _ws(self, request):
+        down = aiohttp.web.WebSocketResponse(max_msg_size=0)
+        await down.prepare(request)
+        host, port = self.upstream
+        async with aiohttp.ClientSession() as http, http.ws_connect(f"http://{host}:{port}/ws", max_msg_size=0) as up:
+
+            async def to_node() -> None:
+                seen = 0
+                async for raw in up:
+                    await down.send_str(raw.data)
+                    seen += 1
+                    if seen == 2 and not self.injected.is_set():  # the challenge, then the welcome
+                        self.injected.set()
+                        await down.send_str(self.inject)
+
+            async def to_coordinator() -> None:
+                async for raw in down:
+                    await up.send_str(raw.data)
+
+            await asyncio.wait(
+                [asyncio.ensure_future(to_node()), asyncio.ensure_future(to_coordinator())],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        return down
+
+
+def test_an_order_injected_on_the_path_is_refused(make_cluster):
+    """Without TLS, something on the path injects a kill command after the welcome: the
+    node refuses it (its session drops, it reconnects) and trains on; nothing dies."""
+    env = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "20"}
+    c = make_cluster(env=env, min_nodes=2)
+    c.start_coordinator(extra=["--token", TOKEN])
+    path = OnPath(c.address, m.encode(m.Command(action="kill", reason="on-path attacker")))
+    path.start()
+    assert path.ready.wait(10)
+    c.start_node("a", extra=["--token", TOKEN])
+    b = c.start_node("b", extra=["--token", TOKEN], via=[path.address])
+    assert path.injected.wait(60)
+    assert c.wait_exit(timeout=120) == {"a": 0, "b": 0}, c.diagnostics()
+    assert not fired(b, "kill"), "the injected command was obeyed"
+    assert "failed its authentication" in b.stderr(), b.stderr()[-3000:]
+    assert_promises(c, env, finishers=2)

@@ -245,7 +245,10 @@ class ControlClient:
                         # A refused reconnect means the coordinator already counts us gone.
                         self._mark_expelled(f"reconnect refused: {exc}")
                         return
-                    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ProtocolError) as exc:
+                    except ProtocolError as exc:  # the peer said something no coordinator says
+                        log.warning("control session with %s:%d dropped: %s", host, port, exc)
+                        last_error = f"{type(exc).__name__}: {exc}"
+                    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
                         last_error = f"{type(exc).__name__}: {exc}"
                     except Exception as exc:  # never let the session thread die silently
                         log.exception("control session failed; reconnecting")
@@ -302,6 +305,18 @@ class ControlClient:
             raise ProtocolError(f"coordinator closed the session before {doing} ({first.type.name})")
         return m.parse_coordinator_message(first.data)
 
+    async def _answer(self, ws: aiohttp.ClientWebSocketResponse, seal: auth.Seal | None) -> m.CoordinatorMessage:
+        """The answer to a hello: sealed, or a plain refusal of the knock (a wrong token)."""
+        first = await asyncio.wait_for(ws.receive(), timeout=10)
+        if first.type != aiohttp.WSMsgType.TEXT:
+            raise ProtocolError(f"coordinator closed the session before welcoming ({first.type.name})")
+        if seal is not None and first.data.startswith("{"):
+            msg = m.parse_coordinator_message(first.data)
+            if not isinstance(msg, m.Refused):
+                raise ProtocolError(f"a {msg.type!r} came unsealed: not the job's coordinator (or one on the way)")
+            return msg
+        return m.parse_coordinator_message(auth.opened(seal, first.data))
+
     async def _session(self, http: aiohttp.ClientSession, host: str, port: int, run_id: int) -> None:
         url = f"{'https' if self._ssl else 'http'}://{host}:{port}/ws"
         connect = asyncio.wait_for(
@@ -333,9 +348,10 @@ class ControlClient:
             nonce = auth.new_nonce()
             proof = auth.node_proof(self._token, challenge.nonce, nonce, self.member_id) if self._token else ""
             hello_sent = time.monotonic()
+            seal = auth.seal(self._token, challenge.nonce, nonce, self.member_id, sending="up")
             await ws.send_str(m.encode(m.Knock(member_id=self.member_id, nonce=nonce, proof=proof)))
-            await ws.send_str(m.encode(self._hello(self.member_id)))
-            msg = await self._receive(ws, "welcoming")
+            await ws.send_str(auth.sealed(seal, m.encode(self._hello(self.member_id))))
+            msg = await self._answer(ws, seal)
             if isinstance(msg, m.Refused) and msg.standby:
                 raise _Standby(msg.leader, msg.reason)
             if isinstance(msg, m.Refused):
@@ -375,12 +391,12 @@ class ControlClient:
             log.info("%s joined coordinator %s at %s:%d", self.member_id, msg.coordinator_id, host, port)
             beats = asyncio.create_task(self._heartbeats(msg.heartbeat_s, ws))
             watch = asyncio.create_task(self._watch_leader(ws, msg.heartbeat_s))
-            writer = asyncio.create_task(self._writer(ws))
+            writer = asyncio.create_task(self._writer(ws, seal))
             try:
                 async for raw in ws:
                     if raw.type != aiohttp.WSMsgType.TEXT:
                         break
-                    self._on_message(m.parse_coordinator_message(raw.data))
+                    self._on_message(m.parse_coordinator_message(auth.opened(seal, raw.data)))
             finally:
                 beats.cancel()
                 watch.cancel()
@@ -445,7 +461,7 @@ class ControlClient:
             return False  # cut off from etcd too: nothing is known; the lease decides
         return found is None or found[1] != self.term
 
-    async def _writer(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+    async def _writer(self, ws: aiohttp.ClientWebSocketResponse, seal: auth.Seal | None) -> None:
         assert self._queue is not None
         while True:
             msg = await self._queue.get()
@@ -454,7 +470,7 @@ class ControlClient:
                 return
             if isinstance(msg, (m.Heartbeat, m.Progress)):
                 msg = msg.model_copy(update={"seq": self._count_send()})
-            await ws.send_str(m.encode(msg))
+            await ws.send_str(auth.sealed(seal, m.encode(msg)))
 
     def _count_send(self) -> int:
         """Number a message that keeps the lease (its acknowledgement says when it was sent)."""

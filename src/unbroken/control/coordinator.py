@@ -341,12 +341,13 @@ class Coordinator(ThreadedService):
                 return ws
             self.doorman.leave(peer)
             waiting = False
-            hello, _ = await read_hello(ws, knock, limit)
+            seal = auth.seal(self.token, challenge, knock.nonce, knock.member_id, sending="down")
+            hello, _ = await read_hello(ws, knock, limit, seal)
             term = self.term  # the session belongs to this term (an election may come while it waited)
             proof = auth.coordinator_proof(self.token, challenge, knock.nonce, knock.member_id) if self.token else ""
-            joined = self._join(hello, peer, lambda: Session(ws, hello.member_id, self.office.settled), proof)
+            joined = self._join(hello, peer, lambda: Session(ws, hello.member_id, self.office.settled, seal), proof)
             if isinstance(joined, m.Refused):
-                await ws.send_str(m.encode(joined))
+                await ws.send_str(auth.sealed(seal, m.encode(joined)))
                 await ws.close()
                 return ws
             session = joined
@@ -357,7 +358,8 @@ class Coordinator(ThreadedService):
                     raise ProtocolError(f"unexpected {raw.type.name} frame")
                 if not self.in_office() or self.term != term:
                     break  # deposed (or re-elected: a new term's view): the node reconnects
-                self._dispatch(session, await parse_off_loop(m.parse_node_message, raw.data, limit))
+                text = auth.opened(seal, raw.data)
+                self._dispatch(session, await parse_off_loop(m.parse_node_message, text, limit))
         except ProtocolError as exc:
             log.warning("dropping session from %s: %s", peer, exc)
             ms = self.membership

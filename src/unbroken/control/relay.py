@@ -94,14 +94,25 @@ async def _text(ws: aiohttp.ClientWebSocketResponse) -> str:
     return str(raw.data)
 
 
+def _answer(text: str, seal: auth.Seal | None) -> m.LeaderMessage:
+    """The leader's answer to a relay's hello: sealed, or a plain refusal of its proof."""
+    if seal is not None and text.startswith("{"):
+        answer = m.parse_leader_message(text)
+        if not isinstance(answer, m.Refused):
+            raise ProtocolError(f"the leader's {answer.type!r} came unsealed: not the job's leader")
+        return answer
+    return m.parse_leader_message(auth.opened(seal, text))
+
+
 async def _always() -> Gate:
     return Gate.SEND  # the leader decided when to send; a relay passes it on at once
 
 
 class _Member:
-    def __init__(self, ws: web.WebSocketResponse, member_id: str) -> None:
+    def __init__(self, ws: web.WebSocketResponse, member_id: str, seal: auth.Seal | None) -> None:
         self.member_id = member_id
-        self.session = Session(ws, member_id, _always)
+        self.seal = seal
+        self.session = Session(ws, member_id, _always, seal)
         self.unacked = 0
         """The newest heartbeat or report seq heard and not yet sent up."""
 
@@ -228,7 +239,8 @@ class Relay(ThreadedService):
             proof = auth.node_proof(token, challenge.nonce, nonce, self.relay_id) if token else ""
             hello = m.RelayHello(relay_id=self.relay_id, zone=self.config.zone, nonce=nonce, proof=proof)
             await ws.send_str(m.encode(hello))
-            answer = m.parse_leader_message(await _text(ws))
+            seal = auth.seal(token, challenge.nonce, nonce, self.relay_id, sending="up")
+            answer = _answer(await _text(ws), seal)
             if isinstance(answer, m.Refused):
                 if answer.standby and answer.leader:
                     self._leader_hint = parse_address(answer.leader)
@@ -242,12 +254,12 @@ class Relay(ThreadedService):
                 raise ProtocolError(f"{host}:{port} could not prove it holds the job token")
             self._up, self.leader, self.term, self.lease_s = ws, (host, port), answer.term, answer.lease_s
             log.info("relay %s linked to %s:%d (term %d)", self.relay_id, host, port, answer.term)
-            flusher = asyncio.create_task(self._flush_forever(ws))
+            flusher = asyncio.create_task(self._flush_forever(ws, seal))
             try:
                 async for raw in ws:
                     if raw.type != WSMsgType.TEXT:
                         break
-                    self._from_leader(m.parse_leader_message(raw.data))
+                    self._from_leader(m.parse_leader_message(auth.opened(seal, raw.data)))
             finally:
                 flusher.cancel()
                 self._unlink(f"lost the leader at {host}:{port}")
@@ -271,7 +283,7 @@ class Relay(ThreadedService):
         self._batches.clear()
         self._said_bytes = 0
 
-    async def _flush_forever(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+    async def _flush_forever(self, ws: aiohttp.ClientWebSocketResponse, seal: auth.Seal | None) -> None:
         assert self._urgent is not None
         period = self.lease_s / 10
         self._acked_at = time.monotonic()
@@ -305,10 +317,10 @@ class Relay(ThreadedService):
                 gone=self._gone,
             )
             self._alive, self._said, self._gone, self._said_bytes = {}, [], [], 0
-            await ws.send_str(m.encode(first))
+            await ws.send_str(auth.sealed(seal, m.encode(first)))
             for said in chunks[1:]:  # a burst (hellos after a failover) goes as several batches
                 self._seq += 1
-                await ws.send_str(m.encode(m.Up(seq=self._seq, said=said)))
+                await ws.send_str(auth.sealed(seal, m.encode(m.Up(seq=self._seq, said=said))))
             self.batches_sent += len(chunks)
 
     def _from_leader(self, msg: m.LeaderMessage) -> None:
@@ -372,14 +384,15 @@ class Relay(ThreadedService):
                 return ws
             self.doorman.leave(peer)
             waiting = False
-            hello, size = await read_hello(ws, knock, limit)
+            seal = auth.seal(self.config.token, challenge, knock.nonce, knock.member_id, sending="down")
+            hello, size = await read_hello(ws, knock, limit, seal)
             answer = await self._forward_hello(hello, size)
             if not isinstance(answer, m.Welcome):
-                await ws.send_str(m.encode(answer))
+                await ws.send_str(auth.sealed(seal, m.encode(answer)))
                 return ws
             token = self.config.token
             proof = auth.coordinator_proof(token, challenge, knock.nonce, knock.member_id) if token else ""
-            member = _Member(ws, hello.member_id)
+            member = _Member(ws, hello.member_id, seal)
             old = self._members.pop(hello.member_id, None)
             if old is not None:
                 old.session.close()
@@ -390,7 +403,7 @@ class Relay(ThreadedService):
             async for raw in ws:
                 if raw.type != WSMsgType.TEXT:
                     raise ProtocolError(f"unexpected {raw.type.name} frame")
-                msg = await parse_off_loop(m.parse_node_message, raw.data, limit)
+                msg = await parse_off_loop(m.parse_node_message, auth.opened(seal, raw.data), limit)
                 if isinstance(msg, m.Hello):
                     raise ProtocolError("hello sent twice on one session")
                 if isinstance(msg, (m.Heartbeat, m.Progress)):

@@ -65,9 +65,13 @@ class Session:
     """One websocket; a writer task keeps its messages in order and holds them while the
     coordinator is unsure of its lease (`Gate.WAIT`)."""
 
-    def __init__(self, ws: web.WebSocketResponse, member_id: str, gate: GateWait) -> None:
-        """``gate`` says when a message may go out (`office.Office.settled`)."""
+    def __init__(
+        self, ws: web.WebSocketResponse, member_id: str, gate: GateWait, seal: auth.Seal | None = None
+    ) -> None:
+        """``gate`` says when a message may go out (`office.Office.settled`); ``seal``
+        authenticates each (`auth.Seal`, with a job token)."""
         self.ws = ws
+        self.seal = seal
         self.member_id = member_id
         self.gate = gate
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
@@ -78,7 +82,7 @@ class Session:
             if await self.gate() is Gate.STOP:
                 break  # deposed while this waited: say nothing more, not even late orders
             try:
-                await self.ws.send_str(text)
+                await self.ws.send_str(auth.sealed(self.seal, text))
             except (ConnectionError, RuntimeError):
                 return
         with contextlib.suppress(Exception):
@@ -98,11 +102,16 @@ class RelayLink:
     """A relay's session: the members it speaks for, and when it was last heard."""
 
     def __init__(
-        self, ws: web.WebSocketResponse, relay_id: str, zone: str, gate: Callable[[], Awaitable[Gate]]
+        self,
+        ws: web.WebSocketResponse,
+        relay_id: str,
+        zone: str,
+        gate: Callable[[], Awaitable[Gate]],
+        seal: auth.Seal | None = None,
     ) -> None:
         self.relay_id = relay_id
         self.zone = zone
-        self.session = Session(ws, f"relay:{relay_id}", gate)
+        self.session = Session(ws, f"relay:{relay_id}", gate, seal)
         self.members: set[str] = set()
         self.heard_at = time.monotonic()
 
@@ -204,9 +213,12 @@ async def parse_off_loop(parse: Callable[[str, int], T], text: str, limit: int) 
     return await asyncio.get_running_loop().run_in_executor(None, parse, text, limit)
 
 
-async def read_hello(ws: web.WebSocketResponse, knock: m.Knock, limit: int) -> tuple[m.Hello, int]:
-    """The hello that follows a proven knock, from the same member, and its size."""
-    text = await receive_text(ws, "hello")
+async def read_hello(
+    ws: web.WebSocketResponse, knock: m.Knock, limit: int, seal: auth.Seal | None
+) -> tuple[m.Hello, int]:
+    """The hello that follows a proven knock (sealed, with a token), from the same member,
+    and its size."""
+    text = auth.opened(seal, await receive_text(ws, "hello"))
     hello = await parse_off_loop(m.parse_node_message, text, limit)
     if not isinstance(hello, m.Hello):
         raise ProtocolError(f"a knock must be followed by a hello, got {hello.type!r}")
@@ -263,7 +275,8 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
         coord.doorman.leave(peer)
         waiting = False
         term = coord.term
-        link = RelayLink(ws, hello.relay_id, hello.zone, coord.office.settled)
+        seal = auth.seal(coord.token, challenge, hello.nonce, hello.relay_id, sending="down")
+        link = RelayLink(ws, hello.relay_id, hello.zone, coord.office.settled, seal)
         coord.relay_joined(link)
         link.session.send(
             m.RelayWelcome(
@@ -281,7 +294,7 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
                 raise ProtocolError(f"unexpected {raw.type.name} frame from relay {hello.relay_id}")
             if not coord.in_office() or coord.term != term:
                 break
-            up = await parse_off_loop(m.parse_relay_message, raw.data, limit)
+            up = await parse_off_loop(m.parse_relay_message, auth.opened(seal, raw.data), limit)
             if not isinstance(up, m.Up):
                 raise ProtocolError("a relay sent its hello twice")
             link.heard_at = time.monotonic()

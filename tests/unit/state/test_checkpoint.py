@@ -183,3 +183,45 @@ def test_the_copy_goes_into_buffers_kept_from_one_checkpoint_to_the_next(tmp_pat
     back = load_checkpoint(checkpoint_path(tmp_path, 1))
     assert torch.equal(back["model"]["weight"], model.weight) and len(c.staged_s) == 2
     assert not torch.equal(load_checkpoint(checkpoint_path(tmp_path, 0))["model"]["weight"], model.weight)
+
+
+def test_the_newest_checkpoint_that_loads_is_used_and_the_bad_ones_are_named(tmp_path: Path) -> None:
+    torch.save(snap(10), checkpoint_path(tmp_path, 10))
+    good = checkpoint_path(tmp_path, 20)
+    torch.save(snap(20), good)
+    checkpoint_path(tmp_path, 30).write_bytes(good.read_bytes()[:100])  # truncated
+    checkpoint_path(tmp_path, 40).write_bytes(b"garbage, not a checkpoint")
+    torch.save({"weights": torch.zeros(2)}, checkpoint_path(tmp_path, 50))  # loads, holds no state
+    found = ck.load_newest(tmp_path)
+    assert found is not None
+    path, back, bad = found
+    assert path == good and back["step"] == 20
+    assert [b.split(" cannot")[0] for b in bad] == [str(checkpoint_path(tmp_path, s)) for s in (50, 40, 30)]
+    assert "no training state" in bad[0]
+    assert ck.load_newest(tmp_path / "nope") is None
+
+
+def test_an_unwritable_checkpoint_directory_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ck.ConfigError, match=r"cannot be written.*writable --checkpoint-dir"):
+        Checkpointer(tmp_path / "a-file" / "ckpts")
+
+
+def test_a_directory_removed_mid_run_is_a_failure_until_a_write_succeeds(tmp_path: Path) -> None:
+    c = Checkpointer(tmp_path / "ckpts")
+    (tmp_path / "ckpts").rmdir()
+    assert c.save_async(snap(3))
+    c.close()
+    assert c.failure is not None and "step 3 could not be written" in c.failure
+    (tmp_path / "ckpts").mkdir()
+    assert c.save_async(snap(4))
+    c.close()
+    assert c.failure is None
+
+
+def test_set_aside_moves_only_checkpoints_and_says_why(tmp_path: Path) -> None:
+    torch.save(snap(5), checkpoint_path(tmp_path, 5))
+    (tmp_path / "notes.txt").write_text("mine")
+    aside = ck.set_aside(tmp_path, "another run's")
+    assert ck.load_newest(tmp_path) is None and (tmp_path / "notes.txt").exists()
+    assert (aside / "ckpt-000000005.pt").exists() and "another run's" in (aside / "WHY.txt").read_text()
