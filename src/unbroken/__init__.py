@@ -23,6 +23,7 @@ from unbroken.errors import (
     JobLoadError,
     JoinRefused,
     ProtocolError,
+    Suspicion,
     TransferError,
     UnbrokenError,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "NodeConfig",
     "NodeResult",
     "ProtocolError",
+    "Suspicion",
     "TransferError",
     "UnbrokenError",
     "load_job",

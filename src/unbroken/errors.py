@@ -12,8 +12,9 @@
      ├── EpochAborted                  the current epoch ended under us; form the next one
      │    └── Expelled                 the coordinator expelled this node (lease lost)
      ├── CollectiveFailed              a data-plane collective failed or ran past its deadline
-     │    └── BadContribution          a member's gradient was non-finite or far out of range
-     │         └── AuditMismatch       a member's state differs from the majority's (corruption)
+     │    ├── BadContribution          a member's gradient was non-finite or far out of range
+     │    │    └── AuditMismatch       a member's state differs from the majority's (corruption)
+     │    └── Suspicion                a step's sum did not add up, and cannot say whose part lied
      └── TransferError                 a state transfer was corrupt or incomplete
 """
 
@@ -69,6 +70,15 @@ class BadContribution(CollectiveFailed):
     def __init__(self, rank: int, reason: str) -> None:
         super().__init__(reason)
         self.rank = rank
+
+
+class Suspicion(CollectiveFailed):
+    """The step's sum does not add up (not finite, larger than its parts' declared norms
+    allow, or a norm slot that names someone no summed data can attribute): some member's
+    contribution is not what it declared, and the sum cannot say whose. The step is not
+    applied; the coordinator has the next steps gathered and checked row by row."""
+
+    kind = "suspect"
 
 
 class AuditMismatch(BadContribution):

@@ -27,8 +27,12 @@ import torch
 
 from unbroken.comm.codecs import Codec
 from unbroken.comm.group import AbortCheck, wait_until, wait_work
-from unbroken.comm.robust import Rule, combine
+from unbroken.comm.robust import Rule, combine, lie
+from unbroken.errors import BadContribution
 from unbroken.sched.zones import Zones
+
+VOTE_SLOTS = 4
+"""Before the norm slots: each member's vote, its sample count, its switch flag, its loss."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,8 @@ class Reducer:
     """How the gradient is combined; a robust rule all-gathers every member's contribution."""
     weights: tuple[float, ...] = ()
     """Each member's share of the batch (as a fraction), for robust rules."""
+    shares: tuple[int, ...] = ()
+    """Each member's share of the batch in samples (what its row must say it computed)."""
     norms_at: int = 0
     """Where the members' gradient-norm slots start in the flat tensor (one per rank)."""
 
@@ -212,6 +218,11 @@ class Reducer:
         after_post()
         wait_work(work, wake, abort, deadline_s, f"{what} (all-gather)")
         k = self.compressed
+        for r, row in enumerate(rows):  # the same rows, the same verdict, on every member
+            share = self.shares[r] if self.shares else None
+            why = lie(row, r, k, self.norms_at - VOTE_SLOTS, self.norms_at, share)
+            if why is not None:
+                raise BadContribution(r, f"{what}: refused the contribution of rank {r}: it {why}")
         tail = torch.zeros(flat.numel() - k, dtype=torch.float32)
         for row in rows:  # rank order: the same sum on every member
             tail += row[k:]

@@ -13,12 +13,17 @@ the mean wherever it likes. Jobs that pool untrusted hardware can ask for a robu
   the n trainers' mean gradients are dropped and the rest averaged; every trainer counts
   once, whatever its share (a bad node must not buy weight with a large share).
 
-Both need each contribution, not just their sum: the step all-gathers the members' flat
+- ``checked``: the mean, from every contribution gathered and checked (the coordinator turns
+  it on for a while when a step's sum does not add up: see below).
+
+All three need each contribution, not just their sum: the step all-gathers the members' flat
 tensors (each node sends (n-1)× its payload instead of the all-reduce's 2(n-1)/n×; the
 cost is measured by ``bench/robust.py``) and every node combines the same rows in the same
 order with element-wise operations only, so replicas stay bit-identical across machines.
 The norms come from the nodes' own norm slots, not from a local reduction whose rounding
-could differ between CPUs.
+could differ between CPUs, but each row is checked against them first (`lie`): a member
+whose gradient is not finite, whose declared norm is not its gradient's, or who wrote into
+another member's slots is named from the gathered data itself, which every member holds.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 
 from unbroken.errors import ConfigError
 
-RULES = {"mean": 0.0, "clip": 2.0, "trimmed": 0.25}
+RULES = {"mean": 0.0, "clip": 2.0, "trimmed": 0.25, "checked": 0.0}
 """Each rule with its default parameter."""
 
 
@@ -46,14 +51,16 @@ class Rule:
         return self.kind != "mean"
 
     def __str__(self) -> str:
-        return self.kind if not self.robust else f"{self.kind}:{self.value:g}"
+        return self.kind if self.kind in ("mean", "checked") else f"{self.kind}:{self.value:g}"
 
 
 def parse_rule(spec: str) -> Rule:
     """``mean``, ``clip[:C]`` (C ≥ 1) or ``trimmed[:F]`` (0 < F < 0.5)."""
     kind, _, value = spec.strip().partition(":")
-    if kind not in RULES or (kind == "mean" and value):
-        raise ConfigError(f"aggregation {spec!r} is not one of mean, clip[:C], trimmed[:F] (e.g. clip:2, trimmed:0.25)")
+    if kind not in RULES or (kind in ("mean", "checked") and value):
+        raise ConfigError(
+            f"aggregation {spec!r} is not one of mean, checked, clip[:C], trimmed[:F] (e.g. clip:2, trimmed:0.25)"
+        )
     try:
         v = float(value) if value else RULES[kind]
     except ValueError:
@@ -81,7 +88,7 @@ def combine(rows: Sequence[torch.Tensor], weights: Sequence[float], norms: Seque
         raise ValueError("no contributions to combine")
     trainers = [i for i, w in enumerate(weights) if w > 0]
     total = torch.zeros_like(rows[0])
-    if rule.kind == "mean" or not trainers:
+    if rule.kind in ("mean", "checked") or not trainers:
         for row in rows:
             total += row
         return total
@@ -101,6 +108,32 @@ def combine(rows: Sequence[torch.Tensor], weights: Sequence[float], norms: Seque
     for row in kept:
         total += row
     return total / len(kept)
+
+
+NORM_TOLERANCE = 1e-3
+"""A declared norm may differ from the one computed here by this fraction (float rounding,
+which differs between CPUs, is far below it)."""
+
+
+def lie(row: torch.Tensor, rank: int, gradient: int, votes_at: int, norms_at: int, share: int | None) -> str | None:
+    """What member ``rank``'s row (as gathered: its weighted gradient in ``row[:gradient]``,
+    its vote and sample count at ``votes_at``, one norm slot per member from ``norms_at``)
+    says that is not true, or None."""
+    grad = row[:gradient]
+    if not bool(torch.isfinite(row[:votes_at]).all()):
+        return "sent a gradient (or buffer update) that is not finite"
+    vote, samples = row[votes_at].item(), row[votes_at + 1].item()
+    if vote != 1.0 or (share is not None and samples != float(share)):
+        return f"voted {vote:g} with {samples:g} samples (its share is {share})"
+    slots = row[norms_at:]
+    declared = slots[rank].item()
+    others = float(slots.abs().sum().item()) - abs(declared)
+    if others != 0.0:
+        return "wrote into other members' norm slots"
+    actual = float(torch.linalg.vector_norm(grad).item())
+    if not abs(actual - declared) <= NORM_TOLERANCE * max(actual, abs(declared)) + 1e-30:
+        return f"declared a gradient norm of {declared:.4g}; its gradient's is {actual:.4g}"
+    return None
 
 
 SORTING_NETWORK_MAX = 16

@@ -57,6 +57,8 @@ WINDOW = 8
 """Recent step times kept per member for straggler detection."""
 BENCH_S = 30.0
 """A member whose gradient was refused does not train for this long."""
+CHECKED_STEPS = 20
+"""Steps gathered and checked row by row after a sum did not add up (`Suspicion`)."""
 QUARANTINE_AFTER = 3
 """...and after this many refusals it is quarantined: out of every epoch while connected."""
 
@@ -220,6 +222,8 @@ class Membership:
         self.final_digests: dict[str, str] = {}
         """Members that reported the job's last step, with their state's digest."""
         self._accusers: dict[tuple[int, str, str], set[str]] = {}
+        self._checking_from: int | None = None
+        """Since this step every contribution is gathered and checked (a sum did not add up)."""
         """(epoch, culprit, kind) → the members that named it."""
         self.final_digest: str | None = None
         """The state most of the last epoch's trainers finished with."""
@@ -455,6 +459,22 @@ class Membership:
         if rollback_to >= 0:
             self._rollback_to = rollback_to
         m = self.members[member_id]
+        if kind == "suspect":
+            self._accusers = {k: v for k, v in self._accusers.items() if k[0] == epoch}
+            seen = self._accusers.setdefault((epoch, "", kind), set())
+            seen.add(member_id)
+            if len(seen) >= len(self._epoch_members) // 2 + 1 and self._checking_from is None:
+                # Most members saw the same sum not add up: a contribution lied, and only the
+                # gathered rows can say whose. Check each, for a while.
+                self._checking_from = self.step
+                d.events.append(
+                    self._event(now, "suspect", None, f"{reason}; the next {CHECKED_STEPS} steps gather and check "
+                                "every member's contribution")
+                )  # fmt: skip
+                self._want_epoch(now, urgent=True, reason="a step's sum did not add up: checking each part", delay=0.0)
+                return d
+            if len(seen) > 1:
+                return d
         c = self.members.get(culprit) if culprit is not None else None
         if c is not None:
             # Every member reaches the same verdict from the same all-reduced data (or the
@@ -487,6 +507,7 @@ class Membership:
         if (epoch, c.member_id) in self._refused:
             return d
         self._refused.add((epoch, c.member_id))
+        self._checking_from = None  # found: the next epoch goes back to the job's rule
         c.flags += 1
         c.benched_until = now + BENCH_S
         d.events.append(self._event(now, kind, c.member_id, f"{c.name} (offence {c.flags}): {reason}"))
@@ -563,6 +584,9 @@ class Membership:
                 return d
         if not self._started and len(self.members) < self.min_nodes:
             return d  # the job has not started: wait for enough nodes
+        if self._checking_from is not None and self.step >= self._checking_from + CHECKED_STEPS:
+            self._checking_from = None
+            self._want_epoch(now, urgent=False, reason=f"no culprit in {CHECKED_STEPS} checked steps", delay=0.0)
         if self._pending_due is not None and now >= self._pending_due and not self.finished:
             d.merge(self._form_epoch(now, self._pending_urgent, self._pending_reason()))
         elif self._pending_due is None and not self.finished and now >= self._next_rebalance:
@@ -679,6 +703,13 @@ class Membership:
         auto = group_by_rtt({m.member_id: m.caps.rtt_s for m in members if m.zone == AUTO})
         return [auto.get(m.member_id, m.zone) for m in members]
 
+    def _aggregate(self, members: Sequence[Member]) -> str:
+        """The job's rule, or ``checked`` (every contribution gathered and checked) while a
+        sum recently did not add up or a member that offended before is in the epoch: a
+        benched member still sends a row, and only gathered rows say what each member sent."""
+        watched = self._checking_from is not None or any(m.flags for m in members)
+        return "checked" if watched and self.aggregate == "mean" else self.aggregate
+
     def _mode(self) -> dict[str, Any]:
         if self.diloco is None:
             return {}
@@ -767,7 +798,7 @@ class Membership:
             microbatches=list(self.plan.microbatches) if self.plan else [],
             zones=self._zones_in_force,
             codec=self.codec,
-            aggregate=self.aggregate,
+            aggregate=self._aggregate(members),
             audit_every=self.audit_every,
             fragments=self.fragments,
             rollback_to=self._rollback_to,

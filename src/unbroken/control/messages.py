@@ -200,8 +200,9 @@ class Fault(_Msg):
     reason: Annotated[str, Field(max_length=2000)]
     culprit: Name | None = None
     """The member whose contribution was refused (a bad gradient), when the fault is one."""
-    kind: Literal["bad-gradient", "audit"] = "bad-gradient"
-    """Why the culprit was refused: its gradient, or its state failed the consistency audit."""
+    kind: Literal["bad-gradient", "audit", "suspect"] = "bad-gradient"
+    """Why the culprit was refused: its gradient, or its state failed the consistency audit;
+    ``suspect`` (no culprit): the step's sum did not add up, and nobody can say whose part lied."""
     rollback_to: Annotated[int, Field(ge=-1)] = -1
     """A failed audit: the step of the last audit that passed (every member goes back to it)."""
 

@@ -31,6 +31,11 @@ CORRUPT = {"nan": float("nan"), "spike": 1e6, "flip": -10.0}
 batch. ``flip`` multiplies it by -10 at that step *and every later one*: a persistently
 wrong node that stays inside the guard's range (robust aggregation's case). Use PHASE ``grad``."""
 PERSISTENT = ("flip",)
+LIES = {"hide-nan": float("nan"), "hide-spike": -1e6, "forge-slot": float("inf")}
+"""A member that lies from step STEP on (``…@grad:STEP``), as a compromised node would:
+``hide-nan`` sends a NaN gradient and ``hide-spike`` one multiplied by -10^6, each with the
+norm of its true gradient in its slot; ``forge-slot`` writes +inf into the next rank's norm
+slot (to get an honest member blamed)."""
 BITFLIP = "bitflip"
 """``bitflip@commit:STEP``: right after committing STEP, one bit of this node's copy of the
 first parameter flips (silent data corruption) — what the consistency audit must catch."""
@@ -59,13 +64,15 @@ def parse_faults(spec: str) -> list[Fault]:
             sig in SIGNALS
             or sig == HANG
             or (sig in CORRUPT and phase == "grad")
+            or (sig in LIES and phase == "grad")
             or (sig == BITFLIP and phase == "commit")
             or (sig == MUTE and phase == "build")
         )
         if not known or phase not in PHASES or not (step.isascii() and step.isdigit()):
             raise ConfigError(
                 f"fault {part!r} is not SIGNAL@PHASE:STEP with SIGNAL in {sorted([*SIGNALS, HANG])} "
-                f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP / bitflip@commit:STEP / mute@build:EPOCH) "
+                f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP / bitflip@commit:STEP / mute@build:EPOCH / "
+                f"hide-nan@grad:STEP / hide-spike@grad:STEP / forge-slot@grad:STEP) "
                 f"and PHASE in {list(PHASES)} (e.g. kill@allreduce:12)"
             )
         out.append(Fault(sig, phase, int(step)))
@@ -84,13 +91,22 @@ class FaultPlan:
             if f.signal in CORRUPT and step >= f.step:
                 return CORRUPT[f.signal]
         for f in self._pending:
-            if f.phase == "grad" and f.step == step:
+            if f.signal in CORRUPT and f.step == step:
                 self._pending.remove(f)
                 self._record({"kind": "fault", "signal": f.signal, "phase": "grad", "step": step, "pid": os.getpid()})
                 if f.signal in PERSISTENT:
                     self._persistent.append(f)
                 return CORRUPT[f.signal]
         return None
+
+    def lie(self, step: int) -> str | None:
+        """The lie this node tells at ``step`` (`LIES`), from its first step on."""
+        for f in self._pending:
+            if f.signal in LIES and step >= f.step:
+                self._pending.remove(f)
+                self._persistent.append(f)
+                self._record({"kind": "fault", "signal": f.signal, "phase": "grad", "step": step, "pid": os.getpid()})
+        return next((f.signal for f in self._persistent if f.signal in LIES), None)
 
     def muted(self, epoch: int) -> bool:
         """True when this node's rendezvous entries for ``epoch`` must not go out."""

@@ -35,7 +35,7 @@ import torch
 from unbroken.comm.codecs import Codec, make_codec
 from unbroken.comm.group import EpochGroup, Graveyard, Meeting, build_group, wait_until
 from unbroken.comm.reduce import LinkEmulation, Reducer, Wire
-from unbroken.comm.robust import Rule, parse_rule
+from unbroken.comm.robust import NORM_TOLERANCE, Rule, parse_rule
 from unbroken.comm.transfer import Partial, gather_digests, sync_state
 from unbroken.config import NodeConfig
 from unbroken.control import messages as m
@@ -48,6 +48,7 @@ from unbroken.errors import (
     EpochAborted,
     Expelled,
     JoinRefused,
+    Suspicion,
     TransferError,
 )
 from unbroken.job import Job
@@ -56,7 +57,7 @@ from unbroken.sched.zones import WORLD, Zones
 from unbroken.state.checkpoint import Checkpointer, load_newest, set_aside
 from unbroken.state.fragments import parse_fragments, rebuild
 from unbroken.state.snapshot import TrainState, fingerprint
-from unbroken.testing.faults import Fault, FaultPlan, flip_bit
+from unbroken.testing.faults import LIES, Fault, FaultPlan, flip_bit
 from unbroken.testing.throttle import parse_throttle
 from unbroken.train.candidate import Candidate
 from unbroken.train.data import DataPlan
@@ -224,7 +225,9 @@ class Node:
             except (CollectiveFailed, TransferError) as exc:
                 log.warning("%s: epoch %d: %s", self.name, order.epoch, exc)
                 culprit = order.members[exc.rank] if isinstance(exc, BadContribution) else None
-                kind: Literal["bad-gradient", "audit"] = "audit" if isinstance(exc, AuditMismatch) else "bad-gradient"
+                kind: Literal["bad-gradient", "audit", "suspect"] = "bad-gradient"
+                if isinstance(exc, (AuditMismatch, Suspicion)):
+                    kind = "audit" if isinstance(exc, AuditMismatch) else "suspect"
                 self._log({"kind": "refused", "step": self.state.step, "culprit": culprit, "reason": str(exc)})
                 back = exc.rollback_to if isinstance(exc, AuditMismatch) else -1
                 self.client.send(
@@ -366,6 +369,7 @@ class Node:
             wire=self.wire,
             rule=parse_rule(order.aggregate) if order.mode == "sync" else Rule("mean"),
             weights=tuple(s / B for s in order.shares),
+            shares=tuple(order.shares),
             norms_at=self.numel + _EXTRA,
         )
         if not zones.multi:
@@ -464,6 +468,8 @@ class Node:
                 flat[self.numel : norms_at] = torch.tensor([1.0, float(my_share), switch, loss])
                 flat[norms_at:] = 0.0
                 flat[norms_at + g.rank] = torch.linalg.vector_norm(flat[: self.compressed_numel])
+                if (lie := self.faults.lie(step)) is not None:
+                    self._tell_lie(flat, lie, norms_at, g)
                 entry = {"kind": "contrib", "epoch": g.epoch, "step": step, "rank": g.rank, "indices": indices}
                 self._log(entry | {"role": g.role, "microbatch": self._used_mb, "compute_s": self.meter.last_compute_s})
                 t_comm = time.monotonic()
@@ -480,10 +486,7 @@ class Node:
                 votes, samples, switched, global_loss = flat[self.numel : norms_at].tolist()
                 if round(votes) != g.size or round(samples) != B:
                     raise CollectiveFailed(f"step {step} had {votes:.0f}/{g.size} votes and {samples:.0f}/{B} samples")
-                verdict = judge(flat[norms_at:].tolist(), g.shares, B)
-                if verdict is not None:
-                    culprit, why = verdict
-                    raise BadContribution(culprit, f"step {step}: refused the contribution of rank {culprit}: {why}")
+                self._check_sum(flat, norms_at, g, step)
                 self._fence()
             except BaseException:
                 # The step is not applied: undo what its forward passes did to the buffers,
@@ -502,6 +505,40 @@ class Node:
                 self._maybe_validate()
             if switched > 0 or self.state.step >= self.job.num_steps:
                 return
+
+    def _tell_lie(self, flat: torch.Tensor, lie: str, norms_at: int, g: EpochGroup) -> None:
+        """A hostile member's contribution (fault injection, `testing.faults.LIES`)."""
+        if lie == "forge-slot":
+            flat[norms_at + (g.rank + 1) % g.size] = LIES[lie]
+        else:
+            flat[: self.compressed_numel] *= LIES[lie]  # after its norm went into its slot
+
+    def _check_sum(self, flat: torch.Tensor, norms_at: int, g: EpochGroup, step: int) -> None:
+        """Refuse a step whose reduced gradient a member's contribution spoiled.
+
+        Gathered rows (`Reducer.rule` robust or ``checked``) were each checked already, and
+        their norms are true: the guard's verdict names a culprit. A plain sum can only be
+        checked as a whole: finite, and no larger than the members' declared norms allow (the
+        triangle inequality; not with a lossy codec, whose error feedback adds to what goes
+        out). What fails there is a `Suspicion`, since a member can write any slot of a sum."""
+        B = self.job.batch_size
+        norms = flat[norms_at:].tolist()
+        verdict = judge(norms, g.shares, B)
+        if self.reducer.rule.robust:
+            if verdict is not None:
+                culprit, why = verdict
+                raise BadContribution(culprit, f"step {step}: refused the contribution of rank {culprit}: {why}")
+            return
+        grad = flat[: self.compressed_numel]
+        lossy = self.reducer.codec is not None and self.reducer.zones.multi and self._codec_spec != "none"
+        if not bool(torch.isfinite(grad).all()):
+            raise Suspicion(f"step {step}: the summed gradient is not finite, though no norm slot says whose")
+        if verdict is not None:
+            raise Suspicion(f"step {step}: rank {verdict[0]}'s norm slot says {verdict[1]}; not proven on a sum")
+        total = float(torch.linalg.vector_norm(grad).item())
+        bound = math.fsum(norms)
+        if not lossy and total > bound * (1 + NORM_TOLERANCE) + 1e-12:
+            raise Suspicion(f"step {step}: the summed gradient's norm {total:.4g} exceeds the declared {bound:.4g}")
 
     def _audit_rollback(self) -> None:
         """A failed audit's order: back to the state audited at ``rollback_to``, if held and ahead of it."""

@@ -567,6 +567,34 @@ def test_one_members_accusations_bench_nobody() -> None:
     assert ms.members["c"].role is Role.TRAINER
 
 
+def test_a_sum_most_members_doubt_is_checked_row_by_row_and_offenders_stay_watched() -> None:
+    from unbroken.control.membership import CHECKED_STEPS
+
+    ms = Membership(lease_s=LEASE, now=0.0)
+    for mid in ("a", "b", "c"):
+        ms.admit(hello(mid, 30), 0.0)
+    assert only_order(ms.tick(JOIN_SETTLE_S)).aggregate == "mean"
+    t = JOIN_SETTLE_S + 0.1
+    d = ms.fault("c", ms.epoch, "sum not finite", t, kind="suspect")  # one member alone: a plain fault
+    assert not events(d, "suspect")
+    d = ms.fault("a", ms.epoch, "sum not finite", t, kind="suspect")
+    assert events(d, "suspect")
+    for mid in ("a", "b", "c"):
+        ms.heartbeat(mid, 0, t)
+    order = only_order(ms.tick(t))
+    assert order.urgent and order.aggregate == "checked"
+    # No culprit within the checked steps: back to the job's rule.
+    for mid in ("a", "b", "c"):
+        ms.heartbeat(mid, CHECKED_STEPS + 5, t + 1)
+    assert only_order(ms.tick(t + 1)).aggregate == "mean"
+    # A culprit named on the gathered rows: benched, and watched while in the epoch.
+    ms.fault("a", ms.epoch, "not finite", t + 2, culprit="c")
+    ms.fault("b", ms.epoch, "not finite", t + 2, culprit="c")
+    for mid in ("a", "b", "c"):
+        ms.heartbeat(mid, CHECKED_STEPS + 5, t + 2)
+    assert only_order(ms.tick(t + 2)).aggregate == "checked"
+
+
 # ---------------------------------------------------------------- zones by round-trip time
 
 
