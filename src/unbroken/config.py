@@ -55,8 +55,8 @@ class CoordinatorConfig:
     lease_s: float = 1.0
     """A node whose heartbeats stop for this long is declared failed."""
     build_deadline_s: float = 5.0
-    """How long an epoch's group build may take once its first member started it: then
-    members that never wrote their rendezvous entry are benched, and nodes give up."""
+    """How long after most of an epoch's group wrote its rendezvous entries a member that
+    never wrote its own is benched (it never joined the data plane)."""
     recovery_window_s: float = 3.0
     """After a restart, how long to wait for the last epoch's members to reconnect."""
     min_nodes: int = 1

@@ -67,9 +67,11 @@ class BadContribution(CollectiveFailed):
 
     kind = "bad-gradient"
 
-    def __init__(self, rank: int, reason: str) -> None:
+    def __init__(self, rank: int, reason: str, zone_only: bool = False) -> None:
+        """``zone_only``: only the culprit's zone saw the evidence (a DiLoCo inner step)."""
         super().__init__(reason)
         self.rank = rank
+        self.zone_only = zone_only
 
 
 class Suspicion(CollectiveFailed):

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from integration.helpers import assert_promises, events_of
 from unbroken import Coordinator, CoordinatorConfig
@@ -75,24 +77,54 @@ def test_a_replayed_hello_is_refused():
         coord.stop()
 
 
-class Impostor(Coordinator):
-    """Accepts anyone (it cannot check proofs without the token) and answers with a forged proof."""
+class Impostor(threading.Thread):
+    """Listens at an address a node was given, asks for a token it does not hold, and welcomes
+    whoever knocks, sealing its answer with a guess at the token."""
 
-    def _check_token(self, knock: m.Knock, challenge: str) -> str | None:
-        return None
+    def __init__(self) -> None:
+        super().__init__(name="impostor", daemon=True)
+        self.ready = threading.Event()
+        self.address = ("127.0.0.1", 0)
+
+    def run(self) -> None:
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(self._serve())
+        loop.run_forever()
+
+    async def _serve(self) -> None:
+        app = web.Application()
+        app.router.add_get("/ws", self._ws)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.address = ("127.0.0.1", site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        self.ready.set()
+
+    async def _ws(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        challenge = auth.new_nonce()
+        await ws.send_str(m.encode(m.Challenge(nonce=challenge, auth=True)))
+        knock = m.parse_knock((await ws.receive()).data)
+        await ws.receive()  # the sealed hello: unreadable without the token, and not needed
+        guess = auth.Seal("a-guess-at-the-job-token", challenge, knock.nonce, knock.member_id, sending="down")
+        welcome = m.Welcome(lease_s=1.0, heartbeat_s=0.2, coordinator_id="impostor", proof="0" * 64)
+        await ws.send_str(guess.seal(m.encode(welcome)))
+        await ws.receive()
+        return ws
 
 
 def test_an_impostor_coordinator_cannot_take_a_node(make_cluster):
-    impostor = Impostor(CoordinatorConfig(port=0, token="a-guess-at-the-job-token")).start()
-    try:
-        c = make_cluster(env=ENV)
-        c.address = impostor.address
-        node = c.start_node("victim", extra=["--token", TOKEN])
-        assert node.wait(60) == 2, c.diagnostics()
-        assert "could not prove it holds the job token" in node.stderr()
-        assert not [e for e in node.entries() if e["kind"] == "contrib"]
-    finally:
-        impostor.stop()
+    impostor = Impostor()
+    impostor.start()
+    assert impostor.ready.wait(10)
+    c = make_cluster(env=ENV)
+    c.address = impostor.address
+    node = c.start_node("victim", extra=["--token", TOKEN])
+    assert node.wait(60) == 2, c.diagnostics()
+    assert "could not prove it holds the job token" in node.stderr()
+    assert not [e for e in node.entries() if e["kind"] == "contrib"]
 
 
 def test_tls_control_plane_end_to_end(make_cluster, tmp_path):

@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import json
 import os
+import shutil
 import threading
 import time
 import urllib.request
@@ -389,4 +390,27 @@ def test_an_order_injected_on_the_path_is_refused(make_cluster):
     assert c.wait_exit(timeout=120) == {"a": 0, "b": 0}, c.diagnostics()
     assert not fired(b, "kill"), "the injected command was obeyed"
     assert "failed its authentication" in b.stderr(), b.stderr()[-3000:]
+    assert_promises(c, env, finishers=2)
+
+
+def test_a_checkpoint_directory_removed_mid_run_is_an_event_and_a_flag(make_cluster, tmp_path):
+    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20"}
+    ckpt = tmp_path / "ckpt"
+    c = make_cluster(env=env, min_nodes=2, node_args=["--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"])
+    c.start_coordinator()
+    c.start_node("a")
+    c.start_node("b")
+    c.wait_step(10)
+    shutil.rmtree(ckpt)
+
+    def flagged() -> list[str]:
+        return [mem["checkpoint_error"] for mem in c.state()["members"] if mem["checkpoint_error"]]
+
+    c.wait_for(lambda: flagged(), 60, "a member flagged for its failing checkpoints")
+    assert "could not be written" in flagged()[0], flagged()
+    assert any(str(ckpt) in e["reason"] for e in events_of(c, "checkpoint-failed"))
+    ckpt.mkdir()
+    c.wait_for(lambda: not flagged(), 60, "the flag cleared once checkpoints are written again")
+    assert events_of(c, "checkpoint-ok")
+    assert c.wait_exit(timeout=150) == {"a": 0, "b": 0}, c.diagnostics()
     assert_promises(c, env, finishers=2)

@@ -294,8 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--port", type=int, default=29400, help="control port (0: pick a free one)")
     c.add_argument(
         "--build-deadline", type=float, default=5.0, metavar="S",
-        help="seconds an epoch's group build may take once its first member started it; members that "
-        "never joined the data plane by then are benched",
+        help="seconds after most of an epoch's group started building it that a member which never "
+        "joined the data plane (wrote no rendezvous entry) is benched",
     )  # fmt: skip
     c.add_argument("--lease", type=float, default=1.0, help="seconds without heartbeat before a node is failed")
     c.add_argument("--recovery-window", type=float, default=3.0, help="after a restart, seconds to wait for members")

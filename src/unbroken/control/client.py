@@ -310,12 +310,25 @@ class ControlClient:
         first = await asyncio.wait_for(ws.receive(), timeout=10)
         if first.type != aiohttp.WSMsgType.TEXT:
             raise ProtocolError(f"coordinator closed the session before welcoming ({first.type.name})")
-        if seal is not None and first.data.startswith("{"):
+        if seal is None:
+            return m.parse_coordinator_message(first.data)
+        impostor = "could not prove it holds the job token: not the job's coordinator (wrong address or an impostor)"
+        if first.data.startswith("{"):
             msg = m.parse_coordinator_message(first.data)
             if not isinstance(msg, m.Refused):
-                raise ProtocolError(f"a {msg.type!r} came unsealed: not the job's coordinator (or one on the way)")
-            return msg
-        return m.parse_coordinator_message(auth.opened(seal, first.data))
+                raise self._unproven(f"its {msg.type!r} came unsealed: it {impostor}")
+            if self.welcome is not None:
+                raise ProtocolError(f"an unsealed refusal ({msg.reason}) after this node was admitted: ignored")
+            return m.Refused(reason=msg.reason)  # the refusal of a knock: nothing else it says is proven
+        try:
+            return m.parse_coordinator_message(seal.open(first.data))
+        except ProtocolError:
+            raise self._unproven(f"its answer failed its authentication: it {impostor}") from None
+
+    def _unproven(self, why: str) -> Exception:
+        """Fatal before this node was ever admitted (it is at the wrong address), retried
+        after (someone on the path: the real coordinator is still there)."""
+        return JoinRefused(f"coordinator {why}") if self.welcome is None else ProtocolError(why)
 
     async def _session(self, http: aiohttp.ClientSession, host: str, port: int, run_id: int) -> None:
         url = f"{'https' if self._ssl else 'http'}://{host}:{port}/ws"
@@ -341,9 +354,9 @@ class ControlClient:
                     f"or set ${auth.ENV_TOKEN}"
                 )
             if self._token is not None and not challenge.auth:
-                raise JoinRefused(
-                    f"coordinator at {host}:{port} does not ask for a token but this node has one: "
-                    "refusing to train under it (wrong address, or a coordinator started without --token?)"
+                raise self._unproven(
+                    f"at {host}:{port} does not ask for a token but this node has one: refusing to train "
+                    "under it (wrong address, or a coordinator started without --token?)"
                 )
             nonce = auth.new_nonce()
             proof = auth.node_proof(self._token, challenge.nonce, nonce, self.member_id) if self._token else ""

@@ -329,19 +329,19 @@ class Coordinator(ThreadedService):
         try:
             challenge, first = await greet(ws, self.token is not None)
             knock = m.parse_knock(first)
-            if not self.in_office():
-                await ws.send_str(m.encode(self.office.standby_refusal()))
-                await ws.close()
-                return ws
             why = self._check_token(knock, challenge)
             if why is not None:
                 self._refusal(peer, f"{knock.member_id} from {peer}: {why}")
-                await ws.send_str(m.encode(m.Refused(reason=why)))
+                await ws.send_str(m.encode(m.Refused(reason=why)))  # unsealed: the node holds another key
+                await ws.close()
+                return ws
+            seal = auth.seal(self.token, challenge, knock.nonce, knock.member_id, sending="down")
+            if not self.in_office():
+                await ws.send_str(auth.sealed(seal, m.encode(self.office.standby_refusal())))
                 await ws.close()
                 return ws
             self.doorman.leave(peer)
             waiting = False
-            seal = auth.seal(self.token, challenge, knock.nonce, knock.member_id, sending="down")
             hello, _ = await read_hello(ws, knock, limit, seal)
             term = self.term  # the session belongs to this term (an election may come while it waited)
             proof = auth.coordinator_proof(self.token, challenge, knock.nonce, knock.member_id) if self.token else ""
@@ -397,7 +397,8 @@ class Coordinator(ThreadedService):
         self._detached.discard(mid)
         now = time.monotonic()
         ms = self.membership
-        group_step = ms.step if ms.epoch_members and ms.recovering_until is None else 0
+        training = ms.recovering_until is None and any(mid in ms.members for mid in ms.epoch_members)
+        group_step = ms.step if training else 0  # 0: no group trains (a cold start)
         decision = self.membership.admit(hello, now, reconnect=back)
         if decision.refuse is not None:
             log.warning("refused %s from %s: %s", hello.name, peer, decision.refuse)
@@ -416,7 +417,6 @@ class Coordinator(ThreadedService):
                 proof=proof,
                 term=self.term,
                 group_step=group_step,
-                build_s=self.config.build_deadline_s,
             )
         )
         self._apply(decision)
@@ -471,6 +471,9 @@ class Coordinator(ThreadedService):
                     self._dispatch(session, msg)
                 except ProtocolError as exc:  # that member's lie, not its relay's
                     self._drop(session, f"sent an invalid message: {exc}")
+                except Exception as exc:  # a bug met by one member's message: not its relay's fault
+                    log.exception("message of %s through relay %s", said.member, link.relay_id)
+                    self._drop(session, f"its message could not be handled: {type(exc).__name__}: {exc}")
         for gone in up.gone:
             session = self._sessions.get(gone.member)
             if isinstance(session, RelayedMember) and session.link is link:
@@ -552,13 +555,20 @@ class Coordinator(ThreadedService):
                 self._close_recoveries(msg.epoch, msg.step, msg.wall_time)
             self._observe(mid, msg)
         elif isinstance(msg, m.Report):
-            if (mem := ms.members.get(mid)) is not None and msg.kind in ("checkpoint", "checkpoint-failed"):
+            if (mem := ms.members.get(mid)) is not None and msg.kind in ("checkpoint-ok", "checkpoint-failed"):
                 mem.checkpoint_error = msg.reason if msg.kind == "checkpoint-failed" else None
             self._record(Event(now, msg.kind, mid, ms.epoch, msg.step, f"{self._name(mid)}: {msg.reason}"))
         elif isinstance(msg, m.Fault):
             self._apply(
                 ms.fault(
-                    mid, msg.epoch, msg.reason, now, culprit=msg.culprit, kind=msg.kind, rollback_to=msg.rollback_to
+                    mid,
+                    msg.epoch,
+                    msg.reason,
+                    now,
+                    culprit=msg.culprit,
+                    kind=msg.kind,
+                    rollback_to=msg.rollback_to,
+                    zone_only=msg.zone_only,
                 )
             )
         elif isinstance(msg, m.Leave):
@@ -587,8 +597,8 @@ class Coordinator(ThreadedService):
             send_all(self._sessions, {mid: met for mid in members if mid in self._sessions})
 
     def _name_absent(self, now: float) -> None:
-        """Members of the epoch that never wrote their rendezvous entries, ``build_s``
-        after the first one did, are benched: the group cannot form without them, and a
+        """Members of the epoch that never wrote their rendezvous entries, ``--build-deadline``
+        after most of their group did, are benched: the group cannot form without them, and a
         member that heartbeats but never joins the data plane would hold every epoch up."""
         last = self._last_order
         if last is None:
@@ -596,7 +606,7 @@ class Coordinator(ThreadedService):
         for mid, groups in self.rendezvous.absent(last.epoch, now).items():
             why = (
                 f"did not join the data plane of epoch {last.epoch} within {self.config.build_deadline_s:g} s "
-                f"of the first member (no rendezvous entry for {', '.join(groups)}): its data plane is "
+                f"of most of its group (no rendezvous entry for {', '.join(groups)}): its data plane is "
                 "not running, or stuck before building its groups"
             )
             self._apply(self.membership.absent(mid, last.epoch, why, now))

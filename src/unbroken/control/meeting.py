@@ -13,9 +13,11 @@ leader checks each entry before anyone sees it:
   RANK is the writer's own rank in that group: no member writes another's address;
 * an entry, once written, never changes.
 
-It also knows who has not written: a member whose entries are still missing
-``deadline_s`` after the first member of the epoch wrote its own never joined the data
-plane, and is named as the epoch's culprit (`Rendezvous.absent`).
+It also knows who has not written: a member whose entry for a group is still missing
+``deadline_s`` after that group's build got under way never joined the data plane, and is
+named as the epoch's culprit (`Rendezvous.absent`). The world's clock waits for a member of
+the epoch before, not the first entry: after a join or a rebalance the newcomer builds at
+once while the others finish their step (a DiLoCo round: many steps) first.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 
 from unbroken.control import messages as m
 from unbroken.errors import ProtocolError
-from unbroken.sched.zones import Zones
+from unbroken.sched.zones import WORLD, Zones
 
 EPOCHS_KEPT = 2
 """Entries of the newest epoch and the one before (a slow member may still build it)."""
@@ -42,9 +44,13 @@ class _Epoch:
     """Member → the groups it has not written its entry for yet."""
     pending: dict[str, str] = field(default_factory=dict)
     """Entries written since the last `take`."""
-    first_at: float | None = None
-    """When the first entry arrived (the members started building)."""
-    named: bool = False
+    veterans: set[str] = field(default_factory=set)
+    """Members of the epoch before too: they build once their step (or round) is over (all
+    members, for an epoch with none)."""
+    started: dict[str, float] = field(default_factory=dict)
+    """Group → when most of its members had written (its build is under way)."""
+    named: set[str] = field(default_factory=set)
+    """Groups whose absentees were named already."""
 
 
 class Rendezvous:
@@ -62,7 +68,9 @@ class Rendezvous:
         for name, ranks in groups.items():
             for mid in ranks:
                 missing[mid].add(name)
-        self._epochs[order.epoch] = _Epoch(list(order.members), groups, missing=missing)
+        before = self._epochs[max(self._epochs)].members if self._epochs else []
+        veterans = set(order.members) & set(before) or set(order.members)
+        self._epochs[order.epoch] = _Epoch(list(order.members), groups, missing=missing, veterans=veterans)
         for old in sorted(self._epochs)[:-EPOCHS_KEPT]:
             del self._epochs[old]
 
@@ -72,9 +80,10 @@ class Rendezvous:
         ep = self._epochs.get(meet.epoch)
         if ep is None or member_id not in ep.missing:
             return  # late, or for an epoch this member was not ordered into
-        group, *_, rank = meet.key.split("/")
+        parts = meet.key.split("/")  # GROUP/DEVICE/RANK, as gloo names a rank's entry
+        group, rank = parts[0], parts[-1]
         ranks = ep.groups.get(group)
-        if ranks is None or not rank.isdigit():
+        if ranks is None or len(parts) < 3 or not (rank.isascii() and rank.isdigit()):
             raise ProtocolError(f"rendezvous entry {meet.key!r} names no group of epoch {meet.epoch}")
         if ranks.get(member_id) != int(rank):
             raise ProtocolError(
@@ -83,7 +92,7 @@ class Rendezvous:
             )
         try:
             base64.b64decode(meet.value, validate=True)
-        except binascii.Error:
+        except (binascii.Error, ValueError):
             raise ProtocolError(f"rendezvous entry {meet.key!r} is not base64") from None
         known = ep.entries.get(meet.key)
         if known is not None:
@@ -92,8 +101,12 @@ class Rendezvous:
             return
         ep.entries[meet.key] = ep.pending[meet.key] = meet.value
         ep.missing[member_id].discard(group)
-        if ep.first_at is None:
-            ep.first_at = now
+        # The world's build starts as members finish their step (they finish it together:
+        # it ends in their common all-reduce), newcomers at once: its clock starts with the
+        # first member of the epoch before. Zone and leaders' groups are built right after
+        # the world's, which completes for all at once: their first entry starts theirs.
+        if group not in ep.started and (group != WORLD or member_id in ep.veterans):
+            ep.started[group] = now
 
     def take(self) -> dict[int, tuple[list[str], dict[str, str]]]:
         """Entries written since the last call, by epoch, with the members to send them to."""
@@ -110,10 +123,15 @@ class Rendezvous:
         return dict(ep.entries) if ep is not None else {}
 
     def absent(self, epoch: int, now: float) -> dict[str, list[str]]:
-        """Members of ``epoch`` still missing entries ``deadline_s`` after its first one
-        (each with the groups it did not join); each epoch's absentees are named once."""
+        """Members of ``epoch`` whose entry for a group is still missing ``deadline_s`` after
+        most of that group wrote theirs, each with those groups; named once a group."""
         ep = self._epochs.get(epoch)
-        if ep is None or ep.named or ep.first_at is None or now - ep.first_at < self.deadline_s:
+        if ep is None:
             return {}
-        ep.named = True
-        return {mid: sorted(groups) for mid, groups in ep.missing.items() if groups}
+        due = {g for g, t in ep.started.items() if g not in ep.named and now - t >= self.deadline_s}
+        ep.named |= due
+        out: dict[str, list[str]] = {}
+        for mid, groups in ep.missing.items():
+            if late := sorted(groups & due):
+                out[mid] = late
+        return out

@@ -222,6 +222,9 @@ class Membership:
         self.final_digests: dict[str, str] = {}
         """Members that reported the job's last step, with their state's digest."""
         self._accusers: dict[tuple[int, str, str], set[str]] = {}
+        """(epoch, culprit or "", kind) → the members that reported it."""
+        self._witnesses: dict[int, dict[str, str]] = {}
+        """The last epochs' members, each with its zone (who could see a verdict's evidence)."""
         self._checking_from: int | None = None
         """Since this step every contribution is gathered and checked (a sum did not add up)."""
         """(epoch, culprit, kind) → the members that named it."""
@@ -262,6 +265,12 @@ class Membership:
                 f"{hello.job!r} ({hello.job_identity}): start a separate coordinator per job (with etcd: "
                 "a separate --etcd-prefix), or use the same job settings (name, batch size, steps, seed, dataset size)"
             )
+            return d
+        if self.num_steps and hello.steps and hello.steps != self.num_steps:
+            d.refuse = f"this node's job ends at step {hello.steps}, the group's at step {self.num_steps}"
+            return d
+        if (why := self.beyond(hello.step)) is not None:
+            d.refuse = f"this node claims {why}"
             return d
         if self.fingerprint is not None:
             diff = first_mismatch(self.fingerprint, hello.fingerprint)
@@ -398,7 +407,8 @@ class Membership:
         if m is not None:
             m.last_seen = now
             m.step = max(m.step, step)
-            self.step = max(self.step, m.step)
+            if not self._epoch_members or member_id in self._ranks:  # a newcomer's claim moves nothing
+                self.step = max(self.step, m.step)
 
     def progress(
         self,
@@ -447,25 +457,44 @@ class Membership:
         culprit: str | None = None,
         kind: str = "bad-gradient",
         rollback_to: int = -1,
+        zone_only: bool = False,
     ) -> Decision:
-        """A member saw a collective fail, or refused a bad contribution (``culprit``).
-        Re-form the epoch unless it already changed; a culprit is benched, and quarantined
-        when it offends again and again."""
+        """A member saw a collective fail, or refused a bad contribution (``culprit``), or a
+        sum that did not add up (``kind="suspect"``). Re-form the epoch unless it already
+        changed. A culprit is benched, and quarantined when it offends again and again,
+        once most of the members that saw the evidence named it (``zone_only``: the
+        culprit's zone, a DiLoCo inner step's); their reports count for the epoch before
+        the current one too (the first report already re-formed it)."""
         d = Decision()
-        if epoch != self.epoch or member_id not in self.members:
+        witnesses = self._witnesses.get(epoch)
+        if witnesses is None and epoch == self.epoch:  # an epoch the members resumed with
+            witnesses = {mid: "" for mid in self._epoch_members}
+        if witnesses is None or member_id not in self.members:
             return d
-        if self.recovering_until is not None:
+        current = epoch == self.epoch
+        if current and self.recovering_until is not None:
             self._epoch_broke(now, f"{self.members[member_id].name} reports: {reason}")
-        if rollback_to >= 0:
+        if current and rollback_to >= 0:
             self._rollback_to = rollback_to
         m = self.members[member_id]
-        if kind == "suspect":
-            self._accusers = {k: v for k, v in self._accusers.items() if k[0] == epoch}
-            seen = self._accusers.setdefault((epoch, "", kind), set())
-            seen.add(member_id)
-            if len(seen) >= len(self._epoch_members) // 2 + 1 and self._checking_from is None:
-                # Most members saw the same sum not add up: a contribution lied, and only the
-                # gathered rows can say whose. Check each, for a while.
+        c = self.members.get(culprit) if culprit is not None else None
+        if kind == "suspect" or c is not None:
+            # Every member reaches the same verdict from the same data (the all-reduced sum,
+            # the gathered rows or digests): a verdict counts once most of them reached it.
+            seen = witnesses
+            if zone_only and c is not None:
+                seen = {mid: z for mid, z in witnesses.items() if z == witnesses.get(c.member_id)}
+            if member_id not in seen:
+                return d
+            key = (epoch, c.member_id if c is not None else "", kind)
+            accusers = self._accusers.setdefault(key, set())
+            accusers.add(member_id)
+            agreed = len(accusers) >= len(seen) // 2 + 1
+            if agreed and c is not None:
+                what = "bad gradient" if kind == "bad-gradient" else "failed audit"
+                return self._offence(c, epoch, reason, now, kind, f"{what} from {c.name}")
+            if agreed and self._checking_from is None:
+                # A contribution lied, and only the gathered rows can say whose: check each.
                 self._checking_from = self.step
                 d.events.append(
                     self._event(now, "suspect", None, f"{reason}; the next {CHECKED_STEPS} steps gather and check "
@@ -473,21 +502,12 @@ class Membership:
                 )  # fmt: skip
                 self._want_epoch(now, urgent=True, reason="a step's sum did not add up: checking each part", delay=0.0)
                 return d
-            if len(seen) > 1:
+            if len(accusers) > 1 or not current:
                 return d
-        c = self.members.get(culprit) if culprit is not None else None
-        if c is not None:
-            # Every member reaches the same verdict from the same all-reduced data (or the
-            # same gathered digests): a culprit is named by most of the epoch, or by no one.
-            self._accusers = {k: v for k, v in self._accusers.items() if k[0] == epoch}
-            accusers = self._accusers.setdefault((epoch, c.member_id, kind), set())
-            accusers.add(member_id)
-            if len(accusers) >= len(self._epoch_members) // 2 + 1:
-                what = "bad gradient" if kind == "bad-gradient" else "failed audit"
-                return self._offence(c, epoch, reason, now, kind, f"{what} from {c.name}")
-            if len(accusers) > 1:
-                return d
-            reason = f"{reason} (names {c.name}; benched only when most of the epoch agrees)"
+            if c is not None:
+                reason = f"{reason} (names {c.name}; benched only when most of the epoch agrees)"
+        if not current:
+            return d
         d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason}"))
         self._want_epoch(now, urgent=True, reason=f"collective failed at {m.name}: {reason}", delay=FAULT_GRACE_S)
         return d
@@ -784,6 +804,10 @@ class Membership:
         members = [self.members[m] for m in order]
         d.events.extend(self._make_plan(members, now))
         zones = self.zones_of(members)
+        self._witnesses[self.epoch] = dict(zip(order, zones, strict=True))
+        for e in [e for e in self._witnesses if e < self.epoch - 1]:
+            del self._witnesses[e]
+        self._accusers = {k: v for k, v in self._accusers.items() if k[0] >= self.epoch - 1}
         self._zones_in_force = zones if len(set(zones)) > 1 else []
         for m in members:
             m.state = MemberState.ACTIVE

@@ -203,6 +203,8 @@ class Fault(_Msg):
     kind: Literal["bad-gradient", "audit", "suspect"] = "bad-gradient"
     """Why the culprit was refused: its gradient, or its state failed the consistency audit;
     ``suspect`` (no culprit): the step's sum did not add up, and nobody can say whose part lied."""
+    zone_only: bool = False
+    """Only the culprit's zone saw the evidence (a DiLoCo inner step): its majority decides."""
     rollback_to: Annotated[int, Field(ge=-1)] = -1
     """A failed audit: the step of the last audit that passed (every member goes back to it)."""
 
@@ -242,9 +244,6 @@ class Welcome(_Msg):
     group_step: Count = 0
     """The step the group has committed (0: no group trains yet, a cold start): a node whose
     restored checkpoint is ahead of it does not use it (another run's)."""
-    build_s: Seconds = 5.0
-    """How long an epoch's group build may take once its first member started it: a node
-    gives up then, and the leader names the members that never wrote their rendezvous entry."""
 
 
 class Refused(_Msg):

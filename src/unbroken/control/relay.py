@@ -100,7 +100,7 @@ def _answer(text: str, seal: auth.Seal | None) -> m.LeaderMessage:
         answer = m.parse_leader_message(text)
         if not isinstance(answer, m.Refused):
             raise ProtocolError(f"the leader's {answer.type!r} came unsealed: not the job's leader")
-        return answer
+        return m.Refused(reason=answer.reason)  # unproven: no leader hint to follow
     return m.parse_leader_message(auth.opened(seal, text))
 
 

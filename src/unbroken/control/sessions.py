@@ -39,6 +39,8 @@ T = TypeVar("T")
 HELLO_TIMEOUT_S = 10.0
 PREAUTH_PER_ADDRESS = 16
 """Sessions of one address read at a time before they proved the job token (`Doorman`)."""
+QUEUED = 4
+"""An address may have this many times its slots waiting: one address cannot fill the total."""
 PREAUTH_TOTAL = 4096
 """Sessions held before proving the token, from all addresses together; more are closed unread."""
 INLINE_PARSE_BYTES = 64 << 10
@@ -152,14 +154,19 @@ class Doorman:
 
     async def enter(self, peer: str) -> bool:
         """Wait for a slot for a new session from ``peer`` (then `leave` once it proved
-        itself or ended); False when too many are held already."""
-        if sum(self._held.values()) >= self.total:
+        itself or ended); False when too many are held already, from ``peer`` (`QUEUED`
+        times its slots) or in all, or when no slot came within `HELLO_TIMEOUT_S`."""
+        if self._held[peer] >= QUEUED * self.per_address or sum(self._held.values()) >= self.total:
             self.turned_away += 1
             return False
         self._held[peer] += 1
         slot = self._slots.setdefault(peer, asyncio.Semaphore(self.per_address))
         try:
-            await slot.acquire()
+            await asyncio.wait_for(slot.acquire(), timeout=HELLO_TIMEOUT_S)
+        except (TimeoutError, asyncio.TimeoutError):
+            self._release(peer, acquired=False)
+            self.turned_away += 1
+            return False
         except BaseException:
             self._release(peer, acquired=False)
             raise
@@ -263,19 +270,19 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
         hello = m.parse_relay_message(first, limit)
         if not isinstance(hello, m.RelayHello):
             raise ProtocolError(f"the first message of a relay must be its hello, got {hello.type!r}")
-        if not coord.in_office():
-            await ws.send_str(m.encode(coord.office.standby_refusal()))
-            return ws
         why = auth.unproven(
             coord.token, challenge, hello.nonce, hello.relay_id, hello.proof, who="relay", checker="coordinator"
         )
         if why is not None:
-            await ws.send_str(m.encode(m.Refused(reason=why)))
+            await ws.send_str(m.encode(m.Refused(reason=why)))  # unsealed: the relay holds another key
+            return ws
+        seal = auth.seal(coord.token, challenge, hello.nonce, hello.relay_id, sending="down")
+        if not coord.in_office():
+            await ws.send_str(auth.sealed(seal, m.encode(coord.office.standby_refusal())))
             return ws
         coord.doorman.leave(peer)
         waiting = False
         term = coord.term
-        seal = auth.seal(coord.token, challenge, hello.nonce, hello.relay_id, sending="down")
         link = RelayLink(ws, hello.relay_id, hello.zone, coord.office.settled, seal)
         coord.relay_joined(link)
         link.session.send(

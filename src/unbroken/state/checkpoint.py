@@ -72,7 +72,12 @@ def load_newest(directory: Path) -> tuple[Path, dict[str, Any], list[str]] | Non
 def set_aside(directory: Path, why: str) -> Path:
     """Move the checkpoints of ``directory`` into a new subdirectory (another run's: kept,
     but out of the way of this run's, which `Checkpointer` prunes by step)."""
-    aside = directory / f"set-aside-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    stamp = f"set-aside-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    aside = directory / stamp
+    n = 0
+    while aside.exists():
+        n += 1
+        aside = directory / f"{stamp}-{n}"
     aside.mkdir()
     for p in directory.iterdir():
         if _NAME.match(p.name):

@@ -101,7 +101,7 @@ class FaultPlan:
 
     def lie(self, step: int) -> str | None:
         """The lie this node tells at ``step`` (`LIES`), from its first step on."""
-        for f in self._pending:
+        for f in list(self._pending):
             if f.signal in LIES and step >= f.step:
                 self._pending.remove(f)
                 self._persistent.append(f)
@@ -110,7 +110,7 @@ class FaultPlan:
 
     def muted(self, epoch: int) -> bool:
         """True when this node's rendezvous entries for ``epoch`` must not go out."""
-        for f in self._pending:
+        for f in list(self._pending):
             if f.signal == MUTE and epoch >= f.step:
                 self._pending.remove(f)
                 self._persistent.append(f)

@@ -190,7 +190,9 @@ class DiLoCo:
                 verdict = judge(flat[norms_at:].tolist(), zone_shares, B)
                 if verdict is not None:
                     culprit, why = verdict
-                    raise BadContribution(culprit, f"inner step {step}: refused rank {culprit}'s gradient: {why}")
+                    raise BadContribution(
+                        culprit, f"inner step {step}: refused rank {culprit}'s gradient: {why}", zone_only=True
+                    )
             except BaseException:
                 node._restore_buffers(before)
                 raise

@@ -231,7 +231,14 @@ class Node:
                 self._log({"kind": "refused", "step": self.state.step, "culprit": culprit, "reason": str(exc)})
                 back = exc.rollback_to if isinstance(exc, AuditMismatch) else -1
                 self.client.send(
-                    m.Fault(epoch=order.epoch, reason=str(exc)[:2000], culprit=culprit, kind=kind, rollback_to=back)
+                    m.Fault(
+                        epoch=order.epoch,
+                        reason=str(exc)[:2000],
+                        culprit=culprit,
+                        kind=kind,
+                        rollback_to=back,
+                        zone_only=isinstance(exc, BadContribution) and exc.zone_only,
+                    )
                 )
                 self._abandon()
 
@@ -307,7 +314,7 @@ class Node:
             microbatches=list(order.microbatches),
         )
         abort = functools.partial(self._abort_reason, during_step=False)
-        build = self._builder(order.epoch, welcome.build_s, abort)
+        build = self._builder(order.epoch, abort)
         pg, took = build(WORLD, rank, len(order.members))
         self.group.pg, self.group.built_in_s = pg, took
         self._log({"kind": "epoch", "epoch": order.epoch, "term": order.term, "step": self.state.step})
@@ -325,13 +332,16 @@ class Node:
         if order.mode == "diloco" and self.diloco is None:
             self.diloco = DiLoCo(self, order)
 
-    def _builder(self, epoch: int, deadline_s: float, abort: Any) -> Callable[[str, int, int], tuple[Any, float]]:
-        """Builds the epoch's groups (by name, `Zones.groups`) on its rendezvous."""
+    def _builder(self, epoch: int, abort: Any) -> Callable[[str, int, int], tuple[Any, float]]:
+        """Builds the epoch's groups (by name, `Zones.groups`) on its rendezvous. A build
+        waits for its peers up to the collective timeout: the others may still be finishing
+        a step or a round; one that never comes is named by the leader (`--build-deadline`
+        after most of the group started), and the next epoch's order ends the wait."""
 
         def build(group: str, rank: int, size: int) -> tuple[Any, float]:
             return build_group(
                 self.meeting.store(epoch), group, rank, size, self._gloo_host(), self.config.collective_timeout_s,
-                deadline_s, self.wake, abort, functools.partial(self.meeting.publish, epoch),
+                self.config.collective_timeout_s, self.wake, abort, functools.partial(self.meeting.publish, epoch),
             )  # fmt: skip
 
         return build
@@ -806,6 +816,8 @@ class Node:
         failure = self.checkpointer.failure
         if failure is not None and failure != self._checkpoint_failure:
             self.report("checkpoint-failed", failure)
+        elif failure is None and self._checkpoint_failure is not None:
+            self.report("checkpoint-ok", f"checkpoints are written to {self.config.checkpoint_dir} again")
         self._checkpoint_failure = failure
         if self._fragments is not None:
             k, m = self._fragments
@@ -900,11 +912,11 @@ class Node:
         for why in newest[2] if newest else []:
             self._note("checkpoint-failed", f"{why}: using an older one")
         if newest is not None and newest[1].get("job", self.job.identity()) != self.job.identity():
-            aside = set_aside(directory, f"checkpoints of job {newest[1]['job']}, not of {self.job.identity()}")
+            aside = self._set_aside(f"checkpoints of job {newest[1]['job']}, not of {self.job.identity()}")
             self._note(
                 "checkpoint-failed",
                 f"{newest[0]} is another job's (job identity {newest[1]['job']}, this job {self.job.identity()}: "
-                f"name, batch size, steps, seed or dataset differ): not used, moved to {aside}",
+                f"name, batch size, steps, seed or dataset differ): not used, {aside}",
             )
             newest = None
         if newest is None:
@@ -941,6 +953,14 @@ class Node:
         self._log({"kind": kind, "reason": reason, "step": self.state.step})
         self._notes.append((kind, reason))
 
+    def _set_aside(self, why: str) -> str:
+        """Move the checkpoint directory's checkpoints out of this run's way; where they went."""
+        assert self.config.checkpoint_dir is not None
+        try:
+            return f"moved to {set_aside(self.config.checkpoint_dir, why)}"
+        except OSError as exc:
+            return f"left in place: they could not be moved ({exc.strerror or exc})"
+
     def _joined(self) -> None:
         """Once welcomed: drop a restored checkpoint that is ahead of the group (another run's:
         the group never moves to a step it did not commit), and send the notes."""
@@ -952,11 +972,12 @@ class Node:
                 ahead = self.state.step
                 self.state.restore(self._fresh, own=True)
                 self._restored_epoch = None
+                self.client.step = self.state.step
                 why = f"a checkpoint of step {ahead}, ahead of the group's step {welcome.group_step}"
-                aside = set_aside(self.config.checkpoint_dir, f"{why}: another run's")
+                aside = self._set_aside(f"{why}: another run's")
                 self._note(
                     "checkpoint-failed",
-                    f"{why}: another run's? Not used (moved to {aside}); this node joins with the group's state",
+                    f"{why}: another run's? Not used ({aside}); this node joins with the group's state",
                 )
             self._fresh = None
         for kind, reason in self._notes:

@@ -43,6 +43,9 @@ def test_entries_reach_the_epochs_members_once():
         ("a", "zone0/0/0", ADDR, "names no group"),  # one zone: no zone groups
         ("a", "world/0/x", ADDR, "names no group"),
         ("a", "world/0/0", "not base64!", "not base64"),
+        ("a", "world", ADDR, "names no group"),
+        ("a", "world/0/\u00b2", ADDR, "names no group"),  # a digit to str.isdigit, not to int()
+        ("a", "world/0/0", "\u00e9t\u00e9", "not base64"),
     ],
 )
 def test_an_entry_no_honest_node_writes_is_refused(member, key, value, why):
@@ -89,15 +92,30 @@ def test_late_and_foreign_entries_are_ignored():
 
 def test_members_missing_entries_past_the_deadline_are_named_once():
     r = Rendezvous(deadline_s=2)
-    r.order(order(5, ["a", "b", "c", "d"], zones=["x", "x", "y", "y"]))
+    r.order(order(4, ["b", "c", "d"]))
+    r.order(order(5, ["a", "b", "c", "d"], zones=["x", "x", "y", "y"]))  # a joined
     assert r.absent(5, now=100) == {}, "nobody started: no one to blame"
-    r.put("a", meet(5, "world/0/0"), now=10)
-    r.put("a", meet(5, "zone0/0/0"), now=10)
-    r.put("a", meet(5, "leaders/0/0"), now=10)
-    r.put("b", meet(5, "world/0/1"), now=10.5)  # b never builds its zone group
-    r.put("c", meet(5, "world/0/2"), now=10.5)
-    r.put("c", meet(5, "zone1/0/0"), now=10.5)
-    r.put("c", meet(5, "leaders/0/1"), now=10.5)
-    assert r.absent(5, now=11.9) == {}
-    assert r.absent(5, now=12.0) == {"b": ["zone0"], "d": ["world", "zone1"]}
-    assert r.absent(5, now=20) == {}
+    r.put("a", meet(5, "world/0/0"), now=10)  # a newcomer builds at once...
+    assert r.absent(5, now=30) == {}, "...while the others finish their step: no clock yet"
+    r.put("a", meet(5, "zone0/0/0"), now=40)
+    r.put("a", meet(5, "leaders/0/0"), now=40)
+    r.put("b", meet(5, "world/0/1"), now=40.5)  # b never builds its zone group
+    r.put("c", meet(5, "world/0/2"), now=40.5)  # most of the world: its clock starts
+    r.put("c", meet(5, "zone1/0/0"), now=40.5)
+    r.put("c", meet(5, "leaders/0/1"), now=40.5)
+    assert r.absent(5, now=41.9) == {}
+    assert r.absent(5, now=42.0) == {"b": ["zone0"]}
+    assert r.absent(5, now=42.5) == {"d": ["world", "zone1"]}
+    assert r.absent(5, now=50) == {}
+
+
+def test_newcomers_do_not_start_the_worlds_clock():
+    r = Rendezvous(deadline_s=2)
+    r.order(order(1, ["a", "b"]))
+    r.order(order(2, ["a", "b", "c", "d", "e"]))  # three join a group of two
+    for i, mid in enumerate(("c", "d", "e")):
+        r.put(mid, meet(2, f"world/0/{i + 2}"), now=0)
+    assert r.absent(2, now=60) == {}, "a and b are still finishing their step"
+    r.put("a", meet(2, "world/0/0"), now=61)
+    r.put("b", meet(2, "world/0/1"), now=61)
+    assert r.absent(2, now=70) == {}

@@ -207,7 +207,7 @@
   }
 
   function zoneLeaders(members) {
-    // The first member of each zone in rank order leads it (unbroken/comm/reduce.py Zones).
+    // The first member of each zone in rank order leads it (unbroken/sched/zones.py Zones).
     const best = new Map();
     for (const m of members) {
       if (m.rank === null) continue;
