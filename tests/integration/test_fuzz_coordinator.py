@@ -135,10 +135,13 @@ def test_hostile_sessions_never_crash_the_coordinator_or_change_membership():
         assert len(coord.events) <= 10_000
         growth = rss_bytes() - rss_start
         assert growth < 64 << 20, f"memory grew by {growth >> 20} MB over 150 hostile sessions"
-        kinds = {e["kind"] for e in coord.events}
-        refused = sum(e["kind"] in ("protocol", "refused") for e in coord.events)
-        print(f"hostile sessions: {refused} refused, rss +{growth >> 20} MB")
-        assert "protocol" in kinds and "refused" in kinds
+        # Counted, all of them; listed, a few per source and window (the rest would push
+        # the job's own events out of the history).
+        counts = coord.event_counts
+        listed = sum(e["kind"] in ("protocol", "refused") for e in coord.events)
+        print(f"hostile sessions: {counts['protocol']} dropped, {counts['refused']} refused, {listed} listed")
+        assert counts["protocol"] > 0 and counts["refused"] > 0, counts
+        assert listed <= 60, listed
     finally:
         for mem in members:
             mem.stop.set()

@@ -25,6 +25,7 @@ from integration.helpers import assert_promises, events_of, fired, job_for
 from unbroken.control import auth
 from unbroken.control import messages as m
 from unbroken.state.snapshot import fingerprint
+from unbroken.testing.hostile import Flood
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -101,38 +102,6 @@ def test_a_member_that_never_joins_the_data_plane_is_benched(make_cluster):
     assert not events_of(c, "failure"), "a silent data plane is not a node failure"
 
 
-async def _flood(url: str, stop: threading.Event, sent: list[int]) -> None:
-    """Open sessions and send 1 MB first messages until stopped (no token needed)."""
-    junk = '{"v":1,"type":"hello","name":"' + "x" * (1 << 20) + '"}'
-    async with aiohttp.ClientSession() as http:
-        while not stop.is_set():
-            try:
-                async with http.ws_connect(url, max_msg_size=0) as ws:
-                    await ws.receive(timeout=5)  # the challenge
-                    await ws.send_str(junk)
-                    sent[0] += 1
-                    await ws.receive(timeout=5)
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-                await asyncio.sleep(0.01)
-
-
-async def _refused_hellos(url: str, stop: threading.Event, sent: list[int]) -> None:
-    """Well-formed knocks with a wrong token proof, as fast as they are answered."""
-    async with aiohttp.ClientSession() as http:
-        while not stop.is_set():
-            try:
-                async with http.ws_connect(url) as ws:
-                    challenge = m.parse_coordinator_message((await ws.receive(timeout=5)).data)
-                    assert isinstance(challenge, m.Challenge)
-                    nonce = auth.new_nonce()
-                    proof = auth.node_proof("not-the-token-of-this-job", challenge.nonce, nonce, "intruder#1")
-                    await ws.send_str(m.encode(m.Knock(member_id="intruder#1", nonce=nonce, proof=proof)))
-                    sent[0] += 1
-                    await ws.receive(timeout=5)
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-                await asyncio.sleep(0.01)
-
-
 def test_a_flood_of_unauthenticated_sessions_expels_no_member(make_cluster):
     """12 connections sending 1 MB first messages, and refused knocks as fast as they are
     answered: members keep their leases, the job keeps committing, the event history keeps
@@ -143,27 +112,14 @@ def test_a_flood_of_unauthenticated_sessions_expels_no_member(make_cluster):
     for name in ("a", "b", "c"):
         c.start_node(name, extra=["--token", TOKEN])
     c.wait_step(10)
-    url = f"http://{c.address[0]}:{c.address[1]}/ws"
-    stop = threading.Event()
-    big, refused = [0], [0]
-
-    def attack() -> None:
-        async def all_of_them() -> None:
-            await asyncio.gather(
-                *[_flood(url, stop, big) for _ in range(12)], *[_refused_hellos(url, stop, refused) for _ in range(4)]
-            )
-
-        asyncio.run(all_of_them())
-
-    attacker = threading.Thread(target=attack, daemon=True)
-    attacker.start()
+    flood = Flood(f"http://{c.address[0]}:{c.address[1]}/ws", big=12, knocks=4)
+    flood.start()
     try:
         time.sleep(15)
     finally:
-        stop.set()
-        attacker.join(30)
-    print(f"flood: {big[0]} frames of 1 MB, {refused[0]} refused knocks in 15 s")
-    assert big[0] > 50 and refused[0] > 50, (big, refused)
+        flood.stop()
+    print(f"flood: {flood.sent['big']} frames of 1 MB, {flood.sent['knock']} refused knocks in 15 s")
+    assert flood.sent["big"] > 50 and flood.sent["knock"] > 50, flood.sent
     assert c.wait_exit(timeout=150) == {"a": 0, "b": 0, "c": 0}, c.diagnostics()
     assert not events_of(c, "failure"), events_of(c, "failure")
     assert_promises(c, env, finishers=3)
@@ -394,7 +350,7 @@ def test_an_order_injected_on_the_path_is_refused(make_cluster):
 
 
 def test_a_checkpoint_directory_removed_mid_run_is_an_event_and_a_flag(make_cluster, tmp_path):
-    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20"}
+    env = {"UB_TEST_STEPS": "250", "UB_TEST_DELAY_MS": "20"}
     ckpt = tmp_path / "ckpt"
     c = make_cluster(env=env, min_nodes=2, node_args=["--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"])
     c.start_coordinator()
