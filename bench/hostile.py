@@ -44,7 +44,7 @@ from unbroken.testing.hostile import Flood
 TOKEN = "bench-hostile-token-0123456789"
 ATTACKS = ("none", "flood", "absent", "liar")
 JOB = str(Path(__file__).resolve().parent / "jobs.py") + ":small"
-ENV = {"UB_BENCH_STEPS": "100000", "UB_BENCH_DELAY_MS": "20", "OMP_NUM_THREADS": "1"}
+ENV = {"UB_BENCH_STEPS": "100000", "UB_BENCH_DELAY_MS": "20"}
 
 
 def one(attack: str, duration: float) -> dict[str, Any]:
@@ -93,8 +93,10 @@ def main() -> None:
     progress = ProgressLine(len(attacks) * args.repeat)
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in attacks}
     for _, attack in itertools.product(range(args.repeat), attacks):
+        progress.update(f"{attack}: attacking for {args.duration:g} s")
         runs[attack].append(one(attack, args.duration))
-        progress.step(f"{attack}")
+        progress.update(f"{attack} done", advance=1)
+    progress.close()
     base = statistics.median(r["rate"] for r in runs["none"])
     rows = []
     for attack, rs in runs.items():

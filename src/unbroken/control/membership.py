@@ -94,6 +94,8 @@ class Member:
     flags: int = 0
     """Times its gradient was refused."""
     benched_until: float = 0.0
+    excluded_until: float = 0.0
+    """Out of every epoch until then (it never joined an epoch's data plane)."""
     quarantined: bool = False
     bytes_intra: int = 0
     bytes_inter: int = 0
@@ -225,6 +227,8 @@ class Membership:
         """(epoch, culprit or "", kind) → the members that reported it."""
         self._witnesses: dict[int, dict[str, str]] = {}
         """The last epochs' members, each with its zone (who could see a verdict's evidence)."""
+        self._readmit_at: float | None = None
+        """When a member kept out of the epochs may come back (an epoch forms then)."""
         self._checking_from: int | None = None
         """Since this step every contribution is gathered and checked (a sum did not add up)."""
         """(epoch, culprit, kind) → the members that named it."""
@@ -519,6 +523,10 @@ class Membership:
         c = self.members.get(member_id)
         if c is None or epoch != self.epoch or self.rank_of(member_id) is None:
             return Decision()
+        # Out of the epochs, not only of training: a member in an epoch must build its
+        # groups, and this one would hold every build up again.
+        c.excluded_until = now + BENCH_S
+        self._readmit_at = min(self._readmit_at or c.excluded_until, c.excluded_until)
         return self._offence(c, epoch, reason, now, "absent", f"{c.name} never joined the data plane")
 
     def _offence(self, c: Member, epoch: int, reason: str, now: float, kind: str, why: str) -> Decision:
@@ -604,6 +612,12 @@ class Membership:
                 return d
         if not self._started and len(self.members) < self.min_nodes:
             return d  # the job has not started: wait for enough nodes
+        if self._readmit_at is not None and now >= self._readmit_at:
+            later = [m.excluded_until for m in self.members.values() if m.excluded_until > now]
+            self._readmit_at = min(later) if later else None
+            back = [m for m in self.members.values() if 0 < m.excluded_until <= now and m.member_id not in self._ranks]
+            if any(not m.quarantined for m in back):
+                self._want_epoch(now, urgent=False, reason="a member kept out of the data plane may try again", delay=0)
         if self._checking_from is not None and self.step >= self._checking_from + CHECKED_STEPS:
             self._checking_from = None
             self._want_epoch(now, urgent=False, reason=f"no culprit in {CHECKED_STEPS} checked steps", delay=0.0)
@@ -780,17 +794,23 @@ class Membership:
     def _form_epoch(self, now: float, urgent: bool, reason: str) -> Decision:
         d = Decision()
         self._pending_due, self._pending_urgent, self._pending_reasons = None, False, {}
+
+        def eligible(m: Member) -> bool:
+            return not m.quarantined and m.excluded_until <= now
+
         keep = [
             m
             for m in self.epoch_members
-            if m in self.members and self.members[m].state != MemberState.LEAVING and not self.members[m].quarantined
+            if m in self.members and self.members[m].state != MemberState.LEAVING and eligible(self.members[m])
         ]
         kept = set(keep)
         new = sorted(
             (
                 m
                 for m in self.members.values()
-                if m.member_id not in kept and m.state == MemberState.JOINING and not m.quarantined
+                if m.member_id not in kept
+                and (m.state == MemberState.JOINING or (m.state == MemberState.ACTIVE and m.excluded_until))
+                and eligible(m)
             ),
             key=lambda m: (m.joined_at, m.member_id),
         )

@@ -653,3 +653,27 @@ def test_failed_audits_count_as_offences_and_a_replica_that_keeps_failing_them_i
         t += 0.1
     assert ms.members["c"].quarantined and "c" not in order.members
     assert [e.kind for e in d.events] == ["audit", "quarantine"]
+
+
+def test_a_member_absent_from_the_data_plane_is_kept_out_of_epochs_then_tried_again() -> None:
+    from unbroken.control.membership import BENCH_S, QUARANTINE_AFTER
+
+    ms = Membership(lease_s=LEASE, now=0.0)
+    for mid in ("a", "b", "c"):
+        ms.admit(hello(mid, 30), 0.0)
+    only_order(ms.tick(JOIN_SETTLE_S))
+    t = JOIN_SETTLE_S
+    for offence in range(1, QUARANTINE_AFTER + 1):
+        d = ms.absent("c", ms.epoch, "no rendezvous entry", t)
+        assert [e.kind for e in d.events][:1] == ["absent"] and f"offence {offence}" in d.events[0].reason
+        for mid in ("a", "b", "c"):
+            ms.heartbeat(mid, 0, t)
+        order = only_order(ms.tick(t))
+        assert order.members == ["a", "b"], "out of the epoch, not only of training"
+        t += BENCH_S + 0.1
+        for mid in ("a", "b", "c"):
+            ms.heartbeat(mid, 0, t)
+        d = ms.tick(t)
+        if offence < QUARANTINE_AFTER:
+            assert only_order(d).members == ["a", "b", "c"], "tried again once its time is over"
+    assert ms.members["c"].quarantined and not d.orders
