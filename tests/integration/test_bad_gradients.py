@@ -13,25 +13,35 @@ from integration.helpers import assert_promises, events_of, fired
 ENV = {"UB_TEST_STEPS": "40", "UB_TEST_DELAY_MS": "10"}
 
 
+def two_and_one(make_cluster, name: str, fault: str, timeout: float, coordinator_args=()):
+    """Nodes a and b, and ``name`` with ``fault``, run to the end; all three exit cleanly."""
+    c = make_cluster(env=ENV, min_nodes=3, node_args=["--digest-every", "1"], coordinator_args=list(coordinator_args))
+    c.start_coordinator()
+    c.start_node("a")
+    c.start_node("b")
+    odd = c.start_node(name, fault=fault)
+    codes = c.wait_exit(timeout=timeout)
+    assert codes == {"a": 0, "b": 0, name: 0}, c.diagnostics()
+    return c, odd
+
+
+def final_is_finite(c) -> bool:
+    final = torch.load(c.nodes["a"].final_state, weights_only=True)["model"]
+    return all(bool(torch.isfinite(v).all()) for v in final.values())
+
+
 @pytest.mark.parametrize("poison", ["nan", "spike"])
 def test_a_poisoned_gradient_is_refused_and_the_model_stays_exact(make_cluster, poison):
     """A gradient poisoned once (a faulty device, a bad batch): the step is not applied; it
     is retried with every contribution gathered and checked, and since the retry is clean
     nobody is benched (no evidence), and the model equals the reference."""
-    c = make_cluster(env=ENV, min_nodes=3, node_args=["--digest-every", "1"])
-    c.start_coordinator()
-    c.start_node("a")
-    c.start_node("b")
-    bad = c.start_node("bad", fault=f"{poison}@grad:12")
-    codes = c.wait_exit(timeout=120)
-    assert codes == {"a": 0, "b": 0, "bad": 0}, c.diagnostics()
+    c, bad = two_and_one(make_cluster, "bad", f"{poison}@grad:12", timeout=120)
     assert fired(bad, poison)
     refused = [e for e in c.nodes["a"].entries() if e["kind"] == "refused"]
     assert refused and refused[0]["step"] == 12 and refused[0]["culprit"] is None, refused
     assert events_of(c, "suspect"), "most members saw the sum not add up"
     assert not events_of(c, "bad-gradient"), "a clean retry is no evidence against anyone"
-    final = torch.load(c.nodes["a"].final_state, weights_only=True)["model"]
-    assert all(torch.isfinite(v).all() for v in final.values())
+    assert final_is_finite(c)
     losses = [e["loss"] for e in c.nodes["a"].entries() if e["kind"] == "commit"]
     assert all(math.isfinite(x) for x in losses)
     assert_promises(c, ENV, finishers=3)  # step 12 retried with the same samples: equal to the reference
@@ -42,22 +52,15 @@ def test_a_member_that_lies_about_its_gradient_is_named_from_the_data_itself(mak
     """A NaN or -10^6x gradient sent with the norm of the true one, or +inf written into the
     next member's norm slot: never applied, only the liar is named (from the gathered rows
     every member checks), and the honest group's model is the reference's."""
-    c = make_cluster(
-        env=ENV, min_nodes=3, node_args=["--digest-every", "1"], coordinator_args=["--aggregate", aggregate]
+    c, liar = two_and_one(
+        make_cluster, "liar", f"{lie}@grad:12", timeout=150, coordinator_args=["--aggregate", aggregate]
     )
-    c.start_coordinator()
-    c.start_node("a")
-    c.start_node("b")
-    liar = c.start_node("liar", fault=f"{lie}@grad:12")
-    codes = c.wait_exit(timeout=150)
-    assert codes == {"a": 0, "b": 0, "liar": 0}, c.diagnostics()
     assert fired(liar, lie)
     named = [e for n in ("a", "b") for e in c.nodes[n].entries() if e["kind"] == "refused" and e["culprit"]]
     assert named and all(e["culprit"].startswith("liar") for e in named), named
     flagged = events_of(c, "bad-gradient")
     assert flagged and all("liar" in e["reason"] for e in flagged), flagged
-    final = torch.load(c.nodes["a"].final_state, weights_only=True)["model"]
-    assert all(torch.isfinite(v).all() for v in final.values())
+    assert final_is_finite(c)
     # Named again whenever it lies again (every step is checked while it is in the epoch):
     # quarantined after three offences, out of training; the honest two finish the job.
     assert_promises(c, ENV, finishers=2, reference=aggregate == "mean")

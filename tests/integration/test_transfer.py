@@ -54,7 +54,7 @@ class Group:
         wake = threading.Event()
 
         def one(rank: int) -> Any:
-            pg, _ = build_group(self.store, prefix, rank, self.size, "127.0.0.1", 10.0, 10.0, wake, lambda: None)
+            pg, _ = build_group(self.store, prefix, rank, self.size, "127.0.0.1", 10.0, wake, lambda: None)
             try:
                 return fn(rank, pg)
             except Exception as exc:  # returned, so every rank's outcome can be checked

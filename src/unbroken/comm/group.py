@@ -195,7 +195,6 @@ def build_group(
     size: int,
     gloo_host: str | None,
     timeout_s: float,
-    deadline_s: float,
     wake: threading.Event,
     should_abort: AbortCheck,
     publish: Callable[[], None] | None = None,
@@ -205,8 +204,8 @@ def build_group(
     The members meet on ``store`` under ``group/`` (`Meeting.store`); ``publish`` is called
     every few milliseconds meanwhile to pass on what this rank wrote. The constructor
     blocks until every rank has connected, so it runs on a helper thread; if the epoch is
-    superseded, or the build runs past ``deadline_s``, we walk away and the helper ends at
-    its timeout (``timeout_s``, the group's collective timeout).
+    superseded meanwhile we walk away and the helper ends at its timeout (``timeout_s``, also
+    the group's collective timeout).
     """
     result: dict[str, Any] = {}
 
@@ -231,7 +230,7 @@ def build_group(
 
     start = time.monotonic()
     threading.Thread(target=build, name=f"pg-build-{group}", daemon=True).start()
-    wait_until(built, wake, should_abort, deadline_s, f"building group {group}", poll_s=PUBLISH_S)
+    wait_until(built, wake, should_abort, timeout_s, f"building group {group}", poll_s=PUBLISH_S)
     if "error" in result:
         raise CollectiveFailed(f"building group {group} failed: {result['error']}")
     return result["pg"], time.monotonic() - start

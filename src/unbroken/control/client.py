@@ -300,28 +300,29 @@ class ControlClient:
         )
 
     async def _receive(self, ws: aiohttp.ClientWebSocketResponse, doing: str) -> m.CoordinatorMessage:
+        return m.parse_coordinator_message(await self._receive_text(ws, doing))
+
+    async def _receive_text(self, ws: aiohttp.ClientWebSocketResponse, doing: str) -> str:
         first = await asyncio.wait_for(ws.receive(), timeout=10)
         if first.type != aiohttp.WSMsgType.TEXT:
             raise ProtocolError(f"coordinator closed the session before {doing} ({first.type.name})")
-        return m.parse_coordinator_message(first.data)
+        return str(first.data)
 
     async def _answer(self, ws: aiohttp.ClientWebSocketResponse, seal: auth.Seal | None) -> m.CoordinatorMessage:
         """The answer to a hello: sealed, or a plain refusal of the knock (a wrong token)."""
-        first = await asyncio.wait_for(ws.receive(), timeout=10)
-        if first.type != aiohttp.WSMsgType.TEXT:
-            raise ProtocolError(f"coordinator closed the session before welcoming ({first.type.name})")
+        text = await self._receive_text(ws, "welcoming")
         if seal is None:
-            return m.parse_coordinator_message(first.data)
+            return m.parse_coordinator_message(text)
         impostor = "could not prove it holds the job token: not the job's coordinator (wrong address or an impostor)"
-        if first.data.startswith("{"):
-            msg = m.parse_coordinator_message(first.data)
+        if text.startswith("{"):
+            msg = m.parse_coordinator_message(text)
             if not isinstance(msg, m.Refused):
                 raise self._unproven(f"its {msg.type!r} came unsealed: it {impostor}")
             if self.welcome is not None:
                 raise ProtocolError(f"an unsealed refusal ({msg.reason}) after this node was admitted: ignored")
             return m.Refused(reason=msg.reason)  # the refusal of a knock: nothing else it says is proven
         try:
-            return m.parse_coordinator_message(seal.open(first.data))
+            return m.parse_coordinator_message(seal.open(text))
         except ProtocolError:
             raise self._unproven(f"its answer failed its authentication: it {impostor}") from None
 

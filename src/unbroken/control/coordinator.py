@@ -321,10 +321,10 @@ class Coordinator(ThreadedService):
         ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=None)
         await ws.prepare(request)
         peer = request.remote or "?"
-        if not await self.doorman.enter(peer):
+        ticket = await self.doorman.enter(peer)
+        if ticket is None:
             await turn_away(ws)
             return ws
-        waiting = True
         session: Sender | None = None
         try:
             challenge, first = await greet(ws, self.token is not None)
@@ -340,8 +340,7 @@ class Coordinator(ThreadedService):
                 await ws.send_str(auth.sealed(seal, m.encode(self.office.standby_refusal())))
                 await ws.close()
                 return ws
-            self.doorman.leave(peer)
-            waiting = False
+            ticket.done()
             hello, _ = await read_hello(ws, knock, limit, seal)
             term = self.term  # the session belongs to this term (an election may come while it waited)
             proof = auth.coordinator_proof(self.token, challenge, knock.nonce, knock.member_id) if self.token else ""
@@ -371,8 +370,7 @@ class Coordinator(ThreadedService):
         except (TimeoutError, asyncio.TimeoutError):
             log.warning("session from %s sent no hello within %s s", peer, HELLO_TIMEOUT_S)
         finally:
-            if waiting:
-                self.doorman.leave(peer)
+            ticket.done()
             if session is not None:
                 self._session_ended(session)
                 session.close()
@@ -517,15 +515,11 @@ class Coordinator(ThreadedService):
         )
 
     def _drop(self, session: Sender, reason: str) -> None:
-        """End a relayed member's session for a message no honest node sends (a direct
-        session ends by raising `ProtocolError` out of its reader)."""
-        mid = session.member_id
-        if self._sessions.get(mid) is session:
-            del self._sessions[mid]
-            self._told.pop(mid, None)
-        session.send(m.Expel(reason=reason, term=self.term))
-        session.close()
-        self._apply(self.membership.fail(mid, time.monotonic(), reason))
+        """Expel a relayed member for a message no honest node sends, as a lapsed lease is
+        (a direct session ends by raising `ProtocolError` out of its reader)."""
+        d = self.membership.fail(session.member_id, time.monotonic(), reason)
+        d.expel[session.member_id] = reason
+        self._apply(d)
 
     def _dispatch(self, session: Sender, msg: m.NodeMessage) -> None:
         now = time.monotonic()
@@ -670,15 +664,15 @@ class Coordinator(ThreadedService):
                 s.send(m.Expel(reason=reason, term=self.term))
                 s.close()
         if d.orders:
-            for order in sorted({id(o): o for o in d.orders.values()}.values(), key=lambda o: o.epoch):
-                self.rendezvous.order(order)
             send_all(self._sessions, self._compact(d.orders))
 
     def _compact(self, orders: dict[str, m.EpochOrder]) -> dict[str, m.EpochOrder]:
         """Orders as sent (`orders.compact`): a member whose session got the previous order
-        gets this one as a change to it, anyone else in full."""
+        gets this one as a change to it, anyone else in full. Each order's epoch opens its
+        rendezvous."""
         out: dict[str, m.EpochOrder] = {}
         for order in sorted({id(o): o for o in orders.values()}.values(), key=lambda o: o.epoch):
+            self.rendezvous.order(order)
             last, self._last_order = self._last_order, order
             full = compact(order)
             delta = compact(order, last) if last is not None else full
@@ -728,20 +722,13 @@ class Coordinator(ThreadedService):
         """Record a refused or dropped session, a few per source and window: a flood of
         them must not push the job's own events out of the history or fill the disk."""
         now = time.monotonic()
-        ms = self.membership
-        match self.quiet.allow(source, now):
-            case Say.YES:
-                self._record(Event(now, kind, None, ms.epoch, ms.step, reason))
-            case Say.LAST:
-                self._record(
-                    Event(
-                        now, kind, None, ms.epoch, ms.step,
-                        f"{reason} (more from {source} are counted in /metrics, not listed, for "
-                        f"{self.quiet.window_s:g} s)",
-                    )
-                )  # fmt: skip
-            case Say.NO:
-                self.event_counts[kind] += 1
+        say = self.quiet.allow(source, now)
+        if say is Say.NO:
+            self.event_counts[kind] += 1
+            return
+        if say is Say.LAST:
+            reason += f" (more from {source} are counted in /metrics, not listed, for {self.quiet.window_s:g} s)"
+        self._record(Event(now, kind, None, self.membership.epoch, self.membership.step, reason))
 
     def _record(self, ev: Event, node: str | None = None) -> None:
         wall = time.time() - (time.monotonic() - ev.time)

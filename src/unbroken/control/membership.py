@@ -231,7 +231,6 @@ class Membership:
         """When a member kept out of the epochs may come back (an epoch forms then)."""
         self._checking_from: int | None = None
         """Since this step every contribution is gathered and checked (a sum did not add up)."""
-        """(epoch, culprit, kind) → the members that named it."""
         self.final_digest: str | None = None
         """The state most of the last epoch's trainers finished with."""
         self._final_metrics: dict[str, dict[str, float]] = {}

@@ -368,10 +368,10 @@ class Relay(ThreadedService):
         ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=None)
         await ws.prepare(request)
         peer = request.remote or "?"
-        if not await self.doorman.enter(peer):
+        ticket = await self.doorman.enter(peer)
+        if ticket is None:
             await turn_away(ws)
             return ws
-        waiting = True
         member: _Member | None = None
         try:
             challenge, first = await greet(ws, self.config.token is not None)
@@ -382,8 +382,7 @@ class Relay(ThreadedService):
             if why is not None:
                 await ws.send_str(m.encode(m.Refused(reason=why)))
                 return ws
-            self.doorman.leave(peer)
-            waiting = False
+            ticket.done()
             seal = auth.seal(self.config.token, challenge, knock.nonce, knock.member_id, sending="down")
             hello, size = await read_hello(ws, knock, limit, seal)
             answer = await self._forward_hello(hello, size)
@@ -423,8 +422,7 @@ class Relay(ThreadedService):
         except (TimeoutError, asyncio.TimeoutError):
             log.warning("relay %s: a session sent no hello, or its hello got no answer", self.relay_id)
         finally:
-            if waiting:
-                self.doorman.leave(peer)
+            ticket.done()
             if member is not None and self._members.get(member.member_id) is member:
                 del self._members[member.member_id]
                 if member.member_id not in self._hellos:  # else a new session replaces this one

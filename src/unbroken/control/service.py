@@ -11,6 +11,7 @@ or from Python::
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import threading
 from typing import TypeVar
@@ -18,7 +19,7 @@ from typing import TypeVar
 _S = TypeVar("_S", bound="ThreadedService")
 
 
-class ThreadedService:
+class ThreadedService(abc.ABC):
     name = "service"
 
     def __init__(self) -> None:
@@ -28,8 +29,9 @@ class ThreadedService:
         self._thread: threading.Thread | None = None
         self._startup_error: BaseException | None = None
 
+    @abc.abstractmethod
     async def serve(self) -> None:
-        raise NotImplementedError
+        """Serve until `stop` (`Coordinator.serve`, `Relay.serve`)."""
 
     def _begin(self) -> asyncio.Event:
         """Bind the service to the running loop; returns the event `stop` sets."""

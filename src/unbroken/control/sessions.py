@@ -152,13 +152,14 @@ class Doorman:
         self._slots: dict[str, asyncio.Semaphore] = {}
         self.turned_away = 0
 
-    async def enter(self, peer: str) -> bool:
-        """Wait for a slot for a new session from ``peer`` (then `leave` once it proved
-        itself or ended); False when too many are held already, from ``peer`` (`QUEUED`
-        times its slots) or in all, or when no slot came within `HELLO_TIMEOUT_S`."""
+    async def enter(self, peer: str) -> Ticket | None:
+        """Wait for a slot for a new session from ``peer``; its `Ticket` gives the slot back
+        once the session proved itself or ended. None when too many are held already, from
+        ``peer`` (`QUEUED` times its slots) or in all, or when no slot came within
+        `HELLO_TIMEOUT_S`."""
         if self._held[peer] >= QUEUED * self.per_address or sum(self._held.values()) >= self.total:
             self.turned_away += 1
-            return False
+            return None
         self._held[peer] += 1
         slot = self._slots.setdefault(peer, asyncio.Semaphore(self.per_address))
         try:
@@ -166,13 +167,14 @@ class Doorman:
         except (TimeoutError, asyncio.TimeoutError):
             self._release(peer, acquired=False)
             self.turned_away += 1
-            return False
+            return None
         except BaseException:
             self._release(peer, acquired=False)
             raise
-        return True
+        return Ticket(self, peer)
 
     def leave(self, peer: str) -> None:
+        """A session of ``peer`` proved itself or ended: its slot is free (`Ticket.done`)."""
         self._release(peer, acquired=True)
 
     def _release(self, peer: str, acquired: bool) -> None:
@@ -181,6 +183,19 @@ class Doorman:
         self._held[peer] -= 1
         if self._held[peer] <= 0:
             del self._held[peer], self._slots[peer]
+
+
+class Ticket:
+    """One unproven session's slot (`Doorman.enter`); `done` gives it back, once."""
+
+    def __init__(self, doorman: Doorman, peer: str) -> None:
+        self._doorman: Doorman | None = doorman
+        self._peer = peer
+
+    def done(self) -> None:
+        if self._doorman is not None:
+            self._doorman.leave(self._peer)
+            self._doorman = None
 
 
 async def turn_away(ws: web.WebSocketResponse) -> None:
@@ -260,10 +275,10 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
     ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=None)
     await ws.prepare(request)
     peer = request.remote or "?"
-    if not await coord.doorman.enter(peer):
+    ticket = await coord.doorman.enter(peer)
+    if ticket is None:
         await turn_away(ws)
         return ws
-    waiting = True
     link: RelayLink | None = None
     try:
         challenge, first = await greet(ws, coord.token is not None)
@@ -280,8 +295,7 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
         if not coord.in_office():
             await ws.send_str(auth.sealed(seal, m.encode(coord.office.standby_refusal())))
             return ws
-        coord.doorman.leave(peer)
-        waiting = False
+        ticket.done()
         term = coord.term
         link = RelayLink(ws, hello.relay_id, hello.zone, coord.office.settled, seal)
         coord.relay_joined(link)
@@ -312,8 +326,7 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
     except (TimeoutError, asyncio.TimeoutError):
         log.warning("relay session from %s sent no hello within %s s", peer, HELLO_TIMEOUT_S)
     finally:
-        if waiting:
-            coord.doorman.leave(peer)
+        ticket.done()
         if link is not None:
             coord.relay_lost(link)
             link.session.close()

@@ -146,12 +146,13 @@ class Node:
         self._last_progress_log = time.monotonic()
         self._epochs_formed = 0
         self._restored_epoch: int | None = None
+        """The epoch of the checkpoint this node cold-started from (`m.Hello.restored_epoch`)."""
         self._fresh: dict[str, Any] | None = None
         """The state as built, while a restored checkpoint may still prove another run's."""
         self._notes: list[tuple[str, str]] = []
-        self._checkpoint_failure: str | None = None
         """Events for the job's log from before this node joined (sent once it has)."""
-        """The epoch of the checkpoint this node cold-started from (`m.Hello.restored_epoch`)."""
+        self._checkpoint_failure: str | None = None
+        """The checkpoint failure last reported (None: none, or writes succeed again)."""
         self._partial = Partial()
         """What this node fetched of a peer's state so far (kept when a transfer is cut short)."""
         self._log_file = open(config.commit_log, "a", encoding="utf-8") if config.commit_log else None  # noqa: SIM115
@@ -301,8 +302,6 @@ class Node:
     # ---------------------------------------------------------------- epochs
 
     def _form(self, order: m.EpochOrder) -> None:
-        welcome = self.client.welcome
-        assert welcome is not None
         rank = order.members.index(self.client.member_id)
         self.group = EpochGroup(
             order.epoch,
@@ -341,7 +340,7 @@ class Node:
         def build(group: str, rank: int, size: int) -> tuple[Any, float]:
             return build_group(
                 self.meeting.store(epoch), group, rank, size, self._gloo_host(), self.config.collective_timeout_s,
-                self.config.collective_timeout_s, self.wake, abort, functools.partial(self.meeting.publish, epoch),
+                self.wake, abort, functools.partial(self.meeting.publish, epoch),
             )  # fmt: skip
 
         return build

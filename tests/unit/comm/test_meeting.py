@@ -36,7 +36,7 @@ def test_groups_meet_through_the_leader_and_each_rank_sends_only_its_own_entry()
     def one(rank: int) -> float:
         node = leader.nodes[rank]
         pg, _ = build_group(
-            node.store(7), "world", rank, size, "127.0.0.1", 10.0, 10.0, wake, lambda: None,
+            node.store(7), "world", rank, size, "127.0.0.1", 10.0, wake, lambda: None,
             lambda: node.publish(7),
         )  # fmt: skip
         t = torch.ones(2) * (rank + 1)

@@ -515,13 +515,18 @@ def test_a_validation_report_from_an_unknown_member_is_ignored() -> None:
     assert d.events == [] and d.orders == {}
 
 
-def test_a_refused_gradient_benches_its_member_and_repeat_offenders_are_quarantined() -> None:
-    from unbroken.control.membership import BENCH_S, QUARANTINE_AFTER
-
+def three_trainers() -> tuple[Membership, EpochOrder]:
+    """Members a, b and c of a job with a batch of 30, in their first epoch."""
     ms = Membership(lease_s=LEASE, now=0.0)
     for mid in ("a", "b", "c"):
         ms.admit(hello(mid, 30), 0.0)
-    order = only_order(ms.tick(JOIN_SETTLE_S))
+    return ms, only_order(ms.tick(JOIN_SETTLE_S))
+
+
+def test_a_refused_gradient_benches_its_member_and_repeat_offenders_are_quarantined() -> None:
+    from unbroken.control.membership import BENCH_S, QUARANTINE_AFTER
+
+    ms, order = three_trainers()
     t = JOIN_SETTLE_S
     for offence in range(1, QUARANTINE_AFTER + 1):
         for reporter in ("a", "b", "c"):  # every member reports the same culprit: counted once
@@ -539,10 +544,7 @@ def test_a_refused_gradient_benches_its_member_and_repeat_offenders_are_quaranti
     assert "c" not in order.members, "a quarantined member is out of every epoch"
     assert ms.members["c"].quarantined
     # A benched (not quarantined) member trains again once its time is over.
-    ms2 = Membership(lease_s=LEASE, now=0.0)
-    for mid in ("a", "b", "c"):
-        ms2.admit(hello(mid, 30), 0.0)
-    ms2.tick(JOIN_SETTLE_S)
+    ms2, _ = three_trainers()
     ms2.fault("a", ms2.epoch, "refused", 1.0, culprit="c")
     ms2.fault("b", ms2.epoch, "refused", 1.0, culprit="c")
     assert only_order(ms2.tick(1.0)).shares[2] == 0
@@ -550,10 +552,7 @@ def test_a_refused_gradient_benches_its_member_and_repeat_offenders_are_quaranti
 
 
 def test_one_members_accusations_bench_nobody() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
-    for mid in ("a", "b", "c"):
-        ms.admit(hello(mid, 30), 0.0)
-    ms.tick(JOIN_SETTLE_S)
+    ms, _ = three_trainers()
     t = JOIN_SETTLE_S
     for _ in range(5):  # made-up reports, again and again, in each new epoch
         d = ms.fault("a", ms.epoch, "refused: not finite", t, culprit="c")
@@ -570,10 +569,8 @@ def test_one_members_accusations_bench_nobody() -> None:
 def test_a_sum_most_members_doubt_is_checked_row_by_row_and_offenders_stay_watched() -> None:
     from unbroken.control.membership import CHECKED_STEPS
 
-    ms = Membership(lease_s=LEASE, now=0.0)
-    for mid in ("a", "b", "c"):
-        ms.admit(hello(mid, 30), 0.0)
-    assert only_order(ms.tick(JOIN_SETTLE_S)).aggregate == "mean"
+    ms, order = three_trainers()
+    assert order.aggregate == "mean"
     t = JOIN_SETTLE_S + 0.1
     d = ms.fault("c", ms.epoch, "sum not finite", t, kind="suspect")  # one member alone: a plain fault
     assert not events(d, "suspect")
@@ -635,10 +632,7 @@ def test_named_zones_and_auto_zones_mix() -> None:
 def test_failed_audits_count_as_offences_and_a_replica_that_keeps_failing_them_is_quarantined() -> None:
     from unbroken.control.membership import QUARANTINE_AFTER
 
-    ms = Membership(lease_s=LEASE, now=0.0)
-    for mid in ("a", "b", "c"):
-        ms.admit(hello(mid, 30), 0.0)
-    ms.tick(JOIN_SETTLE_S)
+    ms, _ = three_trainers()
     t = JOIN_SETTLE_S
     for offence in range(1, QUARANTINE_AFTER + 1):
         reason = "digest differs from the majority's (2 of 3 agree)"
@@ -658,10 +652,7 @@ def test_failed_audits_count_as_offences_and_a_replica_that_keeps_failing_them_i
 def test_a_member_absent_from_the_data_plane_is_kept_out_of_epochs_then_tried_again() -> None:
     from unbroken.control.membership import BENCH_S, QUARANTINE_AFTER
 
-    ms = Membership(lease_s=LEASE, now=0.0)
-    for mid in ("a", "b", "c"):
-        ms.admit(hello(mid, 30), 0.0)
-    only_order(ms.tick(JOIN_SETTLE_S))
+    ms, _ = three_trainers()
     t = JOIN_SETTLE_S
     for offence in range(1, QUARANTINE_AFTER + 1):
         d = ms.absent("c", ms.epoch, "no rendezvous entry", t)
