@@ -12,6 +12,8 @@ Each run starts a real coordinator (with a job token) and three real nodes of
   token proof, as fast as they are answered (anyone who reaches the port can);
 * ``absent``: a fourth member that heartbeats but never joins the data plane
   (``mute@build:0``), with ``--build-deadline 2``;
+* ``walled``: a fourth member whose rendezvous entries give an address that refuses every
+  peer (``unreachable@build:0``: a firewall rejecting inbound TCP, a NAT);
 * ``liar``: a fourth member holding the token that sends a NaN gradient with the norm of
   its true one in its slot, every step (``hide-nan``).
 
@@ -42,7 +44,7 @@ from unbroken.testing.cluster import LocalCluster
 from unbroken.testing.hostile import Flood
 
 TOKEN = "bench-hostile-token-0123456789"
-ATTACKS = ("none", "flood", "absent", "liar")
+ATTACKS = ("none", "flood", "absent", "walled", "liar")
 JOB = str(Path(__file__).resolve().parent / "jobs.py") + ":small"
 ENV = {"UB_BENCH_STEPS": "100000", "UB_BENCH_DELAY_MS": "20"}
 
@@ -61,6 +63,8 @@ def one(attack: str, duration: float) -> dict[str, Any]:
             flood.start()
         elif attack == "absent":
             c.start_node("mute", extra=token, fault="mute@build:0")
+        elif attack == "walled":
+            c.start_node("walled", extra=token, fault="unreachable@build:0")
         elif attack == "liar":
             c.start_node("liar", extra=token, fault="hide-nan@grad:0")
         time.sleep(duration)
@@ -78,7 +82,13 @@ def one(attack: str, duration: float) -> dict[str, Any]:
             "expelled": len(expelled),
             "finite": finite,
             "sent": dict(flood.sent) if flood is not None else {},
-            "named": sorted({e["kind"] for e in state["events"] if e["kind"] in ("absent", "bad-gradient", "suspect")}),
+            "named": sorted(
+                {
+                    e["kind"]
+                    for e in state["events"]
+                    if e["kind"] in ("absent", "unreachable", "bad-gradient", "suspect")
+                }
+            ),
         }
 
 

@@ -26,6 +26,7 @@ from unbroken.errors import (
     Suspicion,
     TransferError,
     UnbrokenError,
+    Unreachable,
 )
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ __all__ = [
     "Suspicion",
     "TransferError",
     "UnbrokenError",
+    "Unreachable",
     "load_job",
     "run_node",
 ]

@@ -14,7 +14,8 @@
      ├── CollectiveFailed              a data-plane collective failed or ran past its deadline
      │    ├── BadContribution          a member's gradient was non-finite or far out of range
      │    │    └── AuditMismatch       a member's state differs from the majority's (corruption)
-     │    └── Suspicion                a step's sum did not add up, and cannot say whose part lied
+     │    ├── Suspicion                a step's sum did not add up, and cannot say whose part lied
+     │    └── Unreachable              a group build failed: a peer's data-plane address is unreachable
      └── TransferError                 a state transfer was corrupt or incomplete
 """
 
@@ -81,6 +82,11 @@ class Suspicion(CollectiveFailed):
     applied; the coordinator has the next steps gathered and checked row by row."""
 
     kind = "suspect"
+
+
+class Unreachable(CollectiveFailed):
+    """A group build failed, and this node could not connect to some peer's data-plane
+    address: it said whom (the leader has the others try before benching anyone)."""
 
 
 class AuditMismatch(BadContribution):

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import socket
+import struct
 from typing import Any
 
 import torch
@@ -47,3 +49,14 @@ def exit_by(code: int | None, sig: int) -> bool:
 
 def events_of(c: LocalCluster, kind: str) -> list[dict[str, Any]]:
     return [e for e in c.events() if e["kind"] == kind]
+
+
+def gloo_entry(port: int = 4242, host: str = "127.0.0.1", peers: int = 0, name: bytes = b"vm") -> bytes:
+    """A rank's rendezvous entry as gloo's TCP transport writes it (its ``Rank``: a host
+    name, a ``sockaddr_storage`` and a sequence number, then one sequence number per peer)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    head = struct.pack("<H", family) + struct.pack(">H", port)
+    flowinfo = bytes(4) if family == socket.AF_INET6 else b""
+    address = (head + flowinfo + socket.inet_pton(family, host)).ljust(128, b"\0") + struct.pack("<q", 7)
+    ids = struct.pack(f"<{peers}q", *range(peers))
+    return struct.pack("<Q", len(name)) + name + struct.pack("<Q", len(address)) + address + ids

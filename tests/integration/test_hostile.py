@@ -7,10 +7,13 @@ and asserts that the job keeps committing and every promise of DESIGN.md §1 hol
 from __future__ import annotations
 
 import asyncio
+import base64
+import functools
 import itertools
 import json
 import os
 import shutil
+import socket
 import threading
 import time
 import urllib.request
@@ -21,10 +24,14 @@ import aiohttp.web
 import pytest
 import torch
 
-from integration.helpers import assert_promises, events_of, fired, job_for
+from integration.helpers import assert_promises, events_of, fired, gloo_entry, job_for
+from unbroken.comm.reach import reach, unreachable_fault
 from unbroken.control import auth
 from unbroken.control import messages as m
+from unbroken.control.client import ControlClient
 from unbroken.state.snapshot import fingerprint
+from unbroken.testing.fakes import FINGERPRINT as FAKE_FINGERPRINT
+from unbroken.testing.faults import refusing_socket
 from unbroken.testing.hostile import Flood
 
 pytestmark = pytest.mark.timeout(240)
@@ -100,6 +107,84 @@ def test_a_member_that_never_joins_the_data_plane_is_benched(make_cluster):
     # The wait is the deadline, once, plus forming the next epoch: never the 60 s collective timeout.
     assert max(commit_gaps(c.nodes["a"])) < 2 + 4, max(commit_gaps(c.nodes["a"]))
     assert not events_of(c, "failure"), "a silent data plane is not a node failure"
+
+
+def test_a_member_whose_data_plane_nobody_can_reach_is_named_as_such(make_cluster):
+    """A member whose entries arrive but whose gloo port refuses every peer (a firewall,
+    a NAT): the builds that cannot connect end at once, the others confirm they cannot
+    reach it either, and it is benched with a message that says why; the rest train on."""
+    env = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "20"}
+    c = make_cluster(env=env, min_nodes=4)
+    c.start_coordinator(extra=["--build-deadline", "2"])
+    for name in ("a", "b", "c"):
+        c.start_node(name)
+    walled = c.start_node("walled", fault="unreachable@build:0")
+    c.wait_for(lambda: events_of(c, "unreachable"), 60, "the walled member named")
+    named = events_of(c, "unreachable")
+    assert "walled" in named[0]["reason"] and "firewall or NAT" in named[0]["reason"], named
+    assert not [e for e in named if "walled" not in e["reason"]], "only the walled member is named"
+    codes = c.wait_exit(["a", "b", "c"], timeout=150)
+    assert codes == {"a": 0, "b": 0, "c": 0}, c.diagnostics()
+    assert fired(walled, "unreachable")
+    walled.kill()
+    del c.nodes["walled"]
+    assert_promises(c, env, finishers=3)
+    # Builds that cannot connect fail at once: never the 60 s collective timeout.
+    assert max(commit_gaps(c.nodes["a"])) < 2 + 4, max(commit_gaps(c.nodes["a"]))
+    assert not events_of(c, "absent") and not events_of(c, "failure"), "its entries came; it did not fail"
+
+
+def test_one_member_that_cannot_reach_another_has_the_others_try(make_cluster):
+    """Real sessions on a real leader. One member says it cannot connect to another's data
+    plane: nobody is benched on that word; the leader asks every other member to try the
+    address the accused member's own entry gives, and benches it once most could not."""
+    c = make_cluster(env={}, min_nodes=3)
+    c.start_coordinator()
+    probes: dict[str, m.Probe] = {}
+    clients: dict[str, ControlClient] = {}
+
+    def hello(name: str, member_id: str) -> m.Hello:
+        return m.Hello(
+            job="probe", job_identity="probe", fingerprint=FAKE_FINGERPRINT, member_id=member_id, name=name,
+            batch_size=6,
+        )  # fmt: skip
+
+    live, dead = socket.create_server(("127.0.0.1", 0)), refusing_socket("127.0.0.1")
+    try:
+        for name in ("a", "b", "walled"):
+            client = ControlClient(
+                [c.address], functools.partial(hello, name), name=name, connect_timeout_s=10, wake=threading.Event()
+            )
+            client.on_probe = lambda probe, name=name: probes.setdefault(name, probe)
+            client.start()
+            clients[name] = client
+        formed = lambda: all((o := x.latest_order()) and len(o.members) == 3 for x in clients.values())  # noqa: E731
+        c.wait_for(formed, 30, "an epoch")
+        order = clients["a"].latest_order()
+        assert order is not None
+        walled = clients["walled"].member_id
+        for name, client in clients.items():
+            port = (dead if name == "walled" else live).getsockname()[1]
+            entry = base64.b64encode(gloo_entry(port, peers=3)).decode()
+            client.send(m.Meet(epoch=order.epoch, key=f"world/0/{order.members.index(client.member_id)}", value=entry))
+        time.sleep(0.2)  # the entries reach the leader before the accusation that needs them
+        clients["a"].send(unreachable_fault(order.epoch, walled, "127.0.0.1", dead.getsockname()[1], "refused"))
+        c.wait_for(lambda: {"a", "b"} <= set(probes), 30, "the others asked to try")
+        assert {(p.member, p.host, p.port) for p in probes.values()} == {(walled, "127.0.0.1", dead.getsockname()[1])}
+        assert "walled" not in probes, "the accused is not asked about itself"
+        time.sleep(0.5)
+        assert not events_of(c, "unreachable"), "one member's word benches nobody"
+        probe = probes["b"]
+        failed = reach({probe.member: (probe.host, probe.port)})
+        clients["b"].send(unreachable_fault(order.epoch, walled, probe.host, probe.port, failed[walled]))
+        c.wait_for(lambda: events_of(c, "unreachable"), 30, "the walled member named")
+        assert "walled" in events_of(c, "unreachable")[0]["reason"]
+        c.wait_for(lambda: walled not in (clients["a"].latest_order() or order).members, 30, "an epoch without it")
+    finally:
+        for client in clients.values():
+            client.close()
+        live.close()
+        dead.close()
 
 
 def test_a_flood_of_unauthenticated_sessions_expels_no_member(make_cluster):

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch._C._distributed_c10d import ProcessGroupGloo
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
 from unbroken.comm.group import build_group
@@ -54,7 +55,8 @@ class Group:
         wake = threading.Event()
 
         def one(rank: int) -> Any:
-            pg, _ = build_group(self.store, prefix, rank, self.size, "127.0.0.1", 10.0, wake, lambda: None)
+            device = ProcessGroupGloo.create_device(hostname="127.0.0.1")
+            pg, _ = build_group(self.store, prefix, rank, self.size, device, 10.0, wake, lambda: None)
             try:
                 return fn(rank, pg)
             except Exception as exc:  # returned, so every rank's outcome can be checked

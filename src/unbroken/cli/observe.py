@@ -31,7 +31,7 @@ from unbroken.config import ENV_COORDINATOR, parse_address
 from unbroken.errors import ConfigError, CoordinatorUnreachable
 from unbroken.observe.anomaly import KINDS as ANOMALIES
 
-ALARMS = {*ANOMALIES, "failure", "bad-gradient", "absent", "suspect", "quarantine", "refused"}
+ALARMS = {*ANOMALIES, "failure", "bad-gradient", "absent", "unreachable", "suspect", "quarantine", "refused"}
 
 
 class Api:

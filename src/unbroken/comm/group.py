@@ -9,6 +9,7 @@ their own timeout has passed, then dropped on a background thread.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,11 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
+RANK_AS_SEQUENCE = "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"
+"""With it, a rank's rendezvous entry is its address alone (a hundred-odd bytes) instead of
+its address and a sequence number per peer (8 bytes × the group's size): the entries every
+member receives grow with the group, not with its square. Peers then name themselves by
+rank when they connect, so a device serves one group (`Meeting.device`)."""
 PUBLISH_S = 0.002
 """How often a build passes on what its rank wrote to the rendezvous (`Meeting.publish`)."""
 
@@ -134,6 +140,35 @@ class Meeting:
         self._epochs: dict[int, _Entries] = {}
         self._lock = threading.Lock()
 
+    def device(self, epoch: int, group: str, host: str | None) -> Any:
+        """The gloo device (its listener) for ``group`` of ``epoch``: one per build, since
+        peers identify themselves by rank (`RANK_AS_SEQUENCE`), and kept as long as the
+        epoch's entries are, so its address stays reachable after a failed build (peers
+        may be trying it, `unbroken.comm.reach`)."""
+        ep = self._get(epoch)
+        with self._lock:
+            if group not in ep.devices:
+                os.environ[RANK_AS_SEQUENCE] = "1"
+                make = ProcessGroupGloo.create_device
+                ep.devices[group] = make(hostname=host) if host else ProcessGroupGloo.create_default_device()
+            return ep.devices[group]
+
+    def complete(self, epoch: int, group: str, size: int) -> bool:
+        """Every rank of ``group`` has its entry here (its build can connect now)."""
+        with self._lock:
+            ep = self._epochs.get(epoch)
+            return ep is not None and sum(1 for k in ep.known if k.startswith(f"{group}/")) >= size
+
+    def entries(self, epoch: int, group: str) -> dict[int, bytes]:
+        """The entries of ``group`` by rank (gloo names them ``GROUP/DEVICE/RANK``)."""
+        with self._lock:
+            ep = self._epochs.get(epoch)
+            if ep is None:
+                return {}
+            keys = [k for k in ep.known if k.startswith(f"{group}/")]
+        ranks = {k: k.rsplit("/", 1)[1] for k in keys}
+        return {int(r): ep.store.get(k) for k, r in ranks.items() if r.isascii() and r.isdigit()}
+
     def store(self, epoch: int) -> HashStore:
         return self._get(epoch).store
 
@@ -186,6 +221,8 @@ class _Entries:
     """Keys the leader knows (received from it, or sent)."""
     mine: dict[str, bytes] = field(default_factory=dict)
     """What this node's data plane wrote."""
+    devices: dict[str, Any] = field(default_factory=dict)
+    """Group → the gloo device its build listens on."""
 
 
 def build_group(
@@ -193,7 +230,7 @@ def build_group(
     group: str,
     rank: int,
     size: int,
-    gloo_host: str | None,
+    device: Any,
     timeout_s: float,
     wake: threading.Event,
     should_abort: AbortCheck,
@@ -213,10 +250,7 @@ def build_group(
         try:
             opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = timedelta(seconds=timeout_s)
-            if gloo_host:
-                opts._devices = [ProcessGroupGloo.create_device(hostname=gloo_host)]
-            else:
-                opts._devices = [ProcessGroupGloo.create_default_device()]
+            opts._devices = [device]
             result["pg"] = ProcessGroupGloo(PrefixStore(group, store), rank, size, opts)
         except Exception as exc:  # reported to the waiting thread
             result["error"] = exc

@@ -112,6 +112,7 @@ class ControlClient:
         self.on_command: Callable[[m.Command], None] | None = None
         """Called (on the control thread) with an operator's command."""
         self.on_met: Callable[[m.Met], None] | None = None
+        self.on_probe: Callable[[m.Probe], None] | None = None
         """Called (on the control thread) with rendezvous entries for this node's group builds."""
         self.on_welcome: Callable[[m.Welcome, bool], None] | None = None
         """Called (on the control thread) after each welcome, with whether it came from
@@ -507,7 +508,7 @@ class ControlClient:
                     # scheduling delays only add to it (zones by RTT must not follow load).
                     self.rtt_s = min(self._rtts)
                 return
-            if isinstance(msg, (m.EpochOrder, m.Command, m.Expel, m.Finished, m.Met)) and msg.term < self.term:
+            if isinstance(msg, (m.EpochOrder, m.Command, m.Expel, m.Finished, m.Met, m.Probe)) and msg.term < self.term:
                 log.warning("refusing a %s of term %d (have seen term %d): fenced", msg.type, msg.term, self.term)
                 return
             if isinstance(msg, m.EpochOrder):
@@ -528,6 +529,10 @@ class ControlClient:
             if self.on_met is not None:
                 self.on_met(msg)
             return  # nothing for the step loop to wake for: the build waits on its store
+        if isinstance(msg, m.Probe):
+            if self.on_probe is not None:
+                self.on_probe(msg)
+            return
         self.wake.set()
 
     def _mark_expelled(self, reason: str) -> None:

@@ -415,6 +415,7 @@ class Coordinator(ThreadedService):
                 proof=proof,
                 term=self.term,
                 group_step=group_step,
+                build_deadline_s=self.config.build_deadline_s,
             )
         )
         self._apply(decision)
@@ -553,6 +554,8 @@ class Coordinator(ThreadedService):
                 mem.checkpoint_error = msg.reason if msg.kind == "checkpoint-failed" else None
             self._record(Event(now, msg.kind, mid, ms.epoch, msg.step, f"{self._name(mid)}: {msg.reason}"))
         elif isinstance(msg, m.Fault):
+            if msg.kind == "unreachable" and msg.culprit is not None and msg.culprit != mid:
+                self._ask_to_probe(msg.epoch, msg.culprit)
             self._apply(
                 ms.fault(
                     mid,
@@ -589,6 +592,17 @@ class Coordinator(ThreadedService):
         for epoch, (members, entries) in self.rendezvous.take().items():
             met = m.Met(epoch=epoch, term=self.term, entries=entries)
             send_all(self._sessions, {mid: met for mid in members if mid in self._sessions})
+
+    def _ask_to_probe(self, epoch: int, culprit: str) -> None:
+        """One member says it cannot connect to ``culprit``'s data plane: the epoch's other
+        members try the same address, and each that cannot says so too (`Membership.fault`
+        benches the culprit once most of them did)."""
+        asked = self.rendezvous.probe(epoch, culprit)
+        if asked is None:
+            return
+        members, host, port = asked
+        probe = m.Probe(epoch=epoch, term=self.term, member=culprit, host=host, port=port)
+        send_all(self._sessions, {mid: probe for mid in members if mid in self._sessions})
 
     def _name_absent(self, now: float) -> None:
         """Members of the epoch that never wrote their rendezvous entries, ``--build-deadline``

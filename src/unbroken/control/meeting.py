@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import socket
+import struct
 from dataclasses import dataclass, field
 
 from unbroken.control import messages as m
@@ -32,6 +34,53 @@ from unbroken.sched.zones import WORLD, Zones
 
 EPOCHS_KEPT = 2
 """Entries of the newest epoch and the one before (a slow member may still build it)."""
+
+PROBES_PER_EPOCH = 16
+"""Addresses the others are asked to try per epoch at most: honest nodes name at most half
+of their peers (past that, themselves), and more unreachable members than this in one epoch
+is the network's failure, not members' (their own accusers' majority still benches them)."""
+_SOCKADDR_BYTES = 128
+"""``sockaddr_storage``, followed in gloo's address by an 8-byte sequence number."""
+_FAMILIES = {socket.AF_INET: 4, socket.AF_INET6: 16}
+"""Address families gloo listens on, with the length of their addresses."""
+
+
+def data_address(raw: bytes, size: int) -> tuple[str, int]:
+    """The host and port a rank's rendezvous entry asks its peers to connect to.
+
+    The entry is gloo's own (its TCP transport's ``Rank``: a hostname, a socket address
+    and a sequence number per peer, with native 64-bit lengths). gloo reads it without
+    bounds checks: a length that lies makes every peer read past the entry and crash, so
+    the leader parses each entry here before anyone sees it (`ValueError` names the fault).
+    """
+    view = memoryview(raw)
+    try:
+        (name_len,) = struct.unpack_from("<Q", view, 0)
+        if name_len > 255:
+            raise ValueError(f"a host name of {name_len} bytes")
+        at = 8 + name_len
+        (addr_len,) = struct.unpack_from("<Q", view, at)
+        at += 8
+        if addr_len != _SOCKADDR_BYTES + 8 or at + addr_len > len(raw):
+            raise ValueError(f"an address of {addr_len} bytes")
+        (family, port) = struct.unpack_from("<H", view, at) + struct.unpack_from(">H", view, at + 2)
+    except struct.error:
+        raise ValueError(f"{len(raw)} bytes, too few for an entry") from None
+    if family not in _FAMILIES or port == 0:
+        raise ValueError(f"an address of family {family}, port {port}")
+    rest = len(raw) - at - addr_len
+    if rest % 8 or rest // 8 not in (0, size):
+        raise ValueError(f"{rest} bytes of peer sequence numbers for a group of {size}")
+    start = at + 4 if family == socket.AF_INET else at + 8  # sin6_flowinfo comes first
+    host = socket.inet_ntop(family, bytes(view[start : start + _FAMILIES[family]]))
+    return host, port
+
+
+def with_port(raw: bytes, port: int) -> bytes:
+    """A rank's entry with another port (fault injection: an address nobody can reach)."""
+    (name_len,) = struct.unpack_from("<Q", raw, 0)
+    at = 8 + name_len + 8 + 2
+    return raw[:at] + struct.pack(">H", port) + raw[at + 2 :]
 
 
 @dataclass
@@ -51,6 +100,10 @@ class _Epoch:
     """Group → when most of its members had written (its build is under way)."""
     named: set[str] = field(default_factory=set)
     """Groups whose absentees were named already."""
+    addresses: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Member → the data-plane address (host, port) its entries gave."""
+    probed: set[str] = field(default_factory=set)
+    """Members whose address the others were asked to try (`probe`)."""
 
 
 class Rendezvous:
@@ -91,9 +144,13 @@ class Rendezvous:
                 f"({ranks.get(member_id)})"
             )
         try:
-            base64.b64decode(meet.value, validate=True)
+            raw = base64.b64decode(meet.value, validate=True)
         except (binascii.Error, ValueError):
             raise ProtocolError(f"rendezvous entry {meet.key!r} is not base64") from None
+        try:
+            address = data_address(raw, len(ranks))
+        except ValueError as exc:
+            raise ProtocolError(f"rendezvous entry {meet.key!r} is not gloo's: {exc}") from None
         known = ep.entries.get(meet.key)
         if known is not None:
             if known != meet.value:
@@ -101,6 +158,7 @@ class Rendezvous:
             return
         ep.entries[meet.key] = ep.pending[meet.key] = meet.value
         ep.missing[member_id].discard(group)
+        ep.addresses.setdefault(member_id, address)
         # The world's build starts as members finish their step (they finish it together:
         # it ends in their common all-reduce), newcomers at once: its clock starts with the
         # first member of the epoch before. Zone and leaders' groups are built right after
@@ -121,6 +179,16 @@ class Rendezvous:
         """Every entry of ``epoch`` so far (for a member whose session came back)."""
         ep = self._epochs.get(epoch)
         return dict(ep.entries) if ep is not None else {}
+
+    def probe(self, epoch: int, member_id: str) -> tuple[list[str], str, int] | None:
+        """The first time a member of ``epoch`` says it cannot reach ``member_id``: the
+        others to ask, and the address they should try (None: asked already, or unknown)."""
+        ep = self._epochs.get(epoch)
+        if ep is None or member_id in ep.probed or member_id not in ep.addresses or len(ep.probed) >= PROBES_PER_EPOCH:
+            return None
+        ep.probed.add(member_id)
+        host, port = ep.addresses[member_id]
+        return [mid for mid in ep.members if mid != member_id], host, port
 
     def absent(self, epoch: int, now: float) -> dict[str, list[str]]:
         """Members of ``epoch`` whose entry for a group is still missing ``deadline_s`` after

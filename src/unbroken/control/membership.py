@@ -34,6 +34,9 @@ JOIN_SETTLE_S = 0.25
 FAULT_GRACE_S = 0.1
 """A reported collective failure waits this long for the failed member's session to drop,
 so one failure makes one epoch change."""
+PROBE_WAIT_S = 2.0
+"""A member that says it cannot reach a peer's data plane: how long the others have to try
+(`unbroken.control.messages.Probe`) before the epoch is formed again with everyone."""
 FRESH_JOB_GRACE_S = 1.0
 """After a restart, how long a first hello without a resume waits for members to come back."""
 BROKEN_SETTLE_S = 0.3
@@ -491,8 +494,21 @@ class Membership:
                 return d
             key = (epoch, c.member_id if c is not None else "", kind)
             accusers = self._accusers.setdefault(key, set())
+            first = not accusers
             accusers.add(member_id)
             agreed = len(accusers) >= len(seen) // 2 + 1
+            if kind == "unreachable" and c is not None:
+                # Only the others can try to reach it; a member that reaches none of its
+                # peers names itself, and its own word about itself is enough.
+                agreed = c.member_id in accusers or len(accusers) >= (len(seen) - 1) // 2 + 1
+                if agreed:
+                    return self.absent(c.member_id, epoch, reason, now, kind="unreachable")
+                if first and current:
+                    d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason}"))
+                    # Most of the epoch is trying the address meanwhile (`Probe`): if they
+                    # reach it, the epoch is formed again with everyone.
+                    self._want_epoch(now, urgent=True, reason=f"{m.name} reports: {reason}", delay=PROBE_WAIT_S)
+                return d
             if agreed and c is not None:
                 what = "bad gradient" if kind == "bad-gradient" else "failed audit"
                 return self._offence(c, epoch, reason, now, kind, f"{what} from {c.name}")
@@ -515,10 +531,11 @@ class Membership:
         self._want_epoch(now, urgent=True, reason=f"collective failed at {m.name}: {reason}", delay=FAULT_GRACE_S)
         return d
 
-    def absent(self, member_id: str, epoch: int, reason: str, now: float) -> Decision:
+    def absent(self, member_id: str, epoch: int, reason: str, now: float, kind: str = "absent") -> Decision:
         """The leader saw ``member_id`` never join epoch ``epoch``'s data plane (its own
-        evidence: it holds the rendezvous). Benched like a culprit; quarantined when it
-        happens again and again."""
+        evidence: it holds the rendezvous), or most of the epoch could not connect to it
+        (``kind="unreachable"``). Benched like a culprit; quarantined when it happens again
+        and again."""
         c = self.members.get(member_id)
         if c is None or epoch != self.epoch or self.rank_of(member_id) is None:
             return Decision()
@@ -526,7 +543,8 @@ class Membership:
         # groups, and this one would hold every build up again.
         c.excluded_until = now + BENCH_S
         self._readmit_at = min(self._readmit_at or c.excluded_until, c.excluded_until)
-        return self._offence(c, epoch, reason, now, "absent", f"{c.name} never joined the data plane")
+        why = f"{c.name} never joined the data plane" if kind == "absent" else f"{c.name}'s data plane is unreachable"
+        return self._offence(c, epoch, reason, now, kind, why)
 
     def _offence(self, c: Member, epoch: int, reason: str, now: float, kind: str, why: str) -> Decision:
         """Bench ``c`` for an offence in ``epoch`` (counted once per epoch) and re-form."""
@@ -545,8 +563,8 @@ class Membership:
                     now,
                     "quarantine",
                     c.member_id,
-                    f"{c.name}: {c.flags} offences (refused gradients, failed audits, absent from the data plane); "
-                    "out of training",
+                    f"{c.name}: {c.flags} offences (refused gradients, failed audits, absent from or unreachable "
+                    "on the data plane); out of training",
                 )
             )
         self._want_epoch(now, urgent=True, reason=why, delay=0.0)

@@ -200,9 +200,11 @@ class Fault(_Msg):
     reason: Annotated[str, Field(max_length=2000)]
     culprit: Name | None = None
     """The member whose contribution was refused (a bad gradient), when the fault is one."""
-    kind: Literal["bad-gradient", "audit", "suspect"] = "bad-gradient"
+    kind: Literal["bad-gradient", "audit", "suspect", "unreachable"] = "bad-gradient"
     """Why the culprit was refused: its gradient, or its state failed the consistency audit;
-    ``suspect`` (no culprit): the step's sum did not add up, and nobody can say whose part lied."""
+    ``suspect`` (no culprit): the step's sum did not add up, and nobody can say whose part lied;
+    ``unreachable``: this member could not connect to the culprit's data-plane address (the
+    culprit is this member itself when it reaches almost none of its peers)."""
     zone_only: bool = False
     """Only the culprit's zone saw the evidence (a DiLoCo inner step): its majority decides."""
     rollback_to: Annotated[int, Field(ge=-1)] = -1
@@ -244,6 +246,9 @@ class Welcome(_Msg):
     group_step: Count = 0
     """The step the group has committed (0: no group trains yet, a cold start): a node whose
     restored checkpoint is ahead of it does not use it (another run's)."""
+    build_deadline_s: Seconds = 5.0
+    """A group build still unfinished this long after every member's entry arrived has a
+    peer this node cannot connect to: it tries each peer's address and says which."""
 
 
 class Refused(_Msg):
@@ -361,11 +366,23 @@ class Met(_Msg):
     ]
 
 
+class Probe(_Msg):
+    """Try to connect to a member's data-plane address: another member says it cannot
+    (`Fault` ``unreachable``), and the leader benches it only if most of the epoch agrees."""
+
+    type: Literal["probe"] = "probe"
+    epoch: EpochNo
+    term: Term = 0
+    member: Name
+    host: Annotated[str, Field(max_length=64)]
+    port: Annotated[int, Field(ge=1, le=65535)]
+
+
 NodeMessage = Annotated[
     Hello | Heartbeat | Progress | Fault | Leave | Done | Validation | Report | Meet, Field(discriminator="type")
 ]
 CoordinatorMessage = Annotated[
-    Challenge | Welcome | Refused | Ack | EpochOrder | Expel | Finished | Command | Met,
+    Challenge | Welcome | Refused | Ack | EpochOrder | Expel | Finished | Command | Met | Probe,
     Field(discriminator="type"),
 ]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,11 @@ MUTE = "mute"
 """``mute@build:EPOCH``: from epoch EPOCH on, this node's data plane never reaches the
 rendezvous while its control session goes on — a node that heartbeats but never joins the
 data plane (a data plane that cannot start, or a hostile member)."""
+UNREACHABLE = "unreachable"
+"""``unreachable@build:EPOCH``: from epoch EPOCH on, the data-plane address in this node's
+rendezvous entries is one where nothing listens (connections are refused), as a firewall
+that rejects inbound TCP or a NAT would make it: the entries arrive, the builds cannot
+connect."""
 PHASES = ("compute", "allreduce", "exchange", "grad", "commit", "resync", "build")
 """``resync``'s number counts chunks, not steps: ``kill@resync:3`` kills a node right after
 it sent its third chunk of state to a peer that is catching up (a donor dying mid-transfer)."""
@@ -66,12 +72,13 @@ def parse_faults(spec: str) -> list[Fault]:
             or (sig in CORRUPT and phase == "grad")
             or (sig in LIES and phase == "grad")
             or (sig == BITFLIP and phase == "commit")
-            or (sig == MUTE and phase == "build")
+            or (sig in (MUTE, UNREACHABLE) and phase == "build")
         )
         if not known or phase not in PHASES or not (step.isascii() and step.isdigit()):
             raise ConfigError(
                 f"fault {part!r} is not SIGNAL@PHASE:STEP with SIGNAL in {sorted([*SIGNALS, HANG])} "
                 f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP / bitflip@commit:STEP / mute@build:EPOCH / "
+                f"unreachable@build:EPOCH / "
                 f"hide-nan@grad:STEP / hide-spike@grad:STEP / forge-slot@grad:STEP) "
                 f"and PHASE in {list(PHASES)} (e.g. kill@allreduce:12)"
             )
@@ -84,6 +91,7 @@ class FaultPlan:
         self._pending = list(faults)
         self._persistent: list[Fault] = []
         self._record = record
+        self._dead: socket.socket | None = None
 
     def corruption(self, step: int) -> float | None:
         """The poison for this step's gradient, if any (``flip`` from its step on, the others once)."""
@@ -110,12 +118,27 @@ class FaultPlan:
 
     def muted(self, epoch: int) -> bool:
         """True when this node's rendezvous entries for ``epoch`` must not go out."""
+        return self._from(MUTE, epoch)
+
+    def _from(self, signal: str, epoch: int) -> bool:
+        """Whether a ``signal@build:EPOCH`` fault holds at ``epoch`` (recorded the first time)."""
         for f in list(self._pending):
-            if f.signal == MUTE and epoch >= f.step:
+            if f.signal == signal and epoch >= f.step:
                 self._pending.remove(f)
                 self._persistent.append(f)
-                self._record({"kind": "fault", "signal": MUTE, "phase": "build", "step": epoch, "pid": os.getpid()})
-        return any(f.signal == MUTE and epoch >= f.step for f in self._persistent)
+                self._record({"kind": "fault", "signal": signal, "phase": "build", "step": epoch, "pid": os.getpid()})
+        return any(f.signal == signal and epoch >= f.step for f in self._persistent)
+
+    def unreachable(self, epoch: int) -> bool:
+        """True when this node's rendezvous entries for ``epoch`` must give an unreachable address."""
+        return self._from(UNREACHABLE, epoch)
+
+    def dead_port(self, host: str) -> int:
+        """A port on ``host`` that refuses connections (kept for the life of the process)."""
+        if self._dead is None:
+            self._dead = refusing_socket(host)
+        port: int = self._dead.getsockname()[1]
+        return port
 
     def bitflip(self, step: int) -> bool:
         """True (once) when a bit of this node's state should flip after committing ``step``."""
@@ -144,3 +167,21 @@ def flip_bit(t: torch.Tensor, index: int = 0, bit: int = 20) -> None:
         flat = t.data.view(-1)
         word = flat[index : index + 1].view(torch.int32)
         word ^= 1 << bit
+
+
+def refusing_socket(host: str) -> socket.socket:
+    """A socket bound on ``host``, never listening: connections to its port are refused.
+
+    gloo decides which side of a pair connects by comparing the two addresses (ports as
+    stored, in network byte order): a port whose low byte is 0 compares below every port
+    whose low byte is not, so every peer takes this one for the side it must connect to,
+    and every peer's connection fails, as with a firewall that rejects all inbound TCP."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    for high in range(255, 3, -1):
+        try:
+            sock.bind((host, high << 8))
+            return sock
+        except OSError:
+            continue
+    sock.close()
+    raise OSError(f"no port of the form N*256 is free on {host}")

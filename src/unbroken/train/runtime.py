@@ -34,12 +34,14 @@ import torch
 
 from unbroken.comm.codecs import Codec, make_codec
 from unbroken.comm.group import EpochGroup, Graveyard, Meeting, build_group, wait_until
+from unbroken.comm.reach import Stall, accuse, reach, unreachable_fault
 from unbroken.comm.reduce import LinkEmulation, Reducer, Wire
 from unbroken.comm.robust import NORM_TOLERANCE, Rule, parse_rule
 from unbroken.comm.transfer import Partial, gather_digests, sync_state
 from unbroken.config import NodeConfig
 from unbroken.control import messages as m
 from unbroken.control.client import ControlClient
+from unbroken.control.meeting import with_port
 from unbroken.errors import (
     AuditMismatch,
     BadContribution,
@@ -50,6 +52,7 @@ from unbroken.errors import (
     JoinRefused,
     Suspicion,
     TransferError,
+    Unreachable,
 )
 from unbroken.job import Job
 from unbroken.sched.shares import offsets
@@ -129,6 +132,8 @@ class Node:
         self.faults = FaultPlan(faults or [], self._log)
         self.graveyard = Graveyard(hold_s=config.collective_timeout_s + 5)
         self.meeting = Meeting(self._meet)
+        self._accused: dict[tuple[int, str], bool] = {}
+        """(epoch, group) builds whose peers' addresses this node tried: whether any failed."""
         self.checkpointer = Checkpointer(config.checkpoint_dir) if config.checkpoint_dir else None
         self._fingerprint = fingerprint(model)
         self.group: EpochGroup | None = None
@@ -172,6 +177,7 @@ class Node:
 
         self.client.on_command = self._command
         self.client.on_met = self._met
+        self.client.on_probe = self._probe
         self.client.on_welcome = self._welcomed
 
     # ---------------------------------------------------------------- public
@@ -222,6 +228,9 @@ class Node:
                 self._abandon()
             except EpochAborted as exc:
                 log.info("%s: %s", self.name, exc)
+                self._abandon()
+            except Unreachable as exc:  # reported as such: the leader has the others try
+                log.warning("%s: epoch %d: %s", self.name, order.epoch, exc)
                 self._abandon()
             except (CollectiveFailed, TransferError) as exc:
                 log.warning("%s: epoch %d: %s", self.name, order.epoch, exc)
@@ -314,7 +323,7 @@ class Node:
         )
         abort = functools.partial(self._abort_reason, during_step=False)
         build = self._builder(order.epoch, abort)
-        pg, took = build(WORLD, rank, len(order.members))
+        pg, took = build(WORLD, rank, list(order.members))
         self.group.pg, self.group.built_in_s = pg, took
         self._log({"kind": "epoch", "epoch": order.epoch, "term": order.term, "step": self.state.step})
         self.reducer = self._build_reducer(order, rank, pg, build)
@@ -331,23 +340,63 @@ class Node:
         if order.mode == "diloco" and self.diloco is None:
             self.diloco = DiLoCo(self, order)
 
-    def _builder(self, epoch: int, abort: Any) -> Callable[[str, int, int], tuple[Any, float]]:
-        """Builds the epoch's groups (by name, `Zones.groups`) on its rendezvous. A build
-        waits for its peers up to the collective timeout: the others may still be finishing
-        a step or a round; one that never comes is named by the leader (`--build-deadline`
-        after most of the group started), and the next epoch's order ends the wait."""
+    def _builder(self, epoch: int, abort: Any) -> Callable[[str, int, list[str]], tuple[Any, float]]:
+        """Builds the epoch's groups (by name, `Zones.groups`; ``ids``: its members by rank)
+        on its rendezvous. A build waits for its peers up to the collective timeout: the
+        others may still be finishing a step or a round; one that never comes is named by
+        the leader (`--build-deadline` after most of the group started), and the next
+        epoch's order ends the wait. A build that every entry reached but that still has
+        not finished a build deadline later, or failed, has a peer it cannot connect to:
+        this node tries their addresses and says whom (`unbroken.comm.reach`)."""
 
-        def build(group: str, rank: int, size: int) -> tuple[Any, float]:
-            return build_group(
-                self.meeting.store(epoch), group, rank, size, self._gloo_host(), self.config.collective_timeout_s,
-                self.wake, abort, functools.partial(self.meeting.publish, epoch),
-            )  # fmt: skip
+        def build(group: str, rank: int, ids: list[str]) -> tuple[Any, float]:
+            assert self.client.welcome is not None  # an order came: the node was welcomed
+            complete = functools.partial(self.meeting.complete, epoch, group, len(ids))
+            # Connecting takes milliseconds once the entries are in: half the deadline is
+            # plenty, and leaves the other half to try the peers and bench one (≤ deadline).
+            stall_s = self.client.welcome.build_deadline_s / 2
+            stall = Stall(complete, stall_s, lambda: self._accuse(epoch, group, ids, rank))
+
+            def tick() -> None:
+                self.meeting.publish(epoch)
+                stall()
+
+            device = self.meeting.device(epoch, group, self._gloo_host())
+            try:
+                return build_group(
+                    self.meeting.store(epoch), group, rank, len(ids), device, self.config.collective_timeout_s,
+                    self.wake, abort, tick,
+                )  # fmt: skip
+            except CollectiveFailed as exc:
+                if complete() and self._accuse(epoch, group, ids, rank):
+                    raise Unreachable(str(exc)) from exc
+                raise
 
         return build
+
+    def _accuse(self, epoch: int, group: str, ids: list[str], rank: int) -> bool:
+        """Try the addresses of a build's peers; report the ones this node cannot reach."""
+        if (epoch, group) not in self._accused:
+            for old in [k for k in self._accused if k[0] < epoch - 2]:
+                del self._accused[old]
+            self._accused[epoch, group] = accuse(epoch, self.meeting.entries(epoch, group), ids, rank, self.client.send)
+        return self._accused[epoch, group]
+
+    def _probe(self, probe: m.Probe) -> None:
+        """The leader asks: can this node connect to ``probe.member``'s data plane?"""
+
+        def attempt() -> None:
+            address = (probe.host, probe.port)
+            if failed := reach({probe.member: address}):
+                self.client.send(unreachable_fault(probe.epoch, probe.member, *address, failed[probe.member]))
+
+        threading.Thread(target=attempt, name="probe", daemon=True).start()
 
     def _meet(self, epoch: int, key: str, value: bytes) -> None:
         if self.faults.muted(epoch):
             return
+        if self.faults.unreachable(epoch):
+            value = with_port(value, self.faults.dead_port(self._gloo_host() or ""))
         self.client.send(m.Meet(epoch=epoch, key=key, value=base64.b64encode(value).decode()))
 
     def _met(self, met: m.Met) -> None:
@@ -388,10 +437,11 @@ class Node:
         z = zones.names.index(mine)
         assert self.group is not None
         if len(members) > 1:
-            reducer.zone_pg, _ = build(f"zone{z}", members.index(rank), len(members))
+            reducer.zone_pg, _ = build(f"zone{z}", members.index(rank), [order.members[r] for r in members])
             self.group.extra_pgs.append(reducer.zone_pg)
         if rank in zones.leaders:
-            reducer.leaders_pg, _ = build("leaders", zones.leaders.index(rank), len(zones.leaders))
+            leaders = [order.members[r] for r in zones.leaders]
+            reducer.leaders_pg, _ = build("leaders", zones.leaders.index(rank), leaders)
             self.group.extra_pgs.append(reducer.leaders_pg)
         return reducer
 

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from unbroken.comm.group import Meeting, build_group
+from unbroken.comm.reach import Stall, accuse, reach
+from unbroken.control import messages as m
+from unbroken.control.meeting import data_address, with_port
+from unbroken.errors import CollectiveFailed
+from unbroken.testing.faults import refusing_socket
 
 
 class Leader:
@@ -36,7 +44,7 @@ def test_groups_meet_through_the_leader_and_each_rank_sends_only_its_own_entry()
     def one(rank: int) -> float:
         node = leader.nodes[rank]
         pg, _ = build_group(
-            node.store(7), "world", rank, size, "127.0.0.1", 10.0, wake, lambda: None,
+            node.store(7), "world", rank, size, node.device(7, "world", "127.0.0.1"), 10.0, wake, lambda: None,
             lambda: node.publish(7),
         )  # fmt: skip
         t = torch.ones(2) * (rank + 1)
@@ -46,6 +54,111 @@ def test_groups_meet_through_the_leader_and_each_rank_sends_only_its_own_entry()
     with ThreadPoolExecutor(size) as pool:
         assert list(pool.map(one, range(size))) == [6.0] * size
     assert sorted(leader.sent) == [(r, f"world/0/{r}") for r in range(size)], leader.sent
+    entries = leader.nodes[0].entries(7, "world")
+    assert sorted(entries) == [0, 1, 2] and leader.nodes[0].complete(7, "world", size)
+    addresses = {r: data_address(raw, size) for r, raw in entries.items()}
+    host_name = len(socket.gethostname().encode())
+    assert {len(raw) for raw in entries.values()} == {8 + host_name + 8 + 136}, "no sequence number per peer"
+    assert {host for host, _ in addresses.values()} == {"127.0.0.1"}
+    assert len({port for _, port in addresses.values()}) == size
+    # Each node keeps one listener for all its builds: reachable after the build, by anyone.
+    assert reach({str(r): a for r, a in addresses.items()}) == {}
+
+
+def closed_port() -> tuple[socket.socket, int]:
+    """A port where nothing listens (bound, so nothing else takes it meanwhile)."""
+    s = refusing_socket("127.0.0.1")
+    return s, s.getsockname()[1]
+
+
+def test_reach_names_what_it_cannot_connect_to():
+    listening = socket.create_server(("127.0.0.1", 0))
+    held, dead = closed_port()
+    with listening, held:
+        failed = reach({"up": ("127.0.0.1", listening.getsockname()[1]), "down": ("127.0.0.1", dead)})
+    assert list(failed) == ["down"] and "refused" in failed["down"].lower()
+
+
+def test_a_build_with_an_unreachable_peer_fails_and_its_peers_name_that_peer():
+    """One rank's entry gives a port nobody listens on (a firewall rejecting inbound TCP):
+    the builds that must connect to it fail, and a node that tries every address names it."""
+    size = 3
+    held, dead = closed_port()
+    faults: list[m.Fault] = []
+    nodes: list[Meeting] = []
+
+    def publish(rank: int, epoch: int, key: str, value: bytes) -> None:
+        if rank == 2:
+            value = with_port(value, dead)
+        for other, node in enumerate(nodes):
+            if other != rank:
+                node.deliver(epoch, {key: value})
+
+    nodes.extend(Meeting(lambda e, k, v, rank=rank: publish(rank, e, k, v)) for rank in range(size))
+    wake = threading.Event()
+
+    def one(rank: int) -> object:
+        node = nodes[rank]
+        try:
+            return build_group(
+                node.store(1), "world", rank, size, node.device(1, "world", "127.0.0.1"), 3.0, wake, lambda: None,
+                lambda: node.publish(1),
+            )  # fmt: skip
+        except CollectiveFailed as exc:
+            return exc
+
+    with held, ThreadPoolExecutor(size) as pool:
+        outcomes = list(pool.map(one, range(size)))
+        assert any(isinstance(o, CollectiveFailed) for o in outcomes), outcomes
+        ids = ["a", "b", "walled"]
+        for rank in (0, 1):
+            assert accuse(1, nodes[rank].entries(1, "world"), ids, rank, faults.append)
+        assert not accuse(1, nodes[2].entries(1, "world"), ids, 2, faults.append), "it reaches the others"
+    assert [(f.culprit, f.kind) for f in faults] == [("walled", "unreachable")] * 2
+    assert f"127.0.0.1:{dead}" in faults[0].reason and "firewall or NAT" in faults[0].reason
+
+
+def test_a_node_that_reaches_few_of_its_peers_names_itself():
+    held = [closed_port() for _ in range(3)]
+    mine = socket.create_server(("127.0.0.1", 0))
+    with mine:
+        entries = {0: with_port(gloo_like(), mine.getsockname()[1])}
+        entries |= {r + 1: with_port(gloo_like(), port) for r, (_, port) in enumerate(held)}
+        faults: list[m.Fault] = []
+        assert accuse(4, entries, ["me", "x", "y", "z"], 0, faults.append)
+    for s, _ in held:
+        s.close()
+    assert [(f.culprit, f.kind) for f in faults] == [("me", "unreachable")]
+    assert "reaches 0 of its 3 peers" in faults[0].reason
+
+
+def gloo_like() -> bytes:
+    """A real entry of this machine's gloo for a group of 4, to vary the port of."""
+    nodes = [Meeting(lambda e, k, v: None)]
+    wake = threading.Event()
+    with pytest.raises(CollectiveFailed):  # alone in a group of four: times out, having written its entry
+        build_group(
+            nodes[0].store(1), "g", 0, 4, nodes[0].device(1, "g", "127.0.0.1"), 0.2, wake, lambda: None,
+            lambda: nodes[0].publish(1),
+        )  # fmt: skip
+    return nodes[0].entries(1, "g")[0]
+
+
+def test_a_stall_is_reported_once_after_the_deadline_from_the_last_entry():
+    complete = threading.Event()
+    calls: list[float] = []
+    stall = Stall(complete.is_set, 0.2, lambda: calls.append(time.monotonic()))
+    stall()
+    time.sleep(0.3)
+    stall()
+    assert calls == [], "entries still missing: that is the leader's to name (absent), not a stall"
+    complete.set()
+    stall()
+    since = time.monotonic()
+    while time.monotonic() - since < 0.6:
+        stall()
+        time.sleep(0.01)
+    assert len(calls) == 1 and calls[0] - since >= 0.2
 
 
 def test_republish_sends_only_what_this_node_wrote():

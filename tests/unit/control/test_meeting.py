@@ -6,11 +6,17 @@ import base64
 
 import pytest
 
+from integration.helpers import gloo_entry
 from unbroken.control import messages as m
-from unbroken.control.meeting import Rendezvous
+from unbroken.control.meeting import PROBES_PER_EPOCH, Rendezvous, data_address, with_port
 from unbroken.errors import ProtocolError
 
-ADDR = base64.b64encode(b"\x02\x00address-of-a-rank").decode()
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+ADDR = b64(gloo_entry())
 
 
 def order(epoch: int, members: list[str], zones: list[str] | None = None) -> m.EpochOrder:
@@ -46,6 +52,14 @@ def test_entries_reach_the_epochs_members_once():
         ("a", "world", ADDR, "names no group"),
         ("a", "world/0/\u00b2", ADDR, "names no group"),  # a digit to str.isdigit, not to int()
         ("a", "world/0/0", "\u00e9t\u00e9", "not base64"),
+        # gloo reads these without bounds checks: every peer would crash on them
+        ("a", "world/0/0", b64(b"\xff" * 8 + gloo_entry()[8:]), "host name of"),
+        ("a", "world/0/0", b64(gloo_entry()[:-40]), "an address of"),
+        ("a", "world/0/0", b64(gloo_entry()[:12]), "too few"),
+        ("a", "world/0/0", b64(gloo_entry().replace(b"\x02\x00\x10\x92", b"\x01\x00\x10\x92")), "family 1"),
+        ("a", "world/0/0", b64(gloo_entry(port=0)), "port 0"),
+        ("a", "world/0/0", b64(gloo_entry(peers=3)), "for a group of 2"),
+        ("a", "world/0/0", b64(gloo_entry() + b"\x01"), "peer sequence numbers"),
     ],
 )
 def test_an_entry_no_honest_node_writes_is_refused(member, key, value, why):
@@ -60,7 +74,7 @@ def test_an_entry_never_changes():
     r = Rendezvous(deadline_s=5)
     r.order(order(1, ["a", "b"]))
     r.put("a", meet(1, "world/0/0"), now=0)
-    other = base64.b64encode(b"somewhere else").decode()
+    other = b64(gloo_entry(port=4343))
     with pytest.raises(ProtocolError, match="written twice"):
         r.put("a", meet(1, "world/0/0", other), now=0)
     assert r.entries(1)["world/0/0"] == ADDR
@@ -119,3 +133,31 @@ def test_newcomers_do_not_start_the_worlds_clock():
     r.put("a", meet(2, "world/0/0"), now=61)
     r.put("b", meet(2, "world/0/1"), now=61)
     assert r.absent(2, now=70) == {}
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "10.1.2.3"])
+def test_a_data_address_is_read_from_gloos_entry(host):
+    raw = gloo_entry(port=51234, host=host, peers=2)
+    assert data_address(raw, 2) == (host, 51234)
+    assert data_address(with_port(raw, 9), 2) == (host, 9)
+
+
+def test_the_others_are_asked_to_try_an_address_once():
+    r = Rendezvous(deadline_s=5)
+    r.order(order(4, ["a", "b", "c"]))
+    assert r.probe(4, "c") is None  # no entry of c yet: no address to try
+    r.put("c", meet(4, "world/0/2", b64(gloo_entry(port=7070, peers=3))), now=0)
+    assert r.probe(4, "c") == (["a", "b"], "127.0.0.1", 7070)
+    assert r.probe(4, "c") is None
+    assert r.probe(5, "c") is None
+
+
+def test_few_addresses_are_tried_per_epoch():
+    """A member naming everyone would have every member try every address (N² messages)."""
+    members = [f"m{i}" for i in range(PROBES_PER_EPOCH + 4)]
+    r = Rendezvous(deadline_s=5)
+    r.order(order(2, members))
+    for rank, mid in enumerate(members):
+        r.put(mid, meet(2, f"world/0/{rank}"), now=0)
+    asked = [r.probe(2, mid) for mid in members]
+    assert sum(a is not None for a in asked) == PROBES_PER_EPOCH

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.control.membership import FAULT_GRACE_S, JOIN_SETTLE_S, Decision, Membership, first_mismatch
+from unbroken.control.membership import (
+    FAULT_GRACE_S,
+    JOIN_SETTLE_S,
+    PROBE_WAIT_S,
+    Decision,
+    Membership,
+    first_mismatch,
+)
 from unbroken.control.messages import EpochOrder, Hello, Resume, TensorSpec
 
 BATCH = 12
@@ -244,6 +251,42 @@ def test_a_fault_about_the_current_epoch_reforms_it_after_the_grace_time() -> No
     assert order.epoch == 2
     assert order.members == ["a", "b"]
     assert "connection reset" in order.reason
+
+
+def test_a_member_most_others_cannot_reach_is_benched_out_of_the_epochs() -> None:
+    ms = formed(["a", "b", "c", "d"])
+    t = 0.5
+    keep_alive(ms, t)
+    d = ms.fault("a", 1, "cannot connect to 10.0.0.4:5000", t, culprit="d", kind="unreachable")
+    assert [e.kind for e in d.events] == ["fault"]
+    assert ms.tick(t + PROBE_WAIT_S / 2).orders == {}, "the others are trying d's address meanwhile"
+    d = ms.fault("c", 1, "cannot connect to 10.0.0.4:5000", t + 1, culprit="d", kind="unreachable")
+    assert [e.kind for e in d.events] == ["unreachable"]
+    assert "10.0.0.4:5000" in d.events[0].reason
+    order = only_order(ms.tick(t + 1))
+    assert order.members == ["a", "b", "c"] and order.urgent
+
+
+def test_one_members_word_benches_nobody_and_the_epoch_forms_again_with_everyone() -> None:
+    ms = formed(["a", "b", "c"])
+    t = 0.5
+    keep_alive(ms, t)
+    d = ms.fault("a", 1, "cannot connect to c", t, culprit="c", kind="unreachable")
+    assert ms.fault("a", 1, "cannot connect to c", t, culprit="c", kind="unreachable").events == []
+    keep_alive(ms, t + PROBE_WAIT_S - 0.01)
+    assert ms.tick(t + PROBE_WAIT_S - 0.01).orders == {}
+    order = only_order(ms.tick(t + PROBE_WAIT_S))
+    assert order.members == ["a", "b", "c"]
+    assert [e.kind for e in d.events] == ["fault"]
+
+
+def test_a_member_that_reaches_none_of_its_peers_names_itself() -> None:
+    ms = formed(["a", "b", "c"])
+    t = 0.5
+    keep_alive(ms, t)
+    d = ms.fault("c", 1, "reaches 0 of its 2 peers' data-plane addresses", t, culprit="c", kind="unreachable")
+    assert [e.kind for e in d.events] == ["unreachable"]
+    assert only_order(ms.tick(t)).members == ["a", "b"]
 
 
 def test_a_fault_then_the_session_drop_make_one_epoch_change() -> None:
