@@ -29,6 +29,7 @@ from unbroken.comm.reach import reach, unreachable_fault
 from unbroken.control import auth
 from unbroken.control import messages as m
 from unbroken.control.client import ControlClient
+from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
 from unbroken.state.snapshot import fingerprint
 from unbroken.testing.fakes import FINGERPRINT as FAKE_FINGERPRINT
 from unbroken.testing.faults import refusing_socket
@@ -185,6 +186,29 @@ def test_one_member_that_cannot_reach_another_has_the_others_try(make_cluster):
             client.close()
         live.close()
         dead.close()
+
+
+def test_a_member_reporting_failures_that_did_not_happen_is_kept_out(make_cluster):
+    """A member that says, epoch after epoch, that a collective failed when none did:
+    its reports are held while one waits to be borne out, it re-forms the epoch at most
+    a couple of times, then it is kept out of the epochs (event `unfounded`); the others
+    train to the reference model, every promise kept."""
+    env = {"UB_TEST_STEPS": "80", "UB_TEST_DELAY_MS": "20"}
+    c = make_cluster(env=env, min_nodes=3)
+    c.start_coordinator()
+    c.start_node("a")
+    c.start_node("b")
+    alarmist = c.start_node("alarmist", fault="false-alarm@commit:5")
+    c.wait_for(lambda: events_of(c, "unfounded"), 90, "the alarmist kept out")
+    unfounded = events_of(c, "unfounded")
+    assert "alarmist" in unfounded[0]["reason"] and "nothing bore out" in unfounded[0]["reason"], unfounded
+    codes = c.wait_exit(["a", "b"], timeout=150)
+    assert codes == {"a": 0, "b": 0}, c.diagnostics()
+    assert fired(alarmist, "false-alarm")
+    alarmist.kill()  # kept out, waiting to be let back in; its steps until then count
+    assert_promises(c, env, finishers=2)
+    reformed = [e for e in events_of(c, "epoch") if "collective failed at alarmist" in e["reason"]]
+    assert 1 <= len(reformed) <= HEARSAY_LIMIT, f"{len(reformed)} epochs re-formed on its word"
 
 
 def test_a_flood_of_unauthenticated_sessions_expels_no_member(make_cluster):

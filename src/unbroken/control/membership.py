@@ -24,6 +24,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
+from unbroken.control.hearsay import PERIOD_S as HEARSAY_PERIOD_S
+from unbroken.control.hearsay import Hearsay
 from unbroken.control.messages import Capabilities, EpochOrder, Hello, Resume, TensorSpec
 from unbroken.sched.balance import Plan, Preference, Profile, Role, adopt, plan, rebalance
 from unbroken.sched.stragglers import find_stragglers
@@ -34,6 +37,12 @@ JOIN_SETTLE_S = 0.25
 FAULT_GRACE_S = 0.1
 """A reported collective failure waits this long for the failed member's session to drop,
 so one failure makes one epoch change."""
+OFFENCES = {
+    "absent": "never joined the data plane",
+    "unreachable": "its data plane is unreachable",
+    "unfounded": "its reports of failed collectives are borne out by nothing",
+}
+"""What keeps a member out of the epochs (`Membership.absent`), for the epoch's reason."""
 PROBE_WAIT_S = 2.0
 """A member that says it cannot reach a peer's data plane: how long the others have to try
 (`unbroken.control.messages.Probe`) before the epoch is formed again with everyone."""
@@ -228,6 +237,8 @@ class Membership:
         """Members that reported the job's last step, with their state's digest."""
         self._accusers: dict[tuple[int, str, str], set[str]] = {}
         """(epoch, culprit or "", kind) → the members that reported it."""
+        self._hearsay = Hearsay(window_s=max(2.0, 2 * lease_s))
+        """Reports of failed collectives that nothing else bore out yet."""
         self._witnesses: dict[int, dict[str, str]] = {}
         """The last epochs' members, each with its zone (who could see a verdict's evidence)."""
         self._readmit_at: float | None = None
@@ -351,6 +362,7 @@ class Membership:
         if m is None:
             return d
         d.events.append(self._event(now, "leave", member_id, f"{m.name} leaves: {reason}"))
+        self._hearsay.borne_out(now)
         self._vacated += m.role is Role.TRAINER
         if self.rank_of(member_id) is not None:
             m.state = MemberState.LEAVING
@@ -368,6 +380,7 @@ class Membership:
         if m is None:
             return d
         d.events.append(self._event(now, "failure", member_id, f"{m.name}: {cause}"))
+        self._hearsay.borne_out(now)
         self._vacated += m.role is Role.TRAINER
         if self.rank_of(member_id) is not None and not self.finished and member_id not in self.final_digests:
             self._want_epoch(now, urgent=True, reason=f"{m.name} failed ({cause})", delay=0.0)
@@ -485,6 +498,7 @@ class Membership:
         m = self.members[member_id]
         c = self.members.get(culprit) if culprit is not None else None
         if kind == "suspect" or c is not None:
+            self._hearsay.borne_out(now, by=member_id)  # a step's data went wrong: steps fail
             # Every member reaches the same verdict from the same data (the all-reduced sum,
             # the gathered rows or digests): a verdict counts once most of them reached it.
             seen = witnesses
@@ -527,6 +541,10 @@ class Membership:
                 reason = f"{reason} (names {c.name}; benched only when most of the epoch agrees)"
         if not current:
             return d
+        if c is None and kind != "suspect" and not self._hearsay.reported(member_id, epoch, now):
+            why = "held: nothing bore out its last report yet"
+            d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason} ({why})"))
+            return d
         d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason}"))
         self._want_epoch(now, urgent=True, reason=f"collective failed at {m.name}: {reason}", delay=FAULT_GRACE_S)
         return d
@@ -534,17 +552,17 @@ class Membership:
     def absent(self, member_id: str, epoch: int, reason: str, now: float, kind: str = "absent") -> Decision:
         """The leader saw ``member_id`` never join epoch ``epoch``'s data plane (its own
         evidence: it holds the rendezvous), or most of the epoch could not connect to it
-        (``kind="unreachable"``). Benched like a culprit; quarantined when it happens again
-        and again."""
+        (``kind="unreachable"``), or its reports of failed collectives were borne out by
+        nothing, again and again (``kind="unfounded"``, `Hearsay`). Kept out of the epochs
+        like a culprit; quarantined when it happens again and again."""
         c = self.members.get(member_id)
         if c is None or epoch != self.epoch or self.rank_of(member_id) is None:
             return Decision()
         # Out of the epochs, not only of training: a member in an epoch must build its
-        # groups, and this one would hold every build up again.
+        # groups (this one would hold every build up again) and may report failures.
         c.excluded_until = now + BENCH_S
         self._readmit_at = min(self._readmit_at or c.excluded_until, c.excluded_until)
-        why = f"{c.name} never joined the data plane" if kind == "absent" else f"{c.name}'s data plane is unreachable"
-        return self._offence(c, epoch, reason, now, kind, why)
+        return self._offence(c, epoch, reason, now, kind, f"{c.name}: {OFFENCES[kind]}")
 
     def _offence(self, c: Member, epoch: int, reason: str, now: float, kind: str, why: str) -> Decision:
         """Bench ``c`` for an offence in ``epoch`` (counted once per epoch) and re-form."""
@@ -629,6 +647,9 @@ class Membership:
                 return d
         if not self._started and len(self.members) < self.min_nodes:
             return d  # the job has not started: wait for enough nodes
+        for mid in self._hearsay.due(now):
+            why = f"reported {HEARSAY_LIMIT} failed collectives within {HEARSAY_PERIOD_S:g} s that nothing bore out"
+            d.merge(self.absent(mid, self.epoch, why, now, kind="unfounded"))
         if self._readmit_at is not None and now >= self._readmit_at:
             later = [m.excluded_until for m in self.members.values() if m.excluded_until > now]
             self._readmit_at = min(later) if later else None

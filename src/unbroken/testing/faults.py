@@ -44,6 +44,10 @@ MUTE = "mute"
 """``mute@build:EPOCH``: from epoch EPOCH on, this node's data plane never reaches the
 rendezvous while its control session goes on — a node that heartbeats but never joins the
 data plane (a data plane that cannot start, or a hostile member)."""
+FALSE_ALARM = "false-alarm"
+"""``false-alarm@commit:STEP``: from step STEP on, once in every epoch, right after a
+commit, this node reports that a collective failed when none did (it trains honestly
+otherwise): a broken node, or a hostile one holding the token."""
 UNREACHABLE = "unreachable"
 """``unreachable@build:EPOCH``: from epoch EPOCH on, the data-plane address in this node's
 rendezvous entries is one where nothing listens (connections are refused), as a firewall
@@ -71,14 +75,14 @@ def parse_faults(spec: str) -> list[Fault]:
             or sig == HANG
             or (sig in CORRUPT and phase == "grad")
             or (sig in LIES and phase == "grad")
-            or (sig == BITFLIP and phase == "commit")
+            or (sig in (BITFLIP, FALSE_ALARM) and phase == "commit")
             or (sig in (MUTE, UNREACHABLE) and phase == "build")
         )
         if not known or phase not in PHASES or not (step.isascii() and step.isdigit()):
             raise ConfigError(
                 f"fault {part!r} is not SIGNAL@PHASE:STEP with SIGNAL in {sorted([*SIGNALS, HANG])} "
                 f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP / bitflip@commit:STEP / mute@build:EPOCH / "
-                f"unreachable@build:EPOCH / "
+                f"false-alarm@commit:STEP / unreachable@build:EPOCH / "
                 f"hide-nan@grad:STEP / hide-spike@grad:STEP / forge-slot@grad:STEP) "
                 f"and PHASE in {list(PHASES)} (e.g. kill@allreduce:12)"
             )
@@ -92,6 +96,7 @@ class FaultPlan:
         self._persistent: list[Fault] = []
         self._record = record
         self._dead: socket.socket | None = None
+        self._alarmed: set[int] = set()
 
     def corruption(self, step: int) -> float | None:
         """The poison for this step's gradient, if any (``flip`` from its step on, the others once)."""
@@ -120,14 +125,15 @@ class FaultPlan:
         """True when this node's rendezvous entries for ``epoch`` must not go out."""
         return self._from(MUTE, epoch)
 
-    def _from(self, signal: str, epoch: int) -> bool:
-        """Whether a ``signal@build:EPOCH`` fault holds at ``epoch`` (recorded the first time)."""
+    def _from(self, signal: str, at: int, phase: str = "build") -> bool:
+        """Whether a fault that holds from its number on (``signal@PHASE:N``) holds at
+        ``at`` (an epoch, or a step); recorded the first time."""
         for f in list(self._pending):
-            if f.signal == signal and epoch >= f.step:
+            if f.signal == signal and at >= f.step:
                 self._pending.remove(f)
                 self._persistent.append(f)
-                self._record({"kind": "fault", "signal": signal, "phase": "build", "step": epoch, "pid": os.getpid()})
-        return any(f.signal == signal and epoch >= f.step for f in self._persistent)
+                self._record({"kind": "fault", "signal": signal, "phase": phase, "step": at, "pid": os.getpid()})
+        return any(f.signal == signal and at >= f.step for f in self._persistent)
 
     def unreachable(self, epoch: int) -> bool:
         """True when this node's rendezvous entries for ``epoch`` must give an unreachable address."""
@@ -139,6 +145,13 @@ class FaultPlan:
             self._dead = refusing_socket(host)
         port: int = self._dead.getsockname()[1]
         return port
+
+    def false_alarm(self, step: int, epoch: int) -> bool:
+        """True once per epoch, from the step of a ``false-alarm`` fault on."""
+        if not self._from(FALSE_ALARM, step, phase="commit") or epoch in self._alarmed:
+            return False
+        self._alarmed.add(epoch)
+        return True
 
     def bitflip(self, step: int) -> bool:
         """True (once) when a bit of this node's state should flip after committing ``step``."""

@@ -800,6 +800,8 @@ class Node:
         self._log(entry)
         self._report(g, self.state.step, loss, sps)
         self._maybe_checkpoint(g)
+        if self.faults.false_alarm(self.state.step, g.epoch):
+            self.client.send(m.Fault(epoch=g.epoch, reason=f"all-reduce of step {step} failed: connection reset"))
 
     def _committed_round(self, g: EpochGroup, first: int, last: int, loss: float) -> None:
         """DiLoCo: the outer step commits the round's inner steps ``first``..``last`` at once."""

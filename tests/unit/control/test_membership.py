@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
 from unbroken.control.membership import (
     FAULT_GRACE_S,
     JOIN_SETTLE_S,
@@ -287,6 +288,37 @@ def test_a_member_that_reaches_none_of_its_peers_names_itself() -> None:
     d = ms.fault("c", 1, "reaches 0 of its 2 peers' data-plane addresses", t, culprit="c", kind="unreachable")
     assert [e.kind for e in d.events] == ["unreachable"]
     assert only_order(ms.tick(t)).members == ["a", "b"]
+
+
+def test_a_member_whose_reported_failures_nothing_bears_out_is_kept_out() -> None:
+    """Each report re-forms the epoch at once; the third that no failure, leave or other
+    member's report bore out keeps its reporter out of the epochs."""
+    ms = formed(["a", "b", "liar"])
+    t = 0.5
+    for _ in range(HEARSAY_LIMIT):
+        keep_alive(ms, t)
+        ms.fault("liar", ms.epoch, "allreduce: connection reset", t)
+        assert not ms.fault("liar", ms.epoch, "again", t).orders, "held while the first waits"
+        keep_alive(ms, t + FAULT_GRACE_S)
+        assert only_order(ms.tick(t + FAULT_GRACE_S)).members == ["a", "b", "liar"]
+        t += 2.5
+    keep_alive(ms, t)
+    d = ms.tick(t)
+    assert [e.kind for e in d.events] == ["unfounded", "epoch"], d.events
+    assert only_order(d).members == ["a", "b"]
+
+
+def test_a_reported_failure_that_a_session_drop_bears_out_does_not_count() -> None:
+    ms = formed(["a", "b", "c"])
+    t = 0.5
+    for _ in range(HEARSAY_LIMIT):
+        keep_alive(ms, t)
+        ms.fault("a", ms.epoch, "allreduce: connection reset", t)
+        t += 2.5
+    keep_alive(ms, t)
+    ms.session_closed("c", t - 2.4)  # c's crash: a's last report was true
+    keep_alive(ms, t)
+    assert "unfounded" not in [e.kind for e in ms.tick(t).events]
 
 
 def test_a_fault_then_the_session_drop_make_one_epoch_change() -> None:
