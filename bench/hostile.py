@@ -14,6 +14,8 @@ Each run starts a real coordinator (with a job token) and three real nodes of
   (``mute@build:0``), with ``--build-deadline 2``;
 * ``walled``: a fourth member whose rendezvous entries give an address that refuses every
   peer (``unreachable@build:0``: a firewall rejecting inbound TCP, a NAT);
+* ``alarm``: a fourth member that reports a failed collective after each epoch's first
+  commit when none failed (``false-alarm@commit:0``);
 * ``liar``: a fourth member holding the token that sends a NaN gradient with the norm of
   its true one in its slot, every step (``hide-nan``).
 
@@ -44,7 +46,7 @@ from unbroken.testing.cluster import LocalCluster
 from unbroken.testing.hostile import Flood
 
 TOKEN = "bench-hostile-token-0123456789"
-ATTACKS = ("none", "flood", "absent", "walled", "liar")
+ATTACKS = ("none", "flood", "absent", "walled", "alarm", "liar")
 JOB = str(Path(__file__).resolve().parent / "jobs.py") + ":small"
 ENV = {"UB_BENCH_STEPS": "100000", "UB_BENCH_DELAY_MS": "20"}
 
@@ -65,6 +67,8 @@ def one(attack: str, duration: float) -> dict[str, Any]:
             c.start_node("mute", extra=token, fault="mute@build:0")
         elif attack == "walled":
             c.start_node("walled", extra=token, fault="unreachable@build:0")
+        elif attack == "alarm":
+            c.start_node("alarmist", extra=token, fault="false-alarm@commit:0")
         elif attack == "liar":
             c.start_node("liar", extra=token, fault="hide-nan@grad:0")
         time.sleep(duration)
@@ -86,7 +90,7 @@ def one(attack: str, duration: float) -> dict[str, Any]:
                 {
                     e["kind"]
                     for e in state["events"]
-                    if e["kind"] in ("absent", "unreachable", "bad-gradient", "suspect")
+                    if e["kind"] in ("absent", "unreachable", "unfounded", "bad-gradient", "suspect")
                 }
             ),
         }

@@ -55,8 +55,12 @@ def gloo_entry(port: int = 4242, host: str = "127.0.0.1", peers: int = 0, name: 
     """A rank's rendezvous entry as gloo's TCP transport writes it (its ``Rank``: a host
     name, a ``sockaddr_storage`` and a sequence number, then one sequence number per peer)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    host, _, scope = host.partition("%")
     head = struct.pack("<H", family) + struct.pack(">H", port)
-    flowinfo = bytes(4) if family == socket.AF_INET6 else b""
-    address = (head + flowinfo + socket.inet_pton(family, host)).ljust(128, b"\0") + struct.pack("<q", 7)
+    if family == socket.AF_INET6:  # flow info, the address, its scope (an interface's index)
+        sockaddr = head + bytes(4) + socket.inet_pton(family, host) + struct.pack("<I", int(scope or 0))
+    else:
+        sockaddr = head + socket.inet_pton(family, host)
+    address = sockaddr.ljust(128, b"\0") + struct.pack("<q", 7)
     ids = struct.pack(f"<{peers}q", *range(peers))
     return struct.pack("<Q", len(name)) + name + struct.pack("<Q", len(address)) + address + ids

@@ -166,18 +166,20 @@ def test_one_member_that_cannot_reach_another_has_the_others_try(make_cluster):
         walled = clients["walled"].member_id
         for name, client in clients.items():
             port = (dead if name == "walled" else live).getsockname()[1]
-            entry = base64.b64encode(gloo_entry(port, peers=3)).decode()
+            entry = base64.b64encode(gloo_entry(port)).decode()
             client.send(m.Meet(epoch=order.epoch, key=f"world/0/{order.members.index(client.member_id)}", value=entry))
         time.sleep(0.2)  # the entries reach the leader before the accusation that needs them
-        clients["a"].send(unreachable_fault(order.epoch, walled, "127.0.0.1", dead.getsockname()[1], "refused"))
+        refused = unreachable_fault(order.epoch, "world", walled, "127.0.0.1", dead.getsockname()[1], "refused")
+        clients["a"].send(refused)
         c.wait_for(lambda: {"a", "b"} <= set(probes), 30, "the others asked to try")
-        assert {(p.member, p.host, p.port) for p in probes.values()} == {(walled, "127.0.0.1", dead.getsockname()[1])}
+        tried = {(p.member, p.group, p.host, p.port) for p in probes.values()}
+        assert tried == {(walled, "world", "127.0.0.1", dead.getsockname()[1])}
         assert "walled" not in probes, "the accused is not asked about itself"
         time.sleep(0.5)
         assert not events_of(c, "unreachable"), "one member's word benches nobody"
         probe = probes["b"]
         failed = reach({probe.member: (probe.host, probe.port)})
-        clients["b"].send(unreachable_fault(order.epoch, walled, probe.host, probe.port, failed[walled]))
+        clients["b"].send(unreachable_fault(order.epoch, "world", walled, probe.host, probe.port, failed[walled]))
         c.wait_for(lambda: events_of(c, "unreachable"), 30, "the walled member named")
         assert "walled" in events_of(c, "unreachable")[0]["reason"]
         c.wait_for(lambda: walled not in (clients["a"].latest_order() or order).members, 30, "an epoch without it")

@@ -30,7 +30,9 @@ RANK_AS_SEQUENCE = "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"
 """With it, a rank's rendezvous entry is its address alone (a hundred-odd bytes) instead of
 its address and a sequence number per peer (8 bytes × the group's size): the entries every
 member receives grow with the group, not with its square. Peers then name themselves by
-rank when they connect, so a device serves one group (`Meeting.device`)."""
+rank when they connect, so a device serves one group (`Meeting.device`). Set for the whole
+process, once, before any data-plane thread runs: every member must name peers the same way."""
+os.environ[RANK_AS_SEQUENCE] = "1"
 PUBLISH_S = 0.002
 """How often a build passes on what its rank wrote to the rendezvous (`Meeting.publish`)."""
 
@@ -148,7 +150,6 @@ class Meeting:
         ep = self._get(epoch)
         with self._lock:
             if group not in ep.devices:
-                os.environ[RANK_AS_SEQUENCE] = "1"
                 make = ProcessGroupGloo.create_device
                 ep.devices[group] = make(hostname=host) if host else ProcessGroupGloo.create_default_device()
             return ep.devices[group]

@@ -22,10 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from unbroken.control import messages as m
 from unbroken.control.meeting import data_address
+from unbroken.sched.zones import WORLD
 
 REACH_TIMEOUT_S = 1.0
 """How long one connection attempt to a peer's data-plane address may take."""
-REACH_THREADS = 32
+REACH_THREADS = 64
 
 
 def reach(targets: dict[str, tuple[str, int]], timeout_s: float = REACH_TIMEOUT_S) -> dict[str, str]:
@@ -34,6 +35,8 @@ def reach(targets: dict[str, tuple[str, int]], timeout_s: float = REACH_TIMEOUT_
     def attempt(address: tuple[str, int]) -> str | None:
         try:
             socket.create_connection(address, timeout=timeout_s).close()
+        except TimeoutError:
+            return f"no answer in {timeout_s:g} s"
         except OSError as exc:
             return exc.strerror or type(exc).__name__
         return None
@@ -45,11 +48,12 @@ def reach(targets: dict[str, tuple[str, int]], timeout_s: float = REACH_TIMEOUT_
     return {mid: error for mid, error in errors.items() if error is not None}
 
 
-def unreachable_fault(epoch: int, member: str, host: str, port: int, error: str) -> m.Fault:
+def unreachable_fault(epoch: int, group: str, member: str, host: str, port: int, error: str) -> m.Fault:
     return m.Fault(
         epoch=epoch,
         kind="unreachable",
         culprit=member,
+        group=group,
         reason=(
             f"its data-plane address {host}:{port} refuses or drops connections ({error}): a firewall "
             "or NAT in the way? Its gloo port must accept TCP from the other members (--gloo-host: an "
@@ -60,6 +64,7 @@ def unreachable_fault(epoch: int, member: str, host: str, port: int, error: str)
 
 def accuse(
     epoch: int,
+    group: str,
     entries: dict[int, bytes],
     ids: list[str],
     rank: int,
@@ -67,8 +72,9 @@ def accuse(
 ) -> bool:
     """Try the addresses of a group's other ranks (``entries``: rank → its rendezvous entry,
     ``ids``: the group's members by rank) and report the ones this node cannot reach. A node
-    that reaches fewer than half of them is the one cut off: it names itself. True when
-    anything was reported."""
+    that reaches fewer than half of the world's other members is the one cut off: it names
+    itself (not for a zone's group: a few members writing bad addresses there could make it).
+    True when anything was reported."""
     targets = {}
     for r, raw in entries.items():
         if r != rank and r < len(ids):
@@ -80,13 +86,14 @@ def accuse(
     if not failed:
         return False
     me = ids[rank]
-    if len(targets) >= 2 and len(failed) * 2 > len(targets):
+    if group == WORLD and len(targets) >= 2 and len(failed) * 2 > len(targets):
         host, port = data_address(entries[rank], len(ids)) if rank in entries else ("?", 0)
         send(
             m.Fault(
                 epoch=epoch,
                 kind="unreachable",
                 culprit=me,
+                group=group,
                 reason=(
                     f"reaches {len(targets) - len(failed)} of its {len(targets)} peers' data-plane addresses "
                     f"({next(iter(failed.values()))}): its own outbound connections are blocked or its "
@@ -96,7 +103,7 @@ def accuse(
         )
         return True
     for mid, error in failed.items():
-        send(unreachable_fault(epoch, mid, *targets[mid], error))
+        send(unreachable_fault(epoch, group, mid, *targets[mid], error))
     return True
 
 

@@ -112,8 +112,9 @@ class ControlClient:
         self.on_command: Callable[[m.Command], None] | None = None
         """Called (on the control thread) with an operator's command."""
         self.on_met: Callable[[m.Met], None] | None = None
-        self.on_probe: Callable[[m.Probe], None] | None = None
         """Called (on the control thread) with rendezvous entries for this node's group builds."""
+        self.on_probe: Callable[[m.Probe], None] | None = None
+        """Called (on the control thread) when the leader asks to try a member's data-plane address."""
         self.on_welcome: Callable[[m.Welcome, bool], None] | None = None
         """Called (on the control thread) after each welcome, with whether it came from
         another coordinator incarnation than the last one."""

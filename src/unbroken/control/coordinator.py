@@ -555,7 +555,7 @@ class Coordinator(ThreadedService):
             self._record(Event(now, msg.kind, mid, ms.epoch, msg.step, f"{self._name(mid)}: {msg.reason}"))
         elif isinstance(msg, m.Fault):
             if msg.kind == "unreachable" and msg.culprit is not None and msg.culprit != mid:
-                self._ask_to_probe(msg.epoch, msg.culprit)
+                self._ask_to_probe(msg.epoch, msg.culprit, msg.group, mid)
             self._apply(
                 ms.fault(
                     mid,
@@ -593,15 +593,15 @@ class Coordinator(ThreadedService):
             met = m.Met(epoch=epoch, term=self.term, entries=entries)
             send_all(self._sessions, {mid: met for mid in members if mid in self._sessions})
 
-    def _ask_to_probe(self, epoch: int, culprit: str) -> None:
-        """One member says it cannot connect to ``culprit``'s data plane: the epoch's other
-        members try the same address, and each that cannot says so too (`Membership.fault`
-        benches the culprit once most of them did)."""
-        asked = self.rendezvous.probe(epoch, culprit)
+    def _ask_to_probe(self, epoch: int, culprit: str, group: str, accuser: str) -> None:
+        """One member says it cannot connect to ``culprit``'s data plane (in ``group``): the
+        epoch's other members try the same address, and each that cannot says so too
+        (`Membership.fault` benches the culprit once most of them did)."""
+        asked = self.rendezvous.probe(epoch, culprit, group, accuser)
         if asked is None:
             return
         members, host, port = asked
-        probe = m.Probe(epoch=epoch, term=self.term, member=culprit, host=host, port=port)
+        probe = m.Probe(epoch=epoch, term=self.term, member=culprit, group=group, host=host, port=port)
         send_all(self._sessions, {mid: probe for mid in members if mid in self._sessions})
 
     def _name_absent(self, now: float) -> None:

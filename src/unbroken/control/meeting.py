@@ -35,10 +35,9 @@ from unbroken.sched.zones import WORLD, Zones
 EPOCHS_KEPT = 2
 """Entries of the newest epoch and the one before (a slow member may still build it)."""
 
-PROBES_PER_EPOCH = 16
-"""Addresses the others are asked to try per epoch at most: honest nodes name at most half
-of their peers (past that, themselves), and more unreachable members than this in one epoch
-is the network's failure, not members' (their own accusers' majority still benches them)."""
+PROBES_PER_ACCUSER = 8
+"""Addresses one member may have the others try per epoch: each costs a message to every
+member; an honest node names at most half of its peers (past that, itself)."""
 _SOCKADDR_BYTES = 128
 """``sockaddr_storage``, followed in gloo's address by an 8-byte sequence number."""
 _FAMILIES = {socket.AF_INET: 4, socket.AF_INET6: 16}
@@ -69,10 +68,13 @@ def data_address(raw: bytes, size: int) -> tuple[str, int]:
     if family not in _FAMILIES or port == 0:
         raise ValueError(f"an address of family {family}, port {port}")
     rest = len(raw) - at - addr_len
-    if rest % 8 or rest // 8 not in (0, size):
-        raise ValueError(f"{rest} bytes of peer sequence numbers for a group of {size}")
+    if rest:  # every member names peers by rank (`unbroken.comm.group.RANK_AS_SEQUENCE`)
+        raise ValueError(f"{rest} bytes of peer sequence numbers (a node not naming peers by rank)")
     start = at + 4 if family == socket.AF_INET else at + 8  # sin6_flowinfo comes first
-    host = socket.inet_ntop(family, bytes(view[start : start + _FAMILIES[family]]))
+    length = _FAMILIES[family]
+    host = socket.inet_ntop(family, bytes(view[start : start + length]))
+    if family == socket.AF_INET6 and (scope := struct.unpack_from("<I", view, start + length)[0]):
+        host = f"{host}%{scope}"  # a link-local address means nothing without its interface
     return host, port
 
 
@@ -100,10 +102,12 @@ class _Epoch:
     """Group → when most of its members had written (its build is under way)."""
     named: set[str] = field(default_factory=set)
     """Groups whose absentees were named already."""
-    addresses: dict[str, tuple[str, int]] = field(default_factory=dict)
-    """Member → the data-plane address (host, port) its entries gave."""
-    probed: set[str] = field(default_factory=set)
-    """Members whose address the others were asked to try (`probe`)."""
+    addresses: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
+    """(member, group) → the data-plane address (host, port) its entry gave."""
+    probed: set[tuple[str, str]] = field(default_factory=set)
+    """(member, group) addresses the others were asked to try (`probe`)."""
+    asked: dict[str, int] = field(default_factory=dict)
+    """Accuser → how many addresses it had the others try."""
 
 
 class Rendezvous:
@@ -158,7 +162,7 @@ class Rendezvous:
             return
         ep.entries[meet.key] = ep.pending[meet.key] = meet.value
         ep.missing[member_id].discard(group)
-        ep.addresses.setdefault(member_id, address)
+        ep.addresses[member_id, group] = address
         # The world's build starts as members finish their step (they finish it together:
         # it ends in their common all-reduce), newcomers at once: its clock starts with the
         # first member of the epoch before. Zone and leaders' groups are built right after
@@ -180,14 +184,19 @@ class Rendezvous:
         ep = self._epochs.get(epoch)
         return dict(ep.entries) if ep is not None else {}
 
-    def probe(self, epoch: int, member_id: str) -> tuple[list[str], str, int] | None:
-        """The first time a member of ``epoch`` says it cannot reach ``member_id``: the
-        others to ask, and the address they should try (None: asked already, or unknown)."""
+    def probe(self, epoch: int, member_id: str, group: str, accuser: str) -> tuple[list[str], str, int] | None:
+        """The first time a member of ``epoch`` (``accuser``) says it cannot reach
+        ``member_id`` in ``group``: the others to ask, and the address they should try
+        (None: asked already, unknown, or the accuser has asked enough)."""
         ep = self._epochs.get(epoch)
-        if ep is None or member_id in ep.probed or member_id not in ep.addresses or len(ep.probed) >= PROBES_PER_EPOCH:
+        key = (member_id, group)
+        if ep is None or accuser not in ep.missing or key in ep.probed or key not in ep.addresses:
             return None
-        ep.probed.add(member_id)
-        host, port = ep.addresses[member_id]
+        if ep.asked.get(accuser, 0) >= PROBES_PER_ACCUSER:
+            return None
+        ep.probed.add(key)
+        ep.asked[accuser] = ep.asked.get(accuser, 0) + 1
+        host, port = ep.addresses[key]
         return [mid for mid in ep.members if mid != member_id], host, port
 
     def absent(self, epoch: int, now: float) -> dict[str, list[str]]:

@@ -502,7 +502,7 @@ class Membership:
             # Every member reaches the same verdict from the same data (the all-reduced sum,
             # the gathered rows or digests): a verdict counts once most of them reached it.
             seen = witnesses
-            if zone_only and c is not None:
+            if zone_only and c is not None and kind == "bad-gradient":
                 seen = {mid: z for mid, z in witnesses.items() if z == witnesses.get(c.member_id)}
             if member_id not in seen:
                 return d
@@ -512,9 +512,11 @@ class Membership:
             accusers.add(member_id)
             agreed = len(accusers) >= len(seen) // 2 + 1
             if kind == "unreachable" and c is not None:
-                # Only the others can try to reach it; a member that reaches none of its
-                # peers names itself, and its own word about itself is enough.
-                agreed = c.member_id in accusers or len(accusers) >= (len(seen) - 1) // 2 + 1
+                # Only the others can try to reach it: most of them, and never one alone (in
+                # an epoch of two it is one word against another). A member that reaches
+                # few of its peers names itself, and its word about itself is enough.
+                others = len(accusers - {c.member_id})
+                agreed = c.member_id in accusers or others >= max(2, (len(seen) - 1) // 2 + 1)
                 if agreed:
                     return self.absent(c.member_id, epoch, reason, now, kind="unreachable")
                 if first and current:
@@ -556,7 +558,9 @@ class Membership:
         nothing, again and again (``kind="unfounded"``, `Hearsay`). Kept out of the epochs
         like a culprit; quarantined when it happens again and again."""
         c = self.members.get(member_id)
-        if c is None or epoch != self.epoch or self.rank_of(member_id) is None:
+        # Evidence about the epoch before counts too (reports cross the next epoch's
+        # forming): the member is still in the current one, doing the same.
+        if c is None or epoch < self.epoch - 1 or self.rank_of(member_id) is None:
             return Decision()
         # Out of the epochs, not only of training: a member in an epoch must build its
         # groups (this one would hold every build up again) and may report failures.

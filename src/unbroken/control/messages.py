@@ -207,6 +207,8 @@ class Fault(_Msg):
     culprit is this member itself when it reaches almost none of its peers)."""
     zone_only: bool = False
     """Only the culprit's zone saw the evidence (a DiLoCo inner step): its majority decides."""
+    group: Annotated[str, Field(max_length=64)] = ""
+    """``unreachable``: the group whose build could not connect to the culprit."""
     rollback_to: Annotated[int, Field(ge=-1)] = -1
     """A failed audit: the step of the last audit that passed (every member goes back to it)."""
 
@@ -374,6 +376,7 @@ class Probe(_Msg):
     epoch: EpochNo
     term: Term = 0
     member: Name
+    group: Annotated[str, Field(max_length=64)]
     host: Annotated[str, Field(max_length=64)]
     port: Annotated[int, Field(ge=1, le=65535)]
 

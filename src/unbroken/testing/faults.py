@@ -50,9 +50,8 @@ commit, this node reports that a collective failed when none did (it trains hone
 otherwise): a broken node, or a hostile one holding the token."""
 UNREACHABLE = "unreachable"
 """``unreachable@build:EPOCH``: from epoch EPOCH on, the data-plane address in this node's
-rendezvous entries is one where nothing listens (connections are refused), as a firewall
-that rejects inbound TCP or a NAT would make it: the entries arrive, the builds cannot
-connect."""
+rendezvous entries is one where connections hang (`dropping_sockets`), as a firewall that
+drops inbound TCP or a NAT would make it: the entries arrive, the builds cannot connect."""
 PHASES = ("compute", "allreduce", "exchange", "grad", "commit", "resync", "build")
 """``resync``'s number counts chunks, not steps: ``kill@resync:3`` kills a node right after
 it sent its third chunk of state to a peer that is catching up (a donor dying mid-transfer)."""
@@ -95,7 +94,7 @@ class FaultPlan:
         self._pending = list(faults)
         self._persistent: list[Fault] = []
         self._record = record
-        self._dead: socket.socket | None = None
+        self._dead: list[socket.socket] = []
         self._alarmed: set[int] = set()
 
     def corruption(self, step: int) -> float | None:
@@ -139,11 +138,11 @@ class FaultPlan:
         """True when this node's rendezvous entries for ``epoch`` must give an unreachable address."""
         return self._from(UNREACHABLE, epoch)
 
-    def dead_port(self, host: str) -> int:
-        """A port on ``host`` that refuses connections (kept for the life of the process)."""
-        if self._dead is None:
-            self._dead = refusing_socket(host)
-        port: int = self._dead.getsockname()[1]
+    def dropping_port(self, host: str) -> int:
+        """A port on ``host`` where connections hang (kept for the life of the process)."""
+        if not self._dead:
+            self._dead = dropping_sockets(host)
+        port: int = self._dead[0].getsockname()[1]
         return port
 
     def false_alarm(self, step: int, epoch: int) -> bool:
@@ -198,3 +197,13 @@ def refusing_socket(host: str) -> socket.socket:
             continue
     sock.close()
     raise OSError(f"no port of the form N*256 is free on {host}")
+
+
+def dropping_sockets(host: str) -> list[socket.socket]:
+    """A port on ``host`` where connections hang, as a firewall that drops inbound TCP makes
+    them (the first socket's; keep the list open): it listens with no room to queue, and one
+    connection that is never accepted fills that room, so the kernel drops every later SYN."""
+    listener = refusing_socket(host)
+    listener.listen(0)
+    filler = socket.create_connection(listener.getsockname()[:2], timeout=5)
+    return [listener, filler]

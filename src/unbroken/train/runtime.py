@@ -132,6 +132,7 @@ class Node:
         self.faults = FaultPlan(faults or [], self._log)
         self.graveyard = Graveyard(hold_s=config.collective_timeout_s + 5)
         self.meeting = Meeting(self._meet)
+        self._accusing = threading.Lock()
         self._accused: dict[tuple[int, str], bool] = {}
         """(epoch, group) builds whose peers' addresses this node tried: whether any failed."""
         self.checkpointer = Checkpointer(config.checkpoint_dir) if config.checkpoint_dir else None
@@ -376,11 +377,13 @@ class Node:
 
     def _accuse(self, epoch: int, group: str, ids: list[str], rank: int) -> bool:
         """Try the addresses of a build's peers; report the ones this node cannot reach."""
-        if (epoch, group) not in self._accused:
-            for old in [k for k in self._accused if k[0] < epoch - 2]:
-                del self._accused[old]
-            self._accused[epoch, group] = accuse(epoch, self.meeting.entries(epoch, group), ids, rank, self.client.send)
-        return self._accused[epoch, group]
+        with self._accusing:  # the stall's thread and the failed build's: one tries, both learn
+            if (epoch, group) not in self._accused:
+                for old in [k for k in self._accused if k[0] < epoch - 2]:
+                    del self._accused[old]
+                entries = self.meeting.entries(epoch, group)
+                self._accused[epoch, group] = accuse(epoch, group, entries, ids, rank, self.client.send)
+            return self._accused[epoch, group]
 
     def _probe(self, probe: m.Probe) -> None:
         """The leader asks: can this node connect to ``probe.member``'s data plane?"""
@@ -388,7 +391,8 @@ class Node:
         def attempt() -> None:
             address = (probe.host, probe.port)
             if failed := reach({probe.member: address}):
-                self.client.send(unreachable_fault(probe.epoch, probe.member, *address, failed[probe.member]))
+                fault = unreachable_fault(probe.epoch, probe.group, probe.member, *address, failed[probe.member])
+                self.client.send(fault)
 
         threading.Thread(target=attempt, name="probe", daemon=True).start()
 
@@ -396,7 +400,7 @@ class Node:
         if self.faults.muted(epoch):
             return
         if self.faults.unreachable(epoch):
-            value = with_port(value, self.faults.dead_port(self._gloo_host() or ""))
+            value = with_port(value, self.faults.dropping_port(self._gloo_host() or "127.0.0.1"))
         self.client.send(m.Meet(epoch=epoch, key=key, value=base64.b64encode(value).decode()))
 
     def _met(self, met: m.Met) -> None:

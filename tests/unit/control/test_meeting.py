@@ -8,7 +8,7 @@ import pytest
 
 from integration.helpers import gloo_entry
 from unbroken.control import messages as m
-from unbroken.control.meeting import PROBES_PER_EPOCH, Rendezvous, data_address, with_port
+from unbroken.control.meeting import PROBES_PER_ACCUSER, Rendezvous, data_address, with_port
 from unbroken.errors import ProtocolError
 
 
@@ -58,7 +58,7 @@ def test_entries_reach_the_epochs_members_once():
         ("a", "world/0/0", b64(gloo_entry()[:12]), "too few"),
         ("a", "world/0/0", b64(gloo_entry().replace(b"\x02\x00\x10\x92", b"\x01\x00\x10\x92")), "family 1"),
         ("a", "world/0/0", b64(gloo_entry(port=0)), "port 0"),
-        ("a", "world/0/0", b64(gloo_entry(peers=3)), "for a group of 2"),
+        ("a", "world/0/0", b64(gloo_entry(peers=2)), "not naming peers by rank"),
         ("a", "world/0/0", b64(gloo_entry() + b"\x01"), "peer sequence numbers"),
     ],
 )
@@ -135,9 +135,9 @@ def test_newcomers_do_not_start_the_worlds_clock():
     assert r.absent(2, now=70) == {}
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "10.1.2.3"])
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "10.1.2.3", "fe80::1%3"])
 def test_a_data_address_is_read_from_gloos_entry(host):
-    raw = gloo_entry(port=51234, host=host, peers=2)
+    raw = gloo_entry(port=51234, host=host)
     assert data_address(raw, 2) == (host, 51234)
     assert data_address(with_port(raw, 9), 2) == (host, 9)
 
@@ -145,19 +145,31 @@ def test_a_data_address_is_read_from_gloos_entry(host):
 def test_the_others_are_asked_to_try_an_address_once():
     r = Rendezvous(deadline_s=5)
     r.order(order(4, ["a", "b", "c"]))
-    assert r.probe(4, "c") is None  # no entry of c yet: no address to try
-    r.put("c", meet(4, "world/0/2", b64(gloo_entry(port=7070, peers=3))), now=0)
-    assert r.probe(4, "c") == (["a", "b"], "127.0.0.1", 7070)
-    assert r.probe(4, "c") is None
-    assert r.probe(5, "c") is None
+    assert r.probe(4, "c", "world", "a") is None  # no entry of c yet: no address to try
+    r.put("c", meet(4, "world/0/2", b64(gloo_entry(port=7070))), now=0)
+    assert r.probe(4, "c", "world", "outsider") is None, "only a member of the epoch may ask"
+    assert r.probe(4, "c", "world", "a") == (["a", "b"], "127.0.0.1", 7070)
+    assert r.probe(4, "c", "world", "b") is None
+    assert r.probe(5, "c", "world", "a") is None
 
 
-def test_few_addresses_are_tried_per_epoch():
+def test_the_address_tried_is_the_one_of_the_group_that_could_not_connect():
+    r = Rendezvous(deadline_s=5)
+    r.order(order(4, ["a", "b", "c", "d"], zones=["x", "x", "y", "y"]))
+    r.put("c", meet(4, "world/0/2", b64(gloo_entry(port=7070))), now=0)
+    r.put("c", meet(4, "zone1/0/0", b64(gloo_entry(port=8080))), now=0)
+    assert r.probe(4, "c", "zone1", "d") == (["a", "b", "d"], "127.0.0.1", 8080)
+    assert r.probe(4, "c", "world", "d") == (["a", "b", "d"], "127.0.0.1", 7070)
+
+
+def test_one_member_has_few_addresses_tried_per_epoch():
     """A member naming everyone would have every member try every address (N² messages)."""
-    members = [f"m{i}" for i in range(PROBES_PER_EPOCH + 4)]
+    members = [f"m{i}" for i in range(PROBES_PER_ACCUSER + 4)]
     r = Rendezvous(deadline_s=5)
     r.order(order(2, members))
     for rank, mid in enumerate(members):
         r.put(mid, meet(2, f"world/0/{rank}"), now=0)
-    asked = [r.probe(2, mid) for mid in members]
-    assert sum(a is not None for a in asked) == PROBES_PER_EPOCH
+    asked = [r.probe(2, mid, "world", "m0") for mid in members[1:]]
+    assert sum(a is not None for a in asked) == PROBES_PER_ACCUSER
+    assert r.probe(2, "m1", "world", "m2") is None, "asked already"
+    assert r.probe(2, members[-1], "world", "m2") is not None, "another accuser has its own budget"

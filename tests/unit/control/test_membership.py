@@ -281,6 +281,45 @@ def test_one_members_word_benches_nobody_and_the_epoch_forms_again_with_everyone
     assert [e.kind for e in d.events] == ["fault"]
 
 
+def test_in_an_epoch_of_two_one_word_against_another_benches_nobody() -> None:
+    ms = formed(["a", "b"])
+    t = 0.5
+    keep_alive(ms, t)
+    ms.fault("a", 1, "cannot connect to b", t, culprit="b", kind="unreachable")
+    d = ms.fault("b", 1, "cannot connect to a", t, culprit="a", kind="unreachable")
+    assert "unreachable" not in [e.kind for e in d.events]
+    keep_alive(ms, t + PROBE_WAIT_S)
+    assert only_order(ms.tick(t + PROBE_WAIT_S)).members == ["a", "b"]
+
+
+def test_an_unreachable_report_cannot_narrow_its_witnesses_to_a_zone() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0)
+    zones = {"a": "z1", "b": "z1", "f": "z1", "g": "z1", "c": "z2", "d": "z2", "e": "z2"}
+    for mid, zone in zones.items():
+        assert ms.admit(hello(mid, zone=zone), 0.0).refuse is None
+    ms.tick(JOIN_SETTLE_S)
+    t = 0.5
+    keep_alive(ms, t)
+    for accuser in ("a", "f"):  # two of b's zone: most of it, far from most of the epoch
+        d = ms.fault(accuser, 1, "cannot connect to b", t, culprit="b", kind="unreachable", zone_only=True)
+        assert "unreachable" not in [e.kind for e in d.events]
+
+
+def test_reports_about_the_epoch_before_still_bench_a_member_still_in_the_epochs() -> None:
+    """The first report re-forms the epoch (here a join re-formed it first): the others'
+    answers about the epoch before still count."""
+    ms = formed(["a", "b", "c", "walled"])
+    t = 0.5
+    keep_alive(ms, t)
+    ms.fault("a", 1, "cannot connect to walled", t, culprit="walled", kind="unreachable")
+    ms.admit(hello("late"), t)
+    keep_alive(ms, t + 0.3)
+    assert only_order(ms.tick(t + 0.3)).epoch == 2
+    d = ms.fault("b", 1, "cannot connect to walled", t + 0.5, culprit="walled", kind="unreachable")
+    assert [e.kind for e in d.events] == ["unreachable"]
+    assert "walled" not in only_order(ms.tick(t + 0.5)).members
+
+
 def test_a_member_that_reaches_none_of_its_peers_names_itself() -> None:
     ms = formed(["a", "b", "c"])
     t = 0.5
