@@ -5,6 +5,7 @@
     UnbrokenError                      every error raised on purpose by this package
      ├── ConfigError                   a job or node setting is invalid (names the field)
      ├── JobLoadError                  `file.py:attr` / `module:attr` could not be loaded
+     ├── JobFailed                     the job's own code (model, loss, data) raised: its traceback
      ├── CoordinatorUnreachable        no coordinator answered within the connect deadline
      ├── EtcdUnavailable               no member of the etcd cluster answered (or no majority)
      ├── JoinRefused                   the coordinator refused this node (names the reason)
@@ -32,6 +33,11 @@ class ConfigError(UnbrokenError, ValueError):
 
 class JobLoadError(UnbrokenError):
     """A job reference could not be imported or is not a `Job`."""
+
+
+class JobFailed(UnbrokenError):
+    """The job's own code (its model, loss, dataset or collate) raised; the message carries
+    the original error and its traceback, so it is fixed where it is, not guessed at."""
 
 
 class CoordinatorUnreachable(UnbrokenError):

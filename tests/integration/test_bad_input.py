@@ -73,6 +73,47 @@ def test_invalid_settings_name_the_field(args, message):
     assert "Traceback" not in r.stderr
 
 
+BROKEN_JOB = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from unbroken import Job
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.layer(x[:, :3])  # the user's bug: a slice of the wrong width
+
+
+job = Job(
+    name="broken",
+    model=Broken,
+    optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+    dataset=TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))),
+    loss=nn.functional.cross_entropy,
+    batch_size=8,
+    num_steps=5,
+)
+"""
+
+
+def test_an_error_in_the_jobs_own_code_is_shown_with_its_traceback(tmp_path):
+    """Not a coordinator error or a validation error about a micro-batch cap: the user's
+    exception, where it was raised, before the node joins anything."""
+    path = tmp_path / "broken_job.py"
+    path.write_text(BROKEN_JOB)
+    r = run_cli("node", f"{path}:job", "--coordinator", "127.0.0.1:1", "--connect-timeout", "2")
+    assert r.returncode == 2, r.stderr
+    assert "the job's code raised" in r.stderr, r.stderr
+    assert "mat1 and mat2 shapes cannot be multiplied" in r.stderr, r.stderr
+    assert f'File "{path}", line 14, in forward' in r.stderr, r.stderr
+    assert "could not reach a coordinator" not in r.stderr and "max_microbatch" not in r.stderr, r.stderr
+
+
 def test_mismatched_model_and_other_job_are_refused_and_the_job_goes_on(make_cluster):
     env = {"UB_TEST_STEPS": "120", "UB_TEST_DELAY_MS": "20"}
     c = make_cluster(env=env, min_nodes=2)

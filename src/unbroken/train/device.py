@@ -179,6 +179,10 @@ def calibrate(run: Callable[[int], float], saved_bytes: Callable[[int], int], k:
     return Calibration(per_sample, overhead, per_sample_bytes, max(b2 - 2 * per_sample_bytes, 0))
 
 
+MAX_MICROBATCH = 2**31 - 1
+"""A cap no batch reaches (a node that measured almost no activation memory says this much)."""
+
+
 def microbatch_cap(cal: Calibration, model_bytes: int, budget: int, user_cap: int) -> int:
     """Largest micro-batch that fits ``budget`` bytes (0: no limit; -1: not even one sample)."""
     caps = []
@@ -187,7 +191,7 @@ def microbatch_cap(cal: Calibration, model_bytes: int, budget: int, user_cap: in
         fits = math.floor(room / cal.activation_bytes_per_sample) if room > 0 else 0
         if fits < 1:
             return -1
-        caps.append(fits)
+        caps.append(min(fits, MAX_MICROBATCH))
     if user_cap > 0:
         caps.append(user_cap)
     return min(caps) if caps else 0

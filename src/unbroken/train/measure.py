@@ -15,15 +15,25 @@ import logging
 import statistics
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from unbroken.control import messages as m
+from unbroken.errors import JobFailed
 from unbroken.job import Job
 from unbroken.testing.throttle import Throttle
-from unbroken.train.device import Calibration, ComputeReplica, SavedBytes, calibrate, describe, microbatch_cap
+from unbroken.train.device import (
+    Calibration,
+    ComputeReplica,
+    OutOfMemory,
+    SavedBytes,
+    calibrate,
+    describe,
+    microbatch_cap,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +69,15 @@ class Meter:
         with torch.random.fork_rng(devices=[]):
             try:
                 self.calibration = self.probe(model, step, k)
-            except Exception as exc:  # the plan then assumes a median node until steps are measured
+            except OutOfMemory as exc:  # the plan then assumes a median node until steps are measured
                 log.warning("%s: could not measure compute speed before joining: %s", self.name, exc)
                 self.calibration = Calibration(0.0, 0.0, 1, 0)
+            except Exception as exc:  # the job's code: it would fail every step the same way
+                where = "".join(traceback.format_exception(exc)).rstrip()
+                raise JobFailed(
+                    f"the job's code raised on its first {k} samples (measured before joining), so it "
+                    f"cannot train: {type(exc).__name__}: {exc}\n{where}"
+                ) from exc
         info = describe(self.replica.device)
         fraction = 0.9 if self.replica.device.type == "cuda" else 0.5
         budget = memory_limit or int(info.memory_available * fraction)

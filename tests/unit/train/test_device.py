@@ -11,8 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+from unbroken.control.messages import Capabilities
 from unbroken.errors import ConfigError
 from unbroken.train.device import (
+    MAX_MICROBATCH,
     STATE_BYTES_PER_PARAM_BYTE,
     Calibration,
     ComputeReplica,
@@ -425,3 +427,12 @@ def test_saved_bytes_do_not_change_the_gradients() -> None:
     gb = grads_of(b, x, y, seed=0)
     for p, q in zip(ga, gb, strict=True):
         assert torch.equal(p, q)
+
+
+def test_a_node_that_measured_almost_no_activation_memory_stays_within_what_a_hello_carries() -> None:
+    """12 GB of memory at one byte a sample (a measurement that failed on memory) once made
+    a cap of 11.8 billion, which no hello may carry: the node could not join."""
+    tiny = Calibration(per_sample_s=0.0, overhead_s=0.0, activation_bytes_per_sample=1, activation_bytes_fixed=0)
+    cap = microbatch_cap(tiny, MODEL_BYTES, budget=12 << 30, user_cap=0)
+    assert cap == MAX_MICROBATCH
+    Capabilities(max_microbatch=cap)
