@@ -651,6 +651,8 @@ class Membership:
                 return d
         if not self._started and len(self.members) < self.min_nodes:
             return d  # the job has not started: wait for enough nodes
+        if not self._started and all(m.preference is Preference.VALIDATOR for m in self.members.values()):
+            return d  # ...and for one that may train: a validator never does (`--role validator`)
         for mid in self._hearsay.due(now):
             why = f"reported {HEARSAY_LIMIT} failed collectives within {HEARSAY_PERIOD_S:g} s that nothing bore out"
             d.merge(self.absent(mid, self.epoch, why, now, kind="unfounded"))

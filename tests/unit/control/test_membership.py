@@ -124,6 +124,19 @@ def test_a_live_node_with_steps_behind_it_does_not_wait_for_min_nodes() -> None:
     assert only_order(ms.tick(JOIN_SETTLE_S)).members == ["a"]
 
 
+def test_a_validator_that_joins_first_waits_for_a_node_that_may_train() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0)
+    assert ms.admit(hello("v", role="validator"), 0.0).refuse is None
+    keep_alive(ms, 1.0)
+    assert ms.tick(1.0).orders == {}, "a validator never trains, not even alone"
+    admit_all(ms, ["t"], 1.0)
+    keep_alive(ms, 1.0 + JOIN_SETTLE_S)
+    order = only_order(ms.tick(1.0 + JOIN_SETTLE_S))
+    assert sorted(order.members) == ["t", "v"]
+    assert order.roles[order.members.index("v")] != "trainer"
+    assert order.shares[order.members.index("v")] == 0
+
+
 def test_min_nodes_does_not_hold_later_epochs() -> None:
     ms = formed(["a", "b", "c"], min_nodes=3)
     keep_alive(ms, 0.5)
