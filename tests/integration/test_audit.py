@@ -34,3 +34,26 @@ def test_a_flipped_bit_is_found_named_and_repaired(make_cluster):
     # Every promise: exactly-once samples, equal replicas after every step (the corrupted
     # ones, taken back, excepted), and the final model equal to single-process training.
     assert_promises(c, ENV, finishers=3)
+
+
+def test_a_failed_audit_at_the_last_step_rolls_back_instead_of_finishing(make_cluster):
+    """The audit of the job's last step finds a flipped bit: nobody finishes with that
+    state; every member goes back to the last audited one, redoes the steps, and the job
+    ends equal to the reference."""
+    env = {"UB_TEST_STEPS": "40", "UB_TEST_DELAY_MS": "10"}
+    c = make_cluster(env=env, min_nodes=3, coordinator_args=["--audit-every", "10"], node_args=["--digest-every", "1"])
+    c.start_coordinator()
+    c.start_node("a")
+    c.start_node("b")
+    bad = c.start_node("c", fault="bitflip@commit:35")
+    codes = c.wait_exit(timeout=120)
+    assert codes == {"a": 0, "b": 0, "c": 0}, c.diagnostics()
+    assert fired(bad, "bitflip")
+    audits = events_of(c, "audit")
+    assert len(audits) == 1 and "step 40" in audits[0]["reason"], audits
+    for name in ("a", "b"):
+        entries = c.nodes[name].entries()
+        assert [e["step"] for e in entries if e["kind"] == "restore"] == [30], name
+        checks = [(e["step"], e["ok"]) for e in entries if e["kind"] == "audit"]
+        assert checks[-2:] == [(40, False), (40, True)], checks
+    assert_promises(c, env, finishers=3)

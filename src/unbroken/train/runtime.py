@@ -610,7 +610,12 @@ class Node:
         held = self._audited
         if back < 0 or held is None or int(held["step"]) != back or self.state.step <= back:
             return
-        self.state.restore(held)
+        self._restore_audited()
+
+    def _restore_audited(self) -> None:
+        """Back to the state of the last audit that passed."""
+        assert self._audited is not None
+        self.state.restore(self._audited)
         self.client.step = self.state.step
         self._log({"kind": "restore", "step": self.state.step, "digest": self.state.digest(), "why": "failed audit"})
 
@@ -632,12 +637,15 @@ class Node:
         rank, why = verdict
         message = f"audit at step {self.state.step}: {g.members[rank]}'s state {why}"
         back = int(self._audited["step"]) if self._audited is not None else -1
-        if rank == g.rank and self._audited is not None:
-            self.state.restore(self._audited)
-            self.state.step -= 1  # behind the group: the sync phase sends it a peer's state
-            self.client.step = self.state.step
-        # The others go back in the next sync phase, told by the epoch order: a member whose
-        # wait on this all-gather was cut short by that order never saw the verdict.
+        if self._audited is not None:
+            # Back at once, not only when the next order says so: after the job's last step
+            # there is no next order to wait for, and the suspect state must not be final.
+            # (A member whose wait on this all-gather was cut short by an order never saw
+            # the verdict: that order's `rollback_to` takes it back.)
+            self._restore_audited()
+            if rank == g.rank:
+                self.state.step -= 1  # behind the group: the sync phase sends it a peer's state
+                self.client.step = self.state.step
         raise AuditMismatch(rank, message, rollback_to=back)
 
     def _compute(self, indices: list[int], step: int, planned_mb: int, before: list[torch.Tensor]) -> float:
