@@ -26,7 +26,7 @@ from typing import Any
 
 from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
 from unbroken.control.hearsay import PERIOD_S as HEARSAY_PERIOD_S
-from unbroken.control.hearsay import Hearsay
+from unbroken.control.hearsay import Hearsay, Report
 from unbroken.control.messages import Capabilities, EpochOrder, Hello, Resume, TensorSpec
 from unbroken.sched.balance import Plan, Preference, Profile, Role, adopt, plan, rebalance
 from unbroken.sched.stragglers import find_stragglers
@@ -37,6 +37,8 @@ JOIN_SETTLE_S = 0.25
 FAULT_GRACE_S = 0.1
 """A reported collective failure waits this long for the failed member's session to drop,
 so one failure makes one epoch change."""
+HELD = {True: "", False: " (held: nothing bore out its last report yet)"}
+"""What a report's event adds when `Hearsay` holds it back."""
 OFFENCES = {
     "absent": "never joined the data plane",
     "unreachable": "its data plane is unreachable",
@@ -362,7 +364,7 @@ class Membership:
         if m is None:
             return d
         d.events.append(self._event(now, "leave", member_id, f"{m.name} leaves: {reason}"))
-        self._hearsay.borne_out(now)
+        self._trace(member_id, now)
         self._vacated += m.role is Role.TRAINER
         if self.rank_of(member_id) is not None:
             m.state = MemberState.LEAVING
@@ -380,13 +382,25 @@ class Membership:
         if m is None:
             return d
         d.events.append(self._event(now, "failure", member_id, f"{m.name}: {cause}"))
-        self._hearsay.borne_out(now)
+        self._trace(member_id, now)
         self._vacated += m.role is Role.TRAINER
         if self.rank_of(member_id) is not None and not self.finished and member_id not in self.final_digests:
             self._want_epoch(now, urgent=True, reason=f"{m.name} failed ({cause})", delay=0.0)
         if self._resumes.pop(member_id, None) is not None:
             self._epoch_broke(now, f"{m.name} failed ({cause})")
         return d
+
+    def _trace(self, member_id: str, now: float) -> None:
+        """A member failed or left: what others reported about its epochs is borne out."""
+        epochs = {e for e, w in self._witnesses.items() if member_id in w}
+        self._release(self._hearsay.borne_out(epochs, now, by=member_id), now)
+
+    def _release(self, borne: list[Report], now: float) -> None:
+        """Held reports that something bore out after all: the current epoch's re-forms."""
+        for r in borne:
+            if r.epoch == self.epoch and r.member_id in self.members:
+                name = self.members[r.member_id].name
+                self._want_epoch(now, urgent=True, reason=f"collective failed at {name}: {r.reason}", delay=0.0)
 
     def _epoch_broke(self, now: float, reason: str) -> None:
         """During a recovery, the epoch the members came back with cannot go on: stop
@@ -487,18 +501,21 @@ class Membership:
         d = Decision()
         witnesses = self._witnesses.get(epoch)
         if witnesses is None and epoch == self.epoch:  # an epoch the members resumed with
-            witnesses = {mid: "" for mid in self._epoch_members}
-        if witnesses is None or member_id not in self.members:
+            witnesses = {mid: "" for mid in self._epoch_members or self._resumes}
+        m = self.members.get(member_id)
+        if witnesses is None or member_id not in witnesses or m is None:
             return d
+        if m.quarantined or m.excluded_until > now:
+            return d  # kept out of the epochs: its word re-forms none
         current = epoch == self.epoch
         if current and self.recovering_until is not None:
-            self._epoch_broke(now, f"{self.members[member_id].name} reports: {reason}")
+            self._epoch_broke(now, f"{m.name} reports: {reason}")
         if current and rollback_to >= 0:
             self._rollback_to = rollback_to
-        m = self.members[member_id]
+        act, released = self._hearsay.reported(member_id, epoch, now, reason)
+        self._release(released, now)
         c = self.members.get(culprit) if culprit is not None else None
         if kind == "suspect" or c is not None:
-            self._hearsay.borne_out(now, by=member_id)  # a step's data went wrong: steps fail
             # Every member reaches the same verdict from the same data (the all-reduced sum,
             # the gathered rows or digests): a verdict counts once most of them reached it.
             seen = witnesses
@@ -520,10 +537,11 @@ class Membership:
                 if agreed:
                     return self.absent(c.member_id, epoch, reason, now, kind="unreachable")
                 if first and current:
-                    d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason}"))
-                    # Most of the epoch is trying the address meanwhile (`Probe`): if they
-                    # reach it, the epoch is formed again with everyone.
-                    self._want_epoch(now, urgent=True, reason=f"{m.name} reports: {reason}", delay=PROBE_WAIT_S)
+                    d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason}{HELD[act]}"))
+                    if act:
+                        # Most of the epoch is trying the address meanwhile (`Probe`): if
+                        # they reach it, the epoch is formed again with everyone.
+                        self._want_epoch(now, urgent=True, reason=f"{m.name} reports: {reason}", delay=PROBE_WAIT_S)
                 return d
             if agreed and c is not None:
                 what = "bad gradient" if kind == "bad-gradient" else "failed audit"
@@ -543,11 +561,9 @@ class Membership:
                 reason = f"{reason} (names {c.name}; benched only when most of the epoch agrees)"
         if not current:
             return d
-        if c is None and kind != "suspect" and not self._hearsay.reported(member_id, epoch, now):
-            why = "held: nothing bore out its last report yet"
-            d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason} ({why})"))
+        d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason}{HELD[act]}"))
+        if not act:
             return d
-        d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason}"))
         self._want_epoch(now, urgent=True, reason=f"collective failed at {m.name}: {reason}", delay=FAULT_GRACE_S)
         return d
 
@@ -560,7 +576,7 @@ class Membership:
         c = self.members.get(member_id)
         # Evidence about the epoch before counts too (reports cross the next epoch's
         # forming): the member is still in the current one, doing the same.
-        if c is None or epoch < self.epoch - 1 or self.rank_of(member_id) is None:
+        if c is None or not self.epoch - 1 <= epoch <= self.epoch or self.rank_of(member_id) is None:
             return Decision()
         # Out of the epochs, not only of training: a member in an epoch must build its
         # groups (this one would hold every build up again) and may report failures.
@@ -574,6 +590,7 @@ class Membership:
         if (epoch, c.member_id) in self._refused:
             return d
         self._refused.add((epoch, c.member_id))
+        self._release(self._hearsay.borne_out({epoch}, now, by=c.member_id), now)
         self._checking_from = None  # found: the next epoch goes back to the job's rule
         c.flags += 1
         c.benched_until = now + BENCH_S

@@ -358,6 +358,28 @@ def test_a_member_whose_reported_failures_nothing_bears_out_is_kept_out() -> Non
     d = ms.tick(t)
     assert [e.kind for e in d.events] == ["unfounded", "epoch"], d.events
     assert only_order(d).members == ["a", "b"]
+    keep_alive(ms, t + 1)
+    ms.fault("liar", ms.epoch, "allreduce: connection reset", t + 1)
+    keep_alive(ms, t + 2)
+    assert ms.tick(t + 2).orders == {}, "kept out: its word re-forms nothing, not even with a guessed epoch"
+
+
+def test_lone_accusations_of_a_culprit_are_hearsay_too() -> None:
+    """Every member judges the same gathered data: a member that alone, again and again,
+    names a culprit (or a sum that did not add up) is not believed, and is kept out."""
+    ms = formed(["a", "b", "liar"])
+    t = 0.5
+    keep_alive(ms, t)
+    ms.fault("liar", 1, "refused the contribution of rank 0", t, culprit="a", kind="bad-gradient")
+    keep_alive(ms, t + FAULT_GRACE_S)
+    assert only_order(ms.tick(t + FAULT_GRACE_S)).epoch == 2, "the first re-forms the epoch at once"
+    d = ms.fault("liar", 2, "the step's sum did not add up", t + 0.5, kind="suspect")
+    assert "held" in d.events[0].reason
+    keep_alive(ms, t + 1)
+    assert ms.tick(t + 1).orders == {}
+    keep_alive(ms, t + 3)
+    d = ms.tick(t + 3)
+    assert [e.kind for e in d.events] == ["unfounded", "epoch"], d.events
 
 
 def test_a_reported_failure_that_a_session_drop_bears_out_does_not_count() -> None:
