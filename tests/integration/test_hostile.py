@@ -195,7 +195,7 @@ def test_a_member_reporting_failures_that_did_not_happen_is_kept_out(make_cluste
     its reports are held while one waits to be borne out, it re-forms the epoch at most
     a couple of times, then it is kept out of the epochs (event `unfounded`); the others
     train to the reference model, every promise kept."""
-    env = {"UB_TEST_STEPS": "80", "UB_TEST_DELAY_MS": "20"}
+    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20"}  # long enough for its report to lapse mid-run
     c = make_cluster(env=env, min_nodes=3)
     c.start_coordinator()
     c.start_node("a")
