@@ -3,7 +3,7 @@
 A member whose gloo port the others cannot reach (a firewall that drops inbound TCP, a
 NAT, an address of a private interface) writes its rendezvous entry like any other, and
 then every build with it waits: the peers that must connect to it never get through. Once
-every entry of a group is in and the build still has not finished ``--build-deadline``
+every entry of a group is in and the build still has not finished half ``--build-deadline``
 later (or failed), the node tries each peer's address itself and tells the leader whom it
 cannot reach (`unbroken.control.messages.Fault` ``unreachable``). The leader has the
 epoch's other members try the same address (`unbroken.control.messages.Probe`) and benches
@@ -79,7 +79,7 @@ def accuse(
     for r, raw in entries.items():
         if r != rank and r < len(ids):
             try:
-                targets[ids[r]] = data_address(raw, len(ids))
+                targets[ids[r]] = data_address(raw)
             except ValueError:
                 continue  # the leader checked it; a build that garbled it can't be judged here
     failed = reach(targets)
@@ -87,7 +87,7 @@ def accuse(
         return False
     me = ids[rank]
     if group == WORLD and len(targets) >= 2 and len(failed) * 2 > len(targets):
-        host, port = data_address(entries[rank], len(ids)) if rank in entries else ("?", 0)
+        host, port = data_address(entries[rank]) if rank in entries else ("?", 0)
         send(
             m.Fault(
                 epoch=epoch,

@@ -44,11 +44,12 @@ _FAMILIES = {socket.AF_INET: 4, socket.AF_INET6: 16}
 """Address families gloo listens on, with the length of their addresses."""
 
 
-def data_address(raw: bytes, size: int) -> tuple[str, int]:
+def data_address(raw: bytes) -> tuple[str, int]:
     """The host and port a rank's rendezvous entry asks its peers to connect to.
 
-    The entry is gloo's own (its TCP transport's ``Rank``: a hostname, a socket address
-    and a sequence number per peer, with native 64-bit lengths). gloo reads it without
+    The entry is gloo's own (its TCP transport's ``Rank``: a hostname and a socket address
+    with native 64-bit lengths; no sequence number per peer, as members name peers by rank,
+    `unbroken.comm.group.RANK_AS_SEQUENCE`). gloo reads it without
     bounds checks: a length that lies makes every peer read past the entry and crash, so
     the leader parses each entry here before anyone sees it (`ValueError` names the fault).
     """
@@ -152,7 +153,7 @@ class Rendezvous:
         except (binascii.Error, ValueError):
             raise ProtocolError(f"rendezvous entry {meet.key!r} is not base64") from None
         try:
-            address = data_address(raw, len(ranks))
+            address = data_address(raw)
         except ValueError as exc:
             raise ProtocolError(f"rendezvous entry {meet.key!r} is not gloo's: {exc}") from None
         known = ep.entries.get(meet.key)

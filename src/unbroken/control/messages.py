@@ -249,8 +249,9 @@ class Welcome(_Msg):
     """The step the group has committed (0: no group trains yet, a cold start): a node whose
     restored checkpoint is ahead of it does not use it (another run's)."""
     build_deadline_s: Seconds = 5.0
-    """A group build still unfinished this long after every member's entry arrived has a
-    peer this node cannot connect to: it tries each peer's address and says which."""
+    """The leader's `--build-deadline`: a group build still unfinished half this long after
+    every member's entry arrived has a peer this node cannot connect to: it tries each
+    peer's address and says which (the other half is for the others to confirm)."""
 
 
 class Refused(_Msg):

@@ -347,8 +347,8 @@ class Node:
         others may still be finishing a step or a round; one that never comes is named by
         the leader (`--build-deadline` after most of the group started), and the next
         epoch's order ends the wait. A build that every entry reached but that still has
-        not finished a build deadline later, or failed, has a peer it cannot connect to:
-        this node tries their addresses and says whom (`unbroken.comm.reach`)."""
+        not finished half a build deadline later, or failed, has a peer it cannot connect
+        to: this node tries their addresses and says whom (`unbroken.comm.reach`)."""
 
         def build(group: str, rank: int, ids: list[str]) -> tuple[Any, float]:
             assert self.client.welcome is not None  # an order came: the node was welcomed

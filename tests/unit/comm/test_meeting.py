@@ -56,7 +56,7 @@ def test_groups_meet_through_the_leader_and_each_rank_sends_only_its_own_entry()
     assert sorted(leader.sent) == [(r, f"world/0/{r}") for r in range(size)], leader.sent
     entries = leader.nodes[0].entries(7, "world")
     assert sorted(entries) == [0, 1, 2] and leader.nodes[0].complete(7, "world", size)
-    addresses = {r: data_address(raw, size) for r, raw in entries.items()}
+    addresses = {r: data_address(raw) for r, raw in entries.items()}
     host_name = len(socket.gethostname().encode())
     assert {len(raw) for raw in entries.values()} == {8 + host_name + 8 + 136}, "no sequence number per peer"
     assert {host for host, _ in addresses.values()} == {"127.0.0.1"}

@@ -138,8 +138,8 @@ def test_newcomers_do_not_start_the_worlds_clock():
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "10.1.2.3", "fe80::1%3"])
 def test_a_data_address_is_read_from_gloos_entry(host):
     raw = gloo_entry(port=51234, host=host)
-    assert data_address(raw, 2) == (host, 51234)
-    assert data_address(with_port(raw, 9), 2) == (host, 9)
+    assert data_address(raw) == (host, 51234)
+    assert data_address(with_port(raw, 9)) == (host, 9)
 
 
 def test_the_others_are_asked_to_try_an_address_once():
