@@ -4,20 +4,29 @@ replica took part in are redone, and the job ends equal to the reference."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from integration.helpers import assert_promises, events_of, fired
 
 ENV = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "10"}
 
 
-def test_a_flipped_bit_is_found_named_and_repaired(make_cluster):
-    c = make_cluster(env=ENV, min_nodes=3, coordinator_args=["--audit-every", "10"], node_args=["--digest-every", "1"])
+def flipped(make_cluster: Any, env: dict[str, str], step: int) -> tuple[Any, Any]:
+    """Three nodes audited every 10 steps, ``c`` with a bit flipped after committing
+    ``step``, run to the end; the cluster and ``c``."""
+    c = make_cluster(env=env, min_nodes=3, coordinator_args=["--audit-every", "10"], node_args=["--digest-every", "1"])
     c.start_coordinator()
     c.start_node("a")
     c.start_node("b")
-    bad = c.start_node("c", fault="bitflip@commit:23")
+    bad = c.start_node("c", fault=f"bitflip@commit:{step}")
     codes = c.wait_exit(timeout=120)
     assert codes == {"a": 0, "b": 0, "c": 0}, c.diagnostics()
     assert fired(bad, "bitflip")
+    return c, bad
+
+
+def test_a_flipped_bit_is_found_named_and_repaired(make_cluster):
+    c, bad = flipped(make_cluster, ENV, 23)
     audits = events_of(c, "audit")
     assert len(audits) == 1 and audits[0]["node"] == "c", audits
     assert "step 30" in audits[0]["reason"] and "differs from the majority" in audits[0]["reason"]
@@ -41,14 +50,7 @@ def test_a_failed_audit_at_the_last_step_rolls_back_instead_of_finishing(make_cl
     state; every member goes back to the last audited one, redoes the steps, and the job
     ends equal to the reference."""
     env = {"UB_TEST_STEPS": "40", "UB_TEST_DELAY_MS": "10"}
-    c = make_cluster(env=env, min_nodes=3, coordinator_args=["--audit-every", "10"], node_args=["--digest-every", "1"])
-    c.start_coordinator()
-    c.start_node("a")
-    c.start_node("b")
-    bad = c.start_node("c", fault="bitflip@commit:35")
-    codes = c.wait_exit(timeout=120)
-    assert codes == {"a": 0, "b": 0, "c": 0}, c.diagnostics()
-    assert fired(bad, "bitflip")
+    c, _ = flipped(make_cluster, env, 35)
     audits = events_of(c, "audit")
     assert len(audits) == 1 and "step 40" in audits[0]["reason"], audits
     for name in ("a", "b"):

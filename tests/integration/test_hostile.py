@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import aiohttp.web
@@ -71,6 +72,24 @@ def commit_gaps(node) -> list[float]:
     return [b - a for a, b in itertools.pairwise(times)]
 
 
+def one_bad_member(c, honest: list[str], name: str, fault: str, kind: str, says: str, within_s: float) -> Any:
+    """Start the ``honest`` nodes and ``name`` with ``fault``; the leader names it (event
+    ``kind``, whose reason says ``says``) and nobody else, and the honest nodes finish.
+    Returns the bad node, killed (its log stays in ``c.nodes``)."""
+    for node in honest:
+        c.start_node(node)
+    bad = c.start_node(name, fault=fault)
+    c.wait_for(lambda: events_of(c, kind), within_s, f"the {name} member named")
+    named = events_of(c, kind)
+    assert name in named[0]["reason"] and says in named[0]["reason"], named
+    assert not [e for e in named if name not in e["reason"]], f"only the {name} member is named"
+    codes = c.wait_exit(honest, timeout=150)
+    assert codes == dict.fromkeys(honest, 0), c.diagnostics()
+    assert fired(bad, fault.partition("@")[0])
+    bad.kill()
+    return bad
+
+
 def test_the_rendezvous_is_not_on_the_network(make_cluster):
     """No port but the control service: the data plane's addresses travel on the
     authenticated sessions, and nothing listens on an interface not asked for."""
@@ -92,17 +111,7 @@ def test_a_member_that_never_joins_the_data_plane_is_benched(make_cluster):
     env = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "20"}
     c = make_cluster(env=env, min_nodes=3)
     c.start_coordinator(extra=["--build-deadline", "2"])
-    c.start_node("a")
-    c.start_node("b")
-    mute = c.start_node("mute", fault="mute@build:0")
-    c.wait_for(lambda: events_of(c, "absent"), 60, "the mute member named")
-    absent = events_of(c, "absent")
-    assert "mute" in absent[0]["reason"] and "did not join the data plane" in absent[0]["reason"], absent
-    assert not [e for e in absent if "mute" not in e["reason"]], "only the mute member is named"
-    codes = c.wait_exit(["a", "b"], timeout=150)
-    assert codes == {"a": 0, "b": 0}, c.diagnostics()
-    assert fired(mute, "mute")
-    mute.kill()
+    one_bad_member(c, ["a", "b"], "mute", "mute@build:0", "absent", "did not join the data plane", 60)
     del c.nodes["mute"]
     assert_promises(c, env, finishers=2)
     # The wait is the deadline, once, plus forming the next epoch: never the 60 s collective timeout.
@@ -117,17 +126,7 @@ def test_a_member_whose_data_plane_nobody_can_reach_is_named_as_such(make_cluste
     env = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "20"}
     c = make_cluster(env=env, min_nodes=4)
     c.start_coordinator(extra=["--build-deadline", "2"])
-    for name in ("a", "b", "c"):
-        c.start_node(name)
-    walled = c.start_node("walled", fault="unreachable@build:0")
-    c.wait_for(lambda: events_of(c, "unreachable"), 60, "the walled member named")
-    named = events_of(c, "unreachable")
-    assert "walled" in named[0]["reason"] and "firewall or NAT" in named[0]["reason"], named
-    assert not [e for e in named if "walled" not in e["reason"]], "only the walled member is named"
-    codes = c.wait_exit(["a", "b", "c"], timeout=150)
-    assert codes == {"a": 0, "b": 0, "c": 0}, c.diagnostics()
-    assert fired(walled, "unreachable")
-    walled.kill()
+    one_bad_member(c, ["a", "b", "c"], "walled", "unreachable@build:0", "unreachable", "firewall or NAT", 60)
     del c.nodes["walled"]
     assert_promises(c, env, finishers=3)
     # Builds that cannot connect fail at once: never the 60 s collective timeout.
@@ -198,17 +197,8 @@ def test_a_member_reporting_failures_that_did_not_happen_is_kept_out(make_cluste
     env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20"}  # long enough for its report to lapse mid-run
     c = make_cluster(env=env, min_nodes=3)
     c.start_coordinator()
-    c.start_node("a")
-    c.start_node("b")
-    alarmist = c.start_node("alarmist", fault="false-alarm@commit:5")
-    c.wait_for(lambda: events_of(c, "unfounded"), 90, "the alarmist kept out")
-    unfounded = events_of(c, "unfounded")
-    assert "alarmist" in unfounded[0]["reason"] and "nothing bore out" in unfounded[0]["reason"], unfounded
-    codes = c.wait_exit(["a", "b"], timeout=150)
-    assert codes == {"a": 0, "b": 0}, c.diagnostics()
-    assert fired(alarmist, "false-alarm")
-    alarmist.kill()  # kept out, waiting to be let back in; its steps until then count
-    assert_promises(c, env, finishers=2)
+    one_bad_member(c, ["a", "b"], "alarmist", "false-alarm@commit:5", "unfounded", "nothing bore out", 90)
+    assert_promises(c, env, finishers=2)  # the alarmist's log stays: its steps until kept out count
     reformed = [e for e in events_of(c, "epoch") if "collective failed at alarmist" in e["reason"]]
     assert 1 <= len(reformed) <= HEARSAY_LIMIT, f"{len(reformed)} epochs re-formed on its word"
 
