@@ -69,8 +69,8 @@ import torch
 
 import jobs
 from common import ProgressLine, fmt, median, print_command, print_table, ratio
-from unbroken.comm.robust import parse_rule
 from unbroken.errors import ConfigError
+from unbroken.specs import parse_rule
 from unbroken.testing import LocalCluster
 
 MODEL = "small"

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from unbroken.errors import ConfigError
+from unbroken.specs import parse_codec, parse_fragments, parse_rule
 
 ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
 ENV_ETCD = "UNBROKEN_ETCD"
@@ -109,25 +110,19 @@ class CoordinatorConfig:
     leads (default: --host and the port it listens on; give it when --host is 0.0.0.0)."""
 
     def __post_init__(self) -> None:
-        from unbroken.comm.codecs import make_codec
-
         _check_etcd("CoordinatorConfig", self.etcd, self.etcd_prefix, self.etcd_ttl_s)
         if self.advertise and (len(self.advertise) > 256 or any(c.isspace() for c in self.advertise)):
             raise ConfigError(f"CoordinatorConfig.advertise = {self.advertise!r}: give HOST or HOST:PORT")
 
         try:
-            make_codec(self.codec)
+            parse_codec(self.codec)
         except ValueError as exc:
             raise ConfigError(f"CoordinatorConfig.codec: {exc}") from None
-        from unbroken.comm.robust import parse_rule
-
         if self.mode not in ("sync", "diloco"):
             raise ConfigError(f"CoordinatorConfig.mode = {self.mode!r}: choose 'sync' or 'diloco' (--mode)")
         _check_range("CoordinatorConfig", "inner_steps", self.inner_steps, 1, 1_000_000)
         _check_range("CoordinatorConfig", "audit_every", self.audit_every, 0, 1_000_000)
         if self.fragments:
-            from unbroken.state.fragments import parse_fragments
-
             parse_fragments(self.fragments)
         _check_range("CoordinatorConfig", "outer_lr", self.outer_lr, 1e-6, 100)
         _check_range("CoordinatorConfig", "outer_momentum", self.outer_momentum, 0, 0.999)

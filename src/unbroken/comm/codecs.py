@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
+from unbroken.specs import TOPK_RATIO, parse_codec
+
 INT8_CHUNK = 256
 """Elements sharing one int8 scale: small chunks keep the quantization error local."""
-TOPK_RATIO = 0.01
-"""Fraction of elements top-k sends by default."""
 
 
 class Codec(ABC):
@@ -204,24 +204,16 @@ def _with_residual(codec: Int8 | TopK, x: torch.Tensor) -> torch.Tensor:
     return x.clone()
 
 
-CODECS = ("none", "fp16", "bf16", "int8", "topk")
-
-
 def make_codec(spec: str) -> Codec:
     """``none``, ``fp16``, ``bf16``, ``int8``, ``topk`` or ``topk:RATIO`` (e.g. ``topk:0.05``)."""
-    name, _, arg = spec.strip().lower().partition(":")
-    if name == "none" and not arg:
+    name, ratio = parse_codec(spec)
+    if name == "none":
         return Identity()
-    if name in ("fp16", "bf16") and not arg:
+    if name in ("fp16", "bf16"):
         return HalfPrecision(torch.float16 if name == "fp16" else torch.bfloat16)
-    if name == "int8" and not arg:
+    if name == "int8":
         return Int8()
-    if name == "topk":
-        try:
-            return TopK(float(arg)) if arg else TopK()
-        except ValueError as exc:
-            raise ValueError(f"codec {spec!r}: {exc}") from None
-    raise ValueError(f"codec {spec!r} is not one of {', '.join(CODECS)} (top-k takes a ratio: topk:0.01)")
+    return TopK(ratio)
 
 
 def reduce_payloads(codec: Codec, payloads: list[torch.Tensor], numel: int) -> torch.Tensor:

@@ -27,9 +27,10 @@ import torch
 
 from unbroken.comm.codecs import Codec
 from unbroken.comm.group import AbortCheck, wait_until, wait_work
-from unbroken.comm.robust import Rule, combine, lie
+from unbroken.comm.robust import combine, lie
 from unbroken.errors import BadContribution
 from unbroken.sched.zones import Zones
+from unbroken.specs import Rule
 
 VOTE_SLOTS = 4
 """Before the norm slots: each member's vote, its sample count, its switch flag, its loss."""

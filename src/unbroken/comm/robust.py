@@ -29,47 +29,10 @@ another member's slots is named from the gathered data itself, which every membe
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from unbroken.errors import ConfigError
-
-RULES = {"mean": 0.0, "clip": 2.0, "trimmed": 0.25, "checked": 0.0}
-"""Each rule with its default parameter."""
-
-
-@dataclass(frozen=True)
-class Rule:
-    kind: str
-    """``mean``, ``clip`` or ``trimmed``."""
-    value: float = 0.0
-    """``clip``: the norm bound as a multiple of the median norm; ``trimmed``: the fraction cut at each end."""
-
-    @property
-    def robust(self) -> bool:
-        return self.kind != "mean"
-
-    def __str__(self) -> str:
-        return self.kind if self.kind in ("mean", "checked") else f"{self.kind}:{self.value:g}"
-
-
-def parse_rule(spec: str) -> Rule:
-    """``mean``, ``clip[:C]`` (C ≥ 1) or ``trimmed[:F]`` (0 < F < 0.5)."""
-    kind, _, value = spec.strip().partition(":")
-    if kind not in RULES or (kind in ("mean", "checked") and value):
-        raise ConfigError(
-            f"aggregation {spec!r} is not one of mean, checked, clip[:C], trimmed[:F] (e.g. clip:2, trimmed:0.25)"
-        )
-    try:
-        v = float(value) if value else RULES[kind]
-    except ValueError:
-        raise ConfigError(f"aggregation {spec!r}: {value!r} is not a number") from None
-    if kind == "clip" and not v >= 1.0:
-        raise ConfigError(f"aggregation {spec!r}: the clip bound must be at least 1 (times the median norm)")
-    if kind == "trimmed" and not 0.0 < v < 0.5:
-        raise ConfigError(f"aggregation {spec!r}: the trimmed fraction must be between 0 and 0.5")
-    return Rule(kind, v)
+from unbroken.specs import Rule
 
 
 def trim_count(n: int, fraction: float) -> int:

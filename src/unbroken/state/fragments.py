@@ -36,7 +36,7 @@ import xxhash
 import zfec
 from zfec import easyfec
 
-from unbroken.errors import ConfigError, TransferError
+from unbroken.errors import TransferError
 from unbroken.state import layout
 
 MAGIC = b"UBPACK01"
@@ -45,19 +45,6 @@ KEEP = 3
 """Fragment sets kept per directory (older ones are deleted)."""
 HASH = "xxh3-128"
 """The checksum of new manifests: 20x faster than SHA-256 on a state of hundreds of MB."""
-
-
-def parse_fragments(spec: str) -> tuple[int, int]:
-    """``K,M`` (e.g. ``3,2``): K data and M parity fragments."""
-    try:
-        k, m = (int(x) for x in spec.split(","))
-    except ValueError:
-        raise ConfigError(
-            f"fragments {spec!r} is not K,M (e.g. 3,2: any 3 of 5 fragments rebuild a checkpoint)"
-        ) from None
-    if not (1 <= k <= 128 and 0 <= m <= 128 and k + m <= 256):
-        raise ConfigError(f"fragments {spec!r}: need 1 <= K <= 128, 0 <= M <= 128 and K + M <= 256")
-    return k, m
 
 
 # ---------------------------------------------------------------- deterministic packing

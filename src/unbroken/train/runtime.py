@@ -36,7 +36,7 @@ from unbroken.comm.codecs import Codec, make_codec
 from unbroken.comm.group import EpochGroup, Graveyard, Meeting, build_group, wait_until
 from unbroken.comm.reach import Stall, accuse, reach, unreachable_fault
 from unbroken.comm.reduce import LinkEmulation, Reducer, Wire
-from unbroken.comm.robust import NORM_TOLERANCE, Rule, parse_rule
+from unbroken.comm.robust import NORM_TOLERANCE
 from unbroken.comm.transfer import Partial, gather_digests, sync_state
 from unbroken.config import NodeConfig
 from unbroken.control import messages as m
@@ -57,8 +57,9 @@ from unbroken.errors import (
 from unbroken.job import Job
 from unbroken.sched.shares import offsets
 from unbroken.sched.zones import WORLD, Zones
+from unbroken.specs import Rule, parse_fragments, parse_rule
 from unbroken.state.checkpoint import Checkpointer, load_newest, set_aside
-from unbroken.state.fragments import parse_fragments, rebuild
+from unbroken.state.fragments import rebuild
 from unbroken.state.snapshot import TrainState, fingerprint
 from unbroken.testing.faults import LIES, Fault, FaultPlan, flip_bit
 from unbroken.testing.throttle import parse_throttle

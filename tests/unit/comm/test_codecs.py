@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.comm.codecs import CODECS, INT8_CHUNK, Int8, TopK, make_codec, reduce_payloads
+from unbroken.comm.codecs import INT8_CHUNK, Int8, TopK, make_codec, reduce_payloads
+from unbroken.specs import CODECS
 
 
 def grad(n: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:

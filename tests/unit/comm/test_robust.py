@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unbroken.comm.robust import Rule, combine, parse_rule, trim_count
+from unbroken.comm.robust import combine, trim_count
 from unbroken.errors import ConfigError
+from unbroken.specs import Rule, parse_rule
 
 
 def contributions(means: list[torch.Tensor], shares: list[int], batch: int):

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from unbroken.errors import ConfigError, TransferError
+from unbroken.specs import parse_fragments
 from unbroken.state.fragments import (
     decode,
     encode,
     pack,
     pack_into,
-    parse_fragments,
     rebuild,
     unpack,
     write_fragments,

@@ -1,0 +1,85 @@
+"""The job's policy strings (codec, aggregation rule, checkpoint fragments), parsed without torch.
+
+A coordinator checks them at start-up and only passes them on in its orders; the nodes build
+the codec and combine gradients from them. Parsing here keeps torch out of the coordinator's
+process, whose start-up is on the recovery path of every coordinator restart (importing torch
+alone takes over a second of CPU, many seconds on a machine busy with training).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unbroken.errors import ConfigError
+
+CODECS = ("none", "fp16", "bf16", "int8", "topk")
+TOPK_RATIO = 0.01
+"""Fraction of elements top-k sends by default."""
+
+RULES = {"mean": 0.0, "clip": 2.0, "trimmed": 0.25, "checked": 0.0}
+"""Each aggregation rule with its default parameter."""
+
+
+def parse_codec(spec: str) -> tuple[str, float]:
+    """``none``, ``fp16``, ``bf16``, ``int8``, ``topk`` or ``topk:RATIO`` (e.g. ``topk:0.05``):
+    the codec's name and its ratio (top-k only; 0 for the others). Raises ValueError."""
+    name, _, arg = spec.strip().lower().partition(":")
+    if name in CODECS and name != "topk" and not arg:
+        return name, 0.0
+    if name == "topk":
+        try:
+            ratio = float(arg) if arg else TOPK_RATIO
+        except ValueError:
+            raise ValueError(f"codec {spec!r}: {arg!r} is not a number (e.g. topk:0.01)") from None
+        if not 0 < ratio <= 1:
+            raise ValueError(f"codec {spec!r}: top-k ratio = {ratio} must be in (0, 1]")
+        return name, ratio
+    raise ValueError(f"codec {spec!r} is not one of {', '.join(CODECS)} (top-k takes a ratio: topk:0.01)")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How a step's contributions are combined (`unbroken.comm.robust`)."""
+
+    kind: str
+    """``mean``, ``checked``, ``clip`` or ``trimmed``."""
+    value: float = 0.0
+    """``clip``: the norm bound as a multiple of the median norm; ``trimmed``: the fraction cut at each end."""
+
+    @property
+    def robust(self) -> bool:
+        return self.kind != "mean"
+
+    def __str__(self) -> str:
+        return self.kind if self.kind in ("mean", "checked") else f"{self.kind}:{self.value:g}"
+
+
+def parse_rule(spec: str) -> Rule:
+    """``mean``, ``clip[:C]`` (C ≥ 1) or ``trimmed[:F]`` (0 < F < 0.5)."""
+    kind, _, value = spec.strip().partition(":")
+    if kind not in RULES or (kind in ("mean", "checked") and value):
+        raise ConfigError(
+            f"aggregation {spec!r} is not one of mean, checked, clip[:C], trimmed[:F] (e.g. clip:2, trimmed:0.25)"
+        )
+    try:
+        v = float(value) if value else RULES[kind]
+    except ValueError:
+        raise ConfigError(f"aggregation {spec!r}: {value!r} is not a number") from None
+    if kind == "clip" and not v >= 1.0:
+        raise ConfigError(f"aggregation {spec!r}: the clip bound must be at least 1 (times the median norm)")
+    if kind == "trimmed" and not 0.0 < v < 0.5:
+        raise ConfigError(f"aggregation {spec!r}: the trimmed fraction must be between 0 and 0.5")
+    return Rule(kind, v)
+
+
+def parse_fragments(spec: str) -> tuple[int, int]:
+    """``K,M`` (e.g. ``3,2``): K data and M parity fragments."""
+    try:
+        k, m = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"fragments {spec!r} is not K,M (e.g. 3,2: any 3 of 5 fragments rebuild a checkpoint)"
+        ) from None
+    if not (1 <= k <= 128 and 0 <= m <= 128 and k + m <= 256):
+        raise ConfigError(f"fragments {spec!r}: need 1 <= K <= 128, 0 <= M <= 128 and K + M <= 256")
+    return k, m
