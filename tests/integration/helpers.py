@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import struct
 from typing import Any
@@ -64,3 +66,20 @@ def gloo_entry(port: int = 4242, host: str = "127.0.0.1", peers: int = 0, name: 
     address = sockaddr.ljust(128, b"\0") + struct.pack("<q", 7)
     ids = struct.pack(f"<{peers}q", *range(peers))
     return struct.pack("<Q", len(name)) + name + struct.pack("<Q", len(address)) + address + ids
+
+
+def established(pid: int) -> int:
+    """Established TCP connections process ``pid`` holds (control session, group pairs)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    count = 0
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}", encoding="ascii") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                count += fields[3] == "01" and fields[9] in inodes
+    return count

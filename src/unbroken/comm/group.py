@@ -142,16 +142,22 @@ class Meeting:
         self._epochs: dict[int, _Entries] = {}
         self._lock = threading.Lock()
 
-    def device(self, epoch: int, group: str, host: str | None) -> Any:
+    def device(self, epoch: int, group: str, host: str | None, lazy: bool = False) -> Any:
         """The gloo device (its listener) for ``group`` of ``epoch``: one per build, since
         peers identify themselves by rank (`RANK_AS_SEQUENCE`), and kept as long as the
         epoch's entries are, so its address stays reachable after a failed build (peers
-        may be trying it, `unbroken.comm.reach`)."""
+        may be trying it, `unbroken.comm.reach`).
+
+        ``lazy``: a group built on it connects a pair of ranks only when they first
+        exchange data (reading the peer's entry then), not all N−1 pairs at its build: a
+        ring all-gather opens 2 connections per rank, a transfer one per donor."""
         ep = self._get(epoch)
         with self._lock:
             if group not in ep.devices:
-                make = ProcessGroupGloo.create_device
-                ep.devices[group] = make(hostname=host) if host else ProcessGroupGloo.create_default_device()
+                if host:
+                    ep.devices[group] = ProcessGroupGloo.create_device(hostname=host, lazy_init=lazy)
+                else:
+                    ep.devices[group] = ProcessGroupGloo.create_default_device(lazy_init=lazy)
             return ep.devices[group]
 
     def complete(self, epoch: int, group: str, size: int) -> bool:

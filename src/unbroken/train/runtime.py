@@ -84,6 +84,10 @@ RECENT_MAX = 512
 VALIDATE_EVERY_S = 0.5
 
 
+def _zones(order: m.EpochOrder) -> Zones:
+    return Zones(tuple(order.zones) if order.zones else tuple("" for _ in order.members))
+
+
 @dataclass
 class NodeResult:
     """How a node's run ended."""
@@ -325,7 +329,10 @@ class Node:
         )
         abort = functools.partial(self._abort_reason, during_step=False)
         build = self._builder(order.epoch, abort)
-        pg, took = build(WORLD, rank, list(order.members))
+        # Where zones exist, the step reduces through the zone and leaders' groups: the
+        # world group only carries the sync phase, robust gathers and audits, whose
+        # rings and transfers touch a few peers each, so it connects only those.
+        pg, took = build(WORLD, rank, list(order.members), lazy=_zones(order).multi)
         self.group.pg, self.group.built_in_s = pg, took
         self._log({"kind": "epoch", "epoch": order.epoch, "term": order.term, "step": self.state.step})
         self.reducer = self._build_reducer(order, rank, pg, build)
@@ -342,16 +349,17 @@ class Node:
         if order.mode == "diloco" and self.diloco is None:
             self.diloco = DiLoCo(self, order)
 
-    def _builder(self, epoch: int, abort: Any) -> Callable[[str, int, list[str]], tuple[Any, float]]:
+    def _builder(self, epoch: int, abort: Any) -> Callable[..., tuple[Any, float]]:
         """Builds the epoch's groups (by name, `Zones.groups`; ``ids``: its members by rank)
         on its rendezvous. A build waits for its peers up to the collective timeout: the
         others may still be finishing a step or a round; one that never comes is named by
         the leader (`--build-deadline` after most of the group started), and the next
         epoch's order ends the wait. A build that every entry reached but that still has
         not finished half a build deadline later, or failed, has a peer it cannot connect
-        to: this node tries their addresses and says whom (`unbroken.comm.reach`)."""
+        to: this node tries their addresses and says whom (`unbroken.comm.reach`). A
+        ``lazy`` build returns at once and connects pairs on first use (`Meeting.device`)."""
 
-        def build(group: str, rank: int, ids: list[str]) -> tuple[Any, float]:
+        def build(group: str, rank: int, ids: list[str], lazy: bool = False) -> tuple[Any, float]:
             assert self.client.welcome is not None  # an order came: the node was welcomed
             complete = functools.partial(self.meeting.complete, epoch, group, len(ids))
             # Connecting takes milliseconds once the entries are in: half the deadline is
@@ -363,7 +371,7 @@ class Node:
                 self.meeting.publish(epoch)
                 stall()
 
-            device = self.meeting.device(epoch, group, self._gloo_host())
+            device = self.meeting.device(epoch, group, self._gloo_host(), lazy=lazy)
             try:
                 return build_group(
                     self.meeting.store(epoch), group, rank, len(ids), device, self.config.collective_timeout_s,
@@ -415,7 +423,7 @@ class Node:
 
     def _build_reducer(self, order: m.EpochOrder, rank: int, pg: Any, build: Any) -> Reducer:
         """The step's reduction: flat, or two-level with a zone group and a leaders' group."""
-        zones = Zones(tuple(order.zones) if order.zones else tuple("" for _ in order.members))
+        zones = _zones(order)
         if self._codec is None or self._codec_spec != order.codec:
             self._codec, self._codec_spec = make_codec(order.codec), order.codec
             if self._pending_codec_state is not None and self._pending_codec_state.get("spec") == order.codec:

@@ -181,3 +181,58 @@ def test_republish_sends_only_what_this_node_wrote():
     node.reset()
     node.republish()
     assert sent == ["world/0/0", "world/0/0"]
+
+
+def established_to(ports: set[int]) -> int:
+    """TCP connections accepted on ``ports`` (each connection counted once: at its listener)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table, encoding="ascii") as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "01" and int(local.rsplit(":", 1)[1], 16) in ports:
+                    count += 1
+    return count
+
+
+def test_a_lazy_group_connects_only_the_pairs_that_exchange_data():
+    size, late = 10, 3
+    leader = Leader(size)
+    held = threading.Event()
+    publish = leader.publish
+
+    def slow_publish(rank: int, epoch: int, key: str, value: bytes) -> None:
+        if rank == late:  # this rank's entry reaches the others after their gathers began
+            threading.Timer(0.5, lambda: (publish(rank, epoch, key, value), held.set())).start()
+        else:
+            publish(rank, epoch, key, value)
+
+    leader.publish = slow_publish  # type: ignore[method-assign]
+    wake = threading.Event()
+    built: list[float] = [0.0] * size
+    groups: list[object] = [None] * size  # alive until the connections are counted
+
+    def one(rank: int) -> list[int]:
+        node = leader.nodes[rank]
+        device = node.device(7, "world", "127.0.0.1", lazy=True)
+        pg, built[rank] = build_group(node.store(7), "world", rank, size, device, 10.0, wake, lambda: None,
+                                      lambda: node.publish(7))  # fmt: skip
+        groups[rank] = pg
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+        pg.allgather([out], [torch.tensor([rank * 10])]).wait()
+        if rank in (0, 6):  # a transfer between two ranks that are not ring neighbours
+            t = torch.full((4,), 5.0) if rank == 0 else torch.zeros(4)
+            (pg.send([t], 6, 1) if rank == 0 else pg.recv([t], 0, 1)).wait()
+            assert rank == 0 or t.sum() == 20.0
+        return [int(x) for x in out]
+
+    with ThreadPoolExecutor(size) as pool:
+        results = list(pool.map(one, range(size)))
+        assert held.is_set()
+        assert results == [[r * 10 for r in range(size)]] * size
+        assert max(built) < 0.5, "a lazy build does not wait for its peers"
+        ports = {data_address(raw)[1] for raw in leader.nodes[0].entries(7, "world").values()}
+        connections = established_to(ports)
+    # A ring all-gather connects each rank to its neighbours, the transfer one more pair;
+    # a full mesh would be size × (size − 1) / 2 = 45.
+    assert size <= connections <= size + 2, connections
