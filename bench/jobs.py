@@ -102,9 +102,9 @@ def heldout_loss(kind: str, model: MLP, num_samples: int = 4096, size: int = 204
 
 def _optimizer(name: str):  # type: ignore[no-untyped-def]
     if name == "adam":
-        return lambda params: torch.optim.Adam(params, lr=1e-3)
+        return lambda model: torch.optim.Adam(model.parameters(), lr=1e-3)
     if name == "sgd":
-        return lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        return lambda model: torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     raise ValueError(f"UB_BENCH_OPT={name!r}: use sgd or adam")
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import json
 import sys
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +21,30 @@ from torch.utils.data import Dataset, default_collate
 from unbroken.errors import ConfigError, JobLoadError
 
 ModelFactory = Callable[[], nn.Module]
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+StateFactory = Callable[[nn.Module], dict[str, Any]]
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What `Job.after_step` sees: a step every replica has just applied."""
+
+    step: int
+    """The committed step count (1 after the first step)."""
+    loss: float
+    """The step's loss over all B samples (DiLoCo: the round's last inner step)."""
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    """The job's scheduler, or None."""
+    state: dict[str, Any]
+    """The job's extra replicated state (`Job.state`), by name."""
+    rank: int
+    """This node's rank in the epoch: rank 0 is one node, for work only one should do."""
+    size: int
+    """Members of the epoch."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +62,8 @@ class Job:
     model: ModelFactory
     """Builds the model. Must be deterministic given the seed set before it is called."""
     optimizer: OptimizerFactory
-    """Builds the optimizer from the model's parameters."""
+    """Builds the optimizer from the model (so parameter groups can be made from
+    ``model.named_parameters()``): ``lambda model: torch.optim.AdamW(model.parameters())``."""
     dataset: Dataset[Any]
     """Map-style dataset (``__len__`` and ``__getitem__``) of training samples."""
     loss: LossFn
@@ -53,6 +78,27 @@ class Job:
     """Turns a list of samples into ``(inputs, targets)``."""
     evaluate: Callable[[nn.Module], dict[str, float]] | None = None
     """Optional held-out evaluation, reported at the end of the job."""
+    scheduler: SchedulerFactory | None = None
+    """Builds a learning-rate scheduler on the optimizer (``lambda opt: LambdaLR(opt, f)``).
+    It steps once per committed step, after the optimizer (DiLoCo: per inner step), and its
+    state is replicated like the optimizer's: digested, sent to joiners, checkpointed."""
+    state: StateFactory | None = None
+    """Builds further replicated state from the model, by name (an EMA of the weights, a
+    step counter): each value has ``state_dict()`` and ``load_state_dict()`` (a module, an
+    optimizer, ...). Digested, sent to joiners and checkpointed with the model; change it
+    only the same way on every replica (`after_step`)."""
+    before_update: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None
+    """Called on every replica with the step's global gradient in each parameter's
+    ``.grad``, just before the optimizer steps: clip it here
+    (``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)``). Every replica sees the
+    same gradient, so the same clipping keeps replicas identical."""
+    after_step: Callable[[StepInfo], None] | None = None
+    """Called on every replica after each committed step (DiLoCo: each outer step), before
+    its digest and checkpoint: update `state` here (the same way everywhere), and evaluate
+    or log every N steps where ``info.rank == 0``."""
+    args: tuple[str, ...] = field(default=(), compare=False)
+    """The job's command-line arguments (``unbroken node job.py:make -- --lr 3e-4`` calls
+    ``make(["--lr", "3e-4"])``); part of `identity`, so nodes given others are refused."""
 
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 128:
@@ -77,18 +123,59 @@ class Job:
             "seed": self.seed,
             "num_samples": self.num_samples,
         }
+        if self.args:
+            spec["args"] = list(self.args)
         return hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=8).hexdigest()
 
     def build(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(self.seed)
         model = self.model()
-        return model, self.optimizer(model.parameters())
+        try:
+            optimizer = self.optimizer(model)
+        except TypeError as exc:
+            if "not iterable" not in str(exc):
+                raise
+            raise ConfigError(
+                f"Job.optimizer({type(model).__name__}) failed ({exc}): the optimizer factory receives "
+                "the model, not its parameters: write optimizer=lambda model: "
+                "torch.optim.SGD(model.parameters(), lr=...)"
+            ) from None
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"Job.optimizer returned a {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        return model, optimizer
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
+        if self.scheduler is None:
+            return None
+        scheduler = self.scheduler(optimizer)
+        _check_stateful("Job.scheduler", "the scheduler", scheduler, "step")
+        return scheduler
+
+    def build_state(self, model: nn.Module) -> dict[str, Any]:
+        if self.state is None:
+            return {}
+        state = self.state(model)
+        if not isinstance(state, dict) or not all(isinstance(k, str) and k for k in state):
+            raise ConfigError("Job.state must return a dict of replicated state by name (non-empty strings)")
+        for name, value in state.items():
+            _check_stateful("Job.state", f"state {name!r}", value)
+        return state
 
 
-def load_job(ref: str) -> Job:
+def _check_stateful(where: str, what: str, value: Any, *more: str) -> None:
+    missing = [a for a in ("state_dict", "load_state_dict", *more) if not callable(getattr(value, a, None))]
+    if missing:
+        raise ConfigError(
+            f"{where}: {what} is a {type(value).__name__} without {', '.join(missing)}(): replicated state "
+            "must save and load itself (a module, an optimizer, a scheduler, or an object with both methods)"
+        )
+
+
+def load_job(ref: str, args: Sequence[str] = ()) -> Job:
     """Load a `Job` from ``path/to/file.py:attr`` or ``package.module:attr``.
 
-    ``attr`` may name a `Job` or a function of no arguments returning one.
+    ``attr`` may name a `Job` or a function returning one: of no arguments, or of one, the
+    job's command-line arguments (``args``, a list of strings, to parse with argparse).
     """
     target, sep, attr = ref.rpartition(":")
     if not sep or not target or not attr:
@@ -115,10 +202,35 @@ def load_job(ref: str) -> Job:
         raise JobLoadError(f"{target!r} has no attribute {attr!r}")
     obj = getattr(module, attr)
     if callable(obj) and not isinstance(obj, Job):
+        accepts, required = _positional(obj)
+        if args and not accepts:
+            raise JobLoadError(
+                f"job arguments {list(args)} given, but {ref!r} takes none: write def {attr}(argv: list[str]) -> Job"
+            )
         try:
-            obj = obj()
+            obj = obj(list(args)) if args or required else obj()
+        except SystemExit as exc:  # argparse refusing the arguments (it printed why)
+            raise JobLoadError(f"{ref!r} refused its arguments {list(args)} (exit status {exc.code})") from None
         except Exception as exc:
-            raise JobLoadError(f"calling {ref!r} failed: {type(exc).__name__}: {exc}") from exc
+            raise JobLoadError(
+                f"calling {ref!r} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc().rstrip()}"
+            ) from exc
+    elif args:
+        raise JobLoadError(
+            f"job arguments {list(args)} given, but {ref!r} is a Job: make it a function "
+            f"def {attr}(argv: list[str]) -> Job that parses them"
+        )
     if not isinstance(obj, Job):
         raise JobLoadError(f"{ref!r} is a {type(obj).__name__}, not an unbroken.Job")
-    return obj
+    return replace(obj, args=tuple(args)) if args else obj
+
+
+def _positional(fn: Callable[..., Any]) -> tuple[bool, int]:
+    """Whether ``fn`` takes a positional argument, and how many it requires."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False, 0
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = sum(p.default is p.empty for p in positional)
+    return bool(positional) or any(p.kind is p.VAR_POSITIONAL for p in params), required

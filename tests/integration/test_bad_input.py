@@ -92,7 +92,7 @@ class Broken(nn.Module):
 job = Job(
     name="broken",
     model=Broken,
-    optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+    optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
     dataset=TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))),
     loss=nn.functional.cross_entropy,
     batch_size=8,

@@ -78,7 +78,7 @@ def make(steps: int | None = None, delay_ms: float | None = None) -> Job:
     return Job(
         name=os.environ.get("UB_TEST_NAME", "test-mlp"),
         model=lambda: SlowMLP(delay, hidden, batchnorm, per_sample, backbone),
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         dataset=dataset,
         loss=loss,
         collate=collate or default_collate,

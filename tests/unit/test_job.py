@@ -21,7 +21,7 @@ def make_job(**fields: object) -> Job:
     values: dict[str, object] = {
         "name": "unit",
         "model": lambda: nn.Linear(2, 1),
-        "optimizer": lambda p: torch.optim.SGD(p, lr=0.1),
+        "optimizer": lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
         "dataset": DATA,
         "loss": nn.functional.mse_loss,
         "batch_size": 4,
@@ -41,7 +41,7 @@ def make():
     return Job(
         name="from-file",
         model=lambda: nn.Linear(2, 1),
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
         dataset=TensorDataset(torch.zeros(6, 2), torch.zeros(6)),
         loss=nn.functional.mse_loss,
         batch_size=3,
@@ -52,8 +52,21 @@ job = make()
 number = 5
 nothing = None
 
-def needs_args(x):
+def needs_args(x, y):
     return make()
+
+
+def with_args(argv):
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, required=True)
+    return make_steps(parser.parse_args(argv).steps)
+
+
+def make_steps(steps=7):
+    job = make()
+    import dataclasses
+    return dataclasses.replace(job, num_steps=steps)
 
 def broken():
     raise RuntimeError("dataset missing")
@@ -197,3 +210,60 @@ def test_a_factory_that_needs_arguments_raises_a_job_load_error(job_file: Path) 
 def test_an_attribute_set_to_none_is_reported_as_not_a_job(job_file: Path) -> None:
     with pytest.raises(JobLoadError, match=r"NoneType, not an unbroken\.Job"):
         load_job(f"{job_file}:nothing")
+
+
+def test_job_arguments_reach_a_factory_that_takes_them_and_set_the_identity(job_file: Path) -> None:
+    job = load_job(f"{job_file}:with_args", ["--steps", "11"])
+    assert job.num_steps == 11 and job.args == ("--steps", "11")
+    other = load_job(f"{job_file}:with_args", ["--steps", "11", "--steps", "11"])
+    assert job.identity() != other.identity(), "nodes given other arguments are another job"
+    assert load_job(f"{job_file}:make_steps").num_steps == 7, "a factory with defaults is called bare"
+
+
+@pytest.mark.parametrize(
+    ("attr", "args", "match"),
+    [
+        ("job", ["--lr", "1"], r"is a Job: make it a function def job\(argv: list\[str\]\)"),
+        ("make", ["--lr", "1"], r"takes none: write def make\(argv: list\[str\]\) -> Job"),
+        ("with_args", ["--nope"], r"refused its arguments \['--nope'\]"),
+    ],
+)
+def test_job_arguments_that_cannot_be_taken_are_refused_with_the_fix(
+    job_file: Path, attr: str, args: list[str], match: str
+) -> None:
+    with pytest.raises(JobLoadError, match=match):
+        load_job(f"{job_file}:{attr}", args)
+
+
+def test_an_optimizer_factory_given_parameters_names_the_new_form() -> None:
+    job = make_job(optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(ConfigError, match=r"receives the model, not its parameters: write optimizer=lambda model"):
+        job.build()
+
+
+def test_the_optimizer_factory_gets_the_model_for_parameter_groups() -> None:
+    def groups(model: nn.Module) -> torch.optim.Optimizer:
+        named = dict(model.named_parameters())
+        return torch.optim.AdamW([{"params": [named["weight"]]}, {"params": [named["bias"]], "weight_decay": 0}])
+
+    _, optimizer = make_job(optimizer=groups).build()
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0]
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        (
+            {"scheduler": lambda opt: 3},
+            r"Job.scheduler: the scheduler is a int without state_dict, load_state_dict, step\(\)",
+        ),
+        ({"state": lambda model: {"ema": [1.0]}}, r"Job.state: state 'ema' is a list without state_dict"),
+        ({"state": lambda model: [model]}, r"Job.state must return a dict"),
+    ],
+)
+def test_state_that_cannot_be_replicated_is_refused(fields: dict[str, object], match: str) -> None:
+    job = make_job(**fields)
+    model, optimizer = job.build()
+    with pytest.raises(ConfigError, match=match):
+        job.build_scheduler(optimizer)
+        job.build_state(model)

@@ -178,7 +178,7 @@ def _node(args: argparse.Namespace) -> int:
         link_mbit=args.link_mbit,
     )
     faults = parse_faults(args.fault or "")
-    job = load_job(args.job)
+    job = load_job(args.job, args.job_args)
     result = run_node(job, config, faults)
     print(
         f"{config.display_name}: {result.outcome} at step {result.step} "
@@ -358,7 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_relay)
 
     n = sub.add_parser("node", help="run one training node", formatter_class=fmt)
-    n.add_argument("job", help="the job: path/to/file.py:ATTR or package.module:ATTR")
+    n.add_argument(
+        "job",
+        help="the job: path/to/file.py:ATTR or package.module:ATTR; its own arguments follow -- "
+        "(ATTR(argv) is called with them: `unbroken node job.py:make -- --lr 3e-4`)",
+    )
     n.add_argument(
         "--coordinator",
         action="append",
@@ -450,7 +454,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    job_args: list[str] = []
+    if "--" in argv:  # what follows is the job's own: `unbroken node job.py:make -- --lr 3e-4`
+        argv, job_args = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if job_args and args.command != "node":
+        parser.error(f"only `unbroken node` takes job arguments after --, not `unbroken {args.command}`")
+    args.job_args = job_args
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -117,7 +117,7 @@ def make_job(num_steps: int = 900, batch_size: int = 192, lr: float = 3e-3, seed
     return Job(
         name="charlm",
         model=CharMLP,
-        optimizer=lambda params: torch.optim.Adam(params, lr=lr),
+        optimizer=lambda model: torch.optim.Adam(model.parameters(), lr=lr),
         dataset=train,
         loss=F.cross_entropy,
         batch_size=batch_size,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -83,6 +83,10 @@ class TrainState:
     """False in DiLoCo mode: the inner optimizer belongs to a zone, not to every replica."""
     node_local: NodeLocal | None = None
     """This node's own state; not in the digest, travels in snapshots under its owner's name."""
+    scheduler: Any = None
+    """The job's learning-rate scheduler (`Job.scheduler`), or None."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The job's further replicated state (`Job.state`), by name."""
 
     def attach_outer(self, outer: torch.optim.Optimizer) -> None:
         self.outer = outer
@@ -110,6 +114,11 @@ class TrainState:
         self.model.load_state_dict(snap["model"])
         if "optimizer" in snap:
             self.optimizer.load_state_dict(take(snap["optimizer"]))
+        if self.scheduler is not None and "scheduler" in snap:
+            self.scheduler.load_state_dict(take(snap["scheduler"]))
+        for name, value in self.extra.items():
+            if name in snap.get("extra", {}):
+                value.load_state_dict(take(snap["extra"][name]))
         self.step = int(snap["step"])
         self.cursor = int(snap["cursor"])
         local = snap.get("local")
@@ -137,6 +146,10 @@ class TrainState:
         }
         if self.outer is not None:
             tree["outer"] = self.outer.state_dict()
+        if self.scheduler is not None:
+            tree["scheduler"] = self.scheduler.state_dict()
+        if self.extra:
+            tree["extra"] = {name: value.state_dict() for name, value in self.extra.items()}
         if local and self.node_local is not None:
             tree["local"] = {"owner": self.node_local.owner, "state": self.node_local.state_dict()}
         return tree
@@ -165,8 +178,9 @@ def snapshot_digest(snap: dict[str, Any], optimizer_in_digest: bool = True) -> s
     _hash_tree(h, snap["model"])
     if optimizer_in_digest:
         _hash_tree(h, snap["optimizer"])
-    if "outer" in snap:
-        _hash_tree(h, snap["outer"])
+    for part in ("outer", "scheduler", "extra"):
+        if part in snap:
+            _hash_tree(h, snap[part])
     return h.hexdigest()
 
 

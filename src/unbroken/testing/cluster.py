@@ -230,9 +230,10 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         via: list[tuple[str, int]] | None = None,
         relays: list[tuple[str, int]] | None = None,
+        job_args: list[str] | None = None,
     ) -> NodeProcess:
         """``via``: the only coordinator addresses the node is given (no etcd), e.g. a standby's;
-        ``relays``: relays it tries first (``--relay``)."""
+        ``relays``: relays it tries first (``--relay``); ``job_args``: the job's own (after ``--``)."""
         assert self.address is not None or self.etcd, "start the coordinator first"
         # Every coordinator started here, or the one whose address the caller set (embedded).
         known = via or [a for _, a in self.coordinators] or ([self.address] if self.address else [])
@@ -254,6 +255,8 @@ class LocalCluster:
             self._reclaim_namespaces()
             address = self.network.add(name)
             cmd = [*self.network.prefix(name), *cmd, "--gloo-host", address]
+        if job_args:
+            cmd += ["--", *job_args]
         err = open(self.workdir / f"{name}.err", "ab")  # noqa: SIM115
         proc = subprocess.Popen(cmd, stdout=err, stderr=err, env={**self._env, **(env or {})})
         err.close()

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from unbroken.job import Job
+from unbroken.job import Job, StepInfo
+from unbroken.state.snapshot import TrainState
 from unbroken.train.data import DataPlan
 
 
@@ -124,12 +125,28 @@ def check_promises(logs: Mapping[str, Iterable[dict[str, Any]]], job: Job, *, fi
 
 def reference_state(job: Job, steps: int | None = None) -> dict[str, torch.Tensor]:
     """Train the job in one process with the full batch B; returns the model state."""
+    model: dict[str, torch.Tensor] = reference_tree(job, steps)["model"]
+    return model
+
+
+def reference_tree(job: Job, steps: int | None = None) -> dict[str, Any]:
+    """Train the job in one process with the full batch B, with its scheduler, extra state
+    and hooks; returns what a node's final state holds (model, optimizer, scheduler, extra)."""
     model, optimizer = job.build()
+    state = TrainState(model, optimizer, scheduler=job.build_scheduler(optimizer), extra=job.build_state(model))
     plan = DataPlan(job.num_samples, job.batch_size, job.seed)
     for step in range(steps if steps is not None else job.num_steps):
         inputs, targets = job.collate([job.dataset[i] for i in plan.indices(step, 0, job.batch_size)])
         optimizer.zero_grad(set_to_none=True)
         torch.manual_seed(job.seed * 1_000_003 + step)
-        job.loss(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
+        loss = job.loss(model(inputs), targets)
+        loss.backward()  # type: ignore[no-untyped-call]
+        if job.before_update is not None:
+            job.before_update(model, optimizer)
         optimizer.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if state.scheduler is not None:
+            state.scheduler.step()
+        state.step = step + 1
+        if job.after_step is not None:
+            job.after_step(StepInfo(state.step, float(loss), model, optimizer, state.scheduler, state.extra, 0, 1))
+    return state.capture()

@@ -39,7 +39,7 @@ def job() -> Job:
     return Job(
         name="unbroken-soak",
         model=lambda: SoakMLP(delay),
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         dataset=TensorDataset(X, Y),
         loss=F.cross_entropy,
         batch_size=32,

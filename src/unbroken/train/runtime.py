@@ -26,6 +26,7 @@ import signal
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -49,12 +50,13 @@ from unbroken.errors import (
     CoordinatorUnreachable,
     EpochAborted,
     Expelled,
+    JobFailed,
     JoinRefused,
     Suspicion,
     TransferError,
     Unreachable,
 )
-from unbroken.job import Job
+from unbroken.job import Job, StepInfo
 from unbroken.sched.shares import offsets
 from unbroken.sched.zones import WORLD, Zones
 from unbroken.specs import Rule, parse_fragments, parse_rule
@@ -110,7 +112,8 @@ class Node:
         self.name = config.display_name
         self.wake = threading.Event()
         model, optimizer = job.build()
-        self.state = TrainState(model, optimizer)
+        scheduler, extra = job.build_scheduler(optimizer), job.build_state(model)
+        self.state = TrainState(model, optimizer, scheduler=scheduler, extra=extra)
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Buffers a forward pass updates (BatchNorm statistics) travel in the same
         # all-reduce as the gradients, so replicas stay bit-identical between syncs.
@@ -793,7 +796,27 @@ class Node:
                 delta = flat[off : off + n].view_as(b)
                 b.copy_(b0 + (delta if b.dtype.is_floating_point else delta.round()).to(b.dtype))
                 off += n
+        if self.job.before_update is not None:
+            self._user("before_update", self.job.before_update, self.state.model, self.state.optimizer)
         self.state.optimizer.step()
+        if self.state.scheduler is not None:
+            self.state.scheduler.step()
+
+    def _after_step(self, g: EpochGroup, loss: float) -> None:
+        """The job's `Job.after_step` hook, on every replica, before the step's digest."""
+        if self.job.after_step is None:
+            return
+        st = self.state
+        info = StepInfo(st.step, loss, st.model, st.optimizer, st.scheduler, st.extra, g.rank, g.size)
+        self._user("after_step", self.job.after_step, info)
+
+    def _user(self, what: str, hook: Callable[..., object], *args: Any) -> None:
+        """Run the job's own code: what it raises stops this node with its traceback."""
+        try:
+            hook(*args)
+        except Exception as exc:
+            trace = traceback.format_exc().rstrip()
+            raise JobFailed(f"the job's {what} raised {type(exc).__name__}: {exc}\n{trace}") from exc
 
     def _fence(self) -> None:
         """Refuse to commit unless this node is sure it is still a member."""
@@ -812,6 +835,7 @@ class Node:
         self.state.step = step + 1
         self.state.cursor = self.state.step * self.job.batch_size
         self.client.step = self.state.step
+        self._after_step(g, loss)
         entry: dict[str, Any] = {"kind": "commit", "epoch": g.epoch, "step": self.state.step, "loss": loss}
         if self.wire.last_inter:
             entry["wire"] = {"intra": self.wire.last_intra, "inter": self.wire.last_inter}
@@ -829,6 +853,7 @@ class Node:
         self.state.step = last + 1
         self.state.cursor = self.state.step * self.job.batch_size
         self.client.step = self.state.step
+        self._after_step(g, loss)
         for s in range(first + 1, last + 2):
             entry: dict[str, Any] = {"kind": "commit", "epoch": g.epoch, "step": s, "loss": loss}
             if s == last + 1:

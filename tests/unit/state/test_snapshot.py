@@ -238,3 +238,41 @@ def test_capturing_again_reuses_the_tensors_of_the_last_capture() -> None:
     b = make_state(seed=3)
     b.restore(again)
     assert b.digest() == a.digest()
+
+
+def state_with_schedule(seed: int = 0) -> TrainState:
+    st = make_state(seed)
+    st.scheduler = torch.optim.lr_scheduler.LambdaLR(st.optimizer, lambda s: 1 / (1 + s))
+    ema = nn.Linear(4, 3)
+    st.extra = {"ema": ema}
+    return st
+
+
+def test_the_scheduler_and_extra_state_are_replicated_state() -> None:
+    from unbroken.state.fragments import pack, unpack
+
+    st = state_with_schedule()
+    train_step(st)
+    st.scheduler.step()
+    with torch.no_grad():
+        st.extra["ema"].weight.add_(1.0)
+    joiner = state_with_schedule(seed=1)
+    assert joiner.digest() != st.digest()
+    joiner.load_tree(unpack(pack(st.tree())))  # what a transfer hands over, byte for byte
+    assert joiner.digest() == st.digest()
+    assert joiner.scheduler.last_epoch == 1 and joiner.optimizer.param_groups[0]["lr"] == 0.05
+    assert torch.equal(joiner.extra["ema"].weight, st.extra["ema"].weight)
+    # Each part counts in the digest: a replica that missed a scheduler step or an EMA update differs.
+    before = st.digest()
+    st.scheduler.step()
+    assert st.digest() != before
+    before = st.digest()
+    with torch.no_grad():
+        st.extra["ema"].bias.add_(1e-3)
+    assert st.digest() != before
+
+
+def test_a_state_without_scheduler_or_extra_has_the_parts_it_had_before() -> None:
+    """Checkpoints written before either existed still match their digests."""
+    st = make_state()
+    assert set(st.tree()) == {"step", "cursor", "model", "optimizer", "rng"}
