@@ -49,6 +49,8 @@ class FakeNode:
     expelled: str | None = None
     """The last expulsion's reason."""
     expulsions: int = 0
+    expelled_at: list[float] = field(default_factory=list)
+    """When each expulsion arrived (monotonic)."""
     killed: bool = False
     epochs: dict[int, float] = field(default_factory=dict)
     """Epoch number -> when its order arrived (monotonic)."""
@@ -93,6 +95,9 @@ class FakeNodes:
         """Set to stop every heartbeat and report while the sessions stay open (members that hang)."""
         self.sent = 0
         self.received = 0
+        self.stalls: list[tuple[float, float]] = []
+        """(when, seconds): this side's own loop ran late by that much (its machine is busy):
+        heartbeats it could not send then were not the control plane's to lose."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._http: aiohttp.ClientSession | None = None
@@ -125,6 +130,18 @@ class FakeNodes:
     def expelled(self) -> int:
         """Expulsions of nodes nobody killed (false ones, for a node that kept talking)."""
         return sum(n.expulsions for n in self.nodes if not n.killed)
+
+    def expelled_after_stalls(self, window_s: float, stall_s: float) -> int:
+        """False expulsions that arrived within ``window_s`` after this side's own loop
+        stalled for ``stall_s`` or more: the fake nodes themselves fell silent then."""
+        stalls = [t for t, lag in self.stalls if lag >= stall_s]
+        return sum(
+            any(0 <= at - t <= window_s for t in stalls)
+            for n in self.nodes if not n.killed for at in n.expelled_at
+        )  # fmt: skip
+
+    def max_stall(self) -> float:
+        return max((lag for _, lag in self.stalls), default=0.0)
 
     def wait_joined(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -187,11 +204,22 @@ class FakeNodes:
             self._http = http
             self._spawn(self._initial, self.ramp_s)
             self._started.set()
+            watch = asyncio.create_task(self._watch())
             await self._stop.wait()
+            watch.cancel()
             tasks = [n.task for n in self.nodes if n.task is not None]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _watch(self, every_s: float = 0.02) -> None:
+        """Record this side's own loop lag: a sleep that wakes late."""
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(every_s)
+            late = time.monotonic() - t - every_s
+            if late > 0.05:
+                self.stalls.append((time.monotonic(), late))
 
     def _spawn(self, count: int, ramp_s: float) -> None:
         base = len(self.nodes)
@@ -277,6 +305,7 @@ class FakeNodes:
                     elif data.startswith('{"v":1,"type":"expelled"'):
                         node.expelled = json.loads(data)["reason"]
                         node.expulsions += 1
+                        node.expelled_at.append(time.monotonic())
                         return False
             finally:
                 talker.cancel()
