@@ -9,7 +9,7 @@ import inspect
 import json
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 StateFactory = Callable[[nn.Module], dict[str, Any]]
 LossFn = Callable[[Any, Any], torch.Tensor]
+StepFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class StepInfo:
     """Members of the epoch."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Job:
     """One training job: every node of a group runs the same `Job`.
 
@@ -66,8 +67,13 @@ class Job:
     ``model.named_parameters()``): ``lambda model: torch.optim.AdamW(model.parameters())``."""
     dataset: Dataset[Any]
     """Map-style dataset (``__len__`` and ``__getitem__``) of training samples."""
-    loss: LossFn
-    """``loss(model_output, target)`` returning the *mean* over the micro-batch."""
+    loss: LossFn | None = None
+    """``loss(model_output, target)`` returning the *mean* over the micro-batch, for a
+    collated micro-batch of ``(inputs, targets)``; or give `step`."""
+    step: StepFn | None = None
+    """``step(model, batch)``: the micro-batch's mean loss, computed any way the model needs
+    (``model(**batch).loss`` for a dict-in, loss-out model; under ``torch.autocast``),
+    the general form of `loss`. The runtime calls ``backward`` on what it returns."""
     batch_size: int
     """Global batch size B, fixed whatever the number of nodes."""
     num_steps: int
@@ -75,7 +81,7 @@ class Job:
     seed: int = 0
     """Seeds model initialisation and the data order."""
     collate: Callable[[list[Any]], Any] = default_collate
-    """Turns a list of samples into ``(inputs, targets)``."""
+    """Turns a list of samples into a micro-batch: ``(inputs, targets)`` for `loss`, anything for `step`."""
     evaluate: Callable[[nn.Module], dict[str, float]] | None = None
     """Optional held-out evaluation, reported at the end of the job."""
     scheduler: SchedulerFactory | None = None
@@ -101,6 +107,11 @@ class Job:
     ``make(["--lr", "3e-4"])``); part of `identity`, so nodes given others are refused."""
 
     def __post_init__(self) -> None:
+        if (self.loss is None) == (self.step is None):
+            raise ConfigError(
+                "Job: give loss= (loss(model(inputs), targets) for batches of (inputs, targets)) or "
+                "step= (step(model, batch) returning the loss, for any other batch), one of them"
+            )
         if not self.name or len(self.name) > 128:
             raise ConfigError("Job.name must be a non-empty string of at most 128 characters")
         if self.batch_size < 1:
@@ -126,6 +137,22 @@ class Job:
         if self.args:
             spec["args"] = list(self.args)
         return hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=8).hexdigest()
+
+    def microbatch_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The mean loss of one collated micro-batch (`step`, or `loss` of the model's output)."""
+        if self.step is not None:
+            return self.step(model, batch)
+        assert self.loss is not None
+        try:
+            if isinstance(batch, Mapping):
+                raise TypeError("a mapping")
+            inputs, targets = batch
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"Job.loss needs batches of (inputs, targets); collate made a {type(batch).__name__}: "
+                "give step=lambda model, batch: ... (e.g. model(**batch).loss) instead of loss="
+            ) from None
+        return self.loss(model(inputs), targets)
 
     def build(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(self.seed)

@@ -267,3 +267,19 @@ def test_state_that_cannot_be_replicated_is_refused(fields: dict[str, object], m
     with pytest.raises(ConfigError, match=match):
         job.build_scheduler(optimizer)
         job.build_state(model)
+
+
+def test_a_job_needs_exactly_one_of_loss_and_step() -> None:
+    with pytest.raises(ConfigError, match="give loss= .* or step= .*one of them"):
+        make_job(loss=None)
+    with pytest.raises(ConfigError, match="one of them"):
+        make_job(step=lambda model, batch: model(batch[0]).sum())
+
+
+def test_step_takes_any_batch_and_loss_names_it_when_the_batch_is_not_inputs_and_targets() -> None:
+    dict_batch = {"x": torch.ones(3, 2), "y": torch.zeros(3, 1)}
+    job = make_job(loss=None, step=lambda model, batch: nn.functional.mse_loss(model(batch["x"]), batch["y"]))
+    model, _ = job.build()
+    assert job.microbatch_loss(model, dict_batch).item() >= 0
+    with pytest.raises(ConfigError, match=r"Job.loss needs batches of \(inputs, targets\); collate made a dict"):
+        make_job().microbatch_loss(model, dict_batch)

@@ -129,18 +129,23 @@ def reference_state(job: Job, steps: int | None = None) -> dict[str, torch.Tenso
     return model
 
 
-def reference_tree(job: Job, steps: int | None = None) -> dict[str, Any]:
+def reference_tree(job: Job, steps: int | None = None, parts: int = 1) -> dict[str, Any]:
     """Train the job in one process with the full batch B, with its scheduler, extra state
-    and hooks; returns what a node's final state holds (model, optimizer, scheduler, extra)."""
+    and hooks; returns what a node's final state holds (model, optimizer, scheduler, extra).
+    ``parts`` > 1 sums each step's gradient over that many slices of B, as nodes do: how far
+    that lands from ``parts=1`` is how far float summation order alone moves the job."""
     model, optimizer = job.build()
     state = TrainState(model, optimizer, scheduler=job.build_scheduler(optimizer), extra=job.build_state(model))
     plan = DataPlan(job.num_samples, job.batch_size, job.seed)
     for step in range(steps if steps is not None else job.num_steps):
-        inputs, targets = job.collate([job.dataset[i] for i in plan.indices(step, 0, job.batch_size)])
+        indices = plan.indices(step, 0, job.batch_size)
         optimizer.zero_grad(set_to_none=True)
         torch.manual_seed(job.seed * 1_000_003 + step)
-        loss = job.loss(model(inputs), targets)
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss = torch.zeros(())
+        for part in [indices[i::parts] for i in range(parts)] if parts > 1 else [indices]:
+            mean = job.microbatch_loss(model, job.collate([job.dataset[i] for i in part]))
+            (mean * (len(part) / job.batch_size)).backward()  # type: ignore[no-untyped-call]
+            loss = loss + mean.detach() * (len(part) / job.batch_size)
         if job.before_update is not None:
             job.before_update(model, optimizer)
         optimizer.step()

@@ -101,16 +101,15 @@ class Meter:
         def run(n: int) -> float:
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
-            inputs, targets = batch(n)
-            job.loss(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
+            job.microbatch_loss(model, batch(n)).backward()  # type: ignore[no-untyped-call]
             replica.synchronize()
             took = time.perf_counter() - start
             return took + self.throttle.stretch(took, step)
 
         def saved(n: int) -> int:
-            inputs, targets = batch(n)
+            b = batch(n)
             with SavedBytes() as counter:
-                out = job.loss(model(inputs), targets)
+                out = job.microbatch_loss(model, b)
             del out
             return counter.total
 

@@ -696,9 +696,9 @@ class Node:
         for first in range(0, len(indices), mb):
             self.client.touch()
             chunk = indices[first : first + mb]
-            inputs, targets = self.replica.to_device(self.job.collate([self.job.dataset[i] for i in chunk]))
+            batch = self.replica.to_device(self.job.collate([self.job.dataset[i] for i in chunk]))
             t_mb = time.perf_counter()
-            loss = self.job.loss(model(inputs), targets)
+            loss = self.job.microbatch_loss(model, batch)
             (loss * (len(chunk) / B)).backward()  # type: ignore[no-untyped-call]
             total += float(loss.detach()) * len(chunk) / B
             self.throttle.stretch(time.perf_counter() - t_mb, step, self.client.touch)

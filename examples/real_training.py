@@ -2,7 +2,7 @@
 ``named_parameters()``, warmup + cosine LR schedule, global-gradient clipping, an EMA of the
 weights as extra replicated state, and its own command-line arguments.
 
-    unbroken node tests/jobs/features.py:make -- --lr 0.02 --steps 60
+    unbroken node examples/real_training.py:make -- --lr 0.02 --steps 60
 """
 
 from __future__ import annotations
