@@ -81,7 +81,12 @@ def run_one(layout: str, n: int, args: argparse.Namespace, progress: ProgressLin
         me = os.getpid()
         time.sleep(RECOVERY_WINDOW_S + 0.2)  # past the coordinator's recovery window: admission alone is measured
         start = time.monotonic()
-        with FakeNodes(relays or [root], n, step_s=args.step, fallback=[root] if relays else [], ramp_s=0.0) as fakes:
+        # A fleet connects from many hosts: one loopback address per 12 fakes (the leader and
+        # relays read unproven sessions 16 at a time per address, against floods from one).
+        sources = min(250, max(1, n // 12))
+        with FakeNodes(
+            relays or [root], n, step_s=args.step, fallback=[root] if relays else [], ramp_s=0.0, sources=sources
+        ) as fakes:
             progress.update(f"{layout} {n}: admitting")
             deadline = start + args.admit_timeout
             admitted = None

@@ -20,9 +20,54 @@ from torch.utils.data import Dataset, default_collate
 
 from unbroken.errors import ConfigError, JobLoadError
 
+
+class Optimizers:
+    """Several optimizers that step as one, each on the step's global gradient of its own
+    parameters (a GAN's generator and discriminator, an actor and a critic), returned by
+    `Job.optimizer` as a dict (or a list: named "0", "1", ...). Their states replicate together."""
+
+    def __init__(self, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
+        seen: dict[int, str] = {}
+        for name, opt in optimizers.items():
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise ConfigError(f"Job.optimizer: {name!r} is a {type(opt).__name__}, not a torch.optim.Optimizer")
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if id(p) in seen:
+                        raise ConfigError(
+                            f"Job.optimizer: optimizers {seen[id(p)]!r} and {name!r} share a parameter: "
+                            "it would be stepped twice per step; give each optimizer its own parameters"
+                        )
+                    seen[id(p)] = name
+        self.optimizers = dict(optimizers)
+
+    def __getitem__(self, name: str) -> torch.optim.Optimizer:
+        return self.optimizers[name]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers.values():
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(state[name])
+
+
+AnyOptimizer = torch.optim.Optimizer | Optimizers
 ModelFactory = Callable[[], nn.Module]
-OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+OptimizerFactory = Callable[[nn.Module], Any]
+SchedulerFactory = Callable[[Any], Any]
 StateFactory = Callable[[nn.Module], dict[str, Any]]
 LossFn = Callable[[Any, Any], torch.Tensor]
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -37,7 +82,7 @@ class StepInfo:
     loss: float
     """The step's loss over all B samples (DiLoCo: the round's last inner step)."""
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: AnyOptimizer
     scheduler: Any
     """The job's scheduler, or None."""
     state: dict[str, Any]
@@ -64,7 +109,9 @@ class Job:
     """Builds the model. Must be deterministic given the seed set before it is called."""
     optimizer: OptimizerFactory
     """Builds the optimizer from the model (so parameter groups can be made from
-    ``model.named_parameters()``): ``lambda model: torch.optim.AdamW(model.parameters())``."""
+    ``model.named_parameters()``): ``lambda model: torch.optim.AdamW(model.parameters())``;
+    or several, as a dict by name (``{"G": Adam(model.G.parameters()), "D": ...}``): they
+    step together on the step's gradient (`Optimizers`)."""
     dataset: Dataset[Any]
     """Map-style dataset (``__len__`` and ``__getitem__``) of training samples."""
     loss: LossFn | None = None
@@ -93,7 +140,7 @@ class Job:
     step counter): each value has ``state_dict()`` and ``load_state_dict()`` (a module, an
     optimizer, ...). Digested, sent to joiners and checkpointed with the model; change it
     only the same way on every replica (`after_step`)."""
-    before_update: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None
+    before_update: Callable[[nn.Module, AnyOptimizer], None] | None = None
     """Called on every replica with the step's global gradient in each parameter's
     ``.grad``, just before the optimizer steps: clip it here
     (``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)``). Every replica sees the
@@ -154,7 +201,7 @@ class Job:
             ) from None
         return self.loss(model(inputs), targets)
 
-    def build(self) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def build(self) -> tuple[nn.Module, AnyOptimizer]:
         torch.manual_seed(self.seed)
         model = self.model()
         try:
@@ -167,11 +214,18 @@ class Job:
                 "the model, not its parameters: write optimizer=lambda model: "
                 "torch.optim.SGD(model.parameters(), lr=...)"
             ) from None
+        if isinstance(optimizer, (list, tuple)):
+            optimizer = {str(i): opt for i, opt in enumerate(optimizer)}
+        if isinstance(optimizer, Mapping):
+            return model, Optimizers(optimizer)
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"Job.optimizer returned a {type(optimizer).__name__}, not a torch.optim.Optimizer")
+            raise ConfigError(
+                f"Job.optimizer returned a {type(optimizer).__name__}: give a torch.optim.Optimizer, "
+                "or several as a dict by name"
+            )
         return model, optimizer
 
-    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
+    def build_scheduler(self, optimizer: AnyOptimizer) -> Any:
         if self.scheduler is None:
             return None
         scheduler = self.scheduler(optimizer)

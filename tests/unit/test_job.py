@@ -270,7 +270,7 @@ def test_state_that_cannot_be_replicated_is_refused(fields: dict[str, object], m
 
 
 def test_a_job_needs_exactly_one_of_loss_and_step() -> None:
-    with pytest.raises(ConfigError, match="give loss= .* or step= .*one of them"):
+    with pytest.raises(ConfigError, match=r"give loss= .* or step= .*one of them"):
         make_job(loss=None)
     with pytest.raises(ConfigError, match="one of them"):
         make_job(step=lambda model, batch: model(batch[0]).sum())
@@ -283,3 +283,31 @@ def test_step_takes_any_batch_and_loss_names_it_when_the_batch_is_not_inputs_and
     assert job.microbatch_loss(model, dict_batch).item() >= 0
     with pytest.raises(ConfigError, match=r"Job.loss needs batches of \(inputs, targets\); collate made a dict"):
         make_job().microbatch_loss(model, dict_batch)
+
+
+def test_several_optimizers_step_together_and_replicate_together() -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 1), nn.Linear(2, 1)
+
+    job = make_job(
+        model=Two,
+        optimizer=lambda m: {"a": torch.optim.SGD(m.a.parameters(), lr=1.0), "b": torch.optim.Adam(m.b.parameters())},
+        loss=None,
+        step=lambda m, batch: m.a(batch[0]).sum() + m.b(batch[0]).sum(),
+    )
+    model, opt = job.build()
+    before = [p.detach().clone() for p in model.parameters()]
+    job.microbatch_loss(model, (torch.ones(3, 2), None)).backward()
+    opt.step()
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    _, other = job.build()
+    other.load_state_dict(opt.state_dict())
+    assert other.state_dict()["b"]["state"][0]["step"] == 1 and set(other.state_dict()) == {"a", "b"}
+
+
+def test_optimizers_that_share_a_parameter_are_refused() -> None:
+    job = make_job(optimizer=lambda m: [torch.optim.SGD(m.parameters(), lr=1), torch.optim.SGD([m.bias], lr=1)])
+    with pytest.raises(ConfigError, match=r"optimizers '0' and '1' share a parameter"):
+        job.build()

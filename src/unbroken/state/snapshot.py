@@ -23,6 +23,7 @@ import xxhash
 from torch import nn
 
 from unbroken.control.messages import TensorSpec
+from unbroken.job import AnyOptimizer
 from unbroken.state import layout
 
 
@@ -71,7 +72,7 @@ class TrainState:
     """Model, optimizer, committed step and data cursor of one replica."""
 
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: AnyOptimizer
     step: int = 0
     cursor: int = 0
     """Samples consumed so far (step * B): where the next step's data starts."""

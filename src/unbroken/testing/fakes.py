@@ -43,6 +43,8 @@ class FakeNode:
     name: str
     first: int
     """Index of the address it tries first."""
+    source: int = 0
+    """Index of the loopback address it connects from (`FakeNodes` ``sources``)."""
     member_id: str = ""
     welcomed: bool = False
     welcomed_at: float = 0.0
@@ -78,7 +80,11 @@ class FakeNodes:
         step_s: float = 0.5,
         ramp_s: float = 0.0,
         fallback: Sequence[tuple[str, int]] = (),
+        sources: int = 1,
     ) -> None:
+        """``sources``: how many loopback addresses (127.0.0.2, ...) the nodes connect from, as
+        a fleet comes from many hosts: what the control plane allows one address (unproven
+        sessions read 16 at a time) must not throttle a whole fleet's admission."""
         if addresses and isinstance(addresses[0], str):
             addresses = [addresses]  # type: ignore[list-item]
         self.addresses: list[tuple[str, int]] = list(addresses)  # type: ignore[arg-type]
@@ -100,7 +106,8 @@ class FakeNodes:
         heartbeats it could not send then were not the control plane's to lose."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._http: aiohttp.ClientSession | None = None
+        self.sources = max(1, min(sources, 250))
+        self._https: list[aiohttp.ClientSession] = []
         self._rng = random.Random(0)
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake-nodes", daemon=True)
@@ -199,9 +206,11 @@ class FakeNodes:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=connector) as http:
-            self._http = http
+        async with contextlib.AsyncExitStack() as stack:
+            for i in range(self.sources):
+                local = (f"127.0.0.{2 + i}", 0) if self.sources > 1 else None
+                connector = aiohttp.TCPConnector(limit=0, local_addr=local)
+                self._https.append(await stack.enter_async_context(aiohttp.ClientSession(connector=connector)))
             self._spawn(self._initial, self.ramp_s)
             self._started.set()
             watch = asyncio.create_task(self._watch())
@@ -224,7 +233,7 @@ class FakeNodes:
     def _spawn(self, count: int, ramp_s: float) -> None:
         base = len(self.nodes)
         for i in range(base, base + count):
-            node = FakeNode(f"fake{i}", first=i % len(self.addresses))
+            node = FakeNode(f"fake{i}", first=i % len(self.addresses), source=i % self.sources)
             self.nodes.append(node)
             node.task = asyncio.create_task(self._node(node, ramp_s * (i - base) / max(count, 1)))
 
@@ -249,8 +258,8 @@ class FakeNodes:
 
     async def _session(self, node: FakeNode, host: str, port: int) -> bool:
         """One session; True when it ended because its peer went silent."""
-        assert self._http is not None
-        async with self._http.ws_connect(
+        http = self._https[node.source]
+        async with http.ws_connect(
             f"http://{host}:{port}/ws",
             heartbeat=None,
             max_msg_size=256 << 20,

@@ -129,11 +129,14 @@ def reference_state(job: Job, steps: int | None = None) -> dict[str, torch.Tenso
     return model
 
 
-def reference_tree(job: Job, steps: int | None = None, parts: int = 1) -> dict[str, Any]:
+def reference_tree(
+    job: Job, steps: int | None = None, parts: int = 1, losses: list[float] | None = None
+) -> dict[str, Any]:
     """Train the job in one process with the full batch B, with its scheduler, extra state
     and hooks; returns what a node's final state holds (model, optimizer, scheduler, extra).
     ``parts`` > 1 sums each step's gradient over that many slices of B, as nodes do: how far
-    that lands from ``parts=1`` is how far float summation order alone moves the job."""
+    that lands from ``parts=1`` is how far float summation order alone moves the job.
+    ``losses`` gets each step's loss over B, as nodes log it at each commit."""
     model, optimizer = job.build()
     state = TrainState(model, optimizer, scheduler=job.build_scheduler(optimizer), extra=job.build_state(model))
     plan = DataPlan(job.num_samples, job.batch_size, job.seed)
@@ -152,6 +155,8 @@ def reference_tree(job: Job, steps: int | None = None, parts: int = 1) -> dict[s
         if state.scheduler is not None:
             state.scheduler.step()
         state.step = step + 1
+        if losses is not None:
+            losses.append(float(loss))
         if job.after_step is not None:
             job.after_step(StepInfo(state.step, float(loss), model, optimizer, state.scheduler, state.extra, 0, 1))
     return state.capture()

@@ -45,6 +45,7 @@ from torch import nn
 
 from unbroken.comm.transfer import sync_state
 from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted
+from unbroken.job import AnyOptimizer
 from unbroken.sched.shares import offsets
 from unbroken.state.snapshot import tree_digest
 from unbroken.train.guard import judge
@@ -288,7 +289,7 @@ _EXTRA = 4
 class _InnerState:
     """The inner optimizer's state as the sync phase sees it (inside one zone)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+    def __init__(self, optimizer: AnyOptimizer, step: int) -> None:
         self.optimizer = optimizer
         self.step = step
 
