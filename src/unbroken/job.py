@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from unbroken.errors import ConfigError, JobLoadError
+from unbroken.train.data import DataPlan
+from unbroken.train.stream import Stream, StreamPlan
 
 
 class Optimizers:
@@ -112,8 +114,11 @@ class Job:
     ``model.named_parameters()``): ``lambda model: torch.optim.AdamW(model.parameters())``;
     or several, as a dict by name (``{"G": Adam(model.G.parameters()), "D": ...}``): they
     step together on the step's gradient (`Optimizers`)."""
-    dataset: Dataset[Any]
-    """Map-style dataset (``__len__`` and ``__getitem__``) of training samples."""
+    dataset: Dataset[Any] | Stream
+    """Map-style dataset (``__len__`` and ``__getitem__``) of training samples, read in a
+    seeded permutation per pass; or a `Stream` read in its own order (an IterableDataset
+    through ``IterableStream``, a directory of shards through ``ShardStream``, in
+    `unbroken.train.stream`)."""
     loss: LossFn | None = None
     """``loss(model_output, target)`` returning the *mean* over the micro-batch, for a
     collated micro-batch of ``(inputs, targets)``; or give `step`."""
@@ -165,12 +170,38 @@ class Job:
             raise ConfigError(f"Job.batch_size = {self.batch_size} must be at least 1")
         if self.num_steps < 1:
             raise ConfigError(f"Job.num_steps = {self.num_steps} must be at least 1")
-        if len(self.dataset) < 1:  # type: ignore[arg-type]
+        if isinstance(self.dataset, Stream):
+            return
+        if isinstance(self.dataset, IterableDataset) or not hasattr(self.dataset, "__len__"):
+            raise ConfigError(
+                f"Job.dataset is a {type(self.dataset).__name__} without a length: read it as a stream, "
+                "dataset=IterableStream(it) (from unbroken.train.stream), or give a map-style dataset"
+            )
+        if len(self.dataset) < 1:
             raise ConfigError("Job.dataset is empty: it needs at least one sample")
 
     @property
     def num_samples(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        """Samples per pass of a map-style dataset (0 for a stream)."""
+        return 0 if isinstance(self.dataset, Stream) else len(self.dataset)  # type: ignore[arg-type]
+
+    def plan(self) -> DataPlan | StreamPlan:
+        """Which positions each step's slice reads (`samples` turns them into samples)."""
+        if isinstance(self.dataset, Stream):
+            return StreamPlan(self.batch_size)
+        return DataPlan(self.num_samples, self.batch_size, self.seed)
+
+    def samples(self, indices: list[int]) -> list[Any]:
+        """The samples at ``indices`` of `plan` (a stream's are consecutive positions)."""
+        if not isinstance(self.dataset, Stream):
+            return [self.dataset[i] for i in indices]
+        out: list[Any] = []
+        start = 0
+        for k in range(1, len(indices) + 1):  # each run of consecutive positions in one read
+            if k == len(indices) or indices[k] != indices[k - 1] + 1:
+                out += self.dataset.read(indices[start], k - start)
+                start = k
+        return out
 
     def identity(self) -> str:
         """A short hash of what must match across nodes besides the model itself."""
@@ -181,6 +212,8 @@ class Job:
             "seed": self.seed,
             "num_samples": self.num_samples,
         }
+        if isinstance(self.dataset, Stream):
+            spec["stream"] = self.dataset.identity()
         if self.args:
             spec["args"] = list(self.args)
         return hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=8).hexdigest()

@@ -5,7 +5,8 @@ seed and arguments).
 - ``real_training.py``: AdamW parameter groups, warmup + cosine schedule, global-gradient
   clipping, an EMA as extra replicated state, its own command-line arguments;
 - ``hf_style.py``: a model built from a config, called with a dict, returning its loss (`step=`);
-- ``gan.py``: a generator and a discriminator, two optimizers, one custom step.
+- ``gan.py``: a generator and a discriminator, two optimizers, one custom step;
+- ``streaming.py``: an IterableDataset, and a directory of shards, read in order.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ EXAMPLES = Path(__file__).parent.parent.parent / "examples"
 REAL = (f"{EXAMPLES / 'real_training.py'}:make", ["--lr", "0.02", "--steps", "400", "--clip", "0.3"], "25")
 HF = (f"{EXAMPLES / 'hf_style.py'}:make", ["--steps", "200"], "20")
 GAN = (f"{EXAMPLES / 'gan.py'}:make", ["--steps", "300"], "15")
+STREAM = (f"{EXAMPLES / 'streaming.py'}:make", ["--steps", "300"], "15")
+SHARDS = (f"{EXAMPLES / 'streaming.py'}:make", ["--steps", "300", "--shards", "{shards}"], "15")
 BY_HELDOUT = {"hf_style", "gan"}
 ATOL = 1e-5
 """The final state may differ from single-process training by float summation order alone."""
@@ -40,8 +43,21 @@ EARLY_STEPS, EARLY_RTOL = 20, 1e-4
 """Every example's first steps, before noise grows: their losses as one process has them."""
 
 
-@pytest.mark.parametrize(("ref", "args", "delay_ms"), [REAL, HF, GAN], ids=["real_training", "hf_style", "gan"])
-def test_an_example_survives_a_kill_and_a_join_and_matches_one_process(make_cluster, ref, args, delay_ms):
+@pytest.mark.parametrize(
+    ("ref", "args", "delay_ms"),
+    [REAL, HF, GAN, STREAM, SHARDS],
+    ids=["real_training", "hf_style", "gan", "streaming", "streaming-shards"],
+)
+def test_an_example_survives_a_kill_and_a_join_and_matches_one_process(make_cluster, tmp_path, ref, args, delay_ms):
+    if "{shards}" in args:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("streaming_example", EXAMPLES / "streaming.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.write_shards(tmp_path / "shards")
+        args = [a.format(shards=tmp_path / "shards") for a in args]
     c = make_cluster(job=ref, env={"UB_TEST_DELAY_MS": delay_ms}, min_nodes=3, node_args=["--digest-every", "1"])
     c.start_coordinator()
     c.start_node("n1", job_args=args)

@@ -18,7 +18,6 @@ import torch
 
 from unbroken.job import Job, StepInfo
 from unbroken.state.snapshot import TrainState
-from unbroken.train.data import DataPlan
 
 
 @dataclass
@@ -110,7 +109,7 @@ def check_promises(logs: Mapping[str, Iterable[dict[str, Any]]], job: Job, *, fi
         report.problems.append(f"final digests differ: {report.final_digests}")
     if len(report.final_digests) < finishers:
         report.problems.append(f"only {len(report.final_digests)} nodes finished, expected {finishers}")
-    plan = DataPlan(job.num_samples, B, job.seed)
+    plan = job.plan()
     for s, epoch in sorted(report.committed_in.items()):
         slices = contribs.get((epoch, s), [])
         got = sorted(i for sl in slices for i in sl)
@@ -139,14 +138,15 @@ def reference_tree(
     ``losses`` gets each step's loss over B, as nodes log it at each commit."""
     model, optimizer = job.build()
     state = TrainState(model, optimizer, scheduler=job.build_scheduler(optimizer), extra=job.build_state(model))
-    plan = DataPlan(job.num_samples, job.batch_size, job.seed)
+    plan = job.plan()
     for step in range(steps if steps is not None else job.num_steps):
         indices = plan.indices(step, 0, job.batch_size)
         optimizer.zero_grad(set_to_none=True)
         torch.manual_seed(job.seed * 1_000_003 + step)
         loss = torch.zeros(())
-        for part in [indices[i::parts] for i in range(parts)] if parts > 1 else [indices]:
-            mean = job.microbatch_loss(model, job.collate([job.dataset[i] for i in part]))
+        n = len(indices)
+        for part in [indices[k * n // parts : (k + 1) * n // parts] for k in range(parts)]:
+            mean = job.microbatch_loss(model, job.collate(job.samples(part)))
             (mean * (len(part) / job.batch_size)).backward()  # type: ignore[no-untyped-call]
             loss = loss + mean.detach() * (len(part) / job.batch_size)
         if job.before_update is not None:

@@ -65,7 +65,7 @@ class Meter:
 
     def calibrate(self, model: torch.nn.Module, model_bytes: int, memory_limit: int, user_cap: int, step: int) -> None:
         """Measure speed and activation memory before joining; set the micro-batch cap."""
-        k = max(4, min(CALIBRATION_SAMPLES, self.job.batch_size, len(self.job.dataset)))  # type: ignore[arg-type]
+        k = max(4, min(CALIBRATION_SAMPLES, self.job.batch_size, self.job.num_samples or CALIBRATION_SAMPLES))
         with torch.random.fork_rng(devices=[]):
             try:
                 self.calibration = self.probe(model, step, k)
@@ -96,7 +96,7 @@ class Meter:
         job, replica = self.job, self.replica
 
         def batch(n: int) -> Any:
-            return replica.to_device(job.collate([job.dataset[i] for i in range(n)]))
+            return replica.to_device(job.collate(job.samples(list(range(n)))))
 
         def run(n: int) -> float:
             model.zero_grad(set_to_none=True)
@@ -113,7 +113,7 @@ class Meter:
             del out
             return counter.total
 
-        return calibrate(run, saved, max(4, min(k, len(job.dataset))))  # type: ignore[arg-type]
+        return calibrate(run, saved, max(4, min(k, job.num_samples or k)))
 
     def observe(self, share: int, n_micro: int, seconds: float) -> None:
         """Fold one step's compute time into the per-sample cost."""

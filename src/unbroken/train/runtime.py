@@ -66,7 +66,6 @@ from unbroken.state.snapshot import TrainState, fingerprint
 from unbroken.testing.faults import LIES, Fault, FaultPlan, flip_bit
 from unbroken.testing.throttle import parse_throttle
 from unbroken.train.candidate import Candidate
-from unbroken.train.data import DataPlan
 from unbroken.train.device import ComputeReplica, OutOfMemory, resolve_device
 from unbroken.train.diloco import DiLoCo
 from unbroken.train.guard import judge
@@ -136,7 +135,7 @@ class Node:
         self._pending_codec_state: dict[str, Any] | None = None
         self.state.node_local = _CodecResidual(self)
         self.reducer: Reducer
-        self.data = DataPlan(job.num_samples, job.batch_size, job.seed)
+        self.data = job.plan()
         self.faults = FaultPlan(faults or [], self._log)
         self.graveyard = Graveyard(hold_s=config.collective_timeout_s + 5)
         self.meeting = Meeting(self._meet)
@@ -696,7 +695,7 @@ class Node:
         for first in range(0, len(indices), mb):
             self.client.touch()
             chunk = indices[first : first + mb]
-            batch = self.replica.to_device(self.job.collate([self.job.dataset[i] for i in chunk]))
+            batch = self.replica.to_device(self.job.collate(self.job.samples(chunk)))
             t_mb = time.perf_counter()
             loss = self.job.microbatch_loss(model, batch)
             (loss * (len(chunk) / B)).backward()  # type: ignore[no-untyped-call]
