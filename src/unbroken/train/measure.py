@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 
 CALIBRATION_SAMPLES = 8
 RECALIBRATE_AFTER_S = 5.0
-RECENT_STEPS = 3
+RECENT_STEPS = 9
+"""Steps whose per-sample cost the reported one is the median of: a process descheduled for
+a few steps of a few milliseconds moves it little, a lasting slowdown shows within five."""
 
 
 class Meter:
