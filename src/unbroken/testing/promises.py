@@ -60,6 +60,15 @@ def check_promises(logs: Mapping[str, Iterable[dict[str, Any]]], job: Job, *, fi
     contribs: dict[tuple[int, int], list[list[int]]] = defaultdict(list)
     digests: dict[int, dict[str, str]] = defaultdict(dict)
     merged = sorted(((e.get("t", 0.0), node, e) for node, entries in logs.items() for e in entries), key=lambda x: x[0])
+    # A member that applied a step the others' all-reduce lost (a peer crashed between
+    # them), and then died itself before the next epoch formed, took that step with it: it
+    # was the group's step in flight, which the survivors commit again with the same
+    # samples (the step was whole: every vote and sample was in it). Its later epochs tell.
+    final_epoch: dict[str, int] = defaultdict(int)
+    for _, node, e in merged:
+        final_epoch[node] = max(final_epoch[node], int(e.get("epoch", 0)))
+    committers: dict[tuple[int, int], set[str]] = defaultdict(set)
+    digest_epochs: dict[tuple[int, str], int] = {}
     last: dict[str, int] = {}
     restores: list[tuple[float, int]] = []
     commit_times: dict[int, tuple[float, int]] = {}
@@ -84,15 +93,24 @@ def check_promises(logs: Mapping[str, Iterable[dict[str, Any]]], job: Job, *, fi
                 report.problems.append(f"{node} committed step {e['step']} right after step {last[node]}")
             last[node] = e["step"]
             prev = commit_times.get(s)
+            committers[(s, e["epoch"])].add(node)
             if prev is not None and prev[1] != e["epoch"]:
                 rolled_back = any(prev[0] < t < e["t"] and r <= s for t, r in restores)
-                if not rolled_back:
+                gone = committers[(s, prev[1])]
+                died_with_it = all(final_epoch[n] == prev[1] for n in gone)
+                if died_with_it:
+                    for t_step in [t for t in digests if t > s]:
+                        for n in gone:
+                            if digest_epochs.get((t_step, n)) == prev[1]:
+                                digests[t_step].pop(n, None)
+                elif not rolled_back:
                     report.problems.append(f"step {s + 1} committed in epoch {prev[1]} and again in epoch {e['epoch']}")
             if prev is None or prev[1] != e["epoch"]:
                 commit_times[s] = (e["t"], e["epoch"])
                 report.committed_in[s] = e["epoch"]
             if "digest" in e:
                 digests[e["step"]][node] = e["digest"]
+                digest_epochs[(e["step"], node)] = e["epoch"]
         elif kind == "final":
             report.final_digests[node] = e["digest"]
             if e["step"] != T:

@@ -106,9 +106,7 @@ class ShardStream:
     found by seeking, not by reading what comes before: each shard's line offsets are
     indexed once, when it is first read."""
 
-    def __init__(
-        self, directory: str | Path, pattern: str = "*", decode: Callable[[str], Any] = str.rstrip
-    ) -> None:
+    def __init__(self, directory: str | Path, pattern: str = "*", decode: Callable[[str], Any] = str.rstrip) -> None:
         self.directory = Path(directory)
         self.files = sorted(p for p in self.directory.glob(pattern) if p.is_file())
         if not self.files:
