@@ -277,12 +277,32 @@ class Job:
 
 
 def _check_stateful(where: str, what: str, value: Any, *more: str) -> None:
+    from unbroken.state import layout
+
     missing = [a for a in ("state_dict", "load_state_dict", *more) if not callable(getattr(value, a, None))]
     if missing:
         raise ConfigError(
             f"{where}: {what} is a {type(value).__name__} without {', '.join(missing)}(): replicated state "
             "must save and load itself (a module, an optimizer, a scheduler, or an object with both methods)"
         )
+    try:
+        layout.split(value.state_dict())
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{where}: {what}'s state_dict() cannot be sent to other nodes ({exc}): it may hold tensors, "
+            "dicts, lists, tuples, strings, numbers, booleans and None"
+        ) from None
+    step = getattr(value, "step", None)
+    if "step" in more and step is not None:
+        try:
+            inspect.signature(step).bind()
+        except TypeError:
+            raise ConfigError(
+                f"{where}: {what}.step() needs arguments ({type(value).__name__}, e.g. a metric): the runtime "
+                "steps the scheduler once per committed step with none; step it in after_step instead"
+            ) from None
+        except ValueError:
+            pass
 
 
 def load_job(ref: str, args: Sequence[str] = ()) -> Job:
@@ -316,13 +336,13 @@ def load_job(ref: str, args: Sequence[str] = ()) -> Job:
         raise JobLoadError(f"{target!r} has no attribute {attr!r}")
     obj = getattr(module, attr)
     if callable(obj) and not isinstance(obj, Job):
-        accepts, required = _positional(obj)
+        accepts, wants_args = _positional(obj)
         if args and not accepts:
             raise JobLoadError(
                 f"job arguments {list(args)} given, but {ref!r} takes none: write def {attr}(argv: list[str]) -> Job"
             )
         try:
-            obj = obj(list(args)) if args or required else obj()
+            obj = obj(list(args)) if args or wants_args else obj()
         except SystemExit as exc:  # argparse refusing the arguments (it printed why)
             raise JobLoadError(f"{ref!r} refused its arguments {list(args)} (exit status {exc.code})") from None
         except Exception as exc:
@@ -339,12 +359,16 @@ def load_job(ref: str, args: Sequence[str] = ()) -> Job:
     return replace(obj, args=tuple(args)) if args else obj
 
 
-def _positional(fn: Callable[..., Any]) -> tuple[bool, int]:
-    """Whether ``fn`` takes a positional argument, and how many it requires."""
+def _positional(fn: Callable[..., Any]) -> tuple[bool, bool]:
+    """Whether ``fn`` takes a positional argument, and whether it wants the job's arguments
+    even when none were given (it requires one, or names it ``argv``/``args``: with
+    ``argv=None`` argparse would read this process's own command line)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return False, 0
+        return False, False
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = sum(p.default is p.empty for p in positional)
-    return bool(positional) or any(p.kind is p.VAR_POSITIONAL for p in params), required
+    accepts = bool(positional) or any(p.kind is p.VAR_POSITIONAL for p in params)
+    first = positional[0] if positional else None
+    wants = first is not None and (first.default is first.empty or first.name in ("argv", "args"))
+    return accepts, wants

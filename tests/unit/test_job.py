@@ -311,3 +311,26 @@ def test_optimizers_that_share_a_parameter_are_refused() -> None:
     job = make_job(optimizer=lambda m: [torch.optim.SGD(m.parameters(), lr=1), torch.optim.SGD([m.bias], lr=1)])
     with pytest.raises(ConfigError, match=r"optimizers '0' and '1' share a parameter"):
         job.build()
+
+
+def test_a_factory_with_an_optional_argv_gets_the_arguments_even_when_there_are_none(tmp_path: Path) -> None:
+    path = tmp_path / "argv_job.py"
+    path.write_text(JOB_SOURCE + "\n\ndef optional(argv=None):\n    assert argv == [], argv\n    return make()\n")
+    assert load_job(f"{path}:optional").name == "from-file"
+
+
+def test_state_that_cannot_be_sent_and_a_scheduler_that_needs_a_metric_are_refused() -> None:
+    class Odd:
+        def state_dict(self) -> dict[str, object]:
+            return {"x": object()}
+
+        def load_state_dict(self, state: dict[str, object]) -> None:
+            pass
+
+    job = make_job(state=lambda model: {"odd": Odd()})
+    model, optimizer = job.build()
+    with pytest.raises(ConfigError, match=r"Job.state: state 'odd''s state_dict\(\) cannot be sent to other nodes"):
+        job.build_state(model)
+    plateau = make_job(scheduler=lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    with pytest.raises(ConfigError, match=r"step\(\) needs arguments .*step it in after_step instead"):
+        plateau.build_scheduler(optimizer)

@@ -54,6 +54,9 @@ class EpochGroup:
     microbatches: list[int] = field(default_factory=list)
     extra_pgs: list[Any] = field(default_factory=list)
     """Zone and leader groups of this epoch (buried with the epoch's group)."""
+    lazy: bool = False
+    """Its group over all members connects pairs on first use (`Meeting.device`): a peer
+    it cannot reach shows in a collective, not in the build."""
 
     @property
     def role(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,6 +26,8 @@ from torch import nn
 from unbroken.control.messages import TensorSpec
 from unbroken.job import AnyOptimizer
 from unbroken.state import layout
+
+log = logging.getLogger(__name__)
 
 
 def fingerprint(model: nn.Module) -> list[TensorSpec]:
@@ -115,11 +118,16 @@ class TrainState:
         self.model.load_state_dict(snap["model"])
         if "optimizer" in snap:
             self.optimizer.load_state_dict(take(snap["optimizer"]))
-        if self.scheduler is not None and "scheduler" in snap:
-            self.scheduler.load_state_dict(take(snap["scheduler"]))
+        if self.scheduler is not None:
+            if "scheduler" in snap:
+                self.scheduler.load_state_dict(take(snap["scheduler"]))
+            else:
+                log.warning("state of step %s has no scheduler state: the scheduler starts afresh", snap["step"])
         for name, value in self.extra.items():
             if name in snap.get("extra", {}):
                 value.load_state_dict(take(snap["extra"][name]))
+            else:
+                log.warning("state of step %s has no %r: it stays as the job built it", snap["step"], name)
         self.step = int(snap["step"])
         self.cursor = int(snap["cursor"])
         local = snap.get("local")

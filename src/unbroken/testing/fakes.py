@@ -26,6 +26,7 @@ import re
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +54,12 @@ class FakeNode:
     expulsions: int = 0
     expelled_at: list[float] = field(default_factory=list)
     """When each expulsion arrived (monotonic)."""
+    silent_expulsions: int = 0
+    """Expulsions that followed this node's own silence: nothing sent for most of a lease
+    (its loop stalled on a busy machine), so the lease lapsed honestly."""
+    last_sent: float = 0.0
+    gaps: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=16))
+    """(when, seconds): long gaps between this node's own messages, as they ended."""
     killed: bool = False
     epochs: dict[int, float] = field(default_factory=dict)
     """Epoch number -> when its order arrived (monotonic)."""
@@ -60,6 +67,17 @@ class FakeNode:
     reconnects: int = 0
     error: str | None = None
     task: asyncio.Task[None] | None = None
+
+    def sent_now(self, now: float, heartbeat_s: float) -> None:
+        if self.last_sent and now - self.last_sent >= 2 * heartbeat_s:
+            self.gaps.append((now, now - self.last_sent))
+        self.last_sent = now
+
+    def was_silent(self, now: float, lease_s: float) -> bool:
+        """Whether this node itself sent nothing for most of a lease lately."""
+        if now - self.last_sent >= 0.8 * lease_s:
+            return True
+        return any(now - t <= 2 * lease_s and gap >= 0.8 * lease_s for t, gap in self.gaps)
 
     @property
     def live(self) -> bool:
@@ -138,14 +156,11 @@ class FakeNodes:
         """Expulsions of nodes nobody killed (false ones, for a node that kept talking)."""
         return sum(n.expulsions for n in self.nodes if not n.killed)
 
-    def expelled_after_stalls(self, window_s: float, stall_s: float) -> int:
-        """False expulsions that arrived within ``window_s`` after this side's own loop
-        stalled for ``stall_s`` or more: the fake nodes themselves fell silent then."""
-        stalls = [t for t, lag in self.stalls if lag >= stall_s]
-        return sum(
-            any(0 <= at - t <= window_s for t in stalls)
-            for n in self.nodes if not n.killed for at in n.expelled_at
-        )  # fmt: skip
+    def expelled_while_silent(self) -> int:
+        """False expulsions of nodes that had themselves sent nothing for most of a lease
+        just before (this side's loop stalled): the lease lapsed for the fake, not for the
+        control plane."""
+        return sum(n.silent_expulsions for n in self.nodes if not n.killed)
 
     def max_stall(self) -> float:
         return max((lag for _, lag in self.stalls), default=0.0)
@@ -291,7 +306,7 @@ class FakeNodes:
             silenced = [False]
             # As a real node: leave a session that stops acknowledging (a relay's sooner).
             patience = welcome.lease_s * (2.0 if self.fallback else 3.0)
-            talker = asyncio.create_task(self._talk(ws, welcome.heartbeat_s, sent, acked, patience, silenced))
+            talker = asyncio.create_task(self._talk(node, ws, welcome.heartbeat_s, sent, acked, patience, silenced))
             try:
                 async for raw in ws:
                     if raw.type != aiohttp.WSMsgType.TEXT:
@@ -314,7 +329,10 @@ class FakeNodes:
                     elif data.startswith('{"v":1,"type":"expelled"'):
                         node.expelled = json.loads(data)["reason"]
                         node.expulsions += 1
-                        node.expelled_at.append(time.monotonic())
+                        now = time.monotonic()
+                        node.expelled_at.append(now)
+                        if node.was_silent(now, welcome.lease_s):
+                            node.silent_expulsions += 1
                         return False
             finally:
                 talker.cancel()
@@ -322,6 +340,7 @@ class FakeNodes:
 
     async def _talk(
         self,
+        node: FakeNode,
         ws: aiohttp.ClientWebSocketResponse,
         heartbeat_s: float,
         sent: dict[int, float],
@@ -349,12 +368,14 @@ class FakeNodes:
                     )
                     await ws.send_str(text)
                     self.sent += 1
+                    node.sent_now(now, heartbeat_s)
                     next_step += self.step_s
                 elif now - counted >= heartbeat_s:
                     seq += 1
                     sent[seq] = counted = now
                     await ws.send_str(f'{{"v":1,"type":"heartbeat","seq":{seq},"step":{step}}}')
                     self.sent += 1
+                    node.sent_now(now, heartbeat_s)
                 if len(sent) > 64:
                     for old in sorted(sent)[:-64]:
                         del sent[old]

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 
 from unbroken.comm.codecs import Codec, make_codec
-from unbroken.comm.group import EpochGroup, Graveyard, Meeting, build_group, wait_until
+from unbroken.comm.group import PUBLISH_S, EpochGroup, Graveyard, Meeting, build_group, wait_until
 from unbroken.comm.reach import Stall, accuse, reach, unreachable_fault
 from unbroken.comm.reduce import LinkEmulation, Reducer, Wire
 from unbroken.comm.robust import NORM_TOLERANCE
@@ -242,6 +242,9 @@ class Node:
                 self._abandon()
             except (CollectiveFailed, TransferError) as exc:
                 log.warning("%s: epoch %d: %s", self.name, order.epoch, exc)
+                if self._unreachable_in_lazy_group(order, exc):
+                    self._abandon()  # said whom it cannot reach: the leader has the others try
+                    continue
                 culprit = order.members[exc.rank] if isinstance(exc, BadContribution) else None
                 kind: Literal["bad-gradient", "audit", "suspect"] = "bad-gradient"
                 if isinstance(exc, (AuditMismatch, Suspicion)):
@@ -334,8 +337,9 @@ class Node:
         # Where zones exist, the step reduces through the zone and leaders' groups: the
         # world group only carries the sync phase, robust gathers and audits, whose
         # rings and transfers touch a few peers each, so it connects only those.
-        pg, took = build(WORLD, rank, list(order.members), lazy=_zones(order).multi)
-        self.group.pg, self.group.built_in_s = pg, took
+        lazy = _zones(order).multi
+        pg, took = build(WORLD, rank, list(order.members), lazy=lazy)
+        self.group.pg, self.group.built_in_s, self.group.lazy = pg, took, lazy
         self._log({"kind": "epoch", "epoch": order.epoch, "term": order.term, "step": self.state.step})
         self.reducer = self._build_reducer(order, rank, pg, build)
         self._epochs_formed += 1
@@ -375,16 +379,35 @@ class Node:
 
             device = self.meeting.device(epoch, group, self._gloo_host(), lazy=lazy)
             try:
-                return build_group(
+                pg, took = build_group(
                     self.meeting.store(epoch), group, rank, len(ids), device, self.config.collective_timeout_s,
                     self.wake, abort, tick,
                 )  # fmt: skip
+                if lazy:
+                    # Returned at once: wait for every entry as an eager build does, so that
+                    # the next builds (zone, leaders) start when they used to, with the
+                    # members of the epoch before (the leader's clock for them starts then).
+                    def entries_in() -> bool:
+                        tick()
+                        return complete()
+
+                    timeout = self.config.collective_timeout_s
+                    wait_until(entries_in, self.wake, abort, timeout, f"entries of group {group}", poll_s=PUBLISH_S)
+                return pg, took
             except CollectiveFailed as exc:
                 if complete() and self._accuse(epoch, group, ids, rank):
                     raise Unreachable(str(exc)) from exc
                 raise
 
         return build
+
+    def _unreachable_in_lazy_group(self, order: m.EpochOrder, exc: Exception) -> bool:
+        """A collective of a lazily connected group failed: a peer this node cannot reach
+        shows only now (its build never connected). Try them all and report whom."""
+        g = self.group
+        if g is None or not g.lazy or g.epoch != order.epoch or isinstance(exc, BadContribution):
+            return False
+        return self._accuse(order.epoch, WORLD, list(order.members), g.rank)
 
     def _accuse(self, epoch: int, group: str, ids: list[str], rank: int) -> bool:
         """Try the addresses of a build's peers; report the ones this node cannot reach."""

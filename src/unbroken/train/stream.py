@@ -14,6 +14,7 @@ reading forward from where it was is the cheap case, and the one training makes.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -58,13 +59,23 @@ class IterableStream:
     Reading forward from the last position costs only the samples skipped (other nodes'
     slices); reading backward (a retried step) starts the iteration over."""
 
+    HEAD = 256
+    """The first samples, kept: speed probes read positions 0..k, and must not make the
+    stream start over when training is far into it."""
+
     def __init__(self, source: Iterable[Any] | Callable[[], Iterable[Any]], name: str = "") -> None:
+        if not callable(source) and iter(source) is source:
+            raise ConfigError(
+                f"IterableStream was given a one-shot iterator ({type(source).__name__}): a retried step must "
+                "read its samples again; give the iterable (an IterableDataset) or a function that makes it anew"
+            )
         self._make: Callable[[], Iterable[Any]] = source if callable(source) else (lambda: source)  # type: ignore[assignment]
         self._name = name or type(source).__name__
         self._it: Iterator[Any] | None = None
         self._pos = 0
         """Samples the current iteration has yielded (a position within the pass)."""
         self._pass_length: int | None = None
+        self._head: list[Any] = []
         self._lock = threading.Lock()
 
     def identity(self) -> str:
@@ -74,6 +85,8 @@ class IterableStream:
         with self._lock:
             if self._pass_length is not None:
                 start %= self._pass_length  # a finite stream starts over: positions wrap
+            if start + count <= len(self._head):
+                return self._head[start : start + count]
             if self._it is None or start < self._pos:
                 self._restart()
             self._skip(start - self._pos)
@@ -92,6 +105,8 @@ class IterableStream:
             self._pass_length = self._pos
             self._restart()
             sample = next(self._it)
+        if self._pos == len(self._head) and self._pos < self.HEAD:
+            self._head.append(sample)
         self._pos += 1
         return sample
 
@@ -119,12 +134,13 @@ class ShardStream:
         self.length = sum(self._counts)
         self._offsets: dict[int, list[int]] = {}
         self._lock = threading.Lock()
-
-    def identity(self) -> str:
         h = hashlib.blake2b(digest_size=8)
         for path, count in zip(self.files, self._counts, strict=True):
             h.update(f"{path.name}:{path.stat().st_size}:{count};".encode())
-        return f"shards:{h.hexdigest()}"
+        self._identity = f"shards:{h.hexdigest()}"  # as found at the start: a shard growing later is not another job
+
+    def identity(self) -> str:
+        return self._identity
 
     def read(self, start: int, count: int) -> list[Any]:
         out = []
@@ -134,7 +150,9 @@ class ShardStream:
         return out
 
     def _locate(self, pos: int) -> tuple[int, int]:
-        shard = max(i for i, s in enumerate(self._starts) if s <= pos and self._counts[i])
+        shard = bisect.bisect_right(self._starts, pos) - 1
+        while not self._counts[shard]:  # an empty shard starts where the next one does
+            shard += 1
         return shard, pos - self._starts[shard]
 
     def _line(self, shard: int, line: int) -> str:
@@ -148,9 +166,12 @@ class ShardStream:
 
 
 def _count_lines(path: Path) -> int:
+    count, last = 0, b"\n"
     with open(path, "rb") as f:
-        data = f.read()
-    return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+        while block := f.read(1 << 20):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")
 
 
 def _line_offsets(path: Path) -> list[int]:

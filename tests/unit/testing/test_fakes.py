@@ -8,14 +8,19 @@ import time
 from unbroken.testing.fakes import FakeNode, FakeNodes
 
 
-def test_expulsions_after_the_fake_sides_own_stall_are_told_apart() -> None:
+def test_an_expulsion_after_the_fakes_own_silence_is_told_apart() -> None:
+    steady, stalled = FakeNode("a", 0), FakeNode("b", 0)
+    for t in [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]:
+        steady.sent_now(t, 0.2)
+    for t in [0.0, 0.2, 1.3]:  # its loop stalled 1.1 s between two heartbeats
+        stalled.sent_now(t, 0.2)
+    assert not steady.was_silent(1.1, 1.0), "it kept talking: its expulsion would be the control plane's"
+    assert stalled.was_silent(1.4, 1.0), "the 1.1 s gap that just ended counts"
+    assert stalled.was_silent(2.0, 1.0), "0.7 s since its last message, but the 1.1 s gap just before counts"
     fakes = FakeNodes(("127.0.0.1", 1), 0)
-    fakes.nodes = [FakeNode("a", 0, expelled_at=[10.5, 30.0]), FakeNode("b", 0, expelled_at=[11.9])]
-    fakes.nodes[0].expulsions, fakes.nodes[1].expulsions = 2, 1
-    fakes.stalls = [(10.0, 0.8), (29.0, 0.1)]  # one long stall, one too short to matter
-    assert fakes.expelled() == 3
-    assert fakes.expelled_after_stalls(2.0, 0.5) == 2  # 10.5 and 11.9 follow the 0.8 s stall
-    assert fakes.max_stall() == 0.8
+    fakes.nodes = [steady, stalled]
+    steady.expulsions, stalled.expulsions, stalled.silent_expulsions = 1, 1, 1
+    assert fakes.expelled() == 2 and fakes.expelled_while_silent() == 1
 
 
 def test_the_watch_records_a_blocked_loop() -> None:

@@ -28,13 +28,29 @@ class Counting(IterableDataset[int]):
 def test_an_iterable_is_read_at_any_positions_and_wraps_around() -> None:
     source = Counting(10)
     stream = IterableStream(source)
+    stream.HEAD = 0  # no kept head: every backward read starts over
+    begun = source.iterations
     assert stream.read(0, 4) == [0, 1, 2, 3]
     assert stream.read(6, 3) == [6, 7, 8], "forward: the samples between are skipped"
-    assert source.iterations == 1
+    assert source.iterations == begun + 1
     assert stream.read(2, 2) == [2, 3], "backward (a retried step): read again from the start"
-    assert source.iterations == 2
+    assert source.iterations == begun + 2
     assert stream.read(8, 5) == [8, 9, 0, 1, 2], "a finite stream starts over"
     assert stream.read(23, 2) == [3, 4], "positions past the end wrap once its length is known"
+
+
+def test_the_first_samples_are_kept_for_speed_probes() -> None:
+    source = Counting(1000)
+    stream = IterableStream(source)
+    assert stream.read(500, 2) == [500, 501]
+    begun = source.iterations
+    assert stream.read(0, 8) == list(range(8)), "a probe of the first samples"
+    assert stream.read(502, 1) == [502] and source.iterations == begun, "training goes on where it was"
+
+
+def test_a_one_shot_iterator_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"one-shot iterator .*a retried step must read its samples again"):
+        IterableStream(iter(range(5)))
 
 
 def test_an_empty_iterable_is_named() -> None:
