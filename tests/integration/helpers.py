@@ -68,18 +68,22 @@ def gloo_entry(port: int = 4242, host: str = "127.0.0.1", peers: int = 0, name: 
     return struct.pack("<Q", len(name)) + name + struct.pack("<Q", len(address)) + address + ids
 
 
-def established(pid: int) -> int:
-    """Established TCP connections process ``pid`` holds (control session, group pairs)."""
+def established(pid: int) -> int | None:
+    """Established TCP connections process ``pid`` holds (control session, group pairs);
+    None when it is gone meanwhile (a node that killed itself on schedule)."""
     inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if target.startswith("socket:["):
-                inodes.add(target[len("socket:[") : -1])
-    count = 0
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}", encoding="ascii") as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                count += fields[3] == "01" and fields[9] in inodes
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+        count = 0
+        for table in ("tcp", "tcp6"):
+            with open(f"/proc/{pid}/net/{table}", encoding="ascii") as f:
+                for line in f.readlines()[1:]:
+                    fields = line.split()
+                    count += fields[3] == "01" and fields[9] in inodes
+    except FileNotFoundError:
+        return None
     return count
