@@ -129,7 +129,7 @@ def run_one(layout: str, n: int, args: argparse.Namespace, progress: ProgressLin
             expelled = fakes.expelled()
             # The fake side shares the machine: while its own loop stalls its nodes fall silent.
             on_fakes = fakes.expelled_while_silent()
-            stall = fakes.max_stall()
+            stall = fakes.longest_stall_s
     relay_cpu = [cpu[pid] for pid in pids[1:]]
     return {
         "layout": layout,

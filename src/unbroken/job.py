@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from unbroken.errors import ConfigError, JobLoadError
+from unbroken.state import layout
 from unbroken.train.data import DataPlan
 from unbroken.train.stream import Stream, StreamPlan
 
@@ -277,8 +278,6 @@ class Job:
 
 
 def _check_stateful(where: str, what: str, value: Any, *more: str) -> None:
-    from unbroken.state import layout
-
     missing = [a for a in ("state_dict", "load_state_dict", *more) if not callable(getattr(value, a, None))]
     if missing:
         raise ConfigError(
@@ -292,10 +291,9 @@ def _check_stateful(where: str, what: str, value: Any, *more: str) -> None:
             f"{where}: {what}'s state_dict() cannot be sent to other nodes ({exc}): it may hold tensors, "
             "dicts, lists, tuples, strings, numbers, booleans and None"
         ) from None
-    step = getattr(value, "step", None)
-    if "step" in more and step is not None:
+    if "step" in more:
         try:
-            inspect.signature(step).bind()
+            inspect.signature(value.step).bind()
         except TypeError:
             raise ConfigError(
                 f"{where}: {what}.step() needs arguments ({type(value).__name__}, e.g. a metric): the runtime "
