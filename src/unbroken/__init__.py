@@ -33,12 +33,20 @@ from unbroken.errors import (
 if TYPE_CHECKING:
     from unbroken.control.coordinator import Coordinator
     from unbroken.job import Job, load_job
+    from unbroken.swarm import Swarm, join
+    from unbroken.train.data import LoaderOrder
     from unbroken.train.runtime import Node, NodeResult, run_node
+    from unbroken.train.step import Slice, StepProtocol
 
 _LAZY = {
     "Coordinator": "unbroken.control.coordinator",
     "Job": "unbroken.job",
     "load_job": "unbroken.job",
+    "join": "unbroken.swarm",
+    "Swarm": "unbroken.swarm",
+    "LoaderOrder": "unbroken.train.data",
+    "Slice": "unbroken.train.step",
+    "StepProtocol": "unbroken.train.step",
     "Node": "unbroken.train.runtime",
     "NodeResult": "unbroken.train.runtime",
     "run_node": "unbroken.train.runtime",
@@ -68,14 +76,19 @@ __all__ = [
     "JobFailed",
     "JobLoadError",
     "JoinRefused",
+    "LoaderOrder",
     "Node",
     "NodeConfig",
     "NodeResult",
     "ProtocolError",
+    "Slice",
+    "StepProtocol",
     "Suspicion",
+    "Swarm",
     "TransferError",
     "UnbrokenError",
     "Unreachable",
+    "join",
     "load_job",
     "run_node",
 ]

@@ -37,6 +37,11 @@ def _check_etcd(owner: str, endpoints: tuple[str, ...], prefix: str, ttl_s: int)
     _check_range(owner, "etcd_ttl_s", ttl_s, 1, 60)
 
 
+def environment_coordinators() -> list[str]:
+    """``$UNBROKEN_COORDINATOR``'s addresses (comma-separated), if set."""
+    return [a for a in os.environ.get(ENV_COORDINATOR, "").split(",") if a.strip()]
+
+
 def parse_address(text: str) -> tuple[str, int]:
     """Parse ``host:port`` into a pair, with an error that shows the expected form."""
     host, sep, port = text.strip().rpartition(":")

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from unbroken.errors import ConfigError, JobLoadError
 from unbroken.state import layout
-from unbroken.train.data import DataPlan
+from unbroken.train.data import DataPlan, PassOrder, order_digest
 from unbroken.train.stream import Stream, StreamPlan
 
 
@@ -155,6 +155,11 @@ class Job:
     """Called on every replica after each committed step (DiLoCo: each outer step), before
     its digest and checkpoint: update `state` here (the same way everywhere), and evaluate
     or log every N steps where ``info.rank == 0``."""
+    order: PassOrder | None = None
+    """The order a map-style dataset is read in, pass by pass: ``order(k)`` is pass k's
+    dataset indices, the same on every call and every node (``LoaderOrder(loader)`` reads a
+    DataLoader's, sampler, generator and ``drop_last`` included). Default: a permutation
+    seeded by `seed` per pass. Its first pass is part of `identity`."""
     args: tuple[str, ...] = field(default=(), compare=False)
     """The job's command-line arguments (``unbroken node job.py:make -- --lr 3e-4`` calls
     ``make(["--lr", "3e-4"])``); part of `identity`, so nodes given others are refused."""
@@ -172,6 +177,8 @@ class Job:
         if self.num_steps < 1:
             raise ConfigError(f"Job.num_steps = {self.num_steps} must be at least 1")
         if isinstance(self.dataset, Stream):
+            if self.order is not None:
+                raise ConfigError("Job.order is for a map-style dataset: a stream is read in its own order")
             return
         if isinstance(self.dataset, IterableDataset) or not hasattr(self.dataset, "__len__"):
             raise ConfigError(
@@ -180,17 +187,23 @@ class Job:
             )
         if len(self.dataset) < 1:
             raise ConfigError("Job.dataset is empty: it needs at least one sample")
+        if self.order is not None and self.num_samples < 1:
+            raise ConfigError("Job.order's first pass is empty (drop_last with fewer samples than one batch?)")
 
     @property
     def num_samples(self) -> int:
         """Samples per pass of a map-style dataset (0 for a stream)."""
-        return 0 if isinstance(self.dataset, Stream) else len(self.dataset)  # type: ignore[arg-type]
+        if isinstance(self.dataset, Stream):
+            return 0
+        if self.order is not None:
+            return len(self.order(0))
+        return len(self.dataset)  # type: ignore[arg-type]
 
     def plan(self) -> DataPlan | StreamPlan:
         """Which positions each step's slice reads (`samples` turns them into samples)."""
         if isinstance(self.dataset, Stream):
             return StreamPlan(self.batch_size)
-        return DataPlan(self.num_samples, self.batch_size, self.seed)
+        return DataPlan(self.num_samples, self.batch_size, self.seed, self.order)
 
     def samples(self, indices: list[int]) -> list[Any]:
         """The samples at ``indices`` of `plan` (a stream's are consecutive positions)."""
@@ -215,6 +228,8 @@ class Job:
         }
         if isinstance(self.dataset, Stream):
             spec["stream"] = self.dataset.identity()
+        if self.order is not None:
+            spec["order"] = order_digest(self.order)
         if self.args:
             spec["args"] = list(self.args)
         return hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=8).hexdigest()

@@ -12,9 +12,11 @@ import asyncio
 import json
 import logging
 import os
+import runpy
 import shlex
 import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -139,14 +141,10 @@ async def _exit_with_parent(coord: Any) -> None:
     coord.stop_nowait()
 
 
-def _node(args: argparse.Namespace) -> int:
-    from unbroken.job import load_job
-    from unbroken.testing.faults import parse_faults
-    from unbroken.train.runtime import run_node
-
+def _node_config(args: argparse.Namespace) -> NodeConfig:
     etcd = _etcd(args)
     addresses = args.coordinator or ([] if etcd else os.environ.get(ENV_COORDINATOR, "").split(","))
-    config = NodeConfig(
+    return NodeConfig(
         coordinators=tuple(parse_address(p) for a in addresses for p in a.split(",") if p),
         etcd=etcd,
         etcd_prefix=args.etcd_prefix,
@@ -177,6 +175,14 @@ def _node(args: argparse.Namespace) -> int:
         link_latency_ms=args.link_latency_ms,
         link_mbit=args.link_mbit,
     )
+
+
+def _node(args: argparse.Namespace) -> int:
+    from unbroken.job import load_job
+    from unbroken.testing.faults import parse_faults
+    from unbroken.train.runtime import run_node
+
+    config = _node_config(args)
     faults = parse_faults(args.fault or "")
     job = load_job(args.job, args.job_args)
     result = run_node(job, config, faults)
@@ -185,12 +191,43 @@ def _node(args: argparse.Namespace) -> int:
         f"(digest {result.digest[:16]}, {result.epochs} epochs)",
         file=sys.stderr,
     )
+    return _exit_now(0)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """A script with its own loop (`unbroken.swarm`), run in this process as ``__main__``
+    with the job's arguments as its ``sys.argv``; its `unbroken.join` takes these options."""
+    from unbroken import swarm
+    from unbroken.testing.faults import parse_faults
+
+    script = Path(args.script)
+    if not script.is_file():
+        raise ConfigError(f"unbroken run: {script} is not a file: give the path of a Python script")
+    swarm.launch(_node_config(args), parse_faults(args.fault or ""))
+    sys.argv = [str(script), *args.job_args]
+    sys.path.insert(0, str(script.resolve().parent))
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)
+        return _exit_now(code)
+    except UnbrokenError:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        return _exit_now(1)
+    return _exit_now(0)
+
+
+def _exit_now(code: int) -> int:
     # Skip interpreter teardown: destroying a gloo group that still holds an abandoned
     # collective can std::terminate the process (seen with torch 2.13) after all is done.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _etcd(args: argparse.Namespace) -> tuple[str, ...]:
@@ -283,6 +320,62 @@ def _chaos(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _node_options(n: argparse.ArgumentParser) -> None:
+    """The options of one node (`unbroken node` and `unbroken run`)."""
+    n.add_argument(
+        "--coordinator",
+        action="append",
+        help=f"HOST:PORT, or several comma-separated: any of them names the leader (default ${ENV_COORDINATOR})",
+    )
+    n.add_argument(
+        "--relay",
+        action="append",
+        help="HOST:PORT of this zone's relay (comma-separated for several), tried before the leader",
+    )
+    _etcd_args(n)
+    n.add_argument(
+        "--coordinate", action="store_true", help="also be a coordinator candidate (with --etcd): no separate machine"
+    )
+    n.add_argument("--coordinator-args", help='with --coordinate: the candidate\'s options, e.g. "--min-nodes 3"')
+    n.add_argument("--name", help="name shown in events (default: host-pid)")
+    n.add_argument("--weight", type=float, default=1.0, help="relative share of the global batch")
+    n.add_argument("--max-microbatch", type=int, default=0, help="largest micro-batch (0: as memory allows)")
+    n.add_argument("--device", default="auto", help="compute device: auto, cpu, cuda, cuda:N, mps")
+    n.add_argument("--memory-limit", default="0", help="device memory this node may use, e.g. 2GB (0: what is free)")
+    n.add_argument(
+        "--role",
+        choices=("auto", "trainer", "validator", "standby"),
+        default="auto",
+        help="auto: the cost model decides; standby: a hot spare promoted when a trainer fails",
+    )
+    n.add_argument(
+        "--zone",
+        help="where this node is (site, region): reduction is two-level across zones; auto: grouped by round-trip "
+        "time to the coordinator",
+    )
+    n.add_argument("--link-latency-ms", type=float, default=0.0, help="testing aid: emulated inter-zone latency")
+    n.add_argument("--link-mbit", type=float, default=0.0, help="testing aid: emulated inter-zone Mbit/s (0: none)")
+    n.add_argument("--throttle", help="testing aid: emulate a slower device, e.g. 0.25 or 1,40:0.25,80:1")
+    n.add_argument("--checkpoint-dir", help="directory for asynchronous checkpoints")
+    n.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N committed steps")
+    n.add_argument("--connect-timeout", type=float, default=15.0, help="seconds to wait for the coordinator")
+    n.add_argument(
+        "--max-donors", type=int, default=0, help="peers to fetch state from at once when behind (0: all holding it)"
+    )
+    n.add_argument(
+        "--full-resync", action="store_true", help="fetch the whole state when behind, not only the chunks that differ"
+    )
+    n.add_argument("--collective-timeout", type=float, default=60.0, help="deadline of one collective")
+    n.add_argument("--stall-timeout", type=float, default=300.0, help="expel this node if its loop stalls this long")
+    n.add_argument("--digest-every", type=int, default=0, help="log a state digest every N steps")
+    n.add_argument("--commit-log", help="append commits, contributions and syncs here (JSON lines)")
+    n.add_argument("--final-state", help="save the final state here")
+    n.add_argument("--gloo-host", help="address peers use for this node's data plane")
+    _token_args(n)
+    n.add_argument("--tls-ca", help="connect over TLS, trusting this CA bundle (PEM) for the coordinator")
+    n.add_argument("--fault", help="testing aid: SIGNAL@PHASE:STEP[,...], e.g. kill@allreduce:12")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="unbroken", description="Elastic PyTorch training that does not stop.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -363,59 +456,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="the job: path/to/file.py:ATTR or package.module:ATTR; its own arguments follow -- "
         "(ATTR(argv) is called with them: `unbroken node job.py:make -- --lr 3e-4`)",
     )
-    n.add_argument(
-        "--coordinator",
-        action="append",
-        help=f"HOST:PORT, or several comma-separated: any of them names the leader (default ${ENV_COORDINATOR})",
-    )
-    n.add_argument(
-        "--relay",
-        action="append",
-        help="HOST:PORT of this zone's relay (comma-separated for several), tried before the leader",
-    )
-    _etcd_args(n)
-    n.add_argument(
-        "--coordinate", action="store_true", help="also be a coordinator candidate (with --etcd): no separate machine"
-    )
-    n.add_argument("--coordinator-args", help='with --coordinate: the candidate\'s options, e.g. "--min-nodes 3"')
-    n.add_argument("--name", help="name shown in events (default: host-pid)")
-    n.add_argument("--weight", type=float, default=1.0, help="relative share of the global batch")
-    n.add_argument("--max-microbatch", type=int, default=0, help="largest micro-batch (0: as memory allows)")
-    n.add_argument("--device", default="auto", help="compute device: auto, cpu, cuda, cuda:N, mps")
-    n.add_argument("--memory-limit", default="0", help="device memory this node may use, e.g. 2GB (0: what is free)")
-    n.add_argument(
-        "--role",
-        choices=("auto", "trainer", "validator", "standby"),
-        default="auto",
-        help="auto: the cost model decides; standby: a hot spare promoted when a trainer fails",
-    )
-    n.add_argument(
-        "--zone",
-        help="where this node is (site, region): reduction is two-level across zones; auto: grouped by round-trip "
-        "time to the coordinator",
-    )
-    n.add_argument("--link-latency-ms", type=float, default=0.0, help="testing aid: emulated inter-zone latency")
-    n.add_argument("--link-mbit", type=float, default=0.0, help="testing aid: emulated inter-zone Mbit/s (0: none)")
-    n.add_argument("--throttle", help="testing aid: emulate a slower device, e.g. 0.25 or 1,40:0.25,80:1")
-    n.add_argument("--checkpoint-dir", help="directory for asynchronous checkpoints")
-    n.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N committed steps")
-    n.add_argument("--connect-timeout", type=float, default=15.0, help="seconds to wait for the coordinator")
-    n.add_argument(
-        "--max-donors", type=int, default=0, help="peers to fetch state from at once when behind (0: all holding it)"
-    )
-    n.add_argument(
-        "--full-resync", action="store_true", help="fetch the whole state when behind, not only the chunks that differ"
-    )
-    n.add_argument("--collective-timeout", type=float, default=60.0, help="deadline of one collective")
-    n.add_argument("--stall-timeout", type=float, default=300.0, help="expel this node if its loop stalls this long")
-    n.add_argument("--digest-every", type=int, default=0, help="log a state digest every N steps")
-    n.add_argument("--commit-log", help="append commits, contributions and syncs here (JSON lines)")
-    n.add_argument("--final-state", help="save the final state here")
-    n.add_argument("--gloo-host", help="address peers use for this node's data plane")
-    _token_args(n)
-    n.add_argument("--tls-ca", help="connect over TLS, trusting this CA bundle (PEM) for the coordinator")
-    n.add_argument("--fault", help="testing aid: SIGNAL@PHASE:STEP[,...], e.g. kill@allreduce:12")
+    _node_options(n)
     n.set_defaults(func=_node)
+
+    u = sub.add_parser(
+        "run",
+        help="run a script that keeps its own training loop (unbroken.join) as one node",
+        formatter_class=fmt,
+    )
+    u.add_argument(
+        "script",
+        help="path/to/script.py, run as __main__; its own arguments follow -- (`unbroken run train.py -- --lr 3e-4`)",
+    )
+    _node_options(u)
+    u.set_defaults(func=_run)
 
     d = sub.add_parser(
         "demo", help="local coordinator + nodes with a kill and a join, live progress", formatter_class=fmt
@@ -460,14 +514,14 @@ def main(argv: list[str] | None = None) -> int:
         argv, job_args = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     parser = build_parser()
     args = parser.parse_args(argv)
-    if job_args and args.command != "node":
-        parser.error(f"only `unbroken node` takes job arguments after --, not `unbroken {args.command}`")
+    if job_args and args.command not in ("node", "run"):
+        parser.error(f"only `unbroken node` and `unbroken run` take job arguments after --, not {args.command}")
     args.job_args = job_args
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if args.command in ("coordinator", "node"):
+    if args.command in ("coordinator", "node", "run"):
         # Long-running services: show joins, epochs, failures and progress as they happen.
         logging.getLogger("unbroken").setLevel(logging.INFO)
     try:

@@ -238,8 +238,10 @@ class LocalCluster:
         # Every coordinator started here, or the one whose address the caller set (embedded).
         known = via or [a for _, a in self.coordinators] or ([self.address] if self.address else [])
         where = ",".join(f"{h}:{p}" for h, p in known)
+        # A script keeps its own loop (`unbroken run`); a job is ``file.py:ATTR`` (`unbroken node`).
+        verb = "run" if self.job.endswith(".py") else "node"
         cmd = [
-            sys.executable, "-m", "unbroken", "-v", "node", self.job,
+            sys.executable, "-m", "unbroken", "-v", verb, self.job,
             *(["--coordinator", where] if where else []),
             *(["--relay", ",".join(f"{h}:{p}" for h, p in relays)] if relays else []),
             *(["--etcd", ",".join(self.etcd)] if self.etcd and via is None else []),

@@ -38,17 +38,19 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from unbroken.comm.group import EpochGroup
 from unbroken.comm.transfer import sync_state
-from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted
+from unbroken.errors import BadContribution
 from unbroken.job import AnyOptimizer
-from unbroken.sched.shares import offsets
 from unbroken.state.snapshot import tree_digest
 from unbroken.train.guard import judge
+from unbroken.train.step import Slice, after_step
 
 if TYPE_CHECKING:
     from unbroken.control.messages import EpochOrder
@@ -76,9 +78,9 @@ class DiLoCo:
         """...and the step it was committed at."""
 
     def _zone(self) -> tuple[str, list[int]]:
-        g = self.node.group
-        assert g is not None
-        zones = self.node.reducer.zones
+        g, p = self.node.group, self.node.protocol
+        assert g is not None and p is not None
+        zones = p.reducer.zones
         if not zones.of_rank:
             return "", list(range(g.size))
         mine = zones.of_rank[g.rank]
@@ -92,17 +94,19 @@ class DiLoCo:
         if received:  # the state came from a peer, perhaps of another zone
             self.inner_zone = None
         mine, ranks = self._zone()
-        pg = node.reducer.zone_pg if node.reducer.zones.multi else g.pg
+        assert node.protocol is not None
+        reducer = node.protocol.reducer
+        pg = reducer.zone_pg if reducer.zones.multi else g.pg
         if pg is not None and len(ranks) > 1:
             inner = _InnerState(node.state.optimizer, self.inner_step if self.inner_zone == mine else -1)
-            abort = functools.partial(node._abort_reason, during_step=False)
+            abort = functools.partial(node.abort_reason, during_step=False)
             r = sync_state(
                 pg, ranks.index(g.rank), len(ranks), inner, node.wake, abort, node.config.collective_timeout_s
             )
             if r.role == "receiver":
                 zone = mine or "default"
                 log.info("%s: took zone %s's inner optimizer state (%.1f MB)", node.name, zone, r.megabytes)
-                node._log({"kind": "inner-sync", "zone": mine, "step": node.state.step, "mb": r.megabytes})
+                node.records.log({"kind": "inner-sync", "zone": mine, "step": node.state.step, "mb": r.megabytes})
         self.inner_zone, self.inner_step = mine, node.state.step
 
     def round_end(self, step: int) -> int:
@@ -131,104 +135,71 @@ class DiLoCo:
 
     # ---------------------------------------------------------------- the round
 
-    def train(self) -> None:
+    def train(self) -> Generator[Slice, float, None]:
         """Inner steps until the round ends, then the outer step; rounds until the job ends
-        or the group must switch to a new epoch."""
-        node = self.node
-        g = node.group
-        assert g is not None
+        or the group must switch to a new epoch. Yields each inner step's slice to compute
+        and takes its loss back (`train.step`)."""
+        node, g, p = self.node, self.node.group, self.node.protocol
+        assert g is not None and p is not None
         B = node.job.batch_size
         mine, zone_ranks = self._zone()
+        zone = mine or "default"
         zone_samples = sum(g.shares[r] for r in zone_ranks)
         zone_shares = [s if r in zone_ranks else 0 for r, s in enumerate(g.shares)]
-        my_offset, my_share = offsets(g.shares)[g.rank], g.shares[g.rank]
-        norms_at = node.numel + _EXTRA
-        flat = torch.zeros(norms_at + g.size, dtype=torch.float32)
-        in_step = functools.partial(node._abort_reason, during_step=True)
         self.begin_round()
         losses: list[float] = []
         while node.state.step < node.job.num_steps:
-            step = node.state.step
-            t0 = time.monotonic()
-            reason = in_step()
-            if reason is not None:
-                raise EpochAborted(reason)
-            if node._leave_requested and node._leave_sent_at is None:
-                if g.size == 1:
-                    return
-                node._announce_leave()
-            node.faults.maybe_fire("compute", step)
-            indices = node.data.indices(step, my_offset, my_share)
-            before = [b.detach().clone() for b in node.buffers]
+            if p.leaving_alone():
+                return
+            sl = p.open()
             try:
-                loss = node._compute(indices, step, g.microbatch, before)
-                reason = in_step()
-                if reason is not None:
-                    raise EpochAborted(reason)
-                node._flatten(flat, before, my_share / max(zone_samples, 1), len(zone_ranks))
-                poison = node.faults.corruption(step)
-                if poison is not None:
-                    flat[: node.compressed_numel] *= poison
-                flat[node.numel : norms_at] = torch.tensor([1.0, float(my_share), 0.0, loss])
-                flat[norms_at:] = 0.0
-                flat[norms_at + g.rank] = torch.linalg.vector_norm(flat[: node.compressed_numel])
-                entry = {"kind": "contrib", "epoch": g.epoch, "step": step, "rank": g.rank, "indices": indices}
-                node._log(entry | {"role": g.role, "zone": mine, "compute_s": node.meter.last_compute_s})
-                node.reducer.zone_allreduce(
-                    flat,
-                    node.wake,
-                    in_step,
-                    node.config.collective_timeout_s,
-                    f"inner step {step} (zone {mine or 'default'})",
-                    after_post=functools.partial(node.faults.maybe_fire, "allreduce", step),
-                )
-                votes, samples, _, zone_loss = flat[node.numel : norms_at].tolist()
-                if round(votes) != len(zone_ranks) or round(samples) != zone_samples:
-                    raise CollectiveFailed(
-                        f"inner step {step} had {votes:.0f}/{len(zone_ranks)} votes and "
-                        f"{samples:.0f}/{zone_samples} samples in zone {mine or 'default'}"
-                    )
-                verdict = judge(flat[norms_at:].tolist(), zone_shares, B)
+                loss = yield sl
+                p.check()
+                weight = sl.share / max(zone_samples, 1)
+                p.contribute(sl, loss, weight=weight, members=len(zone_ranks), switch=False, zone=mine)
+                p.reduce(sl, zone=True, what=f"inner step {sl.step} (zone {zone})")
+                what = f"inner step {sl.step} in zone {zone}"
+                tally = p.verify(members=len(zone_ranks), samples=zone_samples, what=what)
+                verdict = judge(p.flat[p.norms_at :].tolist(), zone_shares, B)
                 if verdict is not None:
                     culprit, why = verdict
                     raise BadContribution(
-                        culprit, f"inner step {step}: refused rank {culprit}'s gradient: {why}", zone_only=True
+                        culprit, f"inner step {sl.step}: refused rank {culprit}'s gradient: {why}", zone_only=True
                     )
             except BaseException:
-                node._restore_buffers(before)
+                p.undo(sl)
                 raise
             # The sum is over the zone's samples: the zone's mean gradient, not the global one.
-            flat[: node.compressed_numel] *= B / max(zone_samples, 1)
-            node._apply(flat, before)
-            node.state.step = step + 1
-            losses.append(zone_loss * B / max(zone_samples, 1))
-            node._report(g, node.state.step, losses[-1], B / max(time.monotonic() - t0, 1e-9))
-            if node.state.step == self.round_end(step):
-                if self._outer_step(step, losses):
+            p.flat[: node.compressed_numel] *= B / max(zone_samples, 1)
+            p.apply(sl)
+            node.state.step = sl.step + 1  # the cursor moves with the outer step
+            losses.append(tally.loss * B / max(zone_samples, 1))
+            node.records.progress(g, node.state.step, losses[-1], B / max(time.monotonic() - sl.started, 1e-9))
+            if node.state.step == self.round_end(sl.step):
+                if self._outer_step(sl.step, losses):
                     return
                 losses = []
 
     def _outer_step(self, last: int, losses: list[float]) -> bool:
         """Exchange the zones' pseudo-gradients and apply the outer optimizer; True when
         the group switches to a new epoch after it."""
-        node = self.node
-        grp = node.group
-        assert grp is not None
+        node, grp, p = self.node, self.node.group, self.node.protocol
+        assert grp is not None and p is not None
         B = node.job.batch_size
-        zones = node.reducer.zones
+        zones = p.reducer.zones
         mine, zone_ranks = self._zone()
         zone_samples = sum(grp.shares[r] for r in zone_ranks)
         first = int(self._round_start["step"]) if self._round_start else last  # type: ignore[call-overload]
         steps = last + 1 - first
-        norms_at = node.numel + _EXTRA
-        flat = torch.zeros(norms_at + grp.size, dtype=torch.float32)
+        flat = p.flat
+        flat.zero_()
         leader = zone_ranks[0] == grp.rank
         if leader:  # every member of a zone holds the same parameters: one speaks for it
             weight = zone_samples / B
             off = 0
-            for a, p in zip(self.anchor, node.params, strict=True):
-                n = p.numel()
-                flat[off : off + n] = (a.detach() - p.detach()).reshape(-1) * weight
+            for a, q in zip(self.anchor, node.params, strict=True):
+                n = q.numel()
+                flat[off : off + n] = (a.detach() - q.detach()).reshape(-1) * weight
                 off += n
             n_zones = len(zones.names) if zones.of_rank else 1
             for b, b0 in zip(node.buffers, self._round_buffers, strict=True):
@@ -236,54 +207,58 @@ class DiLoCo:
                 delta = (b.detach() - b0).reshape(-1).to(torch.float32)
                 flat[off : off + n] = delta * (weight if b.dtype.is_floating_point else 1.0 / n_zones)
                 off += n
-        latest = node.client.latest_order()
-        switch = 1.0 if (latest is not None and latest.epoch > grp.epoch) or node._leave_sent_at else 0.0
         mean_loss = sum(losses) / max(len(losses), 1)
-        flat[node.numel : norms_at] = torch.tensor(
-            [1.0, float(grp.shares[grp.rank] * steps), switch, mean_loss * (zone_samples / B if leader else 0.0)]
+        flat[node.numel : p.norms_at] = torch.tensor(
+            [1.0, float(p.share * steps), float(p.switching()), mean_loss * (zone_samples / B if leader else 0.0)]
         )
-        in_step = functools.partial(node._abort_reason, during_step=True)
         t_comm = time.monotonic()
-        node.reducer.allreduce(
+        p.reducer.allreduce(
             flat,
             node.wake,
-            in_step,
+            p.in_step,
             node.config.collective_timeout_s,
             f"outer step after inner step {last}",
             after_exchange_post=functools.partial(node.faults.maybe_fire, "exchange", last),
         )
         node.meter.last_comm_s = time.monotonic() - t_comm
-        votes, samples, switched, global_loss = flat[node.numel : norms_at].tolist()
-        if round(votes) != grp.size or round(samples) != B * steps:
-            raise CollectiveFailed(
-                f"outer step after inner step {last} had {votes:.0f}/{grp.size} votes and "
-                f"{samples:.0f}/{B * steps} samples"
-            )
-        node._fence()
+        tally = p.verify(members=grp.size, samples=B * steps, what=f"outer step after inner step {last}")
+        p.fence()
         with torch.no_grad():
             off = 0
-            for a, p in zip(self.anchor, node.params, strict=True):
-                n = p.numel()
+            for a, q in zip(self.anchor, node.params, strict=True):
+                n = q.numel()
                 a.grad = flat[off : off + n].view_as(a).clone()
                 off += n
             self.outer.step()
-            for a, p in zip(self.anchor, node.params, strict=True):
-                p.copy_(a)
+            for a, q in zip(self.anchor, node.params, strict=True):
+                q.copy_(a)
                 a.grad = None
             for b, b0 in zip(node.buffers, self._round_buffers, strict=True):
                 n = b.numel()
                 delta = flat[off : off + n].view_as(b)
                 b.copy_(b0 + (delta if b.dtype.is_floating_point else delta.round()).to(b.dtype))
                 off += n
-        node._committed_round(grp, first, last, global_loss)
+        self._commit_round(grp, first, last, tally.loss)
         self.inner_zone, self.inner_step = mine, node.state.step
         self.begin_round()  # the committed state: what a failure from now on rolls back to
         log.debug("%s: outer step after inner step %d (%d inner steps)", node.name, last, steps)
-        return switched > 0 or node.state.step >= node.job.num_steps
+        return tally.switch > 0 or node.state.step >= node.job.num_steps
 
-
-_EXTRA = 4
-"""Vote, samples, switch, loss (the runtime's layout)."""
+    def _commit_round(self, g: EpochGroup, first: int, last: int, loss: float) -> None:
+        """The outer step commits the round's inner steps ``first``..``last`` at once."""
+        node = self.node
+        node.advance(last + 1, loss)
+        after_step(node, g, loss)
+        for s in range(first + 1, last + 2):
+            if s == last + 1:
+                node.records.commit(g, s, loss, node.wire, node.state.digest(), outer=True)
+            else:
+                node.records.log({"kind": "commit", "epoch": g.epoch, "step": s, "loss": loss})
+        log.info(
+            "%s: outer step at %d/%d, epoch %d, %d members, loss %.4f",
+            node.name, node.state.step, node.job.num_steps, g.epoch, g.size, loss,
+        )  # fmt: skip
+        node.records.maybe_checkpoint(g)
 
 
 class _InnerState:

@@ -1,0 +1,90 @@
+"""The Job loop's compute: forward and backward of this node's slice with the job's own
+loss, in micro-batches the memory allows, and the speed measured before joining."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from unbroken.train.device import OutOfMemory
+from unbroken.train.step import Slice, StepProtocol
+
+if TYPE_CHECKING:
+    from unbroken.train.runtime import Node
+
+log = logging.getLogger(__name__)
+
+
+class JobCompute:
+    """Computes a slice's gradient with `Job.microbatch_loss` (the Job loop's compute)."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.used_mb = 0
+        """The micro-batch size the last slice was computed in (the commit log says it)."""
+
+    def __call__(self, protocol: StepProtocol, sl: Slice) -> float:
+        """The slice's loss (its part of the mean over B); gradients summed, scaled to the
+        mean over B. Out of device memory, the micro-batch is halved and the slice computed
+        again: the gradient is the same whatever the micro-batch size."""
+        node = self.node
+        meter = node.meter
+        while True:
+            mb = protocol.group.microbatch or meter.mb_cap or sl.share or 1
+            if meter.oom_cap:
+                mb = min(mb, meter.oom_cap)
+            self.used_mb = mb if sl.indices else 0
+            protocol.prepare(sl)
+            try:
+                return self._slice(sl, mb)
+            except OutOfMemory:
+                if mb <= 1:
+                    raise
+                meter.oom_cap = mb // 2
+                log.warning("%s: out of device memory at micro-batch %d; retrying at %d", node.name, mb, mb // 2)
+                protocol.undo(sl)
+                if node.device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+    def _slice(self, sl: Slice, mb: int) -> float:
+        node = self.node
+        job, client = node.job, node.client
+        model = node.replica.model
+        model.train()
+        B = job.batch_size
+        total = 0.0
+        start = time.perf_counter()
+        n_micro = 0
+        for first in range(0, sl.share, mb):
+            client.touch()
+            chunk = sl.indices[first : first + mb]
+            batch = node.replica.to_device(job.collate(job.samples(chunk)))
+            t_mb = time.perf_counter()
+            loss = job.microbatch_loss(model, batch)
+            (loss * (len(chunk) / B)).backward()  # type: ignore[no-untyped-call]
+            total += float(loss.detach()) * len(chunk) / B
+            node.throttle.stretch(time.perf_counter() - t_mb, sl.step, client.touch)
+            n_micro += 1
+        if sl.indices:
+            node.meter.observe(sl.share, n_micro, time.perf_counter() - start)
+        else:
+            node.meter.last_compute_s = 0.0
+        return total
+
+    def calibrate(self) -> None:
+        """Measure compute speed and activation memory before joining (on a model copy)."""
+        node = self.node
+        model_bytes = sum(t.numel() * t.element_size() for t in node.state.model.state_dict().values())
+        node.meter.calibrate(
+            self.probe_model(), model_bytes, node.config.memory_limit, node.config.max_microbatch, node.state.step
+        )
+
+    def probe_model(self) -> torch.nn.Module:
+        """A copy of the model on the compute device, for timing passes that must not touch the state."""
+        node = self.node
+        model = node.job.model()
+        model.load_state_dict(node.state.model.state_dict())
+        return model.to(node.device)

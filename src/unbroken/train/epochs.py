@@ -1,0 +1,236 @@
+"""Forming an epoch's data plane: the groups an epoch order names, built on the rendezvous
+the coordinator relays (`control.meeting`), and what a node does when a peer cannot be
+reached (it tries the peers' addresses and says whom: `unbroken.comm.reach`)."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unbroken.comm.codecs import Codec, make_codec
+from unbroken.comm.group import PUBLISH_S, EpochGroup, Meeting, build_group, wait_until
+from unbroken.comm.reach import Stall, accuse, reach, unreachable_fault
+from unbroken.comm.reduce import Reducer
+from unbroken.control import messages as m
+from unbroken.control.meeting import with_port
+from unbroken.errors import BadContribution, CollectiveFailed, Unreachable
+from unbroken.sched.zones import WORLD, Zones
+from unbroken.specs import Rule, parse_rule
+from unbroken.train.step import EXTRA
+
+if TYPE_CHECKING:
+    from unbroken.train.runtime import Node
+
+
+def zones_of(order: m.EpochOrder) -> Zones:
+    return Zones(tuple(order.zones) if order.zones else tuple("" for _ in order.members))
+
+
+class Epochs:
+    """Builds each epoch's groups and reducer for one node; answers the leader's probes."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.meeting = Meeting(self._meet)
+        self.codec = CodecSlot(node.name)
+        self._accusing = threading.Lock()
+        self._accused: dict[tuple[int, str], bool] = {}
+        """(epoch, group) builds whose peers' addresses this node tried: whether any failed."""
+
+    def form(self, order: m.EpochOrder) -> tuple[EpochGroup, Reducer]:
+        """This node's group of ``order``'s epoch (now `Node.group`), connected, and the step's reducer."""
+        node = self.node
+        rank = order.members.index(node.client.member_id)
+        group = EpochGroup(
+            order.epoch,
+            rank,
+            list(order.members),
+            list(order.shares),
+            None,
+            roles=list(order.roles),
+            microbatches=list(order.microbatches),
+        )
+        node.group = group  # the epoch now current: what the build's abort checks compare orders with
+        build = self._builder(order.epoch, functools.partial(node.abort_reason, during_step=False))
+        # Where zones exist, the step reduces through the zone and leaders' groups: the
+        # world group only carries the sync phase, robust gathers and audits, whose
+        # rings and transfers touch a few peers each, so it connects only those.
+        zones = zones_of(order)
+        pg, took = build(WORLD, rank, list(order.members), lazy=zones.multi)
+        group.pg, group.built_in_s, group.lazy = pg, took, zones.multi
+        return group, self._reducer(order, zones, group, build)
+
+    def _builder(self, epoch: int, abort: Any) -> Callable[..., tuple[Any, float]]:
+        """Builds the epoch's groups (by name, `Zones.groups`; ``ids``: its members by rank)
+        on its rendezvous. A build waits for its peers up to the collective timeout: the
+        others may still be finishing a step or a round; one that never comes is named by
+        the leader (`--build-deadline` after most of the group started), and the next
+        epoch's order ends the wait. A build that every entry reached but that still has
+        not finished half a build deadline later, or failed, has a peer it cannot connect
+        to: this node tries their addresses and says whom (`unbroken.comm.reach`). A
+        ``lazy`` build returns at once and connects pairs on first use (`Meeting.device`)."""
+        node = self.node
+
+        def build(group: str, rank: int, ids: list[str], lazy: bool = False) -> tuple[Any, float]:
+            assert node.client.welcome is not None  # an order came: the node was welcomed
+            complete = functools.partial(self.meeting.complete, epoch, group, len(ids))
+            # Connecting takes milliseconds once the entries are in: half the deadline is
+            # plenty, and leaves the other half to try the peers and bench one (≤ deadline).
+            stall_s = node.client.welcome.build_deadline_s / 2
+            stall = Stall(complete, stall_s, lambda: self.accuse(epoch, group, ids, rank))
+
+            def tick() -> None:
+                self.meeting.publish(epoch)
+                stall()
+
+            device = self.meeting.device(epoch, group, self.gloo_host(), lazy=lazy)
+            timeout = node.config.collective_timeout_s
+            try:
+                pg, took = build_group(
+                    self.meeting.store(epoch), group, rank, len(ids), device, timeout, node.wake, abort, tick
+                )
+                if lazy:
+                    # Returned at once: wait for every entry as an eager build does, so that
+                    # the next builds (zone, leaders) start when they used to, with the
+                    # members of the epoch before (the leader's clock for them starts then).
+                    def entries_in() -> bool:
+                        tick()
+                        return complete()
+
+                    wait_until(entries_in, node.wake, abort, timeout, f"entries of group {group}", poll_s=PUBLISH_S)
+                return pg, took
+            except CollectiveFailed as exc:
+                if complete() and self.accuse(epoch, group, ids, rank):
+                    raise Unreachable(str(exc)) from exc
+                raise
+
+        return build
+
+    def _reducer(self, order: m.EpochOrder, zones: Zones, group: EpochGroup, build: Any) -> Reducer:
+        """The step's reduction: flat, or two-level with a zone group and a leaders' group."""
+        node = self.node
+        B = node.job.batch_size
+        rank = group.rank
+        reducer = Reducer(
+            rank,
+            zones,
+            group.pg,
+            codec=self.codec.for_spec(order.codec),
+            compressed=node.compressed_numel,
+            link=node.link,
+            wire=node.wire,
+            rule=parse_rule(order.aggregate) if order.mode == "sync" else Rule("mean"),
+            weights=tuple(s / B for s in order.shares),
+            shares=tuple(order.shares),
+            norms_at=node.numel + EXTRA,
+        )
+        if not zones.multi:
+            return reducer
+        mine = zones.of_rank[rank]
+        members = zones.members(mine)
+        z = zones.names.index(mine)
+        if len(members) > 1:
+            reducer.zone_pg, _ = build(f"zone{z}", members.index(rank), [order.members[r] for r in members])
+            group.extra_pgs.append(reducer.zone_pg)
+        if rank in zones.leaders:
+            leaders = [order.members[r] for r in zones.leaders]
+            reducer.leaders_pg, _ = build("leaders", zones.leaders.index(rank), leaders)
+            group.extra_pgs.append(reducer.leaders_pg)
+        return reducer
+
+    def gloo_host(self) -> str | None:
+        config = self.node.config
+        if config.gloo_host:
+            return config.gloo_host
+        host = (config.coordinators or config.relays or (("", 0),))[0][0]
+        return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else None
+
+    # ---------------------------------------------------------------- unreachable peers
+
+    def unreachable_in_lazy_group(self, order: m.EpochOrder, exc: Exception) -> bool:
+        """A collective of a lazily connected group failed: a peer this node cannot reach
+        shows only now (its build never connected). Try them all and report whom."""
+        g = self.node.group
+        if g is None or not g.lazy or g.epoch != order.epoch or isinstance(exc, BadContribution):
+            return False
+        return self.accuse(order.epoch, WORLD, list(order.members), g.rank)
+
+    def accuse(self, epoch: int, group: str, ids: list[str], rank: int) -> bool:
+        """Try the addresses of a build's peers; report the ones this node cannot reach."""
+        with self._accusing:  # the stall's thread and the failed build's: one tries, both learn
+            if (epoch, group) not in self._accused:
+                for old in [k for k in self._accused if k[0] < epoch - 2]:
+                    del self._accused[old]
+                entries = self.meeting.entries(epoch, group)
+                self._accused[epoch, group] = accuse(epoch, group, entries, ids, rank, self.node.client.send)
+            return self._accused[epoch, group]
+
+    # ---------------------------------------------------------------- control callbacks
+
+    def probe(self, probe: m.Probe) -> None:
+        """The leader asks: can this node connect to ``probe.member``'s data plane?"""
+
+        def attempt() -> None:
+            address = (probe.host, probe.port)
+            if failed := reach({probe.member: address}):
+                fault = unreachable_fault(probe.epoch, probe.group, probe.member, *address, failed[probe.member])
+                self.node.client.send(fault)
+
+        threading.Thread(target=attempt, name="probe", daemon=True).start()
+
+    def _meet(self, epoch: int, key: str, value: bytes) -> None:
+        faults = self.node.faults
+        if faults.muted(epoch):
+            return
+        if faults.unreachable(epoch):
+            value = with_port(value, faults.dropping_port(self.gloo_host() or "127.0.0.1"))
+        self.node.client.send(m.Meet(epoch=epoch, key=key, value=base64.b64encode(value).decode()))
+
+    def met(self, met: m.Met) -> None:
+        self.meeting.deliver(met.epoch, {k: base64.b64decode(v) for k, v in met.entries.items()})
+
+    def welcomed(self, welcome: m.Welcome, new_coordinator: bool) -> None:
+        if new_coordinator:
+            self.meeting.reset()
+        else:
+            self.meeting.republish()
+
+
+class CodecSlot:
+    """The inter-zone codec, made when an epoch order names it; its error-feedback residual
+    is node-local snapshot state: a node restarted from its own checkpoint resumes it, so no
+    compression error is dropped."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.codec: Codec | None = None
+        self.spec = ""
+        self.pending: dict[str, Any] | None = None
+        """A restored residual waiting for its codec (made at the first epoch order)."""
+
+    def for_spec(self, spec: str) -> Codec:
+        if self.codec is None or self.spec != spec:
+            self.codec, self.spec = make_codec(spec), spec
+            if self.pending is not None and self.pending.get("spec") == spec:
+                self.codec.load_state_dict(self.pending["codec"])
+            self.pending = None
+        return self.codec
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.codec is None:
+            return {}
+        state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.codec.state_dict().items()}
+        return {"spec": self.spec, "codec": state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if self.codec is not None and self.spec == state["spec"]:
+            self.codec.load_state_dict(state["codec"])
+        else:  # the codec is made when the first epoch order names it
+            self.pending = state

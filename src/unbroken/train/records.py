@@ -1,0 +1,225 @@
+"""What a node writes down and tells: its commit log, progress reports, events for the job's
+log, and checkpoints (written after commits, and read back at a cold start)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from unbroken.comm.group import EpochGroup
+from unbroken.comm.reduce import Wire
+from unbroken.control import messages as m
+from unbroken.errors import TransferError
+from unbroken.state.checkpoint import Checkpointer, load_newest, set_aside
+from unbroken.state.fragments import rebuild
+
+if TYPE_CHECKING:
+    from unbroken.train.runtime import Node
+
+log = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 0.05
+"""How often progress is reported until a coordinator says (`Welcome.report_s`)."""
+PROGRESS_LOG_EVERY_S = 10.0
+RECENT_MAX = 512
+"""Steps kept for the next progress report (the message's limit)."""
+
+
+class Records:
+    """A node's commit log (``--commit-log``), reports to the coordinator and checkpoints."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        config = node.config
+        self.checkpointer = Checkpointer(config.checkpoint_dir) if config.checkpoint_dir else None
+        self.fragments: tuple[int, int] | None = None
+        """Erasure-coded checkpoints (K data + M parity fragments), as the epoch order says."""
+        self.restored_epoch: int | None = None
+        """The epoch of the checkpoint this node cold-started from (`m.Hello.restored_epoch`)."""
+        self.first_in_epoch = True
+        self._fresh: dict[str, Any] | None = None
+        """The state as built, while a restored checkpoint may still prove another run's."""
+        self._notes: list[tuple[str, str]] = []
+        """Events for the job's log from before this node joined (sent once it has)."""
+        self._checkpoint_failure: str | None = None
+        """The checkpoint failure last reported (None: none, or writes succeed again)."""
+        self._recent: list[m.StepPoint] = []
+        """Steps committed since the last progress report (rank 0 sends them: the curves)."""
+        self._last_progress = 0.0
+        self._last_progress_log = time.monotonic()
+        self._file = open(config.commit_log, "a", encoding="utf-8") if config.commit_log else None  # noqa: SIM115
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        if self._file is not None:
+            self._file.close()
+
+    # ---------------------------------------------------------------- the log and reports
+
+    def log(self, entry: dict[str, object]) -> None:
+        """One line of the commit log (what `unbroken.testing.promises` checks)."""
+        if self._file is not None:
+            entry = {"t": time.time(), "node": self.node.name, **entry}
+            self._file.write(json.dumps(entry) + "\n")
+            self._file.flush()
+
+    def report(self, kind: str, reason: str) -> None:
+        """An event for the job's log at the coordinator (a checkpoint, a state transfer...)."""
+        self.node.client.send(m.Report(kind=kind, step=self.node.state.step, reason=reason[:2000]))
+
+    def note(self, kind: str, reason: str) -> None:
+        """An event for the job's log from before joining: logged now, reported once joined."""
+        log.warning("%s: %s", self.node.name, reason)
+        self.log({"kind": kind, "reason": reason, "step": self.node.state.step})
+        self._notes.append((kind, reason))
+
+    def commit(self, g: EpochGroup, step: int, loss: float, wire: Wire, digest: str | None, **more: Any) -> None:
+        entry: dict[str, Any] = {"kind": "commit", "epoch": g.epoch, "step": step, "loss": loss, **more}
+        if wire.last_inter:
+            entry["wire"] = {"intra": wire.last_intra, "inter": wire.last_inter}
+        if digest is not None:
+            entry["digest"] = digest
+        self.log(entry)
+
+    def progress(self, g: EpochGroup, step: int, loss: float, sps: float) -> None:
+        node = self.node
+        now = time.monotonic()
+        finite = math.isfinite(loss)
+        shown = loss if finite else -1.0
+        self._recent.append(m.StepPoint(step=step, loss=shown, finite=finite, samples_per_s=sps, wall_time=time.time()))
+        del self._recent[:-RECENT_MAX]
+        steps = node.job.num_steps
+        if now - self._last_progress_log >= PROGRESS_LOG_EVERY_S or step == steps:
+            log.info("%s: step %d/%d, epoch %d, %d members, loss %.4f", node.name, step, steps, g.epoch, g.size, loss)
+            self._last_progress_log = now
+        welcome = node.client.welcome
+        every = welcome.report_s if welcome is not None else PROGRESS_EVERY_S
+        if not (self.first_in_epoch or now - self._last_progress >= every or step >= steps):
+            return
+        node.client.send(
+            m.Progress(
+                epoch=g.epoch,
+                step=step,
+                loss=loss if finite else -1.0,
+                loss_finite=finite,
+                recent=self._recent if g.rank == 0 else [],
+                wall_time=time.time(),
+                first_in_epoch=self.first_in_epoch,
+                samples_per_s=sps,
+                compute_s=min(node.meter.last_compute_s, 1e6),
+                bytes_intra=node.wire.intra,
+                bytes_inter=node.wire.inter,
+                capabilities=node.capabilities(),
+            )
+        )
+        self.first_in_epoch = False
+        self._last_progress = now
+        self._recent = []
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def maybe_checkpoint(self, g: EpochGroup) -> None:
+        node = self.node
+        ck, step = node.config.checkpoint_every, node.state.step
+        if self.checkpointer is None or not ck or step % ck:
+            return
+        failure = self.checkpointer.failure
+        if failure is not None and failure != self._checkpoint_failure:
+            self.report("checkpoint-failed", failure)
+        elif failure is None and self._checkpoint_failure is not None:
+            self.report("checkpoint-ok", f"checkpoints are written to {node.config.checkpoint_dir} again")
+        self._checkpoint_failure = failure
+        if self.fragments is not None:
+            k, m_ = self.fragments
+            mine = [i for i in range(k + m_) if i % g.size == g.rank]
+            snap = self.checkpoint_tree()
+            if mine and self.checkpointer.save_fragments_async(snap, k, m_, mine, node.state.optimizer_in_digest):
+                self.report("checkpoint", f"fragments {mine} of {k}+{m_} of step {step} being written")
+            return
+        if g.rank == 0 and self.checkpointer.save_async(self.checkpoint_tree()):
+            self.report("checkpoint", f"checkpoint of step {step} being written to {node.config.checkpoint_dir}")
+
+    def save_last(self) -> None:
+        """The last member is going: keep what it committed since the last checkpoint."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+            self.checkpointer.save_async(self.checkpoint_tree())
+
+    def checkpoint_tree(self) -> dict[str, Any]:
+        node = self.node
+        tree = node.state.tree(local=True)  # the checkpointer copies it before the step goes on
+        tree["epoch"] = node.group.epoch if node.group is not None else (self.restored_epoch or 0)
+        tree["job"] = node.job.identity()
+        return tree
+
+    def restore_checkpoint(self) -> None:
+        """A cold start from the newest usable checkpoint (or K of its fragments), if any."""
+        node = self.node
+        directory = node.config.checkpoint_dir
+        if directory is None:
+            return
+        identity = node.job.identity()
+        newest = load_newest(directory)
+        for why in newest[2] if newest else []:
+            self.note("checkpoint-failed", f"{why}: using an older one")
+        if newest is not None and newest[1].get("job", identity) != identity:
+            aside = self._set_aside(f"checkpoints of job {newest[1]['job']}, not of {identity}")
+            self.note(
+                "checkpoint-failed",
+                f"{newest[0]} is another job's (job identity {newest[1]['job']}, this job {identity}: "
+                f"name, batch size, steps, seed or dataset differ): not used, {aside}",
+            )
+            newest = None
+        if newest is None:
+            # Fragments in this directory (a shared one, or one `unbroken restore` did not
+            # merge yet) rebuild the state when K of them are there.
+            try:
+                snap, manifest, _ = rebuild([directory])
+            except TransferError:
+                return
+            path = directory / f"frag-{manifest.step:09d}.json"
+        else:
+            path, snap, _ = newest
+        self._fresh = node.state.capture()  # until the group says this checkpoint is not ahead of it
+        node.state.restore(snap)
+        self.restored_epoch = int(snap.get("epoch", 0))
+        node.client.step = node.state.step
+        self.log({"kind": "restore", "step": node.state.step, "path": str(path), "digest": node.state.digest()})
+        log.info("%s: restored step %d from %s", node.name, node.state.step, path)
+
+    def joined(self) -> None:
+        """Once welcomed: drop a restored checkpoint that is ahead of the group (another run's:
+        the group never moves to a step it did not commit), and send the notes."""
+        node = self.node
+        welcome = node.client.welcome
+        if welcome is None:
+            return
+        if self._fresh is not None:
+            if welcome.group_step and node.state.step > welcome.group_step and node.config.checkpoint_dir:
+                ahead = node.state.step
+                node.state.restore(self._fresh, own=True)
+                self.restored_epoch = None
+                node.client.step = node.state.step
+                why = f"a checkpoint of step {ahead}, ahead of the group's step {welcome.group_step}"
+                aside = self._set_aside(f"{why}: another run's")
+                self.note(
+                    "checkpoint-failed",
+                    f"{why}: another run's? Not used ({aside}); this node joins with the group's state",
+                )
+            self._fresh = None
+        for kind, reason in self._notes:
+            self.report(kind, reason)
+        self._notes.clear()
+
+    def _set_aside(self, why: str) -> str:
+        """Move the checkpoint directory's checkpoints out of this run's way; where they went."""
+        directory = self.node.config.checkpoint_dir
+        assert directory is not None
+        try:
+            return f"moved to {set_aside(directory, why)}"
+        except OSError as exc:
+            return f"left in place: they could not be moved ({exc.strerror or exc})"

@@ -1,0 +1,313 @@
+"""The step protocol: what one member of an epoch does for one step, in one place.
+
+The Job loop (`train.runtime`), DiLoCo's inner and outer steps (`train.diloco`) and a
+user's own loop (`unbroken.swarm`) all drive it the same way::
+
+    open        my slice of step s: positions [s*B + offset, + share) of the data plan
+    prepare     buffers remembered, gradients cleared, the step's seed: right before compute
+    (compute)   forward and backward, by whoever drives: the loss is scaled by m/B
+    contribute  flat = [gradient, buffer deltas | vote=1, samples=m, switch, loss | a norm per member]
+    reduce      one all-reduce (abortable): the vote rides in the same collective as the gradient
+    verify      votes == members, samples == B, and the guard on the norms (`train.guard`)
+    fence       this node is sure it is still a member (the lease, `control.client`)
+    apply       the summed gradient into ``.grad``; before_update; optimizer and scheduler step
+    commit      step += 1, cursor += B; after_step; the commit log, progress, checkpoints
+
+Whatever fails before apply is undone (`undo`): the buffers go back to what they were at
+prepare, and the step is retried with the same samples in the next epoch. ``switch`` is how
+a graceful epoch change (join, leave) takes effect at a step boundary every member agrees
+on: the first all-reduce in which any member has seen the new order carries a non-zero
+switch, and every member moves to the new epoch right after committing it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unbroken.comm.group import EpochGroup, wait_until
+from unbroken.comm.reduce import Reducer
+from unbroken.comm.robust import NORM_TOLERANCE
+from unbroken.control import messages as m
+from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted, JobFailed, Suspicion
+from unbroken.job import StepInfo
+from unbroken.sched.shares import offsets
+from unbroken.testing.faults import LIES
+from unbroken.train.guard import judge
+
+if TYPE_CHECKING:
+    from unbroken.train.runtime import Node
+
+log = logging.getLogger(__name__)
+
+EXTRA = 4
+"""Slots after the gradient and buffers: vote, samples, switch, loss; then one norm per member."""
+
+
+@dataclass
+class Slice:
+    """This member's part of one step."""
+
+    step: int
+    indices: list[int]
+    """Positions of the data plan (`Job.samples` reads them)."""
+    batch_size: int
+    started: float = field(default_factory=time.monotonic)
+    before: list[torch.Tensor] = field(default_factory=list)
+    """The buffers at `StepProtocol.prepare`: what a failed step puts back."""
+
+    @property
+    def share(self) -> int:
+        return len(self.indices)
+
+    @property
+    def weight(self) -> float:
+        """This slice's part of the mean over the global batch (what its loss is scaled by)."""
+        return self.share / self.batch_size
+
+
+@dataclass(frozen=True)
+class Tally:
+    """The reduced control slots of a step."""
+
+    votes: float
+    samples: float
+    switch: float
+    loss: float
+
+
+class StepProtocol:
+    """One member's step in one epoch (see the module's docstring)."""
+
+    def __init__(self, node: Node, group: EpochGroup, reducer: Reducer) -> None:
+        self.node = node
+        self.group = group
+        self.reducer = reducer
+        self.norms_at = node.numel + EXTRA
+        self.flat = torch.zeros(self.norms_at + group.size, dtype=torch.float32)
+        self.offset = offsets(group.shares)[group.rank]
+        self.share = group.shares[group.rank]
+        self.in_step = functools.partial(node.abort_reason, during_step=True)
+
+    # ---------------------------------------------------------------- before compute
+
+    def check(self) -> None:
+        """Raise `EpochAborted` if this epoch must be left now (an urgent order, expulsion)."""
+        reason = self.in_step()
+        if reason is not None:
+            raise EpochAborted(reason)
+
+    def leaving_alone(self) -> bool:
+        """A leave was requested: announce it (the group switches after this step), or, when
+        this node is the group, stop here."""
+        node = self.node
+        if not node.leave_requested or node.leave_sent_at is not None:
+            return False
+        if self.group.size == 1:
+            return True
+        node.announce_leave()
+        return False
+
+    def open(self) -> Slice:
+        """This member's slice of the next step."""
+        self.check()
+        node = self.node
+        step = node.state.step
+        node.faults.maybe_fire("compute", step)
+        return Slice(step, node.data.indices(step, self.offset, self.share), node.job.batch_size)
+
+    def prepare(self, sl: Slice) -> None:
+        """Right before computing ``sl``: the buffers are remembered, the gradients cleared,
+        the step's seed set (dropout draws the same masks when the step is retried)."""
+        node = self.node
+        if not sl.before:
+            sl.before = [b.detach().clone() for b in node.buffers]
+        node.replica.pull()
+        for p in node.replica.params:
+            p.grad = None
+        torch.manual_seed(node.job.seed * 1_000_003 + sl.step)
+
+    def undo(self, sl: Slice) -> None:
+        """The step is not applied: what its forward passes did to the buffers is undone."""
+        if not sl.before:
+            return
+        with torch.no_grad():
+            for b, b0 in zip(self.node.buffers, sl.before, strict=True):
+                b.copy_(b0)
+
+    # ---------------------------------------------------------------- the exchange
+
+    def switching(self) -> bool:
+        """Whether this member asks the group to move to a new epoch after this step."""
+        latest = self.node.client.latest_order()
+        return (latest is not None and latest.epoch > self.group.epoch) or self.node.leave_sent_at is not None
+
+    def contribute(self, sl: Slice, loss: float, *, weight: float, members: int, switch: bool, **log: Any) -> None:
+        """Write this member's contribution into `flat`: its gradient and buffer deltas
+        (float buffers weighted by ``weight``, counters averaged over ``members``), its vote,
+        sample count, switch and loss, and the gradient's norm in its own slot."""
+        node, g, flat, at = self.node, self.group, self.flat, self.norms_at
+        grad = flat[: node.compressed_numel]
+        self._flatten(sl, weight, members)
+        poison = node.faults.corruption(sl.step)
+        if poison is not None:
+            grad *= poison
+        flat[node.numel : at] = torch.tensor([1.0, float(sl.share), 1.0 if switch else 0.0, loss])
+        flat[at:] = 0.0
+        flat[at + g.rank] = torch.linalg.vector_norm(grad)
+        if (lie := node.faults.lie(sl.step)) is not None:  # a hostile member (`testing.faults.LIES`)
+            if lie == "forge-slot":
+                flat[at + (g.rank + 1) % g.size] = LIES[lie]
+            else:
+                grad *= LIES[lie]  # after its norm went into its slot
+        entry = {"kind": "contrib", "epoch": g.epoch, "step": sl.step, "rank": g.rank, "indices": sl.indices}
+        node.records.log(entry | {"role": g.role, **log, "compute_s": node.meter.last_compute_s})
+
+    def _flatten(self, sl: Slice, weight: float, members: int) -> None:
+        node, flat = self.node, self.flat
+        off = 0
+        for p in node.replica.params:
+            n = p.numel()
+            if p.grad is None:
+                flat[off : off + n].zero_()
+            else:
+                flat[off : off + n].copy_(p.grad.reshape(-1))  # from the device: the CPU staging copy
+            off += n
+        for b, b0 in zip(node.compute_buffers, sl.before, strict=True):
+            # Deltas, not values: a buffer nobody changed stays bit-exact. Float buffers
+            # are weighted by this node's share; counters are averaged.
+            n = b.numel()
+            delta = (b.detach().to(b0.device) - b0).reshape(-1).to(torch.float32)
+            flat[off : off + n].copy_(delta * (weight if b.dtype.is_floating_point else 1.0 / members))
+            off += n
+
+    def reduce(self, sl: Slice, *, zone: bool = False, what: str = "") -> None:
+        """Sum `flat` over the epoch's members (or, ``zone``, over this node's zone only)."""
+        node = self.node
+        fire = node.faults.maybe_fire
+        timeout = node.config.collective_timeout_s
+        if zone:
+            post = functools.partial(fire, "allreduce", sl.step)
+            self.reducer.zone_allreduce(self.flat, node.wake, self.in_step, timeout, what, after_post=post)
+            return
+        t = time.monotonic()
+        self.reducer.allreduce(
+            self.flat,
+            node.wake,
+            self.in_step,
+            timeout,
+            what or f"all-reduce of step {sl.step}",
+            after_post=functools.partial(fire, "allreduce", sl.step),
+            after_exchange_post=functools.partial(fire, "exchange", sl.step),
+        )
+        node.meter.last_comm_s = time.monotonic() - t
+
+    def tally(self) -> Tally:
+        votes, samples, switch, loss = self.flat[self.node.numel : self.norms_at].tolist()
+        return Tally(votes, samples, switch, loss)
+
+    def verify(self, *, members: int, samples: int, what: str) -> Tally:
+        """Every member voted and exactly ``samples`` samples went in, or nothing commits."""
+        t = self.tally()
+        if round(t.votes) != members or round(t.samples) != samples:
+            raise CollectiveFailed(f"{what} had {t.votes:.0f}/{members} votes and {t.samples:.0f}/{samples} samples")
+        return t
+
+    def check_sum(self, step: int) -> None:
+        """Refuse a step whose reduced gradient a member's contribution spoiled.
+
+        Gathered rows (`Reducer.rule` robust or ``checked``) were each checked already, and
+        their norms are true: the guard's verdict names a culprit. A plain sum can only be
+        checked as a whole: finite, and no larger than the members' declared norms allow (the
+        triangle inequality; not with a lossy codec, whose error feedback adds to what goes
+        out). What fails there is a `Suspicion`, since a member can write any slot of a sum."""
+        node, g = self.node, self.group
+        norms = self.flat[self.norms_at :].tolist()
+        verdict = judge(norms, g.shares, node.job.batch_size)
+        if self.reducer.rule.robust:
+            if verdict is not None:
+                culprit, why = verdict
+                raise BadContribution(culprit, f"step {step}: refused the contribution of rank {culprit}: {why}")
+            return
+        grad = self.flat[: node.compressed_numel]
+        lossy = self.reducer.codec is not None and self.reducer.zones.multi and node.codec_spec != "none"
+        if not bool(torch.isfinite(grad).all()):
+            raise Suspicion(f"step {step}: the summed gradient is not finite, though no norm slot says whose")
+        if verdict is not None:
+            raise Suspicion(f"step {step}: rank {verdict[0]}'s norm slot says {verdict[1]}; not proven on a sum")
+        total = float(torch.linalg.vector_norm(grad).item())
+        bound = math.fsum(norms)
+        if not lossy and total > bound * (1 + NORM_TOLERANCE) + 1e-12:
+            raise Suspicion(f"step {step}: the summed gradient's norm {total:.4g} exceeds the declared {bound:.4g}")
+
+    def fence(self) -> None:
+        """Refuse to commit unless this node is sure it is still a member."""
+        client = self.node.client
+        if client.commit_allowed():
+            return
+        log.warning("%s: lease not confirmed before commit; waiting for the coordinator", self.node.name)
+        timeout = self.node.config.collective_timeout_s
+        wait_until(client.commit_allowed, self.node.wake, self.in_step, timeout, "commit fence")
+
+    # ---------------------------------------------------------------- after the vote
+
+    def apply(self, sl: Slice) -> None:
+        """The reduced gradient into each parameter's ``.grad``, the buffer deltas onto the
+        buffers; then the job's before_update, the optimizer and the scheduler."""
+        node, flat = self.node, self.flat
+        off = 0
+        for p in node.params:
+            n = p.numel()
+            p.grad = flat[off : off + n].view_as(p).to(p.device, p.dtype)
+            off += n
+        with torch.no_grad():
+            for b, b0 in zip(node.buffers, sl.before, strict=True):
+                n = b.numel()
+                delta = flat[off : off + n].view_as(b).to(b.device)
+                b.copy_(b0 + (delta if b.dtype.is_floating_point else delta.round()).to(b.dtype))
+                off += n
+        st = node.state
+        if node.job.before_update is not None:
+            user("before_update", node.job.before_update, st.model, st.optimizer)
+        st.optimizer.step()
+        if st.scheduler is not None:
+            st.scheduler.step()
+
+    def commit(self, sl: Slice, loss: float) -> None:
+        """Step ``sl.step`` is the group's: the state moves on, the job's after_step runs,
+        and the commit is logged, reported and checkpointed."""
+        node, g = self.node, self.group
+        node.advance(sl.step + 1, loss)
+        after_step(node, g, loss)
+        step, every = node.state.step, node.config.digest_every
+        node.records.commit(g, step, loss, node.wire, node.state.digest() if every and step % every == 0 else None)
+        node.records.progress(g, step, loss, node.job.batch_size / max(time.monotonic() - sl.started, 1e-9))
+        node.records.maybe_checkpoint(g)
+        if node.faults.false_alarm(node.state.step, g.epoch):
+            node.client.send(m.Fault(epoch=g.epoch, reason=f"all-reduce of step {sl.step} failed: connection reset"))
+
+
+def after_step(node: Node, g: EpochGroup, loss: float) -> None:
+    """The job's `Job.after_step` hook, on every replica, before the step's digest."""
+    if node.job.after_step is None:
+        return
+    st = node.state
+    info = StepInfo(st.step, loss, st.model, st.optimizer, st.scheduler, st.extra, g.rank, g.size)
+    user("after_step", node.job.after_step, info)
+
+
+def user(what: str, hook: Callable[..., object], *args: Any) -> None:
+    """Run the job's own code: what it raises stops this node with its traceback."""
+    try:
+        hook(*args)
+    except Exception as exc:
+        trace = traceback.format_exc().rstrip()
+        raise JobFailed(f"the job's {what} raised {type(exc).__name__}: {exc}\n{trace}") from exc
