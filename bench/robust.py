@@ -76,9 +76,9 @@ from unbroken.testing import LocalCluster
 MODEL = "small"
 NODES = ["n0", "n1", "n2", "n3"]
 BAD = "n3"
-EXTRA = 4
-"""Slots after the gradient in the step's flat tensor (vote, samples, switch, loss), then one
-gradient-norm slot per member (`unbroken.train.runtime`)."""
+EXTRA = 5
+"""Slots after the gradient in the step's flat tensor (vote, samples, switch, loss, overflow),
+then one gradient-norm slot per member (`unbroken.train.step`)."""
 
 
 # ------------------------------------------------------------------- one run

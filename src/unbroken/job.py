@@ -21,6 +21,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 from unbroken.errors import ConfigError, JobLoadError
 from unbroken.state import layout
 from unbroken.train.data import DataPlan, PassOrder, order_digest
+from unbroken.train.scale import LossScale
 from unbroken.train.stream import Stream, StreamPlan
 
 
@@ -155,6 +156,11 @@ class Job:
     """Called on every replica after each committed step (DiLoCo: each outer step), before
     its digest and checkpoint: update `state` here (the same way everywhere), and evaluate
     or log every N steps where ``info.rank == 0``."""
+    loss_scale: LossScale | None = None
+    """Dynamic loss scaling for float16 autocast (``LossScale.like(torch.amp.GradScaler())``):
+    the loss is scaled before backward, gradients unscaled before the all-reduce, and a step
+    in which any member's gradient overflowed is committed without an optimizer update,
+    on every replica, as GradScaler skips it (`unbroken.train.scale`)."""
     order: PassOrder | None = None
     """The order a map-style dataset is read in, pass by pass: ``order(k)`` is pass k's
     dataset indices, the same on every call and every node (``LoaderOrder(loader)`` reads a

@@ -50,6 +50,7 @@ from unbroken.testing.faults import Fault
 from unbroken.train.data import LoaderOrder, PassOrder
 from unbroken.train.device import Calibration
 from unbroken.train.runtime import Node, NodeResult, Steps
+from unbroken.train.scale import LossScale
 from unbroken.train.step import Slice
 from unbroken.train.stream import IterableStream, Stream
 
@@ -153,7 +154,13 @@ class Swarm:
         self._replicated = (model, optimizer, scheduler, state)
         return (model, optimizer) if scheduler is None and not state else (model, optimizer, scheduler)
 
-    def _job(self, data: Any, collate: Callable[[list[Any]], Any] | None, before_update: Hook | None) -> Job:
+    def _job(
+        self,
+        data: Any,
+        collate: Callable[[list[Any]], Any] | None,
+        before_update: Hook | None,
+        loss_scale: LossScale | None,
+    ) -> Job:
         if self._replicated is None:
             raise ConfigError("Swarm.batches: call swarm.replicate(model, optimizer[, scheduler]) first")
         model, optimizer, scheduler, state = self._replicated
@@ -183,13 +190,19 @@ class Swarm:
             scheduler=(lambda _: scheduler) if scheduler is not None else None,
             state=(lambda _: state) if state else None,
             order=order,
+            loss_scale=loss_scale,
             before_update=_ignoring_arguments(before_update) if before_update is not None else None,
         )
 
     # ---------------------------------------------------------------- the loop
 
     def batches(
-        self, data: Any, *, collate: Callable[[list[Any]], Any] | None = None, before_update: Hook | None = None
+        self,
+        data: Any,
+        *,
+        collate: Callable[[list[Any]], Any] | None = None,
+        before_update: Hook | None = None,
+        loss_scale: LossScale | None = None,
     ) -> Iterator[Any]:
         """This node's slice of each global step, collated, until the job is done; call
         `backward` and `step` once for each. The same samples come again when a step did
@@ -199,8 +212,10 @@ class Swarm:
         the global batch), a map-style dataset, an IterableDataset or a `Stream`.
         ``before_update``: runs on every replica with the step's global gradient in each
         ``.grad``, just before the optimizer steps: clip there
-        (``lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)``)."""
-        job = self._job(data, collate, before_update)
+        (``lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)``).
+        ``loss_scale``: float16 loss scaling for the group (``LossScale.like(scaler)`` for the
+        script's ``torch.amp.GradScaler``; drop its ``scale``, ``step`` and ``update`` calls)."""
+        job = self._job(data, collate, before_update, loss_scale)
         rng = torch.random.get_rng_state()  # building the Job seeds torch: the script's stream goes on
         node = Node(job, self.config, self.faults)
         torch.random.set_rng_state(rng)
@@ -236,7 +251,8 @@ class Swarm:
         sl = self._current
         if sl is None:
             raise ConfigError("swarm.backward(loss) is for the batch swarm.batches() just gave")
-        (loss * sl.weight).backward()  # type: ignore[no-untyped-call]
+        assert self.node is not None
+        (loss * (sl.weight * self.node.loss_scale)).backward()  # type: ignore[no-untyped-call]
         self._loss += float(loss.detach()) * sl.weight
 
     def step(self) -> bool:

@@ -55,6 +55,7 @@ class JobCompute:
         model = node.replica.model
         model.train()
         B = job.batch_size
+        scale = node.loss_scale
         total = 0.0
         start = time.perf_counter()
         n_micro = 0
@@ -64,7 +65,7 @@ class JobCompute:
             batch = node.replica.to_device(job.collate(job.samples(chunk)))
             t_mb = time.perf_counter()
             loss = job.microbatch_loss(model, batch)
-            (loss * (len(chunk) / B)).backward()  # type: ignore[no-untyped-call]
+            (loss * (len(chunk) / B * scale)).backward()  # type: ignore[no-untyped-call]
             total += float(loss.detach()) * len(chunk) / B
             node.throttle.stretch(time.perf_counter() - t_mb, sl.step, client.touch)
             n_micro += 1

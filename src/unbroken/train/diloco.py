@@ -46,7 +46,7 @@ from torch import nn
 
 from unbroken.comm.group import EpochGroup
 from unbroken.comm.transfer import sync_state
-from unbroken.errors import BadContribution
+from unbroken.errors import BadContribution, ConfigError
 from unbroken.job import AnyOptimizer
 from unbroken.state.snapshot import tree_digest
 from unbroken.train.guard import judge
@@ -63,6 +63,8 @@ class DiLoCo:
     """The outer loop of one node: the round's anchor, the outer optimizer, the inner steps."""
 
     def __init__(self, node: Node, order: EpochOrder) -> None:
+        if node.scale is not None:
+            raise ConfigError("Job.loss_scale is for synchronous mode: DiLoCo's inner steps cannot use it yet")
         self.node = node
         self.inner_steps = order.inner_steps
         self.anchor = [nn.Parameter(p.detach().clone(), requires_grad=False) for p in node.params]
@@ -209,7 +211,7 @@ class DiLoCo:
                 off += n
         mean_loss = sum(losses) / max(len(losses), 1)
         flat[node.numel : p.norms_at] = torch.tensor(
-            [1.0, float(p.share * steps), float(p.switching()), mean_loss * (zone_samples / B if leader else 0.0)]
+            [1.0, float(p.share * steps), float(p.switching()), mean_loss * (zone_samples / B if leader else 0.0), 0.0]
         )
         t_comm = time.monotonic()
         p.reducer.allreduce(

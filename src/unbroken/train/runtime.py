@@ -60,6 +60,8 @@ from unbroken.train.diloco import DiLoCo
 from unbroken.train.epochs import Epochs
 from unbroken.train.measure import Meter
 from unbroken.train.records import Records
+from unbroken.train.scale import KEY as SCALE_KEY
+from unbroken.train.scale import ScaleState
 from unbroken.train.sidecar import Sidecar
 from unbroken.train.step import Slice, StepProtocol
 
@@ -95,6 +97,10 @@ class Node:
         self.wake = threading.Event()
         model, optimizer = job.build()
         scheduler, extra = job.build_scheduler(optimizer), job.build_state(model)
+        self.scale = ScaleState(job.loss_scale) if job.loss_scale is not None else None
+        """The group's float16 loss scale (`train.scale`), replicated with the extra state."""
+        if self.scale is not None:
+            extra[SCALE_KEY] = self.scale
         self.state = TrainState(model, optimizer, scheduler=scheduler, extra=extra)
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Buffers a forward pass updates (BatchNorm statistics) travel in the same
@@ -194,6 +200,11 @@ class Node:
         self.state.step = step
         self.state.cursor = step * self.job.batch_size
         self.client.step = step
+
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before backward (1 without `Job.loss_scale`)."""
+        return self.scale.scale if self.scale is not None else 1.0
 
     @property
     def codec_spec(self) -> str:
@@ -382,8 +393,8 @@ class Node:
             except BaseException:
                 p.undo(sl)  # the retry starts from the committed state
                 raise
-            p.apply(sl)
-            p.commit(sl, tally.loss)
+            p.apply(sl, overflow=tally.overflow > 0)
+            p.commit(sl, tally.loss, overflow=tally.overflow > 0)
             if self.faults.bitflip(self.state.step):
                 flip_bit(self.params[0])
             if self.audits.due(self.state.step):

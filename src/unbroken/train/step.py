@@ -6,7 +6,7 @@ user's own loop (`unbroken.swarm`) all drive it the same way::
     open        my slice of step s: positions [s*B + offset, + share) of the data plan
     prepare     buffers remembered, gradients cleared, the step's seed: right before compute
     (compute)   forward and backward, by whoever drives: the loss is scaled by m/B
-    contribute  flat = [gradient, buffer deltas | vote=1, samples=m, switch, loss | a norm per member]
+    contribute  flat = [gradient, buffer deltas | vote=1, samples=m, switch, loss, overflow | a norm per member]
     reduce      one all-reduce (abortable): the vote rides in the same collective as the gradient
     verify      votes == members, samples == B, and the guard on the norms (`train.guard`)
     fence       this node is sure it is still a member (the lease, `control.client`)
@@ -48,8 +48,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EXTRA = 4
-"""Slots after the gradient and buffers: vote, samples, switch, loss; then one norm per member."""
+EXTRA = 5
+"""Slots after the gradient and buffers: vote, samples, switch, loss, overflow (`train.scale`);
+then one norm per member."""
 
 
 @dataclass
@@ -82,6 +83,8 @@ class Tally:
     samples: float
     switch: float
     loss: float
+    overflow: float
+    """Members whose scaled gradient overflowed (the step commits without an update)."""
 
 
 class StepProtocol:
@@ -157,10 +160,17 @@ class StepProtocol:
         node, g, flat, at = self.node, self.group, self.flat, self.norms_at
         grad = flat[: node.compressed_numel]
         self._flatten(sl, weight, members)
+        overflow = False
+        if node.scale is not None:
+            grad.mul_(torch.tensor(1.0 / node.scale.scale, dtype=torch.float32))
+            overflow = not bool(torch.isfinite(grad).all())
+            if overflow:  # the group skips this update: nothing of this gradient goes in
+                grad.zero_()
         poison = node.faults.corruption(sl.step)
         if poison is not None:
             grad *= poison
-        flat[node.numel : at] = torch.tensor([1.0, float(sl.share), 1.0 if switch else 0.0, loss])
+        slots = [1.0, float(sl.share), 1.0 if switch else 0.0, loss, 1.0 if overflow else 0.0]
+        flat[node.numel : at] = torch.tensor(slots)
         flat[at:] = 0.0
         flat[at + g.rank] = torch.linalg.vector_norm(grad)
         if (lie := node.faults.lie(sl.step)) is not None:  # a hostile member (`testing.faults.LIES`)
@@ -211,8 +221,7 @@ class StepProtocol:
         node.meter.last_comm_s = time.monotonic() - t
 
     def tally(self) -> Tally:
-        votes, samples, switch, loss = self.flat[self.node.numel : self.norms_at].tolist()
-        return Tally(votes, samples, switch, loss)
+        return Tally(*self.flat[self.node.numel : self.norms_at].tolist())
 
     def verify(self, *, members: int, samples: int, what: str) -> Tally:
         """Every member voted and exactly ``samples`` samples went in, or nothing commits."""
@@ -259,9 +268,10 @@ class StepProtocol:
 
     # ---------------------------------------------------------------- after the vote
 
-    def apply(self, sl: Slice) -> None:
+    def apply(self, sl: Slice, *, overflow: bool = False) -> None:
         """The reduced gradient into each parameter's ``.grad``, the buffer deltas onto the
-        buffers; then the job's before_update, the optimizer and the scheduler."""
+        buffers; then the job's before_update, the optimizer and the scheduler. A step in
+        which a member's scaled gradient ``overflow``-ed updates no parameter (`train.scale`)."""
         node, flat = self.node, self.flat
         off = 0
         for p in node.params:
@@ -275,20 +285,24 @@ class StepProtocol:
                 b.copy_(b0 + (delta if b.dtype.is_floating_point else delta.round()).to(b.dtype))
                 off += n
         st = node.state
-        if node.job.before_update is not None:
-            user("before_update", node.job.before_update, st.model, st.optimizer)
-        st.optimizer.step()
+        if not overflow:
+            if node.job.before_update is not None:
+                user("before_update", node.job.before_update, st.model, st.optimizer)
+            st.optimizer.step()
         if st.scheduler is not None:
             st.scheduler.step()
+        if node.scale is not None:
+            node.scale.update(overflow)
 
-    def commit(self, sl: Slice, loss: float) -> None:
+    def commit(self, sl: Slice, loss: float, *, overflow: bool = False) -> None:
         """Step ``sl.step`` is the group's: the state moves on, the job's after_step runs,
         and the commit is logged, reported and checkpointed."""
         node, g = self.node, self.group
         node.advance(sl.step + 1, loss)
         after_step(node, g, loss)
         step, every = node.state.step, node.config.digest_every
-        node.records.commit(g, step, loss, node.wire, node.state.digest() if every and step % every == 0 else None)
+        digest = node.state.digest() if every and step % every == 0 else None
+        node.records.commit(g, step, loss, node.wire, digest, **({"overflow": True} if overflow else {}))
         node.records.progress(g, step, loss, node.job.batch_size / max(time.monotonic() - sl.started, 1e-9))
         node.records.maybe_checkpoint(g)
         if node.faults.false_alarm(node.state.step, g.epoch):

@@ -1,0 +1,38 @@
+"""The group's loss scale moves as torch.amp.GradScaler's does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unbroken.errors import ConfigError
+from unbroken.train.scale import LossScale, ScaleState
+
+
+def test_the_scale_follows_gradscaler_step_for_step() -> None:
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.0)
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    ours = ScaleState(LossScale.like(theirs))
+    for overflow in [True, False, False, False, False, True, False, False, False, False, False, False]:
+        theirs.scale(torch.ones(()))
+        param.grad = torch.full((3,), float("inf") if overflow else 1.0)
+        theirs.unscale_(opt)
+        theirs.step(opt)
+        theirs.update()
+        ours.update(overflow)
+        assert ours.scale == theirs.get_scale()
+
+
+def test_the_scale_is_replicated_state_and_bad_policies_are_refused() -> None:
+    a = ScaleState(LossScale(init=8.0, growth_interval=2))
+    a.update(False)
+    b = ScaleState(LossScale(init=8.0, growth_interval=2))
+    b.load_state_dict(a.state_dict())
+    a.update(False)
+    b.update(False)
+    assert a.state_dict() == b.state_dict() == {"scale": 16.0, "clean_steps": 0}
+    with pytest.raises(ConfigError, match="below 2\\*\\*127"):
+        LossScale(init=2.0**130)
+    with pytest.raises(ConfigError, match="growth_interval"):
+        LossScale(growth_interval=0)
