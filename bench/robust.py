@@ -69,6 +69,7 @@ import torch
 
 import jobs
 from common import ProgressLine, fmt, median, print_command, print_table, ratio
+from unbroken.comm.reduce import VOTE_SLOTS
 from unbroken.errors import ConfigError
 from unbroken.specs import parse_rule
 from unbroken.testing import LocalCluster
@@ -76,7 +77,7 @@ from unbroken.testing import LocalCluster
 MODEL = "small"
 NODES = ["n0", "n1", "n2", "n3"]
 BAD = "n3"
-EXTRA = 5
+EXTRA = VOTE_SLOTS
 """Slots after the gradient in the step's flat tensor (vote, samples, switch, loss, overflow),
 then one gradient-norm slot per member (`unbroken.train.step`)."""
 

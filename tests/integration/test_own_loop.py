@@ -8,6 +8,7 @@ and a final model as good as the plain script's."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from integration.helpers import fired
+from integration.helpers import events_of, fired
 from unbroken.testing import check_promises
 from unbroken.train.data import DataPlan, LoaderOrder
 
@@ -114,3 +115,23 @@ def test_own_loop_mistakes_are_named(make_cluster, tmp_path):
     node = c2.start_node("n1", job_args=["--steps", "20"])
     assert node.wait(timeout=120) != 0
     assert "give it a seeded one" in node.stderr(), node.stderr()
+
+
+def test_a_plain_python_launch_joins_the_same_group(make_cluster, tmp_path):
+    """``python script.py`` with ``$UNBROKEN_COORDINATOR`` set is a node like one started by
+    ``unbroken run``: they train together and finish on the same state."""
+    args = ["--steps", "60", "--delay-ms", "5"]
+    c = make_cluster(job=str(EXAMPLES / "own_loop.py"), min_nodes=2)
+    host, port = c.start_coordinator()
+    c.start_node("n1", job_args=args)
+    env = {**os.environ, "UNBROKEN_COORDINATOR": f"{host}:{port}", "OMP_NUM_THREADS": "1"}
+    with (tmp_path / "plain.err").open("wb") as err:
+        plain = subprocess.Popen([sys.executable, str(EXAMPLES / "own_loop.py"), *args], env=env, stderr=err)
+    try:
+        assert plain.wait(timeout=180) == 0, (tmp_path / "plain.err").read_text()
+    finally:
+        plain.kill()
+        plain.wait()
+    assert c.wait_exit(timeout=60) == {"n1": 0}, c.diagnostics()
+    (finished,) = events_of(c, "finished")
+    assert "2 agree on the state" in finished["reason"], finished

@@ -32,8 +32,9 @@ from unbroken.errors import BadContribution
 from unbroken.sched.zones import Zones
 from unbroken.specs import Rule
 
-VOTE_SLOTS = 4
-"""Before the norm slots: each member's vote, its sample count, its switch flag, its loss."""
+VOTE_SLOTS = 5
+"""Before the norm slots: each member's vote, its sample count, its switch flag, its loss and
+its overflow flag (the step's layout: `unbroken.train.step`)."""
 
 
 @dataclass(frozen=True)

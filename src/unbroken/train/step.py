@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unbroken.comm.group import EpochGroup, wait_until
-from unbroken.comm.reduce import Reducer
+from unbroken.comm.reduce import VOTE_SLOTS, Reducer
 from unbroken.comm.robust import NORM_TOLERANCE
 from unbroken.control import messages as m
 from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted, JobFailed, Suspicion
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EXTRA = 5
+EXTRA = VOTE_SLOTS
 """Slots after the gradient and buffers: vote, samples, switch, loss, overflow (`train.scale`);
 then one norm per member."""
 
