@@ -17,6 +17,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,9 @@ from unbroken.state import layout
 from unbroken.state.snapshot import snapshot_digest
 
 log = logging.getLogger(__name__)
+
+Later = Callable[[torch.Tensor], bool]
+"""Picks the tensors a capture may copy after the step goes on (`Checkpointer.save_async`)."""
 
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 NICE = 10
@@ -106,49 +110,70 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._staged: dict[str, Any] | None = None
         """The last copy handed to the writer; the next one is copied into its tensors."""
+        self._captured: threading.Event | None = None
+        """Set once the last capture holds its own copy of every tensor."""
         self.written: list[tuple[int, float]] = []
         self.skipped = 0
         self.staged_s: list[float] = []
-        """How long each copy into the buffers took (the stall a checkpoint adds to its step)."""
+        """How long each capture held the step up (the copies not left to the writer)."""
 
     @property
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def save_async(self, tree: dict[str, Any]) -> bool:
-        """Copy ``tree`` (a state's own tensors: `TrainState.tree`) and start writing the
-        copy; returns False (and skips) if a write is still running."""
+    def save_async(self, tree: dict[str, Any], later: Later | None = None) -> bool:
+        """Capture ``tree`` (a state's own tensors: `TrainState.tree`) and start writing the
+        capture; returns False (and skips) if a write is still running. Tensors that ``later``
+        picks (parameters, optimizer state: what only the next update changes) are copied on
+        the writer's thread while the next step computes; whatever changes them first calls
+        `wait_captured`. The others are copied now."""
         if self.busy:
             self.skipped += 1
             return False
-        snap = self._stage(tree)
-        self._thread = threading.Thread(target=self._write, args=(snap,), name="checkpoint-writer", daemon=True)
-        self._thread.start()
+        self._start(self._write, tree, later)
         return True
 
     def save_fragments_async(
-        self, tree: dict[str, Any], k: int, m: int, mine: list[int], optimizer_in_digest: bool = True
+        self,
+        tree: dict[str, Any],
+        k: int,
+        m: int,
+        mine: list[int],
+        optimizer_in_digest: bool = True,
+        later: Later | None = None,
     ) -> bool:
         """Start writing this node's erasure-coded fragments of ``tree`` (`unbroken.state.fragments`)."""
         if self.busy:
             self.skipped += 1
             return False
-        snap = self._stage(tree)
-        self._thread = threading.Thread(
-            target=self._write_fragments,
-            args=(snap, k, m, mine, optimizer_in_digest),
-            name="fragment-writer",
-            daemon=True,
-        )
-        self._thread.start()
+        self._start(self._write_fragments, tree, later, k, m, mine, optimizer_in_digest)
         return True
 
-    def _stage(self, tree: dict[str, Any]) -> dict[str, Any]:
-        """The tree over this checkpointer's own copy of its tensors."""
+    def wait_captured(self) -> None:
+        """Block until the last capture holds its own copy of every tensor."""
+        if self._captured is not None:
+            self._captured.wait()
+
+    def _start(self, write: Callable[..., None], tree: dict[str, Any], later: Later | None, *args: Any) -> None:
         start = time.monotonic()
-        self._staged = dict(layout.copy(tree, into=self._staged))
+        header, tensors = layout.split(tree)
+        tensors = [t if later is not None and later(t) else t.clone() for t in tensors]
         self.staged_s.append(time.monotonic() - start)
-        return self._staged
+        captured = self._captured = threading.Event()
+
+        def run() -> None:
+            try:
+                self._staged = dict(layout.copy(layout.join(header, tensors), into=self._staged))
+            except Exception as exc:  # out of memory: this checkpoint is lost, the job is not
+                log.error("capturing the state of step %s failed: %s", tree.get("step"), exc)
+                self.failure = f"the state of step {tree.get('step')} could not be captured: {exc}"
+                return
+            finally:
+                captured.set()
+            write(self._staged, *args)
+
+        self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
 
     def _write_fragments(self, snap: dict[str, Any], k: int, m: int, mine: list[int], in_digest: bool) -> None:
         from unbroken.state.fragments import write_fragments

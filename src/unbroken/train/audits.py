@@ -48,6 +48,7 @@ class Audits:
     def _restore(self) -> None:
         assert self.audited is not None
         node = self.node
+        node.records.settle()
         node.state.restore(self.audited)
         node.client.step = node.state.step
         entry = {"kind": "restore", "step": node.state.step, "digest": node.state.digest(), "why": "failed audit"}

@@ -13,7 +13,8 @@ from unbroken.comm.group import EpochGroup
 from unbroken.comm.reduce import Wire
 from unbroken.control import messages as m
 from unbroken.errors import TransferError
-from unbroken.state.checkpoint import Checkpointer, load_newest, set_aside
+from unbroken.state import layout
+from unbroken.state.checkpoint import Checkpointer, Later, load_newest, set_aside
 from unbroken.state.fragments import rebuild
 
 if TYPE_CHECKING:
@@ -137,11 +138,27 @@ class Records:
             k, m_ = self.fragments
             mine = [i for i in range(k + m_) if i % g.size == g.rank]
             snap = self.checkpoint_tree()
-            if mine and self.checkpointer.save_fragments_async(snap, k, m_, mine, node.state.optimizer_in_digest):
+            in_digest = node.state.optimizer_in_digest
+            if mine and self.checkpointer.save_fragments_async(snap, k, m_, mine, in_digest, later=self._later()):
                 self.report("checkpoint", f"fragments {mine} of {k}+{m_} of step {step} being written")
             return
-        if g.rank == 0 and self.checkpointer.save_async(self.checkpoint_tree()):
+        if g.rank == 0 and self.checkpointer.save_async(self.checkpoint_tree(), later=self._later()):
             self.report("checkpoint", f"checkpoint of step {step} being written to {node.config.checkpoint_dir}")
+
+    def _later(self) -> Later:
+        """The tensors only the next update changes (parameters, optimizer states): a
+        capture copies them while the next step computes (`settle` before changing them)."""
+        st = self.node.state
+        ptrs = {p.data_ptr() for p in st.model.parameters()}
+        for opt in (st.optimizer, st.outer):
+            if opt is not None:
+                ptrs |= {t.data_ptr() for t in layout.split(opt.state_dict())[1]}
+        return lambda t: t.data_ptr() in ptrs
+
+    def settle(self) -> None:
+        """Before the state changes: the checkpoint being captured has its copy."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait_captured()
 
     def save_last(self) -> None:
         """The last member is going: keep what it committed since the last checkpoint."""

@@ -337,6 +337,7 @@ class Node:
 
     def _sync(self) -> None:
         """Compare (step, digest) across the group; whoever is behind or different catches up."""
+        self.records.settle()  # a receiver's state is overwritten, a rollback's too
         if self.diloco is not None:
             self.diloco.rollback()
         self.audits.rollback_if_ordered()
@@ -396,6 +397,7 @@ class Node:
             p.apply(sl, overflow=tally.overflow > 0)
             p.commit(sl, tally.loss, overflow=tally.overflow > 0)
             if self.faults.bitflip(self.state.step):
+                self.records.settle()
                 flip_bit(self.params[0])
             if self.audits.due(self.state.step):
                 self.audits.check(g)

@@ -273,6 +273,7 @@ class StepProtocol:
         buffers; then the job's before_update, the optimizer and the scheduler. A step in
         which a member's scaled gradient ``overflow``-ed updates no parameter (`train.scale`)."""
         node, flat = self.node, self.flat
+        node.records.settle()
         off = 0
         for p in node.params:
             n = p.numel()

@@ -225,3 +225,40 @@ def test_set_aside_moves_only_checkpoints_and_says_why(tmp_path: Path) -> None:
     aside = ck.set_aside(tmp_path, "another run's")
     assert ck.load_newest(tmp_path) is None and (tmp_path / "notes.txt").exists()
     assert (aside / "ckpt-000000005.pt").exists() and "another run's" in (aside / "WHY.txt").read_text()
+
+
+def test_the_parameters_are_copied_while_the_next_step_computes_and_the_rest_at_once(tmp_path: Path) -> None:
+    """A capture leaves the parameters and optimizer state (what only the next update changes)
+    to the writer's thread: the step goes on at once, and the update waits for the copy. A
+    buffer, which the next forward pass may change, is copied before `save_async` returns."""
+    torch.manual_seed(0)
+    model = nn.BatchNorm1d(1000)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    params = {p.data_ptr() for p in model.parameters()}
+    c = Checkpointer(tmp_path)
+    weight, mean = model.weight.detach().clone(), model.running_mean.clone()
+    gate = threading.Event()
+    copy = layout.copy
+    ck_layout = ck.layout
+
+    class Held:  # the writer's copy waits until the test has changed the buffer
+        split, join = staticmethod(ck_layout.split), staticmethod(ck_layout.join)
+
+        @staticmethod
+        def copy(tree: Any, into: Any = None) -> Any:
+            gate.wait(10)
+            return copy(tree, into)
+
+    ck.layout = Held  # type: ignore[assignment]
+    try:
+        assert c.save_async(state.tree(), later=lambda t: t.data_ptr() in params)
+        model.running_mean += 1  # the next forward pass: the capture already holds the old buffer
+        gate.set()
+        c.wait_captured()
+        with torch.no_grad():
+            model.weight += 1  # the next update, after `wait_captured`
+        c.close()
+    finally:
+        ck.layout = ck_layout
+    back = load_checkpoint(checkpoint_path(tmp_path, 0))
+    assert torch.equal(back["model"]["weight"], weight) and torch.equal(back["model"]["running_mean"], mean)
