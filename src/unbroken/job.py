@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -236,6 +237,8 @@ class Job:
             spec["stream"] = self.dataset.identity()
         if self.order is not None:
             spec["order"] = order_digest(self.order)
+        if self.loss_scale is not None:
+            spec["loss_scale"] = dataclasses.asdict(self.loss_scale)
         if self.args:
             spec["args"] = list(self.args)
         return hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=8).hexdigest()

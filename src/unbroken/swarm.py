@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, overload
 
 import torch
@@ -48,7 +49,6 @@ from unbroken.errors import ConfigError
 from unbroken.job import Job
 from unbroken.testing.faults import Fault
 from unbroken.train.data import LoaderOrder, PassOrder
-from unbroken.train.device import Calibration
 from unbroken.train.runtime import Node, NodeResult, Steps
 from unbroken.train.scale import LossScale
 from unbroken.train.step import Slice
@@ -77,13 +77,16 @@ def join(
     batch_size: int,
     steps: int,
     seed: int = 0,
+    args: Sequence[str] | None = None,
     **options: Any,
 ) -> Swarm:
     """Join (or start) job ``job`` with your own loop; see this module's docstring.
 
     ``coordinator``: ``HOST:PORT`` (several comma-separated: any names the leader); default
-    ``$UNBROKEN_COORDINATOR``. ``options``: any `NodeConfig` field (``name``, ``token``,
-    ``checkpoint_dir``, ``device``...). Under ``unbroken run`` its command-line options win."""
+    ``$UNBROKEN_COORDINATOR``. ``args``: the script's arguments that every node must share,
+    part of the job's identity (default ``sys.argv[1:]``; give ``[]`` or a subset when nodes
+    take arguments of their own). ``options``: any `NodeConfig` field (``name``, ``token``,
+    ``checkpoint_dir``...). Under ``unbroken run`` its command-line options win."""
     fields = {f.name: f for f in dataclasses.fields(NodeConfig)}
     unknown = sorted(set(options) - set(fields))
     if unknown:
@@ -104,11 +107,15 @@ def join(
                 "or start the script with `unbroken run script.py --coordinator HOST:PORT`"
             )
     options.setdefault("token", load_token())
-    return Swarm(job, batch_size, steps, seed, NodeConfig(**options), faults)
+    swarm = Swarm(job, batch_size, steps, seed, NodeConfig(**options), faults)
+    swarm.args = tuple(sys.argv[1:] if args is None else args)
+    return swarm
 
 
-def _ignoring_arguments(hook: Hook) -> Callable[[nn.Module, Any], None]:
-    def call(model: nn.Module, optimizer: Any) -> None:
+def _ignoring_arguments(hook: Hook) -> Callable[..., None]:
+    """A `Job` hook (which gets the model, the step's info...) that runs the loop's own closure."""
+
+    def call(*args: Any) -> None:
         hook()
 
     return call
@@ -125,6 +132,8 @@ class Swarm:
         self, job: str, batch_size: int, steps: int, seed: int, config: NodeConfig, faults: list[Fault]
     ) -> None:
         self.name, self.batch_size, self.num_steps, self.seed = job, batch_size, steps, seed
+        self.args: tuple[str, ...] = ()
+        """The job's arguments: part of its identity (`join`'s ``args``)."""
         self.config = config
         self.faults = faults
         self.node: Node | None = None
@@ -159,6 +168,7 @@ class Swarm:
         data: Any,
         collate: Callable[[list[Any]], Any] | None,
         before_update: Hook | None,
+        after_step: Hook | None,
         loss_scale: LossScale | None,
     ) -> Job:
         if self._replicated is None:
@@ -174,7 +184,7 @@ class Swarm:
                 )
             dataset, collate = data.dataset, collate or data.collate_fn
             if not isinstance(dataset, IterableDataset):
-                order = LoaderOrder(data)
+                order = LoaderOrder(data, seed=self.seed)
         if isinstance(dataset, IterableDataset) and not isinstance(dataset, Stream):
             dataset = IterableStream(dataset)
         return Job(
@@ -192,6 +202,8 @@ class Swarm:
             order=order,
             loss_scale=loss_scale,
             before_update=_ignoring_arguments(before_update) if before_update is not None else None,
+            after_step=_ignoring_arguments(after_step) if after_step is not None else None,
+            args=self.args,
         )
 
     # ---------------------------------------------------------------- the loop
@@ -202,6 +214,7 @@ class Swarm:
         *,
         collate: Callable[[list[Any]], Any] | None = None,
         before_update: Hook | None = None,
+        after_step: Hook | None = None,
         loss_scale: LossScale | None = None,
     ) -> Iterator[Any]:
         """This node's slice of each global step, collated, until the job is done; call
@@ -213,14 +226,22 @@ class Swarm:
         ``before_update``: runs on every replica with the step's global gradient in each
         ``.grad``, just before the optimizer steps: clip there
         (``lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)``).
+        ``after_step``: runs on every replica right after each commit, before its digest,
+        checkpoint and any state transfer to a joiner: update replicated state there
+        (``lambda: ema.update(model)``), not after ``if swarm.step():``, which a joiner that
+        received the state of that step never runs.
         ``loss_scale``: float16 loss scaling for the group (``LossScale.like(scaler)`` for the
         script's ``torch.amp.GradScaler``; drop its ``scale``, ``step`` and ``update`` calls)."""
-        job = self._job(data, collate, before_update, loss_scale)
+        job = self._job(data, collate, before_update, after_step, loss_scale)
+        if self.config.role not in ("auto", "trainer"):
+            raise ConfigError(
+                f"--role {self.config.role}: a node running its own loop trains (validators and standbys "
+                "need a Job, whose loss they run on their own): use role trainer or auto"
+            )
+        config = dataclasses.replace(self.config, role="trainer")
         rng = torch.random.get_rng_state()  # building the Job seeds torch: the script's stream goes on
-        node = Node(job, self.config, self.faults)
+        node = Node(job, config, self.faults, own_loop=True)
         torch.random.set_rng_state(rng)
-        node.probes = False
-        node.meter.calibration = Calibration(0.0, 0.0, 1, 0)  # a median node until its steps are timed
         self.node = node
         with node.session():
             self._steps = steps = node.steps()
@@ -273,7 +294,8 @@ class Swarm:
             self._next = steps.send(self._loss)
         except StopIteration as stop:
             self.result, self._next = stop.value, None
-        return node.state.step > sl.step
+        # Applied here (not received from a peer after a failed fence) and not rolled back since.
+        return node.applied_step == sl.step and node.state.step > sl.step
 
     # ---------------------------------------------------------------- where we are
 

@@ -98,7 +98,7 @@ def test_the_ported_plain_loop_survives_a_kill_and_a_join_and_matches_the_plain_
 
 def test_own_loop_mistakes_are_named(make_cluster, tmp_path):
     """A loop that also steps the scheduler, or an unseeded shuffling DataLoader: the node
-    stops with an error that names the fix, and nothing is committed wrongly."""
+    stops with an error that names the fix."""
     script = tmp_path / "mistake.py"
     source = (EXAMPLES / "own_loop.py").read_text()
     script.write_text(source.replace("log(losses, loss.item())", "log(losses, loss.item())\n            sched.step()"))

@@ -80,14 +80,17 @@ which differs between CPUs, is far below it)."""
 
 def lie(row: torch.Tensor, rank: int, gradient: int, votes_at: int, norms_at: int, share: int | None) -> str | None:
     """What member ``rank``'s row (as gathered: its weighted gradient in ``row[:gradient]``,
-    its vote and sample count at ``votes_at``, one norm slot per member from ``norms_at``)
+    its vote, sample count, switch, loss and overflow from ``votes_at``, one norm slot per
+    member from ``norms_at``)
     says that is not true, or None."""
     grad = row[:gradient]
     if not bool(torch.isfinite(row[:votes_at]).all()):
         return "sent a gradient (or buffer update) that is not finite"
-    vote, samples = row[votes_at].item(), row[votes_at + 1].item()
+    vote, samples, overflow = row[votes_at].item(), row[votes_at + 1].item(), row[votes_at + 4].item()
     if vote != 1.0 or (share is not None and samples != float(share)):
         return f"voted {vote:g} with {samples:g} samples (its share is {share})"
+    if overflow not in (0.0, 1.0) or (overflow and bool(grad.any())):
+        return f"says {overflow:g} for its overflow but sent {'a' if grad.any() else 'no'} gradient"
     slots = row[norms_at:]
     declared = slots[rank].item()
     others = float(slots.abs().sum().item()) - abs(declared)

@@ -59,12 +59,17 @@ class DataPlan:
 
 class LoaderOrder:
     """The order iterating a map-style DataLoader reads its dataset in, pass after pass,
-    without loading a sample: its batch sampler's batches, flattened (so ``drop_last``
-    holds), after the seed a DataLoader draws from its generator at the start of each pass
-    (so a shuffling sampler sharing that generator draws what it would in a plain loop).
-    A sampler can only be drawn in sequence: every pass drawn is kept."""
+    without loading a sample: its batch sampler's batches, flattened (so ``drop_last`` drops
+    the same samples; without it, passes run into each other and no batch is short), after
+    the seed a DataLoader draws from its generator at the start of each pass (so a shuffling
+    sampler sharing that generator draws what it does in a plain loop).
 
-    def __init__(self, loader: DataLoader[Any]) -> None:
+    A sampler that draws from torch's global generator draws under one seeded from ``seed``
+    and the pass, so that every node reads the same order whatever its own code drew before.
+    A pass is drawn from the state its generator had when that pass began (kept per pass, a
+    few KB): any pass can be drawn again, and only the last two are kept whole."""
+
+    def __init__(self, loader: DataLoader[Any], seed: int = 0) -> None:
         sampler = loader.sampler
         if isinstance(sampler, RandomSampler) and sampler.generator is None:
             raise ConfigError(
@@ -73,19 +78,45 @@ class LoaderOrder:
                 "generator=torch.Generator().manual_seed(0))"
             )
         self.loader = loader
-        self._passes: list[torch.Tensor] = []
+        self.seed = seed
+        self._generators = [g for g in {id(x): x for x in self._owned_generators()}.values()]
+        self._states: list[list[torch.Tensor]] = []
+        """Each pass's starting state of the generators the loader draws from."""
+        self._recent: dict[int, list[int]] = {}
+
+    def _owned_generators(self) -> list[torch.Generator]:
+        found = [self.loader.generator, getattr(self.loader.sampler, "generator", None)]
+        return [g for g in found if isinstance(g, torch.Generator)]
 
     def __call__(self, data_pass: int) -> list[int]:
+        if data_pass in self._recent:
+            return self._recent[data_pass]
+        while len(self._states) <= data_pass:  # a pass's start is the end of the one before
+            if self._states:
+                self._draw(len(self._states) - 1)
+            else:
+                self._states.append([g.get_state() for g in self._generators])
+        order = self._draw(data_pass)
+        self._recent = {k: v for k, v in self._recent.items() if k == data_pass - 1} | {data_pass: order}
+        return order
+
+    def _draw(self, data_pass: int) -> list[int]:
+        """Pass ``data_pass``, from its starting state; records where the next one starts."""
         loader = self.loader
-        while len(self._passes) <= data_pass:
-            if loader.generator is not None:
+        for g, state in zip(self._generators, self._states[data_pass], strict=True):
+            g.set_state(state)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed * 1_000_003 + data_pass)
+            persistent = loader.persistent_workers and loader.num_workers > 0
+            if loader.generator is not None and (data_pass == 0 or not persistent):
                 torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
             if loader.batch_sampler is None:
-                order = list(loader.sampler)
+                order = [int(i) for i in loader.sampler]
             else:
-                order = [i for batch in loader.batch_sampler for i in batch]
-            self._passes.append(torch.tensor(order, dtype=torch.int64))
-        return self._passes[data_pass].tolist()  # type: ignore[no-any-return]
+                order = [int(i) for batch in loader.batch_sampler for i in batch]
+        if len(self._states) == data_pass + 1:
+            self._states.append([g.get_state() for g in self._generators])
+        return order
 
 
 def order_digest(order: PassOrder) -> str:

@@ -55,7 +55,7 @@ from unbroken.testing.throttle import parse_throttle
 from unbroken.train.audits import Audits
 from unbroken.train.candidate import Candidate
 from unbroken.train.compute import JobCompute
-from unbroken.train.device import ComputeReplica, resolve_device
+from unbroken.train.device import Calibration, ComputeReplica, resolve_device
 from unbroken.train.diloco import DiLoCo
 from unbroken.train.epochs import Epochs
 from unbroken.train.measure import Meter
@@ -90,7 +90,11 @@ class NodeResult:
 class Node:
     """One training process. ``Node(job, config).run()`` blocks until the job is done."""
 
-    def __init__(self, job: Job, config: NodeConfig, faults: list[Fault] | None = None) -> None:
+    def __init__(
+        self, job: Job, config: NodeConfig, faults: list[Fault] | None = None, *, own_loop: bool = False
+    ) -> None:
+        """``own_loop``: the user's code computes each slice on its own model, wherever it
+        lives (`unbroken.swarm`): no compute copy, no speed probes, no roles but trainer."""
         self.job = job
         self.config = config
         self.name = config.display_name
@@ -106,11 +110,14 @@ class Node:
         # Buffers a forward pass updates (BatchNorm statistics) travel in the same
         # all-reduce as the gradients, so replicas stay bit-identical between syncs.
         self.buffers = [b for b in model.buffers() if b.dtype.is_floating_point or b.dtype == torch.int64]
-        self.device = resolve_device(config.device)
-        self.replica = ComputeReplica(model, self.device)
+        self.own_loop = own_loop
+        self.device = next(model.parameters()).device if own_loop else resolve_device(config.device)
+        self.replica = ComputeReplica(model, self.device, separate=False if own_loop else None)
         self.compute_buffers = list(self.replica.buffers())
         self.throttle = parse_throttle(config.throttle)
         self.meter = Meter(job, self.replica, self.throttle, self.name)
+        if own_loop:  # a median node until its steps are timed: there is no loss to measure with
+            self.meter.calibration = Calibration(0.0, 0.0, 1, 0)
         self.compute = JobCompute(self)
         self.numel = sum(p.numel() for p in self.params) + sum(b.numel() for b in self.buffers)
         self.compressed_numel = sum(p.numel() for p in self.params)
@@ -133,10 +140,9 @@ class Node:
         self.leave_requested = False
         self.last_loss = math.nan
         """The global mean loss of the last committed step."""
+        self.applied_step = -1
+        """The last step this node applied itself (not received from a peer)."""
         self.leave_sent_at: float | None = None
-        self.probes = True
-        """Whether this node may time the job's loss on a model copy to learn its speed (not
-        in a user's own loop: there is no loss function to run; steps are timed instead)."""
         self._fingerprint = fingerprint(model)
         self._last_validation = 0.0
         self._epochs_formed = 0
@@ -390,18 +396,19 @@ class Node:
                 p.reduce(sl)
                 tally = p.verify(members=g.size, samples=B, what=f"step {sl.step}")
                 p.check_sum(sl.step)
+                overflow = p.check_overflow(tally, sl.step)
                 p.fence()
             except BaseException:
                 p.undo(sl)  # the retry starts from the committed state
                 raise
-            p.apply(sl, overflow=tally.overflow > 0)
-            p.commit(sl, tally.loss, overflow=tally.overflow > 0)
+            p.apply(sl, overflow=overflow)
+            p.commit(sl, tally.loss, overflow=overflow)
             if self.faults.bitflip(self.state.step):
                 self.records.settle()
                 flip_bit(self.params[0])
             if self.audits.due(self.state.step):
                 self.audits.check(g)
-            if sl.share and self.probes:
+            if sl.share and not self.own_loop:
                 self.meter.maybe_recalibrate(self.compute.probe_model, self.state.step)
             if g.role == "validator":
                 self._maybe_validate()
@@ -411,8 +418,9 @@ class Node:
     # ---------------------------------------------------------------- roles
 
     def _set_role(self, role: str) -> None:
-        """Trainers compute; other members probe their speed and, as validators, evaluate."""
-        if role == "trainer":
+        """Trainers compute; other members probe their speed and, as validators, evaluate
+        (not in a user's own loop: there is no loss to probe with; its share is just 0)."""
+        if role == "trainer" or self.own_loop:
             if self.sidecar is not None:
                 self.sidecar.set_probing(False)
             return

@@ -257,6 +257,19 @@ class StepProtocol:
         if not lossy and total > bound * (1 + NORM_TOLERANCE) + 1e-12:
             raise Suspicion(f"step {step}: the summed gradient's norm {total:.4g} exceeds the declared {bound:.4g}")
 
+    def check_overflow(self, tally: Tally, step: int) -> bool:
+        """Whether the step overflowed (and commits without an update). The slot is a
+        member's word alone: it counts only where the job scales its loss, and not once the
+        scale is at its floor (a gradient that is not finite unscaled is no overflow)."""
+        if tally.overflow <= 0:
+            return False
+        scale = self.node.scale
+        if scale is None:
+            raise Suspicion(f"step {step}: a member says its gradient overflowed, but this job scales no loss")
+        if scale.scale <= 1.0:
+            raise Suspicion(f"step {step}: a member's gradient is not finite even unscaled (the loss scale is 1)")
+        return True
+
     def fence(self) -> None:
         """Refuse to commit unless this node is sure it is still a member."""
         client = self.node.client
@@ -300,6 +313,7 @@ class StepProtocol:
         and the commit is logged, reported and checkpointed."""
         node, g = self.node, self.group
         node.advance(sl.step + 1, loss)
+        node.applied_step = sl.step
         after_step(node, g, loss)
         step, every = node.state.step, node.config.digest_every
         digest = node.state.digest() if every and step % every == 0 else None

@@ -114,25 +114,30 @@ def test_the_trimmed_mean_orders_coordinates_exactly_like_a_sort(n: int) -> None
     assert torch.equal(combine(rows, weights, norms, Rule("trimmed", 0.25)), expected / kept.shape[0])
 
 
-def _row(grad: list[float], rank: int, size: int, share: int, declared: float | None = None) -> torch.Tensor:
-    """A gathered row: gradient, vote, samples, switch, loss, then one norm slot per member."""
+def _row(
+    grad: list[float], rank: int, size: int, share: int, declared: float | None = None, overflow: float = 0.0
+) -> torch.Tensor:
+    """A gathered row: gradient, vote, samples, switch, loss, overflow, then one norm slot per member."""
     g = torch.tensor(grad)
     slots = torch.zeros(size)
     slots[rank] = torch.linalg.vector_norm(g) if declared is None else declared
-    return torch.cat([g, torch.tensor([1.0, float(share), 0.0, 0.5]), slots])
+    return torch.cat([g, torch.tensor([1.0, float(share), 0.0, 0.5, overflow]), slots])
 
 
 def test_a_rows_lies_are_found_in_the_row_itself() -> None:
     from unbroken.comm.robust import lie
 
     def check(row: torch.Tensor, share: int = 4) -> str | None:
-        return lie(row, 1, 3, 3, 7, share)
+        return lie(row, 1, 3, 3, 8, share)
 
     assert check(_row([3.0, 4.0, 0.0], 1, 3, 4)) is None
     assert "not finite" in (check(_row([float("nan"), 4.0, 0.0], 1, 3, 4, declared=5.0)) or "")
     assert "declared a gradient norm of 5" in (check(_row([-3e6, -4e6, 0.0], 1, 3, 4, declared=5.0)) or "")
     forged = _row([3.0, 4.0, 0.0], 1, 3, 4)
-    forged[7] = float("inf")  # rank 0's slot
+    forged[8] = float("inf")  # rank 0's slot
     assert "other members' norm slots" in (check(forged) or "")
     assert "samples" in (check(_row([3.0, 4.0, 0.0], 1, 3, 9)) or "")
     assert check(_row([3.0, 4.0, 0.0], 1, 3, 4, declared=5.0 * (1 + 1e-5))) is None  # rounding is no lie
+    assert check(_row([0.0, 0.0, 0.0], 1, 3, 4, overflow=1.0)) is None  # an overflow sends nothing
+    assert "overflow but sent a gradient" in (check(_row([3.0, 4.0, 0.0], 1, 3, 4, overflow=1.0)) or "")
+    assert "says 7 for its overflow" in (check(_row([0.0, 0.0, 0.0], 1, 3, 4, overflow=7.0)) or "")

@@ -68,3 +68,26 @@ def test_a_pass_of_another_length_is_refused() -> None:
     plan.indices(1, 0, 5)
     with pytest.raises(ConfigError, match="every pass must read the same number"):
         plan.indices(2, 0, 5)
+
+
+def test_a_sampler_on_the_global_generator_reads_the_same_order_on_every_node() -> None:
+    def node(noise: int) -> list[list[int]]:
+        torch.manual_seed(noise)  # whatever each node's own code drew before
+        loader = DataLoader(_data(30), batch_size=5, sampler=torch.utils.data.SubsetRandomSampler(range(30)))
+        order = LoaderOrder(loader, seed=7)
+        return [order(k) for k in (0, 1, 2, 1)]
+
+    a, b = node(1), node(2)
+    assert a == b and a[1] == a[3] and a[0] != a[1]
+    assert sorted(a[2]) == list(range(30))
+
+
+def test_persistent_workers_draw_the_base_seed_once_as_the_loader_does() -> None:
+    def loader() -> DataLoader[tuple[torch.Tensor, ...]]:
+        g = torch.Generator().manual_seed(3)
+        return DataLoader(_data(24), batch_size=6, shuffle=True, generator=g, num_workers=1, persistent_workers=True)
+
+    plain = loader()
+    iterated = [[int(i) for (x,) in plain for i in x] for _ in range(3)]
+    order = LoaderOrder(loader())
+    assert [order(k) for k in range(3)] == iterated

@@ -36,3 +36,24 @@ def test_the_scale_is_replicated_state_and_bad_policies_are_refused() -> None:
         LossScale(init=2.0**130)
     with pytest.raises(ConfigError, match="growth_interval"):
         LossScale(growth_interval=0)
+
+
+def test_the_overflow_slot_counts_only_where_a_loss_is_scaled_and_above_its_floor() -> None:
+    from types import SimpleNamespace
+    from typing import Any
+
+    from unbroken.errors import Suspicion
+    from unbroken.train.step import StepProtocol, Tally
+
+    def protocol(scale: ScaleState | None) -> Any:
+        p = StepProtocol.__new__(StepProtocol)
+        p.node = SimpleNamespace(scale=scale)  # type: ignore[assignment]
+        return p
+
+    overflowed, clean = Tally(3, 12, 0, 1.0, 1), Tally(3, 12, 0, 1.0, 0)
+    assert protocol(None).check_overflow(clean, 4) is False
+    assert protocol(ScaleState(LossScale(init=8.0))).check_overflow(overflowed, 4) is True
+    with pytest.raises(Suspicion, match="scales no loss"):
+        protocol(None).check_overflow(overflowed, 4)
+    with pytest.raises(Suspicion, match="not finite even unscaled"):
+        protocol(ScaleState(LossScale(init=1.0))).check_overflow(overflowed, 4)
