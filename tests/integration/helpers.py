@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import signal
 import socket
 import struct
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +42,32 @@ def assert_promises(c: LocalCluster, env: dict[str, str], finishers: int, refere
     for k, v in ref.items():
         diff = (got[k] - v).abs().max().item()
         assert diff <= ATOL, f"{k} differs from the single-process reference by {diff:.2e} (> {ATOL})"
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
+
+
+def load_example(name: str) -> Any:
+    """``examples/NAME.py`` as a module (for its plain-loop reference, its data, its metric)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def kill_and_join(c: LocalCluster, job_args: list[str]) -> tuple[Any, Any]:
+    """Three nodes (one SIGKILLed at step 25), a fourth joining at step 40; all finish or die
+    as planned. Returns the victim and the joiner."""
+    c.start_coordinator()
+    c.start_node("n1", job_args=job_args)
+    victim = c.start_node("n2", fault="kill@compute:25", job_args=job_args)
+    c.start_node("n3", job_args=job_args)
+    c.wait_step(40)
+    joiner = c.start_node("n4", job_args=job_args)
+    codes = c.wait_exit(timeout=240)
+    assert fired(victim, "kill") and codes == {"n1": 0, "n2": -signal.SIGKILL, "n3": 0, "n4": 0}, c.diagnostics()
+    return victim, joiner
 
 
 def fired(node: Any, signal_name: str) -> bool:

@@ -11,21 +11,19 @@ seed and arguments).
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from integration.helpers import fired
+from integration.helpers import EXAMPLES, kill_and_join, load_example
 from unbroken.job import load_job
 from unbroken.testing import check_promises
 from unbroken.testing.promises import reference_tree
 
 pytestmark = pytest.mark.timeout(300)
 
-EXAMPLES = Path(__file__).parent.parent.parent / "examples"
 REAL = (f"{EXAMPLES / 'real_training.py'}:make", ["--lr", "0.02", "--steps", "400", "--clip", "0.3"], "25")
 HF = (f"{EXAMPLES / 'hf_style.py'}:make", ["--steps", "200"], "20")
 GAN = (f"{EXAMPLES / 'gan.py'}:make", ["--steps", "300"], "15")
@@ -56,23 +54,10 @@ first epoch does; the held-out loss after the membership changes is held to 10 %
 )
 def test_an_example_survives_a_kill_and_a_join_and_matches_one_process(make_cluster, tmp_path, ref, args, delay_ms):
     if "{shards}" in args:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("streaming_example", EXAMPLES / "streaming.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        module.write_shards(tmp_path / "shards")
+        load_example("streaming").write_shards(tmp_path / "shards")
         args = [a.format(shards=tmp_path / "shards") for a in args]
     c = make_cluster(job=ref, env={"UB_TEST_DELAY_MS": delay_ms}, min_nodes=3, node_args=["--digest-every", "1"])
-    c.start_coordinator()
-    c.start_node("n1", job_args=args)
-    victim = c.start_node("n2", fault="kill@compute:25", job_args=args)
-    c.start_node("n3", job_args=args)
-    c.wait_step(40)
-    joiner = c.start_node("n4", job_args=args)
-    codes = c.wait_exit(timeout=240)
-    assert fired(victim, "kill") and codes == {"n1": 0, "n2": -signal.SIGKILL, "n3": 0, "n4": 0}, c.diagnostics()
+    _, joiner = kill_and_join(c, args)
     assert next(e["kind"] for e in joiner.entries() if e["kind"] != "epoch") == "sync", "the joiner got the state"
 
     job = load_job(ref, args)
@@ -132,20 +117,13 @@ def test_float16_with_a_loss_scale_skips_overflowing_steps_together_and_matches_
     ``torch.amp.GradScaler`` skips, and the model ends as good as that one's."""
     ref, args = f"{EXAMPLES / 'mixed_precision.py'}:make", ["--steps", "200"]
     c = make_cluster(job=ref, env={"UB_TEST_DELAY_MS": "15"}, min_nodes=3, node_args=["--digest-every", "1"])
-    c.start_coordinator()
-    c.start_node("n1", job_args=args)
-    victim = c.start_node("n2", fault="kill@compute:25", job_args=args)
-    c.start_node("n3", job_args=args)
-    c.wait_step(40)
-    c.start_node("n4", job_args=args)
-    codes = c.wait_exit(timeout=240)
-    assert fired(victim, "kill") and codes == {"n1": 0, "n2": -signal.SIGKILL, "n3": 0, "n4": 0}, c.diagnostics()
+    kill_and_join(c, args)
     job = load_job(ref, args)
     report = check_promises({name: n.entries() for name, n in c.nodes.items()}, job, finishers=3)
     assert report.ok, "\n".join(report.problems) + "\n" + c.diagnostics()
 
     skipped = {e["step"] for n in c.nodes.values() for e in n.entries() if e["kind"] == "commit" and e.get("overflow")}
-    example = _example("mixed_precision")
+    example = load_example("mixed_precision")
     plain_model, plain_skips, plain_losses = example.plain(args, parts=3)  # as the first 3 nodes split B
     assert skipped and abs(len(skipped) - sum(plain_skips)) <= 3, (sorted(skipped), sum(plain_skips))
     logged = {e["step"]: e["loss"] for n in c.nodes.values() for e in n.entries() if e["kind"] == "commit"}
@@ -161,13 +139,3 @@ def test_float16_with_a_loss_scale_skips_overflowing_steps_together_and_matches_
             f"{name}: held-out {mine:.4f} vs GradScaler's {theirs:.4f}"
         )
         assert got["extra"]["unbroken.loss_scale"]["scale"] >= 1.0
-
-
-def _example(name: str) -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -7,12 +7,9 @@ and a final model as good as the plain script's."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import signal
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -20,13 +17,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from integration.helpers import events_of, fired
+from integration.helpers import EXAMPLES, events_of, kill_and_join, load_example
 from unbroken.testing import check_promises
 from unbroken.train.data import DataPlan, LoaderOrder
 
 pytestmark = pytest.mark.timeout(300)
 
-EXAMPLES = Path(__file__).parent.parent.parent / "examples"
 STEPS, B = 240, 32
 EARLY_STEPS, EARLY_RTOL = 20, 1e-4
 """The first steps' losses, as the plain script has them (float summation order aside)."""
@@ -34,14 +30,6 @@ HELDOUT_RTOL = 0.02
 """AdamW carries the last bits of float noise far (5e-4 in the weights after 60 steps of
 two nodes without any fault, measured): the final models are compared by their loss on
 held-out windows, which that noise does not move by 2 %."""
-
-
-def _module(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _heldout_loss(plain: ModuleType, state: dict[str, torch.Tensor]) -> float:
@@ -54,7 +42,7 @@ def _heldout_loss(plain: ModuleType, state: dict[str, torch.Tensor]) -> float:
 
 
 def test_the_ported_plain_loop_survives_a_kill_and_a_join_and_matches_the_plain_script(make_cluster, tmp_path):
-    plain = _module("plain_loop")
+    plain = load_example("plain_loop")
     out = tmp_path / "plain.pt"
     subprocess.run(
         [sys.executable, str(EXAMPLES / "plain_loop.py"), "--steps", str(STEPS), "--out", str(out)],
@@ -65,14 +53,7 @@ def test_the_ported_plain_loop_survives_a_kill_and_a_join_and_matches_the_plain_
 
     args = ["--steps", str(STEPS), "--delay-ms", "20"]
     c = make_cluster(job=str(EXAMPLES / "own_loop.py"), min_nodes=3, node_args=["--digest-every", "1"])
-    c.start_coordinator()
-    c.start_node("n1", job_args=args)
-    victim = c.start_node("n2", fault="kill@compute:25", job_args=args)
-    c.start_node("n3", job_args=args)
-    c.wait_step(40)
-    joiner = c.start_node("n4", job_args=args)
-    codes = c.wait_exit(timeout=240)
-    assert fired(victim, "kill") and codes == {"n1": 0, "n2": -signal.SIGKILL, "n3": 0, "n4": 0}, c.diagnostics()
+    _, joiner = kill_and_join(c, args)
     assert next(e["kind"] for e in joiner.entries() if e["kind"] != "epoch") == "sync", "the joiner got the state"
 
     loader = torch.utils.data.DataLoader(
@@ -99,22 +80,22 @@ def test_the_ported_plain_loop_survives_a_kill_and_a_join_and_matches_the_plain_
 def test_own_loop_mistakes_are_named(make_cluster, tmp_path):
     """A loop that also steps the scheduler, or an unseeded shuffling DataLoader: the node
     stops with an error that names the fix."""
-    script = tmp_path / "mistake.py"
     source = (EXAMPLES / "own_loop.py").read_text()
-    script.write_text(source.replace("log(losses, loss.item())", "log(losses, loss.item())\n            sched.step()"))
-    c = make_cluster(job=str(script), min_nodes=1)
-    c.start_coordinator()
-    node = c.start_node("n1", job_args=["--steps", "20"])
-    assert node.wait(timeout=120) != 0
-    assert "remove sched.step() from your loop" in node.stderr(), node.stderr()
-
-    unseeded = tmp_path / "unseeded.py"
-    unseeded.write_text(source.replace("generator=generator)", "generator=None)"))
-    c2 = make_cluster(job=str(unseeded), min_nodes=1)
-    c2.start_coordinator()
-    node = c2.start_node("n1", job_args=["--steps", "20"])
-    assert node.wait(timeout=120) != 0
-    assert "give it a seeded one" in node.stderr(), node.stderr()
+    mistakes = {
+        "remove sched.step() from your loop": (
+            "log(losses, loss.item())",
+            "log(losses, loss.item())\n            sched.step()",
+        ),
+        "give it a seeded one": ("generator=generator)", "generator=None)"),
+    }
+    for i, (fix, (text, mistake)) in enumerate(mistakes.items()):
+        script = tmp_path / f"mistake{i}.py"
+        script.write_text(source.replace(text, mistake))
+        c = make_cluster(job=str(script), min_nodes=1)
+        c.start_coordinator()
+        node = c.start_node("n1", job_args=["--steps", "20"])
+        assert node.wait(timeout=120) != 0
+        assert fix in node.stderr(), node.stderr()
 
 
 def test_a_plain_python_launch_joins_the_same_group(make_cluster, tmp_path):
