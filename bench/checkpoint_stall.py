@@ -3,7 +3,7 @@
     python bench/checkpoint_stall.py                        # ~50M params, 2 nodes, whole files and fragments
     python bench/checkpoint_stall.py --model small --steps 200 --every 10
 
-Same job, same samples, side by side in one invocation: 2 nodes on loopback train the
+Same job, same samples, side by side in one invocation: ``--nodes`` (2) on loopback train the
 ``--model`` MLP of ``bench/jobs.py`` (``large``: ~50M parameters, SGD with momentum: the
 state is 400 MB) for ``--steps`` steps, without checkpoints (the baseline), with whole
 checkpoints every ``--every`` steps (rank 0 captures the state at the step boundary and a
@@ -43,9 +43,9 @@ def run(args: argparse.Namespace, workdir: Path, config: str) -> dict[str, Any]:
         node_args = ["--checkpoint-every", str(args.every)]
     if config == "fragments":
         coord += ["--fragments", "1,1"]
-    with LocalCluster(jobs.job_ref(args.model), workdir, env=env, min_nodes=2, coordinator_args=coord) as c:
+    with LocalCluster(jobs.job_ref(args.model), workdir, env=env, min_nodes=args.nodes, coordinator_args=coord) as c:
         c.start_coordinator()
-        for i in range(2):
+        for i in range(args.nodes):
             extra = ["--checkpoint-dir", str(workdir / f"ckpt{i}")] if node_args else []
             c.start_node(f"n{i}", extra=[*node_args, *extra])
         codes = c.wait_exit(timeout=args.timeout)
@@ -73,9 +73,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="steps left out at the start")
     p.add_argument("--repeats", type=int, default=1, help="repeats of every configuration, interleaved")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for one run")
+    p.add_argument("--nodes", type=int, default=2, help="nodes (1 on 2 cores: the capture has a core of its own)")
+    p.add_argument("--configs", default="none,whole,fragments,audit", help="which configurations, comma-separated")
     args = p.parse_args()
     print_command()
-    configs = ["none", "whole", "fragments", "audit"]
+    configs = [c for c in args.configs.split(",") if c]
+    if configs[0] != "none" or not set(configs) <= {"none", "whole", "fragments", "audit"}:
+        p.error("--configs: none first, then any of whole, fragments, audit")
     raw: dict[str, list[dict[str, Any]]] = {k: [] for k in configs}
     progress = ProgressLine(args.repeats * len(configs))
     with tempfile.TemporaryDirectory(prefix="ub-ckpt-") as tmp:
@@ -110,7 +114,7 @@ def main() -> None:
         )
     n_params = jobs.num_params(args.model)
     print_table(
-        f"Checkpoint stall: {args.model} MLP ({n_params / 1e6:.1f}M params), 2 nodes, {args.steps} steps, "
+        f"Checkpoint stall: {args.model} MLP ({n_params / 1e6:.1f}M params), {args.nodes} node(s), {args.steps} steps, "
         f"checkpoint every {args.every}, medians over {args.repeats} repeats",
         ["checkpoints", "median step", "vs none", "mean step", "vs none", "step with a checkpoint", "vs none"],
         rows,

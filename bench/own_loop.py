@@ -10,7 +10,8 @@ on the same number of nodes (3) with a real coordinator on loopback, OMP_NUM_THR
 - own loop: ``unbroken run bench/own_loop_worker.py -- MODEL``, a plain loop through
   `unbroken.join` (``swarm.batches``, ``swarm.backward``, ``swarm.step``).
 
-Step time is the gap between consecutive ``commit`` lines of a node's commit log, after
+The coordinator splits B equally and never rebalances (``--balance weights``), so both sides
+run the same shares. Step time is the gap between consecutive ``commit`` lines of a node's commit log, after
 ``--warmup`` steps, pooled over nodes; runs alternate (job, own, own, job, ...) so drift on
 a shared machine hits both. The figure is the ratio of median step times, own ÷ Job
 (target ≤ 1.02).
@@ -34,7 +35,10 @@ def run(system: str, args: argparse.Namespace, workdir: Path) -> list[float]:
     env = jobs.env_for(args.steps, args.batch)
     ref = jobs.job_ref(args.model) if system == "job" else str(WORKER)
     job_args = [args.model] if system == "own" else None
-    with LocalCluster(ref, workdir, env=env, min_nodes=args.nodes) as c:
+    # Equal shares on both sides, fixed: the loops are compared, not the planner's view of
+    # them (the Job loop times its loss before joining, the own loop only its steps).
+    coord = ["--balance", "weights"]
+    with LocalCluster(ref, workdir, env=env, min_nodes=args.nodes, coordinator_args=coord) as c:
         c.start_coordinator()
         for i in range(args.nodes):
             c.start_node(f"n{i}", job_args=job_args)
