@@ -98,6 +98,8 @@ class Reducer:
     """Each member's share of the batch in samples (what its row must say it computed)."""
     norms_at: int = 0
     """Where the members' gradient-norm slots start in the flat tensor (one per rank)."""
+    overflow_allowed: Callable[[], bool] = lambda: False
+    """Whether a member's overflow slot is believed now (the job's loss scale says)."""
 
     def allreduce(
         self,
@@ -222,7 +224,7 @@ class Reducer:
         k = self.compressed
         for r, row in enumerate(rows):  # the same rows, the same verdict, on every member
             share = self.shares[r] if self.shares else None
-            why = lie(row, r, k, self.norms_at - VOTE_SLOTS, self.norms_at, share)
+            why = lie(row, r, k, self.norms_at - VOTE_SLOTS, self.norms_at, share, self.overflow_allowed())
             if why is not None:
                 raise BadContribution(r, f"{what}: refused the contribution of rank {r}: it {why}")
         tail = torch.zeros(flat.numel() - k, dtype=torch.float32)

@@ -78,10 +78,18 @@ NORM_TOLERANCE = 1e-3
 which differs between CPUs, is far below it)."""
 
 
-def lie(row: torch.Tensor, rank: int, gradient: int, votes_at: int, norms_at: int, share: int | None) -> str | None:
+def lie(
+    row: torch.Tensor,
+    rank: int,
+    gradient: int,
+    votes_at: int,
+    norms_at: int,
+    share: int | None,
+    overflow_allowed: bool = False,
+) -> str | None:
     """What member ``rank``'s row (as gathered: its weighted gradient in ``row[:gradient]``,
     its vote, sample count, switch, loss and overflow from ``votes_at``, one norm slot per
-    member from ``norms_at``)
+    member from ``norms_at``; an overflow is believed only while ``overflow_allowed``)
     says that is not true, or None."""
     grad = row[:gradient]
     if not bool(torch.isfinite(row[:votes_at]).all()):
@@ -91,6 +99,8 @@ def lie(row: torch.Tensor, rank: int, gradient: int, votes_at: int, norms_at: in
         return f"voted {vote:g} with {samples:g} samples (its share is {share})"
     if overflow not in (0.0, 1.0) or (overflow and bool(grad.any())):
         return f"says {overflow:g} for its overflow but sent {'a' if grad.any() else 'no'} gradient"
+    if overflow and not overflow_allowed:
+        return "says its gradient overflowed where no overflow is believed (no loss scale, or too many in a row)"
     slots = row[norms_at:]
     declared = slots[rank].item()
     others = float(slots.abs().sum().item()) - abs(declared)

@@ -50,6 +50,7 @@ class Audits:
         node = self.node
         node.records.settle()
         node.state.restore(self.audited)
+        node.applied_step = -1
         node.client.step = node.state.step
         entry = {"kind": "restore", "step": node.state.step, "digest": node.state.digest(), "why": "failed audit"}
         node.records.log(entry)

@@ -10,6 +10,8 @@ so every sample is used exactly once per pass.
 from __future__ import annotations
 
 import hashlib
+import random
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +19,9 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from unbroken.errors import ConfigError
+
+KEPT = 4
+"""Passes a `LoaderOrder` keeps whole (a retry or rollback reads them again)."""
 
 PassOrder = Callable[[int], Sequence[int]]
 """Pass k's order of dataset indices (the same every time it is asked: `LoaderOrder`)."""
@@ -64,10 +69,11 @@ class LoaderOrder:
     the seed a DataLoader draws from its generator at the start of each pass (so a shuffling
     sampler sharing that generator draws what it does in a plain loop).
 
-    A sampler that draws from torch's global generator draws under one seeded from ``seed``
-    and the pass, so that every node reads the same order whatever its own code drew before.
-    A pass is drawn from the state its generator had when that pass began (kept per pass, a
-    few KB): any pass can be drawn again, and only the last two are kept whole."""
+    A sampler that draws from torch's, Python's or numpy's global generator draws under one
+    seeded from ``seed`` and the pass, so that every node reads the same order whatever its
+    own code drew before. A pass is drawn from the state its torch generators had when that
+    pass began (kept per pass, a few KB): any pass can be drawn again; the last `KEPT` are
+    kept whole."""
 
     def __init__(self, loader: DataLoader[Any], seed: int = 0) -> None:
         sampler = loader.sampler
@@ -85,8 +91,12 @@ class LoaderOrder:
         self._recent: dict[int, list[int]] = {}
 
     def _owned_generators(self) -> list[torch.Generator]:
-        found = [self.loader.generator, getattr(self.loader.sampler, "generator", None)]
-        return [g for g in found if isinstance(g, torch.Generator)]
+        """The torch generators the loader's sampling draws from, samplers nested in batch
+        samplers included (a sampler's own numpy or random generator cannot be replayed:
+        then only the last `KEPT` passes can be asked again)."""
+        loader = self.loader
+        places = [loader, loader.sampler, loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None)]
+        return [g for x in places if x is not None for g in vars(x).values() if isinstance(g, torch.Generator)]
 
     def __call__(self, data_pass: int) -> list[int]:
         if data_pass in self._recent:
@@ -97,7 +107,7 @@ class LoaderOrder:
             else:
                 self._states.append([g.get_state() for g in self._generators])
         order = self._draw(data_pass)
-        self._recent = {k: v for k, v in self._recent.items() if k == data_pass - 1} | {data_pass: order}
+        self._recent = {k: v for k, v in self._recent.items() if k >= data_pass - KEPT + 1} | {data_pass: order}
         return order
 
     def _draw(self, data_pass: int) -> list[int]:
@@ -105,8 +115,15 @@ class LoaderOrder:
         loader = self.loader
         for g, state in zip(self._generators, self._states[data_pass], strict=True):
             g.set_state(state)
+        seed = self.seed * 1_000_003 + data_pass
+        python_state = random.getstate()
+        numpy = sys.modules.get("numpy")
+        numpy_state = numpy.random.get_state() if numpy is not None else None
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed * 1_000_003 + data_pass)
+            torch.manual_seed(seed)
+            random.seed(seed)
+            if numpy is not None:
+                numpy.random.seed(seed % 2**32)
             persistent = loader.persistent_workers and loader.num_workers > 0
             if loader.generator is not None and (data_pass == 0 or not persistent):
                 torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
@@ -114,6 +131,9 @@ class LoaderOrder:
                 order = [int(i) for i in loader.sampler]
             else:
                 order = [int(i) for batch in loader.batch_sampler for i in batch]
+        random.setstate(python_state)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
         if len(self._states) == data_pass + 1:
             self._states.append([g.get_state() for g in self._generators])
         return order

@@ -133,6 +133,7 @@ class DiLoCo:
         log.info("%s: round abandoned at inner step %d; back to step %s", self.node.name, st.step, back)
         st.restore(self._round_start)
         self.node.client.step = st.step
+        self.node.applied_step = -1
         self.node.report("rollback", f"DiLoCo round abandoned; back to its start, step {back}")
 
     # ---------------------------------------------------------------- the round
@@ -175,6 +176,7 @@ class DiLoCo:
             p.flat[: node.compressed_numel] *= B / max(zone_samples, 1)
             p.apply(sl)
             node.state.step = sl.step + 1  # the cursor moves with the outer step
+            node.applied_step = sl.step
             losses.append(tally.loss * B / max(zone_samples, 1))
             node.records.progress(g, node.state.step, losses[-1], B / max(time.monotonic() - sl.started, 1e-9))
             if node.state.step == self.round_end(sl.step):

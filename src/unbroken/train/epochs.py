@@ -128,6 +128,7 @@ class Epochs:
             weights=tuple(s / B for s in order.shares),
             shares=tuple(order.shares),
             norms_at=node.numel + EXTRA,
+            overflow_allowed=lambda: node.scale is not None and node.scale.may_skip,
         )
         if not zones.multi:
             return reducer

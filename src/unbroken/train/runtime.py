@@ -357,6 +357,8 @@ class Node:
         )  # fmt: skip
         if r.role != "receiver":
             self._partial.close()  # a fetch cut short earlier is moot now: let its copy go
+        else:
+            self.applied_step = -1  # the state is a peer's now
         self.audits.synced(received=r.role == "receiver")
         if self.diloco is not None:
             self.diloco.sync_zone(received=r.role == "receiver")

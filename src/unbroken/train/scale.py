@@ -20,6 +20,10 @@ from unbroken.errors import ConfigError
 
 KEY = "unbroken.loss_scale"
 """Its name among the replicated extra state (`TrainState.extra`)."""
+MAX_SKIPS = 32
+"""Overflowed steps in a row after which an overflow is no longer believed: the scale has
+fallen 2**32-fold, and a member whose gradient is still not finite is broken (or lying)."""
+MIN_SCALE = 2.0**-24
 
 
 @dataclass(frozen=True)
@@ -32,8 +36,8 @@ class LossScale:
     growth_interval: int = 2000
 
     def __post_init__(self) -> None:
-        if not 1.0 <= self.init < 2.0**127:
-            raise ConfigError(f"LossScale.init = {self.init} must be at least 1 and below 2**127 (float32's range)")
+        if not MIN_SCALE <= self.init < 2.0**127:
+            raise ConfigError(f"LossScale.init = {self.init} must lie in [2**-24, 2**127) (float32's range)")
         if self.growth_factor <= 1.0 or not 0.0 < self.backoff_factor < 1.0:
             raise ConfigError("LossScale: growth_factor must be above 1, backoff_factor between 0 and 1")
         if self.growth_interval < 1:
@@ -57,21 +61,31 @@ class ScaleState:
         self.policy = policy
         self.scale = policy.init
         self.clean_steps = 0
+        self.skipped = 0
+        """Steps skipped in a row."""
+
+    @property
+    def may_skip(self) -> bool:
+        """Whether the next overflow is believed (`MAX_SKIPS`)."""
+        return self.skipped < MAX_SKIPS
 
     def update(self, overflow: bool) -> None:
         """After a committed step, on every replica alike."""
         if overflow:
-            self.scale = max(1.0, self.scale * self.policy.backoff_factor)
+            self.scale = max(MIN_SCALE, self.scale * self.policy.backoff_factor)
             self.clean_steps = 0
+            self.skipped += 1
             return
+        self.skipped = 0
         self.clean_steps += 1
         if self.clean_steps == self.policy.growth_interval:
             self.scale = min(2.0**126, self.scale * self.policy.growth_factor)
             self.clean_steps = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "clean_steps": self.clean_steps}
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
+        self.skipped = int(state.get("skipped", 0))

@@ -259,15 +259,19 @@ class StepProtocol:
 
     def check_overflow(self, tally: Tally, step: int) -> bool:
         """Whether the step overflowed (and commits without an update). The slot is a
-        member's word alone: it counts only where the job scales its loss, and not once the
-        scale is at its floor (a gradient that is not finite unscaled is no overflow)."""
+        member's word alone: it counts only where the job scales its loss, and only for
+        `scale.MAX_SKIPS` steps in a row (then the rows are gathered, and a member that
+        still says so is named: `Reducer.overflow_allowed`)."""
         if tally.overflow <= 0:
             return False
         scale = self.node.scale
         if scale is None:
             raise Suspicion(f"step {step}: a member says its gradient overflowed, but this job scales no loss")
-        if scale.scale <= 1.0:
-            raise Suspicion(f"step {step}: a member's gradient is not finite even unscaled (the loss scale is 1)")
+        if not scale.may_skip:
+            raise Suspicion(
+                f"step {step}: a member's gradient overflowed {scale.skipped} steps in a row, the scale now "
+                f"{scale.scale:g}: not an overflow any more"
+            )
         return True
 
     def fence(self) -> None:

@@ -127,8 +127,8 @@ def _row(
 def test_a_rows_lies_are_found_in_the_row_itself() -> None:
     from unbroken.comm.robust import lie
 
-    def check(row: torch.Tensor, share: int = 4) -> str | None:
-        return lie(row, 1, 3, 3, 8, share)
+    def check(row: torch.Tensor, share: int = 4, overflow_allowed: bool = True) -> str | None:
+        return lie(row, 1, 3, 3, 8, share, overflow_allowed)
 
     assert check(_row([3.0, 4.0, 0.0], 1, 3, 4)) is None
     assert "not finite" in (check(_row([float("nan"), 4.0, 0.0], 1, 3, 4, declared=5.0)) or "")
@@ -141,3 +141,5 @@ def test_a_rows_lies_are_found_in_the_row_itself() -> None:
     assert check(_row([0.0, 0.0, 0.0], 1, 3, 4, overflow=1.0)) is None  # an overflow sends nothing
     assert "overflow but sent a gradient" in (check(_row([3.0, 4.0, 0.0], 1, 3, 4, overflow=1.0)) or "")
     assert "says 7 for its overflow" in (check(_row([0.0, 0.0, 0.0], 1, 3, 4, overflow=7.0)) or "")
+    unbelieved = check(_row([0.0, 0.0, 0.0], 1, 3, 4, overflow=1.0), overflow_allowed=False)
+    assert "no overflow is believed" in (unbelieved or "")

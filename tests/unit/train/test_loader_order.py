@@ -91,3 +91,18 @@ def test_persistent_workers_draw_the_base_seed_once_as_the_loader_does() -> None
     iterated = [[int(i) for (x,) in plain for i in x] for _ in range(3)]
     order = LoaderOrder(loader())
     assert [order(k) for k in range(3)] == iterated
+
+
+def test_a_pass_asked_again_after_later_ones_is_the_same_with_a_nested_sampler() -> None:
+    """A batch sampler wrapping a shuffling sampler with its own generator: a rollback asks
+    for an earlier pass again, after later ones were drawn."""
+
+    def loader() -> DataLoader[tuple[torch.Tensor, ...]]:
+        inner = torch.utils.data.RandomSampler(range(20), generator=torch.Generator().manual_seed(4))
+        return DataLoader(_data(20), batch_sampler=torch.utils.data.BatchSampler(inner, 5, drop_last=True))
+
+    plain = loader()
+    iterated = [[int(i) for (x,) in plain for i in x] for _ in range(8)]
+    order = LoaderOrder(loader())
+    assert [order(k) for k in range(8)] == iterated
+    assert order(1) == iterated[1] and order(2) == iterated[2]  # out of sequence, older than the kept passes

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from unbroken.errors import ConfigError
-from unbroken.train.scale import LossScale, ScaleState
+from unbroken.train.scale import MAX_SKIPS, LossScale, ScaleState
 
 
 def test_the_scale_follows_gradscaler_step_for_step() -> None:
@@ -31,14 +31,14 @@ def test_the_scale_is_replicated_state_and_bad_policies_are_refused() -> None:
     b.load_state_dict(a.state_dict())
     a.update(False)
     b.update(False)
-    assert a.state_dict() == b.state_dict() == {"scale": 16.0, "clean_steps": 0}
-    with pytest.raises(ConfigError, match="below 2\\*\\*127"):
+    assert a.state_dict() == b.state_dict() == {"scale": 16.0, "clean_steps": 0, "skipped": 0}
+    with pytest.raises(ConfigError, match="float32's range"):
         LossScale(init=2.0**130)
     with pytest.raises(ConfigError, match="growth_interval"):
         LossScale(growth_interval=0)
 
 
-def test_the_overflow_slot_counts_only_where_a_loss_is_scaled_and_above_its_floor() -> None:
+def test_the_overflow_slot_counts_only_where_a_loss_is_scaled_and_not_forever() -> None:
     from types import SimpleNamespace
     from typing import Any
 
@@ -55,5 +55,11 @@ def test_the_overflow_slot_counts_only_where_a_loss_is_scaled_and_above_its_floo
     assert protocol(ScaleState(LossScale(init=8.0))).check_overflow(overflowed, 4) is True
     with pytest.raises(Suspicion, match="scales no loss"):
         protocol(None).check_overflow(overflowed, 4)
-    with pytest.raises(Suspicion, match="not finite even unscaled"):
-        protocol(ScaleState(LossScale(init=1.0))).check_overflow(overflowed, 4)
+    broken = ScaleState(LossScale(init=8.0))
+    for _ in range(MAX_SKIPS):
+        assert broken.may_skip
+        broken.update(True)
+    with pytest.raises(Suspicion, match="32 steps in a row"):
+        protocol(broken).check_overflow(overflowed, 4)
+    broken.update(False)
+    assert broken.may_skip and broken.scale == 2.0**-24  # the floor
