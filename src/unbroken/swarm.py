@@ -107,9 +107,8 @@ def join(
                 "or start the script with `unbroken run script.py --coordinator HOST:PORT`"
             )
     options.setdefault("token", load_token())
-    swarm = Swarm(job, batch_size, steps, seed, NodeConfig(**options), faults)
-    swarm.args = tuple(sys.argv[1:] if args is None else args)
-    return swarm
+    shared = tuple(sys.argv[1:] if args is None else args)
+    return Swarm(job, batch_size, steps, seed, NodeConfig(**options), faults, shared)
 
 
 def _ignoring_arguments(hook: Hook) -> Callable[..., None]:
@@ -129,10 +128,17 @@ class Swarm:
     """One node of a job trained by the user's own loop (`join` makes it)."""
 
     def __init__(
-        self, job: str, batch_size: int, steps: int, seed: int, config: NodeConfig, faults: list[Fault]
+        self,
+        job: str,
+        batch_size: int,
+        steps: int,
+        seed: int,
+        config: NodeConfig,
+        faults: list[Fault],
+        args: tuple[str, ...] = (),
     ) -> None:
         self.name, self.batch_size, self.num_steps, self.seed = job, batch_size, steps, seed
-        self.args: tuple[str, ...] = ()
+        self.args = args
         """The job's arguments: part of its identity (`join`'s ``args``)."""
         self.config = config
         self.faults = faults

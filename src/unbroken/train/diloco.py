@@ -50,7 +50,7 @@ from unbroken.errors import BadContribution, ConfigError
 from unbroken.job import AnyOptimizer
 from unbroken.state.snapshot import tree_digest
 from unbroken.train.guard import judge
-from unbroken.train.step import Slice, after_step
+from unbroken.train.step import Slice, add_deltas, after_step, write_deltas
 
 if TYPE_CHECKING:
     from unbroken.control.messages import EpochOrder
@@ -206,11 +206,7 @@ class DiLoCo:
                 flat[off : off + n] = (a.detach() - q.detach()).reshape(-1) * weight
                 off += n
             n_zones = len(zones.names) if zones.of_rank else 1
-            for b, b0 in zip(node.buffers, self._round_buffers, strict=True):
-                n = b.numel()
-                delta = (b.detach() - b0).reshape(-1).to(torch.float32)
-                flat[off : off + n] = delta * (weight if b.dtype.is_floating_point else 1.0 / n_zones)
-                off += n
+            write_deltas(flat, off, node.buffers, self._round_buffers, weight, n_zones)
         mean_loss = sum(losses) / max(len(losses), 1)
         flat[node.numel : p.norms_at] = torch.tensor(
             [1.0, float(p.share * steps), float(p.switching()), mean_loss * (zone_samples / B if leader else 0.0), 0.0]
@@ -237,11 +233,7 @@ class DiLoCo:
             for a, q in zip(self.anchor, node.params, strict=True):
                 q.copy_(a)
                 a.grad = None
-            for b, b0 in zip(node.buffers, self._round_buffers, strict=True):
-                n = b.numel()
-                delta = flat[off : off + n].view_as(b)
-                b.copy_(b0 + (delta if b.dtype.is_floating_point else delta.round()).to(b.dtype))
-                off += n
+        add_deltas(flat, off, node.buffers, self._round_buffers)
         self._commit_round(grp, first, last, tally.loss)
         self.inner_zone, self.inner_step = mine, node.state.step
         self.begin_round()  # the committed state: what a failure from now on rolls back to

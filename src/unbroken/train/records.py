@@ -7,15 +7,13 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from unbroken.comm.group import EpochGroup
 from unbroken.comm.reduce import Wire
 from unbroken.control import messages as m
 from unbroken.errors import TransferError
+from unbroken.state import layout
 from unbroken.state.checkpoint import Checkpointer, Later, load_newest, set_aside
 from unbroken.state.fragments import rebuild
 
@@ -29,18 +27,6 @@ PROGRESS_EVERY_S = 0.05
 PROGRESS_LOG_EVERY_S = 10.0
 RECENT_MAX = 512
 """Steps kept for the next progress report (the message's limit)."""
-
-
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a nested dict or list, themselves (no copies)."""
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _tensors(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _tensors(v)
 
 
 class Records:
@@ -159,14 +145,18 @@ class Records:
         if g.rank == 0 and self.checkpointer.save_async(self.checkpoint_tree(), later=self._later()):
             self.report("checkpoint", f"checkpoint of step {step} being written to {node.config.checkpoint_dir}")
 
-    def _later(self) -> Later:
+    def _later(self) -> Later | None:
         """The tensors only the next update changes (parameters, optimizer states): a
-        capture copies them while the next step computes (`settle` before changing them)."""
+        capture copies them while the next step computes (`settle` before changing them).
+        None where the state is not on the CPU (a user's own loop on a GPU): the capture
+        copies it to the host at once anyway."""
         st = self.node.state
+        if any(p.device.type != "cpu" for p in st.model.parameters()):
+            return None
         ptrs = {p.data_ptr() for p in st.model.parameters()}
         for opt in (st.optimizer, st.outer):
-            if opt is not None:
-                ptrs |= {t.data_ptr() for t in _tensors(opt.state_dict())}
+            if opt is not None:  # on the CPU, `split` gives the tensors themselves
+                ptrs |= {t.data_ptr() for t in layout.split(opt.state_dict())[1]}
         return lambda t: t.data_ptr() in ptrs
 
     def settle(self) -> None:

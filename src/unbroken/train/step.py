@@ -191,13 +191,7 @@ class StepProtocol:
             else:
                 flat[off : off + n].copy_(p.grad.reshape(-1))  # from the device: the CPU staging copy
             off += n
-        for b, b0 in zip(node.compute_buffers, sl.before, strict=True):
-            # Deltas, not values: a buffer nobody changed stays bit-exact. Float buffers
-            # are weighted by this node's share; counters are averaged.
-            n = b.numel()
-            delta = (b.detach().to(b0.device) - b0).reshape(-1).to(torch.float32)
-            flat[off : off + n].copy_(delta * (weight if b.dtype.is_floating_point else 1.0 / members))
-            off += n
+        write_deltas(flat, off, node.compute_buffers, sl.before, weight, members)
 
     def reduce(self, sl: Slice, *, zone: bool = False, what: str = "") -> None:
         """Sum `flat` over the epoch's members (or, ``zone``, over this node's zone only)."""
@@ -296,12 +290,7 @@ class StepProtocol:
             n = p.numel()
             p.grad = flat[off : off + n].view_as(p).to(p.device, p.dtype)
             off += n
-        with torch.no_grad():
-            for b, b0 in zip(node.buffers, sl.before, strict=True):
-                n = b.numel()
-                delta = flat[off : off + n].view_as(b).to(b.device)
-                b.copy_(b0 + (delta if b.dtype.is_floating_point else delta.round()).to(b.dtype))
-                off += n
+        add_deltas(flat, off, node.buffers, sl.before)
         st = node.state
         if not overflow:
             if node.job.before_update is not None:
@@ -326,6 +315,30 @@ class StepProtocol:
         node.records.maybe_checkpoint(g)
         if node.faults.false_alarm(node.state.step, g.epoch):
             node.client.send(m.Fault(epoch=g.epoch, reason=f"all-reduce of step {sl.step} failed: connection reset"))
+
+
+def write_deltas(
+    flat: torch.Tensor, off: int, buffers: list[torch.Tensor], before: list[torch.Tensor], weight: float, count: int
+) -> None:
+    """The buffers' changes since ``before`` into ``flat`` from ``off``. Deltas, not values:
+    a buffer nobody changed stays bit-exact. Float buffers are weighted (a share of the
+    batch), counters averaged over ``count`` contributors."""
+    for b, b0 in zip(buffers, before, strict=True):
+        n = b.numel()
+        delta = (b.detach().to(b0.device) - b0).reshape(-1).to(torch.float32)
+        flat[off : off + n].copy_(delta * (weight if b.dtype.is_floating_point else 1.0 / count))
+        off += n
+
+
+def add_deltas(flat: torch.Tensor, off: int, buffers: list[torch.Tensor], before: list[torch.Tensor]) -> None:
+    """Each buffer becomes its value at ``before`` plus the summed delta in ``flat`` from
+    ``off`` (counters rounded back to integers)."""
+    with torch.no_grad():
+        for b, b0 in zip(buffers, before, strict=True):
+            n = b.numel()
+            delta = flat[off : off + n].view_as(b).to(b.device)
+            b.copy_(b0 + (delta if b.dtype.is_floating_point else delta.round()).to(b.dtype))
+            off += n
 
 
 def after_step(node: Node, g: EpochGroup, loss: float) -> None:
