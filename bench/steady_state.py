@@ -4,7 +4,7 @@
     python bench/steady_state.py --repeats 7 --steps 400
 
 Both sides run the same job (``bench/jobs.py``, default the ~0.67M-parameter MLP), the same
-global batch B split equally over the same number of processes (3), one forward/backward,
+global batch B split equally over the same number of processes (``--nodes``, 3 by default), one forward/backward,
 one gradient all-reduce and one optimizer step per step, OMP_NUM_THREADS=1 everywhere:
 
 - unbroken: a real coordinator and ``--nodes`` node subprocesses on loopback
@@ -104,7 +104,10 @@ def main() -> None:
     ub, ddp = median(per_run["unbroken"]), median(per_run["ddp"])
     per_run_ratios = ", ".join(f"{a / b:.3f}" for a, b in zip(per_run["unbroken"], per_run["ddp"], strict=True))
     rows = []
-    for system, label in (("unbroken", "unbroken (3 nodes + coordinator)"), ("ddp", "plain DDP, gloo (baseline)")):
+    for system, label in (
+        ("unbroken", f"unbroken ({args.nodes} nodes + coordinator)"),
+        ("ddp", "plain DDP, gloo (baseline)"),
+    ):
         med = median(per_run[system])
         all_gaps = sorted(results[system])
         p90 = all_gaps[int(0.9 * (len(all_gaps) - 1))] if all_gaps else None

@@ -35,7 +35,7 @@ import torch
 
 from unbroken.comm.group import EpochGroup, wait_until
 from unbroken.comm.reduce import VOTE_SLOTS, Reducer
-from unbroken.comm.robust import NORM_TOLERANCE
+from unbroken.comm.robust import NORM_TOLERANCE, all_finite
 from unbroken.control import messages as m
 from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted, JobFailed, Suspicion
 from unbroken.job import StepInfo
@@ -163,7 +163,7 @@ class StepProtocol:
         overflow = False
         if node.scale is not None:
             grad.mul_(torch.tensor(1.0 / node.scale.scale, dtype=torch.float32))
-            overflow = not bool(torch.isfinite(grad).all())
+            overflow = not all_finite(grad)
             if overflow:  # the group skips this update: nothing of this gradient goes in
                 grad.zero_()
         poison = node.faults.corruption(sl.step)
@@ -242,11 +242,11 @@ class StepProtocol:
             return
         grad = self.flat[: node.compressed_numel]
         lossy = self.reducer.codec is not None and self.reducer.zones.multi and node.codec_spec != "none"
-        if not bool(torch.isfinite(grad).all()):
+        total = float(torch.linalg.vector_norm(grad).item())  # finite: so is every element
+        if not math.isfinite(total) and not all_finite(grad):
             raise Suspicion(f"step {step}: the summed gradient is not finite, though no norm slot says whose")
         if verdict is not None:
             raise Suspicion(f"step {step}: rank {verdict[0]}'s norm slot says {verdict[1]}; not proven on a sum")
-        total = float(torch.linalg.vector_norm(grad).item())
         bound = math.fsum(norms)
         if not lossy and total > bound * (1 + NORM_TOLERANCE) + 1e-12:
             raise Suspicion(f"step {step}: the summed gradient's norm {total:.4g} exceeds the declared {bound:.4g}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unbroken.comm.robust import combine, trim_count
+from unbroken.comm.robust import all_finite, combine, trim_count
 from unbroken.errors import ConfigError
 from unbroken.specs import Rule, parse_rule
 
@@ -143,3 +143,23 @@ def test_a_rows_lies_are_found_in_the_row_itself() -> None:
     assert "says 7 for its overflow" in (check(_row([0.0, 0.0, 0.0], 1, 3, 4, overflow=7.0)) or "")
     unbelieved = check(_row([0.0, 0.0, 0.0], 1, 3, 4, overflow=1.0), overflow_allowed=False)
     assert "no overflow is believed" in (unbelieved or "")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite_finds_one_bad_element_anywhere(dtype: torch.dtype) -> None:
+    t = torch.randn(10_001).to(dtype)
+    assert all_finite(t) and all_finite(t[:0])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 5_000, 10_000):
+            u = t.clone()
+            u[at] = bad
+            assert not all_finite(u), (bad, at)
+    both = t.clone()
+    both[3], both[7] = float("inf"), float("-inf")  # a sum of NaN, not of an infinity
+    assert not all_finite(both)
+
+
+def test_all_finite_when_only_the_sum_overflows() -> None:
+    big = torch.full((64,), torch.finfo(torch.float32).max / 4)
+    assert not torch.isfinite(big.sum()) and all_finite(big)
+    assert all_finite(torch.full((8,), 60_000.0, dtype=torch.float16))
