@@ -76,7 +76,7 @@ class CoordinatorConfig:
     batch by the nodes' ``weight`` and never moves a node out of training for speed."""
 
     codec: str = "none"
-    """Codec of the inter-zone hop: none, fp16, bf16, int8, topk or topk:RATIO."""
+    """Codec of the inter-zone hop: none, fp16, bf16, int8, int4, int2, topk or topk:RATIO."""
     aggregate: str = "mean"
     """How the members' gradients are combined: ``mean`` (exact synchronous training),
     ``clip[:C]`` or ``trimmed[:F]`` (robust to a faulty node; see `unbroken.comm.robust`)."""

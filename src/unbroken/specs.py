@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from unbroken.errors import ConfigError
 
-CODECS = ("none", "fp16", "bf16", "int8", "topk")
+CODECS = ("none", "fp16", "bf16", "int8", "int4", "int2", "topk")
 TOPK_RATIO = 0.01
 """Fraction of elements top-k sends by default."""
 
@@ -21,7 +21,7 @@ RULES = {"mean": 0.0, "clip": 2.0, "trimmed": 0.25, "checked": 0.0}
 
 
 def parse_codec(spec: str) -> tuple[str, float]:
-    """``none``, ``fp16``, ``bf16``, ``int8``, ``topk`` or ``topk:RATIO`` (e.g. ``topk:0.05``):
+    """``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``, ``topk`` or ``topk:RATIO`` (e.g. ``topk:0.05``):
     the codec's name and its ratio (top-k only; 0 for the others). Raises ValueError."""
     name, _, arg = spec.strip().lower().partition(":")
     if name in CODECS and name != "topk" and not arg:

@@ -160,3 +160,26 @@ def test_memory_limit_sets_micro_batches_and_too_little_memory_means_no_share(ma
     assert all(not e["indices"] for e in tiny.entries() if e["kind"] == "contrib")
     assert any("tiny" in e["reason"] and "memory" in e["reason"] for e in events_of(c, "role")), events_of(c, "role")
     assert_promises(c, env, finishers=3)
+
+
+def test_identical_nodes_keep_equal_shares_and_the_trainer_role_for_a_minute(make_cluster):
+    # The demo's job on 3 identical nodes: steps of a few milliseconds on two shared cores,
+    # where whichever process is descheduled for a moment looks slow. None of that is a
+    # reason to move shares or roles, or to call a node a straggler.
+    c = make_cluster(job="unbroken.demo.charlm:job", env={"UNBROKEN_DEMO_STEPS": "10000000"}, min_nodes=3)
+    c.start_coordinator()
+    nodes = [c.start_node(f"n{i}") for i in range(3)]
+    c.wait_step(5, timeout=120)
+    start = c.max_committed()
+    time.sleep(60)
+    assert c.max_committed() > start + 500, "the nodes hardly trained"
+    epochs = events_of(c, "epoch")
+    rebalances = [e for e in epochs if "rebalance" in e["reason"]]
+    assert len(epochs) - len(rebalances) == 1, epochs  # the first epoch, and nothing else happened
+    assert len(rebalances) <= 1, rebalances
+    assert events_of(c, "straggler") == []
+    assert events_of(c, "role") == []
+    last = {n.name: [e for e in n.entries() if e["kind"] == "contrib"][-1] for n in nodes}
+    assert all(e["role"] == "trainer" for e in last.values()), last
+    if not rebalances:
+        assert sorted(len(e["indices"]) for e in last.values()) == [64, 64, 64], last

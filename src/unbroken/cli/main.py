@@ -400,7 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="throughput",
         help="split the batch by measured throughput and memory (rebalancing live), or by the nodes' --weight",
     )
-    c.add_argument("--codec", default="none", help="inter-zone codec: none, fp16, bf16, int8, topk[:RATIO]")
+    c.add_argument(
+        "--codec",
+        default="none",
+        help="inter-zone codec: none, fp16, bf16, int8, int4, int2 (error feedback), topk[:RATIO]",
+    )
     c.add_argument(
         "--aggregate",
         default="mean",

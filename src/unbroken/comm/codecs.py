@@ -1,4 +1,4 @@
-"""Gradient codecs for slow links: one small interface, four lossy encodings and the identity.
+"""Gradient codecs for slow links: one small interface, six lossy encodings and the identity.
 
 A codec turns a flat float32 tensor into a fixed-size byte payload and back. Fixed size
 because the payloads travel through gloo's all-gather, which needs equal sizes on every
@@ -6,7 +6,7 @@ rank; every receiver decodes every payload to float32 and sums them in rank orde
 sum of many nodes neither overflows (int8) nor depends on who computes it (replicas stay
 bit-identical).
 
-Error feedback (top-k, and int8 if asked): what a node's payload failed to carry is kept
+Error feedback (top-k, int4, int2, and int8 if asked): what a node's payload failed to carry is kept
 as a residual and added to its next tensor, so nothing is lost, only delayed. Residuals are
 node-local state (`Codec.state_dict`), saved with the node's own checkpoint, never
 replicated.
@@ -154,6 +154,63 @@ class Int8(_WithResidual):
         return (q * scales[:, None]).reshape(-1)[:numel]
 
 
+class LowBit(_WithResidual):
+    """4 or 2 bits an element, with error feedback: DiLoCo's pseudo-gradients, which cross
+    between zones once a round, in 8 or 16 times fewer bytes than float32.
+
+    One float32 scale per chunk of `INT8_CHUNK` elements, then the levels, packed
+    ``8 / bits`` to a byte. int4 has the 15 levels -7..7 of the chunk's largest magnitude;
+    int2 the three -1, 0, 1 (ternary) of 1.5 times its mean magnitude, which for normally
+    spread values is near the least-squares choice (the largest would round almost every
+    element to 0). What a payload does not carry stays in the residual and goes with the
+    next one.
+    """
+
+    def __init__(self, bits: int, chunk: int = INT8_CHUNK) -> None:
+        if bits not in (2, 4):
+            raise ValueError(f"low-bit codecs have 2 or 4 bits, not {bits}")
+        if chunk < 1 or chunk * bits % 8:
+            raise ValueError(f"a chunk of {chunk} elements does not fill whole bytes at {bits} bits")
+        self.bits, self.chunk, self.name = bits, chunk, f"int{bits}"
+        self.levels = (1 << (bits - 1)) - 1
+        self.residual: torch.Tensor | None = None
+
+    def _chunks(self, numel: int) -> int:
+        return max(1, math.ceil(numel / self.chunk))
+
+    def payload_bytes(self, numel: int) -> int:
+        c = self._chunks(numel)
+        return 4 * c + c * self.chunk * self.bits // 8
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        x = _with_residual(self, x)
+        n, c = x.numel(), self._chunks(x.numel())
+        blocks = torch.zeros(c * self.chunk, dtype=torch.float32)
+        blocks[:n] = x
+        blocks = blocks.view(c, self.chunk)
+        magnitude = blocks.abs()
+        scales = magnitude.amax(dim=1) / self.levels if self.levels > 1 else magnitude.mean(dim=1) * 1.5
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = torch.round(blocks / safe[:, None]).clamp_(-self.levels, self.levels)
+        self.residual = x - (q * scales[:, None]).reshape(-1)[:n]
+        u = (q + self.levels).to(torch.uint8).view(-1, 8 // self.bits)
+        packed = torch.zeros(u.shape[0], dtype=torch.uint8)
+        for k in range(8 // self.bits):
+            packed |= u[:, k] << (k * self.bits)
+        return torch.cat([scales.contiguous().view(torch.uint8), packed])
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        c = self._chunks(numel)
+        scales = payload[: 4 * c].clone().view(torch.float32)
+        packed = payload[4 * c :]
+        mask = (1 << self.bits) - 1
+        u = torch.stack([(packed >> (k * self.bits)) & mask for k in range(8 // self.bits)], dim=1)
+        if int(u.max()) > 2 * self.levels:
+            raise ValueError(f"{self.name} payload has a level above {self.levels}")
+        q = u.reshape(c, self.chunk).to(torch.float32) - self.levels
+        return (q * scales[:, None]).reshape(-1)[:numel]
+
+
 class TopK(_WithResidual):
     """The largest-magnitude ``ratio`` of elements as (int32 index, float32 value) pairs, with
     error feedback: the elements not sent accumulate in the residual until they are large."""
@@ -196,7 +253,7 @@ class TopK(_WithResidual):
         return out
 
 
-def _with_residual(codec: Int8 | TopK, x: torch.Tensor) -> torch.Tensor:
+def _with_residual(codec: Int8 | LowBit | TopK, x: torch.Tensor) -> torch.Tensor:
     x = x.detach().to(torch.float32).reshape(-1)
     r = codec.residual
     if r is not None and r.numel() == x.numel():
@@ -205,7 +262,7 @@ def _with_residual(codec: Int8 | TopK, x: torch.Tensor) -> torch.Tensor:
 
 
 def make_codec(spec: str) -> Codec:
-    """``none``, ``fp16``, ``bf16``, ``int8``, ``topk`` or ``topk:RATIO`` (e.g. ``topk:0.05``)."""
+    """``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``, ``topk`` or ``topk:RATIO`` (e.g. ``topk:0.05``)."""
     name, ratio = parse_codec(spec)
     if name == "none":
         return Identity()
@@ -213,6 +270,8 @@ def make_codec(spec: str) -> Codec:
         return HalfPrecision(torch.float16 if name == "fp16" else torch.bfloat16)
     if name == "int8":
         return Int8()
+    if name in ("int4", "int2"):
+        return LowBit(int(name[3:]))
     return TopK(ratio)
 
 

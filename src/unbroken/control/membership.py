@@ -65,6 +65,9 @@ REVIEW_MEMBERS = 500
 """Groups larger than this are reviewed proportionally less often."""
 REBALANCE_PERSIST_S = 0.5
 """A better plan must stay better for this long before it replaces the current one."""
+STRAGGLER_PERSIST_S = 2.0
+"""A trainer must stand out in every review for this long to be called a straggler (on a
+shared machine the one descheduled for a few steps changes from moment to moment)."""
 SETTLED_AFTER = 3
 """Steps or probes a node must have measured before the plan moves it out of training."""
 WINDOW = 8
@@ -126,6 +129,7 @@ class Member:
             self.evaluates,
             benched=now < self.benched_until,
             settled=c.measurements >= SETTLED_AFTER,
+            noise=c.noise,
         )
 
 
@@ -217,6 +221,9 @@ class Membership:
         self._next_rebalance = now
         self._vacated = 0
         self._stragglers: set[str] = set()
+        """Members reported as stragglers under the plan in force."""
+        self._straggling: dict[str, tuple[float, str]] = {}
+        """Members standing out in the latest review: since when, and why."""
         self._refused: set[tuple[int, str]] = set()
         self._better_since: float | None = None
         self.members: dict[str, Member] = {}
@@ -702,10 +709,11 @@ class Membership:
         live = [m for m in members if m is not None]
         trainers = [m for m in live if m.role is Role.TRAINER]
         times = {m.member_id: list(m.compute_times) for m in trainers}
-        for mid, why in find_stragglers(times, self._planned_times).items():
-            if mid not in self._stragglers:
-                self._stragglers.add(mid)
-                d.events.append(self._event(now, "straggler", mid, f"{self.members[mid].name}: {why}"))
+        found = find_stragglers(times, self._planned_times, self._comm_s(trainers))
+        self._straggling = {mid: (self._straggling.get(mid, (now, ""))[0], why) for mid, why in found.items()}
+        for mid, (since, why) in self._straggling.items():
+            if mid not in self._stragglers and now - since >= STRAGGLER_PERSIST_S:
+                d.events.extend(self._straggler(now, mid, why))
         if now - self._planned_at < PLAN_DWELL_S:
             return d
         if any(m.zone == AUTO for m in live):
@@ -727,8 +735,16 @@ class Membership:
             self._better_since = now  # a passing disturbance (a process starting) must not move shares
         elif now - self._better_since >= REBALANCE_PERSIST_S:
             self._better_since = None
+            # Whoever stands out now moved the shares: it was slow long enough to matter.
+            for mid, (_, why) in self._straggling.items():
+                if mid not in self._stragglers:
+                    d.events.extend(self._straggler(now, mid, why))
             self._want_epoch(now, urgent=False, reason=better[1], delay=0.0)
         return d
+
+    def _straggler(self, now: float, mid: str, why: str) -> list[Event]:
+        self._stragglers.add(mid)
+        return [self._event(now, "straggler", mid, f"{self.members[mid].name}: {why}")]
 
     def _recover(self, now: float) -> Decision:
         assert self.recovering_until is not None
@@ -842,6 +858,7 @@ class Membership:
         self._planned_times = self._times(members, p.shares)
         self._vacated = 0
         self._stragglers.clear()
+        self._straggling.clear()
         for m, role, why in zip(members, p.roles, p.reasons, strict=True):
             m.compute_times.clear()
             if m.preference is Preference.STANDBY and role is Role.TRAINER:

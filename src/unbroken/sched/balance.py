@@ -20,6 +20,7 @@ Everything here is pure: the coordinator calls it with the nodes' reports.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import heapq
 import math
@@ -31,7 +32,18 @@ import numpy as np
 from unbroken.sched.shares import split_batch
 
 REBALANCE_MARGIN = 0.10
-"""A new plan replaces the current one only if its predicted step is this much shorter."""
+"""A new plan replaces the current one only if its predicted step is this much shorter..."""
+NOISE_Z = 3.0
+"""...even where each node's speed is off by this many of its standard errors against it
+(`Profile.noise`): on a shared machine a few milliseconds of descheduling in steps of a few
+milliseconds make identical nodes look unequal, and shares that follow that noise only
+move back and forth."""
+UNSETTLED_NOISE = 0.5
+"""The relative error assumed of a start-up estimate: with `NOISE_Z`, a node that only
+calibrated is taken for its peers' equal unless it is more than e^1.5 (4.5) times faster
+or slower (processes starting together on one machine disturb each other's first
+measurement, and a few probes split a step's cost into per-sample and fixed parts less
+well than steps do)."""
 
 
 class Role(str, enum.Enum):
@@ -80,6 +92,8 @@ class Profile:
     """Its speed comes from real steps or probes, not only the start-up estimate (which other
     processes starting on the same machine disturb): only settled nodes are moved out of
     training for speed."""
+    noise: float = 0.0
+    """Relative standard error of ``per_sample_s`` (0: exact, as far as anyone knows)."""
 
     def time_for(self, share: int) -> float:
         """Predicted compute time for ``share`` samples (0 for none)."""
@@ -115,7 +129,30 @@ def _filled(profiles: Sequence[Profile]) -> list[Profile]:
 
 
 def _replace_speed(p: Profile, per_sample_s: float, overhead_s: float) -> Profile:
-    return Profile(p.name, per_sample_s, overhead_s, p.max_microbatch, p.weight, p.preference, p.evaluates)
+    return dataclasses.replace(p, per_sample_s=per_sample_s, overhead_s=overhead_s)
+
+
+def _towards(x: float, centre: float, z: float) -> float:
+    """``x`` moved towards ``centre`` by a factor of up to e^z (no further than ``centre``)."""
+    if x <= 0 or centre <= 0:
+        return x
+    gap = math.log(x / centre)
+    return centre * math.exp(math.copysign(max(0.0, abs(gap) - z), gap))
+
+
+def _denoised(ps: Sequence[Profile]) -> list[Profile]:
+    """Each speed moved towards the members' median by ``NOISE_Z`` of its relative errors:
+    what is left of a difference between nodes once noise could explain it. Decisions to
+    move shares are judged on these; the shares themselves follow the measured speeds."""
+    if len(ps) < 2:
+        return list(ps)
+    per_sample = float(np.median([p.per_sample_s for p in ps]))
+    overhead = float(np.median([p.overhead_s for p in ps]))
+    out = []
+    for p in ps:
+        z = NOISE_Z * (p.noise if p.settled else max(p.noise, UNSETTLED_NOISE))
+        out.append(_replace_speed(p, _towards(p.per_sample_s, per_sample, z), _towards(p.overhead_s, overhead, z)))
+    return out
 
 
 def _split(batch_size: int, profiles: Sequence[Profile], trainers: Sequence[int], by_weight: bool) -> list[int]:
@@ -244,12 +281,15 @@ def plan(
         candidates = [first]
         reasons[first] = "the only node able to train"
     trainers = list(candidates)
+    calm = _denoised(ps)
     if balance and len(trainers) > 1:
-        # A node the levelled split leaves without a sample would only lengthen the step.
+        # A node the levelled split leaves without a sample would only lengthen the step
+        # (and would even were its speed only noise away from the others').
         shares = _split(batch_size, ps, trainers, by_weight=False)
         step = _step_time(ps, shares)
+        calm_shares = _split(batch_size, calm, trainers, by_weight=False)
         dropped: set[int] = set()
-        for i in [i for i in trainers if shares[i] == 0]:
+        for i in [i for i in trainers if shares[i] == 0 and calm_shares[i] == 0]:
             if ps[i].preference is Preference.TRAINER or not ps[i].settled or len(trainers) - len(dropped) == 1:
                 continue
             reasons[i] = (
@@ -259,11 +299,11 @@ def plan(
         trainers = [i for i in trainers if i not in dropped]
     shares = _split(batch_size, ps, trainers, by_weight=not balance)
     if balance:
-        # Where compute hardly depends on the share (a fixed cost per micro-batch dominates),
-        # proportional shares follow measurement noise; the operators' weights are as good
-        # then, and they do not move.
+        # Where the nodes differ by no more than noise, or compute hardly depends on the share
+        # (a fixed cost per micro-batch dominates), levelled shares follow measurement noise;
+        # the operators' weights are as good then, and they do not move.
         by_weight = _split(batch_size, ps, trainers, by_weight=True)
-        if _step_time(ps, by_weight) + overhead_s <= (_step_time(ps, shares) + overhead_s) * (1 + REBALANCE_MARGIN):
+        if _step_time(calm, by_weight) + overhead_s <= (_step_time(calm, shares) + overhead_s) * (1 + REBALANCE_MARGIN):
             shares = by_weight
     # A node asked to train, or not measured on real steps yet (its start-up estimate may be
     # off), gets at least one sample, taken from the largest share (ties: the lowest index).
@@ -319,13 +359,19 @@ def rebalance(
     """A better plan for the same members, if it shortens the predicted step enough.
 
     ``current`` is the shares in force; the returned reason compares the two predictions.
-    Hysteresis (`REBALANCE_MARGIN` of the whole step, ``overhead_s`` included) keeps
-    measurement noise from flapping the plan.
+    Hysteresis (`REBALANCE_MARGIN` of the whole step, ``overhead_s`` included, judged on
+    speeds with their noise taken out: `NOISE_Z`) keeps measurement noise from flapping the
+    plan.
     """
     ps = _filled(profiles)
     now_s = _step_time(ps, current)
     new = plan(batch_size, profiles, spares_wanted=spares_wanted, overhead_s=overhead_s)
-    if list(new.shares) == list(current) or not new.step_s + overhead_s < (now_s + overhead_s) * (1 - REBALANCE_MARGIN):
+    if list(new.shares) == list(current):
+        return None
+    calm = _denoised(ps)  # the gain must remain once noise could explain the differences
+    if not _step_time(calm, new.shares) + overhead_s < (_step_time(calm, current) + overhead_s) * (
+        1 - REBALANCE_MARGIN
+    ):
         return None
     slowest = max(range(len(ps)), key=lambda i: ps[i].time_for(current[i]))
     reason = (

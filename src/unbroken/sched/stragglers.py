@@ -18,7 +18,10 @@ this many is what is judged (one outlier is ignored, a lasting change shows in t
 RATIO = 1.5
 """A straggler's median compute time is at least this many times the group's median."""
 MAD_Z = 3.0
-"""...and this many scaled median absolute deviations above it, when the group has spread."""
+"""...and this many scaled median absolute deviations above it, when the group has spread..."""
+MATTERS = 0.25
+"""...and its excess is at least this fraction of the whole step (the all-reduce included):
+a few milliseconds late in a step that mostly waits on the network hold nobody up."""
 
 
 def _median_without(ordered: Sequence[float], value: float) -> float:
@@ -32,13 +35,16 @@ def _median_without(ordered: Sequence[float], value: float) -> float:
     return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
-def find_stragglers(times: Mapping[str, Sequence[float]], expected: Mapping[str, float]) -> dict[str, str]:
+def find_stragglers(
+    times: Mapping[str, Sequence[float]], expected: Mapping[str, float], overhead_s: float = 0.0
+) -> dict[str, str]:
     """Trainers whose recent compute times stand out, each with the reason.
 
     ``times`` holds each trainer's recent compute times per step (seconds); ``expected``
-    the plan's prediction for each (its share at the speed it had when the plan was made).
-    A trainer is a straggler when it is slow against both its prediction and its peers
-    (the median of the others, and their median absolute deviation from it).
+    the plan's prediction for each (its share at the speed it had when the plan was made);
+    ``overhead_s`` the part of a step outside compute. A trainer is a straggler when it is
+    slow against both its prediction and its peers (the median of the others, and their
+    median absolute deviation from it), by enough to matter for the step.
 
     O(N log N) for N trainers: a median without one element is read off the sorted list,
     and the peers' median takes at most three values, each with its sorted deviations.
@@ -63,6 +69,8 @@ def find_stragglers(times: Mapping[str, Sequence[float]], expected: Mapping[str,
             spread = _median_without(around, abs(med - baseline)) * 1.4826
             if med < RATIO * baseline or (spread > 0 and med - baseline < MAD_Z * spread):
                 continue
+        if med - baseline < MATTERS * (baseline + overhead_s):
+            continue
         out[name] = (
             f"compute {med * 1e3:.1f} ms/step over its last {MIN_SAMPLES} steps vs "
             f"{baseline * 1e3:.1f} ms {against} ({med / max(baseline, 1e-12):.1f}x)"

@@ -3,8 +3,9 @@
 Calibrated before joining (on a model copy: one small and one larger forward/backward,
 activation bytes counted), measured again once start-up is over (processes starting
 together on one machine disturb each other's first measurement), then followed step by
-step: the per-sample cost is the median of the last three steps, so one slow step is
-ignored and a lasting change shows within two. A member without a share keeps it fresh
+step: the per-sample cost is the median of the last nine steps, so a few slow steps are
+ignored and a lasting change shows within five; their spread is reported with it, so the
+plan can tell a difference between nodes from noise. A member without a share keeps it fresh
 with probes from its sidecar thread.
 """
 
@@ -12,11 +13,12 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import statistics
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +46,15 @@ RECENT_STEPS = 9
 a few steps of a few milliseconds moves it little, a lasting slowdown shows within five."""
 
 
+def relative_error(values: Sequence[float], median: float) -> float:
+    """The standard error of ``median`` (the median of ``values``) relative to it, from the
+    values' median absolute deviation: how far apart two nodes' figures may be by chance."""
+    if len(values) < 3 or median <= 0:
+        return 0.0
+    mad = statistics.median(abs(v - median) for v in values)
+    return 1.4826 * mad * 1.2533 / math.sqrt(len(values)) / median
+
+
 class Meter:
     """A node's compute cost model and memory cap; shared by the step loop and the sidecar."""
 
@@ -60,6 +71,8 @@ class Meter:
         self.last_compute_s = 0.0
         self.last_comm_s = 0.0
         self.measurements = 0
+        self.noise = 0.0
+        """Relative standard error of the reported per-sample cost (0: fewer than 3 steps)."""
         self._recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
         self._lock = threading.Lock()
         self._recalibrated = False
@@ -126,8 +139,10 @@ class Meter:
                 return
             self._recent.append(max(seconds - n_micro * cal.overhead_s, seconds * 0.05) / share)
             self.measurements += 1
+            median = statistics.median(self._recent)
+            self.noise = relative_error(self._recent, median)
             self.calibration = Calibration(
-                statistics.median(self._recent),
+                median,
                 cal.overhead_s,
                 cal.activation_bytes_per_sample,
                 cal.activation_bytes_fixed,
@@ -153,6 +168,7 @@ class Meter:
         with self._lock:
             self.calibration = cal
             self._recent.clear()
+            self.noise = 0.0
         log.info(
             "%s: re-measured %.3f ms/sample + %.3f ms/micro-batch",
             self.name, cal.per_sample_s * 1e3, cal.overhead_s * 1e3,
@@ -161,8 +177,7 @@ class Meter:
     def capabilities(self, rtt_s: float, step: int) -> m.Capabilities:
         info = describe(self.replica.device)
         with self._lock:
-            cal = self.calibration
-            measurements = self.measurements
+            cal, measurements, noise = self.calibration, self.measurements, self.noise
         return m.Capabilities(
             device=info.kind,
             device_name=info.name[:256],
@@ -171,6 +186,7 @@ class Meter:
             per_sample_s=min(cal.per_sample_s, 1e6) if cal else 0.0,
             overhead_s=min(cal.overhead_s, 1e6) if cal else 0.0,
             measurements=measurements,
+            noise=min(noise, 10.0),
             max_microbatch=self.oom_cap if self.oom_cap and self.mb_cap >= 0 else self.mb_cap,
             comm_s=min(self.last_comm_s, 1e6),
             rtt_s=min(rtt_s, 1e6),

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.comm.codecs import INT8_CHUNK, Int8, TopK, make_codec, reduce_payloads
+from unbroken.comm.codecs import INT8_CHUNK, Int8, LowBit, TopK, make_codec, reduce_payloads
 from unbroken.specs import CODECS
 
 
@@ -89,7 +89,7 @@ def test_reduce_is_the_same_on_every_rank() -> None:
     assert all(torch.equal(first, reduce_payloads(Int8(), list(payloads), 3000)) for _ in range(3))
 
 
-@pytest.mark.parametrize("spec", ["int8", "topk:0.05"])
+@pytest.mark.parametrize("spec", ["int8", "int4", "int2", "topk:0.05"])
 def test_error_feedback_loses_nothing_over_time(spec: str) -> None:
     # The sum of what was sent plus the residual equals the sum of what was given.
     codec = make_codec(spec)
@@ -146,7 +146,7 @@ def test_unknown_codecs_are_refused_with_the_choices(bad: str) -> None:
 @given(
     n=st.integers(min_value=1, max_value=3000),
     scale=st.floats(min_value=1e-6, max_value=1e4),
-    spec=st.sampled_from(["fp16", "bf16", "int8", "topk:0.1"]),
+    spec=st.sampled_from(["fp16", "bf16", "int8", "int4", "int2", "topk:0.1"]),
 )
 def test_round_trip_error_is_bounded_by_the_input_scale(n: int, scale: float, spec: str) -> None:
     x = grad(n, seed=n, scale=scale)
@@ -154,3 +154,44 @@ def test_round_trip_error_is_bounded_by_the_input_scale(n: int, scale: float, sp
     y = codec.decode(codec.encode(x), n)
     assert torch.isfinite(y).all()
     assert (y - x).abs().max().item() <= x.abs().max().item() * 1.0001 + 1e-9
+
+
+@pytest.mark.parametrize(("spec", "cut"), [("int4", 7.5), ("int2", 15.0)])
+def test_low_bit_codecs_cut_bytes_8_and_16_times(spec: str, cut: float) -> None:
+    n = 1_000_000
+    assert 4 * n / make_codec(spec).payload_bytes(n) >= cut
+
+
+def test_int4_error_is_at_most_half_a_level_per_chunk() -> None:
+    x = grad(4 * INT8_CHUNK + 3, scale=3.0)
+    codec = LowBit(4)
+    y = codec.decode(codec.encode(x), x.numel())
+    for a in range(0, x.numel(), INT8_CHUNK):
+        step = x[a : a + INT8_CHUNK].abs().max() / 7
+        assert (y[a : a + INT8_CHUNK] - x[a : a + INT8_CHUNK]).abs().max() <= step / 2 + 1e-6
+
+
+def test_int2_sends_three_levels_and_keeps_the_direction() -> None:
+    x = grad(8 * INT8_CHUNK)
+    codec = LowBit(2)
+    y = codec.decode(codec.encode(x), x.numel())
+    for a in range(0, x.numel(), INT8_CHUNK):
+        levels = set(y[a : a + INT8_CHUNK].unique().tolist())
+        assert len(levels) <= 3 and 0.0 in levels
+    assert float(torch.nn.functional.cosine_similarity(x, y, dim=0)) > 0.8
+
+
+def test_a_low_bit_level_out_of_range_is_refused() -> None:
+    codec = LowBit(4)
+    payload = codec.encode(grad(INT8_CHUNK))
+    payload[4] = 0xFF  # levels 15 and 15: above 2 * 7
+    with pytest.raises(ValueError, match="level above 7"):
+        codec.decode(payload, INT8_CHUNK)
+
+
+@pytest.mark.parametrize("spec", ["int4", "int2"])
+def test_low_bit_payloads_are_equal_for_equal_inputs_and_residuals(spec: str) -> None:
+    a, b = make_codec(spec), make_codec(spec)
+    for i in range(3):
+        x = grad(3000, seed=i)
+        assert torch.equal(a.encode(x), b.encode(x.clone()))

@@ -11,6 +11,7 @@ from unbroken.control.membership import (
     PLAN_DWELL_S,
     PLAN_DWELL_STEPS,
     REBALANCE_EVERY_S,
+    STRAGGLER_PERSIST_S,
     Decision,
     Event,
     Membership,
@@ -255,17 +256,33 @@ def test_a_node_that_slows_down_gets_a_smaller_share_in_a_non_urgent_epoch() -> 
     assert ms.shares == [40, 40, 10]
 
 
-def test_the_straggler_is_reported_once_per_plan() -> None:
-    ms = three_equal()
-    report(ms, {"a": FAST, "b": FAST, "c": 4 * FAST}, PLAN_DWELL_STEPS, T0 + 0.1)
-    kinds: list[str] = []
-    for k in range(1, 4):  # still within the dwell time: no rebalance yet
-        t = T0 + k * REBALANCE_EVERY_S
-        assert t < T0 + PLAN_DWELL_S
+def test_the_straggler_is_reported_once_per_plan_when_it_keeps_standing_out() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0, balance=False)  # shares that never move
+    form({"a": FAST, "b": FAST, "c": FAST}, batch_size=B, now=0.0, ms=ms)
+    seen: list[tuple[float, Event]] = []
+    t = T0
+    while t < T0 + 3 * STRAGGLER_PERSIST_S:
+        report(ms, {"a": FAST, "b": FAST, "c": 4 * FAST}, PLAN_DWELL_STEPS, t)
         d = ms.tick(t)
         assert d.orders == {}
-        kinds.extend(e.kind for e in d.events)
-    assert kinds == ["straggler"]
+        seen += [(t, e) for e in d.events if e.kind == "straggler"]
+        t = round(t + REBALANCE_EVERY_S, 6)
+    assert [e.member for _, e in seen] == ["c"], seen
+    assert seen[0][0] >= T0 + STRAGGLER_PERSIST_S, seen
+
+
+def test_a_slow_moment_that_moves_from_node_to_node_is_no_straggler() -> None:
+    # On a shared machine the node descheduled for a few steps changes from one moment to the
+    # next: each stands out in some reviews, none for long.
+    ms = Membership(lease_s=LEASE, now=0.0, balance=False)
+    form({"a": FAST, "b": FAST, "c": FAST}, batch_size=B, now=0.0, ms=ms)
+    t, k = T0, 0
+    while t < T0 + 4 * STRAGGLER_PERSIST_S:
+        slow = "abc"[k % 3]
+        report(ms, {m: 4 * FAST if m == slow else FAST for m in "abc"}, PLAN_DWELL_STEPS, t)
+        d = ms.tick(t)
+        assert not [e for e in d.events if e.kind == "straggler"], d.events
+        t, k = round(t + REBALANCE_EVERY_S, 6), k + 1
 
 
 def test_no_rebalance_before_every_trainer_has_reported_enough_steps() -> None:

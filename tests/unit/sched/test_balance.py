@@ -594,3 +594,47 @@ def test_a_gain_small_against_the_whole_step_is_not_worth_a_new_plan() -> None:
 def test_capacities_at_once_equal_each_node_alone(nodes, t):
     profiles = [Profile(f"n{i}", c, o, mb) for i, (c, o, mb) in enumerate(nodes)]
     assert list(_capacities(profiles)(t)) == [_capacity(p, t) for p in profiles]
+
+
+# ---------------------------------------------------------------- noise
+
+
+def test_nodes_apart_by_less_than_their_noise_keep_equal_shares() -> None:
+    # Measured 0.05 vs 0.065 ms/sample, each figure good to 10 %: a 30 % gap is noise.
+    noisy = [node("a", 5e-5, noise=0.1), node("b", 6.5e-5, noise=0.1), node("c", 5e-5, noise=0.1)]
+    assert plan(192, noisy).shares == (64, 64, 64)
+    assert rebalance(192, [64, 64, 64], noisy) is None
+    # The same figures known exactly are a real difference.
+    exact = [node("a", 5e-5), node("b", 6.5e-5), node("c", 5e-5)]
+    assert plan(192, exact).shares != (64, 64, 64)
+    assert rebalance(192, [64, 64, 64], exact) is not None
+
+
+def test_a_slowdown_well_beyond_the_noise_still_moves_shares() -> None:
+    profiles = [node("a", 0.01, noise=0.05), node("b", 0.04, noise=0.05)]
+    out = rebalance(64, [32, 32], profiles)
+    assert out is not None and out[0].shares == (52, 12), out
+
+
+def test_noise_never_demotes_a_node_it_could_explain() -> None:
+    # A fixed cost per micro-batch measured 3x its peers' with a 50 % error: the levelled
+    # split would drop it; the difference may be noise, so it keeps training.
+    noisy = [
+        node("a", 1e-4, overhead_s=0.002, noise=0.5),
+        node("b", 1e-4, overhead_s=0.0007),
+        node("c", 1e-4, overhead_s=0.0007),
+    ]
+    assert plan(6, noisy).roles == (T, T, T)
+    exact = [node("a", 1e-4, overhead_s=0.002), node("b", 1e-4, overhead_s=0.0007), node("c", 1e-4, overhead_s=0.0007)]
+    assert plan(6, exact).roles[0] is not T
+
+
+def test_a_start_up_estimate_counts_only_when_far_apart() -> None:
+    # A joiner that only calibrated, 5x faster by its probes than its peers' measured steps:
+    # probes split costs less well than steps, so it is taken for their equal...
+    settled = [node("a", 3e-5, noise=0.05), node("b", 3e-5, noise=0.05)]
+    joiner = node("j", 6e-6, settled=False)
+    assert plan(192, [*settled, joiner]).shares == (64, 64, 64)
+    # ...unless it is very much faster (a GPU joining CPUs).
+    gpu = node("j", 3e-7, settled=False)
+    assert plan(192, [*settled, gpu]).shares[2] > 150

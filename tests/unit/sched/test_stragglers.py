@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.sched.stragglers import MAD_Z, MIN_SAMPLES, RATIO, find_stragglers
+from unbroken.sched.stragglers import MAD_Z, MATTERS, MIN_SAMPLES, RATIO, find_stragglers
 
 
 def steady(t: float, n: int = 5) -> list[float]:
@@ -158,3 +158,14 @@ def test_property_flagged_nodes_are_judged_trainers_with_a_reason(
         assert name in times
         assert len(times[name]) >= MIN_SAMPLES
         assert reason.startswith("compute ") and f"over its last {MIN_SAMPLES} steps" in reason
+
+
+def test_a_slowdown_that_is_a_small_part_of_the_step_is_no_straggler() -> None:
+    # 2x slower compute, but compute is 4 ms of a step that waits 100 ms on the network.
+    times = {"a": [0.002] * MIN_SAMPLES, "b": [0.002] * MIN_SAMPLES, "c": [0.004] * MIN_SAMPLES}
+    assert find_stragglers(times, {}, overhead_s=0.1) == {}
+    assert set(find_stragglers(times, {}, overhead_s=0.0)) == {"c"}
+    # It matters from an excess of MATTERS of the step on: 2 ms of 2 ms + 6 ms.
+    edge = 0.002 / MATTERS - 0.002
+    assert set(find_stragglers(times, {}, overhead_s=edge * 0.9)) == {"c"}
+    assert find_stragglers(times, {}, overhead_s=edge * 1.1) == {}
