@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 import torch
 
 from integration.helpers import fired, job_for
+from unbroken.comm.codecs import make_codec
 from unbroken.testing import check_promises, reference_state
 
 H = 10
@@ -58,8 +60,9 @@ def inter_zone_bytes(c) -> dict[str, list[int]]:
     }
 
 
-def test_two_zones_train_to_the_expected_loss_and_talk_once_a_round(make_cluster):
-    c = start(make_cluster)
+@pytest.mark.parametrize("codec", ["int8", "int2"])
+def test_two_zones_train_to_the_expected_loss_and_talk_once_a_round(make_cluster, codec):
+    c = start(make_cluster, codec=codec)
     codes = c.wait_exit(timeout=120)
     assert codes == {"a1": 0, "b1": 0, "a2": 0, "b2": 0}, c.diagnostics()
     promises(c, finishers=4)  # each batch once, a commit per step, equal digests after every outer step
@@ -68,6 +71,9 @@ def test_two_zones_train_to_the_expected_loss_and_talk_once_a_round(make_cluster
     assert ours < start_loss - 0.8 * (start_loss - sync), (ours, sync, start_loss)
     sent = inter_zone_bytes(c)
     assert len(sent["a1"]) == 60 // H and len(sent["b1"]) == 60 // H and not sent["a2"] and not sent["b2"], sent
+    numel = sum(p.numel() for p in job_for(ENV).model().parameters())
+    payload = make_codec(codec).payload_bytes(numel)  # what one leader sends, its votes aside
+    assert all(payload <= b <= payload + 1024 for b in sent["a1"] + sent["b1"]), (payload, sent)
 
 
 def heldout_at_start() -> float:
