@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from unbroken.errors import ConfigError
-from unbroken.specs import parse_codec, parse_fragments, parse_rule
+from unbroken.specs import MAX_STREAMS, parse_codec, parse_fragments, parse_rule
 
 ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
 ENV_ETCD = "UNBROKEN_ETCD"
@@ -77,6 +77,10 @@ class CoordinatorConfig:
 
     codec: str = "none"
     """Codec of the inter-zone hop: none, fp16, bf16, int8, int4, int2, topk or topk:RATIO."""
+    streams: int = 4
+    """TCP connections each inter-zone hop (the zone leaders' exchange, and a state transfer
+    between zones) is spread over, in parallel: a single connection's window caps what it
+    carries over a long link (1..16)."""
     aggregate: str = "mean"
     """How the members' gradients are combined: ``mean`` (exact synchronous training),
     ``clip[:C]`` or ``trimmed[:F]`` (robust to a faulty node; see `unbroken.comm.robust`)."""
@@ -126,6 +130,7 @@ class CoordinatorConfig:
         if self.mode not in ("sync", "diloco"):
             raise ConfigError(f"CoordinatorConfig.mode = {self.mode!r}: choose 'sync' or 'diloco' (--mode)")
         _check_range("CoordinatorConfig", "inner_steps", self.inner_steps, 1, 1_000_000)
+        _check_range("CoordinatorConfig", "streams", self.streams, 1, MAX_STREAMS)
         _check_range("CoordinatorConfig", "audit_every", self.audit_every, 0, 1_000_000)
         if self.fragments:
             parse_fragments(self.fragments)

@@ -16,6 +16,9 @@ CODECS = ("none", "fp16", "bf16", "int8", "int4", "int2", "topk")
 TOPK_RATIO = 0.01
 """Fraction of elements top-k sends by default."""
 
+MAX_STREAMS = 16
+"""Most TCP connections one inter-zone hop is spread over (`CoordinatorConfig.streams`)."""
+
 RULES = {"mean": 0.0, "clip": 2.0, "trimmed": 0.25, "checked": 0.0}
 """Each aggregation rule with its default parameter."""
 

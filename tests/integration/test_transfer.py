@@ -17,6 +17,7 @@ from torch.distributed import HashStore  # type: ignore[attr-defined]
 
 from unbroken.comm.group import build_group
 from unbroken.comm.transfer import Partial, SyncResult, sync_state
+from unbroken.control.meeting import data_address
 from unbroken.errors import EpochAborted, TransferError
 from unbroken.state import layout
 from unbroken.state.snapshot import TrainState
@@ -42,32 +43,56 @@ def make_state(seed: int, frozen_seed: int = 0) -> TrainState:
 
 
 class Group:
-    """``size`` ranks in threads over one in-memory store; a fresh gloo group per `run`."""
+    """``size`` ranks in threads over one in-memory store; a fresh gloo group per `run`
+    (``streams`` connections per pair, connected on first use where ``lazy``)."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, size: int, streams: int = 1, lazy: bool = False) -> None:
+        self.size, self.streams, self.lazy = size, streams, lazy
         self.store = HashStore()
         self.runs = 0
+        self.connections = 0
+        """Connections the last run's group had open at its end."""
 
     def run(self, fn: Any, timeout: float = 30.0) -> list[Any]:
         self.runs += 1
         prefix = f"run{self.runs}"
         wake = threading.Event()
+        ended = threading.Barrier(self.size)
 
         def one(rank: int) -> Any:
-            device = ProcessGroupGloo.create_device(hostname="127.0.0.1")
-            pg, _ = build_group(self.store, prefix, rank, self.size, device, 10.0, wake, lambda: None)
+            devices = [
+                ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=self.lazy) for _ in range(self.streams)
+            ]
+            pg, _ = build_group(self.store, prefix, rank, self.size, devices, 10.0, wake, lambda: None)
             try:
                 return fn(rank, pg)
             except Exception as exc:  # returned, so every rank's outcome can be checked
                 return exc
+            finally:
+                if ended.wait(timeout) == 0:  # every rank's group is still alive: count its connections
+                    ports = [self.store.get(f"{prefix}/{s}/{r}") for s in range(self.streams) for r in range(self.size)]
+                    self.connections = established_to({data_address(raw)[1] for raw in ports})
 
         with ThreadPoolExecutor(self.size) as pool:
             return [f.result(timeout) for f in [pool.submit(one, r) for r in range(self.size)]]
 
 
-def sync(states: list[TrainState], partials: dict[int, Partial] | None = None, **kw: Any) -> list[Any]:
-    g = Group(len(states))
+def established_to(ports: set[int]) -> int:
+    """TCP connections accepted on ``ports``."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table, encoding="ascii") as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "01" and int(local.rsplit(":", 1)[1], 16) in ports:
+                    count += 1
+    return count
+
+
+def sync(
+    states: list[TrainState], partials: dict[int, Partial] | None = None, group: Group | None = None, **kw: Any
+) -> list[Any]:
+    g = group or Group(len(states))
     partials = partials or {}
     return g.run(
         lambda rank, pg: sync_state(
@@ -117,12 +142,13 @@ def test_receivers_behind_and_different_are_all_brought_to_the_majority() -> Non
     assert results[2].chunks == 1, "one corrupted value: one chunk"
 
 
-def test_a_fetch_cut_short_keeps_what_arrived_and_asks_only_for_the_rest() -> None:
+@pytest.mark.parametrize("streams", [1, 4])
+def test_a_fetch_cut_short_keeps_what_arrived_and_asks_only_for_the_rest(streams: int) -> None:
     donor, joiner = make_state(1), make_state(2, frozen_seed=5)
     joiner.step = 0
     partial = Partial()
     stop, frozen = threading.Event(), threading.Event()
-    g = Group(2)
+    g = Group(2, streams=streams)
 
     def hang_after_five(n: int) -> None:
         if n == 5:  # the donor stops sending (as if it died); the group gives up on it
@@ -141,7 +167,7 @@ def test_a_fetch_cut_short_keeps_what_arrived_and_asks_only_for_the_rest() -> No
     assert isinstance(cut[1], EpochAborted) and joiner.step == 0, cut
     got = len(partial.fetched)
     assert 0 < got < 12, got
-    r = sync([donor, joiner], partials={1: partial})[1]
+    r = sync([donor, joiner], partials={1: partial}, group=Group(2, streams=streams))[1]
     assert joiner.digest() == donor.digest()
     assert r.resumed_chunks >= got - 1 and r.chunks + r.resumed_chunks <= r.total_chunks, r
     assert partial.key is None, "a finished fetch lets its copy go"
@@ -213,3 +239,15 @@ def test_a_later_attempt_keeps_what_an_earlier_one_fetched_from_another_source()
     assert partial.tensors is tensors and partial.generation == generation + 1
     partial.prepare((6, 7), layout.slots(header), st.tree())
     assert partial.tensors is not tensors, "another state: start again from what this node holds"
+
+
+def test_a_transfer_over_several_streams_uses_each_and_is_exact() -> None:
+    # A lazy group connects a stream of a pair only when it carries data: the chunks, each
+    # sent with its own tag, take every stream.
+    donor, joiner = make_state(1), make_state(2, frozen_seed=5)
+    joiner.step = 0
+    g = Group(2, streams=4, lazy=True)
+    results = sync([donor, joiner], group=g)
+    assert results[1].role == "receiver" and results[1].chunks >= 8, results
+    assert joiner.digest() == donor.digest()
+    assert g.connections == 4, g.connections

@@ -43,6 +43,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         event_log=Path(args.event_log) if args.event_log else None,
         balance=args.balance == "throughput",
         codec=args.codec,
+        streams=args.streams,
         aggregate=args.aggregate,
         audit_every=args.audit_every,
         fragments=args.fragments,
@@ -404,6 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--codec",
         default="none",
         help="inter-zone codec: none, fp16, bf16, int8, int4, int2 (error feedback), topk[:RATIO]",
+    )
+    c.add_argument(
+        "--streams",
+        type=int,
+        default=4,
+        help="TCP connections each inter-zone hop (leaders' exchange, cross-zone state transfer) is spread over "
+        "(1-16; one connection's window caps a long link)",
     )
     c.add_argument(
         "--aggregate",

@@ -8,6 +8,7 @@ their own timeout has passed, then dropped on a background thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -145,37 +146,41 @@ class Meeting:
         self._epochs: dict[int, _Entries] = {}
         self._lock = threading.Lock()
 
-    def device(self, epoch: int, group: str, host: str | None, lazy: bool = False) -> Any:
-        """The gloo device (its listener) for ``group`` of ``epoch``: one per build, since
-        peers identify themselves by rank (`RANK_AS_SEQUENCE`), and kept as long as the
-        epoch's entries are, so its address stays reachable after a failed build (peers
-        may be trying it, `unbroken.comm.reach`).
+    def devices(self, epoch: int, group: str, host: str | None, lazy: bool = False, streams: int = 1) -> list[Any]:
+        """The gloo devices (their listeners) for ``group`` of ``epoch``: one per build and
+        stream, since peers identify themselves by rank (`RANK_AS_SEQUENCE`), and kept as
+        long as the epoch's entries are, so their addresses stay reachable after a failed
+        build (peers may be trying them, `unbroken.comm.reach`).
 
-        ``lazy``: a group built on it connects a pair of ranks only when they first
+        ``lazy``: a group built on them connects a pair of ranks only when they first
         exchange data (reading the peer's entry then), not all N−1 pairs at its build: a
-        ring all-gather opens 2 connections per rank, a transfer one per donor."""
+        ring all-gather opens 2 connections per rank, a transfer one per donor.
+        ``streams``: the group gets that many gloo contexts, each with its own connections;
+        its collectives take turns on them (and a send or receive takes the one its tag
+        names), so work posted together travels over several connections at once."""
         ep = self._get(epoch)
         with self._lock:
             if group not in ep.devices:
-                if host:
-                    ep.devices[group] = ProcessGroupGloo.create_device(hostname=host, lazy_init=lazy)
-                else:
-                    ep.devices[group] = ProcessGroupGloo.create_default_device(lazy_init=lazy)
+                make = functools.partial(ProcessGroupGloo.create_device, hostname=host) if host else None
+                ep.devices[group] = [
+                    make(lazy_init=lazy) if make else ProcessGroupGloo.create_default_device(lazy_init=lazy)
+                    for _ in range(streams)
+                ]
             return ep.devices[group]
 
-    def complete(self, epoch: int, group: str, size: int) -> bool:
-        """Every rank of ``group`` has its entry here (its build can connect now)."""
+    def complete(self, epoch: int, group: str, entries: int) -> bool:
+        """``group`` has all its ``entries`` here (a rank per stream: its build can connect now)."""
         with self._lock:
             ep = self._epochs.get(epoch)
-            return ep is not None and sum(1 for k in ep.known if k.startswith(f"{group}/")) >= size
+            return ep is not None and sum(1 for k in ep.known if k.startswith(f"{group}/")) >= entries
 
     def entries(self, epoch: int, group: str) -> dict[int, bytes]:
-        """The entries of ``group`` by rank (gloo names them ``GROUP/DEVICE/RANK``)."""
+        """The entries of ``group``'s first stream by rank (gloo names them ``GROUP/STREAM/RANK``)."""
         with self._lock:
             ep = self._epochs.get(epoch)
             if ep is None:
                 return {}
-            keys = [k for k in ep.known if k.startswith(f"{group}/")]
+            keys = [k for k in ep.known if k.startswith(f"{group}/0/")]
         ranks = {k: k.rsplit("/", 1)[1] for k in keys}
         return {int(r): ep.store.get(k) for k, r in ranks.items() if r.isascii() and r.isdigit()}
 
@@ -231,8 +236,8 @@ class _Entries:
     """Keys the leader knows (received from it, or sent)."""
     mine: dict[str, bytes] = field(default_factory=dict)
     """What this node's data plane wrote."""
-    devices: dict[str, Any] = field(default_factory=dict)
-    """Group → the gloo device its build listens on."""
+    devices: dict[str, list[Any]] = field(default_factory=dict)
+    """Group → the gloo devices its build listens on (one per stream)."""
 
 
 def build_group(
@@ -240,7 +245,7 @@ def build_group(
     group: str,
     rank: int,
     size: int,
-    device: Any,
+    devices: list[Any],
     timeout_s: float,
     wake: threading.Event,
     should_abort: AbortCheck,
@@ -260,7 +265,8 @@ def build_group(
         try:
             opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = timedelta(seconds=timeout_s)
-            opts._devices = [device]
+            opts._devices = devices
+            opts._threads = max(2, len(devices))  # a stream's work is not queued behind another's
             result["pg"] = ProcessGroupGloo(PrefixStore(group, store), rank, size, opts)
         except Exception as exc:  # reported to the waiting thread
             result["error"] = exc

@@ -85,6 +85,8 @@ class Reducer:
     """This node's zone (None when zones are not used or the zone has one member)."""
     leaders_pg: Any = None
     """The zone leaders (None unless this node leads its zone and there are several zones)."""
+    streams: int = 1
+    """Connections ``leaders_pg`` has per pair: the exchange is cut in as many pieces, in flight together."""
     codec: Codec | None = None
     compressed: int = 0
     """How many leading elements of the flat tensor the codec compresses (the gradient)."""
@@ -167,12 +169,17 @@ class Reducer:
         mine = torch.cat([head, tail])
         count = self.leaders_pg.size()
         self._emulate_link(mine.numel(), count - 1, wake, abort, deadline_s, what)
-        out = [torch.empty_like(mine) for _ in range(count)]
-        work = self.leaders_pg.allgather([out], [mine])
+        # Every leader's payload has the same size, so its pieces do: piece i of every leader
+        # travels in the i-th all-gather, which takes the group's i-th stream.
+        pieces = torch.tensor_split(mine, min(self.streams, max(1, mine.numel())))
+        outs = [[torch.empty_like(piece) for _ in range(count)] for piece in pieces]
+        works = [self.leaders_pg.allgather([o], [piece]) for o, piece in zip(outs, pieces, strict=True)]
         if after_post is not None:
             after_post()
         after_exchange_post()
-        wait_work(work, wake, abort, deadline_s, f"{what} (between zones)")
+        for work in works:
+            wait_work(work, wake, abort, deadline_s, f"{what} (between zones)")
+        out = [torch.cat([o[r] for o in outs]) for r in range(count)]
         h = head.numel()
         total_tail = torch.zeros(flat.numel() - k, dtype=torch.float32)
         total_head = torch.zeros(k, dtype=torch.float32)

@@ -132,6 +132,7 @@ class Coordinator(ThreadedService):
             min_nodes=self.config.min_nodes,
             balance=self.config.balance,
             codec=self.config.codec,
+            streams=self.config.streams,
             aggregate=self.config.aggregate,
             audit_every=self.config.audit_every,
             fragments=self.config.fragments,

@@ -9,8 +9,9 @@ to the epoch's members as `Met`. Only admitted members speak on those sessions, 
 leader checks each entry before anyone sees it:
 
 * it belongs to the newest or the previous epoch, and its writer is a member of it;
-* it is named ``GROUP/.../RANK`` for one of the epoch's groups (`Zones.groups`), and
-  RANK is the writer's own rank in that group: no member writes another's address;
+* it is named ``GROUP/STREAM/RANK`` for one of the epoch's groups (`Zones.groups`) and
+  one of that group's streams (the order's ``streams`` for the groups that cross zones),
+  and RANK is the writer's own rank in that group: no member writes another's address;
 * an entry, once written, never changes.
 
 It also knows who has not written: a member whose entry for a group is still missing
@@ -91,6 +92,10 @@ class _Epoch:
     members: list[str]
     groups: dict[str, dict[str, int]]
     """Group name → member → its rank in the group."""
+    streams: dict[str, int] = field(default_factory=dict)
+    """Group name → its streams (an entry each per rank; 1 where not named)."""
+    written: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(member, group) → entries it wrote (it is missing from the group until all are in)."""
     entries: dict[str, str] = field(default_factory=dict)
     missing: dict[str, set[str]] = field(default_factory=dict)
     """Member → the groups it has not written its entry for yet."""
@@ -128,7 +133,10 @@ class Rendezvous:
                 missing[mid].add(name)
         before = self._epochs[max(self._epochs)].members if self._epochs else []
         veterans = set(order.members) & set(before) or set(order.members)
-        self._epochs[order.epoch] = _Epoch(list(order.members), groups, missing=missing, veterans=veterans)
+        streams = {WORLD: order.streams, "leaders": order.streams} if zones.multi else {}
+        self._epochs[order.epoch] = _Epoch(
+            list(order.members), groups, streams=streams, missing=missing, veterans=veterans
+        )
         for old in sorted(self._epochs)[:-EPOCHS_KEPT]:
             del self._epochs[old]
 
@@ -138,11 +146,14 @@ class Rendezvous:
         ep = self._epochs.get(meet.epoch)
         if ep is None or member_id not in ep.missing:
             return  # late, or for an epoch this member was not ordered into
-        parts = meet.key.split("/")  # GROUP/DEVICE/RANK, as gloo names a rank's entry
-        group, rank = parts[0], parts[-1]
+        parts = meet.key.split("/")  # GROUP/STREAM/RANK, as gloo names a rank's entry
+        group, stream, rank = parts if len(parts) == 3 else ("", "", "")
         ranks = ep.groups.get(group)
-        if ranks is None or len(parts) < 3 or not (rank.isascii() and rank.isdigit()):
+        if ranks is None or not (rank.isascii() and rank.isdigit()):
             raise ProtocolError(f"rendezvous entry {meet.key!r} names no group of epoch {meet.epoch}")
+        streams = ep.streams.get(group, 1)
+        if not (stream.isascii() and stream.isdigit() and int(stream) < streams):
+            raise ProtocolError(f"rendezvous entry {meet.key!r} names no stream of group {group} (it has {streams})")
         if ranks.get(member_id) != int(rank):
             raise ProtocolError(
                 f"rendezvous entry {meet.key!r}: rank {rank} of group {group} is not this member's "
@@ -162,8 +173,11 @@ class Rendezvous:
                 raise ProtocolError(f"rendezvous entry {meet.key!r} written twice with different values")
             return
         ep.entries[meet.key] = ep.pending[meet.key] = meet.value
-        ep.missing[member_id].discard(group)
-        ep.addresses[member_id, group] = address
+        written = ep.written[member_id, group] = ep.written.get((member_id, group), 0) + 1
+        if written == streams:
+            ep.missing[member_id].discard(group)
+        if stream == "0":
+            ep.addresses[member_id, group] = address
         # The world's build starts as members finish their step (they finish it together:
         # it ends in their common all-reduce), newcomers at once: its clock starts with the
         # first member of the epoch before. Zone and leaders' groups are built right after

@@ -190,6 +190,7 @@ class Membership:
         min_nodes: int = 1,
         balance: bool = True,
         codec: str = "none",
+        streams: int = 1,
         aggregate: str = "mean",
         diloco: tuple[int, float, float] | None = None,
         audit_every: int = 0,
@@ -204,7 +205,9 @@ class Membership:
         self.diloco = diloco
         """DiLoCo's (inner steps, outer lr, outer momentum), or None for synchronous training."""
         self.codec = codec
-        """The inter-zone codec every epoch order carries."""
+        """The inter-zone codec every epoch order carries..."""
+        self.streams = streams
+        """...and the connections each inter-zone hop is spread over."""
         self.aggregate = aggregate
         """How the members' gradients are combined (every epoch order carries it)."""
         self.lease_s = lease_s
@@ -920,6 +923,7 @@ class Membership:
             microbatches=list(self.plan.microbatches) if self.plan else [],
             zones=self._zones_in_force,
             codec=self.codec,
+            streams=self.streams,
             aggregate=self._aggregate(members),
             audit_every=self.audit_every,
             fragments=self.fragments,

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from unbroken.errors import ProtocolError
+from unbroken.specs import MAX_STREAMS
 
 PROTOCOL_VERSION = 1
 
@@ -291,6 +292,9 @@ class EpochOrder(_Msg):
     """Each member's micro-batch size (empty or 0: its whole share at once)."""
     zones: list[Annotated[str, Field(max_length=128)]] = []
     """Each member's zone (empty: one zone)."""
+    streams: Annotated[int, Field(ge=1, le=MAX_STREAMS)] = 1
+    """Connections each pair of zone leaders (and each cross-zone state transfer) spreads its
+    bytes over: one TCP connection cannot fill a long, fast link (its window caps it)."""
     codec: Annotated[str, Field(max_length=64)] = "none"
     """The codec of the inter-zone hop."""
     rollback_to: Annotated[int, Field(ge=-1)] = -1

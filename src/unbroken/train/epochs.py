@@ -61,7 +61,10 @@ class Epochs:
         # world group only carries the sync phase, robust gathers and audits, whose
         # rings and transfers touch a few peers each, so it connects only those.
         zones = zones_of(order)
-        pg, took = build(WORLD, rank, list(order.members), lazy=zones.multi)
+        # A state transfer between zones crosses the slow links too: spread over streams.
+        pg, took = build(
+            WORLD, rank, list(order.members), lazy=zones.multi, streams=order.streams if zones.multi else 1
+        )
         group.pg, group.built_in_s, group.lazy = pg, took, zones.multi
         return group, self._reducer(order, zones, group, build)
 
@@ -76,9 +79,9 @@ class Epochs:
         ``lazy`` build returns at once and connects pairs on first use (`Meeting.device`)."""
         node = self.node
 
-        def build(group: str, rank: int, ids: list[str], lazy: bool = False) -> tuple[Any, float]:
+        def build(group: str, rank: int, ids: list[str], lazy: bool = False, streams: int = 1) -> tuple[Any, float]:
             assert node.client.welcome is not None  # an order came: the node was welcomed
-            complete = functools.partial(self.meeting.complete, epoch, group, len(ids))
+            complete = functools.partial(self.meeting.complete, epoch, group, len(ids) * streams)
             # Connecting takes milliseconds once the entries are in: half the deadline is
             # plenty, and leaves the other half to try the peers and bench one (≤ deadline).
             stall_s = node.client.welcome.build_deadline_s / 2
@@ -88,11 +91,11 @@ class Epochs:
                 self.meeting.publish(epoch)
                 stall()
 
-            device = self.meeting.device(epoch, group, self.gloo_host(), lazy=lazy)
+            devices = self.meeting.devices(epoch, group, self.gloo_host(), lazy=lazy, streams=streams)
             timeout = node.config.collective_timeout_s
             try:
                 pg, took = build_group(
-                    self.meeting.store(epoch), group, rank, len(ids), device, timeout, node.wake, abort, tick
+                    self.meeting.store(epoch), group, rank, len(ids), devices, timeout, node.wake, abort, tick
                 )
                 if lazy:
                     # Returned at once: wait for every entry as an eager build does, so that
@@ -140,7 +143,8 @@ class Epochs:
             group.extra_pgs.append(reducer.zone_pg)
         if rank in zones.leaders:
             leaders = [order.members[r] for r in zones.leaders]
-            reducer.leaders_pg, _ = build("leaders", zones.leaders.index(rank), leaders)
+            reducer.leaders_pg, _ = build("leaders", zones.leaders.index(rank), leaders, streams=order.streams)
+            reducer.streams = order.streams
             group.extra_pgs.append(reducer.leaders_pg)
         return reducer
 

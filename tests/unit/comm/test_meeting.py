@@ -10,11 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from unbroken.comm.codecs import make_codec
 from unbroken.comm.group import Meeting, build_group
 from unbroken.comm.reach import Stall, accuse, reach
+from unbroken.comm.reduce import Reducer
 from unbroken.control import messages as m
 from unbroken.control.meeting import data_address, with_port
 from unbroken.errors import CollectiveFailed
+from unbroken.sched.zones import Zones
 from unbroken.testing.faults import refusing_socket
 
 
@@ -44,7 +47,7 @@ def test_groups_meet_through_the_leader_and_each_rank_sends_only_its_own_entry()
     def one(rank: int) -> float:
         node = leader.nodes[rank]
         pg, _ = build_group(
-            node.store(7), "world", rank, size, node.device(7, "world", "127.0.0.1"), 10.0, wake, lambda: None,
+            node.store(7), "world", rank, size, node.devices(7, "world", "127.0.0.1"), 10.0, wake, lambda: None,
             lambda: node.publish(7),
         )  # fmt: skip
         t = torch.ones(2) * (rank + 1)
@@ -101,7 +104,7 @@ def test_a_build_with_an_unreachable_peer_fails_and_its_peers_name_that_peer():
         node = nodes[rank]
         try:
             return build_group(
-                node.store(1), "world", rank, size, node.device(1, "world", "127.0.0.1"), 1.0, wake, lambda: None,
+                node.store(1), "world", rank, size, node.devices(1, "world", "127.0.0.1"), 1.0, wake, lambda: None,
                 lambda: node.publish(1),
             )  # fmt: skip
         except CollectiveFailed as exc:
@@ -146,7 +149,7 @@ def gloo_like() -> bytes:
     wake = threading.Event()
     with pytest.raises(CollectiveFailed):  # alone in a group of four: times out, having written its entry
         build_group(
-            nodes[0].store(1), "g", 0, 4, nodes[0].device(1, "g", "127.0.0.1"), 0.2, wake, lambda: None,
+            nodes[0].store(1), "g", 0, 4, nodes[0].devices(1, "g", "127.0.0.1"), 0.2, wake, lambda: None,
             lambda: nodes[0].publish(1),
         )  # fmt: skip
     return nodes[0].entries(1, "g")[0]
@@ -214,7 +217,7 @@ def test_a_lazy_group_connects_only_the_pairs_that_exchange_data():
 
     def one(rank: int) -> list[int]:
         node = leader.nodes[rank]
-        device = node.device(7, "world", "127.0.0.1", lazy=True)
+        device = node.devices(7, "world", "127.0.0.1", lazy=True)
         pg, built[rank] = build_group(node.store(7), "world", rank, size, device, 10.0, wake, lambda: None,
                                       lambda: node.publish(7))  # fmt: skip
         groups[rank] = pg
@@ -236,3 +239,41 @@ def test_a_lazy_group_connects_only_the_pairs_that_exchange_data():
     # A ring all-gather connects each rank to its neighbours, the transfer one more pair;
     # a full mesh would be size × (size − 1) / 2 = 45.
     assert size <= connections <= size + 2, connections
+
+
+def stream_ports(node: object, epoch: int, group: str, streams: int, size: int) -> set[int]:
+    store = node.store(epoch)  # type: ignore[attr-defined]
+    return {data_address(store.get(f"{group}/{s}/{r}"))[1] for s in range(streams) for r in range(size)}
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+def test_an_exchange_posted_in_pieces_travels_over_every_stream_and_sums_the_same(streams: int) -> None:
+    # Two zone leaders exchange an int8-compressed payload over a lazy group: a pair connects
+    # a stream only when it carries data, so the connections show which streams were used.
+    size = 2
+    leader = Leader(size)
+    wake = threading.Event()
+    zones = Zones(("A", "B"))
+    groups: list[object] = [None] * size
+    flats = [torch.randn(5000, generator=torch.Generator().manual_seed(r)) for r in range(size)]
+
+    def one(rank: int) -> torch.Tensor:
+        node = leader.nodes[rank]
+        devices = node.devices(7, "leaders", "127.0.0.1", lazy=True, streams=streams)
+        pg, _ = build_group(node.store(7), "leaders", rank, size, devices, 10.0, wake, lambda: None,
+                            lambda: node.publish(7))  # fmt: skip
+        groups[rank] = pg
+        reducer = Reducer(rank, zones, None, leaders_pg=pg, codec=make_codec("int8"), compressed=4000, streams=streams)
+        flat = flats[rank].clone()
+        reducer.allreduce(flat, wake, lambda: None, 10.0, "exchange")
+        return flat
+
+    with ThreadPoolExecutor(size) as pool:
+        a, b = pool.map(one, range(size))
+        connections = established_to(stream_ports(leader.nodes[0], 7, "leaders", streams, size))
+    assert torch.equal(a, b)
+    # What one leader alone computes from both payloads, in zone order, bit for bit.
+    payloads = [make_codec("int8").encode(f[:4000]) for f in flats]
+    total = make_codec("int8").decode(payloads[0], 4000) + make_codec("int8").decode(payloads[1], 4000)
+    assert torch.equal(a[:4000], total) and torch.equal(a[4000:], flats[0][4000:] + flats[1][4000:])
+    assert connections == streams, connections

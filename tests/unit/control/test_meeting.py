@@ -19,9 +19,15 @@ def b64(raw: bytes) -> str:
 ADDR = b64(gloo_entry())
 
 
-def order(epoch: int, members: list[str], zones: list[str] | None = None) -> m.EpochOrder:
+def order(epoch: int, members: list[str], zones: list[str] | None = None, streams: int = 1) -> m.EpochOrder:
     return m.EpochOrder(
-        epoch=epoch, members=members, shares=[1] * len(members), urgent=False, reason="t", zones=zones or []
+        epoch=epoch,
+        members=members,
+        shares=[1] * len(members),
+        urgent=False,
+        reason="t",
+        zones=zones or [],
+        streams=streams,
     )
 
 
@@ -50,6 +56,9 @@ def test_entries_reach_the_epochs_members_once():
         ("a", "world/0/x", ADDR, "names no group"),
         ("a", "world/0/0", "not base64!", "not base64"),
         ("a", "world", ADDR, "names no group"),
+        ("a", "world/0/0/0", ADDR, "names no group"),
+        ("a", "world/1/0", ADDR, "names no stream"),  # one zone: one stream
+        ("a", "world/x/0", ADDR, "names no stream"),
         ("a", "world/0/\u00b2", ADDR, "names no group"),  # a digit to str.isdigit, not to int()
         ("a", "world/0/0", "\u00e9t\u00e9", "not base64"),
         # gloo reads these without bounds checks: every peer would crash on them
@@ -173,3 +182,24 @@ def test_one_member_has_few_addresses_tried_per_epoch():
     assert sum(a is not None for a in asked) == PROBES_PER_ACCUSER
     assert r.probe(2, "m1", "world", "m2") is None, "asked already"
     assert r.probe(2, members[-1], "world", "m2") is not None, "another accuser has its own budget"
+
+
+def test_groups_across_zones_have_an_entry_per_stream_and_a_missing_one_is_named():
+    r = Rendezvous(deadline_s=2)
+    r.order(order(6, ["a", "b", "c", "d"], zones=["x", "y", "x", "y"], streams=2))
+    for mid, rank in (("a", 0), ("b", 1), ("c", 2), ("d", 3)):
+        r.put(mid, meet(6, f"world/0/{rank}"), now=0)
+        r.put(mid, meet(6, f"world/1/{rank}"), now=0)
+    r.put("a", meet(6, "zone0/0/0"), now=0)
+    r.put("c", meet(6, "zone0/0/1"), now=0)
+    r.put("b", meet(6, "zone1/0/0"), now=0)
+    r.put("d", meet(6, "zone1/0/1"), now=0)
+    with pytest.raises(ProtocolError, match="names no stream"):
+        r.put("a", meet(6, "zone0/1/0"), now=0)  # a zone's group stays on one stream
+    with pytest.raises(ProtocolError, match="names no stream"):
+        r.put("a", meet(6, "leaders/2/0"), now=0)
+    r.put("a", meet(6, "leaders/0/0"), now=0)
+    r.put("a", meet(6, "leaders/1/0"), now=0)
+    r.put("b", meet(6, "leaders/0/1"), now=0)  # b never writes its second stream's entry
+    assert r.absent(6, now=1.9) == {}
+    assert r.absent(6, now=2.0) == {"b": ["leaders"]}
