@@ -136,7 +136,11 @@ class StepProtocol:
         node.replica.pull()
         for p in node.replica.params:
             p.grad = None
-        torch.manual_seed(node.job.seed * 1_000_003 + sl.step)
+        seed = node.job.seed * 1_000_003 + sl.step
+        if node.replica.device.type == "cpu":
+            torch.default_generator.manual_seed(seed)  # what `torch.manual_seed` seeds on a CPU, 100x cheaper
+        else:
+            torch.manual_seed(seed)  # the accelerators' generators too
 
     def undo(self, sl: Slice) -> None:
         """The step is not applied: what its forward passes did to the buffers is undone."""
