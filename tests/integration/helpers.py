@@ -116,3 +116,15 @@ def established(pid: int) -> int | None:
     except FileNotFoundError:
         return None
     return count
+
+
+def established_to(ports: set[int]) -> int:
+    """TCP connections accepted on ``ports`` (each connection counted once: at its listener)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table, encoding="ascii") as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "01" and int(local.rsplit(":", 1)[1], 16) in ports:
+                    count += 1
+    return count

@@ -15,6 +15,7 @@ from torch import nn
 from torch._C._distributed_c10d import ProcessGroupGloo
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
+from integration.helpers import established_to
 from unbroken.comm.group import build_group
 from unbroken.comm.transfer import Partial, SyncResult, sync_state
 from unbroken.control.meeting import data_address
@@ -75,18 +76,6 @@ class Group:
 
         with ThreadPoolExecutor(self.size) as pool:
             return [f.result(timeout) for f in [pool.submit(one, r) for r in range(self.size)]]
-
-
-def established_to(ports: set[int]) -> int:
-    """TCP connections accepted on ``ports``."""
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table, encoding="ascii") as f:
-            for line in f.readlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                if state == "01" and int(local.rsplit(":", 1)[1], 16) in ports:
-                    count += 1
-    return count
 
 
 def sync(

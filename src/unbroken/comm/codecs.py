@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from unbroken.comm.robust import all_finite
 from unbroken.specs import TOPK_RATIO, parse_codec
 
 INT8_CHUNK = 256
@@ -141,7 +142,7 @@ class Int8(_WithResidual):
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
         if self.error_feedback:
-            self.residual = x - (q.to(torch.float32) * scales[:, None]).reshape(-1)[:n]
+            _keep(self, x, x - (q.to(torch.float32) * scales[:, None]).reshape(-1)[:n])
         out = torch.empty(4 * c + c * self.chunk, dtype=torch.uint8)
         out[: 4 * c] = scales.contiguous().view(torch.uint8)
         out[4 * c :] = q.reshape(-1).view(torch.uint8)
@@ -149,14 +150,14 @@ class Int8(_WithResidual):
 
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         c = self._chunks(numel)
-        scales = payload[: 4 * c].clone().view(torch.float32)
+        scales = _scales(payload[: 4 * c], self.name)
         q = payload[4 * c :].view(torch.int8).to(torch.float32).view(c, self.chunk)
         return (q * scales[:, None]).reshape(-1)[:numel]
 
 
 class LowBit(_WithResidual):
     """4 or 2 bits an element, with error feedback: DiLoCo's pseudo-gradients, which cross
-    between zones once a round, in 8 or 16 times fewer bytes than float32.
+    between zones once a round, in 7.8 or 15 times fewer bytes than float32 (scales included).
 
     One float32 scale per chunk of `INT8_CHUNK` elements, then the levels, packed
     ``8 / bits`` to a byte. int4 has the 15 levels -7..7 of the chunk's largest magnitude;
@@ -189,10 +190,15 @@ class LowBit(_WithResidual):
         blocks[:n] = x
         blocks = blocks.view(c, self.chunk)
         magnitude = blocks.abs()
-        scales = magnitude.amax(dim=1) / self.levels if self.levels > 1 else magnitude.mean(dim=1) * 1.5
+        if self.levels > 1:
+            scales = magnitude.amax(dim=1) / self.levels
+        else:  # the mean of the chunk's own elements (the last chunk is padded with zeros)
+            real = torch.full((c,), float(self.chunk))
+            real[-1] = n - (c - 1) * self.chunk
+            scales = magnitude.sum(dim=1) / real * 1.5
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round(blocks / safe[:, None]).clamp_(-self.levels, self.levels)
-        self.residual = x - (q * scales[:, None]).reshape(-1)[:n]
+        _keep(self, x, x - (q * scales[:, None]).reshape(-1)[:n])
         u = (q + self.levels).to(torch.uint8).view(-1, 8 // self.bits)
         packed = torch.zeros(u.shape[0], dtype=torch.uint8)
         for k in range(8 // self.bits):
@@ -201,7 +207,7 @@ class LowBit(_WithResidual):
 
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         c = self._chunks(numel)
-        scales = payload[: 4 * c].clone().view(torch.float32)
+        scales = _scales(payload[: 4 * c], self.name)
         packed = payload[4 * c :]
         mask = (1 << self.bits) - 1
         u = torch.stack([(packed >> (k * self.bits)) & mask for k in range(8 // self.bits)], dim=1)
@@ -235,8 +241,9 @@ class TopK(_WithResidual):
         idx = torch.topk(x.abs(), k, sorted=False).indices.to(torch.int32)
         idx, _ = torch.sort(idx)  # a canonical order: equal inputs give equal payloads
         values = x[idx.long()]
-        self.residual = x.clone()
-        self.residual[idx.long()] = 0.0
+        rest = x.clone()
+        rest[idx.long()] = 0.0
+        _keep(self, x, rest)
         out = torch.empty(8 * k, dtype=torch.uint8)
         out[: 4 * k] = idx.contiguous().view(torch.uint8)
         out[4 * k :] = values.contiguous().view(torch.uint8)
@@ -246,11 +253,28 @@ class TopK(_WithResidual):
         k = self.k(numel)
         idx = payload[: 4 * k].clone().view(torch.int32).long()
         values = payload[4 * k :].clone().view(torch.float32)
+        if not all_finite(values):
+            raise ValueError("top-k payload has values that are not finite")
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= numel):
             raise ValueError(f"top-k payload names element {int(idx.max())} of a {numel}-element tensor")
         out = torch.zeros(numel, dtype=torch.float32)
         out[idx] = values
         return out
+
+
+def _scales(raw: torch.Tensor, name: str) -> torch.Tensor:
+    """A payload's float32 scales, refused unless finite and not negative (a peer's payload
+    is checked before anything is computed from it)."""
+    scales = raw.clone().view(torch.float32)
+    if not all_finite(scales) or bool((scales < 0).any()):
+        raise ValueError(f"{name} payload has scales that are negative or not finite")
+    return scales
+
+
+def _keep(codec: Int8 | LowBit | TopK, x: torch.Tensor, residual: torch.Tensor) -> None:
+    """Carry ``residual`` into the next payload, unless this input was not finite: the step
+    it belongs to is refused, and a NaN kept in the residual would spoil every later one."""
+    codec.residual = residual if all_finite(x) else None
 
 
 def _with_residual(codec: Int8 | LowBit | TopK, x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ RANK_AS_SEQUENCE = "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"
 """With it, a rank's rendezvous entry is its address alone (a hundred-odd bytes) instead of
 its address and a sequence number per peer (8 bytes × the group's size): the entries every
 member receives grow with the group, not with its square. Peers then name themselves by
-rank when they connect, so a device serves one group (`Meeting.device`). Set for the whole
+rank when they connect, so a device serves one group and stream (`Meeting.devices`). Set for the whole
 process, once, before any data-plane thread runs: every member must name peers the same way."""
 os.environ[RANK_AS_SEQUENCE] = "1"
 PUBLISH_S = 0.002
@@ -56,7 +56,7 @@ class EpochGroup:
     extra_pgs: list[Any] = field(default_factory=list)
     """Zone and leader groups of this epoch (buried with the epoch's group)."""
     lazy: bool = False
-    """Its group over all members connects pairs on first use (`Meeting.device`): a peer
+    """Its group over all members connects pairs on first use (`Meeting.devices`): a peer
     it cannot reach shows in a collective, not in the build."""
 
     @property
@@ -168,11 +168,13 @@ class Meeting:
                 ]
             return ep.devices[group]
 
-    def complete(self, epoch: int, group: str, entries: int) -> bool:
-        """``group`` has all its ``entries`` here (a rank per stream: its build can connect now)."""
+    def complete(self, epoch: int, group: str, size: int) -> bool:
+        """Every rank of ``group`` has its entry here (its build can connect now). Its first
+        stream's: gloo connects the streams one after another, writing a stream's entry once
+        the stream before connected."""
         with self._lock:
             ep = self._epochs.get(epoch)
-            return ep is not None and sum(1 for k in ep.known if k.startswith(f"{group}/")) >= entries
+            return ep is not None and sum(1 for k in ep.known if k.startswith(f"{group}/0/")) >= size
 
     def entries(self, epoch: int, group: str) -> dict[int, bytes]:
         """The entries of ``group``'s first stream by rank (gloo names them ``GROUP/STREAM/RANK``)."""

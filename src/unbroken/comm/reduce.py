@@ -183,10 +183,14 @@ class Reducer:
         h = head.numel()
         total_tail = torch.zeros(flat.numel() - k, dtype=torch.float32)
         total_head = torch.zeros(k, dtype=torch.float32)
-        for payload in out:  # zone order: the same sum on every leader
+        for r, payload in enumerate(out):  # zone order: the same sum on every leader
             if k:
                 assert self.codec is not None
-                total_head += self.codec.decode(payload[:h], k)
+                try:
+                    total_head += self.codec.decode(payload[:h], k)
+                except ValueError as exc:  # the same payload, the same verdict, on every leader
+                    culprit = self.zones.leaders[r]
+                    raise BadContribution(culprit, f"{what}: zone leader rank {culprit} sent {exc}") from None
             total_tail += payload[h:].view(torch.float32)
         flat[:k] = total_head
         flat[k:] = total_tail

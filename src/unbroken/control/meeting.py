@@ -80,6 +80,12 @@ def data_address(raw: bytes) -> tuple[str, int]:
     return host, port
 
 
+def _number(text: str) -> bool:
+    """A rank or stream as gloo writes it: decimal digits, no sign, no padding (one spelling
+    per entry, or a member could write its entry under many keys)."""
+    return text.isascii() and text.isdigit() and text == str(int(text))
+
+
 def with_port(raw: bytes, port: int) -> bytes:
     """A rank's entry with another port (fault injection: an address nobody can reach)."""
     (name_len,) = struct.unpack_from("<Q", raw, 0)
@@ -93,9 +99,7 @@ class _Epoch:
     groups: dict[str, dict[str, int]]
     """Group name → member → its rank in the group."""
     streams: dict[str, int] = field(default_factory=dict)
-    """Group name → its streams (an entry each per rank; 1 where not named)."""
-    written: dict[tuple[str, str], int] = field(default_factory=dict)
-    """(member, group) → entries it wrote (it is missing from the group until all are in)."""
+    """Group name → its streams (an entry each per rank: `Zones.streams`)."""
     entries: dict[str, str] = field(default_factory=dict)
     missing: dict[str, set[str]] = field(default_factory=dict)
     """Member → the groups it has not written its entry for yet."""
@@ -133,7 +137,7 @@ class Rendezvous:
                 missing[mid].add(name)
         before = self._epochs[max(self._epochs)].members if self._epochs else []
         veterans = set(order.members) & set(before) or set(order.members)
-        streams = {WORLD: order.streams, "leaders": order.streams} if zones.multi else {}
+        streams = {name: zones.streams(name, order.streams) for name in groups}
         self._epochs[order.epoch] = _Epoch(
             list(order.members), groups, streams=streams, missing=missing, veterans=veterans
         )
@@ -149,10 +153,10 @@ class Rendezvous:
         parts = meet.key.split("/")  # GROUP/STREAM/RANK, as gloo names a rank's entry
         group, stream, rank = parts if len(parts) == 3 else ("", "", "")
         ranks = ep.groups.get(group)
-        if ranks is None or not (rank.isascii() and rank.isdigit()):
+        if ranks is None or not _number(rank):
             raise ProtocolError(f"rendezvous entry {meet.key!r} names no group of epoch {meet.epoch}")
         streams = ep.streams.get(group, 1)
-        if not (stream.isascii() and stream.isdigit() and int(stream) < streams):
+        if not (_number(stream) and int(stream) < streams):
             raise ProtocolError(f"rendezvous entry {meet.key!r} names no stream of group {group} (it has {streams})")
         if ranks.get(member_id) != int(rank):
             raise ProtocolError(
@@ -173,11 +177,10 @@ class Rendezvous:
                 raise ProtocolError(f"rendezvous entry {meet.key!r} written twice with different values")
             return
         ep.entries[meet.key] = ep.pending[meet.key] = meet.value
-        written = ep.written[member_id, group] = ep.written.get((member_id, group), 0) + 1
-        if written == streams:
-            ep.missing[member_id].discard(group)
-        if stream == "0":
-            ep.addresses[member_id, group] = address
+        if stream != "0":
+            return  # gloo writes a stream's entry once the stream before connected: the first says who came
+        ep.missing[member_id].discard(group)
+        ep.addresses[member_id, group] = address
         # The world's build starts as members finish their step (they finish it together:
         # it ends in their common all-reduce), newcomers at once: its clock starts with the
         # first member of the epoch before. Zone and leaders' groups are built right after

@@ -38,12 +38,11 @@ NOISE_Z = 3.0
 (`Profile.noise`): on a shared machine a few milliseconds of descheduling in steps of a few
 milliseconds make identical nodes look unequal, and shares that follow that noise only
 move back and forth."""
-UNSETTLED_NOISE = 0.5
-"""The relative error assumed of a start-up estimate: with `NOISE_Z`, a node that only
-calibrated is taken for its peers' equal unless it is more than e^1.5 (4.5) times faster
-or slower (processes starting together on one machine disturb each other's first
-measurement, and a few probes split a step's cost into per-sample and fixed parts less
-well than steps do)."""
+UNSETTLED_NOISE = 0.25
+"""The relative error assumed of a start-up estimate (processes starting together on one
+machine disturb each other's first measurement): with `NOISE_Z`, a node that only
+calibrated is taken for its peers' equal unless it is more than e^0.75 (2.1) times faster
+or slower than their median; two such nodes alone, unless 4.5 times apart."""
 
 
 class Role(str, enum.Enum):
@@ -93,7 +92,8 @@ class Profile:
     processes starting on the same machine disturb): only settled nodes are moved out of
     training for speed."""
     noise: float = 0.0
-    """Relative standard error of ``per_sample_s`` (0: exact, as far as anyone knows)."""
+    """Relative standard error of ``per_sample_s`` (an unsettled node's is at least
+    `UNSETTLED_NOISE`)."""
 
     def time_for(self, share: int) -> float:
         """Predicted compute time for ``share`` samples (0 for none)."""
@@ -140,18 +140,24 @@ def _towards(x: float, centre: float, z: float) -> float:
     return centre * math.exp(math.copysign(max(0.0, abs(gap) - z), gap))
 
 
-def _denoised(ps: Sequence[Profile]) -> list[Profile]:
-    """Each speed moved towards the members' median by ``NOISE_Z`` of its relative errors:
-    what is left of a difference between nodes once noise could explain it. Decisions to
+def _denoised(ps: Sequence[Profile], share: float) -> list[Profile]:
+    """Each node's speed moved towards the members' median by ``NOISE_Z`` of its relative
+    errors: what is left of a difference between nodes once noise could explain it.
+
+    Speeds are compared by the time each node takes for ``share`` samples (its fixed and
+    per-sample costs together: a node's probes may split them otherwise than its peers'
+    steps do, and only the sum matters), and a node's costs are scaled as one. Decisions to
     move shares are judged on these; the shares themselves follow the measured speeds."""
     if len(ps) < 2:
         return list(ps)
-    per_sample = float(np.median([p.per_sample_s for p in ps]))
-    overhead = float(np.median([p.overhead_s for p in ps]))
+    n = max(1, round(share))
+    times = [p.time_for(n) for p in ps]
+    centre = float(np.median(times))
     out = []
-    for p in ps:
+    for p, t in zip(ps, times, strict=True):
         z = NOISE_Z * (p.noise if p.settled else max(p.noise, UNSETTLED_NOISE))
-        out.append(_replace_speed(p, _towards(p.per_sample_s, per_sample, z), _towards(p.overhead_s, overhead, z)))
+        f = _towards(t, centre, z) / t if t > 0 else 1.0
+        out.append(_replace_speed(p, p.per_sample_s * f, p.overhead_s * f))
     return out
 
 
@@ -243,6 +249,7 @@ def plan(
     balance: bool = True,
     spares_wanted: int = 0,
     overhead_s: float = 0.0,
+    denoise: bool = True,
 ) -> Plan:
     """The plan for these members (rank order), deterministic for equal inputs.
 
@@ -250,7 +257,8 @@ def plan(
     ``spares_wanted`` is how many hot spares (``--role standby``) must train to replace
     trainers that failed or left; the earliest in rank order are promoted. ``overhead_s`` is
     the part of a step that does not depend on the split (the all-reduce): gains are judged
-    against the whole step.
+    against the whole step. ``denoise=False`` takes the speeds as exact (`Profile.noise`
+    ignored).
     """
     if not profiles:
         raise ValueError("cannot plan for zero members")
@@ -281,7 +289,7 @@ def plan(
         candidates = [first]
         reasons[first] = "the only node able to train"
     trainers = list(candidates)
-    calm = _denoised(ps)
+    calm = _denoised(ps, batch_size / len(trainers)) if denoise else ps
     if balance and len(trainers) > 1:
         # A node the levelled split leaves without a sample would only lengthen the step
         # (and would even were its speed only noise away from the others').
@@ -303,8 +311,13 @@ def plan(
         # (a fixed cost per micro-batch dominates), levelled shares follow measurement noise;
         # the operators' weights are as good then, and they do not move.
         by_weight = _split(batch_size, ps, trainers, by_weight=True)
-        if _step_time(calm, by_weight) + overhead_s <= (_step_time(calm, shares) + overhead_s) * (1 + REBALANCE_MARGIN):
-            shares = by_weight
+        levelled = _split(batch_size, calm, trainers, by_weight=False)
+        for speeds, best in ((ps, shares), (calm, levelled)):
+            if _step_time(speeds, by_weight) + overhead_s <= (_step_time(speeds, best) + overhead_s) * (
+                1 + REBALANCE_MARGIN
+            ):
+                shares = by_weight
+                break
     # A node asked to train, or not measured on real steps yet (its start-up estimate may be
     # off), gets at least one sample, taken from the largest share (ties: the lowest index).
     needy = [i for i in trainers if shares[i] == 0 and (ps[i].preference is Preference.TRAINER or not ps[i].settled)]
@@ -366,12 +379,12 @@ def rebalance(
     ps = _filled(profiles)
     now_s = _step_time(ps, current)
     new = plan(batch_size, profiles, spares_wanted=spares_wanted, overhead_s=overhead_s)
-    if list(new.shares) == list(current):
+    if list(new.shares) == list(current) or not new.step_s + overhead_s < (now_s + overhead_s) * (1 - REBALANCE_MARGIN):
         return None
-    calm = _denoised(ps)  # the gain must remain once noise could explain the differences
-    if not _step_time(calm, new.shares) + overhead_s < (_step_time(calm, current) + overhead_s) * (
-        1 - REBALANCE_MARGIN
-    ):
+    # The gain must remain once noise could explain the differences between the nodes.
+    calm = _denoised(ps, batch_size / max(1, len(new.trainers())))
+    best = plan(batch_size, calm, spares_wanted=spares_wanted, overhead_s=overhead_s, denoise=False)
+    if not best.step_s + overhead_s < (_step_time(calm, current) + overhead_s) * (1 - REBALANCE_MARGIN):
         return None
     slowest = max(range(len(ps)), key=lambda i: ps[i].time_for(current[i]))
     reason = (

@@ -67,6 +67,12 @@ class Zones:
     def multi(self) -> bool:
         return len(self.names) > 1
 
+    def streams(self, group: str, streams: int) -> int:
+        """Connections per pair of ranks ``group`` has: the order's ``streams`` for the groups
+        whose traffic crosses zones (the leaders', and the world's where there are several
+        zones: its transfers), one for the rest."""
+        return streams if self.multi and group in (WORLD, "leaders") else 1
+
     def groups(self) -> dict[str, list[int]]:
         """The epoch's process groups by name, each with its ranks in group-rank order:
         the world, then with several zones each zone of more than one member and the

@@ -63,7 +63,7 @@ class Epochs:
         zones = zones_of(order)
         # A state transfer between zones crosses the slow links too: spread over streams.
         pg, took = build(
-            WORLD, rank, list(order.members), lazy=zones.multi, streams=order.streams if zones.multi else 1
+            WORLD, rank, list(order.members), lazy=zones.multi, streams=zones.streams(WORLD, order.streams)
         )
         group.pg, group.built_in_s, group.lazy = pg, took, zones.multi
         return group, self._reducer(order, zones, group, build)
@@ -76,12 +76,12 @@ class Epochs:
         epoch's order ends the wait. A build that every entry reached but that still has
         not finished half a build deadline later, or failed, has a peer it cannot connect
         to: this node tries their addresses and says whom (`unbroken.comm.reach`). A
-        ``lazy`` build returns at once and connects pairs on first use (`Meeting.device`)."""
+        ``lazy`` build returns at once and connects pairs on first use (`Meeting.devices`)."""
         node = self.node
 
         def build(group: str, rank: int, ids: list[str], lazy: bool = False, streams: int = 1) -> tuple[Any, float]:
             assert node.client.welcome is not None  # an order came: the node was welcomed
-            complete = functools.partial(self.meeting.complete, epoch, group, len(ids) * streams)
+            complete = functools.partial(self.meeting.complete, epoch, group, len(ids))
             # Connecting takes milliseconds once the entries are in: half the deadline is
             # plenty, and leaves the other half to try the peers and bench one (≤ deadline).
             stall_s = node.client.welcome.build_deadline_s / 2
@@ -143,8 +143,8 @@ class Epochs:
             group.extra_pgs.append(reducer.zone_pg)
         if rank in zones.leaders:
             leaders = [order.members[r] for r in zones.leaders]
-            reducer.leaders_pg, _ = build("leaders", zones.leaders.index(rank), leaders, streams=order.streams)
-            reducer.streams = order.streams
+            reducer.streams = zones.streams("leaders", order.streams)
+            reducer.leaders_pg, _ = build("leaders", zones.leaders.index(rank), leaders, streams=reducer.streams)
             group.extra_pgs.append(reducer.leaders_pg)
         return reducer
 

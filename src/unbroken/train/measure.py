@@ -167,8 +167,7 @@ class Meter:
                 return
         with self._lock:
             self.calibration = cal
-            self._recent.clear()
-            self.noise = 0.0
+            self._recent.clear()  # the noise of the steps before is still the best guess of it
         log.info(
             "%s: re-measured %.3f ms/sample + %.3f ms/micro-batch",
             self.name, cal.per_sample_s * 1e3, cal.overhead_s * 1e3,

@@ -195,3 +195,43 @@ def test_low_bit_payloads_are_equal_for_equal_inputs_and_residuals(spec: str) ->
     for i in range(3):
         x = grad(3000, seed=i)
         assert torch.equal(a.encode(x), b.encode(x.clone()))
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0])
+def test_a_payload_with_a_bad_scale_is_refused(spec: str, scale: float) -> None:
+    codec = make_codec(spec)
+    payload = codec.encode(grad(3 * INT8_CHUNK))
+    payload[4:8] = torch.tensor([scale], dtype=torch.float32).view(torch.uint8)
+    with pytest.raises(ValueError, match="scales that are negative or not finite"):
+        codec.decode(payload, 3 * INT8_CHUNK)
+
+
+def test_a_topk_payload_with_a_value_not_finite_is_refused() -> None:
+    codec = TopK(ratio=0.5)
+    payload = codec.encode(grad(10))
+    payload[20:24] = torch.tensor([float("nan")], dtype=torch.float32).view(torch.uint8)
+    with pytest.raises(ValueError, match="not finite"):
+        codec.decode(payload, 10)
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "int2", "topk:0.05"])
+def test_a_gradient_not_finite_leaves_no_residual_behind(spec: str) -> None:
+    # Its step is refused; a NaN carried in the residual would spoil every step after it.
+    codec = make_codec(spec)
+    codec.encode(grad(1000))
+    bad = grad(1000, seed=1)
+    bad[7] = float("nan")
+    codec.encode(bad)
+    assert codec.state_dict()["residual"] is None
+    y = codec.decode(codec.encode(grad(1000, seed=2)), 1000)
+    assert torch.isfinite(y).all()
+
+
+def test_int2_carries_the_last_partial_chunk_as_well_as_the_others() -> None:
+    # The last chunk holds 1 real element and 255 of padding: its scale is its own mean.
+    n = 3 * INT8_CHUNK + 1
+    x = grad(n)
+    codec = LowBit(2)
+    y = codec.decode(codec.encode(x), n)
+    assert y[-1] == pytest.approx(1.5 * abs(float(x[-1])) * (1 if x[-1] > 0 else -1))

@@ -10,13 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from unbroken.comm.codecs import make_codec
+from integration.helpers import established_to
+from unbroken.comm.codecs import Codec, make_codec
 from unbroken.comm.group import Meeting, build_group
 from unbroken.comm.reach import Stall, accuse, reach
 from unbroken.comm.reduce import Reducer
 from unbroken.control import messages as m
 from unbroken.control.meeting import data_address, with_port
-from unbroken.errors import CollectiveFailed
+from unbroken.errors import BadContribution, CollectiveFailed
 from unbroken.sched.zones import Zones
 from unbroken.testing.faults import refusing_socket
 
@@ -186,18 +187,6 @@ def test_republish_sends_only_what_this_node_wrote():
     assert sent == ["world/0/0", "world/0/0"]
 
 
-def established_to(ports: set[int]) -> int:
-    """TCP connections accepted on ``ports`` (each connection counted once: at its listener)."""
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table, encoding="ascii") as f:
-            for line in f.readlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                if state == "01" and int(local.rsplit(":", 1)[1], 16) in ports:
-                    count += 1
-    return count
-
-
 def test_a_lazy_group_connects_only_the_pairs_that_exchange_data():
     size, late = 10, 3
     leader = Leader(size)
@@ -277,3 +266,74 @@ def test_an_exchange_posted_in_pieces_travels_over_every_stream_and_sums_the_sam
     total = make_codec("int8").decode(payloads[0], 4000) + make_codec("int8").decode(payloads[1], 4000)
     assert torch.equal(a[:4000], total) and torch.equal(a[4000:], flats[0][4000:] + flats[1][4000:])
     assert connections == streams, connections
+
+
+def test_an_eager_group_with_streams_connects_every_stream_of_every_pair():
+    # gloo connects a group's streams one after another: each stream's entries are written
+    # once the stream before connected, and the first stream's say who came.
+    size, streams = 3, 3
+    leader = Leader(size)
+    wake = threading.Event()
+    groups: list[object] = [None] * size
+
+    def one(rank: int) -> float:
+        node = leader.nodes[rank]
+        devices = node.devices(7, "leaders", "127.0.0.1", streams=streams)
+        pg, _ = build_group(node.store(7), "leaders", rank, size, devices, 10.0, wake, lambda: None,
+                            lambda: node.publish(7))  # fmt: skip
+        groups[rank] = pg
+        t = torch.ones(2) * (rank + 1)
+        pg.allreduce([t]).wait()
+        return float(t[0])
+
+    with ThreadPoolExecutor(size) as pool:
+        assert list(pool.map(one, range(size))) == [6.0] * size
+        connections = established_to(stream_ports(leader.nodes[0], 7, "leaders", streams, size))
+    assert all(leader.nodes[r].complete(7, "leaders", size) for r in range(size))
+    assert sorted(key for _, key in leader.sent) == sorted(
+        f"leaders/{s}/{r}" for s in range(streams) for r in range(size)
+    )
+    assert connections == streams * size * (size - 1) // 2, connections
+
+
+def test_a_leader_whose_payload_does_not_decode_is_named_by_every_leader() -> None:
+    size = 2
+    leader = Leader(size)
+    wake = threading.Event()
+    zones = Zones(("A", "B"))
+    groups: list[object] = [None] * size
+
+    class Lying(Codec):  # a codec whose scales a broken (or hostile) leader spoiled
+        name = "int8"
+
+        def __init__(self) -> None:
+            self.inner = make_codec("int8")
+
+        def payload_bytes(self, numel: int) -> int:
+            return self.inner.payload_bytes(numel)
+
+        def encode(self, x: torch.Tensor) -> torch.Tensor:
+            payload = self.inner.encode(x)
+            payload[:4] = torch.tensor([float("nan")]).view(torch.uint8)
+            return payload
+
+        def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+            return self.inner.decode(payload, numel)
+
+    def one(rank: int) -> object:
+        node = leader.nodes[rank]
+        devices = node.devices(7, "leaders", "127.0.0.1", streams=2)
+        pg, _ = build_group(node.store(7), "leaders", rank, size, devices, 10.0, wake, lambda: None,
+                            lambda: node.publish(7))  # fmt: skip
+        groups[rank] = pg
+        codec = Lying() if rank == 1 else make_codec("int8")
+        reducer = Reducer(rank, zones, None, leaders_pg=pg, codec=codec, compressed=300, streams=2)
+        try:
+            reducer.allreduce(torch.randn(400), wake, lambda: None, 10.0, "exchange")
+        except BadContribution as exc:
+            return exc
+        return None
+
+    with ThreadPoolExecutor(size) as pool:
+        verdicts = list(pool.map(one, range(size)))
+    assert all(isinstance(v, BadContribution) and v.rank == 1 for v in verdicts), verdicts

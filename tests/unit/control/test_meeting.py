@@ -184,7 +184,7 @@ def test_one_member_has_few_addresses_tried_per_epoch():
     assert r.probe(2, members[-1], "world", "m2") is not None, "another accuser has its own budget"
 
 
-def test_groups_across_zones_have_an_entry_per_stream_and_a_missing_one_is_named():
+def test_groups_across_zones_have_an_entry_per_stream_and_the_first_says_who_came():
     r = Rendezvous(deadline_s=2)
     r.order(order(6, ["a", "b", "c", "d"], zones=["x", "y", "x", "y"], streams=2))
     for mid, rank in (("a", 0), ("b", 1), ("c", 2), ("d", 3)):
@@ -198,8 +198,13 @@ def test_groups_across_zones_have_an_entry_per_stream_and_a_missing_one_is_named
         r.put("a", meet(6, "zone0/1/0"), now=0)  # a zone's group stays on one stream
     with pytest.raises(ProtocolError, match="names no stream"):
         r.put("a", meet(6, "leaders/2/0"), now=0)
+    for padded in ("leaders/00/0", "leaders/0/00", "leaders/+0/0"):  # one spelling per entry
+        with pytest.raises(ProtocolError, match="names no"):
+            r.put("a", meet(6, padded), now=0)
+    # a leads zone x, b zone y. a's second stream comes only once its first connected
+    # (gloo connects them in turn): its first entry says it came. b never writes one.
     r.put("a", meet(6, "leaders/0/0"), now=0)
-    r.put("a", meet(6, "leaders/1/0"), now=0)
-    r.put("b", meet(6, "leaders/0/1"), now=0)  # b never writes its second stream's entry
     assert r.absent(6, now=1.9) == {}
     assert r.absent(6, now=2.0) == {"b": ["leaders"]}
+    r.put("a", meet(6, "leaders/1/0"), now=2.1)
+    assert list(r.take()[6][1])[-1] == "leaders/1/0"

@@ -630,11 +630,26 @@ def test_noise_never_demotes_a_node_it_could_explain() -> None:
 
 
 def test_a_start_up_estimate_counts_only_when_far_apart() -> None:
-    # A joiner that only calibrated, 5x faster by its probes than its peers' measured steps:
-    # probes split costs less well than steps, so it is taken for their equal...
-    settled = [node("a", 3e-5, noise=0.05), node("b", 3e-5, noise=0.05)]
-    joiner = node("j", 6e-6, settled=False)
+    # A joiner that only calibrated: its probes put 5x less on each sample and more on each
+    # micro-batch than its peers' steps do, but for a share it takes 0.8x their time.
+    settled = [node("a", 3e-5, overhead_s=1e-3, noise=0.05), node("b", 3e-5, overhead_s=1e-3, noise=0.05)]
+    joiner = node("j", 6e-6, overhead_s=1.8e-3, settled=False)
     assert plan(192, [*settled, joiner]).shares == (64, 64, 64)
-    # ...unless it is very much faster (a GPU joining CPUs).
-    gpu = node("j", 3e-7, settled=False)
+    # A node much faster (a GPU joining CPUs) gets its share at once.
+    gpu = node("j", 3e-7, overhead_s=1e-4, settled=False)
     assert plan(192, [*settled, gpu]).shares[2] > 150
+
+
+def test_a_node_twice_as_slow_is_rebalanced_despite_some_noise() -> None:
+    profiles = [node("a", 0.01, noise=0.07), node("b", 0.02, noise=0.07)]
+    assert plan(64, profiles).shares == (43, 21)
+    out = rebalance(64, [32, 32], profiles)
+    assert out is not None and out[0].shares == (43, 21), out
+
+
+def test_more_noise_never_moves_shares_to_a_slower_plan() -> None:
+    # Levelled shares in force; the nodes' figures grow noisier: nothing moves, least of all
+    # to equal shares the measured speeds say are slower.
+    for noise in (0.0, 0.1, 0.3):
+        profiles = [node("a", 0.01, noise=noise), node("b", 0.02, noise=noise)]
+        assert rebalance(64, [43, 21], profiles) is None
