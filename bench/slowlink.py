@@ -67,19 +67,22 @@ DILOCO_TARGET = 1000.0
 LOSS_TARGET = 0.03
 
 
-def split(config: str) -> tuple[int, str]:
-    """``diloco:H+CODEC`` -> (H, CODEC); a plain codec -> (0, codec): synchronous."""
+def split(config: str) -> tuple[int, str, bool]:
+    """``diloco:H+CODEC[+overlap]`` -> (H, CODEC, overlap); a plain codec -> (0, codec,
+    False): synchronous."""
     if not config.startswith("diloco"):
-        return 0, config
-    head, _, codec = config.partition("+")
+        return 0, config, False
+    head, _, rest = config.partition("+")
+    codec, _, flag = rest.partition("+")
     _, _, h = head.partition(":")
-    return int(h or 50), codec or "none"
+    return int(h or 50), codec or "none", flag == "overlap"
 
 
 def label(codec: str) -> str:
-    h, inner = split(codec)
+    h, inner, overlap = split(codec)
     if h:
-        return f"DiLoCo (H={h}) + {label(inner).removeprefix('sync ')}"
+        late = ", applied a round late" if overlap else ""
+        return f"DiLoCo (H={h}{late}) + {label(inner).removeprefix('sync ')}"
     if codec.startswith("topk"):
         _, _, r = codec.partition(":")
         return f"sync top-k ({float(r or 0.01):.0%} of elements, error feedback)"
@@ -92,10 +95,10 @@ def label(codec: str) -> str:
 def run_config(args: argparse.Namespace, workdir: Path, codec: str) -> dict[str, Any]:
     env = jobs.env_for(args.steps, args.batch, opt=args.opt, samples=args.samples)
     link = ["--link-latency-ms", f"{args.latency_ms:g}", "--link-mbit", f"{args.mbit:g}"]
-    h, inner = split(codec)
+    h, inner, overlap = split(codec)
     coord = ["--codec", inner, "--balance", args.balance]
     if h:
-        coord += ["--mode", "diloco", "--inner-steps", str(h)]
+        coord += ["--mode", "diloco", "--inner-steps", str(h)] + (["--outer-overlap"] if overlap else [])
         coord += ["--outer-lr", f"{args.outer_lr:g}", "--outer-momentum", f"{args.outer_momentum:g}"]
     with LocalCluster(jobs.job_ref(MODEL), workdir, env=env, min_nodes=4, coordinator_args=coord, node_args=link) as c:
         c.start_coordinator()
@@ -163,7 +166,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--codecs",
         default="none,int8,topk:0.01,diloco:50+int8,diloco:100+int2",
-        help="configurations, comma-separated ('none' first): inter-zone codecs of sync mode, or diloco:H+CODEC",
+        help="configurations, comma-separated ('none' first): inter-zone codecs of sync mode, or "
+        "diloco:H+CODEC[+overlap] (+overlap: --outer-overlap)",
     )
     p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate")
     p.add_argument(

@@ -100,6 +100,10 @@ class CoordinatorConfig:
     """DiLoCo: learning rate of the outer optimizer (SGD with Nesterov momentum)."""
     outer_momentum: float = 0.9
     """DiLoCo: momentum of the outer optimizer."""
+    outer_overlap: bool = False
+    """DiLoCo across zones: a round's exchange between zones runs during the next round and is
+    applied at its end, one round late (compute never waits for the slow links; a failure
+    then costs up to two rounds)."""
     token: str | None = field(default=None, repr=False)
     """The job's secret: nodes must prove they hold it to join (none: anyone may join)."""
     tls_cert: Path | None = None

@@ -19,12 +19,13 @@ H = 10
 ENV = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "5", "UB_TEST_EVAL": "1"}
 
 
-def start(make_cluster, env=ENV, codec="int8", faults=None, names=("a1", "b1", "a2", "b2")):
+def start(make_cluster, env=ENV, codec="int8", faults=None, names=("a1", "b1", "a2", "b2"), overlap=False):
     faults = faults or {}
     c = make_cluster(
         env=env,
         min_nodes=len(names),
-        coordinator_args=["--mode", "diloco", "--inner-steps", str(H), "--codec", codec, "--balance", "weights"],
+        coordinator_args=["--mode", "diloco", "--inner-steps", str(H), "--codec", codec, "--balance", "weights"]
+        + (["--outer-overlap"] if overlap else []),
         node_args=["--digest-every", "1"],
     )
     c.start_coordinator()
@@ -119,3 +120,28 @@ def test_a_node_joining_mid_round_catches_up(make_cluster):
     assert first % H == 0 and H <= first < 200, first  # it starts with a round, from the outer state
     done = [e["step"] for e in c.nodes["a1"].entries() if e["kind"] == "contrib"]
     assert len(done) == len(set(done)) == 200, "the join waited for the round's end: no inner step redone"
+
+
+def test_rounds_applied_late_keep_every_promise_and_survive_a_kill(make_cluster):
+    # --outer-overlap: each round's exchange runs while the next round trains, and is applied
+    # at that round's end. b2 dies in the middle of the run; the group rolls back to the last
+    # applied round and retries what was in flight.
+    env = {**ENV, "UB_TEST_STEPS": "80"}
+    c = start(make_cluster, env=env, codec="int2", overlap=True, faults={"b2": "kill@compute:45"})
+    codes = c.wait_exit(timeout=150)
+    assert fired(c.nodes["b2"], "kill"), c.diagnostics()
+    assert codes == {"a1": 0, "b1": 0, "a2": 0, "b2": -signal.SIGKILL}, c.diagnostics()
+    report = check_promises({n: p.entries() for n, p in c.nodes.items()}, job_for(env), finishers=3)
+    assert report.ok, "\n".join(report.problems) + "\n" + c.diagnostics()
+    outer = [e["step"] for e in c.nodes["a1"].entries() if e["kind"] == "commit" and e.get("outer")]
+    assert outer == sorted(set(outer)) and outer[-1] == 80 and all(s % H == 0 for s in outer), outer
+    # A round is applied one round late: its commit comes after the next round's inner steps.
+    entries = c.nodes["a1"].entries()
+    commit_10 = next(i for i, e in enumerate(entries) if e["kind"] == "commit" and e["step"] == 10)
+    assert any(e["kind"] == "contrib" and e["step"] >= 10 for e in entries[:commit_10]), "round 2 trained first"
+    job = job_for(env)
+    got = job.model()
+    got.load_state_dict(torch.load(c.nodes["a1"].final_state, weights_only=True)["model"])
+    with torch.no_grad():
+        ours = job.evaluate(got)["heldout_loss"]
+    assert ours < heldout_at_start() - 0.3, ours

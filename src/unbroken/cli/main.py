@@ -51,6 +51,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         inner_steps=args.inner_steps,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
+        outer_overlap=args.outer_overlap,
         token=load_token(args.token, args.token_file),
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
@@ -440,6 +441,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--inner-steps", type=int, default=50, help="diloco: inner steps per round (H)")
     c.add_argument("--outer-lr", type=float, default=0.7, help="diloco: outer learning rate")
     c.add_argument("--outer-momentum", type=float, default=0.9, help="diloco: outer Nesterov momentum")
+    c.add_argument(
+        "--outer-overlap",
+        action="store_true",
+        help="diloco across zones: exchange a round's pseudo-gradients during the next round and apply them at its "
+        "end (compute never waits for the slow links)",
+    )
     _token_args(c)
     c.add_argument("--tls-cert", help="serve the control plane over TLS: certificate chain (PEM)")
     c.add_argument("--tls-key", help="...and its private key (PEM)")

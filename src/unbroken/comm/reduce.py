@@ -74,6 +74,31 @@ class Wire:
 
 
 @dataclass
+class _Exchange:
+    """The leaders' all-gathers in flight, a piece per stream."""
+
+    works: list[Any]
+    outs: list[list[torch.Tensor]]
+    head: int
+    """Bytes of the codec's payload at the head of each leader's (the rest: the float32 tail)."""
+    compressed: int
+    sent: int
+
+
+@dataclass
+class Posted:
+    """An all-reduce across zones in flight (`Reducer.post`)."""
+
+    flat: torch.Tensor
+    exchange: _Exchange | None
+    """None where this node does not lead its zone."""
+    ready_at: float
+    """When the emulated link delivers (0: no emulation)."""
+    intra: int
+    """Bytes already sent inside the zone."""
+
+
+@dataclass
 class Reducer:
     """Sums the step's flat tensor over the epoch, as `Zones` and the codec say."""
 
@@ -163,24 +188,43 @@ class Reducer:
         after_post: Callable[[], None] | None,
         after_exchange_post: Callable[[], None],
     ) -> int:
+        emulated = self._emulate_link_for(flat)
+        self._emulate_link(emulated, wake, abort, deadline_s, what)
+        posted = self._post_exchange(flat)
+        if after_post is not None:
+            after_post()
+        after_exchange_post()
+        return self._finish_exchange(posted, flat, wake, abort, deadline_s, what)
+
+    def _emulate_link_for(self, flat: torch.Tensor) -> float:
+        """When the emulated link would have delivered this leader's payload (0: no emulation)."""
+        if not self.link.active or self.leaders_pg is None or self.leaders_pg.size() <= 1:
+            return 0.0
+        k = self.compressed if self.codec is not None else 0
+        payload = (self.codec.payload_bytes(k) if self.codec is not None and k else 0) + 4 * (flat.numel() - k)
+        return time.monotonic() + self.link.delay(payload, self.leaders_pg.size() - 1)
+
+    def _post_exchange(self, flat: torch.Tensor) -> _Exchange:
         k = self.compressed if self.codec is not None else 0
         head = self.codec.encode(flat[:k]) if self.codec is not None and k else torch.empty(0, dtype=torch.uint8)
         tail = flat[k:].contiguous().view(torch.uint8)
         mine = torch.cat([head, tail])
         count = self.leaders_pg.size()
-        self._emulate_link(mine.numel(), count - 1, wake, abort, deadline_s, what)
         # Every leader's payload has the same size, so its pieces do: piece i of every leader
         # travels in the i-th all-gather, which takes the group's i-th stream.
         pieces = torch.tensor_split(mine, min(self.streams, max(1, mine.numel())))
         outs = [[torch.empty_like(piece) for _ in range(count)] for piece in pieces]
         works = [self.leaders_pg.allgather([o], [piece]) for o, piece in zip(outs, pieces, strict=True)]
-        if after_post is not None:
-            after_post()
-        after_exchange_post()
-        for work in works:
+        return _Exchange(works, outs, head.numel(), k, int(mine.numel()) * (int(count) - 1))
+
+    def _finish_exchange(
+        self, ex: _Exchange, flat: torch.Tensor, wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str
+    ) -> int:
+        for work in ex.works:
             wait_work(work, wake, abort, deadline_s, f"{what} (between zones)")
-        out = [torch.cat([o[r] for o in outs]) for r in range(count)]
-        h = head.numel()
+        count = len(ex.outs[0])
+        out = [torch.cat([o[r] for o in ex.outs]) for r in range(count)]
+        h, k = ex.head, ex.compressed
         total_tail = torch.zeros(flat.numel() - k, dtype=torch.float32)
         total_head = torch.zeros(k, dtype=torch.float32)
         for r, payload in enumerate(out):  # zone order: the same sum on every leader
@@ -194,7 +238,57 @@ class Reducer:
             total_tail += payload[h:].view(torch.float32)
         flat[:k] = total_head
         flat[k:] = total_tail
-        return int(mine.numel()) * (int(count) - 1)
+        return ex.sent
+
+    def post(
+        self,
+        flat: torch.Tensor,
+        wake: threading.Event,
+        abort: AbortCheck,
+        deadline_s: float,
+        what: str,
+        after_exchange_post: Callable[[], None] = lambda: None,
+    ) -> Posted:
+        """The first half of `allreduce` across zones, for an exchange that runs while the
+        caller computes on: the zone's sum now (fast links), the leaders' exchange posted and
+        left in flight. `finish` completes it into ``flat`` (which must not change meanwhile).
+        Only with several zones: one zone has no slow link to hide."""
+        assert self.zones.multi and not self.rule.robust, "an exchange in flight needs zones and the mean"
+        n = flat.numel()
+        zone = self.zones.of_rank[self.rank]
+        zone_size = len(self.zones.members(zone))
+        intra = 0
+        if self.zone_pg is not None:
+            wait_work(self.zone_pg.allreduce([flat]), wake, abort, deadline_s, f"{what} (zone {zone})")
+            intra += _ring_allreduce_bytes(4 * n, zone_size)
+        ex, ready_at = None, 0.0
+        if self.leaders_pg is not None:
+            ready_at = self._emulate_link_for(flat)
+            ex = self._post_exchange(flat)
+            after_exchange_post()
+        return Posted(flat, ex, ready_at, intra)
+
+    def finish(self, posted: Posted, wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str) -> None:
+        """Complete a `post`: the zones' total in ``posted.flat`` on every member."""
+        flat, inter, intra = posted.flat, 0, posted.intra
+        zone = self.zones.of_rank[self.rank]
+        if posted.exchange is not None:
+            if posted.ready_at:
+                wait_until(
+                    lambda: time.monotonic() >= posted.ready_at,
+                    wake,
+                    abort,
+                    deadline_s,
+                    f"{what} (emulated link)",
+                    0.01,
+                )
+            inter = self._finish_exchange(posted.exchange, flat, wake, abort, deadline_s, what)
+        if self.zone_pg is not None:
+            work = self.zone_pg.broadcast(flat, 0)
+            wait_work(work, wake, abort, deadline_s, f"{what} (zone {zone} broadcast)")
+            if self.leaders_pg is not None:
+                intra += 4 * flat.numel() * (len(self.zones.members(zone)) - 1)
+        self.wire.add(intra, inter)
 
     def zone_allreduce(
         self,
@@ -251,12 +345,10 @@ class Reducer:
         self.wire.add(0 if across else sent, sent if across else 0)
 
     def _emulate_link(
-        self, payload: int, hops: int, wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str
+        self, until: float, wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str
     ) -> None:
-        if not self.link.active or hops <= 0:
-            return
-        end = time.monotonic() + self.link.delay(payload, hops)
-        wait_until(lambda: time.monotonic() >= end, wake, abort, deadline_s, f"{what} (emulated link)", 0.01)
+        if until:
+            wait_until(lambda: time.monotonic() >= until, wake, abort, deadline_s, f"{what} (emulated link)", 0.01)
 
 
 def _ring_allreduce_bytes(nbytes: int, size: int) -> int:

@@ -137,7 +137,7 @@ class Coordinator(ThreadedService):
             audit_every=self.config.audit_every,
             fragments=self.config.fragments,
             diloco=(
-                (self.config.inner_steps, self.config.outer_lr, self.config.outer_momentum)
+                (self.config.inner_steps, self.config.outer_lr, self.config.outer_momentum, self.config.outer_overlap)
                 if self.config.mode == "diloco"
                 else None
             ),

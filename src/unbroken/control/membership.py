@@ -192,7 +192,7 @@ class Membership:
         codec: str = "none",
         streams: int = 1,
         aggregate: str = "mean",
-        diloco: tuple[int, float, float] | None = None,
+        diloco: tuple[int, float, float, bool] | None = None,
         audit_every: int = 0,
         fragments: str = "",
     ) -> None:
@@ -827,8 +827,14 @@ class Membership:
     def _mode(self) -> dict[str, Any]:
         if self.diloco is None:
             return {}
-        h, lr, momentum = self.diloco
-        return {"mode": "diloco", "inner_steps": h, "outer_lr": lr, "outer_momentum": momentum}
+        h, lr, momentum, overlap = self.diloco
+        return {
+            "mode": "diloco",
+            "inner_steps": h,
+            "outer_lr": lr,
+            "outer_momentum": momentum,
+            "outer_overlap": overlap,
+        }
 
     @staticmethod
     def _times(members: Sequence[Member], shares: Sequence[int]) -> dict[str, float]:

@@ -311,6 +311,9 @@ class EpochOrder(_Msg):
     inner_steps: Annotated[int, Field(ge=1, le=1_000_000)] = 50
     outer_lr: Annotated[float, Field(gt=0, le=100)] = 0.7
     outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    outer_overlap: bool = False
+    """DiLoCo across zones: each round's exchange runs during the next round, whose end applies
+    it (one round late), so compute never waits for the slow links."""
     # On the wire only (`unbroken.control.orders`): a node sees the full order.
     base: EpochNo = 0
     """Non-zero: ``members`` is empty and the order is a change to epoch ``base``'s."""

@@ -35,16 +35,19 @@ The promises hold at outer-step granularity:
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import time
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from unbroken.comm.group import EpochGroup
+from unbroken.comm.reduce import Posted
 from unbroken.comm.transfer import sync_state
 from unbroken.errors import BadContribution, ConfigError
 from unbroken.job import AnyOptimizer
@@ -78,6 +81,19 @@ class DiLoCo:
         """The zone whose training the inner optimizer state comes from (None: elsewhere or fresh)."""
         self.inner_step = -1
         """...and the step it was committed at."""
+        self.overlap = order.outer_overlap
+        if self.overlap and node.buffers:
+            raise ConfigError(
+                "--outer-overlap needs a model without buffers (BatchNorm's running statistics): a round's "
+                "buffers would have to be carried across the round applied late; leave --outer-overlap off"
+            )
+        self.in_flight: _InFlight | None = None
+        """The round whose exchange runs while the next one trains (`CoordinatorConfig.outer_overlap`)."""
+        self._local_start: list[torch.Tensor] = []
+        """This zone's parameters when the round in training began (they differ from the
+        committed ones by the progress of the round in flight)."""
+        self._inner_start: dict[str, Any] | None = None
+        """The inner optimizer's state when the round in training began: what it is retried with."""
 
     def _zone(self) -> tuple[str, list[int]]:
         g, p = self.node.group, self.node.protocol
@@ -126,6 +142,7 @@ class DiLoCo:
 
     def rollback(self) -> None:
         """Back to the round's start (a failed round is retried with the same samples)."""
+        self.in_flight = None  # its exchange was on the old epoch's groups: it is retried too
         st = self.node.state
         if self._round_start is None or st.step == self._round_start["step"]:
             return
@@ -150,6 +167,11 @@ class DiLoCo:
         zone_samples = sum(g.shares[r] for r in zone_ranks)
         zone_shares = [s if r in zone_ranks else 0 for r, s in enumerate(g.shares)]
         self.begin_round()
+        overlap = self.overlap and p.reducer.zones.multi
+        if overlap:
+            self.in_flight = None
+            self._start_local_round()
+        first = node.state.step
         losses: list[float] = []
         while node.state.step < node.job.num_steps:
             if p.leaving_alone():
@@ -180,9 +202,12 @@ class DiLoCo:
             losses.append(tally.loss * B / max(zone_samples, 1))
             node.records.progress(g, node.state.step, losses[-1], B / max(time.monotonic() - sl.started, 1e-9))
             if node.state.step == self.round_end(sl.step):
-                if self._outer_step(sl.step, losses):
+                if overlap:
+                    if self._overlapped_round_end(first, sl.step, losses):
+                        return
+                elif self._outer_step(sl.step, losses):
                     return
-                losses = []
+                losses, first = [], node.state.step
 
     def _outer_step(self, last: int, losses: list[float]) -> bool:
         """Exchange the zones' pseudo-gradients and apply the outer optimizer; True when
@@ -240,6 +265,89 @@ class DiLoCo:
         log.debug("%s: outer step after inner step %d (%d inner steps)", node.name, last, steps)
         return tally.switch > 0 or node.state.step >= node.job.num_steps
 
+    # ---------------------------------------------------------------- rounds applied late
+
+    def _start_local_round(self) -> None:
+        node = self.node
+        self._local_start = [q.detach().clone() for q in node.params]
+        self._inner_start = copy.deepcopy(node.state.optimizer.state_dict())
+
+    def _overlapped_round_end(self, first: int, last: int, losses: list[float]) -> bool:
+        """Post this round's exchange, apply the round before (its exchange ran during this
+        one), and start the next round from the result plus this zone's own progress; True
+        when the group switches to a new epoch (after the rounds in flight are applied)."""
+        node, grp, p = self.node, self.node.group, self.node.protocol
+        assert grp is not None and p is not None
+        B = node.job.batch_size
+        _, zone_ranks = self._zone()
+        zone_samples = sum(grp.shares[r] for r in zone_ranks)
+        steps = last + 1 - first
+        progress = [(s - q.detach()) for s, q in zip(self._local_start, node.params, strict=True)]
+        flat = torch.zeros_like(p.flat)
+        leader = zone_ranks[0] == grp.rank
+        if leader:  # every member of a zone holds the same parameters: one speaks for it
+            torch.cat([d.reshape(-1) for d in progress], out=flat[: node.numel])
+            flat[: node.numel] *= zone_samples / B
+        mean_loss = sum(losses) / max(len(losses), 1)
+        flat[node.numel : p.norms_at] = torch.tensor(
+            [1.0, float(p.share * steps), float(p.switching()), mean_loss * (zone_samples / B if leader else 0.0), 0.0]
+        )
+        what = f"outer step after inner step {last}"
+        posted = p.reducer.post(
+            flat, node.wake, p.in_step, node.config.collective_timeout_s, what,
+            after_exchange_post=functools.partial(node.faults.maybe_fire, "exchange", last),
+        )  # fmt: skip
+        done = _InFlight(posted, first, last, steps)
+        switch = False
+        if self.in_flight is not None:
+            switch = self._apply(self.in_flight, self._inner_start)
+        self.in_flight = done
+        if switch or last + 1 >= node.job.num_steps:
+            # Nothing may stay in flight across an epoch change: this round is applied now.
+            self._apply(done, copy.deepcopy(node.state.optimizer.state_dict()))
+            self.in_flight = None
+            return True
+        with torch.no_grad():  # the next round starts from the committed state plus this round's progress
+            for q, a, d in zip(node.params, self.anchor, progress, strict=True):
+                q.copy_(a - d)
+        node.state.step = last + 1
+        self._start_local_round()
+        return False
+
+    def _apply(self, done: _InFlight, inner: dict[str, Any] | None) -> bool:
+        """Complete ``done``'s exchange, apply the outer step and commit its round (with
+        ``inner`` as the inner optimizer's state to retry the next round from); True when a
+        member asked for a new epoch."""
+        node, grp, p = self.node, self.node.group, self.node.protocol
+        assert grp is not None and p is not None
+        what = f"outer step after inner step {done.last}"
+        t_comm = time.monotonic()
+        p.reducer.finish(done.posted, node.wake, p.in_step, node.config.collective_timeout_s, what)
+        node.meter.last_comm_s = time.monotonic() - t_comm
+        p.flat.copy_(done.posted.flat)
+        tally = p.verify(members=grp.size, samples=node.job.batch_size * done.steps, what=what)
+        p.fence()
+        with torch.no_grad():
+            off = 0
+            for a in self.anchor:
+                n = a.numel()
+                a.grad = p.flat[off : off + n].view_as(a).clone()
+                off += n
+            self.outer.step()
+            for a, q in zip(self.anchor, node.params, strict=True):
+                q.copy_(a)
+                a.grad = None
+        now = copy.deepcopy(node.state.optimizer.state_dict())
+        if inner is not None:  # the committed state's: what the round after it is retried with
+            node.state.optimizer.load_state_dict(inner)
+        self._commit_round(grp, done.first, done.last, tally.loss)
+        mine, _ = self._zone()
+        self.inner_zone, self.inner_step = mine, node.state.step
+        self.begin_round()
+        node.records.settle()  # a checkpoint's capture of the committed state is done before it changes
+        node.state.optimizer.load_state_dict(now)
+        return tally.switch > 0
+
     def _commit_round(self, g: EpochGroup, first: int, last: int, loss: float) -> None:
         """The outer step commits the round's inner steps ``first``..``last`` at once."""
         node = self.node
@@ -255,6 +363,16 @@ class DiLoCo:
             node.name, node.state.step, node.job.num_steps, g.epoch, g.size, loss,
         )  # fmt: skip
         node.records.maybe_checkpoint(g)
+
+
+@dataclass
+class _InFlight:
+    """A round whose exchange between zones runs while the next round trains."""
+
+    posted: Posted
+    first: int
+    last: int
+    steps: int
 
 
 class _InnerState:
