@@ -26,8 +26,10 @@ Per configuration:
   zones, per commit (``wire.inter`` in the commit logs), over all committed steps, divided
   by the samples processed (B x steps).
 - time per sample: steady state, ``(t[k1] - t[k0]) / (B * (k1 - k0))`` from k0 =
-  ``--warmup`` to the last step; t[k] is the median over the 4 nodes of their commit time
-  of step k.
+  ``--warmup`` to the last step; t[k] is the median over the 4 nodes of the time their
+  compute of step k ended (its ``contrib`` line: DiLoCo commits a round's steps together,
+  one round late with ``+overlap``), so each exchange's wait is counted where it stops
+  compute.
 - final loss: the held-out cross-entropy (``bench/jobs.py:heldout_loss``, 2048 fresh
   samples with the training set's labelling) of a1's final state (replicas are identical),
   and the training loss: median of the last ``--tail`` commit losses.
@@ -128,12 +130,14 @@ def run_config(args: argparse.Namespace, workdir: Path, codec: str) -> dict[str,
 
 def analyse(args: argparse.Namespace, entries: dict[str, list[dict[str, Any]]], heldout: float) -> dict[str, Any]:
     commits = {name: [e for e in es if e.get("kind") == "commit"] for name, es in entries.items()}
+    # When each step's compute ended (a node's last attempt at it): DiLoCo commits a round's
+    # steps together, and one round late with --outer-overlap, so commit times would credit
+    # a round's work to the moment it is applied.
     per_step: dict[int, list[float]] = {}
-    for cs in commits.values():
-        for e in cs:
-            # DiLoCo commits a round's steps together at its outer step: time only those.
-            if e.get("outer", True):
-                per_step.setdefault(int(e["step"]), []).append(float(e["t"]))
+    for es in entries.values():
+        ends = {int(e["step"]): float(e["t"]) for e in es if e.get("kind") == "contrib"}
+        for k, t in ends.items():
+            per_step.setdefault(k, []).append(t)
     times = {k: statistics.median(v) for k, v in sorted(per_step.items())}
     steps = max(len({int(e["step"]) for e in cs}) for cs in commits.values())
     last = max(times)

@@ -92,8 +92,12 @@ class DiLoCo:
         self._local_start: list[torch.Tensor] = []
         """This zone's parameters when the round in training began (they differ from the
         committed ones by the progress of the round in flight)."""
-        self._inner_start: dict[str, Any] | None = None
-        """The inner optimizer's state when the round in training began: what it is retried with."""
+        self._inner_start: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+        """The inner optimizer's and the scheduler's state when the round in training began:
+        what the round is retried with."""
+        self._moved = False
+        """The live state differs from the committed one at the same step (a round applied
+        late put back the inner optimizer of the round in training)."""
 
     def _zone(self) -> tuple[str, list[int]]:
         g, p = self.node.group, self.node.protocol
@@ -139,12 +143,13 @@ class DiLoCo:
                 a.copy_(p.detach())
         self._round_buffers = [b.detach().clone() for b in self.node.buffers]
         self._round_start = st.capture(reuse=self._round_start)
+        self._moved = False
 
     def rollback(self) -> None:
         """Back to the round's start (a failed round is retried with the same samples)."""
         self.in_flight = None  # its exchange was on the old epoch's groups: it is retried too
         st = self.node.state
-        if self._round_start is None or st.step == self._round_start["step"]:
+        if self._round_start is None or (st.step == self._round_start["step"] and not self._moved):
             return
         back = self._round_start["step"]
         log.info("%s: round abandoned at inner step %d; back to step %s", self.node.name, st.step, back)
@@ -268,14 +273,15 @@ class DiLoCo:
     # ---------------------------------------------------------------- rounds applied late
 
     def _start_local_round(self) -> None:
-        node = self.node
-        self._local_start = [q.detach().clone() for q in node.params]
-        self._inner_start = copy.deepcopy(node.state.optimizer.state_dict())
+        st = self.node.state
+        self._local_start = [q.detach().clone() for q in self.node.params]
+        scheduler = copy.deepcopy(st.scheduler.state_dict()) if st.scheduler is not None else None
+        self._inner_start = (copy.deepcopy(st.optimizer.state_dict()), scheduler)
 
     def _overlapped_round_end(self, first: int, last: int, losses: list[float]) -> bool:
-        """Post this round's exchange, apply the round before (its exchange ran during this
-        one), and start the next round from the result plus this zone's own progress; True
-        when the group switches to a new epoch (after the rounds in flight are applied)."""
+        """Apply the round before (its exchange ran during this one), post this round's, and
+        start the next round from the result plus this zone's own progress; True when the
+        group switches to a new epoch (what is in flight applied first)."""
         node, grp, p = self.node, self.node.group, self.node.protocol
         assert grp is not None and p is not None
         B = node.job.batch_size
@@ -292,21 +298,22 @@ class DiLoCo:
         flat[node.numel : p.norms_at] = torch.tensor(
             [1.0, float(p.share * steps), float(p.switching()), mean_loss * (zone_samples / B if leader else 0.0), 0.0]
         )
+        switch = False
+        if self.in_flight is not None:
+            # Before this round's payload is encoded: the codec's residual the committed state
+            # carries must not hold what this round left out.
+            switch = self._apply(self.in_flight, self._inner_start)
+            self.in_flight = None
         what = f"outer step after inner step {last}"
         posted = p.reducer.post(
             flat, node.wake, p.in_step, node.config.collective_timeout_s, what,
             after_exchange_post=functools.partial(node.faults.maybe_fire, "exchange", last),
         )  # fmt: skip
         done = _InFlight(posted, first, last, steps)
-        switch = False
-        if self.in_flight is not None:
-            switch = self._apply(self.in_flight, self._inner_start)
-        self.in_flight = done
         if switch or last + 1 >= node.job.num_steps:
-            # Nothing may stay in flight across an epoch change: this round is applied now.
-            self._apply(done, copy.deepcopy(node.state.optimizer.state_dict()))
-            self.in_flight = None
+            self._apply(done, None)  # nothing stays in flight across an epoch change
             return True
+        self.in_flight = done
         with torch.no_grad():  # the next round starts from the committed state plus this round's progress
             for q, a, d in zip(node.params, self.anchor, progress, strict=True):
                 q.copy_(a - d)
@@ -314,12 +321,13 @@ class DiLoCo:
         self._start_local_round()
         return False
 
-    def _apply(self, done: _InFlight, inner: dict[str, Any] | None) -> bool:
-        """Complete ``done``'s exchange, apply the outer step and commit its round (with
-        ``inner`` as the inner optimizer's state to retry the next round from); True when a
-        member asked for a new epoch."""
+    def _apply(self, done: _InFlight, start: tuple[dict[str, Any], dict[str, Any] | None] | None) -> bool:
+        """Complete ``done``'s exchange, apply the outer step and commit its round, with
+        ``start`` as the inner optimizer's and scheduler's state to retry the next round from
+        (None: the live ones); True when a member asked for a new epoch."""
         node, grp, p = self.node, self.node.group, self.node.protocol
         assert grp is not None and p is not None
+        st = node.state
         what = f"outer step after inner step {done.last}"
         t_comm = time.monotonic()
         p.reducer.finish(done.posted, node.wake, p.in_step, node.config.collective_timeout_s, what)
@@ -337,15 +345,22 @@ class DiLoCo:
             for a, q in zip(self.anchor, node.params, strict=True):
                 q.copy_(a)
                 a.grad = None
-        now = copy.deepcopy(node.state.optimizer.state_dict())
-        if inner is not None:  # the committed state's: what the round after it is retried with
-            node.state.optimizer.load_state_dict(inner)
+        live = None
+        if start is not None:  # optimizers keep the tensors they are given: a swap, not a copy
+            live = (st.optimizer.state_dict(), st.scheduler.state_dict() if st.scheduler is not None else None)
+            st.optimizer.load_state_dict(start[0])
+            if st.scheduler is not None and start[1] is not None:
+                st.scheduler.load_state_dict(copy.deepcopy(start[1]))
         self._commit_round(grp, done.first, done.last, tally.loss)
         mine, _ = self._zone()
         self.inner_zone, self.inner_step = mine, node.state.step
         self.begin_round()
         node.records.settle()  # a checkpoint's capture of the committed state is done before it changes
-        node.state.optimizer.load_state_dict(now)
+        if live is not None:
+            st.optimizer.load_state_dict(live[0])
+            if st.scheduler is not None and live[1] is not None:
+                st.scheduler.load_state_dict(live[1])
+            self._moved = True
         return tally.switch > 0
 
     def _commit_round(self, g: EpochGroup, first: int, last: int, loss: float) -> None:
