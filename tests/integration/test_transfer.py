@@ -240,3 +240,18 @@ def test_a_transfer_over_several_streams_uses_each_and_is_exact() -> None:
     assert results[1].role == "receiver" and results[1].chunks >= 8, results
     assert joiner.digest() == donor.digest()
     assert g.connections == 4, g.connections
+
+
+def test_a_joiner_lacking_tensors_and_holding_none_that_match_gets_the_exact_state() -> None:
+    # A fresh optimizer has no state at all, and the head differs everywhere: nothing of the
+    # joiner's own is kept (it is not even copied), everything is fetched, the digest agrees.
+    donor = make_state(1)
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 16))
+    model[0].requires_grad_(False)
+    joiner = TrainState(model, torch.optim.Adam(model[1].parameters(), lr=0.01))
+    results = sync([donor, joiner])
+    r = results[1]
+    # Everything but the RNG state, which the threads of this test share.
+    assert r.role == "receiver" and r.chunks == r.total_chunks - 1, r
+    assert joiner.digest() == donor.digest()

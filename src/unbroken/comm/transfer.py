@@ -103,6 +103,22 @@ def chunk_digests(tensors: Sequence[torch.Tensor], table: Sequence[Chunk]) -> to
     return out
 
 
+def _own_digests(own: Sequence[torch.Tensor | None], table: Sequence[Chunk]) -> list[int]:
+    """`chunk_digests` of what a node holds, a tensor it lacks counted as zeros."""
+    zero: dict[int, int] = {}
+    out = []
+    for c in table:
+        t = own[c.tensor]
+        if t is None:
+            n = c.end - c.start
+            if n not in zero:
+                zero[n] = _checksum(torch.zeros(n, dtype=torch.uint8))
+            out.append(zero[n])
+        else:
+            out.append(_checksum(layout.byte_view(t)[c.start : c.end]))
+    return out
+
+
 def _checksum(chunk: torch.Tensor) -> int:
     x = xxhash.xxh3_64_intdigest(memoryview(chunk.numpy()))  # type: ignore[arg-type]
     return x - (1 << 64) if x >= 1 << 63 else x
@@ -131,15 +147,33 @@ class Partial:
         """Held while a chunk is written in: a helper thread of an abandoned attempt never
         writes into a generation that has moved on."""
 
-    def prepare(self, key: tuple[int, int], slots: list[layout.Slot], own: dict[layout.Slot, torch.Tensor]) -> None:
-        """Start from what this node holds (its tensors by slot), unless an earlier attempt was fetching the same
-        state (the same step, digest and layout: another source's header may differ in what
-        the digest does not cover, and those chunks are compared again like the rest)."""
-        if key == self.key and slots == self.slots:
+    def resumes(self, key: tuple[int, int], slots: list[layout.Slot]) -> bool:
+        """Whether an earlier attempt was fetching the same state (the same step, digest and
+        layout: another source's header may differ in what the digest does not cover, and
+        those chunks are compared again like the rest)."""
+        return key == self.key and slots == self.slots
+
+    def prepare(
+        self,
+        key: tuple[int, int],
+        slots: list[layout.Slot],
+        own: dict[layout.Slot, torch.Tensor],
+        useful: set[int] | None = None,
+    ) -> None:
+        """Start from what this node holds (its tensors by slot; only those numbered in
+        ``useful``, if given: the others are fetched whole, and a copy of them would only
+        cost the time it takes), unless `resumes`."""
+        if self.resumes(key, slots):
             with self.lock:
                 self.generation += 1  # the earlier attempt's helper, if still alive, writes no more
             return
-        tensors = [own[s].clone() if s in own else torch.zeros(s.shape, dtype=s.dtype) for s in slots]
+
+        def start(i: int, s: layout.Slot) -> torch.Tensor:
+            if useful is not None and i not in useful:
+                return torch.empty(s.shape, dtype=s.dtype)
+            return own[s].clone() if s in own else torch.zeros(s.shape, dtype=s.dtype)
+
+        tensors = [start(i, s) for i, s in enumerate(slots)]
         with self.lock:
             self.generation += 1
             self.key, self.slots, self.tensors, self.fetched = key, slots, tensors, set()
@@ -324,11 +358,18 @@ def _fetch(
     table = chunk_table([s.nbytes for s in slots], chunk_bytes)
     if len(table) != digests.numel():
         raise TransferError(f"rank {src} described {digests.numel()} chunks, its header makes {len(table)}")
-    partial.prepare((plan.step, plan.digest), slots, own)
+    key = (plan.step, plan.digest)
+    if partial.resumes(key, slots):
+        partial.prepare(key, slots, own)
+        with partial.lock:
+            held = [int(x) for x in chunk_digests(partial.tensors, table)]
+    else:  # what this node holds, digested where it is: tensors with no chunk to keep are not copied
+        held = _own_digests([own.get(s) for s in slots], table)
+        useful = {table[i].tensor for i in range(len(table)) if incremental and held[i] == int(digests[i])}
+        partial.prepare(key, slots, own, useful)
     with partial.lock:
         tensors, fetched, generation = partial.tensors, partial.fetched, partial.generation
-        held = chunk_digests(tensors, table)
-    needed = [i for i in range(len(table)) if int(held[i]) != int(digests[i]) or not incremental]
+    needed = [i for i in range(len(table)) if held[i] != int(digests[i]) or not incremental]
     resumed = len(fetched - set(needed))
     donors = list(plan.donors[:max_donors] if max_donors > 0 else plan.donors)
     # Every donor hears how many chunks it is to send, none included.
