@@ -48,6 +48,8 @@ from unbroken.errors import ConfigError, CoordinatorUnreachable, EtcdUnavailable
 log = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.1
+RTT_SAMPLES = 10
+"""Round trips measured before this node reports its RTT (zones by RTT group on it)."""
 
 
 class _Standby(Exception):
@@ -507,7 +509,10 @@ class ControlClient:
                     self._rtts.append(time.monotonic() - sent)
                     # The least of recent round trips is the path's latency; a busy node's
                     # scheduling delays only add to it (zones by RTT must not follow load).
-                    self.rtt_s = min(self._rtts)
+                    # Until there are enough of them it says nothing: a node busy starting up
+                    # answers its first acknowledgements late, and would be put in a zone of
+                    # its own on the same site.
+                    self.rtt_s = min(self._rtts) if len(self._rtts) >= RTT_SAMPLES else 0.0
                 return
             if isinstance(msg, (m.EpochOrder, m.Command, m.Expel, m.Finished, m.Met, m.Probe)) and msg.term < self.term:
                 log.warning("refusing a %s of term %d (have seen term %d): fenced", msg.type, msg.term, self.term)
