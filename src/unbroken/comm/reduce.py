@@ -273,15 +273,7 @@ class Reducer:
         flat, inter, intra = posted.flat, 0, posted.intra
         zone = self.zones.of_rank[self.rank]
         if posted.exchange is not None:
-            if posted.ready_at:
-                wait_until(
-                    lambda: time.monotonic() >= posted.ready_at,
-                    wake,
-                    abort,
-                    deadline_s,
-                    f"{what} (emulated link)",
-                    0.01,
-                )
+            self._emulate_link(posted.ready_at, wake, abort, deadline_s, what)
             inter = self._finish_exchange(posted.exchange, flat, wake, abort, deadline_s, what)
         if self.zone_pg is not None:
             work = self.zone_pg.broadcast(flat, 0)
