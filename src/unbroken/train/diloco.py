@@ -253,22 +253,28 @@ class DiLoCo:
         node.meter.last_comm_s = time.monotonic() - t_comm
         tally = p.verify(members=grp.size, samples=B * steps, what=f"outer step after inner step {last}")
         p.fence()
-        with torch.no_grad():
-            off = 0
-            for a, q in zip(self.anchor, node.params, strict=True):
-                n = q.numel()
-                a.grad = flat[off : off + n].view_as(a).clone()
-                off += n
-            self.outer.step()
-            for a, q in zip(self.anchor, node.params, strict=True):
-                q.copy_(a)
-                a.grad = None
+        off = self._outer_update(flat)
         add_deltas(flat, off, node.buffers, self._round_buffers)
         self._commit_round(grp, first, last, tally.loss)
         self.inner_zone, self.inner_step = mine, node.state.step
         self.begin_round()  # the committed state: what a failure from now on rolls back to
         log.debug("%s: outer step after inner step %d (%d inner steps)", node.name, last, steps)
         return tally.switch > 0 or node.state.step >= node.job.num_steps
+
+    def _outer_update(self, flat: torch.Tensor) -> int:
+        """The outer optimizer steps the anchor with the summed pseudo-gradient at the head of
+        ``flat``; the parameters take the result. Returns where the pseudo-gradient ends."""
+        with torch.no_grad():
+            off = 0
+            for a in self.anchor:
+                n = a.numel()
+                a.grad = flat[off : off + n].view_as(a).clone()
+                off += n
+            self.outer.step()
+            for a, q in zip(self.anchor, self.node.params, strict=True):
+                q.copy_(a)
+                a.grad = None
+        return off
 
     # ---------------------------------------------------------------- rounds applied late
 
@@ -335,16 +341,7 @@ class DiLoCo:
         p.flat.copy_(done.posted.flat)
         tally = p.verify(members=grp.size, samples=node.job.batch_size * done.steps, what=what)
         p.fence()
-        with torch.no_grad():
-            off = 0
-            for a in self.anchor:
-                n = a.numel()
-                a.grad = p.flat[off : off + n].view_as(a).clone()
-                off += n
-            self.outer.step()
-            for a, q in zip(self.anchor, node.params, strict=True):
-                q.copy_(a)
-                a.grad = None
+        self._outer_update(p.flat)
         live = None
         if start is not None:  # optimizers keep the tensors they are given: a swap, not a copy
             live = (st.optimizer.state_dict(), st.scheduler.state_dict() if st.scheduler is not None else None)
