@@ -28,14 +28,16 @@ def test_32_nodes_in_4_zones_with_5_kills_and_2_joins_keep_every_promise(make_cl
             c.start_node(name, extra=["--zone", z.upper()], relays=[relays[z]], fault=fault)
     c.wait_for(lambda: c.state()["step"] >= 1, 300, "the first step of 32 nodes")
     # The world group connects only the pairs that exchange data (a full mesh alone would
-    # hold 31 connections per node, 124 over the coordinator's 4 streams); a zone's 7 peers,
-    # the ring neighbours and the relay make ~11. Streams (4 by default) add a connection per
-    # stream to each of a leader's 3 fellow leaders, and to world ring neighbours.
+    # hold 31 connections per node, 124 over the coordinator's 4 streams). A node holds its
+    # zone's 7 peers, a connection per stream (4 by default) to each of its 2 world ring
+    # neighbours (the world's transfers cross zones), and its relay: 16, 17 seen in CI with a
+    # transfer's. A leader adds a connection per stream to each of its 3 fellow leaders.
     connections = {n: established(p.proc.pid) for n, p in c.nodes.items()}
     alive = {n: k for n, k in connections.items() if k is not None}
     streams = 4
     assert len(alive) >= 27 and max(alive.values()) < 31 + (streams - 1) * (len(ZONES) + 1), connections
-    assert sorted(alive.values())[len(alive) // 2] < 16, connections
+    typical = 7 + 2 * streams + 1
+    assert sorted(alive.values())[len(alive) // 2] <= typical + 2, connections
     for name in ("b8", "d8"):  # they take seconds to start: they join a group in training
         c.start_node(name, extra=["--zone", name[0].upper()], relays=[relays[name[0]]])
     codes = c.wait_exit(timeout=400)
