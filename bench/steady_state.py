@@ -8,9 +8,12 @@ global batch B split equally over the same number of processes (``--nodes``, 3 b
 one gradient all-reduce and one optimizer step per step, OMP_NUM_THREADS=1 everywhere:
 
 - unbroken: a real coordinator and ``--nodes`` node subprocesses on loopback
-  (`unbroken.testing.LocalCluster`); step time = gap between consecutive ``commit`` lines
-  of a node's commit log (wall-clock "t"), after ``--warmup`` steps, pooled over nodes.
-- DDP: ``--nodes`` ranks of ``bench/ddp_worker.py`` (DistributedDataParallel, gloo); each
+  (`unbroken.testing.LocalCluster`), once per ``--bucket-mb`` value (gradient buckets
+  summed while backward runs; 0: the gradient summed whole after it); step time = gap
+  between consecutive ``commit`` lines of a node's commit log (wall-clock "t"), after
+  ``--warmup`` steps, pooled over nodes.
+- DDP: ``--nodes`` ranks of ``bench/ddp_worker.py`` (DistributedDataParallel, gloo, its
+  default 25 MB buckets all-reduced during backward); each
   rank logs a line after every optimizer step; step time is computed the same way.
 
 Runs alternate (unbroken, DDP, DDP, unbroken, ...) so drift on a shared machine hits both.
@@ -29,9 +32,10 @@ from common import DDPRun, ProgressLine, fmt, median, print_command, print_table
 from unbroken.testing import LocalCluster
 
 
-def run_unbroken(args: argparse.Namespace, workdir: Path) -> list[float]:
+def run_unbroken(args: argparse.Namespace, workdir: Path, bucket_mb: str) -> list[float]:
     env = jobs.env_for(args.steps, args.batch)
-    with LocalCluster(jobs.job_ref(args.model), workdir, env=env, min_nodes=args.nodes) as c:
+    ref, coordinator = jobs.job_ref(args.model), ["--bucket-mb", bucket_mb]
+    with LocalCluster(ref, workdir, env=env, min_nodes=args.nodes, coordinator_args=coordinator) as c:
         c.start_coordinator()
         for i in range(args.nodes):
             c.start_node(f"n{i}")
@@ -66,7 +70,15 @@ def main() -> None:
     p.add_argument("--model", choices=sorted(jobs.JOBS), default="small")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for one run")
     p.add_argument("--workdir", help="keep logs here (default: a temporary directory)")
+    p.add_argument(
+        "--bucket-mb",
+        default="25",
+        help="unbroken's gradient buckets (the coordinator's --bucket-mb), comma-separated for a run of each: "
+        "25,0 sets buckets summed during backward beside the gradient summed whole after it",
+    )
     args = p.parse_args()
+    buckets = args.bucket_mb.split(",")
+    systems = [f"unbroken:{b}" for b in buckets] + ["ddp"]
     if args.batch % args.nodes:
         p.error("--batch must be divisible by --nodes (DDP splits it equally)")
     if args.steps <= args.warmup + 2:
@@ -78,17 +90,20 @@ def main() -> None:
 
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="ub-steady-")
     root = Path(args.workdir or tmp.name)  # type: ignore[union-attr]
-    results: dict[str, list[float]] = {"unbroken": [], "ddp": []}
-    per_run: dict[str, list[float]] = {"unbroken": [], "ddp": []}
-    progress = ProgressLine(2 * args.repeats)
+    results: dict[str, list[float]] = {s: [] for s in systems}
+    per_run: dict[str, list[float]] = {s: [] for s in systems}
+    progress = ProgressLine(len(systems) * args.repeats)
     try:
         for rep in range(args.repeats):
-            order = ["unbroken", "ddp"] if rep % 2 == 0 else ["ddp", "unbroken"]
+            order = systems if rep % 2 == 0 else systems[::-1]
             for system in order:
                 progress.update(f"repeat {rep + 1}/{args.repeats}: {system} running")
                 t0 = time.monotonic()
-                runner = run_unbroken if system == "unbroken" else run_ddp
-                gaps = runner(args, root / f"{system}{rep}")
+                workdir = root / f"{system.replace(':', '-')}-{rep}"
+                if system == "ddp":
+                    gaps = run_ddp(args, workdir)
+                else:
+                    gaps = run_unbroken(args, workdir, system.partition(":")[2])
                 results[system] += gaps
                 per_run[system].append(median(gaps) or float("nan"))
                 progress.update(
@@ -101,13 +116,10 @@ def main() -> None:
         if tmp is not None:
             tmp.cleanup()
 
-    ub, ddp = median(per_run["unbroken"]), median(per_run["ddp"])
-    per_run_ratios = ", ".join(f"{a / b:.3f}" for a, b in zip(per_run["unbroken"], per_run["ddp"], strict=True))
+    ddp = median(per_run["ddp"])
     rows = []
-    for system, label in (
-        ("unbroken", f"unbroken ({args.nodes} nodes + coordinator)"),
-        ("ddp", "plain DDP, gloo (baseline)"),
-    ):
+    labels = {s: f"unbroken ({args.nodes} nodes, --bucket-mb {s.partition(':')[2]})" for s in systems[:-1]}
+    for system, label in [*labels.items(), ("ddp", "plain DDP, gloo, its own buckets (baseline)")]:
         med = median(per_run[system])
         all_gaps = sorted(results[system])
         p90 = all_gaps[int(0.9 * (len(all_gaps) - 1))] if all_gaps else None
@@ -125,7 +137,13 @@ def main() -> None:
         f"{args.nodes} processes, medians over {args.repeats} runs",
         ["system", "median step", "p90 step", "steps/s", "samples/s", "per-run medians (ms)", "vs DDP"],
         rows,
-        caption=f"ratio ours/DDP = {ratio(ub, ddp, 3)} (target <= 1.10); per-run ratios: {per_run_ratios}",
+        caption="; ".join(
+            f"--bucket-mb {s.partition(':')[2]}: ours/DDP = {ratio(median(per_run[s]), ddp, 3)} (per run "
+            + ", ".join(f"{a / b:.3f}" for a, b in zip(per_run[s], per_run["ddp"], strict=True))
+            + ")"
+            for s in systems[:-1]
+        )
+        + " (target <= 1.10)",
     )
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from unbroken.errors import ConfigError
-from unbroken.specs import MAX_STREAMS, parse_codec, parse_fragments, parse_rule
+from unbroken.specs import MAX_BUCKET_MB, MAX_STREAMS, parse_codec, parse_fragments, parse_rule
 
 ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
 ENV_ETCD = "UNBROKEN_ETCD"
@@ -81,6 +81,9 @@ class CoordinatorConfig:
     """TCP connections each inter-zone hop (the zone leaders' exchange, and a state transfer
     between zones) is spread over, in parallel: a single connection's window caps what it
     carries over a long link (1..16)."""
+    bucket_mb: float = 25.0
+    """Gradient buckets of about this many MB are summed while backward still runs (as DDP's
+    default; 0: the gradient goes out in one piece after backward)."""
     aggregate: str = "mean"
     """How the members' gradients are combined: ``mean`` (exact synchronous training),
     ``clip[:C]`` or ``trimmed[:F]`` (robust to a faulty node; see `unbroken.comm.robust`)."""
@@ -135,6 +138,7 @@ class CoordinatorConfig:
             raise ConfigError(f"CoordinatorConfig.mode = {self.mode!r}: choose 'sync' or 'diloco' (--mode)")
         _check_range("CoordinatorConfig", "inner_steps", self.inner_steps, 1, 1_000_000)
         _check_range("CoordinatorConfig", "streams", self.streams, 1, MAX_STREAMS)
+        _check_range("CoordinatorConfig", "bucket_mb", self.bucket_mb, 0, MAX_BUCKET_MB)
         _check_range("CoordinatorConfig", "audit_every", self.audit_every, 0, 1_000_000)
         if self.fragments:
             parse_fragments(self.fragments)

@@ -18,6 +18,8 @@ TOPK_RATIO = 0.01
 
 MAX_STREAMS = 16
 """Most TCP connections one inter-zone hop is spread over (`CoordinatorConfig.streams`)."""
+MAX_BUCKET_MB = 1024.0
+"""The largest gradient bucket summed while backward runs (`CoordinatorConfig.bucket_mb`)."""
 
 RULES = {"mean": 0.0, "clip": 2.0, "trimmed": 0.25, "checked": 0.0}
 """Each aggregation rule with its default parameter."""

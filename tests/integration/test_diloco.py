@@ -151,3 +151,23 @@ def test_rounds_applied_late_keep_every_promise_through_a_kill_and_a_join(make_c
     # Applied late, rounds cost held-out loss on this small job (0.82 against 0.56 for DiLoCo
     # applied at once, 200 steps, H=10, outer momentum 0.9); it still learns.
     assert ours < heldout_at_start() - 0.3, ours
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_nan_pseudo_gradient_from_a_zone_leader_is_refused_before_anyone_applies_it(make_cluster, codec):
+    # b1 leads zone B and sends a NaN pseudo-gradient (with its norm, NaN, in its slot) in the
+    # exchange after inner step 19: every node refuses that outer step (int8: the payload's
+    # scales do not decode; none: the sum and the leader's slot are not finite), rolls back to
+    # step 10 and retries the round, which is clean; the model stays finite, promises hold.
+    c = start(make_cluster, codec=codec, faults={"b1": "nan@outer:19"})
+    codes = c.wait_exit(timeout=120)
+    assert fired(c.nodes["b1"], "nan"), c.diagnostics()
+    assert codes == {"a1": 0, "b1": 0, "a2": 0, "b2": 0}, c.diagnostics()
+    reasons = [e["reason"] for n in c.nodes.values() for e in n.entries() if e["kind"] == "refused"]
+    assert reasons and all(r.startswith("outer step after inner step 19: ") for r in reasons), reasons
+    assert all(("not finite" if codec == "none" else "rank 1 sent int8 payload") in r for r in reasons), reasons
+    promises(c, finishers=4)
+    final = torch.load(c.nodes["a2"].final_state, weights_only=True)["model"]
+    assert all(bool(torch.isfinite(v).all()) for v in final.values())
+    ours, _ = heldout(c, "a2")
+    assert ours < heldout_at_start()

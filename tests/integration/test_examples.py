@@ -50,18 +50,34 @@ overflows with B whole and not in 2 or 3 parts, and its held-out loss after 200 
 first epoch does; the held-out loss after the membership changes is held to 10 %."""
 
 
+TINY_BUCKETS = ["--bucket-mb", "0.0002"]
+"""Buckets of 53 floats or more: the real-training example's 740 parameters go out in 3 sums
+(132, 64 and 544 floats) posted while backward runs, then the tail (`train.buckets`)."""
+
+
 @pytest.mark.parametrize(
-    ("ref", "args", "delay_ms"),
-    [REAL, HF, GAN, STREAM, SHARDS],
-    ids=["real_training", "hf_style", "gan", "streaming", "streaming-shards"],
+    ("ref", "args", "delay_ms", "coordinator"),
+    [(*REAL, []), (*REAL, TINY_BUCKETS), (*HF, []), (*GAN, []), (*STREAM, []), (*SHARDS, [])],
+    ids=["real_training", "real_training-buckets", "hf_style", "gan", "streaming", "streaming-shards"],
 )
-def test_an_example_survives_a_kill_and_a_join_and_matches_one_process(make_cluster, tmp_path, ref, args, delay_ms):
+def test_an_example_survives_a_kill_and_a_join_and_matches_one_process(
+    make_cluster, tmp_path, ref, args, delay_ms, coordinator
+):
     if "{shards}" in args:
         load_example("streaming").write_shards(tmp_path / "shards")
         args = [a.format(shards=tmp_path / "shards") for a in args]
-    c = make_cluster(job=ref, env={"UB_TEST_DELAY_MS": delay_ms}, min_nodes=3, node_args=["--digest-every", "1"])
+    c = make_cluster(
+        job=ref,
+        env={"UB_TEST_DELAY_MS": delay_ms},
+        min_nodes=3,
+        node_args=["--digest-every", "1"],
+        coordinator_args=coordinator,
+    )
     _, joiner = kill_and_join(c, args)
     assert next(e["kind"] for e in joiner.entries() if e["kind"] != "epoch") == "sync", "the joiner got the state"
+    if coordinator:  # tiny buckets: all 3 went out while backward ran, in every step
+        sent = [e["buckets"] for n in c.nodes.values() for e in n.entries() if e["kind"] == "contrib"]
+        assert sent and all(b == [3, 3] for b in sent), sent[:10]
 
     job = load_job(ref, args)
     report = check_promises({name: n.entries() for name, n in c.nodes.items()}, job, finishers=3)
@@ -119,7 +135,13 @@ def test_float16_with_a_loss_scale_skips_overflowing_steps_together_and_matches_
     replica (the promises hold, digests agree), about as many as one process with
     ``torch.amp.GradScaler`` skips, and the model ends as good as that one's."""
     ref, args = f"{EXAMPLES / 'mixed_precision.py'}:make", ["--steps", "200"]
-    c = make_cluster(job=ref, env={"UB_TEST_DELAY_MS": "15"}, min_nodes=3, node_args=["--digest-every", "1"])
+    c = make_cluster(
+        job=ref,
+        env={"UB_TEST_DELAY_MS": "40"},
+        min_nodes=3,
+        node_args=["--digest-every", "1"],
+        coordinator_args=TINY_BUCKETS,  # an overflow found in one bucket, after others went out
+    )
     kill_and_join(c, args)
     job = load_job(ref, args)
     report = check_promises({name: n.entries() for name, n in c.nodes.items()}, job, finishers=3)

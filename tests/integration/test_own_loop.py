@@ -51,7 +51,7 @@ def test_the_ported_plain_loop_survives_a_kill_and_a_join_and_matches_the_plain_
     )
     reference = torch.load(out, weights_only=False)
 
-    args = ["--steps", str(STEPS), "--delay-ms", "20"]
+    args = ["--steps", str(STEPS), "--delay-ms", "40"]  # 10 s: the joiner trains before the end
     c = make_cluster(job=str(EXAMPLES / "own_loop.py"), min_nodes=3, node_args=["--digest-every", "1"])
     _, joiner = kill_and_join(c, args)
     assert next(e["kind"] for e in joiner.entries() if e["kind"] != "epoch") == "sync", "the joiner got the state"

@@ -44,6 +44,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         balance=args.balance == "throughput",
         codec=args.codec,
         streams=args.streams,
+        bucket_mb=args.bucket_mb,
         aggregate=args.aggregate,
         audit_every=args.audit_every,
         fragments=args.fragments,
@@ -413,6 +414,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="TCP connections each inter-zone hop (leaders' exchange, cross-zone state transfer) is spread over "
         "(1-16; one connection's window caps a long link)",
+    )
+    c.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=25.0,
+        help="sum the gradient in buckets of about this many MB while backward still runs (0: in one piece after it)",
     )
     c.add_argument(
         "--aggregate",

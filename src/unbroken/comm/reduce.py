@@ -85,6 +85,15 @@ class _Exchange:
     sent: int
 
 
+@dataclass(frozen=True)
+class Early:
+    """Sums of a flat tensor's head posted on `Reducer.first_hop` while it was being written."""
+
+    works: list[Any]
+    end: int
+    """The head's length (the rest goes out in one piece)."""
+
+
 @dataclass
 class Posted:
     """An all-reduce across zones in flight (`Reducer.post`)."""
@@ -127,6 +136,17 @@ class Reducer:
     """Where the members' gradient-norm slots start in the flat tensor (one per rank)."""
     overflow_allowed: Callable[[], bool] = lambda: False
     """Whether a member's overflow slot is believed now (the job's loss scale says)."""
+    bucket_bytes: int = 0
+    """The epoch's gradient buckets, summed on `first_hop` while backward runs (0: none)."""
+
+    @property
+    def first_hop(self) -> Any:
+        """The group a step's gradient is summed in first, where its buckets go while backward
+        still runs (`train.buckets`): the zone's, or all members' with one zone. None where
+        the rows are gathered whole (robust rules) or this node is alone in its zone."""
+        if self.rule.robust:
+            return None
+        return self.zone_pg if self.zones.multi else self.pg
 
     def allreduce(
         self,
@@ -137,20 +157,20 @@ class Reducer:
         what: str,
         after_post: Callable[[], None] = lambda: None,
         after_exchange_post: Callable[[], None] = lambda: None,
+        early: Early | None = None,
     ) -> None:
         """Replace ``flat`` by its sum over all members (abortable; raises on any failure).
 
         ``after_post`` runs once the first collective is posted, ``after_exchange_post`` once
-        this zone leader's inter-zone exchange is (fault injection hooks).
+        this zone leader's inter-zone exchange is (fault injection hooks). ``early``: the
+        sums of ``flat``'s head already posted on `first_hop` (the gradient's buckets).
         """
         n = flat.numel()
         if self.rule.robust:
             self._gather(flat, wake, abort, deadline_s, what, after_post)
             return
         if not self.zones.multi:
-            work = self.pg.allreduce([flat])
-            after_post()
-            wait_work(work, wake, abort, deadline_s, what)
+            self._first_hop(self.pg, flat, early, wake, abort, deadline_s, what, after_post)
             size = self.pg.size()
             self.wire.add(_ring_allreduce_bytes(4 * n, size), 0)
             return
@@ -159,10 +179,8 @@ class Reducer:
         intra = inter = 0
         posted = False
         if self.zone_pg is not None:
-            work = self.zone_pg.allreduce([flat])
-            after_post()
+            self._first_hop(self.zone_pg, flat, early, wake, abort, deadline_s, f"{what} (zone {zone})", after_post)
             posted = True
-            wait_work(work, wake, abort, deadline_s, f"{what} (zone {zone})")
             intra += _ring_allreduce_bytes(4 * n, zone_size)
         if self.leaders_pg is not None:
             inter = self._exchange(
@@ -290,6 +308,7 @@ class Reducer:
         deadline_s: float,
         what: str,
         after_post: Callable[[], None] = lambda: None,
+        early: Early | None = None,
     ) -> None:
         """Sum over this node's zone only (DiLoCo's inner steps: nothing crosses zones)."""
         pg = self.zone_pg if self.zones.multi else self.pg
@@ -297,10 +316,27 @@ class Reducer:
             after_post()
             self.wire.add(0, 0)
             return
-        work = pg.allreduce([flat])
-        after_post()
-        wait_work(work, wake, abort, deadline_s, what)
+        self._first_hop(pg, flat, early, wake, abort, deadline_s, what, after_post)
         self.wire.add(_ring_allreduce_bytes(4 * flat.numel(), pg.size()), 0)
+
+    def _first_hop(
+        self,
+        pg: Any,
+        flat: torch.Tensor,
+        early: Early | None,
+        wake: threading.Event,
+        abort: AbortCheck,
+        deadline_s: float,
+        what: str,
+        after_post: Callable[[], None],
+    ) -> None:
+        """``flat`` summed over ``pg``: what ``early`` did not post goes out in one piece
+        (the tail, after the buckets: the same order on every member), then all is waited for."""
+        start = early.end if early is not None else 0
+        works = [*(early.works if early is not None else ()), pg.allreduce([flat[start:]])]
+        after_post()
+        for work in works:
+            wait_work(work, wake, abort, deadline_s, what)
 
     def _gather(
         self,

@@ -133,6 +133,7 @@ class Coordinator(ThreadedService):
             balance=self.config.balance,
             codec=self.config.codec,
             streams=self.config.streams,
+            bucket_mb=self.config.bucket_mb,
             aggregate=self.config.aggregate,
             audit_every=self.config.audit_every,
             fragments=self.config.fragments,

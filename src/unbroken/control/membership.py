@@ -191,6 +191,7 @@ class Membership:
         balance: bool = True,
         codec: str = "none",
         streams: int = 1,
+        bucket_mb: float = 0.0,
         aggregate: str = "mean",
         diloco: tuple[int, float, float, bool] | None = None,
         audit_every: int = 0,
@@ -207,7 +208,9 @@ class Membership:
         self.codec = codec
         """The inter-zone codec every epoch order carries..."""
         self.streams = streams
-        """...and the connections each inter-zone hop is spread over."""
+        """...and the connections each inter-zone hop is spread over..."""
+        self.bucket_mb = bucket_mb
+        """...and the gradient's buckets."""
         self.aggregate = aggregate
         """How the members' gradients are combined (every epoch order carries it)."""
         self.lease_s = lease_s
@@ -930,6 +933,7 @@ class Membership:
             zones=self._zones_in_force,
             codec=self.codec,
             streams=self.streams,
+            bucket_mb=self.bucket_mb,
             aggregate=self._aggregate(members),
             audit_every=self.audit_every,
             fragments=self.fragments,

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from unbroken.errors import ProtocolError
-from unbroken.specs import MAX_STREAMS
+from unbroken.specs import MAX_BUCKET_MB, MAX_STREAMS
 
 PROTOCOL_VERSION = 1
 
@@ -296,6 +296,8 @@ class EpochOrder(_Msg):
     streams: Annotated[int, Field(ge=1, le=MAX_STREAMS)] = 1
     """Connections each pair of zone leaders (and each cross-zone state transfer) spreads its
     bytes over: one TCP connection cannot fill a long, fast link (its window caps it)."""
+    bucket_mb: Annotated[float, Field(ge=0, le=MAX_BUCKET_MB)] = 0.0
+    """Gradient buckets summed while backward runs (`train.buckets`; 0: one piece after it)."""
     codec: Annotated[str, Field(max_length=64)] = "none"
     """The codec of the inter-zone hop."""
     rollback_to: Annotated[int, Field(ge=-1)] = -1

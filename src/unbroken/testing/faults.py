@@ -30,7 +30,8 @@ CORRUPT = {"nan": float("nan"), "spike": 1e6, "flip": -10.0}
 """Not signals: the node's gradient of that step is poisoned (``nan``: every element NaN;
 ``spike``: multiplied by a million) after its backward pass — a faulty device or a bad
 batch. ``flip`` multiplies it by -10 at that step *and every later one*: a persistently
-wrong node that stays inside the guard's range (robust aggregation's case). Use PHASE ``grad``."""
+wrong node that stays inside the guard's range (robust aggregation's case). Use PHASE ``grad``,
+or ``outer`` for the pseudo-gradient a DiLoCo zone leader sends after inner step STEP."""
 PERSISTENT = ("flip",)
 LIES = {"hide-nan": float("nan"), "hide-spike": -1e6, "forge-slot": float("inf")}
 """A member that lies from step STEP on (``…@grad:STEP``), as a compromised node would:
@@ -52,7 +53,7 @@ UNREACHABLE = "unreachable"
 """``unreachable@build:EPOCH``: from epoch EPOCH on, the data-plane address in this node's
 rendezvous entries is one where connections hang (`dropping_sockets`), as a firewall that
 drops inbound TCP or a NAT would make it: the entries arrive, the builds cannot connect."""
-PHASES = ("compute", "allreduce", "exchange", "grad", "commit", "resync", "build")
+PHASES = ("compute", "allreduce", "exchange", "grad", "outer", "commit", "resync", "build")
 """``resync``'s number counts chunks, not steps: ``kill@resync:3`` kills a node right after
 it sent its third chunk of state to a peer that is catching up (a donor dying mid-transfer)."""
 
@@ -70,9 +71,8 @@ def parse_faults(spec: str) -> list[Fault]:
         sig, _, rest = part.partition("@")
         phase, _, step = rest.partition(":")
         known = (
-            sig in SIGNALS
-            or sig == HANG
-            or (sig in CORRUPT and phase == "grad")
+            ((sig in SIGNALS or sig == HANG) and phase != "outer")
+            or (sig in CORRUPT and phase in ("grad", "outer"))
             or (sig in LIES and phase == "grad")
             or (sig in (BITFLIP, FALSE_ALARM) and phase == "commit")
             or (sig in (MUTE, UNREACHABLE) and phase == "build")
@@ -80,7 +80,8 @@ def parse_faults(spec: str) -> list[Fault]:
         if not known or phase not in PHASES or not (step.isascii() and step.isdigit()):
             raise ConfigError(
                 f"fault {part!r} is not SIGNAL@PHASE:STEP with SIGNAL in {sorted([*SIGNALS, HANG])} "
-                f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP / bitflip@commit:STEP / mute@build:EPOCH / "
+                f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP / nan@outer:STEP / bitflip@commit:STEP / "
+                f"mute@build:EPOCH / "
                 f"false-alarm@commit:STEP / unreachable@build:EPOCH / "
                 f"hide-nan@grad:STEP / hide-spike@grad:STEP / forge-slot@grad:STEP) "
                 f"and PHASE in {list(PHASES)} (e.g. kill@allreduce:12)"
@@ -97,15 +98,16 @@ class FaultPlan:
         self._dead: list[socket.socket] = []
         self._alarmed: set[int] = set()
 
-    def corruption(self, step: int) -> float | None:
-        """The poison for this step's gradient, if any (``flip`` from its step on, the others once)."""
+    def corruption(self, step: int, phase: str = "grad") -> float | None:
+        """The poison for this step's gradient (``outer``: the pseudo-gradient sent after it),
+        if any (``flip`` from its step on, the others once)."""
         for f in self._persistent:
-            if f.signal in CORRUPT and step >= f.step:
+            if f.signal in CORRUPT and f.phase == phase and step >= f.step:
                 return CORRUPT[f.signal]
         for f in self._pending:
-            if f.signal in CORRUPT and f.step == step:
+            if f.signal in CORRUPT and f.phase == phase and f.step == step:
                 self._pending.remove(f)
-                self._record({"kind": "fault", "signal": f.signal, "phase": "grad", "step": step, "pid": os.getpid()})
+                self._record({"kind": "fault", "signal": f.signal, "phase": phase, "step": step, "pid": os.getpid()})
                 if f.signal in PERSISTENT:
                     self._persistent.append(f)
                 return CORRUPT[f.signal]

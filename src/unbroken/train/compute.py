@@ -3,12 +3,14 @@ loss, in micro-batches the memory allows, and the speed measured before joining.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
+from unbroken.errors import CollectiveFailed
 from unbroken.train.device import OutOfMemory
 from unbroken.train.step import Slice, StepProtocol
 
@@ -39,17 +41,23 @@ class JobCompute:
             self.used_mb = mb if sl.indices else 0
             protocol.prepare(sl)
             try:
-                return self._slice(sl, mb)
+                return self._slice(protocol, sl, mb)
             except OutOfMemory:
                 if mb <= 1:
                     raise
+                if protocol.buckets is not None and protocol.buckets.posted:
+                    # Its peers sum the buckets sent: a retry would post them again, out of step.
+                    meter.oom_cap = mb // 2
+                    raise CollectiveFailed(
+                        f"out of device memory at micro-batch {mb} after part of step {sl.step}'s gradient went out"
+                    ) from None
                 meter.oom_cap = mb // 2
                 log.warning("%s: out of device memory at micro-batch %d; retrying at %d", node.name, mb, mb // 2)
                 protocol.undo(sl)
                 if node.device.type == "cuda":
                     torch.cuda.empty_cache()
 
-    def _slice(self, sl: Slice, mb: int) -> float:
+    def _slice(self, protocol: StepProtocol, sl: Slice, mb: int) -> float:
         node = self.node
         job, client = node.job, node.client
         model = node.replica.model
@@ -65,7 +73,8 @@ class JobCompute:
             batch = node.replica.to_device(job.collate(job.samples(chunk)))
             t_mb = time.perf_counter()
             loss = job.microbatch_loss(model, batch)
-            (loss * (len(chunk) / B * scale)).backward()  # type: ignore[no-untyped-call]
+            with protocol.backward() if first + mb >= sl.share else contextlib.nullcontext():
+                (loss * (len(chunk) / B * scale)).backward()  # type: ignore[no-untyped-call]
             total += float(loss.detach()) * len(chunk) / B
             node.throttle.stretch(time.perf_counter() - t_mb, sl.step, client.touch)
             n_micro += 1

@@ -237,6 +237,7 @@ class DiLoCo:
                 off += n
             n_zones = len(zones.names) if zones.of_rank else 1
             write_deltas(flat, off, node.buffers, self._round_buffers, weight, n_zones)
+            self._speak(flat, last)
         mean_loss = sum(losses) / max(len(losses), 1)
         flat[node.numel : p.norms_at] = torch.tensor(
             [1.0, float(p.share * steps), float(p.switching()), mean_loss * (zone_samples / B if leader else 0.0), 0.0]
@@ -252,6 +253,7 @@ class DiLoCo:
         )
         node.meter.last_comm_s = time.monotonic() - t_comm
         tally = p.verify(members=grp.size, samples=B * steps, what=f"outer step after inner step {last}")
+        self._check_outer(f"outer step after inner step {last}")
         p.fence()
         off = self._outer_update(flat)
         add_deltas(flat, off, node.buffers, self._round_buffers)
@@ -260,6 +262,31 @@ class DiLoCo:
         self.begin_round()  # the committed state: what a failure from now on rolls back to
         log.debug("%s: outer step after inner step %d (%d inner steps)", node.name, last, steps)
         return tally.switch > 0 or node.state.step >= node.job.num_steps
+
+    def _speak(self, flat: torch.Tensor, last: int) -> None:
+        """This zone leader's pseudo-gradient (at the head of ``flat``) as it goes out: its
+        norm in this member's slot, for every member to judge (`_check_outer`)."""
+        node, p, g = self.node, self.node.protocol, self.node.group
+        assert p is not None and g is not None
+        grad = flat[: node.compressed_numel]
+        poison = node.faults.corruption(last, "outer")
+        if poison is not None:  # testing aid: a broken zone (`testing.faults`)
+            grad *= poison
+        flat[p.norms_at + g.rank] = torch.linalg.vector_norm(grad)
+
+    def _check_outer(self, what: str) -> None:
+        """Refuse an outer step that a zone leader's pseudo-gradient spoiled (DESIGN.md §1,
+        promise 8) before anything is applied, as a step's sum is checked (`check_sum`):
+        each leader's norm against its zone's samples (a zone's other members send none)."""
+        g, p = self.node.group, self.node.protocol
+        assert g is not None and p is not None
+        zones = p.reducer.zones
+        shares = [0] * g.size
+        for r in range(g.size):
+            zone = zones.members(zones.of_rank[r]) if zones.of_rank else list(range(g.size))
+            if zone[0] == r:
+                shares[r] = sum(g.shares[m] for m in zone)
+        p.check_sum(what, shares, noun="pseudo-gradient")
 
     def _outer_update(self, flat: torch.Tensor) -> int:
         """The outer optimizer steps the anchor with the summed pseudo-gradient at the head of
@@ -300,6 +327,7 @@ class DiLoCo:
         if leader:  # every member of a zone holds the same parameters: one speaks for it
             torch.cat([d.reshape(-1) for d in progress], out=flat[: node.numel])
             flat[: node.numel] *= zone_samples / B
+            self._speak(flat, last)
         mean_loss = sum(losses) / max(len(losses), 1)
         flat[node.numel : p.norms_at] = torch.tensor(
             [1.0, float(p.share * steps), float(p.switching()), mean_loss * (zone_samples / B if leader else 0.0), 0.0]
@@ -340,6 +368,7 @@ class DiLoCo:
         node.meter.last_comm_s = time.monotonic() - t_comm
         p.flat.copy_(done.posted.flat)
         tally = p.verify(members=grp.size, samples=node.job.batch_size * done.steps, what=what)
+        self._check_outer(what)
         p.fence()
         self._outer_update(p.flat)
         live = None

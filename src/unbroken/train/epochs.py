@@ -132,6 +132,7 @@ class Epochs:
             shares=tuple(order.shares),
             norms_at=node.numel + EXTRA,
             overflow_allowed=lambda: node.scale is not None and node.scale.may_skip,
+            bucket_bytes=int(order.bucket_mb * (1 << 20)),
         )
         if not zones.multi:
             return reducer

@@ -397,7 +397,7 @@ class Node:
                 p.contribute(sl, loss, weight=sl.weight, members=g.size, switch=p.switching(), microbatch=mb)
                 p.reduce(sl)
                 tally = p.verify(members=g.size, samples=B, what=f"step {sl.step}")
-                p.check_sum(sl.step)
+                p.check_sum(f"step {sl.step}")
                 overflow = p.check_overflow(tally, sl.step)
                 p.fence()
             except BaseException:

@@ -22,25 +22,27 @@ switch, and every member moves to the new epoch right after committing it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from unbroken.comm.group import EpochGroup, wait_until
-from unbroken.comm.reduce import VOTE_SLOTS, Reducer
+from unbroken.comm.reduce import VOTE_SLOTS, Early, Reducer
 from unbroken.comm.robust import NORM_TOLERANCE, all_finite
 from unbroken.control import messages as m
 from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted, JobFailed, Suspicion
 from unbroken.job import StepInfo
 from unbroken.sched.shares import offsets
 from unbroken.testing.faults import LIES
+from unbroken.train.buckets import Buckets, layout
 from unbroken.train.guard import judge
 
 if TYPE_CHECKING:
@@ -99,6 +101,20 @@ class StepProtocol:
         self.offset = offsets(group.shares)[group.rank]
         self.share = group.shares[group.rank]
         self.in_step = functools.partial(node.abort_reason, during_step=True)
+        self.buckets: Buckets | None = None
+        """The gradient's buckets, summed while backward runs (None: in one piece with the tail)."""
+        if reducer.bucket_bytes and reducer.first_hop is not None:
+            hop = reducer.first_hop
+            self.buckets = Buckets(
+                node.replica.params,
+                self.flat,
+                layout([q.numel() for q in node.replica.params], reducer.bucket_bytes),
+                post=lambda piece: hop.allreduce([piece]),
+                prepare=self._prepare,
+            )
+        self._step = -1
+        self._overflow = False
+        self._squares = 0.0
 
     # ---------------------------------------------------------------- before compute
 
@@ -133,6 +149,7 @@ class StepProtocol:
         node = self.node
         if not sl.before:
             sl.before = [b.detach().clone() for b in node.buffers]
+        self._start_gradient(sl.step)
         node.replica.pull()
         for p in node.replica.params:
             p.grad = None
@@ -162,40 +179,68 @@ class StepProtocol:
         (float buffers weighted by ``weight``, counters averaged over ``members``), its vote,
         sample count, switch and loss, and the gradient's norm in its own slot."""
         node, g, flat, at = self.node, self.group, self.flat, self.norms_at
-        grad = flat[: node.compressed_numel]
-        self._flatten(sl, weight, members)
-        overflow = False
-        if node.scale is not None:
-            grad.mul_(torch.tensor(1.0 / node.scale.scale, dtype=torch.float32))
-            overflow = not all_finite(grad)
-            if overflow:  # the group skips this update: nothing of this gradient goes in
-                grad.zero_()
-        poison = node.faults.corruption(sl.step)
-        if poison is not None:
-            grad *= poison
-        slots = [1.0, float(sl.share), 1.0 if switch else 0.0, loss, 1.0 if overflow else 0.0]
+        if self._step != sl.step:  # a loop that did not `prepare` (a member with no samples)
+            self._start_gradient(sl.step)
+        if self.buckets is not None:
+            self.buckets.complete()
+        else:
+            self._flatten()
+            self._prepare(flat[: node.compressed_numel])
+        write_deltas(flat, node.compressed_numel, node.compute_buffers, sl.before, weight, members)
+        slots = [1.0, float(sl.share), 1.0 if switch else 0.0, loss, 1.0 if self._overflow else 0.0]
         flat[node.numel : at] = torch.tensor(slots)
         flat[at:] = 0.0
-        flat[at + g.rank] = torch.linalg.vector_norm(grad)
-        if (lie := node.faults.lie(sl.step)) is not None:  # a hostile member (`testing.faults.LIES`)
-            if lie == "forge-slot":
-                flat[at + (g.rank + 1) % g.size] = LIES[lie]
-            else:
-                grad *= LIES[lie]  # after its norm went into its slot
+        flat[at + g.rank] = math.sqrt(self._squares)
+        if node.faults.lie(sl.step) == "forge-slot":  # a hostile member (`testing.faults.LIES`)
+            flat[at + (g.rank + 1) % g.size] = LIES["forge-slot"]
+        if self.buckets is not None and len(self.buckets.buckets) > 1:
+            log["buckets"] = [self.buckets.in_backward, len(self.buckets.buckets)]  # sent in backward, of all
         entry = {"kind": "contrib", "epoch": g.epoch, "step": sl.step, "rank": g.rank, "indices": sl.indices}
         node.records.log(entry | {"role": g.role, **log, "compute_s": node.meter.last_compute_s})
 
-    def _flatten(self, sl: Slice, weight: float, members: int) -> None:
-        node, flat = self.node, self.flat
-        off = 0
-        for p in node.replica.params:
+    def _start_gradient(self, step: int) -> None:
+        self._step, self._overflow, self._squares = step, False, 0.0
+        if self.buckets is not None:
+            self.buckets.reset()
+
+    def _flatten(self) -> None:
+        flat, off = self.flat, 0
+        for p in self.node.replica.params:
             n = p.numel()
             if p.grad is None:
                 flat[off : off + n].zero_()
             else:
                 flat[off : off + n].copy_(p.grad.reshape(-1))  # from the device: the CPU staging copy
             off += n
-        write_deltas(flat, off, node.compute_buffers, sl.before, weight, members)
+
+    def _prepare(self, grad: torch.Tensor) -> None:
+        """A piece of this member's gradient (the whole, or a bucket in posting order) as it
+        goes out: unscaled, zero once any piece overflowed (the group skips the update; the
+        pieces already sent do not matter then), its norm counted before a hostile member
+        (`testing.faults`) spoils it."""
+        node, step = self.node, self._step
+        if node.scale is not None:
+            grad.mul_(torch.tensor(1.0 / node.scale.scale, dtype=torch.float32))
+            self._overflow = self._overflow or not all_finite(grad)
+            if self._overflow:
+                grad.zero_()
+        poison = node.faults.corruption(step)
+        if poison is not None:
+            grad *= poison
+        self._squares += float(torch.linalg.vector_norm(grad)) ** 2
+        lie = node.faults.lie(step)
+        if lie is not None and lie != "forge-slot":
+            grad *= LIES[lie]
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """Around the backward that completes this step's gradient (the last micro-batch's):
+        its buckets are summed while it runs (`train.buckets`)."""
+        if self.buckets is None:
+            yield
+            return
+        with self.buckets.during_backward():
+            yield
 
     def reduce(self, sl: Slice, *, zone: bool = False, what: str = "") -> None:
         """Sum `flat` over the epoch's members (or, ``zone``, over this node's zone only)."""
@@ -204,9 +249,11 @@ class StepProtocol:
         timeout = node.config.collective_timeout_s
         if zone:
             post = functools.partial(fire, "allreduce", sl.step)
-            self.reducer.zone_allreduce(self.flat, node.wake, self.in_step, timeout, what, after_post=post)
+            early = Early(self.buckets.works, self.buckets.end) if self.buckets is not None else None
+            self.reducer.zone_allreduce(self.flat, node.wake, self.in_step, timeout, what, after_post=post, early=early)
             return
         t = time.monotonic()
+        early = Early(self.buckets.works, self.buckets.end) if self.buckets is not None else None
         self.reducer.allreduce(
             self.flat,
             node.wake,
@@ -215,6 +262,7 @@ class StepProtocol:
             what or f"all-reduce of step {sl.step}",
             after_post=functools.partial(fire, "allreduce", sl.step),
             after_exchange_post=functools.partial(fire, "exchange", sl.step),
+            early=early,
         )
         node.meter.last_comm_s = time.monotonic() - t
 
@@ -228,8 +276,9 @@ class StepProtocol:
             raise CollectiveFailed(f"{what} had {t.votes:.0f}/{members} votes and {t.samples:.0f}/{samples} samples")
         return t
 
-    def check_sum(self, step: int) -> None:
-        """Refuse a step whose reduced gradient a member's contribution spoiled.
+    def check_sum(self, what: str, shares: Sequence[int] | None = None, noun: str = "gradient") -> None:
+        """Refuse a step (``what``) whose reduced ``noun`` a member's contribution spoiled,
+        each member's norm judged against its part of ``shares`` (the epoch's by default).
 
         Gathered rows (`Reducer.rule` robust or ``checked``) were each checked already, and
         their norms are true: the guard's verdict names a culprit. A plain sum can only be
@@ -238,22 +287,22 @@ class StepProtocol:
         out). What fails there is a `Suspicion`, since a member can write any slot of a sum."""
         node, g = self.node, self.group
         norms = self.flat[self.norms_at :].tolist()
-        verdict = judge(norms, g.shares, node.job.batch_size)
+        verdict = judge(norms, g.shares if shares is None else shares, node.job.batch_size)
         if self.reducer.rule.robust:
             if verdict is not None:
                 culprit, why = verdict
-                raise BadContribution(culprit, f"step {step}: refused the contribution of rank {culprit}: {why}")
+                raise BadContribution(culprit, f"{what}: refused the contribution of rank {culprit}: {why}")
             return
         grad = self.flat[: node.compressed_numel]
         lossy = self.reducer.codec is not None and self.reducer.zones.multi and node.codec_spec != "none"
         total = float(torch.linalg.vector_norm(grad).item())  # finite: so is every element
         if not math.isfinite(total) and not all_finite(grad):
-            raise Suspicion(f"step {step}: the summed gradient is not finite, though no norm slot says whose")
+            raise Suspicion(f"{what}: the summed {noun} is not finite, though no norm slot says whose")
         if verdict is not None:
-            raise Suspicion(f"step {step}: rank {verdict[0]}'s norm slot says {verdict[1]}; not proven on a sum")
+            raise Suspicion(f"{what}: rank {verdict[0]}'s norm slot says {verdict[1]}; not proven on a sum")
         bound = math.fsum(norms)
         if not lossy and total > bound * (1 + NORM_TOLERANCE) + 1e-12:
-            raise Suspicion(f"step {step}: the summed gradient's norm {total:.4g} exceeds the declared {bound:.4g}")
+            raise Suspicion(f"{what}: the summed {noun}'s norm {total:.4g} exceeds the declared {bound:.4g}")
 
     def check_overflow(self, tally: Tally, step: int) -> bool:
         """Whether the step overflowed (and commits without an update). The slot is a
