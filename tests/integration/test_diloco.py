@@ -19,13 +19,16 @@ H = 10
 ENV = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "5", "UB_TEST_EVAL": "1"}
 
 
-def start(make_cluster, env=ENV, codec="int8", faults=None, names=("a1", "b1", "a2", "b2"), overlap=False):
+def start(
+    make_cluster, env=ENV, codec="int8", faults=None, names=("a1", "b1", "a2", "b2"), overlap=False, coordinator=()
+):
     faults = faults or {}
     c = make_cluster(
         env=env,
         min_nodes=len(names),
         coordinator_args=["--mode", "diloco", "--inner-steps", str(H), "--codec", codec, "--balance", "weights"]
-        + (["--outer-overlap"] if overlap else []),
+        + (["--outer-overlap"] if overlap else [])
+        + list(coordinator),
         node_args=["--digest-every", "1"],
     )
     c.start_coordinator()
@@ -107,7 +110,8 @@ def test_a_zone_leader_killed_mid_exchange_costs_one_round_and_a_dead_zone_drops
 
 def test_a_node_joining_mid_round_catches_up(make_cluster):
     env = {**ENV, "UB_TEST_STEPS": "200", "UB_TEST_DELAY_MS": "50"}
-    c = start(make_cluster, env=env, names=("a1", "b1", "a2"))
+    # Tiny buckets: each inner step's zone sum goes out in pieces while backward runs.
+    c = start(make_cluster, env=env, names=("a1", "b1", "a2"), coordinator=["--bucket-mb", "0.0002"])
     c.wait_step(H, timeout=60)
     c.start_node("b2", extra=["--zone", "B"])
     codes = c.wait_exit(timeout=120)
@@ -120,6 +124,8 @@ def test_a_node_joining_mid_round_catches_up(make_cluster):
     assert first % H == 0 and H <= first < 200, first  # it starts with a round, from the outer state
     done = [e["step"] for e in c.nodes["a1"].entries() if e["kind"] == "contrib"]
     assert len(done) == len(set(done)) == 200, "the join waited for the round's end: no inner step redone"
+    buckets = [e["buckets"] for e in c.nodes["a1"].entries() if e["kind"] == "contrib"]
+    assert all(b[0] == b[1] > 1 for b in buckets), buckets[:8]
 
 
 def test_rounds_applied_late_keep_every_promise_through_a_kill_and_a_join(make_cluster):

@@ -16,12 +16,12 @@ from unbroken.testing import check_promises, reference_state
 ENV = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "5", "UB_TEST_EVAL": "1"}
 
 
-def start_zones(make_cluster, env, codec="none", faults=None, link=("2", "0")):
+def start_zones(make_cluster, env, codec="none", faults=None, link=("2", "0"), coordinator=()):
     faults = faults or {}
     c = make_cluster(
         env=env,
         min_nodes=4,
-        coordinator_args=["--codec", codec],
+        coordinator_args=["--codec", codec, *coordinator],
         node_args=["--digest-every", "1", "--link-latency-ms", link[0], "--link-mbit", link[1]],
     )
     c.start_coordinator()
@@ -45,9 +45,13 @@ def leaders_sent_between_zones(c) -> dict[str, int]:
 
 
 def test_two_zones_uncompressed_match_the_reference(make_cluster):
-    c = start_zones(make_cluster, ENV)
+    # Tiny buckets: each zone sums its gradient in pieces while backward runs, then the
+    # leaders exchange the zone's whole sum.
+    c = start_zones(make_cluster, ENV, coordinator=["--bucket-mb", "0.0002"])
     codes = c.wait_exit(timeout=120)
     assert codes == {"a1": 0, "b1": 0, "a2": 0, "b2": 0}, c.diagnostics()
+    buckets = [e["buckets"] for n in c.nodes.values() for e in n.entries() if e["kind"] == "contrib"]
+    assert buckets and all(b[0] == b[1] > 1 for b in buckets), buckets[:8]
     sent = leaders_sent_between_zones(c)
     assert sent["a1"] > 0 and sent["b1"] > 0 and sent["a2"] == 0 and sent["b2"] == 0, sent
     assert_promises(c, ENV, finishers=4)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -17,7 +19,7 @@ def test_buckets_cover_the_gradient_from_its_end_in_whole_parameters(numels: lis
     buckets = layout(numels, cap, first)
     ends = [sum(numels[:i]) for i in range(len(numels) + 1)]
     assert buckets[0].hi == ends[-1] and buckets[-1].lo == 0
-    for a, b in zip(buckets, buckets[1:], strict=False):
+    for a, b in itertools.pairwise(buckets):
         assert a.lo == b.hi  # contiguous, from the end
     for k, bucket in enumerate(buckets):
         assert list(bucket.params) == list(range(bucket.params[0], bucket.params[-1] - 1, -1))
