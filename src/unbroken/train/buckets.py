@@ -1,13 +1,15 @@
 """The gradient summed while backward still runs: parameters in buckets, as DDP does.
 
 Backward produces the last layers' gradients first. The step's flat tensor holds the
-gradient in parameter order, so its buckets are contiguous ranges taken from the end: the
-first covers the last parameters (`FIRST_BUCKET_BYTES`, small, so that the first sum
-starts early), the others up to the epoch's bucket size. A hook on each parameter copies
-its accumulated gradient into ``flat`` on the last micro-batch's backward; a bucket whose
-parameters are all in is prepared (the loss scale, the norm: `StepProtocol`) and its sum
-posted on the reducer's first hop, always in bucket order, whatever order autograd runs
-in: every member posts the same collectives in the same order. The tail (buffer deltas,
+gradient in parameter order, so its buckets are contiguous ranges taken from the end, each
+up to the epoch's bucket size. There is no small first bucket as DDP has (1 MB): every
+collective more costs a round of latency, 2.5 ms on 3 processes sharing 2 cores, and a
+small model split in two ran 1.35x slower than in one piece (`bench/steady_state.py`).
+A hook on each parameter copies its accumulated gradient into ``flat`` on the last
+micro-batch's backward; a bucket whose parameters are all in is prepared (the loss scale,
+the norm: `StepProtocol`) and its sum posted on the reducer's first hop, always in bucket
+order, whatever order autograd runs in: every member posts the same collectives in the same
+order. The tail (buffer deltas,
 vote, samples, norms) is posted right after the last bucket (the first parameters, which
 backward reaches last), once backward is done (`Reducer.allreduce`); a model of one
 bucket sends it with the tail in one collective (the tail follows it in ``flat``), as
@@ -24,9 +26,6 @@ from typing import Any
 
 import torch
 
-FIRST_BUCKET_BYTES = 1 << 20
-"""DDP's first bucket: the last layers' gradients, summed while the rest of backward runs."""
-
 
 @dataclass(frozen=True)
 class Bucket:
@@ -37,10 +36,10 @@ class Bucket:
     """Indices of its parameters."""
 
 
-def layout(numels: list[int], cap_bytes: int, first_bytes: int = FIRST_BUCKET_BYTES) -> list[Bucket]:
+def layout(numels: list[int], cap_bytes: int) -> list[Bucket]:
     """Buckets of float32 gradients in posting order: the last parameters first, each bucket
-    closed once it holds ``first_bytes`` (the first) or ``cap_bytes`` (the rest), and a
-    parameter never split. The same parameters, the same buckets, on every member."""
+    closed once it holds ``cap_bytes``, and a parameter never split. The same parameters,
+    the same buckets, on every member."""
     ends = [0]
     for n in numels:
         ends.append(ends[-1] + n)
@@ -48,8 +47,7 @@ def layout(numels: list[int], cap_bytes: int, first_bytes: int = FIRST_BUCKET_BY
     hi, members = ends[-1], []
     for i in range(len(numels) - 1, -1, -1):
         members.append(i)
-        cap = min(first_bytes, cap_bytes) if not out else cap_bytes
-        if 4 * (hi - ends[i]) >= cap or i == 0:
+        if 4 * (hi - ends[i]) >= cap_bytes or i == 0:
             out.append(Bucket(ends[i], hi, tuple(members)))
             hi, members = ends[i], []
     return out
@@ -104,7 +102,11 @@ class Buckets:
     @contextlib.contextmanager
     def during_backward(self) -> Iterator[None]:
         """Hooks that copy and post while the backward run inside this block accumulates the
-        step's last gradients (a micro-batch before them would post partial sums)."""
+        step's last gradients (a micro-batch before them would post partial sums). None with
+        one bucket: it goes out with the tail anyway."""
+        if len(self.buckets) <= 1:
+            yield
+            return
         handles = [
             p.register_post_accumulate_grad_hook(lambda _p, i=i: self._ready(i))  # type: ignore[misc, no-untyped-call]
             for i, p in enumerate(self.params)

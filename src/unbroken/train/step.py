@@ -5,9 +5,11 @@ user's own loop (`unbroken.swarm`) all drive it the same way::
 
     open        my slice of step s: positions [s*B + offset, + share) of the data plan
     prepare     buffers remembered, gradients cleared, the step's seed: right before compute
-    (compute)   forward and backward, by whoever drives: the loss is scaled by m/B
+    (compute)   forward and backward, by whoever drives: the loss is scaled by m/B; the last
+                backward posts the gradient's buckets as they fill (`train.buckets`)
     contribute  flat = [gradient, buffer deltas | vote=1, samples=m, switch, loss, overflow | a norm per member]
-    reduce      one all-reduce (abortable): the vote rides in the same collective as the gradient
+    reduce      the rest of flat summed right after the buckets (abortable): the vote travels
+                with the gradient, and nothing commits unless every piece arrived
     verify      votes == members, samples == B, and the guard on the norms (`train.guard`)
     fence       this node is sure it is still a member (the lease, `control.client`)
     apply       the summed gradient into ``.grad``; before_update; optimizer and scheduler step

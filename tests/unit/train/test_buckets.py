@@ -12,11 +12,11 @@ from unbroken.train.buckets import Bucket, Buckets, layout
 
 
 @pytest.mark.parametrize(
-    ("numels", "cap", "first"),
-    [([10, 20, 30, 40], 80, 40), ([1] * 50, 12, 4), ([1000], 4, 4), ([5, 5], 1 << 20, 1 << 20), ([3, 100, 3], 16, 4)],
+    ("numels", "cap"),
+    [([10, 20, 30, 40], 80), ([1] * 50, 12), ([1000], 4), ([5, 5], 1 << 20), ([3, 100, 3], 16)],
 )
-def test_buckets_cover_the_gradient_from_its_end_in_whole_parameters(numels: list[int], cap: int, first: int) -> None:
-    buckets = layout(numels, cap, first)
+def test_buckets_cover_the_gradient_from_its_end_in_whole_parameters(numels: list[int], cap: int) -> None:
+    buckets = layout(numels, cap)
     ends = [sum(numels[:i]) for i in range(len(numels) + 1)]
     assert buckets[0].hi == ends[-1] and buckets[-1].lo == 0
     for a, b in itertools.pairwise(buckets):
@@ -25,18 +25,17 @@ def test_buckets_cover_the_gradient_from_its_end_in_whole_parameters(numels: lis
         assert list(bucket.params) == list(range(bucket.params[0], bucket.params[-1] - 1, -1))
         assert (bucket.lo, bucket.hi) == (ends[bucket.params[-1]], ends[bucket.params[0] + 1])
         size = 4 * (bucket.hi - bucket.lo)
-        closed_at = min(first, cap) if k == 0 else cap
-        if bucket is not buckets[-1]:
-            assert size >= closed_at  # closed once full...
-        assert size - 4 * numels[bucket.params[-1]] < closed_at  # ...and not later
+        if k < len(buckets) - 1:
+            assert size >= cap  # closed once full...
+        assert size - 4 * numels[bucket.params[-1]] < cap  # ...and not later
 
 
-def test_the_first_bucket_is_small_and_the_rest_fill_up_to_the_cap() -> None:
-    assert layout([100] * 10, cap_bytes=1200, first_bytes=400) == [
-        Bucket(900, 1000, (9,)),
-        Bucket(600, 900, (8, 7, 6)),
-        Bucket(300, 600, (5, 4, 3)),
-        Bucket(0, 300, (2, 1, 0)),
+def test_buckets_fill_up_to_the_cap_from_the_last_parameter() -> None:
+    assert layout([100] * 10, cap_bytes=1200) == [
+        Bucket(700, 1000, (9, 8, 7)),
+        Bucket(400, 700, (6, 5, 4)),
+        Bucket(100, 400, (3, 2, 1)),
+        Bucket(0, 100, (0,)),
     ]
 
 
@@ -69,7 +68,7 @@ def _buckets(model: nn.Module, cap_floats: int) -> tuple[Buckets, list[tuple[int
         piece.mul_(2.0)  # what goes out is what prepare made of it
 
     numels = [p.numel() for p in params]
-    return Buckets(params, flat, layout(numels, 4 * cap_floats, 4 * cap_floats), post, prepare), sent, prepared
+    return Buckets(params, flat, layout(numels, 4 * cap_floats), post, prepare), sent, prepared
 
 
 def test_buckets_go_out_during_the_last_backward_in_order() -> None:
@@ -122,4 +121,7 @@ def test_a_single_bucket_is_left_to_go_out_with_the_tail() -> None:
     buckets, sent, prepared = _buckets(model, cap_floats=10_000)
     with buckets.during_backward():
         model(torch.randn(4, 8)).sum().backward()
+        assert prepared == [], "no hooks: nothing to post before the tail"
     assert buckets.complete() == [] and sent == [] and len(prepared) == 1 and buckets.end == 0
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # type: ignore[union-attr]
+    assert torch.equal(buckets.flat[: grads.numel()], 2 * grads)
