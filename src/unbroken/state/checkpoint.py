@@ -220,8 +220,13 @@ class Checkpointer:
 
 
 def _lower_priority() -> None:
-    """Give the calling thread a lower CPU priority (Linux schedules threads one by one):
-    on a busy machine the write takes longer, and the step loop does not wait for it."""
-    with contextlib.suppress(AttributeError, OSError):
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + NICE)
+    """Let the calling thread run only on a core training leaves idle (Linux schedules
+    threads one by one): ``SCHED_IDLE``, which a busy core grants about 0.3 % of its time
+    where nice +10 is still granted 10 %; where that policy is refused, nice +10. On a busy
+    machine the write takes longer, and the step loop does not wait for it."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + NICE)

@@ -262,3 +262,22 @@ def test_the_parameters_are_copied_while_the_next_step_computes_and_the_rest_at_
         ck.layout = ck_layout
     back = load_checkpoint(checkpoint_path(tmp_path, 0))
     assert torch.equal(back["model"]["weight"], weight) and torch.equal(back["model"]["running_mean"], mean)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_the_writer_runs_only_where_training_leaves_a_core_idle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    policies: list[tuple[str, int]] = []
+    real_save = torch.save
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        policies.append((threading.current_thread().name, os.sched_getscheduler(threading.get_native_id())))
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(ck.torch, "save", save)
+    c = Checkpointer(tmp_path)
+    c.save_async(snap(1))
+    c.close()
+    assert policies == [("checkpoint-writer", os.SCHED_IDLE)]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER, "the step loop keeps its priority"
