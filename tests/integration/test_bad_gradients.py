@@ -30,12 +30,15 @@ def final_is_finite(c) -> bool:
     return all(bool(torch.isfinite(v).all()) for v in final.values())
 
 
-@pytest.mark.parametrize("poison", ["nan", "spike"])
-def test_a_poisoned_gradient_is_refused_and_the_model_stays_exact(make_cluster, poison):
+@pytest.mark.parametrize(("poison", "buckets"), [("nan", "25"), ("spike", "25"), ("spike", "0.0002")])
+def test_a_poisoned_gradient_is_refused_and_the_model_stays_exact(make_cluster, poison, buckets):
     """A gradient poisoned once (a faulty device, a bad batch): the step is not applied; it
     is retried with every contribution gathered and checked, and since the retry is clean
-    nobody is benched (no evidence), and the model equals the reference."""
-    c, bad = two_and_one(make_cluster, "bad", f"{poison}@grad:12", timeout=120)
+    nobody is benched (no evidence), and the model equals the reference; also with the
+    gradient sent in tiny buckets while backward runs."""
+    c, bad = two_and_one(
+        make_cluster, "bad", f"{poison}@grad:12", timeout=120, coordinator_args=["--bucket-mb", buckets]
+    )
     assert fired(bad, poison)
     refused = [e for e in c.nodes["a"].entries() if e["kind"] == "refused"]
     assert refused and refused[0]["step"] == 12 and refused[0]["culprit"] is None, refused

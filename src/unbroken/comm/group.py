@@ -97,13 +97,21 @@ def wait_until(
 
 def wait_work(work: Any, wake: threading.Event, should_abort: AbortCheck, deadline_s: float, what: str) -> None:
     """Wait for a c10d work item against an abort signal; surface its error as `CollectiveFailed`."""
-    fut = work.get_future()
-    fut.add_done_callback(lambda _f: wake.set())
-    wait_until(fut.done, wake, should_abort, deadline_s, what)
-    try:
-        work.wait()
-    except RuntimeError as exc:
-        raise CollectiveFailed(f"{what} failed: {str(exc).splitlines()[0][:300]}") from exc
+    wait_all([work], wake, should_abort, deadline_s, what)
+
+
+def wait_all(works: list[Any], wake: threading.Event, should_abort: AbortCheck, deadline_s: float, what: str) -> None:
+    """`wait_work` for several work items under one deadline (a failed one named by its place)."""
+    futures = [work.get_future() for work in works]
+    for fut in futures:
+        fut.add_done_callback(lambda _f: wake.set())
+    wait_until(lambda: all(f.done() for f in futures), wake, should_abort, deadline_s, what)
+    for i, work in enumerate(works):
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            part = f" (part {i + 1} of {len(works)})" if len(works) > 1 else ""
+            raise CollectiveFailed(f"{what}{part} failed: {str(exc).splitlines()[0][:300]}") from exc
 
 
 def run_abortable(

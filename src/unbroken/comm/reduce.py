@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from unbroken.comm.codecs import Codec
-from unbroken.comm.group import AbortCheck, wait_until, wait_work
+from unbroken.comm.group import AbortCheck, wait_all, wait_until, wait_work
 from unbroken.comm.robust import combine, lie
 from unbroken.errors import BadContribution
 from unbroken.sched.zones import Zones
@@ -238,8 +238,7 @@ class Reducer:
     def _finish_exchange(
         self, ex: _Exchange, flat: torch.Tensor, wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str
     ) -> int:
-        for work in ex.works:
-            wait_work(work, wake, abort, deadline_s, f"{what} (between zones)")
+        wait_all(ex.works, wake, abort, deadline_s, f"{what} (between zones)")
         count = len(ex.outs[0])
         out = [torch.cat([o[r] for o in ex.outs]) for r in range(count)]
         h, k = ex.head, ex.compressed
@@ -335,8 +334,7 @@ class Reducer:
         start = early.end if early is not None else 0
         works = [*(early.works if early is not None else ()), pg.allreduce([flat[start:]])]
         after_post()
-        for work in works:
-            wait_work(work, wake, abort, deadline_s, what)
+        wait_all(works, wake, abort, deadline_s, what)
 
     def _gather(
         self,

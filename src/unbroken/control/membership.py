@@ -562,10 +562,12 @@ class Membership:
             if agreed and self._checking_from is None:
                 # A contribution lied, and only the gathered rows can say whose: check each.
                 self._checking_from = self.step
-                d.events.append(
-                    self._event(now, "suspect", None, f"{reason}; the next {CHECKED_STEPS} steps gather and check "
-                                "every member's contribution")
-                )  # fmt: skip
+                then = (
+                    "DiLoCo's exchange gathers no rows: the round is retried as it was"
+                    if self.diloco is not None
+                    else f"the next {CHECKED_STEPS} steps gather and check every member's contribution"
+                )
+                d.events.append(self._event(now, "suspect", None, f"{reason}; {then}"))
                 self._want_epoch(now, urgent=True, reason="a step's sum did not add up: checking each part", delay=0.0)
                 return d
             if len(accusers) > 1 or not current:

@@ -31,7 +31,8 @@ CORRUPT = {"nan": float("nan"), "spike": 1e6, "flip": -10.0}
 ``spike``: multiplied by a million) after its backward pass — a faulty device or a bad
 batch. ``flip`` multiplies it by -10 at that step *and every later one*: a persistently
 wrong node that stays inside the guard's range (robust aggregation's case). Use PHASE ``grad``,
-or ``outer`` for the pseudo-gradient a DiLoCo zone leader sends after inner step STEP."""
+or ``outer`` (``nan``, ``spike``) for the pseudo-gradient a DiLoCo zone leader sends after
+inner step STEP."""
 PERSISTENT = ("flip",)
 LIES = {"hide-nan": float("nan"), "hide-spike": -1e6, "forge-slot": float("inf")}
 """A member that lies from step STEP on (``…@grad:STEP``), as a compromised node would:
@@ -72,7 +73,7 @@ def parse_faults(spec: str) -> list[Fault]:
         phase, _, step = rest.partition(":")
         known = (
             ((sig in SIGNALS or sig == HANG) and phase != "outer")
-            or (sig in CORRUPT and phase in ("grad", "outer"))
+            or (sig in CORRUPT and (phase == "grad" or (phase == "outer" and sig not in PERSISTENT)))
             or (sig in LIES and phase == "grad")
             or (sig in (BITFLIP, FALSE_ALARM) and phase == "commit")
             or (sig in (MUTE, UNREACHABLE) and phase == "build")
@@ -80,7 +81,8 @@ def parse_faults(spec: str) -> list[Fault]:
         if not known or phase not in PHASES or not (step.isascii() and step.isdigit()):
             raise ConfigError(
                 f"fault {part!r} is not SIGNAL@PHASE:STEP with SIGNAL in {sorted([*SIGNALS, HANG])} "
-                f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP / nan@outer:STEP / bitflip@commit:STEP / "
+                f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP / nan@outer:STEP / spike@outer:STEP / "
+                f"bitflip@commit:STEP / "
                 f"mute@build:EPOCH / "
                 f"false-alarm@commit:STEP / unreachable@build:EPOCH / "
                 f"hide-nan@grad:STEP / hide-spike@grad:STEP / forge-slot@grad:STEP) "

@@ -4,7 +4,7 @@ Backward produces the last layers' gradients first. The step's flat tensor holds
 gradient in parameter order, so its buckets are contiguous ranges taken from the end, each
 up to the epoch's bucket size. There is no small first bucket as DDP has (1 MB): every
 collective more costs a round of latency, 2.5 ms on 3 processes sharing 2 cores, and a
-small model split in two ran 1.35x slower than in one piece (`bench/steady_state.py`).
+small model split in two ran 1.32x DDP's step, 0.98x in one piece (`bench/steady_state.py`).
 A hook on each parameter copies its accumulated gradient into ``flat`` on the last
 micro-batch's backward; a bucket whose parameters are all in is prepared (the loss scale,
 the norm: `StepProtocol`) and its sum posted on the reducer's first hop, always in bucket

@@ -104,8 +104,10 @@ class StepProtocol:
         self.share = group.shares[group.rank]
         self.in_step = functools.partial(node.abort_reason, during_step=True)
         self.buckets: Buckets | None = None
-        """The gradient's buckets, summed while backward runs (None: in one piece with the tail)."""
-        if reducer.bucket_bytes and reducer.first_hop is not None:
+        """The gradient's buckets, summed while backward runs (None: in one piece with the tail).
+        Not on an accelerator: a hook's copy to the CPU would stop the device at every
+        parameter (its gradient is staged after backward, as it was)."""
+        if reducer.bucket_bytes and reducer.first_hop is not None and node.replica.device.type == "cpu":
             hop = reducer.first_hop
             self.buckets = Buckets(
                 node.replica.params,
@@ -117,6 +119,8 @@ class StepProtocol:
         self._step = -1
         self._overflow = False
         self._squares = 0.0
+        self._poison: float | None = None
+        self._lie: str | None = None
 
     # ---------------------------------------------------------------- before compute
 
@@ -193,7 +197,7 @@ class StepProtocol:
         flat[node.numel : at] = torch.tensor(slots)
         flat[at:] = 0.0
         flat[at + g.rank] = math.sqrt(self._squares)
-        if node.faults.lie(sl.step) == "forge-slot":  # a hostile member (`testing.faults.LIES`)
+        if self._lie == "forge-slot":  # a hostile member (`testing.faults.LIES`)
             flat[at + (g.rank + 1) % g.size] = LIES["forge-slot"]
         if self.buckets is not None and len(self.buckets.buckets) > 1:
             log["buckets"] = [self.buckets.in_backward, len(self.buckets.buckets)]  # sent in backward, of all
@@ -201,6 +205,9 @@ class StepProtocol:
         node.records.log(entry | {"role": g.role, **log, "compute_s": node.meter.last_compute_s})
 
     def _start_gradient(self, step: int) -> None:
+        faults = self.node.faults
+        if step != self._step:  # a fault fires once a step, whatever the buckets and retries
+            self._poison, self._lie = faults.corruption(step), faults.lie(step)
         self._step, self._overflow, self._squares = step, False, 0.0
         if self.buckets is not None:
             self.buckets.reset()
@@ -220,19 +227,17 @@ class StepProtocol:
         goes out: unscaled, zero once any piece overflowed (the group skips the update; the
         pieces already sent do not matter then), its norm counted before a hostile member
         (`testing.faults`) spoils it."""
-        node, step = self.node, self._step
+        node = self.node
         if node.scale is not None:
             grad.mul_(torch.tensor(1.0 / node.scale.scale, dtype=torch.float32))
             self._overflow = self._overflow or not all_finite(grad)
             if self._overflow:
                 grad.zero_()
-        poison = node.faults.corruption(step)
-        if poison is not None:
-            grad *= poison
+        if self._poison is not None:
+            grad *= self._poison
         self._squares += float(torch.linalg.vector_norm(grad)) ** 2
-        lie = node.faults.lie(step)
-        if lie is not None and lie != "forge-slot":
-            grad *= LIES[lie]
+        if self._lie is not None and self._lie != "forge-slot":
+            grad *= LIES[self._lie]
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
@@ -299,7 +304,8 @@ class StepProtocol:
         lossy = self.reducer.codec is not None and self.reducer.zones.multi and node.codec_spec != "none"
         total = float(torch.linalg.vector_norm(grad).item())  # finite: so is every element
         if not math.isfinite(total) and not all_finite(grad):
-            raise Suspicion(f"{what}: the summed {noun} is not finite, though no norm slot says whose")
+            says = "no norm slot says whose" if verdict is None else f"rank {verdict[0]}'s norm slot says {verdict[1]}"
+            raise Suspicion(f"{what}: the summed {noun} is not finite; {says} (not proven on a sum)")
         if verdict is not None:
             raise Suspicion(f"{what}: rank {verdict[0]}'s norm slot says {verdict[1]}; not proven on a sum")
         bound = math.fsum(norms)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -125,3 +126,39 @@ def test_a_single_bucket_is_left_to_go_out_with_the_tail() -> None:
     assert buckets.complete() == [] and sent == [] and len(prepared) == 1 and buckets.end == 0
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # type: ignore[union-attr]
     assert torch.equal(buckets.flat[: grads.numel()], 2 * grads)
+
+
+@pytest.mark.parametrize("fault", ["spike@grad:3", "hide-spike@grad:3"])
+def test_a_fault_of_one_step_spoils_every_bucket_of_it_and_the_norm_counts_what_was_true(fault: str) -> None:
+    from types import SimpleNamespace
+
+    from unbroken.comm.reduce import Reducer
+    from unbroken.sched.zones import Zones
+    from unbroken.testing.faults import FaultPlan, parse_faults
+    from unbroken.train.step import StepProtocol
+
+    torch.manual_seed(0)
+    model = Net()
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    sent: list[torch.Tensor] = []
+    pg = SimpleNamespace(allreduce=lambda tensors: sent.append(tensors[0].clone()))
+    node = SimpleNamespace(
+        numel=numel, compressed_numel=numel, scale=None, faults=FaultPlan(parse_faults(fault), lambda _e: None),
+        replica=SimpleNamespace(params=params, device=torch.device("cpu")), abort_reason=lambda **_kw: None,
+    )  # fmt: skip
+    group = SimpleNamespace(shares=[4], rank=0, size=1)
+    reducer = Reducer(0, Zones(()), pg, bucket_bytes=4 * 20)
+    protocol = StepProtocol(node, group, reducer)  # type: ignore[arg-type]
+    assert protocol.buckets is not None and len(protocol.buckets.buckets) > 2
+    protocol._start_gradient(3)
+    with protocol.backward():
+        model(torch.randn(4, 8)).square().sum().backward()
+    protocol.buckets.complete()
+    grads = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+    factor = 1e6 if fault.startswith("spike") else -1e6
+    assert torch.allclose(protocol.flat[:numel], factor * grads), "every bucket, not only the first out"
+    true_norm = float(torch.linalg.vector_norm(grads)) * (1e6 if fault.startswith("spike") else 1.0)
+    assert math.isclose(protocol._squares**0.5, true_norm, rel_tol=1e-4), "a lie hides behind the true norm"
+    protocol._start_gradient(4)
+    assert protocol._poison is None and protocol._lie == ("hide-spike" if fault.startswith("hide") else None)
