@@ -204,7 +204,9 @@ class NodeConfig:
     link_latency_ms: float = 0.0
     """Testing aid: emulated one-way latency of each inter-zone hop (in-process)."""
     link_mbit: float = 0.0
-    """Testing aid: emulated inter-zone bandwidth in Mbit/s (0: unlimited)."""
+    """Testing aid: emulated inter-zone bandwidth in Mbit/s (0: unlimited)..."""
+    link_mbit_from: tuple[tuple[str, float], ...] = ()
+    """...and per zone it receives from, where it differs (``--link-mbit 800,B=20``)."""
     throttle: str = ""
     """Testing aid: emulate a slower device, ``F`` or ``F,STEP:F,...`` (see unbroken.testing.throttle)."""
     checkpoint_dir: Path | None = None
@@ -266,6 +268,8 @@ class NodeConfig:
             raise ConfigError(f"TLS CA bundle {self.tls_ca} does not exist")
         _check_range("NodeConfig", "link_latency_ms", self.link_latency_ms, 0, 60_000)
         _check_range("NodeConfig", "link_mbit", self.link_mbit, 0)
+        for zone, mbit in self.link_mbit_from:
+            _check_range("NodeConfig", f"link_mbit_from[{zone!r}]", mbit, 0)
         if len(self.zone) > 128:
             raise ConfigError(f"NodeConfig.zone is {len(self.zone)} characters long; at most 128 are allowed")
         if self.role not in ROLES:

@@ -10,7 +10,7 @@ import signal
 
 import torch
 
-from integration.helpers import assert_promises, fired, job_for
+from integration.helpers import assert_promises, events_of, fired, job_for
 from unbroken.testing import check_promises, reference_state
 
 ENV = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "5", "UB_TEST_EVAL": "1"}
@@ -103,3 +103,32 @@ def test_auto_zones_on_one_site_make_one_zone(make_cluster):
     codes = c.wait_exit(timeout=120)
     assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
     assert_promises(c, env, finishers=3)
+
+
+def test_four_zone_leaders_measure_their_links_and_the_ring_leaves_the_slow_pairs_out(make_cluster):
+    # Emulated links (each node delays what it receives from the zones named): A-B and C-D
+    # are slow, the rest unlimited. In join order the leaders' ring is A B C D A, which uses
+    # both slow pairs; the leaders measure every pair in the first epoch, and the next epoch
+    # orders a ring whose every link is fast (A C B D or A D B C). Training goes on throughout.
+    env = {"UB_TEST_STEPS": "100", "UB_TEST_DELAY_MS": "20", "UB_TEST_EVAL": "1"}
+    slow_from = {"a": "B", "b": "A", "c": "D", "d": "C"}
+    c = make_cluster(env=env, min_nodes=4, node_args=["--digest-every", "1"])
+    c.start_coordinator()
+    for name in "abcd":  # join order: ranks, and the ring before it is measured
+        c.start_node(name, extra=["--zone", name.upper(), "--link-mbit", f"0,{slow_from[name]}=20"])
+        c.wait_for(lambda n=name: n in {m["name"] for m in c.state()["members"]}, 60, f"{name} to join")
+    codes = c.wait_exit(timeout=180)
+    assert codes == {"a": 0, "b": 0, "c": 0, "d": 0}, c.diagnostics()
+    measured = {n: [e for e in node.entries() if e["kind"] == "links"] for n, node in c.nodes.items()}
+    assert all(measured.values()), measured
+    for name, reports in measured.items():  # what each leader received from its slow zone is slow
+        rates = reports[0]["rates"]
+        slow = rates[slow_from[name]]
+        assert slow < 3.0 and all(r > 2 * slow for z, r in rates.items() if z != slow_from[name]), (name, rates)
+    reasons = [e["reason"] for e in events_of(c, "epoch")]
+    reordered = [r.split("leaders' ring ")[1].split(":")[0].split(" > ") for r in reasons if "leaders' ring" in r]
+    assert reordered, reasons
+    ring = reordered[0]  # A C B D or A D B C: any ring whose links are all fast
+    pairs = {frozenset(p) for p in zip(ring, [*ring[1:], ring[0]], strict=True)}
+    assert sorted(ring) == list("ABCD") and not pairs & {frozenset("AB"), frozenset("CD")}, reasons
+    assert_promises(c, env, finishers=4)

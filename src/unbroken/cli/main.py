@@ -176,7 +176,8 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
         token=load_token(args.token, args.token_file),
         tls_ca=Path(args.tls_ca) if args.tls_ca else None,
         link_latency_ms=args.link_latency_ms,
-        link_mbit=args.link_mbit,
+        link_mbit=args.link_mbit[0],
+        link_mbit_from=args.link_mbit[1],
     )
 
 
@@ -262,6 +263,19 @@ def _bytes(text: str) -> int:
     if not value >= 0:
         raise ConfigError(f"--memory-limit {text!r} must not be negative")
     return int(value)
+
+
+def _link_mbit(text: str) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """``800`` or ``800,B=20,C=20``: the emulated Mbit/s from every zone, then per zone."""
+    first, *rest = text.split(",")
+    try:
+        default = float(first) if first.strip() else 0.0
+        per_zone = tuple((zone.strip(), float(mbit)) for zone, _, mbit in (r.partition("=") for r in rest))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MBIT or MBIT,ZONE=MBIT,... (e.g. 800,B=20)") from None
+    if any(not zone for zone, _ in per_zone):
+        raise argparse.ArgumentTypeError(f"{text!r}: a per-zone rate needs its zone (ZONE=MBIT)")
+    return default, per_zone
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -357,7 +371,12 @@ def _node_options(n: argparse.ArgumentParser) -> None:
         "time to the coordinator",
     )
     n.add_argument("--link-latency-ms", type=float, default=0.0, help="testing aid: emulated inter-zone latency")
-    n.add_argument("--link-mbit", type=float, default=0.0, help="testing aid: emulated inter-zone Mbit/s (0: none)")
+    n.add_argument(
+        "--link-mbit",
+        type=_link_mbit,
+        default=(0.0, ()),
+        help="testing aid: emulated inter-zone Mbit/s (0: none), and per zone received from: 800,B=20,C=20",
+    )
     n.add_argument("--throttle", help="testing aid: emulate a slower device, e.g. 0.25 or 1,40:0.25,80:1")
     n.add_argument("--checkpoint-dir", help="directory for asynchronous checkpoints")
     n.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N committed steps")

@@ -45,14 +45,18 @@ class LinkEmulation:
     latency_s: float = 0.0
     """One-way latency of an inter-zone hop (half the round trip)."""
     mbit_s: float = 0.0
-    """Inter-zone bandwidth in Mbit/s (0: unlimited)."""
+    """Inter-zone bandwidth in Mbit/s (0: unlimited)..."""
+    mbit_from: dict[str, float] = field(default_factory=dict)
+    """...and from these zones (what this node receives from each; 0: unlimited)."""
 
     @property
     def active(self) -> bool:
-        return self.latency_s > 0 or self.mbit_s > 0
+        return self.latency_s > 0 or self.mbit_s > 0 or any(v > 0 for v in self.mbit_from.values())
 
-    def delay(self, payload_bytes: int, hops: int) -> float:
-        per_hop = self.latency_s + (payload_bytes * 8 / (self.mbit_s * 1e6) if self.mbit_s > 0 else 0.0)
+    def delay(self, payload_bytes: int, hops: int, source: str | None = None) -> float:
+        """How long ``hops`` hops of ``payload_bytes`` take, each received from ``source``'s zone."""
+        mbit = self.mbit_from.get(source, self.mbit_s) if source is not None else self.mbit_s
+        per_hop = self.latency_s + (payload_bytes * 8 / (mbit * 1e6) if mbit > 0 else 0.0)
         return per_hop * hops
 
 
@@ -174,45 +178,10 @@ class Reducer:
             size = self.pg.size()
             self.wire.add(_ring_allreduce_bytes(4 * n, size), 0)
             return
-        zone = self.zones.of_rank[self.rank]
-        zone_size = len(self.zones.members(zone))
-        intra = inter = 0
-        posted = False
-        if self.zone_pg is not None:
-            self._first_hop(self.zone_pg, flat, early, wake, abort, deadline_s, f"{what} (zone {zone})", after_post)
-            posted = True
-            intra += _ring_allreduce_bytes(4 * n, zone_size)
-        if self.leaders_pg is not None:
-            inter = self._exchange(
-                flat, wake, abort, deadline_s, what, None if posted else after_post, after_exchange_post
-            )
-            posted = True
-        if self.zone_pg is not None:
-            work = self.zone_pg.broadcast(flat, 0)
-            if not posted:
-                after_post()
-            wait_work(work, wake, abort, deadline_s, f"{what} (zone {zone} broadcast)")
-            if self.leaders_pg is not None:
-                intra += 4 * n * (zone_size - 1)
-        self.wire.add(intra, inter)
-
-    def _exchange(
-        self,
-        flat: torch.Tensor,
-        wake: threading.Event,
-        abort: AbortCheck,
-        deadline_s: float,
-        what: str,
-        after_post: Callable[[], None] | None,
-        after_exchange_post: Callable[[], None],
-    ) -> int:
-        emulated = self._emulate_link_for(flat)
-        self._emulate_link(emulated, wake, abort, deadline_s, what)
-        posted = self._post_exchange(flat)
-        if after_post is not None:
-            after_post()
-        after_exchange_post()
-        return self._finish_exchange(posted, flat, wake, abort, deadline_s, what)
+        # Across zones: the exchange posted and completed at once (DiLoCo's rounds applied
+        # late call the two halves a round apart).
+        posted = self.post(flat, wake, abort, deadline_s, what, after_post, after_exchange_post, early)
+        self.finish(posted, wake, abort, deadline_s, what)
 
     def _emulate_link_for(self, flat: torch.Tensor) -> float:
         """When the emulated link would have delivered this leader's payload (0: no emulation)."""
@@ -220,7 +189,10 @@ class Reducer:
             return 0.0
         k = self.compressed if self.codec is not None else 0
         payload = (self.codec.payload_bytes(k) if self.codec is not None and k else 0) + 4 * (flat.numel() - k)
-        return time.monotonic() + self.link.delay(payload, self.leaders_pg.size() - 1)
+        # A ring all-gather: every payload reaches this leader from the one before it in the ring.
+        names = self.zones.names
+        before = names[(names.index(self.zones.of_rank[self.rank]) - 1) % len(names)]
+        return time.monotonic() + self.link.delay(payload, self.leaders_pg.size() - 1, before)
 
     def _post_exchange(self, flat: torch.Tensor) -> _Exchange:
         k = self.compressed if self.codec is not None else 0
@@ -264,7 +236,9 @@ class Reducer:
         abort: AbortCheck,
         deadline_s: float,
         what: str,
+        after_post: Callable[[], None] = lambda: None,
         after_exchange_post: Callable[[], None] = lambda: None,
+        early: Early | None = None,
     ) -> Posted:
         """The first half of `allreduce` across zones, for an exchange that runs while the
         caller computes on: the zone's sum now (fast links), the leaders' exchange posted and
@@ -276,12 +250,14 @@ class Reducer:
         zone_size = len(self.zones.members(zone))
         intra = 0
         if self.zone_pg is not None:
-            wait_work(self.zone_pg.allreduce([flat]), wake, abort, deadline_s, f"{what} (zone {zone})")
+            self._first_hop(self.zone_pg, flat, early, wake, abort, deadline_s, f"{what} (zone {zone})", after_post)
             intra += _ring_allreduce_bytes(4 * n, zone_size)
         ex, ready_at = None, 0.0
         if self.leaders_pg is not None:
             ready_at = self._emulate_link_for(flat)
             ex = self._post_exchange(flat)
+            if self.zone_pg is None:  # alone in its zone: the exchange is its first collective
+                after_post()
             after_exchange_post()
         return Posted(flat, ex, ready_at, intra)
 

@@ -580,6 +580,8 @@ class Coordinator(ThreadedService):
                 send_all(self._sessions, {o: finished for o in self._sessions if o not in ms.final_digests})
         elif isinstance(msg, m.Validation):
             self._apply(ms.validation(mid, msg.step, msg.metrics, msg.seconds, now))
+        elif isinstance(msg, m.Links):
+            self._apply(ms.links_measured(mid, msg.epoch, msg.rates, now))
         elif isinstance(msg, m.Meet):
             self.rendezvous.put(mid, msg, now)
             if self._meet_flush is None and self._loop is not None:

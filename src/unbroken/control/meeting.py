@@ -129,7 +129,7 @@ class Rendezvous:
 
     def order(self, order: m.EpochOrder) -> None:
         """An epoch was ordered: its entries may come (older epochs' go)."""
-        zones = Zones(tuple(order.zones) if order.zones else tuple("" for _ in order.members))
+        zones = Zones(tuple(order.zones) if order.zones else tuple("" for _ in order.members), tuple(order.ring))
         groups = {name: {order.members[r]: i for i, r in enumerate(ranks)} for name, ranks in zones.groups().items()}
         missing: dict[str, set[str]] = {mid: set() for mid in order.members}
         for name, ranks in groups.items():

@@ -29,8 +29,9 @@ from unbroken.control.hearsay import PERIOD_S as HEARSAY_PERIOD_S
 from unbroken.control.hearsay import Hearsay, Report
 from unbroken.control.messages import Capabilities, EpochOrder, Hello, Resume, TensorSpec
 from unbroken.sched.balance import Plan, Preference, Profile, Role, adopt, plan, rebalance
+from unbroken.sched.links import RING_MIN_ZONES, Links, bottleneck
 from unbroken.sched.stragglers import find_stragglers
-from unbroken.sched.zones import AUTO, group_by_rtt
+from unbroken.sched.zones import AUTO, Zones, group_by_rtt
 
 JOIN_SETTLE_S = 0.25
 """Joins that arrive this close together share one epoch change."""
@@ -222,6 +223,10 @@ class Membership:
         """A failed audit's rollback, carried by the next epoch order."""
         self._zones_in_force: list[str] = []
         """The zones of the epoch in force (empty: one zone)."""
+        self.links = Links()
+        """What zone leaders measured between zones (`sched.links`)."""
+        self._ring: list[str] = []
+        """The leaders' ring of the epoch in force (zone names; empty: fewer than 4 zones)."""
         self._planned_at = now
         self._planned_times: dict[str, float] = {}
         self._next_rebalance = now
@@ -481,6 +486,34 @@ class Membership:
             m.bytes_intra, m.bytes_inter = wire
         if epoch == self.epoch and m.role is Role.TRAINER and compute_s > 0:
             m.compute_times.append(compute_s)
+
+    def links_measured(self, member_id: str, epoch: int, rates: dict[str, float], now: float) -> Decision:
+        """A zone leader's rates from the other zones (an order's ``probe_links``). Only the
+        epoch's leaders are heard, and only of that epoch's zones: a member may lie, and its
+        word moves nothing but the ring's order. Once every pair is known, a ring whose
+        slowest link is `sched.links.GAIN` times faster forms a new epoch at a step boundary."""
+        d = Decision()
+        if epoch != self.epoch or member_id not in self.epoch_members or not self._ring:
+            return d
+        zones = Zones(tuple(self._zones_in_force), tuple(self._ring))
+        rank = self.epoch_members.index(member_id)
+        if rank not in zones.leaders:
+            return d
+        mine = zones.of_rank[rank]
+        heard = {z: r for z, r in rates.items() if z in zones.names and z != mine}
+        self.links.report(mine, heard, now)
+        shown = ", ".join(f"{z} {r:.0f}" for z, r in sorted(heard.items()))
+        d.events.append(self._event(now, "links", member_id, f"zone {mine} received (MB/s): {shown}"))
+        ring = self.links.ring(zones.names, self._ring, now)
+        if ring != self._ring:
+
+            def rate(a: str, b: str) -> float:
+                return self.links.rate(a, b, now) or 0.0
+
+            before, after = bottleneck(self._ring, rate), bottleneck(ring, rate)
+            why = f"leaders' ring {' > '.join(ring)}: slowest link {before:.0f} -> {after:.0f} MB/s"
+            self._want_epoch(now, urgent=False, reason=why, delay=0.0)
+        return d
 
     def validation(self, member_id: str, step: int, metrics: dict[str, float], seconds: float, now: float) -> Decision:
         d = Decision()
@@ -921,6 +954,8 @@ class Membership:
             del self._witnesses[e]
         self._accusers = {k: v for k, v in self._accusers.items() if k[0] >= self.epoch - 1}
         self._zones_in_force = zones if len(set(zones)) > 1 else []
+        names = list(dict.fromkeys(self._zones_in_force))
+        self._ring = self.links.ring(names, self._ring, now) if len(names) >= RING_MIN_ZONES else []
         for m in members:
             m.state = MemberState.ACTIVE
         msg = EpochOrder(
@@ -933,6 +968,8 @@ class Membership:
             roles=[r.value for r in self.plan.roles] if self.plan else [],
             microbatches=list(self.plan.microbatches) if self.plan else [],
             zones=self._zones_in_force,
+            ring=self._ring,
+            probe_links=bool(self._ring) and not self.links.complete(self._ring, now),
             codec=self.codec,
             streams=self.streams,
             bucket_mb=self.bucket_mb,

@@ -223,6 +223,18 @@ class Leave(_Msg):
     reason: Annotated[str, Field(max_length=2000)] = "requested"
 
 
+class Links(_Msg):
+    """What a zone leader measured (an order's ``probe_links``): MB/s received from each
+    other zone's leader."""
+
+    type: Literal["links"] = "links"
+    epoch: EpochNo
+    rates: Annotated[
+        dict[Annotated[str, Field(max_length=128)], Annotated[float, Field(ge=0, le=1e7)]],
+        Field(max_length=MAX_MEMBERS),
+    ]
+
+
 class Done(_Msg):
     type: Literal["done"] = "done"
     step: Count
@@ -296,6 +308,10 @@ class EpochOrder(_Msg):
     streams: Annotated[int, Field(ge=1, le=MAX_STREAMS)] = 1
     """Connections each pair of zone leaders (and each cross-zone state transfer) spreads its
     bytes over: one TCP connection cannot fill a long, fast link (its window caps it)."""
+    ring: Annotated[list[Annotated[str, Field(max_length=128)]], Field(max_length=MAX_MEMBERS)] = []
+    """The zones in the order of the leaders' ring (`sched.links`; empty: as they first appear)."""
+    probe_links: bool = False
+    """The zone leaders measure the rate between each pair of zones and report it (`Links`)."""
     bucket_mb: Annotated[float, Field(ge=0, le=MAX_BUCKET_MB)] = 0.0
     """Gradient buckets summed while backward runs (`train.buckets`; 0: one piece after it)."""
     codec: Annotated[str, Field(max_length=64)] = "none"
@@ -396,7 +412,8 @@ class Probe(_Msg):
 
 
 NodeMessage = Annotated[
-    Hello | Heartbeat | Progress | Fault | Leave | Done | Validation | Report | Meet, Field(discriminator="type")
+    Hello | Heartbeat | Progress | Fault | Leave | Done | Validation | Report | Meet | Links,
+    Field(discriminator="type"),
 ]
 CoordinatorMessage = Annotated[
     Challenge | Welcome | Refused | Ack | EpochOrder | Expel | Finished | Command | Met | Probe,

@@ -51,10 +51,15 @@ class Zones:
     """Who is in which zone, and who leads each (the first member of a zone in rank order)."""
 
     of_rank: tuple[str, ...]
+    ring: tuple[str, ...] = ()
+    """The zones in the leaders' ring order (`sched.links`); the others follow in the order
+    of their first members."""
 
     @property
     def names(self) -> list[str]:
-        return list(dict.fromkeys(self.of_rank))
+        """The zones in ring order: the leaders' group ranks follow it."""
+        present = list(dict.fromkeys(self.of_rank))
+        return [z for z in dict.fromkeys(self.ring) if z in present] + [z for z in present if z not in self.ring]
 
     def members(self, zone: str) -> list[int]:
         return [r for r, z in enumerate(self.of_rank) if z == zone]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import logging
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ import torch
 
 from unbroken.comm.codecs import Codec, make_codec
 from unbroken.comm.group import PUBLISH_S, EpochGroup, Meeting, build_group, wait_until
+from unbroken.comm.links import probe
 from unbroken.comm.reach import Stall, accuse, reach, unreachable_fault
 from unbroken.comm.reduce import Reducer
 from unbroken.control import messages as m
@@ -26,9 +28,11 @@ from unbroken.train.step import EXTRA
 if TYPE_CHECKING:
     from unbroken.train.runtime import Node
 
+log = logging.getLogger(__name__)
+
 
 def zones_of(order: m.EpochOrder) -> Zones:
-    return Zones(tuple(order.zones) if order.zones else tuple("" for _ in order.members))
+    return Zones(tuple(order.zones) if order.zones else tuple("" for _ in order.members), tuple(order.ring))
 
 
 class Epochs:
@@ -147,7 +151,21 @@ class Epochs:
             reducer.streams = zones.streams("leaders", order.streams)
             reducer.leaders_pg, _ = build("leaders", zones.leaders.index(rank), leaders, streams=reducer.streams)
             group.extra_pgs.append(reducer.leaders_pg)
+            if order.probe_links:
+                self._probe_links(order, zones, reducer)
         return reducer
+
+    def _probe_links(self, order: m.EpochOrder, zones: Zones, reducer: Reducer) -> None:
+        """Measure the links to the other zones' leaders and report them (`comm.links`)."""
+        node = self.node
+        abort = functools.partial(node.abort_reason, during_step=False)
+        rank = zones.leaders.index(reducer.rank)
+        rates = probe(reducer.leaders_pg, rank, zones.names, node.link, node.wake, abort,
+                      node.config.collective_timeout_s)  # fmt: skip
+        log.info("%s: links from the other zones (MB/s): %s", node.name,
+                 ", ".join(f"{z} {r:.0f}" for z, r in sorted(rates.items())))  # fmt: skip
+        node.records.log({"kind": "links", "epoch": order.epoch, "rates": rates})
+        node.client.send(m.Links(epoch=order.epoch, rates=rates))
 
     def gloo_host(self) -> str | None:
         config = self.node.config

@@ -122,7 +122,7 @@ class Node:
         self.numel = sum(p.numel() for p in self.params) + sum(b.numel() for b in self.buffers)
         self.compressed_numel = sum(p.numel() for p in self.params)
         """The gradient part of the flat tensor: what the inter-zone codec compresses."""
-        self.link = LinkEmulation(config.link_latency_ms / 1e3, config.link_mbit)
+        self.link = LinkEmulation(config.link_latency_ms / 1e3, config.link_mbit, dict(config.link_mbit_from))
         self.wire = Wire()
         self.data = job.plan()
         self.records = Records(self)

@@ -837,3 +837,34 @@ def test_extended_leases_lapse_only_after_the_time_given() -> None:
     ms.extend(["b", "ghost"], t + 2.5 * LEASE)  # b's relay went silent; unknown ids are ignored
     assert set(ms.tick(t + 2 * LEASE).expel) == {"a"}
     assert set(ms.tick(t + 2.6 * LEASE).expel) == {"b"}
+
+
+# ---------------------------------------------------------------- the leaders' ring
+
+
+def test_leaders_measure_their_links_and_the_next_epoch_leaves_the_slow_pairs_out_of_the_ring() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0)
+    zones = {"a": "A", "b": "B", "c": "C", "d": "D", "a2": "A"}
+    for mid, zone in zones.items():
+        assert ms.admit(hello(mid, zone=zone), 0.0).refuse is None
+    first = only_order(ms.tick(JOIN_SETTLE_S))
+    assert first.ring == ["A", "B", "C", "D"] and first.probe_links, "rank order, and measure it"
+    slow = {frozenset("AB"), frozenset("CD")}
+    t = JOIN_SETTLE_S + 0.1
+    keep_alive(ms, t)
+
+    def heard(zone: str) -> dict[str, float]:
+        return {z: 2.5 if frozenset((zone, z)) in slow else 100.0 for z in "ABCD" if z != zone}
+
+    assert not ms.links_measured("a2", first.epoch, {"B": 1000.0, "C": 1000.0, "D": 1000.0}, t).events, (
+        "a member that leads no zone is not heard"
+    )
+    assert not ms.links_measured("a", first.epoch - 1, heard("A"), t).events, "nor a report of another epoch"
+    for mid in ("a", "b", "c", "d"):
+        d = ms.links_measured(mid, first.epoch, heard(zones[mid]) | {"X": 0.0}, t)
+        assert [e.kind for e in d.events] == ["links"] and "X" not in d.events[0].reason
+    second = only_order(ms.tick(t + 0.01))
+    assert second.ring == ["A", "C", "B", "D"] and not second.probe_links
+    assert "leaders' ring A > C > B > D: slowest link 2 -> 100 MB/s" in second.reason
+    keep_alive(ms, t + 1)
+    assert not ms.tick(t + 1).orders, "the ring in force stays: no further epoch"
