@@ -223,6 +223,8 @@ class Membership:
         """A failed audit's rollback, carried by the next epoch order."""
         self._zones_in_force: list[str] = []
         """The zones of the epoch in force (empty: one zone)."""
+        self._formed_at_step = -1
+        """The group's step when the epoch in force was formed."""
         self.links = Links()
         """What zone leaders measured between zones (`sched.links`)."""
         self._ring: list[str] = []
@@ -919,6 +921,12 @@ class Membership:
     def _form_epoch(self, now: float, urgent: bool, reason: str) -> Decision:
         d = Decision()
         self._pending_due, self._pending_urgent, self._pending_reasons = None, False, {}
+        if not urgent and self.epoch_members and self.step <= self._formed_at_step:
+            # Nothing of the epoch in force has committed (that the leader heard of): some
+            # members may be in its first step while others still sync, and the ones syncing
+            # would leave for the new order while the others wait in that step for them. A
+            # graceful switch needs a step all of them reach: this one switches at once.
+            urgent = True
 
         def eligible(m: Member) -> bool:
             return not m.quarantined and m.excluded_until <= now
@@ -943,6 +951,7 @@ class Membership:
         if not order:
             return d
         old = list(self.epoch_members)
+        self._formed_at_step = self.step
         self.epoch = max(self.epoch, self._epoch_floor) + 1
         self._started = True
         self.epoch_members = order

@@ -58,9 +58,10 @@ def formed(ids: list[str], now: float = 0.0, **kwargs: object) -> Membership:
     return ms
 
 
-def keep_alive(ms: Membership, now: float) -> None:
+def keep_alive(ms: Membership, now: float, step: int = 0) -> None:
+    """Every member heartbeats (at ``step``: 1 and more say the epoch in force committed)."""
     for mid in list(ms.members):
-        ms.heartbeat(mid, 0, now)
+        ms.heartbeat(mid, step, now)
 
 
 # ---------------------------------------------------------------- forming epochs
@@ -84,9 +85,9 @@ def test_joins_within_the_settle_time_share_one_epoch() -> None:
 def test_a_join_after_the_first_epoch_makes_a_second_one_with_old_members_first() -> None:
     ms = formed(["a", "b"])
     ms.admit(hello("c"), 1.0)
-    keep_alive(ms, 1.0)
+    keep_alive(ms, 1.0, step=5)
     assert ms.tick(1.0).orders == {}
-    keep_alive(ms, 1.0 + JOIN_SETTLE_S)
+    keep_alive(ms, 1.0 + JOIN_SETTLE_S, step=5)
     d = ms.tick(1.0 + JOIN_SETTLE_S)
     order = only_order(d)
     assert set(d.orders) == {"a", "b", "c"}
@@ -170,7 +171,7 @@ def test_failure_of_a_member_not_in_the_epoch_orders_no_urgent_epoch() -> None:
     ms = formed(["a"])
     ms.admit(hello("b"), 0.5)
     ms.fail("b", 0.55, "control connection dropped")
-    keep_alive(ms, 1.0)
+    keep_alive(ms, 1.0, step=5)
     d = ms.tick(1.0)
     assert all(not o.urgent for o in d.orders.values())
     assert all(o.members == ["a"] for o in d.orders.values())
@@ -205,6 +206,7 @@ def test_lease_expiry_expels_and_orders_an_urgent_epoch() -> None:
 
 def test_a_graceful_leave_orders_a_non_urgent_epoch_that_the_leaver_also_hears() -> None:
     ms = formed(["a", "b", "c"])
+    keep_alive(ms, 0.4, step=5)
     d = ms.leave("b", 0.5, "SIGTERM")
     order = only_order(d)  # at once, not at the next tick
     assert set(d.orders) == {"a", "b", "c"}  # the leaver learns it may go
@@ -226,6 +228,18 @@ def test_leave_of_a_joining_member_makes_no_epoch_with_it() -> None:
     assert ms.leave("b", 0.6, "changed my mind").orders == {}
     keep_alive(ms, 1.0)
     assert all("b" not in o.members for o in ms.tick(1.0).orders.values())
+
+
+def test_an_epoch_ordered_before_the_one_in_force_committed_anything_is_urgent() -> None:
+    # Some members may be in its first step while others still sync: the ones syncing would
+    # leave for a graceful order while the others wait in that step for them.
+    ms = formed(["a", "b"])
+    ms.admit(hello("c"), 0.5)
+    keep_alive(ms, 0.5)  # still at step 0: nothing committed
+    order = only_order(ms.tick(0.5 + JOIN_SETTLE_S))
+    assert order.members == ["a", "b", "c"] and order.urgent is True
+    keep_alive(ms, 1.0, step=1)
+    assert only_order(ms.leave("c", 1.0, "SIGTERM")).urgent is False, "the epoch in force committed a step"
 
 
 def test_a_failure_still_pending_when_a_member_leaves_keeps_the_order_urgent() -> None:

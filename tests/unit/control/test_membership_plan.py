@@ -389,7 +389,7 @@ def test_a_node_that_recovers_its_speed_gets_its_share_back() -> None:
     report(ms, {"a": FAST, "b": FAST, "c": 4 * FAST}, PLAN_DWELL_STEPS, T0 + 0.1)
     when, d, _ = tick_until_order(ms, T0 + 0.1, T0 + PLAN_DWELL_S + 2.0)
     assert only_order(d).shares == [40, 40, 10]
-    report(ms, {"a": FAST, "b": FAST, "c": FAST}, PLAN_DWELL_STEPS, when + 0.05)
+    report(ms, {"a": FAST, "b": FAST, "c": FAST}, 2 * PLAN_DWELL_STEPS, when + 0.05)
     when2, d, _ = tick_until_order(ms, when + 0.05, when + PLAN_DWELL_S + 2.0)
     assert when2 >= when + PLAN_DWELL_S
     order = only_order(d)
