@@ -61,12 +61,11 @@ def check_promises(logs: Mapping[str, Iterable[dict[str, Any]]], job: Job, *, fi
     digests: dict[int, dict[str, str]] = defaultdict(dict)
     merged = sorted(((e.get("t", 0.0), node, e) for node, entries in logs.items() for e in entries), key=lambda x: x[0])
     # A member that applied a step the others' all-reduce lost (a peer crashed between
-    # them), and then died itself before the next epoch formed, took that step with it: it
-    # was the group's step in flight, which the survivors commit again with the same
-    # samples (the step was whole: every vote and sample was in it). Its later epochs tell.
-    final_epoch: dict[str, int] = defaultdict(int)
-    for _, node, e in merged:
-        final_epoch[node] = max(final_epoch[node], int(e.get("epoch", 0)))
+    # them), and then died itself, or was expelled (frozen, cut off) and came back as a new
+    # member, before it took part in any later epoch, took that step with it: it was the
+    # group's step in flight, which the survivors commit again with the same samples (the
+    # step was whole: every vote and sample was in it).
+    vanished = _vanished(merged)
     committers: dict[tuple[int, int], set[str]] = defaultdict(set)
     digest_epochs: dict[tuple[int, str], int] = {}
     last: dict[str, int] = {}
@@ -97,7 +96,7 @@ def check_promises(logs: Mapping[str, Iterable[dict[str, Any]]], job: Job, *, fi
             if prev is not None and prev[1] != e["epoch"]:
                 rolled_back = any(prev[0] < t < e["t"] and r <= s for t, r in restores)
                 gone = committers[(s, prev[1])]
-                died_with_it = all(final_epoch[n] == prev[1] for n in gone)
+                died_with_it = all((n, s) in vanished for n in gone)
                 if died_with_it:
                     for t_step in [t for t in digests if t > s]:
                         for n in gone:
@@ -178,3 +177,20 @@ def reference_tree(
         if job.after_step is not None:
             job.after_step(StepInfo(state.step, float(loss), model, optimizer, state.scheduler, state.extra, 0, 1))
     return state.capture()
+
+
+def _vanished(merged: list[tuple[float, str, dict[str, Any]]]) -> set[tuple[str, int]]:
+    """(node, step) for each step a node committed and then died or was expelled with,
+    before it logged anything of a later epoch (its state never reached another member)."""
+    out: set[tuple[str, int]] = set()
+    pending: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for _, node, e in merged:
+        kind, epoch = e.get("kind"), e.get("epoch")
+        if kind == "expelled":
+            out.update((node, s) for s, _ in pending.pop(node, []))
+        elif epoch is not None:
+            pending[node] = [(s, ep) for s, ep in pending[node] if ep >= int(epoch)]
+            if kind == "commit":
+                pending[node].append((e["step"] - 1, int(epoch)))
+    out.update((node, s) for node, steps in pending.items() for s, _ in steps)
+    return out

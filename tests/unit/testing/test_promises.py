@@ -50,3 +50,25 @@ def test_a_step_applied_again_while_its_first_committer_lives_on_is_a_broken_pro
     lone.append({"t": 6, "kind": "epoch", "epoch": 3, "step": 2})  # it lived on, holding its own step 2
     report = check_promises({"s": survivor, "lone": lone}, JOB, finishers=1)
     assert any("step 2 committed in epoch 1 and again in epoch 2" in p for p in report.problems), report.problems
+
+
+def test_a_step_applied_only_by_a_member_then_frozen_and_expelled_is_the_step_in_flight() -> None:
+    # The chaos soak's case: a peer's link was cut in the all-reduce of step 1 after "lone"
+    # had all of it; "lone" applied it and was frozen (SIGSTOP) before any later epoch; its
+    # lease ran out, the survivor committed step 1 again alone, and "lone" came back as a
+    # new member and took the group's state.
+    survivor = [*step(1, 1, 0, "a0", (0, 2)), *step(3, 2, 1, "b1", (0, B)), *step(4, 2, 2, "b2", (0, B))]
+    survivor.append(final(5, "b2"))
+    lone = [*step(1, 1, 0, "a0", (2, 2)), *step(2, 1, 1, "x1", (2, 2))]
+    lone += [
+        {"t": 4.5, "kind": "expelled", "reason": "no heartbeat", "step": 2},
+        {"t": 4.6, "kind": "epoch", "epoch": 3, "step": 2},
+        {"t": 4.7, "kind": "sync", "epoch": 3, "step": 3, "digest": "b2"},
+        final(5, "b2"),
+    ]
+    report = check_promises({"s": survivor, "lone": lone}, JOB, finishers=2)
+    assert report.ok, report.problems
+    # The same, but it took part in epoch 2 before it was expelled: its step could have spread.
+    lone.insert(2, {"t": 2.5, "kind": "epoch", "epoch": 2, "step": 2})
+    report = check_promises({"s": survivor, "lone": lone}, JOB, finishers=2)
+    assert any("step 2 committed in epoch 1 and again in epoch 2" in p for p in report.problems), report.problems
