@@ -248,7 +248,8 @@ def test_bad_etcd_input_gets_errors_that_name_the_fix(make_cluster, etcd, tmp_pa
     assert r.returncode == 2, r.stderr[-2000:]
     assert "found no coordinator leading under '/nobody/here'" in r.stderr and "--etcd-prefix" in r.stderr
     # Two jobs under one prefix: the second job's node is refused with the job named and the fix.
-    c = start(make_cluster, etcd, {"UB_TEST_STEPS": "200", "UB_TEST_DELAY_MS": "20"}, n=1, coordinators=1)
+    # A job that outlasts the refused node's start-up (200 steps of 20 ms ended before it in CI).
+    c = start(make_cluster, etcd, {"UB_TEST_STEPS": "100000", "UB_TEST_DELAY_MS": "20"}, n=1, coordinators=1)
     c.start_node("a")
     c.wait_step(5)
     r = run(
