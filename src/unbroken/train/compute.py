@@ -45,7 +45,7 @@ class JobCompute:
             except OutOfMemory:
                 if mb <= 1:
                     raise
-                if protocol.buckets is not None and protocol.buckets.posted:
+                if protocol.buckets.posted:
                     # Its peers sum the buckets sent: a retry would post them again, out of step.
                     meter.oom_cap = mb // 2
                     raise CollectiveFailed(

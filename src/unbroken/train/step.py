@@ -28,9 +28,10 @@ import contextlib
 import functools
 import logging
 import math
+import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -103,19 +104,18 @@ class StepProtocol:
         self.offset = offsets(group.shares)[group.rank]
         self.share = group.shares[group.rank]
         self.in_step = functools.partial(node.abort_reason, during_step=True)
-        self.buckets: Buckets | None = None
-        """The gradient's buckets, summed while backward runs (None: in one piece with the tail).
-        Not on an accelerator: a hook's copy to the CPU would stop the device at every
-        parameter (its gradient is staged after backward, as it was)."""
-        if reducer.bucket_bytes and reducer.first_hop is not None and node.replica.device.type == "cpu":
-            hop = reducer.first_hop
-            self.buckets = Buckets(
-                node.replica.params,
-                self.flat,
-                layout([q.numel() for q in node.replica.params], reducer.bucket_bytes),
-                post=lambda piece: hop.allreduce([piece]),
-                prepare=self._prepare,
-            )
+        # One bucket (staged after backward, sent with the tail) where pieces cannot go out
+        # early: no first hop (robust rules, alone in a zone), or an accelerator, where a
+        # hook's copy to the CPU would stop the device at every parameter.
+        early = reducer.bucket_bytes and reducer.first_hop is not None and node.replica.device.type == "cpu"
+        self.buckets = Buckets(
+            node.replica.params,
+            self.flat,
+            layout([q.numel() for q in node.replica.params], reducer.bucket_bytes if early else sys.maxsize),
+            post=lambda piece: reducer.first_hop.allreduce([piece]),
+            prepare=self._prepare,
+        )
+        """The gradient's buckets, summed while backward runs (`train.buckets`)."""
         self._step = -1
         self._overflow = False
         self._squares = 0.0
@@ -187,11 +187,7 @@ class StepProtocol:
         node, g, flat, at = self.node, self.group, self.flat, self.norms_at
         if self._step != sl.step:  # a loop that did not `prepare` (a member with no samples)
             self._start_gradient(sl.step)
-        if self.buckets is not None:
-            self.buckets.complete()
-        else:
-            self._flatten()
-            self._prepare(flat[: node.compressed_numel])
+        self.buckets.complete()
         write_deltas(flat, node.compressed_numel, node.compute_buffers, sl.before, weight, members)
         slots = [1.0, float(sl.share), 1.0 if switch else 0.0, loss, 1.0 if self._overflow else 0.0]
         flat[node.numel : at] = torch.tensor(slots)
@@ -199,7 +195,7 @@ class StepProtocol:
         flat[at + g.rank] = math.sqrt(self._squares)
         if self._lie == "forge-slot":  # a hostile member (`testing.faults.LIES`)
             flat[at + (g.rank + 1) % g.size] = LIES["forge-slot"]
-        if self.buckets is not None and len(self.buckets.buckets) > 1:
+        if len(self.buckets.buckets) > 1:
             log["buckets"] = [self.buckets.in_backward, len(self.buckets.buckets)]  # sent in backward, of all
         entry = {"kind": "contrib", "epoch": g.epoch, "step": sl.step, "rank": g.rank, "indices": sl.indices}
         node.records.log(entry | {"role": g.role, **log, "compute_s": node.meter.last_compute_s})
@@ -209,18 +205,7 @@ class StepProtocol:
         if step != self._step:  # a fault fires once a step, whatever the buckets and retries
             self._poison, self._lie = faults.corruption(step), faults.lie(step)
         self._step, self._overflow, self._squares = step, False, 0.0
-        if self.buckets is not None:
-            self.buckets.reset()
-
-    def _flatten(self) -> None:
-        flat, off = self.flat, 0
-        for p in self.node.replica.params:
-            n = p.numel()
-            if p.grad is None:
-                flat[off : off + n].zero_()
-            else:
-                flat[off : off + n].copy_(p.grad.reshape(-1))  # from the device: the CPU staging copy
-            off += n
+        self.buckets.reset()
 
     def _prepare(self, grad: torch.Tensor) -> None:
         """A piece of this member's gradient (the whole, or a bucket in posting order) as it
@@ -239,15 +224,10 @@ class StepProtocol:
         if self._lie is not None and self._lie != "forge-slot":
             grad *= LIES[self._lie]
 
-    @contextlib.contextmanager
-    def backward(self) -> Iterator[None]:
+    def backward(self) -> contextlib.AbstractContextManager[None]:
         """Around the backward that completes this step's gradient (the last micro-batch's):
         its buckets are summed while it runs (`train.buckets`)."""
-        if self.buckets is None:
-            yield
-            return
-        with self.buckets.during_backward():
-            yield
+        return self.buckets.during_backward()
 
     def reduce(self, sl: Slice, *, zone: bool = False, what: str = "") -> None:
         """Sum `flat` over the epoch's members (or, ``zone``, over this node's zone only)."""
@@ -256,11 +236,11 @@ class StepProtocol:
         timeout = node.config.collective_timeout_s
         if zone:
             post = functools.partial(fire, "allreduce", sl.step)
-            early = Early(self.buckets.works, self.buckets.end) if self.buckets is not None else None
+            early = Early(self.buckets.works, self.buckets.end)
             self.reducer.zone_allreduce(self.flat, node.wake, self.in_step, timeout, what, after_post=post, early=early)
             return
         t = time.monotonic()
-        early = Early(self.buckets.works, self.buckets.end) if self.buckets is not None else None
+        early = Early(self.buckets.works, self.buckets.end)
         self.reducer.allreduce(
             self.flat,
             node.wake,
