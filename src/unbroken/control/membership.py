@@ -508,10 +508,7 @@ class Membership:
         d.events.append(self._event(now, "links", member_id, f"zone {mine} received (MB/s): {shown}"))
         ring = self.links.ring(zones.names, self._ring, now)
         if ring != self._ring:
-
-            def rate(a: str, b: str) -> float:
-                return self.links.rate(a, b, now) or 0.0
-
+            rate = self.links.rates(now)
             before, after = bottleneck(self._ring, rate), bottleneck(ring, rate)
             why = f"leaders' ring {' > '.join(ring)}: slowest link {before:.0f} -> {after:.0f} MB/s"
             self._want_epoch(now, urgent=False, reason=why, delay=0.0)

@@ -81,6 +81,10 @@ class Links:
                 fresh.append(got[0])
         return min(fresh) if fresh else None
 
+    def rates(self, now: float) -> Rate:
+        """`rate` as a function of the pair (0 where not measured)."""
+        return lambda a, b: self.rate(a, b, now) or 0.0
+
     def complete(self, zones: Sequence[str], now: float) -> bool:
         """Whether every pair of ``zones`` has a fresh rate."""
         return all(self.rate(a, b, now) is not None for a, b in itertools.combinations(zones, 2))
@@ -92,11 +96,6 @@ class Links:
         order = [z for z in current if z in zones] + [z for z in zones if z not in current]
         if len(zones) < RING_MIN_ZONES or not self.complete(zones, now):
             return order
-
-        def rate(a: str, b: str) -> float:
-            got = self.rate(a, b, now)
-            assert got is not None
-            return got
-
+        rate = self.rates(now)
         best = best_ring(order, rate)
         return best if bottleneck(best, rate) >= GAIN * bottleneck(order, rate) else order
