@@ -77,6 +77,8 @@ BENCH_S = 30.0
 """A member whose gradient was refused does not train for this long."""
 CHECKED_STEPS = 20
 """Steps gathered and checked row by row after a sum did not add up (`Suspicion`)."""
+RING_REASON = "leaders' ring "
+"""How a pending epoch's reason names the ring it reorders to (one, the newest)."""
 QUARANTINE_AFTER = 3
 """...and after this many refusals it is quarantined: out of every epoch while connected."""
 
@@ -510,7 +512,9 @@ class Membership:
         if ring != self._ring:
             rate = self.links.rates(now)
             before, after = bottleneck(self._ring, rate), bottleneck(ring, rate)
-            why = f"leaders' ring {' > '.join(ring)}: slowest link {before:.0f} -> {after:.0f} MB/s"
+            why = f"{RING_REASON}{' > '.join(ring)}: slowest link {before:.0f} -> {after:.0f} MB/s"
+            for old in [r for r in self._pending_reasons if r.startswith(RING_REASON)]:
+                del self._pending_reasons[old]  # newer reports chose another ring: the epoch forms with that one
             self._want_epoch(now, urgent=False, reason=why, delay=0.0)
         return d
 

@@ -882,3 +882,20 @@ def test_leaders_measure_their_links_and_the_next_epoch_leaves_the_slow_pairs_ou
     assert "leaders' ring A > C > B > D: slowest link 2 -> 100 MB/s" in second.reason
     keep_alive(ms, t + 1)
     assert not ms.tick(t + 1).orders, "the ring in force stays: no further epoch"
+
+
+def test_a_ring_reorder_names_only_the_ring_the_epoch_forms_with() -> None:
+    ms = Membership(lease_s=LEASE, now=0.0)
+    zones = {"a": "A", "b": "B", "c": "C", "d": "D"}
+    for mid, zone in zones.items():
+        assert ms.admit(hello(mid, zone=zone), 0.0).refuse is None
+    first = only_order(ms.tick(JOIN_SETTLE_S))
+    t = JOIN_SETTLE_S + 0.1
+    keep_alive(ms, t)
+    for slow in ({frozenset("AB"), frozenset("CD")}, {frozenset("AD"), frozenset("BC")}):
+        for mid, zone in zones.items():  # the second round of reports comes before the epoch forms
+            rates = {z: 2.5 if frozenset((zone, z)) in slow else 100.0 for z in "ABCD" if z != zone}
+            ms.links_measured(mid, first.epoch, rates, t)
+    second = only_order(ms.tick(t + 0.01))
+    assert second.ring == ["A", "B", "D", "C"], second.ring
+    assert second.reason.count("leaders' ring") == 1 and "A > B > D > C" in second.reason, second.reason
