@@ -513,9 +513,8 @@ class Membership:
             rate = self.links.rates(now)
             before, after = bottleneck(self._ring, rate), bottleneck(ring, rate)
             why = f"{RING_REASON}{' > '.join(ring)}: slowest link {before:.0f} -> {after:.0f} MB/s"
-            for old in [r for r in self._pending_reasons if r.startswith(RING_REASON)]:
-                del self._pending_reasons[old]  # newer reports chose another ring: the epoch forms with that one
-            self._want_epoch(now, urgent=False, reason=why, delay=0.0)
+            # Newer reports may choose another ring before the epoch forms: it forms with that one.
+            self._want_epoch(now, urgent=False, reason=why, delay=0.0, replacing=RING_REASON)
         return d
 
     def validation(self, member_id: str, step: int, metrics: dict[str, float], seconds: float, now: float) -> Decision:
@@ -834,13 +833,17 @@ class Membership:
                 self._want_epoch(now, urgent=True, reason=why, delay=0.0)
         return d
 
-    def _want_epoch(self, now: float, urgent: bool, reason: str, delay: float) -> None:
+    def _want_epoch(self, now: float, urgent: bool, reason: str, delay: float, replacing: str | None = None) -> None:
+        """Form an epoch ``delay`` from ``now`` (or sooner if one is pending) for ``reason``,
+        which replaces the pending reasons that start with ``replacing``."""
         due = now + delay
         if self._pending_due is None:
             self._pending_due = due
             self._pending_reasons = {reason: None}
         else:
             self._pending_due = min(self._pending_due, due)
+            if replacing is not None:
+                self._pending_reasons = {r: None for r in self._pending_reasons if not r.startswith(replacing)}
             self._pending_reasons[reason] = None
         self._pending_urgent = self._pending_urgent or urgent
 
