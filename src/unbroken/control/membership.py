@@ -752,7 +752,9 @@ class Membership:
         live = [m for m in members if m is not None]
         trainers = [m for m in live if m.role is Role.TRAINER]
         times = {m.member_id: list(m.compute_times) for m in trainers}
-        found = find_stragglers(times, self._planned_times, self._comm_s(trainers))
+        planned = len(self.shares) == len(self.epoch_members)
+        shares = dict(zip(self.epoch_members, self.shares, strict=True)) if planned else None
+        found = find_stragglers(times, self._planned_times, self._comm_s(trainers), shares)
         self._straggling = {mid: (self._straggling.get(mid, (now, ""))[0], why) for mid, why in found.items()}
         for mid, (since, why) in self._straggling.items():
             if mid not in self._stragglers and now - since >= STRAGGLER_PERSIST_S:

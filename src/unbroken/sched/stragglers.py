@@ -36,21 +36,36 @@ def _median_without(ordered: Sequence[float], value: float) -> float:
 
 
 def find_stragglers(
-    times: Mapping[str, Sequence[float]], expected: Mapping[str, float], overhead_s: float = 0.0
+    times: Mapping[str, Sequence[float]],
+    expected: Mapping[str, float],
+    overhead_s: float = 0.0,
+    shares: Mapping[str, int] | None = None,
 ) -> dict[str, str]:
     """Trainers whose recent compute times stand out, each with the reason.
 
     ``times`` holds each trainer's recent compute times per step (seconds); ``expected``
     the plan's prediction for each (its share at the speed it had when the plan was made);
-    ``overhead_s`` the part of a step outside compute. A trainer is a straggler when it is
-    slow against both its prediction and its peers (the median of the others, and their
-    median absolute deviation from it), by enough to matter for the step.
+    ``overhead_s`` the part of a step outside compute; ``shares`` each trainer's samples per
+    step, when the plan gave them unequal ones. A trainer is a straggler when it is slow
+    against both its prediction and its peers (the median of the others, and their median
+    absolute deviation from it), by enough to matter for the step.
+
+    With ``shares`` peers are compared per sample: a plan made on start-up estimates can give
+    one node most of the batch, and its longer step is then the plan's doing, not the
+    node's. Whether it matters is still judged on the step: a node done before its peers
+    holds nobody up, however slow it is per sample.
 
     O(N log N) for N trainers: a median without one element is read off the sorted list,
     and the peers' median takes at most three values, each with its sorted deviations.
     """
-    medians = {k: statistics.median(list(v)[-MIN_SAMPLES:]) for k, v in times.items() if len(v) >= MIN_SAMPLES}
+    medians = {
+        k: statistics.median(list(v)[-MIN_SAMPLES:])
+        for k, v in times.items()
+        if len(v) >= MIN_SAMPLES and (shares is None or shares.get(k, 0) > 0)
+    }
+    rates = {k: med / shares[k] for k, med in medians.items()} if shares is not None else medians
     ordered = sorted(medians.values())
+    ordered_rates = sorted(rates.values())
     deviations: dict[float, list[float]] = {}
     out = {}
     for name, med in medians.items():
@@ -62,17 +77,25 @@ def find_stragglers(
                 continue
             baseline, against = predicted, "planned"
         else:
-            baseline, against = _median_without(ordered, med), "peers' median"
-            around = deviations.get(baseline)
+            rate = rates[name]
+            base_rate = _median_without(ordered_rates, rate)
+            around = deviations.get(base_rate)
             if around is None:
-                around = deviations[baseline] = sorted(abs(x - baseline) for x in ordered)
-            spread = _median_without(around, abs(med - baseline)) * 1.4826
-            if med < RATIO * baseline or (spread > 0 and med - baseline < MAD_Z * spread):
+                around = deviations[base_rate] = sorted(abs(x - base_rate) for x in ordered_rates)
+            spread = _median_without(around, abs(rate - base_rate)) * 1.4826
+            if rate < RATIO * base_rate or (spread > 0 and rate - base_rate < MAD_Z * spread):
                 continue
+            baseline, against = _median_without(ordered, med), "peers' median"
         if med - baseline < MATTERS * (baseline + overhead_s):
             continue
+        per_sample = ""
+        if shares is not None and against != "planned":
+            per_sample = (
+                f"; {rates[name] * 1e3:.2f} ms/sample for {shares[name]} samples vs "
+                f"{_median_without(ordered_rates, rates[name]) * 1e3:.2f} ms peers' median"
+            )
         out[name] = (
             f"compute {med * 1e3:.1f} ms/step over its last {MIN_SAMPLES} steps vs "
-            f"{baseline * 1e3:.1f} ms {against} ({med / max(baseline, 1e-12):.1f}x)"
+            f"{baseline * 1e3:.1f} ms {against} ({med / max(baseline, 1e-12):.1f}x){per_sample}"
         )
     return out

@@ -169,3 +169,34 @@ def test_a_slowdown_that_is_a_small_part_of_the_step_is_no_straggler() -> None:
     edge = 0.002 / MATTERS - 0.002
     assert set(find_stragglers(times, {}, overhead_s=edge * 0.9)) == {"c"}
     assert find_stragglers(times, {}, overhead_s=edge * 1.1) == {}
+
+
+def test_a_node_given_most_of_the_batch_by_an_estimated_plan_is_no_straggler() -> None:
+    # A first plan on start-up estimates gave c 144 of 192 samples; its step is longer
+    # because it computes more, at the same speed per sample as b (a's single sample is
+    # mostly fixed cost). Its prediction, from the estimate, was far too low.
+    times = {"a": steady(0.001), "b": steady(0.0026), "c": steady(0.0114)}
+    expected = {"a": 0.0002, "b": 0.0015, "c": 0.0026}
+    shares = {"a": 1, "b": 47, "c": 144}
+    assert set(find_stragglers(times, expected)) == {"c"}  # per step it would be named
+    assert find_stragglers(times, expected, shares=shares) == {}
+
+
+def test_per_sample_a_truly_slow_node_under_unequal_shares_is_still_named() -> None:
+    # c has twice b's share and is 4x slower per sample: named, with both figures.
+    times = {"a": steady(0.1), "b": steady(0.1), "c": steady(0.8)}
+    out = find_stragglers(times, {}, shares={"a": 10, "b": 10, "c": 20})
+    assert set(out) == {"c"}
+    assert "0.1 ms peers' median" not in out["c"]
+    assert "40.00 ms/sample for 20 samples vs 10.00 ms peers' median" in out["c"]
+
+
+def test_slow_per_sample_but_done_before_its_peers_holds_nobody_up() -> None:
+    # a computes 1 sample at 10x the others' cost per sample, yet finishes first.
+    times = {"a": steady(0.01), "b": steady(0.1), "c": steady(0.1)}
+    assert find_stragglers(times, {}, shares={"a": 1, "b": 100, "c": 100}) == {}
+
+
+def test_members_without_a_share_are_not_judged() -> None:
+    times = {"a": steady(0.1), "b": steady(0.1), "c": steady(0.9)}
+    assert find_stragglers(times, {}, shares={"a": 10, "b": 10, "c": 0}) == {}
