@@ -318,11 +318,12 @@ def _chaos(args: argparse.Namespace) -> int:
     table = Table(title="chaos report", show_header=False)
     table.add_row("faults injected", f"{summary['faults_total']}: {summary['faults']}")
     table.add_row("link faults", summary["link_faults"])
-    for kind, st in summary["recovery_s"].items():
+    rows = [(f"recovery: {kind}", st) for kind, st in summary["recovery_s"].items()]
+    rows.append(("recovery beyond coordinator downtime", summary["recovery_beyond_coordinator_down_s"]))
+    for label, st in rows:
         if st:
             table.add_row(
-                f"recovery: {kind}",
-                f"median {st['median']:.2f} s, p95 {st['p95']:.2f} s, max {st['max']:.2f} s ({st['count']})",
+                label, f"median {st['median']:.2f} s, p95 {st['p95']:.2f} s, max {st['max']:.2f} s ({st['count']})"
             )
     table.add_row("steps committed", str(report.steps))
     table.add_row("committed steps lost", str(summary["steps_lost"]))

@@ -103,6 +103,12 @@ def feasible_kinds(
     return kinds
 
 
+def time_outside(start: float, end: float, gaps: list[tuple[float, float]]) -> float:
+    """Seconds of ``[start, end]`` outside every one of ``gaps`` (intervals that do not overlap)."""
+    inside = sum(max(0.0, min(b, end) - max(a, start)) for a, b in gaps)
+    return max(0.0, end - start) - inside
+
+
 @dataclass
 class ChaosReport:
     duration_s: float
@@ -115,6 +121,9 @@ class ChaosReport:
     problems: list[str] = field(default_factory=list)
     links: str = ""
     """Whether link faults were injected, how, or why not."""
+    beyond_down: list[float] = field(default_factory=list)
+    """Each recovery less the time within it that no coordinator served (killed, not yet
+    restarted): what a single coordinator can answer for. Empty with ``ha``."""
 
     @property
     def ok(self) -> bool:
@@ -135,6 +144,7 @@ class ChaosReport:
             "faults": dict(collections.Counter(f.kind for f in self.faults)),
             "faults_total": len(self.faults),
             "recovery_s": {k: stats(v) for k, v in self.recoveries.items()} | {"all": stats(every)},
+            "recovery_beyond_coordinator_down_s": stats(self.beyond_down),
             "steps_lost": self.steps_lost,
             "link_faults": self.links,
             "fault_log": [{"kind": f.kind, "at": f.at, "target": f.target, "detail": f.detail} for f in self.faults],
@@ -181,6 +191,8 @@ class Chaos:
         self.steps = max(200, int(duration_s * 1000 / (delay_ms + 10)))
         self.env = {"UNBROKEN_SOAK_STEPS": str(self.steps), "UNBROKEN_SOAK_DELAY_MS": str(delay_ms)}
         self.faults: list[Fault] = []
+        self._coordinator_down: list[tuple[float, float]] = []
+        """When no coordinator served: from a kill to its restart serving."""
         self._count = 0
         self._due: list[tuple[float, Callable[[], object]]] = []
         """Deferred actions (restarts, SIGCONTs), run by the main loop: one thread drives the cluster."""
@@ -269,6 +281,10 @@ class Chaos:
         self._count += 1
         return c.start_node(f"n{self._count}")
 
+    def _restart_coordinator(self, c: LocalCluster, port: int, down_since: float) -> None:
+        c.start_coordinator(port=port)  # returns once it serves
+        self._coordinator_down.append((down_since, time.time()))
+
     def _later(self, delay: float, fn: Callable[[], object]) -> None:
         self._due.append((time.monotonic() + delay, fn))
         self._due.sort(key=lambda d: d[0])
@@ -329,7 +345,7 @@ class Chaos:
                 return
             c.kill_coordinator()
             self.faults.append(Fault(kind, time.time(), "coordinator"))
-            self._later(1.0, lambda: c.start_coordinator(port=port))
+            self._later(1.0, lambda: self._restart_coordinator(c, port, down_since=self.faults[-1].at))
             return
         if kind == "join":
             node = self._start(c)
@@ -429,6 +445,7 @@ class Chaos:
         promises = check_promises(logs, job, finishers=1)
         commits = sorted((e["t"], e["step"]) for entries in logs.values() for e in entries if e["kind"] == "commit")
         recoveries: dict[str, list[float]] = collections.defaultdict(list)
+        beyond_down: list[float] = []
         for f in self.faults:
             if f.kind == "join":
                 node = c.nodes.get(f.target)
@@ -441,6 +458,8 @@ class Chaos:
             after = next(((t, s) for t, s in commits if t > f.at and s > before), None)
             if after is not None:
                 recoveries[f.kind].append(after[0] - f.at)
+                if not self.ha:
+                    beyond_down.append(time_outside(f.at, after[0], self._coordinator_down))
         # A lost committed step would have to be committed again later, in another epoch.
         lost = sum(1 for p in promises.problems if "committed in epoch" in p and "and again" in p)
         problems = list(promises.problems)
@@ -456,7 +475,16 @@ class Chaos:
         if lost:
             problems.append(f"{lost} committed steps were lost")
         return ChaosReport(
-            elapsed, self.steps, self.faults, dict(recoveries), lost, promises, max_diff, problems, self.links_note
+            elapsed,
+            self.steps,
+            self.faults,
+            dict(recoveries),
+            lost,
+            promises,
+            max_diff,
+            problems,
+            self.links_note,
+            beyond_down,
         )
 
 

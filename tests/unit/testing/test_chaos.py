@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from unbroken.testing import netns
-from unbroken.testing.chaos import HA_KINDS, KINDS, feasible_kinds
+from unbroken.testing.chaos import HA_KINDS, KINDS, feasible_kinds, time_outside
 
 SIGNAL_KINDS = ["kill", "stop", "term", "join", "coordinator"]
 
@@ -70,3 +70,12 @@ def test_probe_says_which_tool_is_missing(monkeypatch: pytest.MonkeyPatch) -> No
         assert "`tc`" in (netns.probe() or "")
     finally:
         netns.probe.cache_clear()
+
+
+def test_recovery_beyond_coordinator_downtime_takes_out_only_the_overlap() -> None:
+    down = [(10.0, 11.6), (13.0, 14.7)]
+    assert time_outside(5.0, 6.0, down) == pytest.approx(1.0)  # no coordinator fault near
+    assert time_outside(10.5, 12.0, down) == pytest.approx(0.4)  # fault while it was down
+    assert time_outside(9.0, 15.0, down) == pytest.approx(6.0 - 1.6 - 1.7)  # two restarts inside
+    assert time_outside(11.0, 11.2, down) == 0.0  # recovered while it was still down
+    assert time_outside(12.0, 11.0, down) == 0.0
