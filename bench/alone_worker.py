@@ -3,7 +3,7 @@
 A plain single-process training loop over a `Job` of ``bench/jobs.py``: no process group,
 no communication. Each step takes the whole global batch B (the samples `DataPlan` gives
 step s), runs one forward/backward, idles as an emulated slower device would (``--throttle``,
-the same `unbroken.testing.throttle.Throttle` the nodes use: ``t * (1/F - 1)`` after a
+the same `unbroken.train.throttle.Throttle` the nodes use: ``t * (1/F - 1)`` after a
 forward/backward that took ``t``), and one optimizer step. Its samples/s is the throughput
 of a device of that speed measured alone; the sum over a group's devices is the most that
 group could do with perfect balance and free communication.
@@ -27,8 +27,8 @@ import time
 import torch
 
 import jobs
-from unbroken.testing.throttle import parse_throttle
 from unbroken.train.data import DataPlan
+from unbroken.train.throttle import parse_throttle
 
 
 def main() -> int:

@@ -7,7 +7,7 @@ unbroken's DataPlan assigns), then one forward/backward (DDP all-reduces the gra
 during backward) and one optimizer step.
 
 With ``--throttle F`` (or a schedule ``F,STEP:F,...``, as a node's ``--throttle``) the rank
-emulates a device F times as fast, the way an unbroken node does (`unbroken.testing.throttle`):
+emulates a device F times as fast, the way an unbroken node does (`unbroken.train.throttle`):
 forward/backward run under ``ddp.no_sync()`` (no all-reduce hooked into backward, so its
 time is the compute alone), that time ``t`` is measured and the rank idles ``t * (1/F - 1)``
 more; then the gradients are flattened into one tensor, summed with an explicit
@@ -39,8 +39,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import jobs
-from unbroken.testing.throttle import parse_throttle
 from unbroken.train.data import DataPlan
+from unbroken.train.throttle import parse_throttle
 
 
 def main() -> int:

@@ -4,7 +4,7 @@
     python bench/hetero.py --compute cpu              # real matrix compute instead of a per-sample sleep
     python bench/hetero.py --repeats 5 --steps 200 --scenario static
 
-Slower devices are emulated with ``--throttle F`` (`unbroken.testing.throttle`): after each
+Slower devices are emulated with ``--throttle F`` (`unbroken.train.throttle`): after each
 forward/backward that took ``t`` a process idles ``t * (1/F - 1)``, so it computes like a
 device F times as fast. All processes run OMP_NUM_THREADS=1 on this machine, over loopback.
 

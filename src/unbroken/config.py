@@ -12,9 +12,12 @@ from pathlib import Path
 
 from unbroken.errors import ConfigError
 from unbroken.specs import MAX_BUCKET_MB, MAX_STREAMS, parse_codec, parse_fragments, parse_rule
+from unbroken.train.throttle import parse_throttle
 
 ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
 ENV_ETCD = "UNBROKEN_ETCD"
+READY_PREFIX = "UNBROKEN_COORDINATOR_READY"
+"""A coordinator or relay prints this, then ``HOST:PORT``, on stdout once it serves."""
 DEFAULT_ETCD_PREFIX = "/unbroken/job"
 ROLES = ("auto", "trainer", "validator", "standby")
 
@@ -208,7 +211,7 @@ class NodeConfig:
     link_mbit_from: tuple[tuple[str, float], ...] = ()
     """...and per zone it receives from, where it differs (``--link-mbit 800,B=20``)."""
     throttle: str = ""
-    """Testing aid: emulate a slower device, ``F`` or ``F,STEP:F,...`` (see unbroken.testing.throttle)."""
+    """Testing aid: emulate a slower device, ``F`` or ``F,STEP:F,...`` (see unbroken.train.throttle)."""
     checkpoint_dir: Path | None = None
     """Directory for asynchronous checkpoints (none: no checkpoints)."""
     checkpoint_every: int = 0
@@ -274,9 +277,6 @@ class NodeConfig:
             raise ConfigError(f"NodeConfig.zone is {len(self.zone)} characters long; at most 128 are allowed")
         if self.role not in ROLES:
             raise ConfigError(f"NodeConfig.role = {self.role!r} is not one of {', '.join(ROLES)}")
-        # Imported here: unbroken.testing imports this module.
-        from unbroken.testing.throttle import parse_throttle
-
         parse_throttle(self.throttle)
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ConfigError("NodeConfig.checkpoint_every is set but checkpoint_dir is not: give a directory")

@@ -47,8 +47,8 @@ from unbroken.config import ENV_COORDINATOR, NodeConfig, environment_coordinator
 from unbroken.control.auth import load_token
 from unbroken.errors import ConfigError
 from unbroken.job import Job
-from unbroken.testing.faults import Fault
 from unbroken.train.data import LoaderOrder, PassOrder
+from unbroken.train.hooks import Faults
 from unbroken.train.runtime import Node, NodeResult, Steps
 from unbroken.train.scale import LossScale
 from unbroken.train.step import Slice
@@ -60,11 +60,11 @@ S = TypeVar("S")
 
 Hook = Callable[[], object]
 
-_launched: tuple[NodeConfig, list[Fault]] | None = None
+_launched: tuple[NodeConfig, Faults | None] | None = None
 """What ``unbroken run`` was given: it wins over what the script passes to `join`."""
 
 
-def launch(config: NodeConfig, faults: list[Fault]) -> None:
+def launch(config: NodeConfig, faults: Faults | None = None) -> None:
     """``unbroken run``: the node options for the `join` of the script it runs next."""
     global _launched
     _launched = (config, faults)
@@ -91,7 +91,7 @@ def join(
     unknown = sorted(set(options) - set(fields))
     if unknown:
         raise ConfigError(f"unbroken.join: unknown option(s) {unknown}: give NodeConfig fields ({', '.join(fields)})")
-    faults: list[Fault] = []
+    faults: Faults | None = None
     if _launched is not None:
         launched, faults = _launched
         for name, f in fields.items():
@@ -134,7 +134,7 @@ class Swarm:
         steps: int,
         seed: int,
         config: NodeConfig,
-        faults: list[Fault],
+        faults: Faults | None,
         args: tuple[str, ...] = (),
     ) -> None:
         self.name, self.batch_size, self.num_steps, self.seed = job, batch_size, steps, seed

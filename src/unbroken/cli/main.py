@@ -22,12 +22,18 @@ from typing import Any
 
 from unbroken.cli.observe import add_parsers as add_observe_parsers
 from unbroken.cli.restore import add_parser as add_restore_parser
-from unbroken.config import DEFAULT_ETCD_PREFIX, ENV_COORDINATOR, ENV_ETCD, CoordinatorConfig, NodeConfig, parse_address
+from unbroken.config import (
+    DEFAULT_ETCD_PREFIX,
+    ENV_COORDINATOR,
+    ENV_ETCD,
+    READY_PREFIX,
+    CoordinatorConfig,
+    NodeConfig,
+    parse_address,
+)
 from unbroken.control.auth import ENV_TOKEN, load_token
 from unbroken.control.etcd import parse_endpoints
 from unbroken.errors import ConfigError, UnbrokenError
-
-READY_PREFIX = "UNBROKEN_COORDINATOR_READY"
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -183,11 +189,11 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
 
 def _node(args: argparse.Namespace) -> int:
     from unbroken.job import load_job
-    from unbroken.testing.faults import parse_faults
+    from unbroken.testing.faults import FaultPlan, parse_faults
     from unbroken.train.runtime import run_node
 
     config = _node_config(args)
-    faults = parse_faults(args.fault or "")
+    faults = FaultPlan(parse_faults(args.fault or ""))
     job = load_job(args.job, args.job_args)
     result = run_node(job, config, faults)
     print(
@@ -202,12 +208,12 @@ def _run(args: argparse.Namespace) -> int:
     """A script with its own loop (`unbroken.swarm`), run in this process as ``__main__``
     with the job's arguments as its ``sys.argv``; its `unbroken.join` takes these options."""
     from unbroken import swarm
-    from unbroken.testing.faults import parse_faults
+    from unbroken.testing.faults import FaultPlan, parse_faults
 
     script = Path(args.script)
     if not script.is_file():
         raise ConfigError(f"unbroken run: {script} is not a file: give the path of a Python script")
-    swarm.launch(_node_config(args), parse_faults(args.fault or ""))
+    swarm.launch(_node_config(args), FaultPlan(parse_faults(args.fault or "")))
     sys.argv = [str(script), *args.job_args]
     sys.path.insert(0, str(script.resolve().parent))
     try:

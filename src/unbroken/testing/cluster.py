@@ -38,7 +38,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unbroken.cli.main import READY_PREFIX
+from unbroken.config import READY_PREFIX
 
 if TYPE_CHECKING:
     from unbroken.testing.netns import Network

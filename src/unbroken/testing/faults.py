@@ -15,12 +15,10 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from unbroken.errors import ConfigError
+from unbroken.train.hooks import LIES, Record
 
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 HANG = "hang"
@@ -34,11 +32,8 @@ wrong node that stays inside the guard's range (robust aggregation's case). Use 
 or ``outer`` (``nan``, ``spike``) for the pseudo-gradient a DiLoCo zone leader sends after
 inner step STEP."""
 PERSISTENT = ("flip",)
-LIES = {"hide-nan": float("nan"), "hide-spike": -1e6, "forge-slot": float("inf")}
-"""A member that lies from step STEP on (``…@grad:STEP``), as a compromised node would:
-``hide-nan`` sends a NaN gradient and ``hide-spike`` one multiplied by -10^6, each with the
-norm of its true gradient in its slot; ``forge-slot`` writes +inf into the next rank's norm
-slot (to get an honest member blamed)."""
+# LIES: what each lie does, from the node's side of the protocol (`unbroken.train.hooks`):
+# a member that lies from step STEP on (``…@grad:STEP``), as a compromised node would.
 BITFLIP = "bitflip"
 """``bitflip@commit:STEP``: right after committing STEP, one bit of this node's copy of the
 first parameter flips (silent data corruption) — what the consistency audit must catch."""
@@ -93,12 +88,17 @@ def parse_faults(spec: str) -> list[Fault]:
 
 
 class FaultPlan:
-    def __init__(self, faults: list[Fault], record: Callable[[dict[str, object]], None]) -> None:
+    """The faults a node was given, as the node's `unbroken.train.hooks.Faults`."""
+
+    def __init__(self, faults: list[Fault], record: Record | None = None) -> None:
         self._pending = list(faults)
         self._persistent: list[Fault] = []
-        self._record = record
+        self._record: Record = record or (lambda _entry: None)
         self._dead: list[socket.socket] = []
         self._alarmed: set[int] = set()
+
+    def attach(self, record: Record) -> None:
+        self._record = record
 
     def corruption(self, step: int, phase: str = "grad") -> float | None:
         """The poison for this step's gradient (``outer``: the pseudo-gradient sent after it),
@@ -174,15 +174,6 @@ class FaultPlan:
                     threading.Event().wait()
                 os.kill(os.getpid(), SIGNALS[f.signal])
                 return
-
-
-def flip_bit(t: torch.Tensor, index: int = 0, bit: int = 20) -> None:
-    """Flip one bit of one element in place (a float32's mantissa bit by default: a small,
-    silent change of value)."""
-    with torch.no_grad():
-        flat = t.data.view(-1)
-        word = flat[index : index + 1].view(torch.int32)
-        word ^= 1 << bit
 
 
 def refusing_socket(host: str) -> socket.socket:

@@ -26,7 +26,6 @@ import torch
 from unbroken.control import messages as m
 from unbroken.errors import JobFailed
 from unbroken.job import Job
-from unbroken.testing.throttle import Throttle
 from unbroken.train.device import (
     Calibration,
     ComputeReplica,
@@ -36,6 +35,7 @@ from unbroken.train.device import (
     describe,
     microbatch_cap,
 )
+from unbroken.train.throttle import Throttle
 
 log = logging.getLogger(__name__)
 

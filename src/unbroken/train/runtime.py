@@ -50,20 +50,20 @@ from unbroken.errors import (
 from unbroken.job import Job
 from unbroken.specs import parse_fragments
 from unbroken.state.snapshot import TrainState, fingerprint
-from unbroken.testing.faults import Fault, FaultPlan, flip_bit
-from unbroken.testing.throttle import parse_throttle
 from unbroken.train.audits import Audits
 from unbroken.train.candidate import Candidate
 from unbroken.train.compute import JobCompute
 from unbroken.train.device import Calibration, ComputeReplica, resolve_device
 from unbroken.train.diloco import DiLoCo
 from unbroken.train.epochs import Epochs
+from unbroken.train.hooks import Faults, NoFaults, flip_bit
 from unbroken.train.measure import Meter
 from unbroken.train.records import Records
 from unbroken.train.scale import KEY as SCALE_KEY
 from unbroken.train.scale import ScaleState
 from unbroken.train.sidecar import Sidecar
 from unbroken.train.step import Slice, StepProtocol
+from unbroken.train.throttle import parse_throttle
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +90,9 @@ class NodeResult:
 class Node:
     """One training process. ``Node(job, config).run()`` blocks until the job is done."""
 
-    def __init__(
-        self, job: Job, config: NodeConfig, faults: list[Fault] | None = None, *, own_loop: bool = False
-    ) -> None:
-        """``own_loop``: the user's code computes each slice on its own model, wherever it
+    def __init__(self, job: Job, config: NodeConfig, faults: Faults | None = None, *, own_loop: bool = False) -> None:
+        """``faults``: injected by the CLI's ``--fault`` or a test (`unbroken.testing.faults`).
+        ``own_loop``: the user's code computes each slice on its own model, wherever it
         lives (`unbroken.swarm`): no compute copy, no speed probes, no roles but trainer."""
         self.job = job
         self.config = config
@@ -126,7 +125,8 @@ class Node:
         self.wire = Wire()
         self.data = job.plan()
         self.records = Records(self)
-        self.faults = FaultPlan(faults or [], self.records.log)
+        self.faults: Faults = faults or NoFaults()
+        self.faults.attach(self.records.log)
         self.graveyard = Graveyard(hold_s=config.collective_timeout_s + 5)
         self.epochs = Epochs(self)
         self.state.node_local = self.epochs.codec
@@ -576,7 +576,7 @@ class _Session:
         node.records.close()
 
 
-def run_node(job: Job, config: NodeConfig, faults: list[Fault] | None = None) -> NodeResult:
+def run_node(job: Job, config: NodeConfig, faults: Faults | None = None) -> NodeResult:
     """Run one node to the end of the job (see `Node`)."""
     return Node(job, config, faults).run()
 

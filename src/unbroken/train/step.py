@@ -44,9 +44,9 @@ from unbroken.control import messages as m
 from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted, JobFailed, Suspicion
 from unbroken.job import StepInfo
 from unbroken.sched.shares import offsets
-from unbroken.testing.faults import LIES
 from unbroken.train.buckets import Buckets, layout
 from unbroken.train.guard import judge
+from unbroken.train.hooks import LIES
 
 if TYPE_CHECKING:
     from unbroken.train.runtime import Node
@@ -193,7 +193,7 @@ class StepProtocol:
         flat[node.numel : at] = torch.tensor(slots)
         flat[at:] = 0.0
         flat[at + g.rank] = math.sqrt(self._squares)
-        if self._lie == "forge-slot":  # a hostile member (`testing.faults.LIES`)
+        if self._lie == "forge-slot":  # a hostile member (`train.hooks.LIES`)
             flat[at + (g.rank + 1) % g.size] = LIES["forge-slot"]
         if len(self.buckets.buckets) > 1:
             log["buckets"] = [self.buckets.in_backward, len(self.buckets.buckets)]  # sent in backward, of all

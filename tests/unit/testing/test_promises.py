@@ -1,5 +1,6 @@
 """The promise checker: a step applied by a member that died before anyone else applied it
-was the step in flight; a step applied twice by live members is a broken promise."""
+was the step in flight; a step applied twice by live members, a gap, a sample used twice or
+left out, and replicas that differ are broken promises."""
 
 from __future__ import annotations
 
@@ -72,3 +73,44 @@ def test_a_step_applied_only_by_a_member_then_frozen_and_expelled_is_the_step_in
     lone.insert(2, {"t": 2.5, "kind": "epoch", "epoch": 2, "step": 2})
     report = check_promises({"s": survivor, "lone": lone}, JOB, finishers=2)
     assert any("step 2 committed in epoch 1 and again in epoch 2" in p for p in report.problems), report.problems
+
+
+def whole_run(digests: tuple[str, ...] = ("d0", "d1", "d2")) -> list[dict[str, Any]]:
+    out = [e for s in range(T) for e in step(1 + s, 1, s, digests[s])]
+    return [*out, final(5, digests[-1])]
+
+
+def test_a_clean_run_of_two_members_keeps_every_promise() -> None:
+    a = [e for s in range(T) for e in step(1 + s, 1, s, f"d{s}", (0, 2))] + [final(5, "d2")]
+    b = [e for s in range(T) for e in step(1 + s, 1, s, f"d{s}", (2, 2))] + [final(5, "d2")]
+    report = check_promises({"a": a, "b": b}, JOB, finishers=2)
+    assert report.ok, report.problems
+
+
+def test_a_gap_in_the_commits_is_a_broken_promise() -> None:
+    run = [e for e in whole_run() if not (e["kind"] == "commit" and e["step"] == 2)]
+    report = check_promises({"a": run}, JOB, finishers=1)
+    assert "steps never committed: [2]" in report.problems, report.problems
+
+
+def test_a_sample_used_twice_is_a_broken_promise() -> None:
+    run = whole_run()
+    contrib = next(e for e in run if e["kind"] == "contrib" and e["step"] == 1)
+    contrib["indices"] = [*contrib["indices"][:-1], PLAN.indices(0, 0, B)[0]]  # one of step 0's again
+    report = check_promises({"a": run}, JOB, finishers=1)
+    assert report.problems == ["step 2 (epoch 1) consumed 4 samples from 1 slices; expected exactly the 4 planned ones"]
+
+
+def test_a_sample_left_out_is_a_broken_promise() -> None:
+    run = whole_run()
+    contrib = next(e for e in run if e["kind"] == "contrib" and e["step"] == 2)
+    contrib["indices"] = contrib["indices"][:-1]
+    report = check_promises({"a": run}, JOB, finishers=1)
+    assert report.problems == ["step 3 (epoch 1) consumed 3 samples from 1 slices; expected exactly the 4 planned ones"]
+
+
+def test_replicas_that_differ_after_a_step_break_the_promise() -> None:
+    a = [e for s in range(T) for e in step(1 + s, 1, s, f"d{s}", (0, 2))] + [final(5, "d2")]
+    b = [e for s in range(T) for e in step(1 + s, 1, s, "x1" if s == 1 else f"d{s}", (2, 2))] + [final(5, "d2")]
+    report = check_promises({"a": a, "b": b}, JOB, finishers=2)
+    assert report.problems == ["replicas differ after step 2: {'a': 'd1', 'b': 'x1'}"]

@@ -1,4 +1,4 @@
-"""Emulated slow devices: a testing aid for heterogeneous groups on one machine.
+"""Emulated slow devices (`unbroken node --throttle`): heterogeneous groups on one machine.
 
 ``--throttle 0.25`` makes a node compute at a quarter of its speed: after each forward and
 backward pass that took ``t`` seconds it idles ``t * (1/0.25 - 1)`` more, so its measured

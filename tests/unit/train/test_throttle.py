@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from unbroken.errors import ConfigError
-from unbroken.testing.throttle import Throttle, parse_throttle
+from unbroken.train.throttle import Throttle, parse_throttle
 
 # ---------------------------------------------------------------- parsing
 

@@ -1,0 +1,96 @@
+"""What the CLI or a test may inject into a node: faults at chosen points of its life.
+
+A node asks its `Faults` at each point where a fault can strike (before a step's compute,
+while a collective is in flight, after a commit, when it builds an epoch's data plane) and
+does what the answer says. The library knows only this protocol and `NoFaults`; the fault
+specs and their plan live with the testing aids (`unbroken.testing.faults`), which the CLI
+(`unbroken node --fault`) and tests build and hand to `Node` or `unbroken.swarm.launch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+Record = Callable[[dict[str, object]], None]
+"""Writes one entry to the node's commit log (a fault that fires says so there first)."""
+
+LIES = {"hide-nan": float("nan"), "hide-spike": -1e6, "forge-slot": float("inf")}
+"""What a lying member does to its contribution (`Faults.lie`): ``hide-nan`` and
+``hide-spike`` multiply the gradient it sends by the value after its norm was taken, so its
+slot carries the norm of its true gradient; ``forge-slot`` writes the value into the next
+rank's norm slot (to get an honest member blamed)."""
+
+
+class Faults(Protocol):
+    """A node's injected faults. Every method is asked at its point of the node's life and
+    returns what to do there; the faults that fire record themselves first."""
+
+    def attach(self, record: Record) -> None:
+        """Where fired faults are recorded: the node's commit log, once it has one."""
+
+    def maybe_fire(self, phase: str, step: int) -> None:
+        """Signal this process (or hang its step loop) if a fault is due at ``phase`` of ``step``."""
+
+    def corruption(self, step: int, phase: str = "grad") -> float | None:
+        """The factor that poisons this step's gradient (``outer``: the pseudo-gradient)."""
+
+    def lie(self, step: int) -> str | None:
+        """The lie (a key of `LIES`) this member tells at ``step``."""
+
+    def muted(self, epoch: int) -> bool:
+        """Whether this node's rendezvous entries for ``epoch`` must not go out."""
+
+    def unreachable(self, epoch: int) -> bool:
+        """Whether this node's rendezvous entries for ``epoch`` must give an unreachable address."""
+
+    def dropping_port(self, host: str) -> int:
+        """A port on ``host`` where connections hang."""
+
+    def false_alarm(self, step: int, epoch: int) -> bool:
+        """Whether to report, after committing ``step``, a collective failure that did not happen."""
+
+    def bitflip(self, step: int) -> bool:
+        """Whether a bit of this node's state flips (`flip_bit`) right after committing ``step``."""
+
+
+class NoFaults:
+    """A node without injected faults: the default."""
+
+    def attach(self, record: Record) -> None:
+        pass
+
+    def maybe_fire(self, phase: str, step: int) -> None:
+        pass
+
+    def corruption(self, step: int, phase: str = "grad") -> float | None:
+        return None
+
+    def lie(self, step: int) -> str | None:
+        return None
+
+    def muted(self, epoch: int) -> bool:
+        return False
+
+    def unreachable(self, epoch: int) -> bool:
+        return False
+
+    def dropping_port(self, host: str) -> int:
+        raise RuntimeError("no unreachable-address fault was injected")
+
+    def false_alarm(self, step: int, epoch: int) -> bool:
+        return False
+
+    def bitflip(self, step: int) -> bool:
+        return False
+
+
+def flip_bit(t: torch.Tensor, index: int = 0, bit: int = 20) -> None:
+    """Flip one bit of one element in place (a float32's mantissa bit by default: a small,
+    silent change of value): silent data corruption, which the consistency audit must catch."""
+    with torch.no_grad():
+        flat = t.data.view(-1)
+        word = flat[index : index + 1].view(torch.int32)
+        word ^= 1 << bit
