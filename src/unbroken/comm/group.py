@@ -37,7 +37,9 @@ os.environ[RANK_AS_SEQUENCE] = "1"
 PUBLISH_S = 0.002
 """How often a build passes on what its rank wrote to the rendezvous (`Meeting.publish`)."""
 
-AbortCheck = Callable[[], str | None]
+AbortCheck = Callable[[], "EpochAborted | str | None"]
+"""Why the epoch must be left now, if it must: the error to raise (`Expelled` when this node
+was expelled), or just its reason."""
 """Returns a reason to give up, or None to keep waiting."""
 
 
@@ -87,6 +89,8 @@ def wait_until(
         if done():
             return
         reason = should_abort()
+        if isinstance(reason, EpochAborted):
+            raise reason.during(what)
         if reason is not None:
             raise EpochAborted(f"{what} abandoned: {reason}")
         left = end - time.monotonic()

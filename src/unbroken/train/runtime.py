@@ -219,17 +219,19 @@ class Node:
     def capabilities(self) -> m.Capabilities:
         return self.meter.capabilities(self.client.rtt_s, self.state.step)
 
-    def abort_reason(self, *, during_step: bool) -> str | None:
-        """Why the current epoch must be left now, if it must (every wait polls this)."""
+    def abort_reason(self, *, during_step: bool) -> EpochAborted | None:
+        """Why the current epoch must be left now, if it must (every wait polls this): the
+        error to raise, with the epoch and step this node was at."""
         self.client.touch()
-        if self.client.expelled is not None:
-            return f"expelled: {self.client.expelled}"
-        latest = self.client.latest_order()
         current = self.group.epoch if self.group else -1
+        where = {"epoch": current if current >= 0 else None, "step": self.state.step}
+        if self.client.expelled is not None:
+            return Expelled(f"expelled: {self.client.expelled}", **where)
+        latest = self.client.latest_order()
         if latest is not None and latest.epoch > current and (latest.urgent or not during_step):
-            return f"epoch {latest.epoch} ordered: {latest.reason}"
+            return EpochAborted(f"epoch {latest.epoch} ordered: {latest.reason}", **where)
         if not during_step and self.client.finished is not None:
-            return "the job finished"
+            return EpochAborted("the job finished", **where)
         return None
 
     def announce_leave(self) -> None:

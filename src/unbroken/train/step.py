@@ -127,6 +127,8 @@ class StepProtocol:
     def check(self) -> None:
         """Raise `EpochAborted` if this epoch must be left now (an urgent order, expulsion)."""
         reason = self.in_step()
+        if isinstance(reason, EpochAborted):
+            raise reason
         if reason is not None:
             raise EpochAborted(reason)
 
