@@ -175,9 +175,13 @@ def test_a_nan_pseudo_gradient_from_a_zone_leader_is_refused_before_anyone_appli
     codes = c.wait_exit(timeout=120)
     assert fired(c.nodes["b1"], "nan"), c.diagnostics()
     assert codes == {"a1": 0, "b1": 0, "a2": 0, "b2": 0}, c.diagnostics()
-    reasons = [e["reason"] for n in c.nodes.values() for e in n.entries() if e["kind"] == "refused"]
+    refused = [e for n in c.nodes.values() for e in n.entries() if e["kind"] == "refused"]
+    reasons = [e["reason"] for e in refused]
     assert reasons and all(r.startswith("outer step after inner step 19: ") for r in reasons), reasons
     assert all(("not finite" if codec == "none" else "rank 1 sent int8 payload") in r for r in reasons), reasons
+    # b1's row is its own (its zone's sum leaves the head out), so every node names it, as
+    # a refused gradient's sender is named, rather than only suspecting the sum.
+    assert all((e["culprit"] or "").startswith("b1") for e in refused), refused
     promises(c, finishers=4)
     final = torch.load(c.nodes["a2"].final_state, weights_only=True)["model"]
     assert all(bool(torch.isfinite(v).all()) for v in final.values())

@@ -109,6 +109,8 @@ class Posted:
     """When the emulated link delivers (0: no emulation)."""
     intra: int
     """Bytes already sent inside the zone."""
+    own_head: bool = False
+    """Each leader's head was its own (`Reducer.post`): its true norm goes in its norm slot."""
 
 
 @dataclass
@@ -162,12 +164,14 @@ class Reducer:
         after_post: Callable[[], None] = lambda: None,
         after_exchange_post: Callable[[], None] = lambda: None,
         early: Early | None = None,
+        own_head: bool = False,
     ) -> None:
         """Replace ``flat`` by its sum over all members (abortable; raises on any failure).
 
         ``after_post`` runs once the first collective is posted, ``after_exchange_post`` once
         this zone leader's inter-zone exchange is (fault injection hooks). ``early``: the
         sums of ``flat``'s head already posted on `first_hop` (the gradient's buckets).
+        ``own_head``: across zones, each zone's head is its leader's alone (`post`).
         """
         n = flat.numel()
         if self.rule.robust:
@@ -180,7 +184,7 @@ class Reducer:
             return
         # Across zones: the exchange posted and completed at once (DiLoCo's rounds applied
         # late call the two halves a round apart).
-        posted = self.post(flat, wake, abort, deadline_s, what, after_post, after_exchange_post, early)
+        posted = self.post(flat, wake, abort, deadline_s, what, after_post, after_exchange_post, early, own_head)
         self.finish(posted, wake, abort, deadline_s, what)
 
     def _emulate_link_for(self, flat: torch.Tensor) -> float:
@@ -208,7 +212,14 @@ class Reducer:
         return _Exchange(works, outs, head.numel(), k, int(mine.numel()) * (int(count) - 1))
 
     def _finish_exchange(
-        self, ex: _Exchange, flat: torch.Tensor, wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str
+        self,
+        ex: _Exchange,
+        flat: torch.Tensor,
+        wake: threading.Event,
+        abort: AbortCheck,
+        deadline_s: float,
+        what: str,
+        own_head: bool = False,
     ) -> int:
         wait_all(ex.works, wake, abort, deadline_s, f"{what} (between zones)")
         count = len(ex.outs[0])
@@ -216,17 +227,25 @@ class Reducer:
         h, k = ex.head, ex.compressed
         total_tail = torch.zeros(flat.numel() - k, dtype=torch.float32)
         total_head = torch.zeros(k, dtype=torch.float32)
+        norms: dict[int, float] = {}
         for r, payload in enumerate(out):  # zone order: the same sum on every leader
             if k:
                 assert self.codec is not None
                 try:
-                    total_head += self.codec.decode(payload[:h], k)
+                    row = self.codec.decode(payload[:h], k)
                 except ValueError as exc:  # the same payload, the same verdict, on every leader
                     culprit = self.zones.leaders[r]
                     raise BadContribution(culprit, f"{what}: zone leader rank {culprit} sent {exc}") from None
+                if own_head:
+                    norms[self.zones.leaders[r]] = float(torch.linalg.vector_norm(row).item())
+                total_head += row
             total_tail += payload[h:].view(torch.float32)
         flat[:k] = total_head
         flat[k:] = total_tail
+        if own_head:  # each leader's row is its own: what it sent, measured (slots are anyone's word)
+            flat[self.norms_at :] = 0.0
+            for rank, norm in norms.items():
+                flat[self.norms_at + rank] = norm
         return ex.sent
 
     def post(
@@ -239,19 +258,26 @@ class Reducer:
         after_post: Callable[[], None] = lambda: None,
         after_exchange_post: Callable[[], None] = lambda: None,
         early: Early | None = None,
+        own_head: bool = False,
     ) -> Posted:
         """The first half of `allreduce` across zones, for an exchange that runs while the
         caller computes on: the zone's sum now (fast links), the leaders' exchange posted and
         left in flight. `finish` completes it into ``flat`` (which must not change meanwhile).
-        Only with several zones: one zone has no slow link to hide."""
+        Only with several zones: one zone has no slow link to hide.
+
+        ``own_head``: the head (the codec's part) is the zone leader's alone, as a DiLoCo
+        pseudo-gradient is (every member of a zone holds the same parameters): the zone's sum
+        leaves it out, so each leader's row in the exchange is its own word, and `finish`
+        writes each row's true norm into its leader's norm slot for `check_sum` to judge."""
         assert self.zones.multi and not self.rule.robust, "an exchange in flight needs zones and the mean"
-        n = flat.numel()
         zone = self.zones.of_rank[self.rank]
         zone_size = len(self.zones.members(zone))
         intra = 0
         if self.zone_pg is not None:
-            self._first_hop(self.zone_pg, flat, early, wake, abort, deadline_s, f"{what} (zone {zone})", after_post)
-            intra += _ring_allreduce_bytes(4 * n, zone_size)
+            summed = flat[self.compressed :] if own_head else flat
+            hop = f"{what} (zone {zone})"
+            self._first_hop(self.zone_pg, summed, None if own_head else early, wake, abort, deadline_s, hop, after_post)
+            intra += _ring_allreduce_bytes(4 * summed.numel(), zone_size)
         ex, ready_at = None, 0.0
         if self.leaders_pg is not None:
             ready_at = self._emulate_link_for(flat)
@@ -259,7 +285,7 @@ class Reducer:
             if self.zone_pg is None:  # alone in its zone: the exchange is its first collective
                 after_post()
             after_exchange_post()
-        return Posted(flat, ex, ready_at, intra)
+        return Posted(flat, ex, ready_at, intra, own_head)
 
     def finish(self, posted: Posted, wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str) -> None:
         """Complete a `post`: the zones' total in ``posted.flat`` on every member."""
@@ -267,7 +293,7 @@ class Reducer:
         zone = self.zones.of_rank[self.rank]
         if posted.exchange is not None:
             self._emulate_link(posted.ready_at, wake, abort, deadline_s, what)
-            inter = self._finish_exchange(posted.exchange, flat, wake, abort, deadline_s, what)
+            inter = self._finish_exchange(posted.exchange, flat, wake, abort, deadline_s, what, posted.own_head)
         if self.zone_pg is not None:
             work = self.zone_pg.broadcast(flat, 0)
             wait_work(work, wake, abort, deadline_s, f"{what} (zone {zone} broadcast)")

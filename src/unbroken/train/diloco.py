@@ -250,6 +250,7 @@ class DiLoCo:
             node.config.collective_timeout_s,
             f"outer step after inner step {last}",
             after_exchange_post=functools.partial(node.faults.maybe_fire, "exchange", last),
+            own_head=True,
         )
         node.meter.last_comm_s = time.monotonic() - t_comm
         tally = p.verify(members=grp.size, samples=B * steps, what=f"outer step after inner step {last}")
@@ -286,7 +287,9 @@ class DiLoCo:
             zone = zones.members(zones.of_rank[r]) if zones.of_rank else list(range(g.size))
             if zone[0] == r:
                 shares[r] = sum(g.shares[m] for m in zone)
-        p.check_sum(what, shares, noun="pseudo-gradient")
+        # Across zones each leader's row was its own and its norm was measured on arrival
+        # (`Reducer.post`'s ``own_head``): a verdict names the leader; in one zone it is a sum.
+        p.check_sum(what, shares, noun="pseudo-gradient", proven=zones.multi)
 
     def _outer_update(self, flat: torch.Tensor) -> int:
         """The outer optimizer steps the anchor with the summed pseudo-gradient at the head of
@@ -341,7 +344,7 @@ class DiLoCo:
         what = f"outer step after inner step {last}"
         posted = p.reducer.post(
             flat, node.wake, p.in_step, node.config.collective_timeout_s, what,
-            after_exchange_post=functools.partial(node.faults.maybe_fire, "exchange", last),
+            after_exchange_post=functools.partial(node.faults.maybe_fire, "exchange", last), own_head=True,
         )  # fmt: skip
         done = _InFlight(posted, first, last, steps)
         if switch or last + 1 >= node.job.num_steps:

@@ -265,18 +265,25 @@ class StepProtocol:
             raise CollectiveFailed(f"{what} had {t.votes:.0f}/{members} votes and {t.samples:.0f}/{samples} samples")
         return t
 
-    def check_sum(self, what: str, shares: Sequence[int] | None = None, noun: str = "gradient") -> None:
+    def check_sum(
+        self, what: str, shares: Sequence[int] | None = None, noun: str = "gradient", proven: bool = False
+    ) -> None:
         """Refuse a step (``what``) whose reduced ``noun`` a member's contribution spoiled,
         each member's norm judged against its part of ``shares`` (the epoch's by default).
 
         Gathered rows (`Reducer.rule` robust or ``checked``) were each checked already, and
-        their norms are true: the guard's verdict names a culprit. A plain sum can only be
-        checked as a whole: finite, and no larger than the members' declared norms allow (the
-        triangle inequality; not with a lossy codec, whose error feedback adds to what goes
-        out). What fails there is a `Suspicion`, since a member can write any slot of a sum."""
+        their norms are true: the guard's verdict names a culprit; so it does where the norm
+        slots were measured on each member's own row (``proven``: DiLoCo's leaders' exchange,
+        `Reducer.post`'s ``own_head``). A plain sum can only be checked as a whole: finite,
+        and no larger than the members' declared norms allow (the triangle inequality; not
+        with a lossy codec, whose error feedback adds to what goes out). What fails there is
+        a `Suspicion`, since a member can write any slot of a sum."""
         node, g = self.node, self.group
         norms = self.flat[self.norms_at :].tolist()
         verdict = judge(norms, g.shares if shares is None else shares, node.job.batch_size)
+        if proven and verdict is not None:
+            culprit, why = verdict
+            raise BadContribution(culprit, f"{what}: refused rank {culprit}'s {noun}: {why}")
         if self.reducer.rule.robust:
             if verdict is not None:
                 culprit, why = verdict
