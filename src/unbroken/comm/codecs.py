@@ -48,6 +48,11 @@ class Codec(ABC):
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         """The float32 tensor a payload stands for."""
 
+    def encode_nothing(self, numel: int) -> torch.Tensor:
+        """The payload of a sender with nothing to send (a zone without a share this round):
+        zeros, with any residual kept for a round it sends in."""
+        return self.encode(torch.zeros(numel, dtype=torch.float32))
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -63,6 +68,13 @@ class _WithResidual(Codec):
     """A codec with error feedback: its residual is node-local state."""
 
     residual: torch.Tensor | None = None
+
+    def encode_nothing(self, numel: int) -> torch.Tensor:
+        held, self.residual = self.residual, None
+        try:
+            return self.encode(torch.zeros(numel, dtype=torch.float32))
+        finally:
+            self.residual = held
 
     def state_dict(self) -> dict[str, Any]:
         return {"residual": self.residual}

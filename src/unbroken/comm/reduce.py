@@ -165,13 +165,15 @@ class Reducer:
         after_exchange_post: Callable[[], None] = lambda: None,
         early: Early | None = None,
         own_head: bool = False,
+        silent: bool = False,
     ) -> None:
         """Replace ``flat`` by its sum over all members (abortable; raises on any failure).
 
         ``after_post`` runs once the first collective is posted, ``after_exchange_post`` once
         this zone leader's inter-zone exchange is (fault injection hooks). ``early``: the
         sums of ``flat``'s head already posted on `first_hop` (the gradient's buckets).
-        ``own_head``: across zones, each zone's head is its leader's alone (`post`).
+        ``own_head``: across zones, each zone's head is its leader's alone (`post`);
+        ``silent``: this leader's zone has nothing to send in it (no share this round).
         """
         n = flat.numel()
         if self.rule.robust:
@@ -184,7 +186,9 @@ class Reducer:
             return
         # Across zones: the exchange posted and completed at once (DiLoCo's rounds applied
         # late call the two halves a round apart).
-        posted = self.post(flat, wake, abort, deadline_s, what, after_post, after_exchange_post, early, own_head)
+        posted = self.post(
+            flat, wake, abort, deadline_s, what, after_post, after_exchange_post, early, own_head, silent
+        )
         self.finish(posted, wake, abort, deadline_s, what)
 
     def _emulate_link_for(self, flat: torch.Tensor) -> float:
@@ -198,9 +202,12 @@ class Reducer:
         before = names[(names.index(self.zones.of_rank[self.rank]) - 1) % len(names)]
         return time.monotonic() + self.link.delay(payload, self.leaders_pg.size() - 1, before)
 
-    def _post_exchange(self, flat: torch.Tensor) -> _Exchange:
+    def _post_exchange(self, flat: torch.Tensor, silent: bool = False) -> _Exchange:
         k = self.compressed if self.codec is not None else 0
-        head = self.codec.encode(flat[:k]) if self.codec is not None and k else torch.empty(0, dtype=torch.uint8)
+        if self.codec is None or not k:
+            head = torch.empty(0, dtype=torch.uint8)
+        else:  # silent: zeros, whatever the codec's error feedback holds (it waits for a round with a share)
+            head = self.codec.encode_nothing(k) if silent else self.codec.encode(flat[:k])
         tail = flat[k:].contiguous().view(torch.uint8)
         mine = torch.cat([head, tail])
         count = self.leaders_pg.size()
@@ -259,6 +266,7 @@ class Reducer:
         after_exchange_post: Callable[[], None] = lambda: None,
         early: Early | None = None,
         own_head: bool = False,
+        silent: bool = False,
     ) -> Posted:
         """The first half of `allreduce` across zones, for an exchange that runs while the
         caller computes on: the zone's sum now (fast links), the leaders' exchange posted and
@@ -268,7 +276,8 @@ class Reducer:
         ``own_head``: the head (the codec's part) is the zone leader's alone, as a DiLoCo
         pseudo-gradient is (every member of a zone holds the same parameters): the zone's sum
         leaves it out, so each leader's row in the exchange is its own word, and `finish`
-        writes each row's true norm into its leader's norm slot for `check_sum` to judge."""
+        writes each row's true norm into its leader's norm slot for `check_sum` to judge.
+        ``silent``: this leader's zone had no share (its row must be zero: `judge`)."""
         assert self.zones.multi and not self.rule.robust, "an exchange in flight needs zones and the mean"
         zone = self.zones.of_rank[self.rank]
         zone_size = len(self.zones.members(zone))
@@ -281,7 +290,7 @@ class Reducer:
         ex, ready_at = None, 0.0
         if self.leaders_pg is not None:
             ready_at = self._emulate_link_for(flat)
-            ex = self._post_exchange(flat)
+            ex = self._post_exchange(flat, silent)
             if self.zone_pg is None:  # alone in its zone: the exchange is its first collective
                 after_post()
             after_exchange_post()

@@ -251,6 +251,7 @@ class DiLoCo:
             f"outer step after inner step {last}",
             after_exchange_post=functools.partial(node.faults.maybe_fire, "exchange", last),
             own_head=True,
+            silent=self._zone_idle(),
         )
         node.meter.last_comm_s = time.monotonic() - t_comm
         tally = p.verify(members=grp.size, samples=B * steps, what=f"outer step after inner step {last}")
@@ -279,6 +280,16 @@ class DiLoCo:
         """Refuse an outer step that a zone leader's pseudo-gradient spoiled (DESIGN.md §1,
         promise 8) before anything is applied, as a step's sum is checked (`check_sum`):
         each leader's norm against its zone's samples (a zone's other members send none)."""
+        p = self.node.protocol
+        assert p is not None
+        zones = p.reducer.zones
+        shares = self._leader_shares()
+        # Across zones each leader's row was its own and its norm was measured on arrival
+        # (`Reducer.post`'s ``own_head``): a verdict names the leader; in one zone it is a sum.
+        p.check_sum(what, shares, noun="pseudo-gradient", proven=zones.multi)
+
+    def _leader_shares(self) -> list[int]:
+        """Each zone's samples per inner step, at its leader's rank (the others' are 0)."""
         g, p = self.node.group, self.node.protocol
         assert g is not None and p is not None
         zones = p.reducer.zones
@@ -287,9 +298,14 @@ class DiLoCo:
             zone = zones.members(zones.of_rank[r]) if zones.of_rank else list(range(g.size))
             if zone[0] == r:
                 shares[r] = sum(g.shares[m] for m in zone)
-        # Across zones each leader's row was its own and its norm was measured on arrival
-        # (`Reducer.post`'s ``own_head``): a verdict names the leader; in one zone it is a sum.
-        p.check_sum(what, shares, noun="pseudo-gradient", proven=zones.multi)
+        return shares
+
+    def _zone_idle(self) -> bool:
+        """This node leads a zone that trains nothing this round (standbys, validators, a
+        zone planned out): its row carries no pseudo-gradient, and no residual either."""
+        g = self.node.group
+        assert g is not None
+        return self._leader_shares()[g.rank] == 0
 
     def _outer_update(self, flat: torch.Tensor) -> int:
         """The outer optimizer steps the anchor with the summed pseudo-gradient at the head of
@@ -345,6 +361,7 @@ class DiLoCo:
         posted = p.reducer.post(
             flat, node.wake, p.in_step, node.config.collective_timeout_s, what,
             after_exchange_post=functools.partial(node.faults.maybe_fire, "exchange", last), own_head=True,
+            silent=self._zone_idle(),
         )  # fmt: skip
         done = _InFlight(posted, first, last, steps)
         if switch or last + 1 >= node.job.num_steps:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import HashStore, PrefixStore, ProcessGroupGloo
 
-from unbroken.comm.codecs import Identity
+from unbroken.comm.codecs import Codec, Identity, make_codec
 from unbroken.comm.reduce import VOTE_SLOTS, Reducer
 from unbroken.sched.zones import Zones
 
@@ -28,8 +28,11 @@ def _group(store: Any, name: str, rank: int, size: int) -> Any:
     return ProcessGroupGloo(PrefixStore(name, store), rank, size, opts)
 
 
-def _exchange(heads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Each of 4 ranks (zones A A B B) sums its flat tensor with ``heads[rank]`` at its head."""
+def _exchange(
+    heads: dict[int, torch.Tensor], codecs: dict[int, Codec] | None = None, silent: frozenset[int] = frozenset()
+) -> dict[int, torch.Tensor]:
+    """Each of 4 ranks (zones A A B B) sums its flat tensor with ``heads[rank]`` at its head
+    (``silent`` ranks lead a zone without a share)."""
     store = HashStore()
     out: dict[int, torch.Tensor] = {}
     errors: list[BaseException] = []
@@ -41,13 +44,15 @@ def _exchange(heads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
             zone_pg = _group(store, f"zone-{zone}", ZONES.members(zone).index(rank), 2)
             leaders = _group(store, "leaders", ZONES.leaders.index(rank), 2) if rank in ZONES.leaders else None
             reducer = Reducer(
-                rank, ZONES, world, zone_pg=zone_pg, leaders_pg=leaders, codec=Identity(), compressed=K,
-                norms_at=NORMS_AT,
+                rank, ZONES, world, zone_pg=zone_pg, leaders_pg=leaders,
+                codec=(codecs or {}).get(rank) or Identity(), compressed=K, norms_at=NORMS_AT,
             )  # fmt: skip
             flat = torch.zeros(NORMS_AT + 4)
             flat[:K] = heads[rank]
             flat[K] = 1.0  # its vote
-            reducer.allreduce(flat, threading.Event(), lambda: None, 30.0, "outer step", own_head=True)
+            reducer.allreduce(
+                flat, threading.Event(), lambda: None, 30.0, "outer step", own_head=True, silent=rank in silent
+            )
             out[rank] = flat
         except BaseException as exc:  # reported by the test
             errors.append(exc)
@@ -79,3 +84,24 @@ def test_a_leaders_bad_row_is_measured_as_its_own() -> None:
     for flat in out.values():
         norms = flat[NORMS_AT:].tolist()
         assert math.isclose(norms[0], float(a.norm())) and math.isnan(norms[2]), norms
+
+
+def test_a_zone_without_a_share_sends_nothing_and_keeps_its_codecs_residual() -> None:
+    # Zone B trained last round (its int8 codec holds a residual) and has no share now:
+    # its leader's row must be zero (a row without a share names its sender), and the
+    # residual must wait for a round it sends in.
+    codecs = {r: make_codec("int8") for r in range(4)}
+    codecs[2].encode(torch.linspace(-1.0, 1.0, K) * 3.3)
+    held = codecs[2].residual.clone()  # type: ignore[attr-defined]
+    assert held.abs().sum() > 0
+    a = torch.arange(1.0, K + 1)
+    out = _exchange({0: a, 1: torch.zeros(K), 2: torch.zeros(K), 3: torch.zeros(K)}, codecs, frozenset({2}))
+    for flat in out.values():
+        assert flat[NORMS_AT + 2] == 0.0, "the idle zone's row carried something"
+        assert torch.allclose(flat[:K], a, atol=0.05)
+    assert torch.equal(codecs[2].residual, held)  # type: ignore[attr-defined]
+    # Without ``silent`` the residual goes out: that row is not zero.
+    codecs = {r: make_codec("int8") for r in range(4)}
+    codecs[2].encode(torch.linspace(-1.0, 1.0, K) * 3.3)
+    out = _exchange({0: a, 1: torch.zeros(K), 2: torch.zeros(K), 3: torch.zeros(K)}, codecs)
+    assert out[0][NORMS_AT + 2] > 0.0
