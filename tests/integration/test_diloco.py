@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from integration.helpers import fired, job_for
+from integration.helpers import events_of, fired, job_for
 from unbroken.comm.codecs import make_codec
 from unbroken.testing import check_promises, reference_state
 
@@ -187,3 +187,21 @@ def test_a_nan_pseudo_gradient_from_a_zone_leader_is_refused_before_anyone_appli
     assert all(bool(torch.isfinite(v).all()) for v in final.values())
     ours, _ = heldout(c, "a2")
     assert ours < heldout_at_start()
+
+
+def test_a_zone_leader_that_lies_every_round_is_named_and_the_job_trains_on_without_it(make_cluster):
+    # From the exchange after inner step 19 on, b1 sends a NaN pseudo-gradient every round
+    # and claims a finite norm. Its row is its own (its zone's sum leaves the head out), so
+    # every node names b1 each time; the coordinator benches and then quarantines it, zone B
+    # trains on under b2, and the job ends with every promise kept and a finite model.
+    c = start(make_cluster, codec="none", faults={"b1": "hide-nan@outer:19"})
+    codes = c.wait_exit(timeout=180)
+    assert fired(c.nodes["b1"], "hide-nan"), c.diagnostics()
+    assert codes.get("a1") == codes.get("a2") == codes.get("b2") == 0, c.diagnostics()
+    refused = [e for n in c.nodes.values() for e in n.entries() if e["kind"] == "refused"]
+    assert refused and all((e["culprit"] or "").startswith("b1") for e in refused), refused
+    offences = [e for e in events_of(c, "bad-gradient") if e["member_name"] == "b1"]
+    assert offences, c.diagnostics()
+    final = torch.load(c.nodes["a2"].final_state, weights_only=True)["model"]
+    assert all(bool(torch.isfinite(v).all()) for v in final.values())
+    promises(c, finishers=3)

@@ -32,8 +32,10 @@ wrong node that stays inside the guard's range (robust aggregation's case). Use 
 or ``outer`` (``nan``, ``spike``) for the pseudo-gradient a DiLoCo zone leader sends after
 inner step STEP."""
 PERSISTENT = ("flip",)
-# LIES: what each lie does, from the node's side of the protocol (`unbroken.train.hooks`):
-# a member that lies from step STEP on (``…@grad:STEP``), as a compromised node would.
+# LIES (`unbroken.train.hooks`, where the node carries them out): a member that lies from
+# step STEP on (``…@grad:STEP``), as a compromised node would; ``hide-nan@outer:STEP`` and
+# ``hide-spike@outer:STEP``: a DiLoCo zone leader whose every pseudo-gradient after inner
+# step STEP is spoiled, with its true norm claimed.
 BITFLIP = "bitflip"
 """``bitflip@commit:STEP``: right after committing STEP, one bit of this node's copy of the
 first parameter flips (silent data corruption) — what the consistency audit must catch."""
@@ -69,7 +71,7 @@ def parse_faults(spec: str) -> list[Fault]:
         known = (
             ((sig in SIGNALS or sig == HANG) and phase != "outer")
             or (sig in CORRUPT and (phase == "grad" or (phase == "outer" and sig not in PERSISTENT)))
-            or (sig in LIES and phase == "grad")
+            or (sig in LIES and (phase == "grad" or (phase == "outer" and sig != "forge-slot")))
             or (sig in (BITFLIP, FALSE_ALARM) and phase == "commit")
             or (sig in (MUTE, UNREACHABLE) and phase == "build")
         )
@@ -80,7 +82,8 @@ def parse_faults(spec: str) -> list[Fault]:
                 f"bitflip@commit:STEP / "
                 f"mute@build:EPOCH / "
                 f"false-alarm@commit:STEP / unreachable@build:EPOCH / "
-                f"hide-nan@grad:STEP / hide-spike@grad:STEP / forge-slot@grad:STEP) "
+                f"hide-nan@grad:STEP / hide-spike@grad:STEP / forge-slot@grad:STEP / "
+                f"hide-nan@outer:STEP / hide-spike@outer:STEP) "
                 f"and PHASE in {list(PHASES)} (e.g. kill@allreduce:12)"
             )
         out.append(Fault(sig, phase, int(step)))
@@ -115,14 +118,15 @@ class FaultPlan:
                 return CORRUPT[f.signal]
         return None
 
-    def lie(self, step: int) -> str | None:
-        """The lie this node tells at ``step`` (`LIES`), from its first step on."""
+    def lie(self, step: int, phase: str = "grad") -> str | None:
+        """The lie this node tells at ``step`` (`LIES`), from its first step on (``outer``:
+        in every pseudo-gradient it sends as a DiLoCo zone leader after that step)."""
         for f in list(self._pending):
-            if f.signal in LIES and step >= f.step:
+            if f.signal in LIES and f.phase == phase and step >= f.step:
                 self._pending.remove(f)
                 self._persistent.append(f)
-                self._record({"kind": "fault", "signal": f.signal, "phase": "grad", "step": step, "pid": os.getpid()})
-        return next((f.signal for f in self._persistent if f.signal in LIES), None)
+                self._record({"kind": "fault", "signal": f.signal, "phase": phase, "step": step, "pid": os.getpid()})
+        return next((f.signal for f in self._persistent if f.signal in LIES and f.phase == phase), None)
 
     def muted(self, epoch: int) -> bool:
         """True when this node's rendezvous entries for ``epoch`` must not go out."""

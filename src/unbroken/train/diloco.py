@@ -53,6 +53,7 @@ from unbroken.errors import BadContribution, ConfigError
 from unbroken.job import AnyOptimizer
 from unbroken.state.snapshot import tree_digest
 from unbroken.train.guard import judge
+from unbroken.train.hooks import LIES
 from unbroken.train.step import Slice, add_deltas, after_step, write_deltas
 
 if TYPE_CHECKING:
@@ -275,6 +276,9 @@ class DiLoCo:
         if poison is not None:  # testing aid: a broken zone (`testing.faults`)
             grad *= poison
         flat[p.norms_at + g.rank] = torch.linalg.vector_norm(grad)
+        lie = node.faults.lie(last, "outer")
+        if lie is not None:  # a hostile leader: a spoiled row, its true norm claimed
+            grad *= LIES[lie]
 
     def _check_outer(self, what: str) -> None:
         """Refuse an outer step that a zone leader's pseudo-gradient spoiled (DESIGN.md §1,

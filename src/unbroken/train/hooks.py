@@ -37,8 +37,9 @@ class Faults(Protocol):
     def corruption(self, step: int, phase: str = "grad") -> float | None:
         """The factor that poisons this step's gradient (``outer``: the pseudo-gradient)."""
 
-    def lie(self, step: int) -> str | None:
-        """The lie (a key of `LIES`) this member tells at ``step``."""
+    def lie(self, step: int, phase: str = "grad") -> str | None:
+        """The lie (a key of `LIES`) this member tells at ``step`` (``outer``: in the
+        pseudo-gradient it sends as a DiLoCo zone leader after inner step ``step``)."""
 
     def muted(self, epoch: int) -> bool:
         """Whether this node's rendezvous entries for ``epoch`` must not go out."""
@@ -68,7 +69,7 @@ class NoFaults:
     def corruption(self, step: int, phase: str = "grad") -> float | None:
         return None
 
-    def lie(self, step: int) -> str | None:
+    def lie(self, step: int, phase: str = "grad") -> str | None:
         return None
 
     def muted(self, epoch: int) -> bool:

@@ -111,3 +111,15 @@ def test_a_flip_poisons_its_step_and_every_later_one() -> None:
     plan = FaultPlan(parse_faults("flip@grad:3"), recorded.append)
     assert [plan.corruption(s) for s in range(6)] == [None, None, None, -10.0, -10.0, -10.0]
     assert len(recorded) == 1 and recorded[0]["signal"] == "flip"
+
+
+def test_an_outer_lie_holds_from_its_step_on_and_only_for_pseudo_gradients() -> None:
+    recorded: list[dict[str, Any]] = []
+    plan = FaultPlan(parse_faults("hide-nan@outer:19"), recorded.append)
+    assert plan.lie(25, "grad") is None, "an outer lie does not spoil inner steps"
+    assert plan.lie(9, "outer") is None and recorded == []
+    assert plan.lie(19, "outer") == plan.lie(29, "outer") == plan.lie(39, "outer") == "hide-nan"
+    assert [(r["signal"], r["phase"], r["step"]) for r in recorded] == [("hide-nan", "outer", 19)]
+    assert parse_faults("hide-spike@outer:5")[0].phase == "outer"
+    with pytest.raises(ConfigError, match="forge-slot@outer"):
+        parse_faults("forge-slot@outer:5")
