@@ -942,6 +942,9 @@ class Membership:
             for m in self.epoch_members
             if m in self.members and self.members[m].state != MemberState.LEAVING and eligible(self.members[m])
         ]
+        # A benched member goes behind the others (a stable sort): it never leads its zone,
+        # whose DiLoCo pseudo-gradient is its leader's word alone.
+        keep.sort(key=lambda mid: self.members[mid].benched_until > now)
         kept = set(keep)
         new = sorted(
             (

@@ -52,8 +52,8 @@ def find_stragglers(
 
     With ``shares`` peers are compared per sample: a plan made on start-up estimates can give
     one node most of the batch, and its longer step is then the plan's doing, not the
-    node's. Whether it matters is still judged on the step: a node done before its peers
-    holds nobody up, however slow it is per sample.
+    node's. Whether it matters is judged on the step, which lasts as long as the slowest
+    peer's: a node done before them holds nobody up, however slow it is per sample.
 
     O(N log N) for N trainers: a median without one element is read off the sorted list,
     and the peers' median takes at most three values, each with its sorted deviations.
@@ -75,7 +75,8 @@ def find_stragglers(
         if len(ordered) < 2:
             if predicted <= 0:
                 continue
-            baseline, against = predicted, "planned"
+            baseline = step = predicted
+            against = f"{baseline * 1e3:.1f} ms planned"
         else:
             rate = rates[name]
             base_rate = _median_without(ordered_rates, rate)
@@ -85,17 +86,21 @@ def find_stragglers(
             spread = _median_without(around, abs(rate - base_rate)) * 1.4826
             if rate < RATIO * base_rate or (spread > 0 and rate - base_rate < MAD_Z * spread):
                 continue
-            baseline, against = _median_without(ordered, med), "peers' median"
-        if med - baseline < MATTERS * (baseline + overhead_s):
-            continue
-        per_sample = ""
-        if shares is not None and against != "planned":
-            per_sample = (
-                f"; {rates[name] * 1e3:.2f} ms/sample for {shares[name]} samples vs "
-                f"{_median_without(ordered_rates, rates[name]) * 1e3:.2f} ms peers' median"
-            )
+            if shares is None:
+                baseline = step = _median_without(ordered, med)
+                against = f"{baseline * 1e3:.1f} ms peers' median"
+            else:
+                # Its share at its peers' speed; the step lasts as long as its slowest peer's.
+                baseline = base_rate * shares[name]
+                step = ordered[-1] if ordered[-1] != med else ordered[-2]
+                against = (
+                    f"{baseline * 1e3:.1f} ms at its peers' speed ({rate * 1e3:.2f} ms/sample for "
+                    f"{shares[name]} samples vs {base_rate * 1e3:.2f} ms peers' median)"
+                )
+        if med - baseline < MATTERS * (step + overhead_s):
+            continue  # a few ms late in a step that mostly waits on others or the network
         out[name] = (
             f"compute {med * 1e3:.1f} ms/step over its last {MIN_SAMPLES} steps vs "
-            f"{baseline * 1e3:.1f} ms {against} ({med / max(baseline, 1e-12):.1f}x){per_sample}"
+            f"{against} ({med / max(baseline, 1e-12):.1f}x)"
         )
     return out

@@ -344,8 +344,9 @@ class Chaos:
             if c.coordinator is None or c.coordinator.poll() is not None:
                 return
             c.kill_coordinator()
-            self.faults.append(Fault(kind, time.time(), "coordinator"))
-            self._later(1.0, lambda: self._restart_coordinator(c, port, down_since=self.faults[-1].at))
+            killed = Fault(kind, time.time(), "coordinator")
+            self.faults.append(killed)
+            self._later(1.0, lambda: self._restart_coordinator(c, port, down_since=killed.at))
             return
         if kind == "join":
             node = self._start(c)

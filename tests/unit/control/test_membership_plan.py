@@ -685,3 +685,15 @@ def test_a_member_absent_from_the_data_plane_is_kept_out_of_epochs_then_tried_ag
         if offence < QUARANTINE_AFTER:
             assert only_order(d).members == ["a", "b", "c"], "tried again once its time is over"
     assert ms.members["c"].quarantined and not d.orders
+
+
+def test_a_benched_member_goes_behind_the_others_so_it_leads_no_zone() -> None:
+    ms, order = three_trainers()
+    first = order.members[0]
+    name = ms.members[first].name
+    t = JOIN_SETTLE_S
+    for reporter in order.members:
+        ms.fault(reporter, ms.epoch, "refused: not finite", t, culprit=first)
+    benched = only_order(ms.tick(t))
+    assert benched.members[-1] == first and benched.members[:2] == order.members[1:], (name, benched.members)
+    assert benched.shares[-1] == 0

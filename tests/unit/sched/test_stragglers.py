@@ -200,3 +200,13 @@ def test_slow_per_sample_but_done_before_its_peers_holds_nobody_up() -> None:
 def test_members_without_a_share_are_not_judged() -> None:
     times = {"a": steady(0.1), "b": steady(0.1), "c": steady(0.9)}
     assert find_stragglers(times, {}, shares={"a": 10, "b": 10, "c": 0}) == {}
+
+
+def test_per_sample_the_step_is_as_long_as_the_slowest_peer_not_the_median_one() -> None:
+    # A skewed first plan: a holds 144 samples, b, c, d 16 each. b is twice as slow per
+    # sample as c and d, yet done 11 ms before a: it holds nobody up.
+    times = {"a": steady(0.0144), "b": steady(0.0032), "c": steady(0.0016), "d": steady(0.0016)}
+    assert find_stragglers(times, {}, shares={"a": 144, "b": 16, "c": 16, "d": 16}) == {}
+    # Two slow nodes of equal shares both stand out: each is the other's slowest peer.
+    times = {"a": steady(0.1), "b": steady(0.1), "c": steady(0.1), "d": steady(0.5), "e": steady(0.6)}
+    assert set(find_stragglers(times, {}, shares=dict.fromkeys(times, 10))) == {"d", "e"}
