@@ -11,7 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from unbroken.errors import ConfigError
-from unbroken.specs import MAX_BUCKET_MB, MAX_STREAMS, parse_codec, parse_fragments, parse_rule
+from unbroken.specs import (
+    INNER_STEPS,
+    MAX_BUCKET_MB,
+    MAX_STREAMS,
+    OUTER_LR,
+    OUTER_MOMENTUM,
+    ROLES,
+    parse_codec,
+    parse_fragments,
+    parse_rule,
+)
 from unbroken.train.throttle import parse_throttle
 
 ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
@@ -19,7 +29,6 @@ ENV_ETCD = "UNBROKEN_ETCD"
 READY_PREFIX = "UNBROKEN_COORDINATOR_READY"
 """A coordinator or relay prints this, then ``HOST:PORT``, on stdout once it serves."""
 DEFAULT_ETCD_PREFIX = "/unbroken/job"
-ROLES = ("auto", "trainer", "validator", "standby")
 
 
 def _check_range(owner: str, name: str, value: float, low: float, high: float | None = None) -> None:
@@ -100,11 +109,11 @@ class CoordinatorConfig:
     mode: str = "sync"
     """``sync`` (one all-reduce per step, exact large-batch math) or ``diloco`` (each zone trains
     alone for ``inner_steps``, then the zones exchange pseudo-gradients; see `unbroken.train.diloco`)."""
-    inner_steps: int = 50
+    inner_steps: int = INNER_STEPS
     """DiLoCo: inner steps per round (H)."""
-    outer_lr: float = 0.7
+    outer_lr: float = OUTER_LR
     """DiLoCo: learning rate of the outer optimizer (SGD with Nesterov momentum)."""
-    outer_momentum: float = 0.9
+    outer_momentum: float = OUTER_MOMENTUM
     """DiLoCo: momentum of the outer optimizer."""
     outer_overlap: bool = False
     """DiLoCo across zones: a round's exchange between zones runs during the next round and is

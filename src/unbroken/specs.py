@@ -24,6 +24,16 @@ MAX_BUCKET_MB = 1024.0
 RULES = {"mean": 0.0, "clip": 2.0, "trimmed": 0.25, "checked": 0.0}
 """Each aggregation rule with its default parameter."""
 
+ROLES = ("auto", "trainer", "validator", "standby")
+"""What a node may ask to be (``auto``: the cost model decides)."""
+
+INNER_STEPS = 50
+"""DiLoCo's default inner steps per round (H)."""
+OUTER_LR = 0.7
+"""DiLoCo's default outer learning rate (SGD with Nesterov momentum)."""
+OUTER_MOMENTUM = 0.9
+"""DiLoCo's default outer momentum."""
+
 
 def parse_codec(spec: str) -> tuple[str, float]:
     """``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``, ``topk`` or ``topk:RATIO`` (e.g. ``topk:0.05``):

@@ -34,6 +34,7 @@ from unbroken.config import (
 from unbroken.control.auth import ENV_TOKEN, load_token
 from unbroken.control.etcd import parse_endpoints
 from unbroken.errors import ConfigError, UnbrokenError
+from unbroken.specs import INNER_STEPS, OUTER_LR, OUTER_MOMENTUM, ROLES
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -368,7 +369,7 @@ def _node_options(n: argparse.ArgumentParser) -> None:
     n.add_argument("--memory-limit", default="0", help="device memory this node may use, e.g. 2GB (0: what is free)")
     n.add_argument(
         "--role",
-        choices=("auto", "trainer", "validator", "standby"),
+        choices=ROLES,
         default="auto",
         help="auto: the cost model decides; standby: a hot spare promoted when a trainer fails",
     )
@@ -471,9 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="sync: one all-reduce per step; diloco: each zone trains alone for --inner-steps, then the zones "
         "exchange pseudo-gradients (compressed by --codec) and apply an outer Nesterov step",
     )
-    c.add_argument("--inner-steps", type=int, default=50, help="diloco: inner steps per round (H)")
-    c.add_argument("--outer-lr", type=float, default=0.7, help="diloco: outer learning rate")
-    c.add_argument("--outer-momentum", type=float, default=0.9, help="diloco: outer Nesterov momentum")
+    c.add_argument("--inner-steps", type=int, default=INNER_STEPS, help="diloco: inner steps per round (H)")
+    c.add_argument("--outer-lr", type=float, default=OUTER_LR, help="diloco: outer learning rate")
+    c.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM, help="diloco: outer Nesterov momentum")
     c.add_argument(
         "--outer-overlap",
         action="store_true",

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from unbroken.errors import ProtocolError
-from unbroken.specs import MAX_BUCKET_MB, MAX_STREAMS
+from unbroken.specs import INNER_STEPS, MAX_BUCKET_MB, MAX_STREAMS, OUTER_LR, OUTER_MOMENTUM
 
 PROTOCOL_VERSION = 1
 
@@ -326,9 +326,9 @@ class EpochOrder(_Msg):
     """How the members' gradients are combined: ``mean``, ``clip[:C]`` or ``trimmed[:F]``."""
     mode: Literal["sync", "diloco"] = "sync"
     """``sync``: one all-reduce per step; ``diloco``: zones train alone for ``inner_steps``."""
-    inner_steps: Annotated[int, Field(ge=1, le=1_000_000)] = 50
-    outer_lr: Annotated[float, Field(gt=0, le=100)] = 0.7
-    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    inner_steps: Annotated[int, Field(ge=1, le=1_000_000)] = INNER_STEPS
+    outer_lr: Annotated[float, Field(gt=0, le=100)] = OUTER_LR
+    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = OUTER_MOMENTUM
     outer_overlap: bool = False
     """DiLoCo across zones: each round's exchange runs during the next round, whose end applies
     it (one round late), so compute never waits for the slow links."""

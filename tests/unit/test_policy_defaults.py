@@ -1,0 +1,29 @@
+"""Each policy default has one home (`unbroken.specs`): the config, the wire and the CLI agree."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from unbroken import specs
+from unbroken.cli.main import build_parser
+from unbroken.config import CoordinatorConfig
+from unbroken.control import messages as m
+
+
+def test_diloco_defaults_are_the_same_in_the_config_the_epoch_order_and_the_cli() -> None:
+    order = m.EpochOrder.model_fields
+    cli = build_parser().parse_args(["coordinator"])
+    for name, default in (
+        ("inner_steps", specs.INNER_STEPS),
+        ("outer_lr", specs.OUTER_LR),
+        ("outer_momentum", specs.OUTER_MOMENTUM),
+    ):
+        assert getattr(CoordinatorConfig(), name) == order[name].default == getattr(cli, name) == default, name
+
+
+def test_roles_a_node_may_ask_for_are_the_same_everywhere() -> None:
+    assert get_args(m.Hello.model_fields["role"].annotation) == specs.ROLES
+    assert set(get_args(m.RoleName)) == set(specs.ROLES) - {"auto"}
+    node = next(a for a in build_parser()._actions if a.dest == "command").choices["node"]  # type: ignore[union-attr]
+    role = next(a for a in node._actions if a.dest == "role")
+    assert tuple(role.choices) == specs.ROLES  # type: ignore[arg-type]
