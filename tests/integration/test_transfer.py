@@ -16,7 +16,7 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
 from integration.helpers import established_to
-from unbroken.comm.group import build_group
+from unbroken.comm.group import EpochScope, build_group
 from unbroken.comm.transfer import Partial, SyncResult, sync_state
 from unbroken.control.meeting import data_address
 from unbroken.errors import EpochAborted, TransferError
@@ -64,7 +64,7 @@ class Group:
             devices = [
                 ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=self.lazy) for _ in range(self.streams)
             ]
-            pg, _ = build_group(self.store, prefix, rank, self.size, devices, 10.0, wake, lambda: None)
+            pg, _ = build_group(self.store, prefix, rank, self.size, devices, EpochScope(wake, lambda: None, 10.0))
             try:
                 return fn(rank, pg)
             except Exception as exc:  # returned, so every rank's outcome can be checked
@@ -85,7 +85,7 @@ def sync(
     partials = partials or {}
     return g.run(
         lambda rank, pg: sync_state(
-            pg, rank, len(states), states[rank], threading.Event(), lambda: None, 20.0,
+            pg, rank, len(states), states[rank], EpochScope(threading.Event(), lambda: None, 20.0),
             partial=partials.get(rank), chunk_bytes=CHUNK, **kw,
         )
     )  # fmt: skip
@@ -148,7 +148,7 @@ def test_a_fetch_cut_short_keeps_what_arrived_and_asks_only_for_the_rest(streams
         st = [donor, joiner][rank]
         hook = hang_after_five if rank == 0 else None
         return sync_state(
-            pg, rank, 2, st, threading.Event(), lambda: "donor gone" if stop.is_set() else None, 20.0,
+            pg, rank, 2, st, EpochScope(threading.Event(), lambda: "donor gone" if stop.is_set() else None, 20.0),
             partial=partial if rank == 1 else None, chunk_bytes=CHUNK, on_sent=hook,
         )  # fmt: skip
 

@@ -39,8 +39,23 @@ PUBLISH_S = 0.002
 
 AbortCheck = Callable[[], "EpochAborted | str | None"]
 """Why the epoch must be left now, if it must: the error to raise (`Expelled` when this node
-was expelled), or just its reason."""
-"""Returns a reason to give up, or None to keep waiting."""
+was expelled), or just its reason; None to keep waiting."""
+
+
+@dataclass(frozen=True)
+class EpochScope:
+    """What every wait of one epoch shares: the event that wakes it early (a collective
+    done, an order arrived), the check that ends it (`AbortCheck`), and how long any one
+    wait may last. A node builds it once per epoch (`unbroken.train.runtime.Node.scope`);
+    every collective, transfer and build of the epoch waits under it."""
+
+    wake: threading.Event
+    abort: AbortCheck
+    timeout_s: float
+
+    def lasting(self, timeout_s: float) -> EpochScope:
+        """The same scope for a wait with a deadline of its own."""
+        return EpochScope(self.wake, self.abort, timeout_s)
 
 
 @dataclass
@@ -74,42 +89,35 @@ class EpochGroup:
         return len(self.members)
 
 
-def wait_until(
-    done: Callable[[], bool],
-    wake: threading.Event,
-    should_abort: AbortCheck,
-    deadline_s: float,
-    what: str,
-    poll_s: float = 0.05,
-) -> None:
+def wait_until(done: Callable[[], bool], scope: EpochScope, what: str, poll_s: float = 0.05) -> None:
     """Block until ``done()``; raise `EpochAborted` on abort, `CollectiveFailed` past the deadline."""
-    end = time.monotonic() + deadline_s
+    end = time.monotonic() + scope.timeout_s
     while True:
-        wake.clear()
+        scope.wake.clear()
         if done():
             return
-        reason = should_abort()
+        reason = scope.abort()
         if isinstance(reason, EpochAborted):
             raise reason.during(what)
         if reason is not None:
             raise EpochAborted(f"{what} abandoned: {reason}")
         left = end - time.monotonic()
         if left <= 0:
-            raise CollectiveFailed(f"{what} ran past its {deadline_s:g} s deadline")
-        wake.wait(min(left, poll_s))
+            raise CollectiveFailed(f"{what} ran past its {scope.timeout_s:g} s deadline")
+        scope.wake.wait(min(left, poll_s))
 
 
-def wait_work(work: Any, wake: threading.Event, should_abort: AbortCheck, deadline_s: float, what: str) -> None:
+def wait_work(work: Any, scope: EpochScope, what: str) -> None:
     """Wait for a c10d work item against an abort signal; surface its error as `CollectiveFailed`."""
-    wait_all([work], wake, should_abort, deadline_s, what)
+    wait_all([work], scope, what)
 
 
-def wait_all(works: list[Any], wake: threading.Event, should_abort: AbortCheck, deadline_s: float, what: str) -> None:
+def wait_all(works: list[Any], scope: EpochScope, what: str) -> None:
     """`wait_work` for several work items under one deadline (a failed one named by its place)."""
     futures = [work.get_future() for work in works]
     for fut in futures:
-        fut.add_done_callback(lambda _f: wake.set())
-    wait_until(lambda: all(f.done() for f in futures), wake, should_abort, deadline_s, what)
+        fut.add_done_callback(lambda _f: scope.wake.set())
+    wait_until(lambda: all(f.done() for f in futures), scope, what)
     for i, work in enumerate(works):
         try:
             work.wait()
@@ -118,9 +126,7 @@ def wait_all(works: list[Any], wake: threading.Event, should_abort: AbortCheck, 
             raise CollectiveFailed(f"{what}{part} failed: {str(exc).splitlines()[0][:300]}") from exc
 
 
-def run_abortable(
-    fn: Callable[[], T], wake: threading.Event, should_abort: AbortCheck, deadline_s: float, what: str
-) -> T:
+def run_abortable(fn: Callable[[], T], scope: EpochScope, what: str) -> T:
     """Run blocking data-plane work (gloo send/recv have no future) on a helper thread.
 
     If the epoch is abandoned, the helper is left to end at the group's own timeout.
@@ -133,10 +139,10 @@ def run_abortable(
         except BaseException as exc:  # handed to the waiting thread
             box["error"] = exc
         finally:
-            wake.set()
+            scope.wake.set()
 
     threading.Thread(target=target, name=f"dataplane-{what}", daemon=True).start()
-    wait_until(lambda: bool(box), wake, should_abort, deadline_s, what)
+    wait_until(lambda: bool(box), scope, what)
     if "error" in box:
         exc = box["error"]
         if isinstance(exc, RuntimeError) and not isinstance(exc, UnbrokenError):
@@ -260,9 +266,7 @@ def build_group(
     rank: int,
     size: int,
     devices: list[Any],
-    timeout_s: float,
-    wake: threading.Event,
-    should_abort: AbortCheck,
+    scope: EpochScope,
     publish: Callable[[], None] | None = None,
 ) -> tuple[Any, float]:
     """Build a `ProcessGroupGloo` named ``group`` without letting a missing peer block us.
@@ -270,7 +274,7 @@ def build_group(
     The members meet on ``store`` under ``group/`` (`Meeting.store`); ``publish`` is called
     every few milliseconds meanwhile to pass on what this rank wrote. The constructor
     blocks until every rank has connected, so it runs on a helper thread; if the epoch is
-    superseded meanwhile we walk away and the helper ends at its timeout (``timeout_s``, also
+    superseded meanwhile we walk away and the helper ends at its timeout (the scope's, also
     the group's collective timeout).
     """
     result: dict[str, Any] = {}
@@ -278,14 +282,14 @@ def build_group(
     def build() -> None:
         try:
             opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-            opts._timeout = timedelta(seconds=timeout_s)
+            opts._timeout = timedelta(seconds=scope.timeout_s)
             opts._devices = devices
             opts._threads = max(2, len(devices))  # a stream's work is not queued behind another's
             result["pg"] = ProcessGroupGloo(PrefixStore(group, store), rank, size, opts)
         except Exception as exc:  # reported to the waiting thread
             result["error"] = exc
         finally:
-            wake.set()
+            scope.wake.set()
 
     def built() -> bool:
         if publish is not None:
@@ -294,7 +298,7 @@ def build_group(
 
     start = time.monotonic()
     threading.Thread(target=build, name=f"pg-build-{group}", daemon=True).start()
-    wait_until(built, wake, should_abort, timeout_s, f"building group {group}", poll_s=PUBLISH_S)
+    wait_until(built, scope, f"building group {group}", poll_s=PUBLISH_S)
     if "error" in result:
         raise CollectiveFailed(f"building group {group} failed: {result['error']}")
     return result["pg"], time.monotonic() - start

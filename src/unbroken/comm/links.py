@@ -10,13 +10,12 @@ leader reports what it received from each zone (MB/s); the coordinator orders th
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 import torch
 
-from unbroken.comm.group import AbortCheck, run_abortable
+from unbroken.comm.group import EpochScope, run_abortable
 from unbroken.comm.reduce import LinkEmulation
 
 PROBE_BYTES = 1 << 20
@@ -30,13 +29,11 @@ def probe(
     rank: int,
     zones: list[str],
     link: LinkEmulation,
-    wake: threading.Event,
-    abort: AbortCheck,
-    deadline_s: float,
+    scope: EpochScope,
 ) -> dict[str, float]:
     """MB/s this leader (``rank`` of ``pg``, whose ranks lead ``zones`` in order) received
     from each other leader's zone (abortable: gloo's send and receive have no future)."""
-    return run_abortable(lambda: _rounds(pg, rank, zones, link), wake, abort, deadline_s, "link probe")
+    return run_abortable(lambda: _rounds(pg, rank, zones, link), scope, "link probe")
 
 
 def _rounds(pg: Any, rank: int, zones: list[str], link: LinkEmulation) -> dict[str, float]:

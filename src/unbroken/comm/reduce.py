@@ -17,7 +17,6 @@ the message sizes of gloo's ring algorithms (what each node sends).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 
 from unbroken.comm.codecs import Codec
-from unbroken.comm.group import AbortCheck, wait_all, wait_until, wait_work
+from unbroken.comm.group import EpochScope, wait_all, wait_until, wait_work
 from unbroken.comm.robust import combine, lie
 from unbroken.errors import BadContribution
 from unbroken.sched.zones import Zones
@@ -157,9 +156,7 @@ class Reducer:
     def allreduce(
         self,
         flat: torch.Tensor,
-        wake: threading.Event,
-        abort: AbortCheck,
-        deadline_s: float,
+        scope: EpochScope,
         what: str,
         after_post: Callable[[], None] = lambda: None,
         after_exchange_post: Callable[[], None] = lambda: None,
@@ -177,19 +174,17 @@ class Reducer:
         """
         n = flat.numel()
         if self.rule.robust:
-            self._gather(flat, wake, abort, deadline_s, what, after_post)
+            self._gather(flat, scope, what, after_post)
             return
         if not self.zones.multi:
-            self._first_hop(self.pg, flat, early, wake, abort, deadline_s, what, after_post)
+            self._first_hop(self.pg, flat, early, scope, what, after_post)
             size = self.pg.size()
             self.wire.add(_ring_allreduce_bytes(4 * n, size), 0)
             return
         # Across zones: the exchange posted and completed at once (DiLoCo's rounds applied
         # late call the two halves a round apart).
-        posted = self.post(
-            flat, wake, abort, deadline_s, what, after_post, after_exchange_post, early, own_head, silent
-        )
-        self.finish(posted, wake, abort, deadline_s, what)
+        posted = self.post(flat, scope, what, after_post, after_exchange_post, early, own_head, silent)
+        self.finish(posted, scope, what)
 
     def _emulate_link_for(self, flat: torch.Tensor) -> float:
         """When the emulated link would have delivered this leader's payload (0: no emulation)."""
@@ -222,13 +217,11 @@ class Reducer:
         self,
         ex: _Exchange,
         flat: torch.Tensor,
-        wake: threading.Event,
-        abort: AbortCheck,
-        deadline_s: float,
+        scope: EpochScope,
         what: str,
         own_head: bool = False,
     ) -> int:
-        wait_all(ex.works, wake, abort, deadline_s, f"{what} (between zones)")
+        wait_all(ex.works, scope, f"{what} (between zones)")
         count = len(ex.outs[0])
         out = [torch.cat([o[r] for o in ex.outs]) for r in range(count)]
         h, k = ex.head, ex.compressed
@@ -258,9 +251,7 @@ class Reducer:
     def post(
         self,
         flat: torch.Tensor,
-        wake: threading.Event,
-        abort: AbortCheck,
-        deadline_s: float,
+        scope: EpochScope,
         what: str,
         after_post: Callable[[], None] = lambda: None,
         after_exchange_post: Callable[[], None] = lambda: None,
@@ -285,7 +276,7 @@ class Reducer:
         if self.zone_pg is not None:
             summed = flat[self.compressed :] if own_head else flat
             hop = f"{what} (zone {zone})"
-            self._first_hop(self.zone_pg, summed, None if own_head else early, wake, abort, deadline_s, hop, after_post)
+            self._first_hop(self.zone_pg, summed, None if own_head else early, scope, hop, after_post)
             intra += _ring_allreduce_bytes(4 * summed.numel(), zone_size)
         ex, ready_at = None, 0.0
         if self.leaders_pg is not None:
@@ -296,16 +287,16 @@ class Reducer:
             after_exchange_post()
         return Posted(flat, ex, ready_at, intra, own_head)
 
-    def finish(self, posted: Posted, wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str) -> None:
+    def finish(self, posted: Posted, scope: EpochScope, what: str) -> None:
         """Complete a `post`: the zones' total in ``posted.flat`` on every member."""
         flat, inter, intra = posted.flat, 0, posted.intra
         zone = self.zones.of_rank[self.rank]
         if posted.exchange is not None:
-            self._emulate_link(posted.ready_at, wake, abort, deadline_s, what)
-            inter = self._finish_exchange(posted.exchange, flat, wake, abort, deadline_s, what, posted.own_head)
+            self._emulate_link(posted.ready_at, scope, what)
+            inter = self._finish_exchange(posted.exchange, flat, scope, what, posted.own_head)
         if self.zone_pg is not None:
             work = self.zone_pg.broadcast(flat, 0)
-            wait_work(work, wake, abort, deadline_s, f"{what} (zone {zone} broadcast)")
+            wait_work(work, scope, f"{what} (zone {zone} broadcast)")
             if self.leaders_pg is not None:
                 intra += 4 * flat.numel() * (len(self.zones.members(zone)) - 1)
         self.wire.add(intra, inter)
@@ -313,9 +304,7 @@ class Reducer:
     def zone_allreduce(
         self,
         flat: torch.Tensor,
-        wake: threading.Event,
-        abort: AbortCheck,
-        deadline_s: float,
+        scope: EpochScope,
         what: str,
         after_post: Callable[[], None] = lambda: None,
         early: Early | None = None,
@@ -326,7 +315,7 @@ class Reducer:
             after_post()
             self.wire.add(0, 0)
             return
-        self._first_hop(pg, flat, early, wake, abort, deadline_s, what, after_post)
+        self._first_hop(pg, flat, early, scope, what, after_post)
         self.wire.add(_ring_allreduce_bytes(4 * flat.numel(), pg.size()), 0)
 
     def _first_hop(
@@ -334,9 +323,7 @@ class Reducer:
         pg: Any,
         flat: torch.Tensor,
         early: Early | None,
-        wake: threading.Event,
-        abort: AbortCheck,
-        deadline_s: float,
+        scope: EpochScope,
         what: str,
         after_post: Callable[[], None],
     ) -> None:
@@ -345,14 +332,12 @@ class Reducer:
         start = early.end if early is not None else 0
         works = [*(early.works if early is not None else ()), pg.allreduce([flat[start:]])]
         after_post()
-        wait_all(works, wake, abort, deadline_s, what)
+        wait_all(works, scope, what)
 
     def _gather(
         self,
         flat: torch.Tensor,
-        wake: threading.Event,
-        abort: AbortCheck,
-        deadline_s: float,
+        scope: EpochScope,
         what: str,
         after_post: Callable[[], None],
     ) -> None:
@@ -362,7 +347,7 @@ class Reducer:
         rows = [torch.empty_like(flat) for _ in range(size)]
         work = self.pg.allgather([rows], [flat])
         after_post()
-        wait_work(work, wake, abort, deadline_s, f"{what} (all-gather)")
+        wait_work(work, scope, f"{what} (all-gather)")
         k = self.compressed
         for r, row in enumerate(rows):  # the same rows, the same verdict, on every member
             share = self.shares[r] if self.shares else None
@@ -381,11 +366,9 @@ class Reducer:
         across = self.zones.multi and successor != self.zones.of_rank[self.rank]
         self.wire.add(0 if across else sent, sent if across else 0)
 
-    def _emulate_link(
-        self, until: float, wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str
-    ) -> None:
+    def _emulate_link(self, until: float, scope: EpochScope, what: str) -> None:
         if until:
-            wait_until(lambda: time.monotonic() >= until, wake, abort, deadline_s, f"{what} (emulated link)", 0.01)
+            wait_until(lambda: time.monotonic() >= until, scope, f"{what} (emulated link)", 0.01)
 
 
 def _ring_allreduce_bytes(nbytes: int, size: int) -> int:

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 import xxhash
 
-from unbroken.comm.group import AbortCheck, run_abortable, wait_work
+from unbroken.comm.group import EpochScope, run_abortable, wait_work
 from unbroken.errors import TransferError
 from unbroken.state import layout
 from unbroken.state.snapshot import digest_prefix
@@ -208,19 +208,15 @@ class SyncResult:
 # ---------------------------------------------------------------- the sync phase
 
 
-def gather_digests(
-    pg: Any, size: int, step: int, digest: str, wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str
-) -> list[tuple[int, int]]:
+def gather_digests(pg: Any, size: int, step: int, digest: str, scope: EpochScope, what: str) -> list[tuple[int, int]]:
     """Every rank's ``(committed step, digest prefix)``, in rank order (one small all-gather)."""
-    return [(s, d) for s, d in _gather(pg, size, [step, digest_prefix(digest)], wake, abort, deadline_s, what)]
+    return [(s, d) for s, d in _gather(pg, size, [step, digest_prefix(digest)], scope, what)]
 
 
-def _gather(
-    pg: Any, size: int, values: list[int], wake: threading.Event, abort: AbortCheck, deadline_s: float, what: str
-) -> list[tuple[int, ...]]:
+def _gather(pg: Any, size: int, values: list[int], scope: EpochScope, what: str) -> list[tuple[int, ...]]:
     mine = torch.tensor(values, dtype=torch.int64)
     gathered = [torch.zeros(len(values), dtype=torch.int64) for _ in range(size)]
-    wait_work(pg.allgather([gathered], [mine]), wake, abort, deadline_s, what)
+    wait_work(pg.allgather([gathered], [mine]), scope, what)
     return [tuple(int(x) for x in t) for t in gathered]
 
 
@@ -237,9 +233,7 @@ def sync_state(
     rank: int,
     size: int,
     state: Replicated,
-    wake: threading.Event,
-    abort: AbortCheck,
-    deadline_s: float,
+    scope: EpochScope,
     partial: Partial | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     on_sent: Callable[[int], None] | None = None,
@@ -255,7 +249,7 @@ def sync_state(
     header, tensors = layout.split(state.tree())
     own_slots = layout.slots(header)
     values = [state.step, digest_prefix(state.digest()), layout_id(own_slots, chunk_bytes)]
-    reports = _gather(pg, size, values, wake, abort, deadline_s, "sync exchange")
+    reports = _gather(pg, size, values, scope, "sync exchange")
     plan = plan_sync([(s, d) for s, d, _ in reports])
     if not plan.receivers:
         return SyncResult("none", plan.step, ())
@@ -267,7 +261,7 @@ def sync_state(
         digests = chunk_digests(tensors, table) if rank == plan.source else None
         sent = run_abortable(
             lambda: _serve(pg, plan, head, tensors, table, chunk_bytes, digests, on_sent),
-            wake, abort, deadline_s, "state transfer (sending)",
+            scope, "state transfer (sending)",
         )  # fmt: skip
         role = "source" if rank == plan.source else "donor"
         total = sum(c.end - c.start for c in table)
@@ -277,7 +271,7 @@ def sync_state(
     if partial is None or not incremental:
         partial = Partial()
     own = dict(zip(own_slots, tensors, strict=True))
-    return _fetch(pg, rank, plan, state, own, partial, wake, abort, deadline_s, max_donors, incremental, start)
+    return _fetch(pg, rank, plan, state, own, partial, scope, max_donors, incremental, start)
 
 
 def _serve(
@@ -339,16 +333,14 @@ def _fetch(
     state: Replicated,
     own: dict[layout.Slot, torch.Tensor],
     partial: Partial,
-    wake: threading.Event,
-    abort: AbortCheck,
-    deadline_s: float,
+    scope: EpochScope,
     max_donors: int,
     incremental: bool,
     start: float,
 ) -> SyncResult:
     src = plan.source
     head, digests, chunk_bytes = run_abortable(
-        lambda: _recv_description(pg, src), wake, abort, deadline_s, f"state description from rank {src}"
+        lambda: _recv_description(pg, src), scope, f"state description from rank {src}"
     )
     try:
         header = json.loads(head)
@@ -380,7 +372,7 @@ def _fetch(
     asks[plan.source] = sorted(asks[plan.source] + list(from_source))
     run_abortable(
         lambda: _recv_chunks(pg, partial, generation, tensors, fetched, table, digests, asks),
-        wake, abort, deadline_s, f"state transfer from ranks {donors}",
+        scope, f"state transfer from ranks {donors}",
     )  # fmt: skip
     with partial.lock:
         partial.generation += 1  # nothing of this attempt writes into these tensors any more

@@ -6,7 +6,6 @@ peer, and the steps since are redone with the same samples. The culprit is named
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 from unbroken.comm.group import EpochGroup
@@ -60,9 +59,8 @@ class Audits:
         node = self.node
         assert g.pg is not None
         digest = node.state.digest()
-        abort = functools.partial(node.abort_reason, during_step=True)
-        timeout = node.config.collective_timeout_s
-        verdict = audit(gather_digests(g.pg, g.size, node.state.step, digest, node.wake, abort, timeout, "audit"))
+        scope = node.scope(during_step=True)
+        verdict = audit(gather_digests(g.pg, g.size, node.state.step, digest, scope, "audit"))
         node.records.log({"kind": "audit", "step": node.state.step, "digest": digest, "ok": verdict is None})
         if verdict is None:
             self.audited = node.state.capture(reuse=self.audited)

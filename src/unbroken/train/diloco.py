@@ -122,10 +122,7 @@ class DiLoCo:
         pg = reducer.zone_pg if reducer.zones.multi else g.pg
         if pg is not None and len(ranks) > 1:
             inner = _InnerState(node.state.optimizer, self.inner_step if self.inner_zone == mine else -1)
-            abort = functools.partial(node.abort_reason, during_step=False)
-            r = sync_state(
-                pg, ranks.index(g.rank), len(ranks), inner, node.wake, abort, node.config.collective_timeout_s
-            )
+            r = sync_state(pg, ranks.index(g.rank), len(ranks), inner, node.scope(during_step=False))
             if r.role == "receiver":
                 zone = mine or "default"
                 log.info("%s: took zone %s's inner optimizer state (%.1f MB)", node.name, zone, r.megabytes)
@@ -246,9 +243,7 @@ class DiLoCo:
         t_comm = time.monotonic()
         p.reducer.allreduce(
             flat,
-            node.wake,
-            p.in_step,
-            node.config.collective_timeout_s,
+            p.scope,
             f"outer step after inner step {last}",
             after_exchange_post=functools.partial(node.faults.maybe_fire, "exchange", last),
             own_head=True,
@@ -363,7 +358,7 @@ class DiLoCo:
             self.in_flight = None
         what = f"outer step after inner step {last}"
         posted = p.reducer.post(
-            flat, node.wake, p.in_step, node.config.collective_timeout_s, what,
+            flat, p.scope, what,
             after_exchange_post=functools.partial(node.faults.maybe_fire, "exchange", last), own_head=True,
             silent=self._zone_idle(),
         )  # fmt: skip
@@ -388,7 +383,7 @@ class DiLoCo:
         st = node.state
         what = f"outer step after inner step {done.last}"
         t_comm = time.monotonic()
-        p.reducer.finish(done.posted, node.wake, p.in_step, node.config.collective_timeout_s, what)
+        p.reducer.finish(done.posted, p.scope, what)
         node.meter.last_comm_s = time.monotonic() - t_comm
         p.flat.copy_(done.posted.flat)
         tally = p.verify(members=grp.size, samples=node.job.batch_size * done.steps, what=what)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unbroken.comm.codecs import Codec, make_codec
-from unbroken.comm.group import PUBLISH_S, EpochGroup, Meeting, build_group, wait_until
+from unbroken.comm.group import PUBLISH_S, EpochGroup, EpochScope, Meeting, build_group, wait_until
 from unbroken.comm.links import probe
 from unbroken.comm.reach import Stall, accuse, reach, unreachable_fault
 from unbroken.comm.reduce import Reducer
@@ -60,7 +60,7 @@ class Epochs:
             microbatches=list(order.microbatches),
         )
         node.group = group  # the epoch now current: what the build's abort checks compare orders with
-        build = self._builder(order.epoch, functools.partial(node.abort_reason, during_step=False))
+        build = self._builder(order.epoch, node.scope(during_step=False))
         # Where zones exist, the step reduces through the zone and leaders' groups: the
         # world group only carries the sync phase, robust gathers and audits, whose
         # rings and transfers touch a few peers each, so it connects only those.
@@ -72,7 +72,7 @@ class Epochs:
         group.pg, group.built_in_s, group.lazy = pg, took, zones.multi
         return group, self._reducer(order, zones, group, build)
 
-    def _builder(self, epoch: int, abort: Any) -> Callable[..., tuple[Any, float]]:
+    def _builder(self, epoch: int, scope: EpochScope) -> Callable[..., tuple[Any, float]]:
         """Builds the epoch's groups (by name, `Zones.groups`; ``ids``: its members by rank)
         on its rendezvous. A build waits for its peers up to the collective timeout: the
         others may still be finishing a step or a round; one that never comes is named by
@@ -96,11 +96,8 @@ class Epochs:
                 stall()
 
             devices = self.meeting.devices(epoch, group, self.gloo_host(), lazy=lazy, streams=streams)
-            timeout = node.config.collective_timeout_s
             try:
-                pg, took = build_group(
-                    self.meeting.store(epoch), group, rank, len(ids), devices, timeout, node.wake, abort, tick
-                )
+                pg, took = build_group(self.meeting.store(epoch), group, rank, len(ids), devices, scope, tick)
                 if lazy:
                     # Returned at once: wait for every entry as an eager build does, so that
                     # the next builds (zone, leaders) start when they used to, with the
@@ -109,7 +106,7 @@ class Epochs:
                         tick()
                         return complete()
 
-                    wait_until(entries_in, node.wake, abort, timeout, f"entries of group {group}", poll_s=PUBLISH_S)
+                    wait_until(entries_in, scope, f"entries of group {group}", poll_s=PUBLISH_S)
                 return pg, took
             except CollectiveFailed as exc:
                 if complete() and self.accuse(epoch, group, ids, rank):
@@ -158,10 +155,8 @@ class Epochs:
     def _probe_links(self, order: m.EpochOrder, zones: Zones, reducer: Reducer) -> None:
         """Measure the links to the other zones' leaders and report them (`comm.links`)."""
         node = self.node
-        abort = functools.partial(node.abort_reason, during_step=False)
         rank = zones.leaders.index(reducer.rank)
-        rates = probe(reducer.leaders_pg, rank, zones.names, node.link, node.wake, abort,
-                      node.config.collective_timeout_s)  # fmt: skip
+        rates = probe(reducer.leaders_pg, rank, zones.names, node.link, node.scope(during_step=False))
         log.info("%s: links from the other zones (MB/s): %s", node.name,
                  ", ".join(f"{z} {r:.0f}" for z, r in sorted(rates.items())))  # fmt: skip
         node.records.log({"kind": "links", "epoch": order.epoch, "rates": rates})

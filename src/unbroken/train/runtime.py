@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from unbroken.comm.group import EpochGroup, Graveyard
+from unbroken.comm.group import EpochGroup, EpochScope, Graveyard
 from unbroken.comm.reduce import LinkEmulation, Wire
 from unbroken.comm.transfer import Partial, sync_state
 from unbroken.config import NodeConfig
@@ -219,6 +219,13 @@ class Node:
     def capabilities(self) -> m.Capabilities:
         return self.meter.capabilities(self.client.rtt_s, self.state.step)
 
+    def scope(self, *, during_step: bool) -> EpochScope:
+        """The waits of this epoch: woken by this node's events, ended by `abort_reason`
+        (``during_step``: only an urgent order ends a step), each at most the collective
+        timeout long."""
+        abort = functools.partial(self.abort_reason, during_step=during_step)
+        return EpochScope(self.wake, abort, self.config.collective_timeout_s)
+
     def abort_reason(self, *, during_step: bool) -> EpochAborted | None:
         """Why the current epoch must be left now, if it must (every wait polls this): the
         error to raise, with the epoch and step this node was at."""
@@ -351,11 +358,10 @@ class Node:
         self.audits.rollback_if_ordered()
         g = self.group
         assert g is not None and g.pg is not None
-        abort = functools.partial(self.abort_reason, during_step=False)
         r = sync_state(
-            g.pg, g.rank, g.size, self.state, self.wake, abort, self.config.collective_timeout_s,
-            partial=self._partial, on_sent=functools.partial(self.faults.maybe_fire, "resync"),
-            max_donors=self.config.max_donors, incremental=not self.config.full_resync,
+            g.pg, g.rank, g.size, self.state, self.scope(during_step=False), partial=self._partial,
+            on_sent=functools.partial(self.faults.maybe_fire, "resync"), max_donors=self.config.max_donors,
+            incremental=not self.config.full_resync,
         )  # fmt: skip
         if r.role != "receiver":
             self._partial.close()  # a fetch cut short earlier is moot now: let its copy go

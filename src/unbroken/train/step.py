@@ -103,7 +103,8 @@ class StepProtocol:
         self.flat = torch.zeros(self.norms_at + group.size, dtype=torch.float32)
         self.offset = offsets(group.shares)[group.rank]
         self.share = group.shares[group.rank]
-        self.in_step = functools.partial(node.abort_reason, during_step=True)
+        self.scope = node.scope(during_step=True)
+        """The epoch's waits inside a step: only an urgent order or an expulsion ends them."""
         # One bucket (staged after backward, sent with the tail) where pieces cannot go out
         # early: no first hop (robust rules, alone in a zone), or an accelerator, where a
         # hook's copy to the CPU would stop the device at every parameter.
@@ -126,7 +127,7 @@ class StepProtocol:
 
     def check(self) -> None:
         """Raise `EpochAborted` if this epoch must be left now (an urgent order, expulsion)."""
-        reason = self.in_step()
+        reason = self.scope.abort()
         if isinstance(reason, EpochAborted):
             raise reason
         if reason is not None:
@@ -235,19 +236,16 @@ class StepProtocol:
         """Sum `flat` over the epoch's members (or, ``zone``, over this node's zone only)."""
         node = self.node
         fire = node.faults.maybe_fire
-        timeout = node.config.collective_timeout_s
         if zone:
             post = functools.partial(fire, "allreduce", sl.step)
             early = Early(self.buckets.works, self.buckets.end)
-            self.reducer.zone_allreduce(self.flat, node.wake, self.in_step, timeout, what, after_post=post, early=early)
+            self.reducer.zone_allreduce(self.flat, self.scope, what, after_post=post, early=early)
             return
         t = time.monotonic()
         early = Early(self.buckets.works, self.buckets.end)
         self.reducer.allreduce(
             self.flat,
-            node.wake,
-            self.in_step,
-            timeout,
+            self.scope,
             what or f"all-reduce of step {sl.step}",
             after_post=functools.partial(fire, "allreduce", sl.step),
             after_exchange_post=functools.partial(fire, "exchange", sl.step),
@@ -324,8 +322,7 @@ class StepProtocol:
         if client.commit_allowed():
             return
         log.warning("%s: lease not confirmed before commit; waiting for the coordinator", self.node.name)
-        timeout = self.node.config.collective_timeout_s
-        wait_until(client.commit_allowed, self.node.wake, self.in_step, timeout, "commit fence")
+        wait_until(client.commit_allowed, self.scope, "commit fence")
 
     # ---------------------------------------------------------------- after the vote
 

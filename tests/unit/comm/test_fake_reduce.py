@@ -12,6 +12,7 @@ import torch
 
 from unbroken.comm.codecs import make_codec
 from unbroken.comm.fake import FakeWorld
+from unbroken.comm.group import EpochScope
 from unbroken.comm.reduce import VOTE_SLOTS, Reducer
 from unbroken.comm.robust import combine
 from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted
@@ -63,7 +64,7 @@ def flat_reducer(rank: int, world: FakeWorld, rule: str = "mean", **kw: Any) -> 
 def reduce(
     reducer: Reducer, flat: torch.Tensor, abort: Callable[[], Any] = lambda: None, deadline: float = 10.0
 ) -> torch.Tensor:
-    reducer.allreduce(flat, threading.Event(), abort, deadline, "step 7")
+    reducer.allreduce(flat, EpochScope(threading.Event(), abort, deadline), "step 7")
     return flat
 
 
@@ -148,9 +149,9 @@ def test_a_member_killed_mid_collective_fails_the_step_on_every_other_rank() -> 
         reducer = flat_reducer(r, world)
         flat = contribution(r, 3)
         if r == 0:
-            reducer.allreduce(flat, threading.Event(), lambda: None, 10.0, "step 7", after_post=posted.wait)
+            reducer.allreduce(flat, EpochScope(threading.Event(), lambda: None, 10.0), "step 7", after_post=posted.wait)
         else:
-            reducer.allreduce(flat, threading.Event(), lambda: None, 10.0, "step 7")
+            reducer.allreduce(flat, EpochScope(threading.Event(), lambda: None, 10.0), "step 7")
         return flat
 
     out = run(3, body)

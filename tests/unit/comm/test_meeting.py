@@ -12,7 +12,7 @@ import torch
 
 from integration.helpers import established_to
 from unbroken.comm.codecs import Codec, make_codec
-from unbroken.comm.group import Meeting, build_group
+from unbroken.comm.group import EpochScope, Meeting, build_group
 from unbroken.comm.reach import Stall, accuse, reach
 from unbroken.comm.reduce import Reducer
 from unbroken.control import messages as m
@@ -48,8 +48,8 @@ def test_groups_meet_through_the_leader_and_each_rank_sends_only_its_own_entry()
     def one(rank: int) -> float:
         node = leader.nodes[rank]
         pg, _ = build_group(
-            node.store(7), "world", rank, size, node.devices(7, "world", "127.0.0.1"), 10.0, wake, lambda: None,
-            lambda: node.publish(7),
+            node.store(7), "world", rank, size, node.devices(7, "world", "127.0.0.1"),
+            EpochScope(wake, lambda: None, 10.0), lambda: node.publish(7),
         )  # fmt: skip
         t = torch.ones(2) * (rank + 1)
         pg.allreduce([t]).wait()
@@ -105,8 +105,8 @@ def test_a_build_with_an_unreachable_peer_fails_and_its_peers_name_that_peer():
         node = nodes[rank]
         try:
             return build_group(
-                node.store(1), "world", rank, size, node.devices(1, "world", "127.0.0.1"), 1.0, wake, lambda: None,
-                lambda: node.publish(1),
+                node.store(1), "world", rank, size, node.devices(1, "world", "127.0.0.1"),
+                EpochScope(wake, lambda: None, 1.0), lambda: node.publish(1),
             )  # fmt: skip
         except CollectiveFailed as exc:
             return exc
@@ -150,7 +150,7 @@ def gloo_like() -> bytes:
     wake = threading.Event()
     with pytest.raises(CollectiveFailed):  # alone in a group of four: times out, having written its entry
         build_group(
-            nodes[0].store(1), "g", 0, 4, nodes[0].devices(1, "g", "127.0.0.1"), 0.2, wake, lambda: None,
+            nodes[0].store(1), "g", 0, 4, nodes[0].devices(1, "g", "127.0.0.1"), EpochScope(wake, lambda: None, 0.2),
             lambda: nodes[0].publish(1),
         )  # fmt: skip
     return nodes[0].entries(1, "g")[0]
@@ -207,7 +207,7 @@ def test_a_lazy_group_connects_only_the_pairs_that_exchange_data():
     def one(rank: int) -> list[int]:
         node = leader.nodes[rank]
         device = node.devices(7, "world", "127.0.0.1", lazy=True)
-        pg, built[rank] = build_group(node.store(7), "world", rank, size, device, 10.0, wake, lambda: None,
+        pg, built[rank] = build_group(node.store(7), "world", rank, size, device, EpochScope(wake, lambda: None, 10.0),
                                       lambda: node.publish(7))  # fmt: skip
         groups[rank] = pg
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
@@ -249,12 +249,12 @@ def test_an_exchange_posted_in_pieces_travels_over_every_stream_and_sums_the_sam
     def one(rank: int) -> torch.Tensor:
         node = leader.nodes[rank]
         devices = node.devices(7, "leaders", "127.0.0.1", lazy=True, streams=streams)
-        pg, _ = build_group(node.store(7), "leaders", rank, size, devices, 10.0, wake, lambda: None,
+        pg, _ = build_group(node.store(7), "leaders", rank, size, devices, EpochScope(wake, lambda: None, 10.0),
                             lambda: node.publish(7))  # fmt: skip
         groups[rank] = pg
         reducer = Reducer(rank, zones, None, leaders_pg=pg, codec=make_codec("int8"), compressed=4000, streams=streams)
         flat = flats[rank].clone()
-        reducer.allreduce(flat, wake, lambda: None, 10.0, "exchange")
+        reducer.allreduce(flat, EpochScope(wake, lambda: None, 10.0), "exchange")
         return flat
 
     with ThreadPoolExecutor(size) as pool:
@@ -279,7 +279,7 @@ def test_an_eager_group_with_streams_connects_every_stream_of_every_pair():
     def one(rank: int) -> float:
         node = leader.nodes[rank]
         devices = node.devices(7, "leaders", "127.0.0.1", streams=streams)
-        pg, _ = build_group(node.store(7), "leaders", rank, size, devices, 10.0, wake, lambda: None,
+        pg, _ = build_group(node.store(7), "leaders", rank, size, devices, EpochScope(wake, lambda: None, 10.0),
                             lambda: node.publish(7))  # fmt: skip
         groups[rank] = pg
         t = torch.ones(2) * (rank + 1)
@@ -323,13 +323,13 @@ def test_a_leader_whose_payload_does_not_decode_is_named_by_every_leader() -> No
     def one(rank: int) -> object:
         node = leader.nodes[rank]
         devices = node.devices(7, "leaders", "127.0.0.1", streams=2)
-        pg, _ = build_group(node.store(7), "leaders", rank, size, devices, 10.0, wake, lambda: None,
+        pg, _ = build_group(node.store(7), "leaders", rank, size, devices, EpochScope(wake, lambda: None, 10.0),
                             lambda: node.publish(7))  # fmt: skip
         groups[rank] = pg
         codec = Lying() if rank == 1 else make_codec("int8")
         reducer = Reducer(rank, zones, None, leaders_pg=pg, codec=codec, compressed=300, streams=2)
         try:
-            reducer.allreduce(torch.randn(400), wake, lambda: None, 10.0, "exchange")
+            reducer.allreduce(torch.randn(400), EpochScope(wake, lambda: None, 10.0), "exchange")
         except BadContribution as exc:
             return exc
         return None

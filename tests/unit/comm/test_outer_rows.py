@@ -13,6 +13,7 @@ import torch
 from torch._C._distributed_c10d import HashStore, PrefixStore, ProcessGroupGloo
 
 from unbroken.comm.codecs import Codec, Identity, make_codec
+from unbroken.comm.group import EpochScope
 from unbroken.comm.reduce import VOTE_SLOTS, Reducer
 from unbroken.sched.zones import Zones
 
@@ -51,7 +52,11 @@ def _exchange(
             flat[:K] = heads[rank]
             flat[K] = 1.0  # its vote
             reducer.allreduce(
-                flat, threading.Event(), lambda: None, 30.0, "outer step", own_head=True, silent=rank in silent
+                flat,
+                EpochScope(threading.Event(), lambda: None, 30.0),
+                "outer step",
+                own_head=True,
+                silent=rank in silent,
             )
             out[rank] = flat
         except BaseException as exc:  # reported by the test

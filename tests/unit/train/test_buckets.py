@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 
 import pytest
 import torch
@@ -132,6 +133,7 @@ def test_a_single_bucket_is_left_to_go_out_with_the_tail() -> None:
 def test_a_fault_of_one_step_spoils_every_bucket_of_it_and_the_norm_counts_what_was_true(fault: str) -> None:
     from types import SimpleNamespace
 
+    from unbroken.comm.group import EpochScope
     from unbroken.comm.reduce import Reducer
     from unbroken.sched.zones import Zones
     from unbroken.testing.faults import FaultPlan, parse_faults
@@ -145,7 +147,8 @@ def test_a_fault_of_one_step_spoils_every_bucket_of_it_and_the_norm_counts_what_
     pg = SimpleNamespace(allreduce=lambda tensors: sent.append(tensors[0].clone()))
     node = SimpleNamespace(
         numel=numel, compressed_numel=numel, scale=None, faults=FaultPlan(parse_faults(fault), lambda _e: None),
-        replica=SimpleNamespace(params=params, device=torch.device("cpu")), abort_reason=lambda **_kw: None,
+        replica=SimpleNamespace(params=params, device=torch.device("cpu")),
+        scope=lambda **_kw: EpochScope(threading.Event(), lambda: None, 10.0),
     )  # fmt: skip
     group = SimpleNamespace(shares=[4], rank=0, size=1)
     reducer = Reducer(0, Zones(()), pg, bucket_bytes=4 * 20)
