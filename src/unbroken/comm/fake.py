@@ -13,6 +13,7 @@ only the caller's deadline or abort ends (as with a frozen peer). No sockets, no
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,10 @@ class FakeWorld:
         self._lock = threading.Lock()
         self._meetings: dict[int, _Meeting] = {}
         self._dead: set[int] = set()
+        self._mail: dict[tuple[int, int, int], deque[torch.Tensor]] = {}
+        """(source, destination, tag) → messages sent and not yet received."""
+        self._receiving: dict[tuple[int, int, int], deque[tuple[torch.Tensor, torch.futures.Future[Any]]]] = {}
+        """(source, destination, tag) → receives posted before their message came."""
         self.calls: list[tuple[int, str]] = []
         """(rank, op) of every collective posted, in order: what a test may assert on."""
 
@@ -68,8 +73,43 @@ class FakeWorld:
         with self._lock:
             self._dead.add(rank)
             pending = [m for m in self._meetings.values() if rank not in m.arrived]
+            orphans = [f for key, q in self._receiving.items() if key[0] == rank for _, f in q]
+            self._receiving = {k: q for k, q in self._receiving.items() if k[0] != rank}
         for meeting in pending:
             self._fail(meeting, f"Connection reset by peer (rank {rank} is gone)")
+        for fut in orphans:
+            fut.set_exception(RuntimeError(f"Connection reset by peer (rank {rank} is gone)"))
+
+    def _send(self, src: int, dst: int, tag: int, tensor: torch.Tensor) -> FakeWork:
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        with self._lock:
+            self.calls.append((src, "send"))
+            waiting = self._receiving.get((src, dst, tag))
+            receiver = waiting.popleft() if waiting else None
+            if receiver is None:
+                self._mail.setdefault((src, dst, tag), deque()).append(tensor.detach().clone())
+        if receiver is not None:
+            into, fut = receiver
+            into.copy_(tensor)
+            fut.set_result(None)
+        done.set_result(None)
+        return FakeWork(done)
+
+    def _recv(self, src: int, dst: int, tag: int, tensor: torch.Tensor) -> FakeWork:
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        with self._lock:
+            self.calls.append((dst, "recv"))
+            mail = self._mail.get((src, dst, tag))
+            message = mail.popleft() if mail else None
+            gone = message is None and src in self._dead
+            if message is None and not gone:
+                self._receiving.setdefault((src, dst, tag), deque()).append((tensor, fut))
+        if message is not None:
+            tensor.copy_(message)
+            fut.set_result(None)
+        elif gone:
+            fut.set_exception(RuntimeError(f"Connection reset by peer (rank {src} is gone)"))
+        return FakeWork(fut)
 
     def _fail(self, meeting: _Meeting, why: str) -> None:
         for fut in list(meeting.futures.values()):
@@ -137,6 +177,12 @@ class FakeProcessGroup:
                     out.copy_(m.arrived[src][0])
 
         return self.world._arrive(self._next(), self._rank, "allgather", (inputs[0], outputs[0]), finish)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> FakeWork:
+        return self.world._send(self._rank, dst, tag, tensors[0])
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> FakeWork:
+        return self.world._recv(src, self._rank, tag, tensors[0])
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> FakeWork:
         def finish(m: _Meeting) -> None:

@@ -177,3 +177,54 @@ def test_ranks_that_disagree_on_the_collective_are_an_error_not_a_hang() -> None
     a.allreduce([torch.ones(2)])
     with pytest.raises(RuntimeError, match="collective 1 is broadcast, the others' allreduce"):
         b.broadcast(torch.ones(2), 0)
+
+
+def _state(seed: int, step: int) -> Any:
+    from torch import nn
+
+    from unbroken.state.snapshot import TrainState
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 64)).square().mean().backward()
+    opt.step()
+    st = TrainState(model, opt)
+    st.step = step
+    return st
+
+
+def test_the_sync_phase_moves_the_majoritys_state_to_the_one_behind() -> None:
+    from unbroken.comm.transfer import sync_state
+
+    world = FakeWorld(3)
+    states = [_state(1, 12), _state(1, 12), _state(7, 3)]  # rank 2 was away: older and different
+    out = run(
+        3,
+        lambda r: sync_state(
+            world.group(r), r, 3, states[r], EpochScope(threading.Event(), lambda: None, 10.0), chunk_bytes=4096
+        ),
+    )
+    assert out[2].role == "receiver" and set(out[2].peers) <= {0, 1}, out
+    assert {out[0].role, out[1].role} <= {"source", "donor", "none"}
+    assert states[2].step == 12 and states[2].digest() == states[0].digest() == states[1].digest()
+    assert ("send" in {op for _, op in world.calls}) and ("recv" in {op for _, op in world.calls})
+
+
+def test_a_donor_killed_mid_transfer_fails_the_receivers_fetch_not_the_others() -> None:
+    from unbroken.comm.transfer import sync_state
+
+    world = FakeWorld(2)
+    donor, joiner = _state(1, 12), _state(7, 0)
+    before = joiner.digest()
+
+    def die_after(chunks: int) -> None:
+        if chunks == 2:
+            world.kill(0)
+            raise SystemExit  # the donor's process is gone
+
+    scope = EpochScope(threading.Event(), lambda: None, 10.0)
+    out = run(2, lambda r: sync_state(world.group(r), r, 2, [donor, joiner][r], scope, chunk_bytes=1024,
+                                      on_sent=die_after if r == 0 else None))  # fmt: skip
+    assert isinstance(out[1], CollectiveFailed) and "rank 0 is gone" in str(out[1]), out[1]
+    assert joiner.step == 0 and joiner.digest() == before, "a fetch cut short changes nothing committed"
