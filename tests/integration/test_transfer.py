@@ -147,9 +147,9 @@ def test_a_fetch_cut_short_keeps_what_arrived_and_asks_only_for_the_rest(streams
     def first(rank: int, pg: Any) -> Any:
         st = [donor, joiner][rank]
         hook = hang_after_five if rank == 0 else None
+        scope = EpochScope(threading.Event(), lambda: EpochAborted("donor gone") if stop.is_set() else None, 20.0)
         return sync_state(
-            pg, rank, 2, st, EpochScope(threading.Event(), lambda: "donor gone" if stop.is_set() else None, 20.0),
-            partial=partial if rank == 1 else None, chunk_bytes=CHUNK, on_sent=hook,
+            pg, rank, 2, st, scope, partial=partial if rank == 1 else None, chunk_bytes=CHUNK, on_sent=hook,
         )  # fmt: skip
 
     cut = g.run(first)

@@ -72,7 +72,7 @@ class _WithResidual(Codec):
     def encode_nothing(self, numel: int) -> torch.Tensor:
         held, self.residual = self.residual, None
         try:
-            return self.encode(torch.zeros(numel, dtype=torch.float32))
+            return super().encode_nothing(numel)
         finally:
             self.residual = held
 

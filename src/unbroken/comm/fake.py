@@ -21,6 +21,11 @@ from typing import Any
 import torch
 
 
+def _reset(rank: int) -> RuntimeError:
+    """What a peer's death looks like to the others, as gloo reports it."""
+    return RuntimeError(f"Connection reset by peer (rank {rank} is gone)")
+
+
 class FakeWork:
     """A collective in flight: `wait` returns once every rank has arrived, or raises."""
 
@@ -76,9 +81,9 @@ class FakeWorld:
             orphans = [f for key, q in self._receiving.items() if key[0] == rank for _, f in q]
             self._receiving = {k: q for k, q in self._receiving.items() if k[0] != rank}
         for meeting in pending:
-            self._fail(meeting, f"Connection reset by peer (rank {rank} is gone)")
+            self._fail(meeting, rank)
         for fut in orphans:
-            fut.set_exception(RuntimeError(f"Connection reset by peer (rank {rank} is gone)"))
+            fut.set_exception(_reset(rank))
 
     def _send(self, src: int, dst: int, tag: int, tensor: torch.Tensor) -> FakeWork:
         done: torch.futures.Future[Any] = torch.futures.Future()
@@ -108,13 +113,13 @@ class FakeWorld:
             tensor.copy_(message)
             fut.set_result(None)
         elif gone:
-            fut.set_exception(RuntimeError(f"Connection reset by peer (rank {src} is gone)"))
+            fut.set_exception(_reset(src))
         return FakeWork(fut)
 
-    def _fail(self, meeting: _Meeting, why: str) -> None:
+    def _fail(self, meeting: _Meeting, gone: int) -> None:
         for fut in list(meeting.futures.values()):
             if not fut.done():
-                fut.set_exception(RuntimeError(why))
+                fut.set_exception(_reset(gone))
 
     def _arrive(
         self, seq: int, rank: int, op: str, args: tuple[Any, ...], finish: Callable[[_Meeting], None]
@@ -132,7 +137,7 @@ class FakeWorld:
             if complete:
                 del self._meetings[seq]
         if dead:
-            self._fail(meeting, f"Connection reset by peer (rank {dead[0]} is gone)")
+            self._fail(meeting, dead[0])
         elif complete:
             finish(meeting)
             for fut in meeting.futures.values():

@@ -37,9 +37,9 @@ os.environ[RANK_AS_SEQUENCE] = "1"
 PUBLISH_S = 0.002
 """How often a build passes on what its rank wrote to the rendezvous (`Meeting.publish`)."""
 
-AbortCheck = Callable[[], "EpochAborted | str | None"]
+AbortCheck = Callable[[], "EpochAborted | None"]
 """Why the epoch must be left now, if it must: the error to raise (`Expelled` when this node
-was expelled), or just its reason; None to keep waiting."""
+was expelled), with where the node was; None to keep waiting."""
 
 
 @dataclass(frozen=True)
@@ -52,10 +52,6 @@ class EpochScope:
     wake: threading.Event
     abort: AbortCheck
     timeout_s: float
-
-    def lasting(self, timeout_s: float) -> EpochScope:
-        """The same scope for a wait with a deadline of its own."""
-        return EpochScope(self.wake, self.abort, timeout_s)
 
 
 @dataclass
@@ -97,10 +93,8 @@ def wait_until(done: Callable[[], bool], scope: EpochScope, what: str, poll_s: f
         if done():
             return
         reason = scope.abort()
-        if isinstance(reason, EpochAborted):
-            raise reason.during(what)
         if reason is not None:
-            raise EpochAborted(f"{what} abandoned: {reason}")
+            raise reason.during(what)
         left = end - time.monotonic()
         if left <= 0:
             raise CollectiveFailed(f"{what} ran past its {scope.timeout_s:g} s deadline")

@@ -231,14 +231,17 @@ class Node:
         error to raise, with the epoch and step this node was at."""
         self.client.touch()
         current = self.group.epoch if self.group else -1
-        where = {"epoch": current if current >= 0 else None, "step": self.state.step}
+
+        def left(error: type[EpochAborted], reason: str) -> EpochAborted:  # built only when it is so
+            return error(reason, epoch=current if current >= 0 else None, step=self.state.step)
+
         if self.client.expelled is not None:
-            return Expelled(f"expelled: {self.client.expelled}", **where)
+            return left(Expelled, f"expelled: {self.client.expelled}")
         latest = self.client.latest_order()
         if latest is not None and latest.epoch > current and (latest.urgent or not during_step):
-            return EpochAborted(f"epoch {latest.epoch} ordered: {latest.reason}", **where)
+            return left(EpochAborted, f"epoch {latest.epoch} ordered: {latest.reason}")
         if not during_step and self.client.finished is not None:
-            return EpochAborted("the job finished", **where)
+            return left(EpochAborted, "the job finished")
         return None
 
     def announce_leave(self) -> None:

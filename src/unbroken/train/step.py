@@ -41,7 +41,7 @@ from unbroken.comm.group import EpochGroup, wait_until
 from unbroken.comm.reduce import VOTE_SLOTS, Early, Reducer
 from unbroken.comm.robust import NORM_TOLERANCE, all_finite
 from unbroken.control import messages as m
-from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted, JobFailed, Suspicion
+from unbroken.errors import BadContribution, CollectiveFailed, JobFailed, Suspicion
 from unbroken.job import StepInfo
 from unbroken.sched.shares import offsets
 from unbroken.train.buckets import Buckets, layout
@@ -128,10 +128,8 @@ class StepProtocol:
     def check(self) -> None:
         """Raise `EpochAborted` if this epoch must be left now (an urgent order, expulsion)."""
         reason = self.scope.abort()
-        if isinstance(reason, EpochAborted):
-            raise reason
         if reason is not None:
-            raise EpochAborted(reason)
+            raise reason
 
     def leaving_alone(self) -> bool:
         """A leave was requested: announce it (the group switches after this step), or, when

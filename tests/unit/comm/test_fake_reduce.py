@@ -168,7 +168,7 @@ def test_a_frozen_member_holds_the_collective_until_the_deadline_or_an_abort() -
     world = FakeWorld(2)
     reducer = flat_reducer(0, world)
     with pytest.raises(EpochAborted, match="step 7 abandoned: epoch 4 ordered"):
-        reduce(reducer, contribution(0, 2), abort=lambda: "epoch 4 ordered")
+        reduce(reducer, contribution(0, 2), abort=lambda: EpochAborted("epoch 4 ordered"))
 
 
 def test_ranks_that_disagree_on_the_collective_are_an_error_not_a_hang() -> None:

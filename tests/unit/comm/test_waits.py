@@ -24,7 +24,7 @@ def test_a_newer_epoch_ends_the_wait_with_epoch_aborted() -> None:
         wait_until(lambda: False, EpochScope(threading.Event(), lambda: order, 5.0), "state transfer")
     assert type(info.value) is EpochAborted and info.value.epoch == 4
     with pytest.raises(EpochAborted, match=r"^build abandoned: donor gone$"):
-        wait_until(lambda: False, EpochScope(threading.Event(), lambda: "donor gone", 5.0), "build")
+        wait_until(lambda: False, EpochScope(threading.Event(), lambda: EpochAborted("donor gone"), 5.0), "build")
 
 
 def test_the_deadline_is_a_collective_failure_and_done_wins() -> None:
