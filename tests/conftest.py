@@ -19,6 +19,9 @@ def make_cluster(tmp_path: Path) -> Iterator[object]:
     clusters: list[LocalCluster] = []
 
     def make(**kwargs: object) -> LocalCluster:
+        # Nodes fork from a parent that imported torch once; a test that times a cold start
+        # passes warm=False.
+        kwargs.setdefault("warm", True)
         c = LocalCluster(kwargs.pop("job", JOB), tmp_path / f"cluster{len(clusters)}", **kwargs)  # type: ignore[arg-type]
         clusters.append(c)
         return c

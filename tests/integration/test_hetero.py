@@ -106,7 +106,7 @@ def test_a_node_too_slow_to_train_validates_committed_state(make_cluster):
 
 def test_a_standby_replaces_a_killed_trainer_faster_than_a_cold_join(make_cluster):
     env = {**BASE, "UB_TEST_STEPS": "260", "UB_TEST_BATCH": "30"}
-    c = start(make_cluster, env, n=3)
+    c = start(make_cluster, env, n=3, warm=False)  # the late node's join is timed from a cold start
     c.start_node("a")
     victim = c.start_node("b", fault="kill@allreduce:20")
     spare = c.start_node("spare", extra=["--role", "standby"])

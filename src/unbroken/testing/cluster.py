@@ -42,12 +42,13 @@ from unbroken.config import READY_PREFIX
 
 if TYPE_CHECKING:
     from unbroken.testing.netns import Network
+    from unbroken.testing.warm import WarmProcess
 
 
 class NodeProcess:
     """A node subprocess with its log files."""
 
-    def __init__(self, name: str, proc: subprocess.Popen[bytes], workdir: Path) -> None:
+    def __init__(self, name: str, proc: subprocess.Popen[bytes] | WarmProcess, workdir: Path) -> None:
         self.name = name
         self.proc = proc
         self.commit_log = workdir / f"{name}.jsonl"
@@ -97,8 +98,12 @@ class LocalCluster:
         coordinator_args: list[str] | None = None,
         network: Network | None = None,
         etcd: list[str] | None = None,
+        warm: bool = False,
     ) -> None:
         self.etcd = etcd
+        self.warm = warm and network is None
+        """Nodes fork from a parent that imported torch once (`unbroken.testing.warm`) instead
+        of starting cold; a node in its own namespace always starts cold."""
         self.network = network
         """Where nodes get a namespace each (None: every process on loopback, as usual)."""
         self.host = network.gateway if network is not None else "127.0.0.1"
@@ -259,9 +264,16 @@ class LocalCluster:
             cmd = [*self.network.prefix(name), *cmd, "--gloo-host", address]
         if job_args:
             cmd += ["--", *job_args]
-        err = open(self.workdir / f"{name}.err", "ab")  # noqa: SIM115
-        proc = subprocess.Popen(cmd, stdout=err, stderr=err, env={**self._env, **(env or {})})
-        err.close()
+        node_env = {**self._env, **(env or {})}
+        proc: subprocess.Popen[bytes] | WarmProcess
+        if self.warm:
+            from unbroken.testing import warm
+
+            proc = warm.start(cmd[3:], node_env, self.workdir / f"{name}.err")
+        else:
+            err = open(self.workdir / f"{name}.err", "ab")  # noqa: SIM115
+            proc = subprocess.Popen(cmd, stdout=err, stderr=err, env=node_env)
+            err.close()
         node = NodeProcess(name, proc, self.workdir)
         self.nodes[name] = node
         return node
