@@ -78,7 +78,7 @@ def one(attack: str, duration: float) -> dict[str, Any]:
         state = c.state()
         commits = sorted(e["t"] for e in healthy[0].entries() if e["kind"] == "commit" and start <= e["t"] <= end)
         marks = [start, *commits, end]
-        expelled = [e for e in state["events"] if e["kind"] == "failure" and e["member_name"] in ("a", "b", "c")]
+        expelled = [e for e in state["events"] if e["kind"] == "failure" and e["node"] in ("a", "b", "c")]
         finite = all(bool(torch.isfinite(torch.tensor(m["loss"] or 0.0))) for m in state["members"])
         return {
             "gap": max(b - a for a, b in itertools.pairwise(marks)),

@@ -42,7 +42,7 @@ WARMUP = {"small": 20, "large": 3}
 
 
 def _connected_at(c: LocalCluster, name: str) -> float | None:
-    return next((e["time"] for e in c.events() if e["kind"] == "join" and e.get("member_name") == name), None)
+    return next((e["time"] for e in c.events() if e["kind"] == "join" and e.get("node") == name), None)
 
 
 def _joined(node: NodeProcess) -> tuple[list[dict[str, Any]], dict[str, Any], int] | None:

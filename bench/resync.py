@@ -50,7 +50,7 @@ def _syncs(node: Any) -> list[dict[str, Any]]:
 
 
 def _events(c: LocalCluster, kind: str, name: str) -> list[dict[str, Any]]:
-    return [e for e in c.events() if e["kind"] == kind and e.get("member_name") == name]
+    return [e for e in c.events() if e["kind"] == kind and e.get("node") == name]
 
 
 def bytes_run(args: argparse.Namespace, workdir: Path, scenario: str, full: bool) -> dict[str, Any]:

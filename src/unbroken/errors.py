@@ -22,9 +22,38 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where on a node an error happened: the epoch, the step being taken (the committed
+    step + 1) and the node's rank in the epoch's group; None where it was not in one."""
+
+    epoch: int | None = None
+    step: int | None = None
+    rank: int | None = None
+
+    def __str__(self) -> str:
+        parts = [f"{name} {value}" for name, value in vars(self).items() if value is not None]
+        return ", ".join(parts)
+
 
 class UnbrokenError(Exception):
-    """Base class of every error unbroken raises on purpose."""
+    """Base class of every error unbroken raises on purpose; one raised on a node's data
+    plane (a collective, a transfer) says where it happened (`Where`), in its message too."""
+
+    where: Where | None = None
+
+    def at(self, where: Where) -> UnbrokenError:
+        """Say where (kept if it was said already, nearer the cause); returns the error."""
+        if self.where is None:
+            self.where = where
+        return self
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return f"{text} [{self.where}]" if self.where is not None and str(self.where) else text
 
 
 class ConfigError(UnbrokenError, ValueError):

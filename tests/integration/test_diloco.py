@@ -203,7 +203,7 @@ def test_a_zone_leader_that_lies_every_round_is_named_and_the_job_trains_on_with
     assert codes.get("a1") == codes.get("a2") == codes.get("b2") == 0, c.diagnostics()
     refused = [e for n in c.nodes.values() for e in n.entries() if e["kind"] == "refused"]
     assert refused and all((e["culprit"] or "").startswith("b1") for e in refused), refused
-    offences = [e for e in events_of(c, "bad-gradient") if e["member_name"] == "b1"]
+    offences = [e for e in events_of(c, "bad-gradient") if e["node"] == "b1"]
     assert offences, c.diagnostics()
     final = torch.load(c.nodes["a2"].final_state, weights_only=True)["model"]
     assert all(bool(torch.isfinite(v).all()) for v in final.values())

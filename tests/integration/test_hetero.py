@@ -10,6 +10,7 @@ import signal
 import statistics
 import time
 
+import pytest
 import torch
 
 from integration.helpers import assert_promises, events_of, fired, job_for
@@ -71,6 +72,7 @@ def test_a_node_slowed_mid_run_loses_share_and_gets_it_back(make_cluster):
     assert_promises(c, env, finishers=2)
 
 
+@pytest.mark.serial  # judges speeds: another test's load would make one node slow at random
 def test_a_node_too_slow_to_train_validates_committed_state(make_cluster):
     env = {**BASE, "UB_TEST_STEPS": "60", "UB_TEST_EVAL": "1"}
     c = start(make_cluster, env, n=3)
@@ -162,6 +164,7 @@ def test_memory_limit_sets_micro_batches_and_too_little_memory_means_no_share(ma
     assert_promises(c, env, finishers=3)
 
 
+@pytest.mark.serial  # identical only on a machine no other test loads
 def test_identical_nodes_keep_equal_shares_and_the_trainer_role_for_a_minute(make_cluster):
     # The demo's job on 3 identical nodes: steps of a few milliseconds on two shared cores,
     # where whichever process is descheduled for a moment looks slow. None of that is a

@@ -42,7 +42,7 @@ def test_cut_link_is_expelled_and_rejoins_slow_link_keeps_committing(network, ma
     network.cut("n2")
     t_cut = time.time()
     failure = c.wait_for(
-        lambda: next((e for e in events_of(c, "failure") if e["member_name"] == "n2"), None), 10, "n2 expelled"
+        lambda: next((e for e in events_of(c, "failure") if e["node"] == "n2"), None), 10, "n2 expelled"
     )
     assert failure["time"] - t_cut < 2.5, "a cut-off node is expelled within about one lease"
     survivors_step = c.wait_for(

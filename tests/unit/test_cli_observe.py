@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from unbroken.cli.observe import event_line, status_view
+from unbroken.events import Kind, Recorded
 
 STATE = {
     "job": "lm",
@@ -23,8 +24,8 @@ STATE = {
 }  # fmt: skip
 HISTORY = {"points": [{"step": 120, "loss": 0.75, "samples_per_s": 240.0}], "step_rate": 2.5}
 EVENTS = [
-    {"time": 0, "kind": "join", "node": "cpu1", "epoch": 3, "step": 100, "reason": "cpu1 connected"},
-    {"time": 1, "kind": "flapping", "node": "gpu0", "epoch": 4, "step": 110, "reason": "gpu0 failed 3 times in 40 s"},
+    Recorded(1, 0.0, Kind.JOIN, "cpu1", "cpu1#a", 3, 100, "cpu1 connected"),
+    Recorded(2, 1.0, Kind.FLAPPING, "gpu0", "gpu0#b", 4, 110, "gpu0 failed 3 times in 40 s"),
 ]
 
 

@@ -29,9 +29,7 @@ from rich.text import Text
 
 from unbroken.config import ENV_COORDINATOR, parse_address
 from unbroken.errors import ConfigError, CoordinatorUnreachable
-from unbroken.observe.anomaly import KINDS as ANOMALIES
-
-ALARMS = {*ANOMALIES, "failure", "bad-gradient", "absent", "unreachable", "suspect", "quarantine", "refused"}
+from unbroken.events import ALARMS, Kind, Recorded
 
 
 class Api:
@@ -93,7 +91,7 @@ def _leadership(lead: dict[str, Any]) -> list[tuple[str, str] | str]:
             ("  standbys ", "bold"), standbys]  # fmt: skip
 
 
-def status_view(state: dict[str, Any], history: dict[str, Any], events: list[dict[str, Any]]) -> Group:
+def status_view(state: dict[str, Any], history: dict[str, Any], events: list[Recorded]) -> Group:
     """The status screen from the API's answers (pure: tested on fixed inputs)."""
     plan = state.get("plan", {})
     points = history.get("points", [])
@@ -133,13 +131,12 @@ def status_view(state: dict[str, Any], history: dict[str, Any], events: list[dic
     for col in ("time", "kind", "node", "step", "reason"):
         log.add_column(col)
     for e in events[-10:]:
-        style = "bold red" if e.get("kind") in ALARMS else ""
         log.add_row(
-            time.strftime("%H:%M:%S", time.localtime(e.get("time", 0))),
-            Text(str(e.get("kind")), style=style),
-            str(e.get("node") or "-"),
-            str(e.get("step", "")),
-            str(e.get("reason", ""))[:100],
+            time.strftime("%H:%M:%S", time.localtime(e.time)),
+            Text(e.kind.value, style="bold red" if e.kind in ALARMS else ""),
+            e.node or "-",
+            str(e.step),
+            e.reason[:100],
         )
     return Group(head, members, log)
 
@@ -151,7 +148,7 @@ def _status(args: argparse.Namespace) -> int:
     def view() -> tuple[Group, bool]:
         state = api.get("/api/state")
         history = api.get("/api/history")
-        events = api.get("/api/events?limit=5000")["events"]
+        events = [Recorded.from_json(e) for e in api.get("/api/events?limit=5000")["events"]]
         return status_view(state, history, events), bool(state.get("finished"))
 
     if args.once:
@@ -170,16 +167,19 @@ def _status(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- events
 
 
-def event_line(e: dict[str, Any]) -> str:
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.get("time", 0)))
-    where = f"epoch {e.get('epoch')} step {e.get('step')}"
-    return f"{when}  {e.get('kind', '?'):<20} {e.get('node') or '-':<12} {where}  {e.get('reason', '')}"
+def event_line(e: Recorded) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time))
+    return f"{when}  {e.kind.value:<20} {e.node or '-':<12} epoch {e.epoch} step {e.step}  {e.reason}"
 
 
 def _events(args: argparse.Namespace) -> int:
     api = Api(args.coordinator, args.tls_ca)
     query = []
     if args.kind:
+        unknown = [k for k in args.kind.split(",") if k and k not in set(Kind)]
+        if unknown:
+            known = ", ".join(k.value for k in Kind)
+            raise ConfigError(f"unbroken events --kind: no event kind {', '.join(unknown)}; the kinds: {known}")
         query.append(f"kind={args.kind}")
     if args.node:
         query.append(f"node={args.node}")
@@ -187,7 +187,7 @@ def _events(args: argparse.Namespace) -> int:
     while True:
         page = api.get(f"/api/events?since={since}&limit=5000&" + "&".join(query))
         for e in page["events"]:
-            print(json.dumps(e) if args.json else event_line(e), flush=True)
+            print(json.dumps(e) if args.json else event_line(Recorded.from_json(e)), flush=True)
             since = max(since, int(e["seq"]))
         if not page["events"]:
             since = max(since, int(page.get("last_seq", since)))

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from torch._C._distributed_c10d import ProcessGroupGloo
 from torch.distributed import HashStore, PrefixStore  # type: ignore[attr-defined]
 
-from unbroken.errors import CollectiveFailed, EpochAborted, UnbrokenError
+from unbroken.errors import CollectiveFailed, EpochAborted, TransferError, UnbrokenError, Where
 
 T = TypeVar("T")
 
@@ -52,6 +52,8 @@ class EpochScope:
     wake: threading.Event
     abort: AbortCheck
     timeout_s: float
+    where: Callable[[], Where] = Where
+    """Where this node is now (its errors carry it)."""
 
 
 @dataclass
@@ -97,7 +99,7 @@ def wait_until(done: Callable[[], bool], scope: EpochScope, what: str, poll_s: f
             raise reason.during(what)
         left = end - time.monotonic()
         if left <= 0:
-            raise CollectiveFailed(f"{what} ran past its {scope.timeout_s:g} s deadline")
+            raise CollectiveFailed(f"{what} ran past its {scope.timeout_s:g} s deadline").at(scope.where())
         scope.wake.wait(min(left, poll_s))
 
 
@@ -117,7 +119,8 @@ def wait_all(works: list[Any], scope: EpochScope, what: str) -> None:
             work.wait()
         except RuntimeError as exc:
             part = f" (part {i + 1} of {len(works)})" if len(works) > 1 else ""
-            raise CollectiveFailed(f"{what}{part} failed: {str(exc).splitlines()[0][:300]}") from exc
+            failed = CollectiveFailed(f"{what}{part} failed: {str(exc).splitlines()[0][:300]}")
+            raise failed.at(scope.where()) from exc
 
 
 def run_abortable(fn: Callable[[], T], scope: EpochScope, what: str) -> T:
@@ -140,7 +143,9 @@ def run_abortable(fn: Callable[[], T], scope: EpochScope, what: str) -> T:
     if "error" in box:
         exc = box["error"]
         if isinstance(exc, RuntimeError) and not isinstance(exc, UnbrokenError):
-            raise CollectiveFailed(f"{what} failed: {str(exc).splitlines()[0][:300]}") from exc
+            raise CollectiveFailed(f"{what} failed: {str(exc).splitlines()[0][:300]}").at(scope.where()) from exc
+        if isinstance(exc, CollectiveFailed | TransferError):
+            exc.at(scope.where())
         raise exc
     value: T = box["value"]
     return value
@@ -294,7 +299,7 @@ def build_group(
     threading.Thread(target=build, name=f"pg-build-{group}", daemon=True).start()
     wait_until(built, scope, f"building group {group}", poll_s=PUBLISH_S)
     if "error" in result:
-        raise CollectiveFailed(f"building group {group} failed: {result['error']}")
+        raise CollectiveFailed(f"building group {group} failed: {result['error']}").at(scope.where())
     return result["pg"], time.monotonic() - start
 
 

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from unbroken.control import messages as m
 from unbroken.control.meeting import data_address
+from unbroken.events import Kind
 from unbroken.sched.zones import WORLD
 
 REACH_TIMEOUT_S = 1.0
@@ -51,7 +52,7 @@ def reach(targets: dict[str, tuple[str, int]], timeout_s: float = REACH_TIMEOUT_
 def unreachable_fault(epoch: int, group: str, member: str, host: str, port: int, error: str) -> m.Fault:
     return m.Fault(
         epoch=epoch,
-        kind="unreachable",
+        kind=Kind.UNREACHABLE,
         culprit=member,
         group=group,
         reason=(
@@ -91,7 +92,7 @@ def accuse(
         send(
             m.Fault(
                 epoch=epoch,
-                kind="unreachable",
+                kind=Kind.UNREACHABLE,
                 culprit=me,
                 group=group,
                 reason=(

@@ -22,15 +22,12 @@ after a restart.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import json
 import logging
 import ssl
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict
 from functools import partial
 from typing import Any
 
@@ -40,7 +37,7 @@ from unbroken.config import CoordinatorConfig
 from unbroken.control import auth
 from unbroken.control import messages as m
 from unbroken.control.meeting import Rendezvous
-from unbroken.control.membership import Decision, Event, Membership
+from unbroken.control.membership import Decision, Membership
 from unbroken.control.office import Office
 from unbroken.control.orders import compact
 from unbroken.control.service import ThreadedService
@@ -59,6 +56,7 @@ from unbroken.control.sessions import (
     turn_away,
 )
 from unbroken.errors import ProtocolError
+from unbroken.events import ALARMS, Event, EventLog, Kind
 from unbroken.observe.anomaly import Anomaly, Detector
 from unbroken.observe.history import History
 from unbroken.observe.quiet import Quiet, Say
@@ -97,10 +95,8 @@ class Coordinator(ThreadedService):
             on_deposed=self._deposed,
             deliver=self._send_decision,
         )
-        self.events: list[dict[str, Any]] = []
-        self.event_seq = 0
-        """Sequence number of the last event (``/api/events?since=`` pages by it)."""
-        self.event_counts: collections.Counter[str] = collections.Counter()
+        self.events = EventLog(self.config.event_log, MAX_EVENTS)
+        """The job's events (``/api/events?since=`` pages by their ``seq``)."""
         self.history = History()
         self.anomalies = Detector()
         self.recoveries: list[dict[str, Any]] = []
@@ -196,7 +192,7 @@ class Coordinator(ThreadedService):
 
     def _elected(self, term: int, epoch_floor: int) -> None:
         """A fresh view for the new term: the nodes hand theirs over as they reconnect."""
-        self._record(Event(time.monotonic(), "leader", None, 0, 0, f"{self.office.advertised} leads (term {term})"))
+        self._record(Event(time.monotonic(), Kind.LEADER, None, 0, 0, f"{self.office.advertised} leads (term {term})"))
         self._drop_sessions()
         self.rendezvous = Rendezvous(self.config.build_deadline_s)  # the new term's epochs meet anew
         self.membership = self._new_membership()
@@ -207,7 +203,7 @@ class Coordinator(ThreadedService):
         self._drop_sessions()
         self.membership = self._new_membership()
         advertised = self.office.advertised
-        self._record(Event(time.monotonic(), "deposed", None, 0, 0, f"{advertised} stops leading: {reason}"))
+        self._record(Event(time.monotonic(), Kind.DEPOSED, None, 0, 0, f"{advertised} stops leading: {reason}"))
 
     def _drop_sessions(self) -> None:
         for session in list(self._sessions.values()):
@@ -300,7 +296,8 @@ class Coordinator(ThreadedService):
                 "aggregate": ms.aggregate,
                 "mode": "diloco" if ms.diloco else "sync",
             },
-            "events": self.events[-200:],
+            "events": [r.to_json() for r in self.events.last(200)],
+            "alarms": sorted(k.value for k in ALARMS),
             "recoveries": self.recoveries,
             "final_digests": ms.final_digests,
             "final_metrics": ms.final_metrics,
@@ -366,9 +363,9 @@ class Coordinator(ThreadedService):
             ms = self.membership
             reason = f"session from {peer} dropped: {exc}"
             if session is None:
-                self._refusal(peer, reason, "protocol")
+                self._refusal(peer, reason, Kind.PROTOCOL)
             else:
-                self._record(Event(time.monotonic(), "protocol", session.member_id, ms.epoch, ms.step, reason))
+                self._record(Event(time.monotonic(), Kind.PROTOCOL, session.member_id, ms.epoch, ms.step, reason))
         except (TimeoutError, asyncio.TimeoutError):
             log.warning("session from %s sent no hello within %s s", peer, HELLO_TIMEOUT_S)
         finally:
@@ -552,11 +549,11 @@ class Coordinator(ThreadedService):
                 self._close_recoveries(msg.epoch, msg.step, msg.wall_time)
             self._observe(mid, msg)
         elif isinstance(msg, m.Report):
-            if (mem := ms.members.get(mid)) is not None and msg.kind in ("checkpoint-ok", "checkpoint-failed"):
-                mem.checkpoint_error = msg.reason if msg.kind == "checkpoint-failed" else None
+            if (mem := ms.members.get(mid)) is not None and msg.kind in (Kind.CHECKPOINT_OK, Kind.CHECKPOINT_FAILED):
+                mem.checkpoint_error = msg.reason if msg.kind is Kind.CHECKPOINT_FAILED else None
             self._record(Event(now, msg.kind, mid, ms.epoch, msg.step, f"{self._name(mid)}: {msg.reason}"))
         elif isinstance(msg, m.Fault):
-            if msg.kind == "unreachable" and msg.culprit is not None and msg.culprit != mid:
+            if msg.kind is Kind.UNREACHABLE and msg.culprit is not None and msg.culprit != mid:
                 self._ask_to_probe(msg.epoch, msg.culprit, msg.group, mid)
             self._apply(
                 ms.fault(
@@ -732,38 +729,30 @@ class Coordinator(ThreadedService):
                     return False
                 session.send(m.Command(action=action, reason=reason, term=self.term))  # type: ignore[arg-type]
                 ms = self.membership
-                self._record(Event(time.monotonic(), "operator", mid, ms.epoch, ms.step, f"{name}: {reason}"))
+                self._record(Event(time.monotonic(), Kind.OPERATOR, mid, ms.epoch, ms.step, f"{name}: {reason}"))
                 return True
         return False
 
-    def _refusal(self, source: str, reason: str, kind: str = "refused") -> None:
+    def _refusal(self, source: str, reason: str, kind: Kind = Kind.REFUSED) -> None:
         """Record a refused or dropped session, a few per source and window: a flood of
         them must not push the job's own events out of the history or fill the disk."""
         now = time.monotonic()
         say = self.quiet.allow(source, now)
         if say is Say.NO:
-            self.event_counts[kind] += 1
+            self.events.count(kind)
             return
         if say is Say.LAST:
             reason += f" (more from {source} are counted in /metrics, not listed, for {self.quiet.window_s:g} s)"
         self._record(Event(now, kind, None, self.membership.epoch, self.membership.step, reason))
 
     def _record(self, ev: Event, node: str | None = None) -> None:
-        wall = time.time() - (time.monotonic() - ev.time)
-        self.event_seq += 1
-        name = self._name(ev.member) or node
-        entry = asdict(ev) | {"time": wall, "member_name": name, "node": name, "seq": self.event_seq}
-        self.events.append(entry)
-        del self.events[:-MAX_EVENTS]
-        self.event_counts[ev.kind] += 1
-        if ev.kind == "failure":
-            self._open_failures.append({"cause": ev.reason, "detected_at": wall, "epoch": ev.epoch})
+        """Emit ``ev`` (``node``: the name of a member gone from the membership) and act on it."""
+        rec = self.events.emit(ev, self._name(ev.member) or node)
         log.info("event %s: %s", ev.kind, ev.reason)
-        if self.config.event_log is not None:
-            with open(self.config.event_log, "a", encoding="utf-8") as f:
-                f.write(json.dumps(entry) + "\n")
-        if ev.kind == "failure" and name is not None:
-            self._anomalies(self.anomalies.failure(name, ev.time, ev.reason))
+        if ev.kind is Kind.FAILURE:
+            self._open_failures.append({"cause": ev.reason, "detected_at": rec.time, "epoch": ev.epoch})
+            if rec.node is not None:
+                self._anomalies(self.anomalies.failure(rec.node, ev.time, ev.reason))
 
     def _close_recoveries(self, epoch: int, step: int, wall_time: float) -> None:
         still_open = []

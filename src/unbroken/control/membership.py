@@ -28,6 +28,7 @@ from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
 from unbroken.control.hearsay import PERIOD_S as HEARSAY_PERIOD_S
 from unbroken.control.hearsay import Hearsay, Report
 from unbroken.control.messages import Capabilities, EpochOrder, Hello, Resume, TensorSpec
+from unbroken.events import Event, Kind
 from unbroken.sched.balance import Plan, Preference, Profile, Role, adopt, plan, rebalance
 from unbroken.sched.links import RING_MIN_ZONES, Links, bottleneck
 from unbroken.sched.stragglers import find_stragglers
@@ -41,9 +42,9 @@ so one failure makes one epoch change."""
 HELD = {True: "", False: " (held: nothing bore out its last report yet)"}
 """What a report's event adds when `Hearsay` holds it back."""
 OFFENCES = {
-    "absent": "never joined the data plane",
-    "unreachable": "its data plane is unreachable",
-    "unfounded": "its reports of failed collectives are borne out by nothing",
+    Kind.ABSENT: "never joined the data plane",
+    Kind.UNREACHABLE: "its data plane is unreachable",
+    Kind.UNFOUNDED: "its reports of failed collectives are borne out by nothing",
 }
 """What keeps a member out of the epochs (`Membership.absent`), for the epoch's reason."""
 PROBE_WAIT_S = 2.0
@@ -134,18 +135,6 @@ class Member:
             settled=c.measurements >= SETTLED_AFTER,
             noise=c.noise,
         )
-
-
-@dataclass(frozen=True)
-class Event:
-    """Something that happened, with its reason; feeds logs, the API and the summary."""
-
-    time: float
-    kind: str
-    member: str | None
-    epoch: int
-    step: int
-    reason: str
 
 
 @dataclass
@@ -359,7 +348,7 @@ class Membership:
         self._epoch_floor = max(self._epoch_floor, hello.last_epoch, hello.restored_epoch or 0)
         live = hello.resume is not None or hello.last_epoch > 0 or (hello.step > 0 and hello.restored_epoch is None)
         self._started = self._started or live
-        d.events.append(self._event(now, "join", hello.member_id, f"{hello.name} connected"))
+        d.events.append(self._event(now, Kind.JOIN, hello.member_id, f"{hello.name} connected"))
         if hello.resume is None and self.recovering_until is not None and not self._resumes:
             # Perhaps a fresh job; perhaps a restarted coordinator whose members have not
             # reconnected yet while a new node got here first. Forming a group of new nodes
@@ -385,7 +374,7 @@ class Membership:
         d = Decision()
         if m is None:
             return d
-        d.events.append(self._event(now, "leave", member_id, f"{m.name} leaves: {reason}"))
+        d.events.append(self._event(now, Kind.LEAVE, member_id, f"{m.name} leaves: {reason}"))
         self._trace(member_id, now)
         self._vacated += m.role is Role.TRAINER
         if self.rank_of(member_id) is not None:
@@ -403,7 +392,7 @@ class Membership:
         d = Decision()
         if m is None:
             return d
-        d.events.append(self._event(now, "failure", member_id, f"{m.name}: {cause}"))
+        d.events.append(self._event(now, Kind.FAILURE, member_id, f"{m.name}: {cause}"))
         self._trace(member_id, now)
         self._vacated += m.role is Role.TRAINER
         if self.rank_of(member_id) is not None and not self.finished and member_id not in self.final_digests:
@@ -507,7 +496,7 @@ class Membership:
         heard = {z: r for z, r in rates.items() if z in zones.names and z != mine}
         self.links.report(mine, heard, now)
         shown = ", ".join(f"{z} {r:.0f}" for z, r in sorted(heard.items()))
-        d.events.append(self._event(now, "links", member_id, f"zone {mine} received (MB/s): {shown}"))
+        d.events.append(self._event(now, Kind.LINKS, member_id, f"zone {mine} received (MB/s): {shown}"))
         ring = self.links.ring(zones.names, self._ring, now)
         if ring != self._ring:
             rate = self.links.rates(now)
@@ -525,7 +514,7 @@ class Membership:
         m.validation = {"step": float(step), **metrics}
         shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
         d.events.append(
-            self._event(now, "validation", member_id, f"{m.name} evaluated step {step}: {shown} ({seconds:.2f} s)")
+            self._event(now, Kind.VALIDATION, member_id, f"{m.name} evaluated step {step}: {shown} ({seconds:.2f} s)")
         )
         return d
 
@@ -536,12 +525,12 @@ class Membership:
         reason: str,
         now: float,
         culprit: str | None = None,
-        kind: str = "bad-gradient",
+        kind: Kind = Kind.BAD_GRADIENT,
         rollback_to: int = -1,
         zone_only: bool = False,
     ) -> Decision:
         """A member saw a collective fail, or refused a bad contribution (``culprit``), or a
-        sum that did not add up (``kind="suspect"``). Re-form the epoch unless it already
+        sum that did not add up (``Kind.SUSPECT``). Re-form the epoch unless it already
         changed. A culprit is benched, and quarantined when it offends again and again,
         once most of the members that saw the evidence named it (``zone_only``: the
         culprit's zone, a DiLoCo inner step's); their reports count for the epoch before
@@ -563,11 +552,11 @@ class Membership:
         act, released = self._hearsay.reported(member_id, epoch, now, reason)
         self._release(released, now)
         c = self.members.get(culprit) if culprit is not None else None
-        if kind == "suspect" or c is not None:
+        if kind is Kind.SUSPECT or c is not None:
             # Every member reaches the same verdict from the same data (the all-reduced sum,
             # the gathered rows or digests): a verdict counts once most of them reached it.
             seen = witnesses
-            if zone_only and c is not None and kind == "bad-gradient":
+            if zone_only and c is not None and kind is Kind.BAD_GRADIENT:
                 seen = {mid: z for mid, z in witnesses.items() if z == witnesses.get(c.member_id)}
             if member_id not in seen:
                 return d
@@ -576,23 +565,23 @@ class Membership:
             first = not accusers
             accusers.add(member_id)
             agreed = len(accusers) >= len(seen) // 2 + 1
-            if kind == "unreachable" and c is not None:
+            if kind is Kind.UNREACHABLE and c is not None:
                 # Only the others can try to reach it: most of them, and never one alone (in
                 # an epoch of two it is one word against another). A member that reaches
                 # few of its peers names itself, and its word about itself is enough.
                 others = len(accusers - {c.member_id})
                 agreed = c.member_id in accusers or others >= max(2, (len(seen) - 1) // 2 + 1)
                 if agreed:
-                    return self.absent(c.member_id, epoch, reason, now, kind="unreachable")
+                    return self.absent(c.member_id, epoch, reason, now, kind=Kind.UNREACHABLE)
                 if first and current:
-                    d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason}{HELD[act]}"))
+                    d.events.append(self._event(now, Kind.FAULT, member_id, f"{m.name} reports: {reason}{HELD[act]}"))
                     if act:
                         # Most of the epoch is trying the address meanwhile (`Probe`): if
                         # they reach it, the epoch is formed again with everyone.
                         self._want_epoch(now, urgent=True, reason=f"{m.name} reports: {reason}", delay=PROBE_WAIT_S)
                 return d
             if agreed and c is not None:
-                what = "bad gradient" if kind == "bad-gradient" else "failed audit"
+                what = "bad gradient" if kind is Kind.BAD_GRADIENT else "failed audit"
                 return self._offence(c, epoch, reason, now, kind, f"{what} from {c.name}")
             if agreed and self._checking_from is None:
                 # A contribution lied, and only the gathered rows can say whose: check each.
@@ -602,7 +591,7 @@ class Membership:
                     if self.diloco is not None
                     else f"the next {CHECKED_STEPS} steps gather and check every member's contribution"
                 )
-                d.events.append(self._event(now, "suspect", None, f"{reason}; {then}"))
+                d.events.append(self._event(now, Kind.SUSPECT, None, f"{reason}; {then}"))
                 self._want_epoch(now, urgent=True, reason="a step's sum did not add up: checking each part", delay=0.0)
                 return d
             if len(accusers) > 1 or not current:
@@ -611,17 +600,17 @@ class Membership:
                 reason = f"{reason} (names {c.name}; benched only when most of the epoch agrees)"
         if not current:
             return d
-        d.events.append(self._event(now, "fault", member_id, f"{m.name} reports: {reason}{HELD[act]}"))
+        d.events.append(self._event(now, Kind.FAULT, member_id, f"{m.name} reports: {reason}{HELD[act]}"))
         if not act:
             return d
         self._want_epoch(now, urgent=True, reason=f"collective failed at {m.name}: {reason}", delay=FAULT_GRACE_S)
         return d
 
-    def absent(self, member_id: str, epoch: int, reason: str, now: float, kind: str = "absent") -> Decision:
+    def absent(self, member_id: str, epoch: int, reason: str, now: float, kind: Kind = Kind.ABSENT) -> Decision:
         """The leader saw ``member_id`` never join epoch ``epoch``'s data plane (its own
         evidence: it holds the rendezvous), or most of the epoch could not connect to it
-        (``kind="unreachable"``), or its reports of failed collectives were borne out by
-        nothing, again and again (``kind="unfounded"``, `Hearsay`). Kept out of the epochs
+        (``Kind.UNREACHABLE``), or its reports of failed collectives were borne out by
+        nothing, again and again (``Kind.UNFOUNDED``, `Hearsay`). Kept out of the epochs
         like a culprit; quarantined when it happens again and again."""
         c = self.members.get(member_id)
         # Evidence about the epoch before counts too (reports cross the next epoch's
@@ -634,7 +623,7 @@ class Membership:
         self._readmit_at = min(self._readmit_at or c.excluded_until, c.excluded_until)
         return self._offence(c, epoch, reason, now, kind, f"{c.name}: {OFFENCES[kind]}")
 
-    def _offence(self, c: Member, epoch: int, reason: str, now: float, kind: str, why: str) -> Decision:
+    def _offence(self, c: Member, epoch: int, reason: str, now: float, kind: Kind, why: str) -> Decision:
         """Bench ``c`` for an offence in ``epoch`` (counted once per epoch) and re-form."""
         d = Decision()
         if (epoch, c.member_id) in self._refused:
@@ -650,7 +639,7 @@ class Membership:
             d.events.append(
                 self._event(
                     now,
-                    "quarantine",
+                    Kind.QUARANTINE,
                     c.member_id,
                     f"{c.name}: {c.flags} offences (refused gradients, failed audits, absent from or unreachable "
                     "on the data plane); out of training",
@@ -668,7 +657,7 @@ class Membership:
             return d
         if self.num_steps and step != self.num_steps:
             d.events.append(
-                self._event(now, "refused", member_id, f"{m.name} reports done at step {step}, not the job's "
+                self._event(now, Kind.REFUSED, member_id, f"{m.name} reports done at step {step}, not the job's "
                             f"last step {self.num_steps}: ignored")
             )  # fmt: skip
             return d
@@ -688,7 +677,7 @@ class Membership:
         for mid in agree:
             self.final_metrics.update(self._final_metrics[mid])
         d.events.append(
-            self._event(now, "finished", member_id, f"final step {step} reached ({len(agree)} agree on the state)")
+            self._event(now, Kind.FINISHED, member_id, f"final step {step} reached ({len(agree)} agree on the state)")
         )
         return d
 
@@ -722,7 +711,7 @@ class Membership:
             return d  # ...and for one that may train: a validator never does (`--role validator`)
         for mid in self._hearsay.due(now):
             why = f"reported {HEARSAY_LIMIT} failed collectives within {HEARSAY_PERIOD_S:g} s that nothing bore out"
-            d.merge(self.absent(mid, self.epoch, why, now, kind="unfounded"))
+            d.merge(self.absent(mid, self.epoch, why, now, kind=Kind.UNFOUNDED))
         if self._readmit_at is not None and now >= self._readmit_at:
             later = [m.excluded_until for m in self.members.values() if m.excluded_until > now]
             self._readmit_at = min(later) if later else None
@@ -789,7 +778,7 @@ class Membership:
 
     def _straggler(self, now: float, mid: str, why: str) -> list[Event]:
         self._stragglers.add(mid)
-        return [self._event(now, "straggler", mid, f"{self.members[mid].name}: {why}")]
+        return [self._event(now, Kind.STRAGGLER, mid, f"{self.members[mid].name}: {why}")]
 
     def _recover(self, now: float) -> Decision:
         assert self.recovering_until is not None
@@ -816,7 +805,7 @@ class Membership:
                         mem.role = role
                 for mid in group:
                     self.members[mid].state = MemberState.ACTIVE
-                d.events.append(self._event(now, "adopt", None, f"rebuilt epoch {newest} from {len(group)} members"))
+                d.events.append(self._event(now, Kind.ADOPT, None, f"rebuilt epoch {newest} from {len(group)} members"))
                 if len(self.members) > len(group):
                     self._want_epoch(now, urgent=False, reason="nodes joined during recovery", delay=0.0)
                 return d
@@ -920,7 +909,7 @@ class Membership:
                 m.preference = Preference.AUTO  # a promoted spare stays a regular member
             if role is not m.role and (m.role is not None or role is not Role.TRAINER):
                 was = m.role.value if m.role is not None else "new"
-                events.append(self._event(now, "role", m.member_id, f"{m.name}: {was} -> {role.value}: {why}"))
+                events.append(self._event(now, Kind.ROLE, m.member_id, f"{m.name}: {was} -> {role.value}: {why}"))
             m.role = role
         return events
 
@@ -1002,8 +991,8 @@ class Membership:
         for mid in dict.fromkeys(old + order):
             if mid in self.members or mid in old:
                 d.orders[mid] = msg
-        d.events.append(self._event(now, "epoch", None, f"epoch {self.epoch} with {len(order)} members: {reason}"))
+        d.events.append(self._event(now, Kind.EPOCH, None, f"epoch {self.epoch} with {len(order)} members: {reason}"))
         return d
 
-    def _event(self, now: float, kind: str, member: str | None, reason: str) -> Event:
+    def _event(self, now: float, kind: Kind, member: str | None, reason: str) -> Event:
         return Event(time=now, kind=kind, member=member, epoch=self.epoch, step=self.step, reason=reason)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 from unbroken.errors import ProtocolError
+from unbroken.events import REPORTED, Kind
 from unbroken.specs import INNER_STEPS, MAX_BUCKET_MB, MAX_STREAMS, OUTER_LR, OUTER_MOMENTUM
 
 PROTOCOL_VERSION = 1
@@ -180,12 +181,27 @@ class Progress(_Msg):
     """Like a heartbeat's: acknowledged, and keeps the lease (0: not counted as one)."""
 
 
+def _kind_of(allowed: frozenset[Kind]) -> BeforeValidator:
+    """An event kind from the wire, one of ``allowed`` (what a member may say it saw)."""
+
+    def check(value: object) -> Kind:
+        if not isinstance(value, str) or value not in allowed:
+            raise ValueError(f"{value!r} is not one of {sorted(k.value for k in allowed)}")
+        return Kind(value)
+
+    return BeforeValidator(check)
+
+
+FAULTS = frozenset({Kind.BAD_GRADIENT, Kind.AUDIT, Kind.SUSPECT, Kind.UNREACHABLE})
+"""What a `Fault` may name."""
+
+
 class Report(_Msg):
     """Something a node did that belongs in the job's event log (a checkpoint written,
     state received from a peer, a DiLoCo round rolled back...)."""
 
     type: Literal["report"] = "report"
-    kind: Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[a-z][a-z-]*$")]
+    kind: Annotated[Kind, _kind_of(REPORTED)]
     step: Count
     reason: Annotated[str, Field(max_length=2000)]
 
@@ -205,7 +221,7 @@ class Fault(_Msg):
     reason: Annotated[str, Field(max_length=2000)]
     culprit: Name | None = None
     """The member whose contribution was refused (a bad gradient), when the fault is one."""
-    kind: Literal["bad-gradient", "audit", "suspect", "unreachable"] = "bad-gradient"
+    kind: Annotated[Kind, _kind_of(FAULTS)] = Kind.BAD_GRADIENT
     """Why the culprit was refused: its gradient, or its state failed the consistency audit;
     ``suspect`` (no culprit): the step's sum did not add up, and nobody can say whose part lied;
     ``unreachable``: this member could not connect to the culprit's data-plane address (the

@@ -22,8 +22,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-KINDS = ("straggler", "loss-nan", "loss-spike", "throughput-collapse", "flapping")
-"""Event kinds that are anomalies (the dashboard marks them)."""
+from unbroken.events import Kind
+
 WINDOW = 20
 SPIKE_RATIO = 3.0
 SPIKE_MADS = 6.0
@@ -37,7 +37,7 @@ FLAP_WINDOW_S = 120.0
 
 @dataclass(frozen=True)
 class Anomaly:
-    kind: str
+    kind: Kind
     member: str | None
     """The node's name, for node anomalies."""
     reason: str
@@ -46,7 +46,7 @@ class Anomaly:
 class Detector:
     def __init__(self) -> None:
         self._losses: deque[float] = deque(maxlen=WINDOW)
-        self._quiet_until: dict[str, int] = {}
+        self._quiet_until: dict[Kind, int] = {}
         self._rates: deque[tuple[int, float, int]] = deque(maxlen=RECENT + BASELINE)
         self._collapsed = False
         self._failures: dict[str, deque[float]] = {}
@@ -56,16 +56,20 @@ class Detector:
         """A committed step's loss."""
         out: list[Anomaly] = []
         if not math.isfinite(loss):
-            if self._quiet("loss-nan", step):
-                out.append(Anomaly("loss-nan", None, f"the loss at step {step} is {loss}"))
+            if self._quiet(Kind.LOSS_NAN, step):
+                out.append(Anomaly(Kind.LOSS_NAN, None, f"the loss at step {step} is {loss}"))
             return out
         if len(self._losses) >= WINDOW // 2:
             typical = statistics.median(self._losses)
             mad = statistics.median(abs(x - typical) for x in self._losses) * 1.4826
-            if loss > SPIKE_RATIO * typical and loss > typical + SPIKE_MADS * mad and self._quiet("loss-spike", step):
+            if (
+                loss > SPIKE_RATIO * typical
+                and loss > typical + SPIKE_MADS * mad
+                and self._quiet(Kind.LOSS_SPIKE, step)
+            ):
                 out.append(
                     Anomaly(
-                        "loss-spike",
+                        Kind.LOSS_SPIKE,
                         None,
                         f"the loss jumped to {loss:.4g} at step {step}: {loss / typical:.1f}x the median "
                         f"{typical:.4g} of the last {len(self._losses)} steps",
@@ -94,7 +98,7 @@ class Detector:
         who = f"; members {was} -> {are}" if was != are else f"; still {are} members"
         return [
             Anomaly(
-                "throughput-collapse",
+                Kind.THROUGHPUT_COLLAPSE,
                 None,
                 f"throughput fell to {now:.4g} samples/s over the last {RECENT} steps from {before:.4g} "
                 f"({now / before:.0%}) by step {step}{who}",
@@ -112,14 +116,14 @@ class Detector:
         self._flapping[name] = now
         return [
             Anomaly(
-                "flapping",
+                Kind.FLAPPING,
                 name,
                 f"{name} failed {FLAP_COUNT} times in {now - times[0]:.0f} s, rejoining in between "
                 f"(last: {cause}); check its machine, or keep it out until fixed",
             )
         ]
 
-    def _quiet(self, kind: str, step: int) -> bool:
+    def _quiet(self, kind: Kind, step: int) -> bool:
         """True (and silence the kind for a window) unless it was reported just now."""
         if step < self._quiet_until.get(kind, -1):
             return False

@@ -13,13 +13,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from unbroken.events import Kind
 from unbroken.observe.history import History
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class _Job(Collector):
-    def __init__(self, snapshot: dict[str, Any], counts: Mapping[str, int], history: History) -> None:
+    def __init__(self, snapshot: dict[str, Any], counts: Mapping[Kind, int], history: History) -> None:
         self.snapshot, self.counts, self.history = snapshot, counts, history
 
     def collect(self) -> Iterator[Metric]:
@@ -90,9 +91,11 @@ class _Job(Collector):
             "unbroken_events", "Events by kind (joins, failures, rebalances...).", labels=["job", "kind"]
         )
         for kind, n in sorted(self.counts.items()):
-            events.add_metric([job["job"], kind], n)
+            events.add_metric([job["job"], kind.value], n)
         yield events
-        yield counter("unbroken_failures", "Members lost to a crash, hang or cut link.", self.counts.get("failure", 0))
+        yield counter(
+            "unbroken_failures", "Members lost to a crash, hang or cut link.", self.counts.get(Kind.FAILURE, 0)
+        )
         recoveries = [r["duration_s"] for r in s.get("recoveries", [])]
         yield counter("unbroken_recoveries", "Failures followed by a commit of the new group.", len(recoveries))
         summary = SummaryMetricFamily(
@@ -102,7 +105,7 @@ class _Job(Collector):
         yield summary
 
 
-def render(snapshot: dict[str, Any], counts: Mapping[str, int], history: History) -> bytes:
+def render(snapshot: dict[str, Any], counts: Mapping[Kind, int], history: History) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Job(snapshot, counts, history))
     return generate_latest(registry)

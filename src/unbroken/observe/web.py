@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from unbroken.events import Kind
 from unbroken.observe.metrics import CONTENT_TYPE, render
 
 if TYPE_CHECKING:
@@ -65,14 +66,13 @@ class _Pages:
             limit = min(int(q.get("limit", "1000")), MAX_EVENTS_PER_PAGE)
         except ValueError:
             raise web.HTTPBadRequest(text="since and limit must be integers") from None
-        kinds = {k for k in q.get("kind", "").split(",") if k}
-        node = q.get("node")
-        out = [
-            e
-            for e in self.c.events
-            if e["seq"] > since and (not kinds or e["kind"] in kinds) and (node is None or e.get("node") == node)
-        ]
-        return web.json_response({"events": out[:limit], "last_seq": self.c.event_seq})
+        try:
+            kinds = [Kind(k) for k in q.get("kind", "").split(",") if k]
+        except ValueError as exc:
+            known = ", ".join(k.value for k in Kind)
+            raise web.HTTPBadRequest(text=f"{exc}: kind must be among {known}") from None
+        out = [r.to_json() for r in self.c.events.since(since, kinds, q.get("node"))]
+        return web.json_response({"events": out[:limit], "last_seq": self.c.events.seq})
 
     async def history(self, request: web.Request) -> web.Response:
         try:
@@ -85,7 +85,7 @@ class _Pages:
         return web.json_response(data)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = render(self.c.snapshot(), self.c.event_counts, self.c.history)
+        body = render(self.c.snapshot(), self.c.events.counts, self.c.history)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def act(self, request: web.Request) -> web.Response:

@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass
 
 from unbroken.errors import ConfigError
+from unbroken.events import Entry
 from unbroken.train.hooks import LIES, Record
 
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
@@ -96,7 +97,7 @@ class FaultPlan:
     def __init__(self, faults: list[Fault], record: Record | None = None) -> None:
         self._pending = list(faults)
         self._persistent: list[Fault] = []
-        self._record: Record = record or (lambda _entry: None)
+        self._record: Record = record or (lambda _kind, _fields: None)
         self._dead: list[socket.socket] = []
         self._alarmed: set[int] = set()
 
@@ -112,7 +113,7 @@ class FaultPlan:
         for f in self._pending:
             if f.signal in CORRUPT and f.phase == phase and f.step == step:
                 self._pending.remove(f)
-                self._record({"kind": "fault", "signal": f.signal, "phase": phase, "step": step, "pid": os.getpid()})
+                self._record(Entry.FAULT, {"signal": f.signal, "phase": phase, "step": step, "pid": os.getpid()})
                 if f.signal in PERSISTENT:
                     self._persistent.append(f)
                 return CORRUPT[f.signal]
@@ -125,7 +126,7 @@ class FaultPlan:
             if f.signal in LIES and f.phase == phase and step >= f.step:
                 self._pending.remove(f)
                 self._persistent.append(f)
-                self._record({"kind": "fault", "signal": f.signal, "phase": phase, "step": step, "pid": os.getpid()})
+                self._record(Entry.FAULT, {"signal": f.signal, "phase": phase, "step": step, "pid": os.getpid()})
         return next((f.signal for f in self._persistent if f.signal in LIES and f.phase == phase), None)
 
     def muted(self, epoch: int) -> bool:
@@ -139,7 +140,7 @@ class FaultPlan:
             if f.signal == signal and at >= f.step:
                 self._pending.remove(f)
                 self._persistent.append(f)
-                self._record({"kind": "fault", "signal": signal, "phase": phase, "step": at, "pid": os.getpid()})
+                self._record(Entry.FAULT, {"signal": signal, "phase": phase, "step": at, "pid": os.getpid()})
         return any(f.signal == signal and at >= f.step for f in self._persistent)
 
     def unreachable(self, epoch: int) -> bool:
@@ -165,7 +166,7 @@ class FaultPlan:
         for f in self._pending:
             if f.signal == BITFLIP and f.step == step:
                 self._pending.remove(f)
-                self._record({"kind": "fault", "signal": BITFLIP, "phase": "commit", "step": step, "pid": os.getpid()})
+                self._record(Entry.FAULT, {"signal": BITFLIP, "phase": "commit", "step": step, "pid": os.getpid()})
                 return True
         return False
 
@@ -173,7 +174,7 @@ class FaultPlan:
         for f in self._pending:
             if f.phase == phase and f.step == step:
                 self._pending.remove(f)
-                self._record({"kind": "fault", "signal": f.signal, "phase": phase, "step": step, "pid": os.getpid()})
+                self._record(Entry.FAULT, {"signal": f.signal, "phase": phase, "step": step, "pid": os.getpid()})
                 if f.signal == HANG:
                     threading.Event().wait()
                 os.kill(os.getpid(), SIGNALS[f.signal])

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from unbroken.events import Entry
 from unbroken.job import Job, StepInfo
 from unbroken.state.snapshot import TrainState
 
@@ -72,10 +73,10 @@ def check_promises(logs: Mapping[str, Iterable[dict[str, Any]]], job: Job, *, fi
     restores: list[tuple[float, int]] = []
     commit_times: dict[int, tuple[float, int]] = {}
     for _, node, e in merged:
-        kind = e.get("kind")
-        if kind == "contrib":
+        kind = Entry(e["kind"])  # a kind no node writes is an error here, not a line passed over
+        if kind is Entry.CONTRIB:
             contribs[(e["epoch"], e["step"])].append(e["indices"])
-        elif kind == "restore":
+        elif kind is Entry.RESTORE:
             # The allowed rollbacks: every node died and the group resumed from a checkpoint,
             # or a failed consistency audit took the group back to its last audited state.
             restores.append((e["t"], e["step"]))
@@ -83,10 +84,10 @@ def check_promises(logs: Mapping[str, Iterable[dict[str, Any]]], job: Job, *, fi
                 del digests[s]
             last[node] = e["step"]
             digests[e["step"]][f"{node}:restore"] = e["digest"]
-        elif kind == "sync":
+        elif kind is Entry.SYNC:
             last[node] = e["step"]
             digests[e["step"]][f"{node}:sync"] = e["digest"]
-        elif kind == "commit":
+        elif kind is Entry.COMMIT:
             s = e["step"] - 1
             if node in last and e["step"] != last[node] + 1:
                 report.problems.append(f"{node} committed step {e['step']} right after step {last[node]}")
@@ -110,11 +111,11 @@ def check_promises(logs: Mapping[str, Iterable[dict[str, Any]]], job: Job, *, fi
             if "digest" in e:
                 digests[e["step"]][node] = e["digest"]
                 digest_epochs[(e["step"], node)] = e["epoch"]
-        elif kind == "final":
+        elif kind is Entry.FINAL:
             report.final_digests[node] = e["digest"]
             if e["step"] != T:
                 report.problems.append(f"{node} finished at step {e['step']}, not {T}")
-        elif kind == "expelled":
+        elif kind is Entry.EXPELLED:
             last.pop(node, None)
     missing = [s + 1 for s in range(T) if s not in report.committed_in]
     if missing:
@@ -185,12 +186,12 @@ def _vanished(merged: list[tuple[float, str, dict[str, Any]]]) -> set[tuple[str,
     out: set[tuple[str, int]] = set()
     pending: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for _, node, e in merged:
-        kind, epoch = e.get("kind"), e.get("epoch")
-        if kind == "expelled":
+        kind, epoch = Entry(e["kind"]), e.get("epoch")
+        if kind is Entry.EXPELLED:
             out.update((node, s) for s, _ in pending.pop(node, []))
         elif epoch is not None:
             pending[node] = [(s, ep) for s, ep in pending[node] if ep >= int(epoch)]
-            if kind == "commit":
+            if kind is Entry.COMMIT:
                 pending[node].append((e["step"] - 1, int(epoch)))
     out.update((node, s) for node, steps in pending.items() for s, _ in steps)
     return out

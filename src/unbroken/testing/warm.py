@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import io
 import json
 import os
+import runpy
 import select
 import signal
 import subprocess
@@ -32,6 +34,9 @@ from typing import IO, Any
 
 PARENTS = 2
 """Forking parents, used in turn (see the module's note on hash seeds)."""
+PRELOAD = ("torch", "unbroken.cli.main", "unbroken.train.runtime")
+"""What a parent imports before it forks: what every node would import first. By name, as
+``python -m unbroken`` names what it runs: the harness starts the CLI, it does not use it."""
 
 
 class WarmProcess:
@@ -183,14 +188,7 @@ def _close_all() -> None:
 
 def _serve() -> None:
     """Import what a node needs, then fork a node per request line on stdin."""
-    before = dict(os.environ)
-    import torch  # noqa: F401  (the point: paid once here, not in every node)
-
-    import unbroken.cli.main
-    import unbroken.train.runtime  # noqa: F401
-
-    # What the imports set (gloo's options): a node started cold sets them over its own.
-    imported = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    imported = _imported_environment(PRELOAD)
     out = sys.stdout.buffer
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -236,6 +234,27 @@ def _serve() -> None:
         out.flush()
 
 
+def _imported_environment(modules: tuple[str, ...]) -> dict[str, str]:
+    """Import ``modules``; what their imports wrote to the environment (gloo's options), which
+    a cold node sets over the environment it is given: recorded as written, since this
+    parent's own environment may hold the same values already."""
+    written: dict[str, str] = {}
+    environ = type(os.environ)
+    setitem = environ.__setitem__
+
+    def record(self: Any, key: str, value: str) -> None:
+        written[key] = value
+        setitem(self, key, value)
+
+    environ.__setitem__ = record  # type: ignore[method-assign]
+    try:
+        for name in modules:
+            importlib.import_module(name)
+    finally:
+        environ.__setitem__ = setitem  # type: ignore[method-assign]
+    return written
+
+
 def _child(request: dict[str, Any], imported: dict[str, str]) -> None:
     """Become the node: own stdio, environment and signals, then run the CLI and exit."""
     code = 1
@@ -255,14 +274,10 @@ def _child(request: dict[str, Any], imported: dict[str, str]) -> None:
         os.environ.clear()
         os.environ.update(request["env"], **imported)
         os.chdir(request["cwd"])
-        sys.argv = [sys.argv[0], *request["argv"]]
-        import torch
-
-        # The parent imported torch with one thread; a spawned node reads OMP_NUM_THREADS.
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        from unbroken.cli.main import main
-
-        code = main(request["argv"])
+        sys.argv = ["unbroken", *request["argv"]]
+        # The parent imported torch with one thread; a cold node reads OMP_NUM_THREADS.
+        importlib.import_module("torch").set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        runpy.run_module("unbroken", run_name="__main__", alter_sys=True)  # python -m unbroken ARGV
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:

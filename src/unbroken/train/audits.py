@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from unbroken.comm.group import EpochGroup
 from unbroken.comm.transfer import gather_digests
 from unbroken.errors import AuditMismatch
+from unbroken.events import Entry
 from unbroken.train.sync import audit
 
 if TYPE_CHECKING:
@@ -51,8 +52,8 @@ class Audits:
         node.state.restore(self.audited)
         node.applied_step = -1
         node.client.step = node.state.step
-        entry = {"kind": "restore", "step": node.state.step, "digest": node.state.digest(), "why": "failed audit"}
-        node.records.log(entry)
+        fields = {"step": node.state.step, "digest": node.state.digest(), "why": "failed audit"}
+        node.records.log(Entry.RESTORE, fields)
 
     def check(self, g: EpochGroup) -> None:
         """Compare digests now; raise `AuditMismatch` (after going back) if a replica differs."""
@@ -61,7 +62,7 @@ class Audits:
         digest = node.state.digest()
         scope = node.scope(during_step=True)
         verdict = audit(gather_digests(g.pg, g.size, node.state.step, digest, scope, "audit"))
-        node.records.log({"kind": "audit", "step": node.state.step, "digest": digest, "ok": verdict is None})
+        node.records.log(Entry.AUDIT, {"step": node.state.step, "digest": digest, "ok": verdict is None})
         if verdict is None:
             self.audited = node.state.capture(reuse=self.audited)
             return

@@ -50,6 +50,7 @@ from unbroken.comm.group import EpochGroup
 from unbroken.comm.reduce import Posted
 from unbroken.comm.transfer import sync_state
 from unbroken.errors import BadContribution, ConfigError
+from unbroken.events import Entry, Kind
 from unbroken.job import AnyOptimizer
 from unbroken.state.snapshot import tree_digest
 from unbroken.train.guard import judge
@@ -126,7 +127,7 @@ class DiLoCo:
             if r.role == "receiver":
                 zone = mine or "default"
                 log.info("%s: took zone %s's inner optimizer state (%.1f MB)", node.name, zone, r.megabytes)
-                node.records.log({"kind": "inner-sync", "zone": mine, "step": node.state.step, "mb": r.megabytes})
+                node.records.log(Entry.INNER_SYNC, {"zone": mine, "step": node.state.step, "mb": r.megabytes})
         self.inner_zone, self.inner_step = mine, node.state.step
 
     def round_end(self, step: int) -> int:
@@ -154,7 +155,7 @@ class DiLoCo:
         st.restore(self._round_start)
         self.node.client.step = st.step
         self.node.applied_step = -1
-        self.node.report("rollback", f"DiLoCo round abandoned; back to its start, step {back}")
+        self.node.report(Kind.ROLLBACK, f"DiLoCo round abandoned; back to its start, step {back}")
 
     # ---------------------------------------------------------------- the round
 
@@ -417,7 +418,7 @@ class DiLoCo:
             if s == last + 1:
                 node.records.commit(g, s, loss, node.wire, node.state.digest(), outer=True)
             else:
-                node.records.log({"kind": "commit", "epoch": g.epoch, "step": s, "loss": loss})
+                node.records.log(Entry.COMMIT, {"epoch": g.epoch, "step": s, "loss": loss})
         log.info(
             "%s: outer step at %d/%d, epoch %d, %d members, loss %.4f",
             node.name, node.state.step, node.job.num_steps, g.epoch, g.size, loss,

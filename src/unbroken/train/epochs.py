@@ -21,6 +21,7 @@ from unbroken.comm.reduce import Reducer
 from unbroken.control import messages as m
 from unbroken.control.meeting import with_port
 from unbroken.errors import BadContribution, CollectiveFailed, Unreachable
+from unbroken.events import Entry
 from unbroken.sched.zones import WORLD, Zones
 from unbroken.specs import Rule, parse_rule
 from unbroken.train.step import EXTRA
@@ -159,7 +160,7 @@ class Epochs:
         rates = probe(reducer.leaders_pg, rank, zones.names, node.link, node.scope(during_step=False))
         log.info("%s: links from the other zones (MB/s): %s", node.name,
                  ", ".join(f"{z} {r:.0f}" for z, r in sorted(rates.items())))  # fmt: skip
-        node.records.log({"kind": "links", "epoch": order.epoch, "rates": rates})
+        node.records.log(Entry.LINKS, {"epoch": order.epoch, "rates": rates})
         node.client.send(m.Links(epoch=order.epoch, rates=rates))
 
     def gloo_host(self) -> str | None:

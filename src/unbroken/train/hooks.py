@@ -9,12 +9,14 @@ specs and their plan live with the testing aids (`unbroken.testing.faults`), whi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
 
-Record = Callable[[dict[str, object]], None]
+from unbroken.events import Entry
+
+Record = Callable[[Entry, Mapping[str, object]], None]
 """Writes one entry to the node's commit log (a fault that fires says so there first)."""
 
 LIES = {"hide-nan": float("nan"), "hide-spike": -1e6, "forge-slot": float("inf")}

@@ -7,12 +7,14 @@ import json
 import logging
 import math
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from unbroken.comm.group import EpochGroup
 from unbroken.comm.reduce import Wire
 from unbroken.control import messages as m
 from unbroken.errors import TransferError
+from unbroken.events import Entry, Kind
 from unbroken.state import layout
 from unbroken.state.checkpoint import Checkpointer, Later, load_newest, set_aside
 from unbroken.state.fragments import rebuild
@@ -43,7 +45,7 @@ class Records:
         self.first_in_epoch = True
         self._fresh: dict[str, Any] | None = None
         """The state as built, while a restored checkpoint may still prove another run's."""
-        self._notes: list[tuple[str, str]] = []
+        self._notes: list[tuple[Kind, str]] = []
         """Events for the job's log from before this node joined (sent once it has)."""
         self._checkpoint_failure: str | None = None
         """The checkpoint failure last reported (None: none, or writes succeed again)."""
@@ -61,30 +63,30 @@ class Records:
 
     # ---------------------------------------------------------------- the log and reports
 
-    def log(self, entry: dict[str, object]) -> None:
+    def log(self, kind: Entry, fields: Mapping[str, object] | None = None) -> None:
         """One line of the commit log (what `unbroken.testing.promises` checks)."""
         if self._file is not None:
-            entry = {"t": time.time(), "node": self.node.name, **entry}
+            entry = {"t": time.time(), "node": self.node.name, "kind": kind.value, **(fields or {})}
             self._file.write(json.dumps(entry) + "\n")
             self._file.flush()
 
-    def report(self, kind: str, reason: str) -> None:
+    def report(self, kind: Kind, reason: str) -> None:
         """An event for the job's log at the coordinator (a checkpoint, a state transfer...)."""
         self.node.client.send(m.Report(kind=kind, step=self.node.state.step, reason=reason[:2000]))
 
-    def note(self, kind: str, reason: str) -> None:
+    def note(self, kind: Kind, reason: str) -> None:
         """An event for the job's log from before joining: logged now, reported once joined."""
         log.warning("%s: %s", self.node.name, reason)
-        self.log({"kind": kind, "reason": reason, "step": self.node.state.step})
+        self.log(Entry(kind.value), {"reason": reason, "step": self.node.state.step})
         self._notes.append((kind, reason))
 
     def commit(self, g: EpochGroup, step: int, loss: float, wire: Wire, digest: str | None, **more: Any) -> None:
-        entry: dict[str, Any] = {"kind": "commit", "epoch": g.epoch, "step": step, "loss": loss, **more}
+        entry: dict[str, Any] = {"epoch": g.epoch, "step": step, "loss": loss, **more}
         if wire.last_inter:
             entry["wire"] = {"intra": wire.last_intra, "inter": wire.last_inter}
         if digest is not None:
             entry["digest"] = digest
-        self.log(entry)
+        self.log(Entry.COMMIT, entry)
 
     def progress(self, g: EpochGroup, step: int, loss: float, sps: float) -> None:
         node = self.node
@@ -130,9 +132,9 @@ class Records:
             return
         failure = self.checkpointer.failure
         if failure is not None and failure != self._checkpoint_failure:
-            self.report("checkpoint-failed", failure)
+            self.report(Kind.CHECKPOINT_FAILED, failure)
         elif failure is None and self._checkpoint_failure is not None:
-            self.report("checkpoint-ok", f"checkpoints are written to {node.config.checkpoint_dir} again")
+            self.report(Kind.CHECKPOINT_OK, f"checkpoints are written to {node.config.checkpoint_dir} again")
         self._checkpoint_failure = failure
         if self.fragments is not None:
             k, m_ = self.fragments
@@ -140,10 +142,10 @@ class Records:
             snap = self.checkpoint_tree()
             in_digest = node.state.optimizer_in_digest
             if mine and self.checkpointer.save_fragments_async(snap, k, m_, mine, in_digest, later=self._later()):
-                self.report("checkpoint", f"fragments {mine} of {k}+{m_} of step {step} being written")
+                self.report(Kind.CHECKPOINT, f"fragments {mine} of {k}+{m_} of step {step} being written")
             return
         if g.rank == 0 and self.checkpointer.save_async(self.checkpoint_tree(), later=self._later()):
-            self.report("checkpoint", f"checkpoint of step {step} being written to {node.config.checkpoint_dir}")
+            self.report(Kind.CHECKPOINT, f"checkpoint of step {step} being written to {node.config.checkpoint_dir}")
 
     def _later(self) -> Later | None:
         """The tensors only the next update changes (parameters, optimizer states): a
@@ -186,11 +188,11 @@ class Records:
         identity = node.job.identity()
         newest = load_newest(directory)
         for why in newest[2] if newest else []:
-            self.note("checkpoint-failed", f"{why}: using an older one")
+            self.note(Kind.CHECKPOINT_FAILED, f"{why}: using an older one")
         if newest is not None and newest[1].get("job", identity) != identity:
             aside = self._set_aside(f"checkpoints of job {newest[1]['job']}, not of {identity}")
             self.note(
-                "checkpoint-failed",
+                Kind.CHECKPOINT_FAILED,
                 f"{newest[0]} is another job's (job identity {newest[1]['job']}, this job {identity}: "
                 f"name, batch size, steps, seed or dataset differ): not used, {aside}",
             )
@@ -209,7 +211,7 @@ class Records:
         node.state.restore(snap)
         self.restored_epoch = int(snap.get("epoch", 0))
         node.client.step = node.state.step
-        self.log({"kind": "restore", "step": node.state.step, "path": str(path), "digest": node.state.digest()})
+        self.log(Entry.RESTORE, {"step": node.state.step, "path": str(path), "digest": node.state.digest()})
         log.info("%s: restored step %d from %s", node.name, node.state.step, path)
 
     def joined(self) -> None:
@@ -228,7 +230,7 @@ class Records:
                 why = f"a checkpoint of step {ahead}, ahead of the group's step {welcome.group_step}"
                 aside = self._set_aside(f"{why}: another run's")
                 self.note(
-                    "checkpoint-failed",
+                    Kind.CHECKPOINT_FAILED,
                     f"{why}: another run's? Not used ({aside}); this node joins with the group's state",
                 )
             self._fresh = None

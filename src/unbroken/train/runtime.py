@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
@@ -46,7 +45,9 @@ from unbroken.errors import (
     Suspicion,
     TransferError,
     Unreachable,
+    Where,
 )
+from unbroken.events import Entry, Kind
 from unbroken.job import Job
 from unbroken.specs import parse_fragments
 from unbroken.state.snapshot import TrainState, fingerprint
@@ -196,7 +197,7 @@ class Node:
         self.leave_requested = True
         self.wake.set()
 
-    def report(self, kind: str, reason: str) -> None:
+    def report(self, kind: Kind, reason: str) -> None:
         """An event for the job's log at the coordinator (a checkpoint, a state transfer...)."""
         self.records.report(kind, reason)
 
@@ -224,7 +225,12 @@ class Node:
         (``during_step``: only an urgent order ends a step), each at most the collective
         timeout long."""
         abort = functools.partial(self.abort_reason, during_step=during_step)
-        return EpochScope(self.wake, abort, self.config.collective_timeout_s)
+        return EpochScope(self.wake, abort, self.config.collective_timeout_s, self.where)
+
+    def where(self) -> Where:
+        """This node's epoch, the step it is taking and its rank (what its errors carry)."""
+        g = self.group
+        return Where(g.epoch if g else None, self.state.step + 1, g.rank if g else None)
 
     def abort_reason(self, *, during_step: bool) -> EpochAborted | None:
         """Why the current epoch must be left now, if it must (every wait polls this): the
@@ -275,7 +281,8 @@ class Node:
                 log.warning("%s: epoch %d: %s", self.name, order.epoch, exc)
                 self._abandon()
             except (CollectiveFailed, TransferError) as exc:
-                log.warning("%s: epoch %d: %s", self.name, order.epoch, exc)
+                exc.at(self.where())  # raised outside a wait (a vote count, a transfer's check)
+                log.warning("%s: %s", self.name, exc)
                 if not self.epochs.unreachable_in_lazy_group(order, exc):
                     self._refused(order, exc)
                 self._abandon()  # after `unreachable_in_lazy_group`: said whom it cannot reach
@@ -283,10 +290,10 @@ class Node:
     def _refused(self, order: m.EpochOrder, exc: CollectiveFailed | TransferError) -> None:
         """Tell the leader why this epoch failed here (and whom the data blames, if anyone)."""
         culprit = order.members[exc.rank] if isinstance(exc, BadContribution) else None
-        kind: Literal["bad-gradient", "audit", "suspect"] = "bad-gradient"
+        kind = Kind.BAD_GRADIENT
         if isinstance(exc, (AuditMismatch, Suspicion)):
-            kind = "audit" if isinstance(exc, AuditMismatch) else "suspect"
-        self.records.log({"kind": "refused", "step": self.state.step, "culprit": culprit, "reason": str(exc)})
+            kind = Kind.AUDIT if isinstance(exc, AuditMismatch) else Kind.SUSPECT
+        self.records.log(Entry.REFUSED, {"step": self.state.step, "culprit": culprit, "reason": str(exc)})
         back = exc.rollback_to if isinstance(exc, AuditMismatch) else -1
         zone_only = isinstance(exc, BadContribution) and exc.zone_only
         reason = str(exc)[:2000]
@@ -304,7 +311,7 @@ class Node:
             self.graveyard.sweep()
             if self.client.expelled is not None:
                 log.warning("%s was expelled (%s); rejoining as a new member", self.name, self.client.expelled)
-                self.records.log({"kind": "expelled", "reason": self.client.expelled, "step": self.state.step})
+                self.records.log(Entry.EXPELLED, {"reason": self.client.expelled, "step": self.state.step})
                 self._abandon()
                 current = -1
                 try:
@@ -340,7 +347,7 @@ class Node:
     def _form(self, order: m.EpochOrder) -> None:
         g, reducer = self.epochs.form(order)
         self.protocol = StepProtocol(self, g, reducer)
-        self.records.log({"kind": "epoch", "epoch": order.epoch, "term": order.term, "step": self.state.step})
+        self.records.log(Entry.EPOCH, {"epoch": order.epoch, "term": order.term, "step": self.state.step})
         self.records.first_in_epoch = True
         self._epochs_formed += 1
         log.info(
@@ -379,14 +386,15 @@ class Node:
                 self.name, r.megabytes, r.state_megabytes, r.step, list(r.peers), r.seconds,
             )  # fmt: skip
         elif r.role == "receiver":
-            entry = {"kind": "sync", "epoch": g.epoch, "step": self.state.step, "from": [g.members[p] for p in r.peers]}
+            entry = {"epoch": g.epoch, "step": self.state.step, "from": [g.members[p] for p in r.peers]}
             counts = {"chunks": r.chunks, "total_chunks": r.total_chunks, "resumed_chunks": r.resumed_chunks}
             self.records.log(
+                Entry.SYNC,
                 entry | counts | {"mb": r.megabytes, "state_mb": r.state_megabytes, "seconds": r.seconds}
                 | {"digest": self.state.digest()}
             )  # fmt: skip
             what = f"{r.megabytes:.1f} of {r.state_megabytes:.1f} MB from {len(r.peers)} peer(s) in {r.seconds:.2f} s"
-            self.report("sync", f"received the state of step {self.state.step} ({what})")
+            self.report(Kind.SYNC, f"received the state of step {self.state.step} ({what})")
             log.info("%s: received the state of step %d: %s", self.name, self.state.step, what)
 
     def _train(self) -> Generator[Slice, float, None]:
@@ -461,7 +469,7 @@ class Node:
 
     def _validated(self, step: int, metrics: dict[str, float], seconds: float) -> None:
         self.client.send(m.Validation(step=step, metrics=finite(metrics), seconds=seconds))
-        self.records.log({"kind": "validation", "step": step, "metrics": metrics, "seconds": seconds})
+        self.records.log(Entry.VALIDATION, {"step": step, "metrics": metrics, "seconds": seconds})
         log.info("%s: validated step %d: %s", self.name, step, metrics)
 
     # ---------------------------------------------------------------- ends
@@ -475,7 +483,7 @@ class Node:
                 metrics = self.job.evaluate(self.state.model)
         if self.config.final_state is not None:
             torch.save(self.state.capture(), self.config.final_state)
-        self.records.log({"kind": "final", "step": self.state.step, "digest": digest})
+        self.records.log(Entry.FINAL, {"step": self.state.step, "digest": digest})
         # Sent before the session closes: `client.close` queues behind it.
         self.client.send(m.Done(step=self.state.step, digest=digest, metrics=finite(metrics)))
         self._abandon()
@@ -486,7 +494,7 @@ class Node:
             self.announce_leave()
         if self.group is None or self.group.size == 1:
             self.records.save_last()
-        self.records.log({"kind": "left", "step": self.state.step})
+        self.records.log(Entry.LEFT, {"step": self.state.step})
         self._abandon()
         return NodeResult("left", self.state.step, self.state.digest(), self._epochs_formed)
 
@@ -532,8 +540,8 @@ class Node:
         if cmd.action == "drain":
             self.request_leave()
         elif cmd.action == "kill":
-            entry = {"kind": "fault", "signal": "kill", "phase": "operator", "step": self.state.step}
-            self.records.log(entry | {"pid": os.getpid()})
+            entry = {"signal": "kill", "phase": "operator", "step": self.state.step, "pid": os.getpid()}
+            self.records.log(Entry.FAULT, entry)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def install_signals(self) -> None:
@@ -568,7 +576,7 @@ class _Session:
             if node.config.coordinate:
                 self.candidate = Candidate(node.config)
                 self.candidate.start()
-                node.records.log({"kind": "candidate", "pid": self.candidate.proc.pid if self.candidate.proc else 0})
+                node.records.log(Entry.CANDIDATE, {"pid": self.candidate.proc.pid if self.candidate.proc else 0})
             if self.calibrate is not None:
                 self.calibrate()
             node.client.start()

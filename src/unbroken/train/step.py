@@ -42,6 +42,7 @@ from unbroken.comm.reduce import VOTE_SLOTS, Early, Reducer
 from unbroken.comm.robust import NORM_TOLERANCE, all_finite
 from unbroken.control import messages as m
 from unbroken.errors import BadContribution, CollectiveFailed, JobFailed, Suspicion
+from unbroken.events import Entry
 from unbroken.job import StepInfo
 from unbroken.sched.shares import offsets
 from unbroken.train.buckets import Buckets, layout
@@ -198,8 +199,8 @@ class StepProtocol:
             flat[at + (g.rank + 1) % g.size] = LIES["forge-slot"]
         if len(self.buckets.buckets) > 1:
             log["buckets"] = [self.buckets.in_backward, len(self.buckets.buckets)]  # sent in backward, of all
-        entry = {"kind": "contrib", "epoch": g.epoch, "step": sl.step, "rank": g.rank, "indices": sl.indices}
-        node.records.log(entry | {"role": g.role, **log, "compute_s": node.meter.last_compute_s})
+        entry = {"epoch": g.epoch, "step": sl.step, "rank": g.rank, "indices": sl.indices}
+        node.records.log(Entry.CONTRIB, entry | {"role": g.role, **log, "compute_s": node.meter.last_compute_s})
 
     def _start_gradient(self, step: int) -> None:
         faults = self.node.faults

@@ -15,7 +15,7 @@ from unbroken.comm.fake import FakeWorld
 from unbroken.comm.group import EpochScope
 from unbroken.comm.reduce import VOTE_SLOTS, Reducer
 from unbroken.comm.robust import combine
-from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted
+from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted, Where
 from unbroken.sched.zones import Zones
 from unbroken.specs import parse_rule
 
@@ -141,6 +141,9 @@ def test_a_member_killed_mid_collective_fails_the_step_on_every_other_rank() -> 
     world = FakeWorld(3)
     posted = threading.Barrier(2)
 
+    def scope(r: int) -> EpochScope:
+        return EpochScope(threading.Event(), lambda: None, 10.0, lambda: Where(epoch=4, step=7, rank=r))
+
     def body(r: int) -> Any:
         if r == 2:  # dies before it contributes, after the others are inside the all-reduce
             posted.wait()
@@ -149,15 +152,19 @@ def test_a_member_killed_mid_collective_fails_the_step_on_every_other_rank() -> 
         reducer = flat_reducer(r, world)
         flat = contribution(r, 3)
         if r == 0:
-            reducer.allreduce(flat, EpochScope(threading.Event(), lambda: None, 10.0), "step 7", after_post=posted.wait)
+            reducer.allreduce(flat, scope(r), "step 7", after_post=posted.wait)
         else:
-            reducer.allreduce(flat, EpochScope(threading.Event(), lambda: None, 10.0), "step 7")
+            reducer.allreduce(flat, scope(r), "step 7")
         return flat
 
     out = run(3, body)
     for r in (0, 1):
         assert isinstance(out[r], CollectiveFailed), out[r]
-        assert "step 7 failed: Connection reset by peer (rank 2 is gone)" in str(out[r])
+        # Each says where it happened: its epoch, the step it was taking, its own rank.
+        assert out[r].where == Where(epoch=4, step=7, rank=r)
+        assert str(out[r]).endswith(
+            f"step 7 failed: Connection reset by peer (rank 2 is gone) [epoch 4, step 7, rank {r}]"
+        )
 
 
 def test_a_frozen_member_holds_the_collective_until_the_deadline_or_an_abort() -> None:

@@ -14,6 +14,7 @@ from unbroken.control.membership import (
     first_mismatch,
 )
 from unbroken.control.messages import EpochOrder, Hello, Resume, TensorSpec
+from unbroken.events import Kind
 
 BATCH = 12
 LEASE = 1.0
@@ -285,10 +286,10 @@ def test_a_member_most_others_cannot_reach_is_benched_out_of_the_epochs() -> Non
     ms = formed(["a", "b", "c", "d"])
     t = 0.5
     keep_alive(ms, t)
-    d = ms.fault("a", 1, "cannot connect to 10.0.0.4:5000", t, culprit="d", kind="unreachable")
+    d = ms.fault("a", 1, "cannot connect to 10.0.0.4:5000", t, culprit="d", kind=Kind.UNREACHABLE)
     assert [e.kind for e in d.events] == ["fault"]
     assert ms.tick(t + PROBE_WAIT_S / 2).orders == {}, "the others are trying d's address meanwhile"
-    d = ms.fault("c", 1, "cannot connect to 10.0.0.4:5000", t + 1, culprit="d", kind="unreachable")
+    d = ms.fault("c", 1, "cannot connect to 10.0.0.4:5000", t + 1, culprit="d", kind=Kind.UNREACHABLE)
     assert [e.kind for e in d.events] == ["unreachable"]
     assert "10.0.0.4:5000" in d.events[0].reason
     order = only_order(ms.tick(t + 1))
@@ -299,8 +300,8 @@ def test_one_members_word_benches_nobody_and_the_epoch_forms_again_with_everyone
     ms = formed(["a", "b", "c"])
     t = 0.5
     keep_alive(ms, t)
-    d = ms.fault("a", 1, "cannot connect to c", t, culprit="c", kind="unreachable")
-    assert ms.fault("a", 1, "cannot connect to c", t, culprit="c", kind="unreachable").events == []
+    d = ms.fault("a", 1, "cannot connect to c", t, culprit="c", kind=Kind.UNREACHABLE)
+    assert ms.fault("a", 1, "cannot connect to c", t, culprit="c", kind=Kind.UNREACHABLE).events == []
     keep_alive(ms, t + PROBE_WAIT_S - 0.01)
     assert ms.tick(t + PROBE_WAIT_S - 0.01).orders == {}
     order = only_order(ms.tick(t + PROBE_WAIT_S))
@@ -312,8 +313,8 @@ def test_in_an_epoch_of_two_one_word_against_another_benches_nobody() -> None:
     ms = formed(["a", "b"])
     t = 0.5
     keep_alive(ms, t)
-    ms.fault("a", 1, "cannot connect to b", t, culprit="b", kind="unreachable")
-    d = ms.fault("b", 1, "cannot connect to a", t, culprit="a", kind="unreachable")
+    ms.fault("a", 1, "cannot connect to b", t, culprit="b", kind=Kind.UNREACHABLE)
+    d = ms.fault("b", 1, "cannot connect to a", t, culprit="a", kind=Kind.UNREACHABLE)
     assert "unreachable" not in [e.kind for e in d.events]
     keep_alive(ms, t + PROBE_WAIT_S)
     assert only_order(ms.tick(t + PROBE_WAIT_S)).members == ["a", "b"]
@@ -328,7 +329,7 @@ def test_an_unreachable_report_cannot_narrow_its_witnesses_to_a_zone() -> None:
     t = 0.5
     keep_alive(ms, t)
     for accuser in ("a", "f"):  # two of b's zone: most of it, far from most of the epoch
-        d = ms.fault(accuser, 1, "cannot connect to b", t, culprit="b", kind="unreachable", zone_only=True)
+        d = ms.fault(accuser, 1, "cannot connect to b", t, culprit="b", kind=Kind.UNREACHABLE, zone_only=True)
         assert "unreachable" not in [e.kind for e in d.events]
 
 
@@ -338,11 +339,11 @@ def test_reports_about_the_epoch_before_still_bench_a_member_still_in_the_epochs
     ms = formed(["a", "b", "c", "walled"])
     t = 0.5
     keep_alive(ms, t)
-    ms.fault("a", 1, "cannot connect to walled", t, culprit="walled", kind="unreachable")
+    ms.fault("a", 1, "cannot connect to walled", t, culprit="walled", kind=Kind.UNREACHABLE)
     ms.admit(hello("late"), t)
     keep_alive(ms, t + 0.3)
     assert only_order(ms.tick(t + 0.3)).epoch == 2
-    d = ms.fault("b", 1, "cannot connect to walled", t + 0.5, culprit="walled", kind="unreachable")
+    d = ms.fault("b", 1, "cannot connect to walled", t + 0.5, culprit="walled", kind=Kind.UNREACHABLE)
     assert [e.kind for e in d.events] == ["unreachable"]
     assert "walled" not in only_order(ms.tick(t + 0.5)).members
 
@@ -351,7 +352,7 @@ def test_a_member_that_reaches_none_of_its_peers_names_itself() -> None:
     ms = formed(["a", "b", "c"])
     t = 0.5
     keep_alive(ms, t)
-    d = ms.fault("c", 1, "reaches 0 of its 2 peers' data-plane addresses", t, culprit="c", kind="unreachable")
+    d = ms.fault("c", 1, "reaches 0 of its 2 peers' data-plane addresses", t, culprit="c", kind=Kind.UNREACHABLE)
     assert [e.kind for e in d.events] == ["unreachable"]
     assert only_order(ms.tick(t)).members == ["a", "b"]
 
@@ -384,10 +385,10 @@ def test_lone_accusations_of_a_culprit_are_hearsay_too() -> None:
     ms = formed(["a", "b", "liar"])
     t = 0.5
     keep_alive(ms, t)
-    ms.fault("liar", 1, "refused the contribution of rank 0", t, culprit="a", kind="bad-gradient")
+    ms.fault("liar", 1, "refused the contribution of rank 0", t, culprit="a", kind=Kind.BAD_GRADIENT)
     keep_alive(ms, t + FAULT_GRACE_S)
     assert only_order(ms.tick(t + FAULT_GRACE_S)).epoch == 2, "the first re-forms the epoch at once"
-    d = ms.fault("liar", 2, "the step's sum did not add up", t + 0.5, kind="suspect")
+    d = ms.fault("liar", 2, "the step's sum did not add up", t + 0.5, kind=Kind.SUSPECT)
     assert "held" in d.events[0].reason
     keep_alive(ms, t + 1)
     assert ms.tick(t + 1).orders == {}

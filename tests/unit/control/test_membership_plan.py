@@ -17,6 +17,7 @@ from unbroken.control.membership import (
     Membership,
 )
 from unbroken.control.messages import Capabilities, EpochOrder, Hello, Resume, TensorSpec
+from unbroken.events import Kind
 from unbroken.sched.balance import Role
 
 LEASE = 100.0  # leases are not under test here
@@ -589,9 +590,9 @@ def test_a_sum_most_members_doubt_is_checked_row_by_row_and_offenders_stay_watch
     ms, order = three_trainers()
     assert order.aggregate == "mean"
     t = JOIN_SETTLE_S + 0.1
-    d = ms.fault("c", ms.epoch, "sum not finite", t, kind="suspect")  # one member alone: a plain fault
+    d = ms.fault("c", ms.epoch, "sum not finite", t, kind=Kind.SUSPECT)  # one member alone: a plain fault
     assert not events(d, "suspect")
-    d = ms.fault("a", ms.epoch, "sum not finite", t, kind="suspect")
+    d = ms.fault("a", ms.epoch, "sum not finite", t, kind=Kind.SUSPECT)
     assert events(d, "suspect")
     for mid in ("a", "b", "c"):
         ms.heartbeat(mid, 0, t)
@@ -653,8 +654,8 @@ def test_failed_audits_count_as_offences_and_a_replica_that_keeps_failing_them_i
     t = JOIN_SETTLE_S
     for offence in range(1, QUARANTINE_AFTER + 1):
         reason = "digest differs from the majority's (2 of 3 agree)"
-        ms.fault("a", ms.epoch, reason, t, culprit="c", kind="audit", rollback_to=10 * offence)
-        d = ms.fault("b", ms.epoch, reason, t, culprit="c", kind="audit", rollback_to=10 * offence)
+        ms.fault("a", ms.epoch, reason, t, culprit="c", kind=Kind.AUDIT, rollback_to=10 * offence)
+        d = ms.fault("b", ms.epoch, reason, t, culprit="c", kind=Kind.AUDIT, rollback_to=10 * offence)
         (ev,) = events(d, "audit")
         assert ev.member == "c" and f"offence {offence}" in ev.reason
         for mid in ("a", "b", "c"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from unbroken.events import Kind
 from unbroken.observe.history import COARSE_EVERY, History
 from unbroken.observe.metrics import render
 
@@ -43,7 +44,7 @@ def test_metrics_parse_and_carry_the_state() -> None:
         ],
         "recoveries": [{"duration_s": 0.2}, {"duration_s": 0.4}],
     }  # fmt: skip
-    text = render(snapshot, {"failure": 2, "join": 4}, h).decode()
+    text = render(snapshot, {Kind.FAILURE: 2, Kind.JOIN: 4}, h).decode()
     fams = {f.name: f.samples for f in text_string_to_metric_families(text)}
     one = {name: samples[0].value for name, samples in fams.items() if len(samples) == 1}
     assert one["unbroken_step"] == 10 and one["unbroken_epoch"] == 3 and one["unbroken_loss"] == 0.4

@@ -11,6 +11,12 @@ import pytest
 from unbroken.errors import ConfigError
 from unbroken.testing import faults as faults_mod
 from unbroken.testing.faults import Fault, FaultPlan, parse_faults
+from unbroken.train.hooks import Record
+
+
+def into(entries: list[dict[str, object]]) -> Record:
+    """A commit log that keeps its entries as the file's lines read back."""
+    return lambda kind, fields: entries.append({"kind": kind.value, **fields})
 
 
 def test_one_fault() -> None:
@@ -84,7 +90,7 @@ def harmless_signals(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
 def test_fault_plan_fires_each_fault_once_at_its_phase_and_step(harmless_signals: list[str]) -> None:
     records: list[dict[str, Any]] = []
-    plan = FaultPlan(parse_faults("stop@allreduce:2,kill@compute:2"), records.append)
+    plan = FaultPlan(parse_faults("stop@allreduce:2,kill@compute:2"), into(records))
     plan.maybe_fire("compute", 1)
     plan.maybe_fire("allreduce", 1)
     assert harmless_signals == [] and records == []
@@ -100,7 +106,7 @@ def test_fault_plan_fires_each_fault_once_at_its_phase_and_step(harmless_signals
 
 def test_the_fault_is_recorded_before_the_signal(harmless_signals: list[str]) -> None:
     seen_at_record: list[list[str]] = []
-    plan = FaultPlan([Fault("term", "compute", 0)], lambda rec: seen_at_record.append(list(harmless_signals)))
+    plan = FaultPlan([Fault("term", "compute", 0)], lambda _k, _f: seen_at_record.append(list(harmless_signals)))
     plan.maybe_fire("compute", 0)
     assert seen_at_record == [[]]
     assert harmless_signals == ["term"]
@@ -108,14 +114,14 @@ def test_the_fault_is_recorded_before_the_signal(harmless_signals: list[str]) ->
 
 def test_a_flip_poisons_its_step_and_every_later_one() -> None:
     recorded: list[dict[str, object]] = []
-    plan = FaultPlan(parse_faults("flip@grad:3"), recorded.append)
+    plan = FaultPlan(parse_faults("flip@grad:3"), into(recorded))
     assert [plan.corruption(s) for s in range(6)] == [None, None, None, -10.0, -10.0, -10.0]
     assert len(recorded) == 1 and recorded[0]["signal"] == "flip"
 
 
 def test_an_outer_lie_holds_from_its_step_on_and_only_for_pseudo_gradients() -> None:
     recorded: list[dict[str, Any]] = []
-    plan = FaultPlan(parse_faults("hide-nan@outer:19"), recorded.append)
+    plan = FaultPlan(parse_faults("hide-nan@outer:19"), into(recorded))
     assert plan.lie(25, "grad") is None, "an outer lie does not spoil inner steps"
     assert plan.lie(9, "outer") is None and recorded == []
     assert plan.lie(19, "outer") == plan.lie(29, "outer") == plan.lie(39, "outer") == "hide-nan"

@@ -13,11 +13,7 @@
   const MAX_EVENTS = 500; // rows kept on the page
   const MAX_POINTS = 20000; // chart points kept on the page
   const TOKEN_KEY = "unbroken.operator-token";
-  // unbroken/observe/anomaly.py KINDS, plus what is wrong by itself (tests keep them in sync).
-  const ANOMALIES = new Set([
-    "straggler", "loss-nan", "loss-spike", "throughput-collapse", "flapping",
-    "failure", "bad-gradient", "quarantine",
-  ]);
+  let ALARMS = new Set(); // event kinds marked in red: unbroken.events.ALARMS, from /api/state
   const MARKERS = { failure: "#dc2626", join: "#16a34a" }; // event kinds drawn on the charts
 
   const $ = (id) => document.getElementById(id);
@@ -88,6 +84,7 @@
   async function poll() {
     try {
       const state = await getJSON("/api/state");
+      ALARMS = new Set(state.alarms || []);
       if (state.coordinator_id !== view.coordinator) restart(state);
       // First look: the newest page only (a full page means the next poll pages on).
       const newest = state.events.length ? state.events[state.events.length - 1].seq : 0;
@@ -332,7 +329,7 @@
     const frag = document.createDocumentFragment();
     for (let k = events.length - 1; k >= 0; k--) { // newest first
       const e = events[k];
-      const anomaly = ANOMALIES.has(e.kind);
+      const anomaly = ALARMS.has(e.kind);
       const tr = el("tr", { "data-kind": e.kind, "data-seq": String(e.seq), class: anomaly ? "anomaly" : "" });
       if (e.node) tr.dataset.node = e.node;
       tr.append(

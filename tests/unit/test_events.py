@@ -1,0 +1,65 @@
+"""The job's events: one kind list, one record, one log (`unbroken.events`)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from unbroken.control import messages as m
+from unbroken.errors import ProtocolError
+from unbroken.events import ALARMS, ANOMALIES, REPORTED, Event, EventLog, Kind, Recorded, read_log
+
+
+def event(kind: Kind, member: str | None = "a#1", reason: str = "why") -> Event:
+    return Event(time.monotonic(), kind, member, 3, 40, reason)
+
+
+def test_the_log_numbers_counts_keeps_and_writes_every_event(tmp_path) -> None:
+    log = EventLog(tmp_path / "events.jsonl", keep=3)
+    for kind in (Kind.JOIN, Kind.FAILURE, Kind.EPOCH, Kind.FAILURE):
+        log.emit(event(kind), "a")
+    log.count(Kind.REFUSED)  # a flood's: counted, not kept
+    assert [r.seq for r in log] == [2, 3, 4] and log.seq == 4
+    assert log.counts == {Kind.JOIN: 1, Kind.FAILURE: 2, Kind.EPOCH: 1, Kind.REFUSED: 1}
+    assert [r.kind for r in log.since(2, [Kind.FAILURE])] == [Kind.FAILURE]
+    assert log.since(0, node="b") == []
+    on_disk = read_log(tmp_path / "events.jsonl")
+    assert [r.seq for r in on_disk] == [1, 2, 3, 4] and on_disk[-1] == log.last(1)[0]
+    first = on_disk[0]
+    assert first.kind is Kind.JOIN and first.node == "a" and first.member == "a#1"
+    assert (first.epoch, first.step, first.reason) == (3, 40, "why")
+    assert abs(first.time - time.time()) < 5  # on the wall clock, not the monotonic one
+
+
+def test_a_record_survives_json_and_a_line_cut_short_is_left_out(tmp_path) -> None:
+    rec = Recorded(7, 1.5, Kind.LOSS_SPIKE, None, None, 2, 9, "loss 9.1 against 0.3")
+    assert Recorded.from_json(json.loads(json.dumps(rec.to_json()))) == rec
+    path = tmp_path / "events.jsonl"
+    path.write_text(json.dumps(rec.to_json()) + "\n" + json.dumps(rec.to_json())[:20])
+    assert read_log(path) == [rec]
+
+
+def test_a_kind_this_version_does_not_know_is_named() -> None:
+    entry = Recorded(1, 0.0, Kind.JOIN, "a", "a#1", 0, 0, "").to_json() | {"kind": "teleported"}
+    with pytest.raises(ValueError, match="teleported"):
+        Recorded.from_json(entry)
+
+
+def test_a_node_may_report_what_it_did_and_nothing_the_coordinator_decides() -> None:
+    for kind in REPORTED:
+        parsed = m.parse_node_message(m.encode(m.Report(kind=kind, step=1, reason="done")))
+        assert isinstance(parsed, m.Report) and parsed.kind is kind
+    for kind in (Kind.FAILURE, Kind.EPOCH, Kind.QUARANTINE, Kind.LEADER):
+        raw = json.dumps({"v": m.PROTOCOL_VERSION, "type": "report", "kind": kind.value, "step": 1, "reason": "x"})
+        with pytest.raises(ProtocolError, match=r"report\.kind"):
+            m.parse_node_message(raw)
+    raw = json.dumps({"v": m.PROTOCOL_VERSION, "type": "fault", "epoch": 1, "reason": "x", "kind": "epoch"})
+    with pytest.raises(ProtocolError, match=r"fault\.kind"):
+        m.parse_node_message(raw)
+
+
+def test_every_anomaly_is_an_alarm_and_kinds_are_unique() -> None:
+    assert ANOMALIES <= ALARMS
+    assert len({k.value for k in Kind}) == len(Kind)
