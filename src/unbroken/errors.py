@@ -89,16 +89,15 @@ class ProtocolError(UnbrokenError):
 class EpochAborted(UnbrokenError):
     """The epoch this node was working in is over (failure, join or leave elsewhere)."""
 
-    def __init__(self, reason: str, *, epoch: int | None = None, step: int | None = None) -> None:
-        """``epoch`` and ``step``: where this node was when it had to leave the epoch."""
+    def __init__(self, reason: str, *, where: Where | None = None) -> None:
+        """``where``: where this node was when it had to leave the epoch."""
         super().__init__(reason)
         self.reason = reason
-        self.epoch = epoch
-        self.step = step
+        self.where = where
 
     def during(self, what: str) -> EpochAborted:
         """The same error, raised from inside ``what`` (a collective, a transfer)."""
-        return type(self)(f"{what} abandoned: {self.reason}", epoch=self.epoch, step=self.step)
+        return type(self)(f"{what} abandoned: {self.reason}", where=self.where)
 
 
 class Expelled(EpochAborted):

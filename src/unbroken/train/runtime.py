@@ -234,12 +234,12 @@ class Node:
 
     def abort_reason(self, *, during_step: bool) -> EpochAborted | None:
         """Why the current epoch must be left now, if it must (every wait polls this): the
-        error to raise, with the epoch and step this node was at."""
+        error to raise, with where this node was."""
         self.client.touch()
         current = self.group.epoch if self.group else -1
 
         def left(error: type[EpochAborted], reason: str) -> EpochAborted:  # built only when it is so
-            return error(reason, epoch=current if current >= 0 else None, step=self.state.step)
+            return error(reason, where=self.where())
 
         if self.client.expelled is not None:
             return left(Expelled, f"expelled: {self.client.expelled}")
@@ -278,7 +278,7 @@ class Node:
                 log.info("%s: %s", self.name, exc)
                 self._abandon()
             except Unreachable as exc:  # reported as such: the leader has the others try
-                log.warning("%s: epoch %d: %s", self.name, order.epoch, exc)
+                log.warning("%s: %s", self.name, exc.at(self.where()))
                 self._abandon()
             except (CollectiveFailed, TransferError) as exc:
                 exc.at(self.where())  # raised outside a wait (a vote count, a transfer's check)

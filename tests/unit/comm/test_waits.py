@@ -7,22 +7,23 @@ import threading
 import pytest
 
 from unbroken.comm.group import EpochScope, wait_until
-from unbroken.errors import CollectiveFailed, EpochAborted, Expelled
+from unbroken.errors import CollectiveFailed, EpochAborted, Expelled, Where
 
 
 def test_an_expelled_node_leaves_the_wait_with_expelled_and_where_it_was() -> None:
-    expelled = Expelled("expelled: lease expired after 1.02 s", epoch=4, step=17)
+    expelled = Expelled("expelled: lease expired after 1.02 s", where=Where(epoch=4, step=17, rank=2))
     with pytest.raises(Expelled) as info:
         wait_until(lambda: False, EpochScope(threading.Event(), lambda: expelled, 5.0), "all-reduce of step 17")
-    assert str(info.value) == "all-reduce of step 17 abandoned: expelled: lease expired after 1.02 s"
-    assert (info.value.epoch, info.value.step) == (4, 17)
+    said = "all-reduce of step 17 abandoned: expelled: lease expired after 1.02 s [epoch 4, step 17, rank 2]"
+    assert str(info.value) == said
+    assert info.value.where == Where(epoch=4, step=17, rank=2)
 
 
 def test_a_newer_epoch_ends_the_wait_with_epoch_aborted() -> None:
-    order = EpochAborted("epoch 5 ordered: n2 failed", epoch=4, step=9)
+    order = EpochAborted("epoch 5 ordered: n2 failed", where=Where(epoch=4, step=9))
     with pytest.raises(EpochAborted) as info:
         wait_until(lambda: False, EpochScope(threading.Event(), lambda: order, 5.0), "state transfer")
-    assert type(info.value) is EpochAborted and info.value.epoch == 4
+    assert type(info.value) is EpochAborted and info.value.where == Where(epoch=4, step=9)
     with pytest.raises(EpochAborted, match=r"^build abandoned: donor gone$"):
         wait_until(lambda: False, EpochScope(threading.Event(), lambda: EpochAborted("donor gone"), 5.0), "build")
 
