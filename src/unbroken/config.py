@@ -12,13 +12,19 @@ from pathlib import Path
 
 from unbroken.errors import ConfigError
 from unbroken.specs import (
+    AUDIT_EVERY,
+    BUCKET_MB,
     INNER_STEPS,
     MAX_BUCKET_MB,
     MAX_STREAMS,
     OUTER_LR,
     OUTER_MOMENTUM,
     ROLES,
-    parse_codec,
+    STREAMS,
+    CodecSpec,
+    DiLoCoPolicy,
+    Mode,
+    Policy,
     parse_fragments,
     parse_rule,
 )
@@ -89,11 +95,11 @@ class CoordinatorConfig:
 
     codec: str = "none"
     """Codec of the inter-zone hop: none, fp16, bf16, int8, int4, int2, topk or topk:RATIO."""
-    streams: int = 4
+    streams: int = STREAMS
     """TCP connections each inter-zone hop (the zone leaders' exchange, and a state transfer
     between zones) is spread over, in parallel: a single connection's window caps what it
     carries over a long link (1..16)."""
-    bucket_mb: float = 25.0
+    bucket_mb: float = BUCKET_MB
     """Gradient buckets of about this many MB are summed while backward still runs (as DDP's
     default; 0: the gradient goes out in one piece after backward)."""
     aggregate: str = "mean"
@@ -103,7 +109,7 @@ class CoordinatorConfig:
     """``K,M``: nodes write checkpoints (``--checkpoint-every``) as K data + M parity fragments
     on their own ``--checkpoint-dir`` (any K rebuild it: `unbroken restore`); empty: rank 0
     writes whole checkpoints."""
-    audit_every: int = 100
+    audit_every: int = AUDIT_EVERY
     """Every this many steps the trainers compare state digests; a replica that differs from
     the majority (silent corruption) is named, repaired from a peer, and flagged (0: off)."""
     mode: str = "sync"
@@ -137,30 +143,45 @@ class CoordinatorConfig:
     """HOST or HOST:PORT nodes use to reach this coordinator, published in etcd when it
     leads (default: --host and the port it listens on; give it when --host is 0.0.0.0)."""
 
-    def __post_init__(self) -> None:
-        _check_etcd("CoordinatorConfig", self.etcd, self.etcd_prefix, self.etcd_ttl_s)
-        if self.advertise and (len(self.advertise) > 256 or any(c.isspace() for c in self.advertise)):
-            raise ConfigError(f"CoordinatorConfig.advertise = {self.advertise!r}: give HOST or HOST:PORT")
+    policy: Policy = field(init=False, repr=False, compare=False)
+    """The training policy of the fields above, parsed once (what every epoch order carries)."""
 
+    def _parse_policy(self) -> Policy:
         try:
-            parse_codec(self.codec)
+            codec = CodecSpec.parse(self.codec)
         except ValueError as exc:
             raise ConfigError(f"CoordinatorConfig.codec: {exc}") from None
-        if self.mode not in ("sync", "diloco"):
+        if self.mode not in set(Mode):
             raise ConfigError(f"CoordinatorConfig.mode = {self.mode!r}: choose 'sync' or 'diloco' (--mode)")
         _check_range("CoordinatorConfig", "inner_steps", self.inner_steps, 1, 1_000_000)
         _check_range("CoordinatorConfig", "streams", self.streams, 1, MAX_STREAMS)
         _check_range("CoordinatorConfig", "bucket_mb", self.bucket_mb, 0, MAX_BUCKET_MB)
         _check_range("CoordinatorConfig", "audit_every", self.audit_every, 0, 1_000_000)
-        if self.fragments:
-            parse_fragments(self.fragments)
         _check_range("CoordinatorConfig", "outer_lr", self.outer_lr, 1e-6, 100)
         _check_range("CoordinatorConfig", "outer_momentum", self.outer_momentum, 0, 0.999)
-
         try:
-            parse_rule(self.aggregate)
+            aggregate = parse_rule(self.aggregate)
         except ConfigError as exc:
             raise ConfigError(f"CoordinatorConfig.aggregate: {exc}") from None
+        diloco = None
+        if self.mode == Mode.DILOCO:
+            diloco = DiLoCoPolicy(self.inner_steps, self.outer_lr, self.outer_momentum, self.outer_overlap)
+        return Policy(
+            codec=codec,
+            aggregate=aggregate,
+            fragments=parse_fragments(self.fragments) if self.fragments else None,
+            audit_every=self.audit_every,
+            streams=self.streams,
+            bucket_mb=self.bucket_mb,
+            diloco=diloco,
+        )
+
+    def __post_init__(self) -> None:
+        _check_etcd("CoordinatorConfig", self.etcd, self.etcd_prefix, self.etcd_ttl_s)
+        if self.advertise and (len(self.advertise) > 256 or any(c.isspace() for c in self.advertise)):
+            raise ConfigError(f"CoordinatorConfig.advertise = {self.advertise!r}: give HOST or HOST:PORT")
+
+        object.__setattr__(self, "policy", self._parse_policy())
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("CoordinatorConfig: give both tls_cert and tls_key (--tls-cert, --tls-key), or neither")
         for path in (self.tls_cert, self.tls_key):

@@ -1,14 +1,19 @@
-"""The job's policy strings (codec, aggregation rule, checkpoint fragments), parsed without torch.
+"""The job's training policy (`Policy`: mode, codec, aggregation rule, checkpoint fragments,
+DiLoCo), typed and parsed without torch.
 
-A coordinator checks them at start-up and only passes them on in its orders; the nodes build
-the codec and combine gradients from them. Parsing here keeps torch out of the coordinator's
-process, whose start-up is on the recovery path of every coordinator restart (importing torch
-alone takes over a second of CPU, many seconds on a machine busy with training).
+A coordinator parses it once from its config (`CoordinatorConfig.policy`) and every epoch
+order carries it whole (`unbroken.control.messages.PolicyMsg`, parsed again where a node
+receives it: a coordinator's word is checked too); the nodes build the codec and combine
+gradients from it. Parsing here keeps torch out of the coordinator's process, whose start-up
+is on the recovery path of every coordinator restart (importing torch alone takes over a
+second of CPU, many seconds on a machine busy with training).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import NamedTuple
 
 from unbroken.errors import ConfigError
 
@@ -16,13 +21,20 @@ CODECS = ("none", "fp16", "bf16", "int8", "int4", "int2", "topk")
 TOPK_RATIO = 0.01
 """Fraction of elements top-k sends by default."""
 
+STREAMS = 4
+"""Connections one inter-zone hop is spread over by default (one TCP window caps a long link)."""
 MAX_STREAMS = 16
 """Most TCP connections one inter-zone hop is spread over (`CoordinatorConfig.streams`)."""
+BUCKET_MB = 25.0
+"""Gradient buckets summed while backward runs, by default (DDP's size)."""
 MAX_BUCKET_MB = 1024.0
 """The largest gradient bucket summed while backward runs (`CoordinatorConfig.bucket_mb`)."""
 
 RULES = {"mean": 0.0, "clip": 2.0, "trimmed": 0.25, "checked": 0.0}
 """Each aggregation rule with its default parameter."""
+
+AUDIT_EVERY = 100
+"""Steps between consistency audits by default."""
 
 ROLES = ("auto", "trainer", "validator", "standby")
 """What a node may ask to be (``auto``: the cost model decides)."""
@@ -33,6 +45,22 @@ OUTER_LR = 0.7
 """DiLoCo's default outer learning rate (SGD with Nesterov momentum)."""
 OUTER_MOMENTUM = 0.9
 """DiLoCo's default outer momentum."""
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """The inter-zone codec (`unbroken.comm.codecs`): its name, and top-k's ratio."""
+
+    name: str = "none"
+    ratio: float = 0.0
+
+    def __str__(self) -> str:
+        return f"topk:{self.ratio:g}" if self.name == "topk" else self.name
+
+    @classmethod
+    def parse(cls, spec: str) -> CodecSpec:
+        """See `parse_codec`; raises ValueError."""
+        return cls(*parse_codec(spec))
 
 
 def parse_codec(spec: str) -> tuple[str, float]:
@@ -87,7 +115,17 @@ def parse_rule(spec: str) -> Rule:
     return Rule(kind, v)
 
 
-def parse_fragments(spec: str) -> tuple[int, int]:
+class Fragments(NamedTuple):
+    """Checkpoints as erasure-coded fragments: any ``data`` of ``data + parity`` rebuild one."""
+
+    data: int
+    parity: int
+
+    def __str__(self) -> str:
+        return f"{self.data},{self.parity}"
+
+
+def parse_fragments(spec: str) -> Fragments:
     """``K,M`` (e.g. ``3,2``): K data and M parity fragments."""
     try:
         k, m = (int(x) for x in spec.split(","))
@@ -97,4 +135,45 @@ def parse_fragments(spec: str) -> tuple[int, int]:
         ) from None
     if not (1 <= k <= 128 and 0 <= m <= 128 and k + m <= 256):
         raise ConfigError(f"fragments {spec!r}: need 1 <= K <= 128, 0 <= M <= 128 and K + M <= 256")
-    return k, m
+    return Fragments(k, m)
+
+
+class Mode(StrEnum):
+    SYNC = "sync"
+    """One all-reduce per step: exact synchronous training."""
+    DILOCO = "diloco"
+    """Zones train alone for ``inner_steps``, then exchange pseudo-gradients."""
+
+
+@dataclass(frozen=True)
+class DiLoCoPolicy:
+    inner_steps: int = INNER_STEPS
+    """Inner steps per round (H)."""
+    outer_lr: float = OUTER_LR
+    outer_momentum: float = OUTER_MOMENTUM
+    overlap: bool = False
+    """A round's exchange between zones runs during the next round and is applied at its end."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How the group trains, as the coordinator's operator set it."""
+
+    codec: CodecSpec = field(default_factory=CodecSpec)
+    """The codec of the inter-zone hop."""
+    aggregate: Rule = field(default_factory=lambda: Rule("mean"))
+    """How the members' contributions are combined."""
+    fragments: Fragments | None = None
+    """Checkpoints as fragments over the nodes' disks (None: whole files)."""
+    audit_every: int = AUDIT_EVERY
+    """Steps between consistency audits (0: never; synchronous mode only)."""
+    streams: int = STREAMS
+    """Connections each inter-zone hop and cross-zone state transfer is spread over."""
+    bucket_mb: float = BUCKET_MB
+    """Gradient buckets summed while backward runs (0: one piece after it)."""
+    diloco: DiLoCoPolicy | None = None
+    """DiLoCo's outer loop (None: synchronous training)."""
+
+    @property
+    def mode(self) -> Mode:
+        return Mode.SYNC if self.diloco is None else Mode.DILOCO

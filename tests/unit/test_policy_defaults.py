@@ -11,14 +11,39 @@ from unbroken.control import messages as m
 
 
 def test_diloco_defaults_are_the_same_in_the_config_the_epoch_order_and_the_cli() -> None:
-    order = m.EpochOrder.model_fields
+    order = m.PolicyMsg.model_fields
     cli = build_parser().parse_args(["coordinator"])
+    typed = specs.DiLoCoPolicy()
     for name, default in (
         ("inner_steps", specs.INNER_STEPS),
         ("outer_lr", specs.OUTER_LR),
         ("outer_momentum", specs.OUTER_MOMENTUM),
     ):
         assert getattr(CoordinatorConfig(), name) == order[name].default == getattr(cli, name) == default, name
+        assert getattr(typed, name) == default, name
+    for name, default in (
+        ("streams", specs.STREAMS),
+        ("bucket_mb", specs.BUCKET_MB),
+        ("audit_every", specs.AUDIT_EVERY),
+        ("codec", "none"),
+        ("aggregate", "mean"),
+        ("fragments", ""),
+    ):
+        assert getattr(CoordinatorConfig(), name) == order[name].default == getattr(cli, name) == default, name
+    assert m.PolicyMsg().parsed() == specs.Policy()
+
+
+def test_the_policy_is_parsed_once_and_carried_whole() -> None:
+    config = CoordinatorConfig(
+        mode="diloco", codec="topk:0.05", aggregate="clip:3", fragments="3,2", outer_overlap=True
+    )
+    policy = config.policy
+    assert policy.mode is specs.Mode.DILOCO and policy.diloco == specs.DiLoCoPolicy(overlap=True)
+    assert policy.codec == specs.CodecSpec("topk", 0.05) and policy.aggregate == specs.Rule("clip", 3.0)
+    assert policy.fragments == specs.Fragments(3, 2)
+    wire = m.PolicyMsg.model_validate_json(m.PolicyMsg.of(policy).model_dump_json())
+    assert wire.parsed() == policy
+    assert CoordinatorConfig().policy == specs.Policy()
 
 
 def test_roles_a_node_may_ask_for_are_the_same_everywhere() -> None:

@@ -34,7 +34,7 @@ from unbroken.config import (
 from unbroken.control.auth import ENV_TOKEN, load_token
 from unbroken.control.etcd import parse_endpoints
 from unbroken.errors import ConfigError, UnbrokenError
-from unbroken.specs import INNER_STEPS, OUTER_LR, OUTER_MOMENTUM, ROLES
+from unbroken.specs import AUDIT_EVERY, BUCKET_MB, INNER_STEPS, OUTER_LR, OUTER_MOMENTUM, ROLES, STREAMS
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -438,14 +438,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--streams",
         type=int,
-        default=4,
+        default=STREAMS,
         help="TCP connections each inter-zone hop (leaders' exchange, cross-zone state transfer) is spread over "
         "(1-16; one connection's window caps a long link)",
     )
     c.add_argument(
         "--bucket-mb",
         type=float,
-        default=25.0,
+        default=BUCKET_MB,
         help="sum the gradient in buckets of about this many MB while backward still runs (0: in one piece after it)",
     )
     c.add_argument(
@@ -462,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--audit-every",
         type=int,
-        default=100,
+        default=AUDIT_EVERY,
         help="every N steps the trainers compare state digests; a corrupted replica is named and repaired (0: off)",
     )
     c.add_argument(

@@ -127,17 +127,7 @@ class Coordinator(ThreadedService):
             recovery_window_s=self.config.recovery_window_s,
             min_nodes=self.config.min_nodes,
             balance=self.config.balance,
-            codec=self.config.codec,
-            streams=self.config.streams,
-            bucket_mb=self.config.bucket_mb,
-            aggregate=self.config.aggregate,
-            audit_every=self.config.audit_every,
-            fragments=self.config.fragments,
-            diloco=(
-                (self.config.inner_steps, self.config.outer_lr, self.config.outer_momentum, self.config.outer_overlap)
-                if self.config.mode == "diloco"
-                else None
-            ),
+            policy=self.config.policy,
         )
 
     # ---------------------------------------------------------------- lifecycle
@@ -292,9 +282,9 @@ class Coordinator(ThreadedService):
                 "predicted_step_s": ms.plan.step_s if ms.plan else None,
                 "batch_size": ms.batch_size,
                 "balance": "throughput" if ms.balance else "weights",
-                "codec": ms.codec,
-                "aggregate": ms.aggregate,
-                "mode": "diloco" if ms.diloco else "sync",
+                "codec": str(ms.policy.codec),
+                "aggregate": str(ms.policy.aggregate),
+                "mode": ms.policy.mode.value,
             },
             "events": [r.to_json() for r in self.events.last(200)],
             "alarms": sorted(k.value for k in ALARMS),

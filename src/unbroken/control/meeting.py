@@ -137,7 +137,7 @@ class Rendezvous:
                 missing[mid].add(name)
         before = self._epochs[max(self._epochs)].members if self._epochs else []
         veterans = set(order.members) & set(before) or set(order.members)
-        streams = {name: zones.streams(name, order.streams) for name in groups}
+        streams = {name: zones.streams(name, order.policy.streams) for name in groups}
         self._epochs[order.epoch] = _Epoch(
             list(order.members), groups, streams=streams, missing=missing, veterans=veterans
         )

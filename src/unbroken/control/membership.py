@@ -18,21 +18,22 @@ Coordinator life::
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
 from unbroken.control.hearsay import PERIOD_S as HEARSAY_PERIOD_S
 from unbroken.control.hearsay import Hearsay, Report
-from unbroken.control.messages import Capabilities, EpochOrder, Hello, Resume, TensorSpec
+from unbroken.control.messages import Capabilities, EpochOrder, Hello, PolicyMsg, Resume, TensorSpec
 from unbroken.events import Event, Kind
 from unbroken.sched.balance import Plan, Preference, Profile, Role, adopt, plan, rebalance
 from unbroken.sched.links import RING_MIN_ZONES, Links, bottleneck
 from unbroken.sched.stragglers import find_stragglers
 from unbroken.sched.zones import AUTO, Zones, group_by_rtt
+from unbroken.specs import Policy, Rule
 
 JOIN_SETTLE_S = 0.25
 """Joins that arrive this close together share one epoch change."""
@@ -181,30 +182,13 @@ class Membership:
         recovery_window_s: float = 3.0,
         min_nodes: int = 1,
         balance: bool = True,
-        codec: str = "none",
-        streams: int = 1,
-        bucket_mb: float = 0.0,
-        aggregate: str = "mean",
-        diloco: tuple[int, float, float, bool] | None = None,
-        audit_every: int = 0,
-        fragments: str = "",
+        policy: Policy | None = None,
     ) -> None:
-        self.fragments = fragments
-        """Checkpoints as K,M fragments (every epoch order carries it)."""
+        self.policy = policy or Policy()
+        """How the group trains: every epoch order carries it (`_aggregate` may tighten its rule)."""
+        self._policy_msg = PolicyMsg.of(self.policy)
         self.term = 0
         """The leader's term, carried by every epoch order (0 without etcd)."""
-        self.audit_every = audit_every
-        """Steps between consistency audits (every epoch order carries it)."""
-        self.diloco = diloco
-        """DiLoCo's (inner steps, outer lr, outer momentum), or None for synchronous training."""
-        self.codec = codec
-        """The inter-zone codec every epoch order carries..."""
-        self.streams = streams
-        """...and the connections each inter-zone hop is spread over..."""
-        self.bucket_mb = bucket_mb
-        """...and the gradient's buckets."""
-        self.aggregate = aggregate
-        """How the members' gradients are combined (every epoch order carries it)."""
         self.lease_s = lease_s
         self.min_nodes = min_nodes
         self.balance = balance
@@ -588,7 +572,7 @@ class Membership:
                 self._checking_from = self.step
                 then = (
                     "DiLoCo's exchange gathers no rows: the round is retried as it was"
-                    if self.diloco is not None
+                    if self.policy.diloco is not None
                     else f"the next {CHECKED_STEPS} steps gather and check every member's contribution"
                 )
                 d.events.append(self._event(now, Kind.SUSPECT, None, f"{reason}; {then}"))
@@ -852,24 +836,15 @@ class Membership:
         auto = group_by_rtt({m.member_id: m.caps.rtt_s for m in members if m.zone == AUTO})
         return [auto.get(m.member_id, m.zone) for m in members]
 
-    def _aggregate(self, members: Sequence[Member]) -> str:
-        """The job's rule, or ``checked`` (every contribution gathered and checked) while a
-        sum recently did not add up or a member that offended before is in the epoch: a
-        benched member still sends a row, and only gathered rows say what each member sent."""
+    def _policy(self, members: Sequence[Member]) -> PolicyMsg:
+        """The job's policy, with its rule tightened to ``checked`` (every contribution gathered
+        and checked) while a sum recently did not add up or a member that offended before is
+        in the epoch: a benched member still sends a row, and only gathered rows say what each
+        member sent."""
         watched = self._checking_from is not None or any(m.flags for m in members)
-        return "checked" if watched and self.aggregate == "mean" else self.aggregate
-
-    def _mode(self) -> dict[str, Any]:
-        if self.diloco is None:
-            return {}
-        h, lr, momentum, overlap = self.diloco
-        return {
-            "mode": "diloco",
-            "inner_steps": h,
-            "outer_lr": lr,
-            "outer_momentum": momentum,
-            "outer_overlap": overlap,
-        }
+        if watched and self.policy.aggregate.kind == "mean":
+            return PolicyMsg.of(dataclasses.replace(self.policy, aggregate=Rule("checked")))
+        return self._policy_msg
 
     @staticmethod
     def _times(members: Sequence[Member], shares: Sequence[int]) -> dict[str, float]:
@@ -977,14 +952,8 @@ class Membership:
             zones=self._zones_in_force,
             ring=self._ring,
             probe_links=bool(self._ring) and not self.links.complete(self._ring, now),
-            codec=self.codec,
-            streams=self.streams,
-            bucket_mb=self.bucket_mb,
-            aggregate=self._aggregate(members),
-            audit_every=self.audit_every,
-            fragments=self.fragments,
+            policy=self._policy(members),
             rollback_to=self._rollback_to,
-            **self._mode(),
         )
         self._rollback_to = -1  # told once: a later epoch must not roll back again
         # Everyone of the old epoch hears of it (a leaver learns it may go), and everyone of the new.

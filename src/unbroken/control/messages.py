@@ -9,11 +9,35 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from unbroken.errors import ProtocolError
 from unbroken.events import REPORTED, Kind
-from unbroken.specs import INNER_STEPS, MAX_BUCKET_MB, MAX_STREAMS, OUTER_LR, OUTER_MOMENTUM
+from unbroken.specs import (
+    AUDIT_EVERY,
+    BUCKET_MB,
+    INNER_STEPS,
+    MAX_BUCKET_MB,
+    MAX_STREAMS,
+    OUTER_LR,
+    OUTER_MOMENTUM,
+    STREAMS,
+    CodecSpec,
+    DiLoCoPolicy,
+    Mode,
+    Policy,
+    parse_fragments,
+    parse_rule,
+)
 
 PROTOCOL_VERSION = 1
 
@@ -303,6 +327,70 @@ class Ack(_Msg):
     seq: Count
 
 
+class PolicyMsg(BaseModel):
+    """`unbroken.specs.Policy` on the wire: each field as its command-line flag spells it,
+    parsed and checked on arrival (a coordinator's word is checked too)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    codec: Annotated[str, Field(max_length=64)] = "none"
+    aggregate: Annotated[str, Field(max_length=64)] = "mean"
+    fragments: Annotated[str, Field(max_length=16)] = ""
+    """``K,M`` (empty: whole files)."""
+    audit_every: Annotated[int, Field(ge=0, le=1_000_000)] = AUDIT_EVERY
+    streams: Annotated[int, Field(ge=1, le=MAX_STREAMS)] = STREAMS
+    bucket_mb: Annotated[float, Field(ge=0, le=MAX_BUCKET_MB)] = BUCKET_MB
+    mode: Literal["sync", "diloco"] = "sync"
+    inner_steps: Annotated[int, Field(ge=1, le=1_000_000)] = INNER_STEPS
+    outer_lr: Annotated[float, Field(gt=0, le=100)] = OUTER_LR
+    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = OUTER_MOMENTUM
+    outer_overlap: bool = False
+
+    @classmethod
+    def of(cls, p: Policy) -> PolicyMsg:
+        d = p.diloco or DiLoCoPolicy()
+        return cls(
+            codec=str(p.codec),
+            aggregate=str(p.aggregate),
+            fragments=str(p.fragments) if p.fragments else "",
+            audit_every=p.audit_every,
+            streams=p.streams,
+            bucket_mb=p.bucket_mb,
+            mode=p.mode.value,
+            inner_steps=d.inner_steps,
+            outer_lr=d.outer_lr,
+            outer_momentum=d.outer_momentum,
+            outer_overlap=d.overlap,
+        )
+
+    _parsed: Policy | None = PrivateAttr(default=None)
+
+    def parsed(self) -> Policy:
+        """The typed policy, parsed once when the message is (`_parses`)."""
+        if self._parsed is None:
+            self._parsed = self._parse()
+        return self._parsed
+
+    def _parse(self) -> Policy:
+        """Raises ValueError (or ConfigError) naming what does not parse."""
+        diloco = None
+        if self.mode == Mode.DILOCO.value:
+            diloco = DiLoCoPolicy(self.inner_steps, self.outer_lr, self.outer_momentum, self.outer_overlap)
+        return Policy(
+            codec=CodecSpec.parse(self.codec),
+            aggregate=parse_rule(self.aggregate),
+            fragments=parse_fragments(self.fragments) if self.fragments else None,
+            audit_every=self.audit_every,
+            streams=self.streams,
+            bucket_mb=self.bucket_mb,
+            diloco=diloco,
+        )
+
+    @model_validator(mode="after")
+    def _parses(self) -> PolicyMsg:
+        self._parsed = self._parse()
+        return self
+
+
 class EpochOrder(_Msg):
     """Form epoch ``epoch`` with ``members`` (rank = position) and these batch shares."""
 
@@ -321,33 +409,15 @@ class EpochOrder(_Msg):
     """Each member's micro-batch size (empty or 0: its whole share at once)."""
     zones: list[Annotated[str, Field(max_length=128)]] = []
     """Each member's zone (empty: one zone)."""
-    streams: Annotated[int, Field(ge=1, le=MAX_STREAMS)] = 1
-    """Connections each pair of zone leaders (and each cross-zone state transfer) spreads its
-    bytes over: one TCP connection cannot fill a long, fast link (its window caps it)."""
     ring: Annotated[list[Annotated[str, Field(max_length=128)]], Field(max_length=MAX_MEMBERS)] = []
     """The zones in the order of the leaders' ring (`sched.links`; empty: as they first appear)."""
     probe_links: bool = False
     """The zone leaders measure the rate between each pair of zones and report it (`Links`)."""
-    bucket_mb: Annotated[float, Field(ge=0, le=MAX_BUCKET_MB)] = 0.0
-    """Gradient buckets summed while backward runs (`train.buckets`; 0: one piece after it)."""
-    codec: Annotated[str, Field(max_length=64)] = "none"
-    """The codec of the inter-zone hop."""
     rollback_to: Annotated[int, Field(ge=-1)] = -1
     """After a failed audit: members holding the state audited at this step go back to it."""
-    fragments: Annotated[str, Field(max_length=16)] = ""
-    """Checkpoints as K,M erasure-coded fragments over the nodes' disks (empty: whole files)."""
-    audit_every: Annotated[int, Field(ge=0, le=1_000_000)] = 0
-    """Every this many steps the members compare state digests (0: never)."""
-    aggregate: Annotated[str, Field(max_length=64)] = "mean"
-    """How the members' gradients are combined: ``mean``, ``clip[:C]`` or ``trimmed[:F]``."""
-    mode: Literal["sync", "diloco"] = "sync"
-    """``sync``: one all-reduce per step; ``diloco``: zones train alone for ``inner_steps``."""
-    inner_steps: Annotated[int, Field(ge=1, le=1_000_000)] = INNER_STEPS
-    outer_lr: Annotated[float, Field(gt=0, le=100)] = OUTER_LR
-    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = OUTER_MOMENTUM
-    outer_overlap: bool = False
-    """DiLoCo across zones: each round's exchange runs during the next round, whose end applies
-    it (one round late), so compute never waits for the slow links."""
+    policy: PolicyMsg = PolicyMsg()
+    """How the group trains (the same in every order, but for ``aggregate`` while the
+    coordinator has contributions checked)."""
     # On the wire only (`unbroken.control.orders`): a node sees the full order.
     base: EpochNo = 0
     """Non-zero: ``members`` is empty and the order is a change to epoch ``base``'s."""

@@ -58,8 +58,7 @@ class NodeProcess:
         self.started_at = time.time()
 
     def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
+        self.proc.send_signal(sig)  # nothing once it exited (a warm one may be reaped already)
 
     def kill(self) -> None:
         self.signal(signal.SIGKILL)

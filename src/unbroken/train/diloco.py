@@ -71,10 +71,12 @@ class DiLoCo:
         if node.scale is not None:
             raise ConfigError("Job.loss_scale is for synchronous mode: DiLoCo's inner steps cannot use it yet")
         self.node = node
-        self.inner_steps = order.inner_steps
+        policy = order.policy.parsed().diloco
+        assert policy is not None, "a DiLoCo outer loop for an order in synchronous mode"
+        self.inner_steps = policy.inner_steps
         self.anchor = [nn.Parameter(p.detach().clone(), requires_grad=False) for p in node.params]
         """The parameters at the round's start (what the outer optimizer steps)."""
-        self.outer = torch.optim.SGD(self.anchor, lr=order.outer_lr, momentum=order.outer_momentum, nesterov=True)
+        self.outer = torch.optim.SGD(self.anchor, lr=policy.outer_lr, momentum=policy.outer_momentum, nesterov=True)
         node.state.attach_outer(self.outer)
         node.state.optimizer_in_digest = False
         self._round_start: dict[str, object] | None = None
@@ -83,7 +85,7 @@ class DiLoCo:
         """The zone whose training the inner optimizer state comes from (None: elsewhere or fresh)."""
         self.inner_step = -1
         """...and the step it was committed at."""
-        self.overlap = order.outer_overlap
+        self.overlap = policy.overlap
         if self.overlap and node.buffers:
             raise ConfigError(
                 "--outer-overlap needs a model without buffers (BatchNorm's running statistics): a round's "

@@ -23,7 +23,7 @@ from unbroken.control.meeting import with_port
 from unbroken.errors import BadContribution, CollectiveFailed, Unreachable
 from unbroken.events import Entry
 from unbroken.sched.zones import WORLD, Zones
-from unbroken.specs import Rule, parse_rule
+from unbroken.specs import CodecSpec, Mode, Rule
 from unbroken.train.step import EXTRA
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class Epochs:
         zones = zones_of(order)
         # A state transfer between zones crosses the slow links too: spread over streams.
         pg, took = build(
-            WORLD, rank, list(order.members), lazy=zones.multi, streams=zones.streams(WORLD, order.streams)
+            WORLD, rank, list(order.members), lazy=zones.multi, streams=zones.streams(WORLD, order.policy.streams)
         )
         group.pg, group.built_in_s, group.lazy = pg, took, zones.multi
         return group, self._reducer(order, zones, group, build)
@@ -121,20 +121,21 @@ class Epochs:
         node = self.node
         B = node.job.batch_size
         rank = group.rank
+        policy = order.policy.parsed()
         reducer = Reducer(
             rank,
             zones,
             group.pg,
-            codec=self.codec.for_spec(order.codec),
+            codec=self.codec.for_spec(policy.codec),
             compressed=node.compressed_numel,
             link=node.link,
             wire=node.wire,
-            rule=parse_rule(order.aggregate) if order.mode == "sync" else Rule("mean"),
+            rule=policy.aggregate if policy.mode is Mode.SYNC else Rule("mean"),
             weights=tuple(s / B for s in order.shares),
             shares=tuple(order.shares),
             norms_at=node.numel + EXTRA,
             overflow_allowed=lambda: node.scale is not None and node.scale.may_skip,
-            bucket_bytes=int(order.bucket_mb * (1 << 20)),
+            bucket_bytes=int(policy.bucket_mb * (1 << 20)),
         )
         if not zones.multi:
             return reducer
@@ -146,7 +147,7 @@ class Epochs:
             group.extra_pgs.append(reducer.zone_pg)
         if rank in zones.leaders:
             leaders = [order.members[r] for r in zones.leaders]
-            reducer.streams = zones.streams("leaders", order.streams)
+            reducer.streams = zones.streams("leaders", policy.streams)
             reducer.leaders_pg, _ = build("leaders", zones.leaders.index(rank), leaders, streams=reducer.streams)
             group.extra_pgs.append(reducer.leaders_pg)
             if order.probe_links:
@@ -233,7 +234,8 @@ class CodecSlot:
         self.pending: dict[str, Any] | None = None
         """A restored residual waiting for its codec (made at the first epoch order)."""
 
-    def for_spec(self, spec: str) -> Codec:
+    def for_spec(self, codec: CodecSpec) -> Codec:
+        spec = str(codec)  # as checkpoints name it
         if self.codec is None or self.spec != spec:
             self.codec, self.spec = make_codec(spec), spec
             if self.pending is not None and self.pending.get("spec") == spec:

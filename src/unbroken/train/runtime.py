@@ -49,7 +49,7 @@ from unbroken.errors import (
 )
 from unbroken.events import Entry, Kind
 from unbroken.job import Job
-from unbroken.specs import parse_fragments
+from unbroken.specs import Mode
 from unbroken.state.snapshot import TrainState, fingerprint
 from unbroken.train.audits import Audits
 from unbroken.train.candidate import Candidate
@@ -355,9 +355,10 @@ class Node:
             self.name, order.epoch, g.rank, g.size, g.role, g.shares[g.rank], self.job.batch_size, g.built_in_s * 1e3,
         )  # fmt: skip
         self._set_role(g.role)
-        self.audits.every = order.audit_every if order.mode == "sync" else 0
-        self.records.fragments = parse_fragments(order.fragments) if order.fragments else None
-        if order.mode == "diloco" and self.diloco is None:
+        policy = order.policy.parsed()
+        self.audits.every = policy.audit_every if policy.mode is Mode.SYNC else 0
+        self.records.fragments = policy.fragments
+        if policy.mode is Mode.DILOCO and self.diloco is None:
             self.diloco = DiLoCo(self, order)
 
     def _sync(self) -> None:

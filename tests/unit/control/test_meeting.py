@@ -27,7 +27,7 @@ def order(epoch: int, members: list[str], zones: list[str] | None = None, stream
         urgent=False,
         reason="t",
         zones=zones or [],
-        streams=streams,
+        policy=m.PolicyMsg(streams=streams),
     )
 
 

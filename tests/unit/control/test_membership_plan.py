@@ -588,7 +588,7 @@ def test_a_sum_most_members_doubt_is_checked_row_by_row_and_offenders_stay_watch
     from unbroken.control.membership import CHECKED_STEPS
 
     ms, order = three_trainers()
-    assert order.aggregate == "mean"
+    assert order.policy.aggregate == "mean"
     t = JOIN_SETTLE_S + 0.1
     d = ms.fault("c", ms.epoch, "sum not finite", t, kind=Kind.SUSPECT)  # one member alone: a plain fault
     assert not events(d, "suspect")
@@ -597,17 +597,17 @@ def test_a_sum_most_members_doubt_is_checked_row_by_row_and_offenders_stay_watch
     for mid in ("a", "b", "c"):
         ms.heartbeat(mid, 0, t)
     order = only_order(ms.tick(t))
-    assert order.urgent and order.aggregate == "checked"
+    assert order.urgent and order.policy.aggregate == "checked"
     # No culprit within the checked steps: back to the job's rule.
     for mid in ("a", "b", "c"):
         ms.heartbeat(mid, CHECKED_STEPS + 5, t + 1)
-    assert only_order(ms.tick(t + 1)).aggregate == "mean"
+    assert only_order(ms.tick(t + 1)).policy.aggregate == "mean"
     # A culprit named on the gathered rows: benched, and watched while in the epoch.
     ms.fault("a", ms.epoch, "not finite", t + 2, culprit="c")
     ms.fault("b", ms.epoch, "not finite", t + 2, culprit="c")
     for mid in ("a", "b", "c"):
         ms.heartbeat(mid, CHECKED_STEPS + 5, t + 2)
-    assert only_order(ms.tick(t + 2)).aggregate == "checked"
+    assert only_order(ms.tick(t + 2)).policy.aggregate == "checked"
 
 
 # ---------------------------------------------------------------- zones by round-trip time
