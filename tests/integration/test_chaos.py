@@ -17,6 +17,7 @@ from unbroken.testing import netns
 pytestmark = pytest.mark.timeout(420)
 
 
+@pytest.mark.serial  # times every recovery, with nodes started cold: alone, as the soak is meant to run
 def test_chaos_soak_keeps_every_promise(tmp_path):
     cmd = [sys.executable, "-m", "unbroken", "chaos", "--ha", "--duration", "50", "--rate", "0.45", "--seed", "24"]
     with subprocess.Popen([*cmd, "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:

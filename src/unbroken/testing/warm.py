@@ -100,7 +100,9 @@ class _Parent:
                 if "exit" in msg:
                     self._codes[int(msg["exit"])] = int(msg["code"])
                 else:
-                    self._started[int(msg["id"])] = int(msg["pid"])
+                    pid = int(msg["pid"])
+                    self._codes.pop(pid, None)  # a recycled pid: its last owner's exit was read before
+                    self._started[int(msg["id"])] = pid
                 self._cond.notify_all()
         with self._cond:
             self._alive = False
