@@ -47,7 +47,7 @@ class UnbrokenError(Exception):
 
     def at(self, where: Where) -> UnbrokenError:
         """Say where (kept if it was said already, nearer the cause); returns the error."""
-        if self.where is None:
+        if self.where is None or not str(self.where):
             self.where = where
         return self
 

@@ -11,15 +11,26 @@ appends it to the event log file; the API behind the dashboard and `unbroken eve
 from __future__ import annotations
 
 import collections
+import enum
 import json
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 
+class StrEnum(str, enum.Enum):
+    """A str whose members print as their value (`enum.StrEnum` is Python 3.11+)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+@enum.unique
 class Kind(StrEnum):
     # Membership: who is in, and the epochs they form.
     JOIN = "join"
@@ -63,6 +74,7 @@ class Kind(StrEnum):
     OPERATOR = "operator"
 
 
+@enum.unique
 class Entry(StrEnum):
     """What a node writes to its own commit log (``--commit-log``: one JSON line each, with
     the wall time ``t`` and the node's name), which `unbroken.testing.check_promises` reads."""

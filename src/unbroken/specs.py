@@ -12,10 +12,10 @@ second of CPU, many seconds on a machine busy with training).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import NamedTuple
 
 from unbroken.errors import ConfigError
+from unbroken.events import StrEnum
 
 CODECS = ("none", "fp16", "bf16", "int8", "int4", "int2", "topk")
 TOPK_RATIO = 0.01

@@ -35,6 +35,7 @@ def shares_by_step(node) -> dict[int, int]:
     return out
 
 
+@pytest.mark.serial  # shares by measured speed: another test's load would skew them
 def test_unequal_nodes_get_shares_by_speed_and_match_the_reference(make_cluster):
     env = {**BASE, "UB_TEST_STEPS": "40"}
     c = start(make_cluster, env, n=3)
@@ -51,6 +52,7 @@ def test_unequal_nodes_get_shares_by_speed_and_match_the_reference(make_cluster)
     assert_promises(c, env, finishers=3)
 
 
+@pytest.mark.serial  # shares by measured speed: another test's load would skew them
 def test_a_node_slowed_mid_run_loses_share_and_gets_it_back(make_cluster):
     env = {**BASE, "UB_TEST_STEPS": "120"}
     c = start(make_cluster, env, n=2)

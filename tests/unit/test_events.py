@@ -9,7 +9,7 @@ import pytest
 
 from unbroken.control import messages as m
 from unbroken.errors import ProtocolError
-from unbroken.events import ALARMS, ANOMALIES, REPORTED, Event, EventLog, Kind, Recorded, read_log
+from unbroken.events import ALARMS, ANOMALIES, REPORTED, Entry, Event, EventLog, Kind, Recorded, read_log
 
 
 def event(kind: Kind, member: str | None = "a#1", reason: str = "why") -> Event:
@@ -62,4 +62,6 @@ def test_a_node_may_report_what_it_did_and_nothing_the_coordinator_decides() -> 
 
 def test_every_anomaly_is_an_alarm_and_kinds_are_unique() -> None:
     assert ANOMALIES <= ALARMS
-    assert len({k.value for k in Kind}) == len(Kind)
+    # An enum member with another's value would be an alias of it, merging two kinds.
+    assert len(Kind.__members__) == len(Kind) and len(Entry.__members__) == len(Entry)
+    assert f"{Kind.LOSS_SPIKE}" == str(Kind.LOSS_SPIKE) == "loss-spike" and json.dumps([Entry.SYNC]) == '["sync"]'

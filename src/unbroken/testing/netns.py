@@ -120,7 +120,8 @@ def available() -> bool:
     return probe() is None
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (a zombie counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -140,7 +141,7 @@ def sweep_orphans() -> list[str]:
     for kind, items in (("link", devs), ("netns", spaces)):
         for name in items:
             match = _OURS.match(name)
-            if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+            if match and int(match.group(1)) != os.getpid() and not pid_alive(int(match.group(1))):
                 cmd = ("ip", "link", "delete", name) if kind == "link" else ("ip", "netns", "delete", name)
                 if _run(*cmd, check=False).returncode == 0:
                     gone.append(name)

@@ -32,8 +32,12 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
+from unbroken.testing.netns import pid_alive
+
 PARENTS = 2
 """Forking parents, used in turn (see the module's note on hash seeds)."""
+READY_TIMEOUT_S = 120.0
+"""How long a parent may take to import what it preloads (minutes on a machine busy with tests)."""
 PRELOAD = ("torch", "unbroken.cli.main", "unbroken.train.runtime")
 """What a parent imports before it forks: what every node would import first. By name, as
 ``python -m unbroken`` names what it runs: the harness starts the CLI, it does not use it."""
@@ -42,20 +46,22 @@ PRELOAD = ("torch", "unbroken.cli.main", "unbroken.train.runtime")
 class WarmProcess:
     """A forked node with `subprocess.Popen`'s handle: pid, poll, wait, send_signal, kill."""
 
-    def __init__(self, parent: _Parent, pid: int, args: list[str]) -> None:
+    def __init__(self, parent: _Parent, rid: int, pid: int, args: list[str]) -> None:
         self.pid = pid
         self.args = args
         self._parent = parent
+        self._rid = rid
+        """Its start request's number: exits are reported by it, since pids are recycled."""
 
     @property
     def returncode(self) -> int | None:
-        return self._parent.code(self.pid)
+        return self._parent.code(self._rid, self.pid)
 
     def poll(self) -> int | None:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        code = self._parent.wait(self.pid, timeout)
+        code = self._parent.wait(self._rid, self.pid, timeout)
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         return code
@@ -85,28 +91,32 @@ class _Parent:
         self._from: IO[bytes] = self._proc.stdout
         self._cond = threading.Condition()
         self._started: dict[int, int] = {}  # request id -> pid
-        self._codes: dict[int, int] = {}  # pid -> exit code
+        self._codes: dict[int, int] = {}  # request id -> exit code
         self._next = 0
         self._alive = True
-        if self._from.readline().strip() != b"ready":
+        ready, _, _ = select.select([self._from], [], [], READY_TIMEOUT_S)
+        if not ready or self._from.readline().strip() != b"ready":
             self._proc.kill()
-            raise RuntimeError("the warm-start parent did not start (see its stderr above)")
+            self._proc.wait(10)
+            raise RuntimeError(
+                f"the warm-start parent did not start within {READY_TIMEOUT_S:g} s (its stderr is above)"
+            )
         threading.Thread(target=self._read, name="warm-start", daemon=True).start()
 
     def _read(self) -> None:
-        for line in self._from:
-            msg = json.loads(line)
+        try:
+            for line in self._from:
+                msg = json.loads(line)
+                with self._cond:
+                    if "exit" in msg:
+                        self._codes[int(msg["exit"])] = int(msg["code"])
+                    else:
+                        self._started[int(msg["id"])] = int(msg["pid"])
+                    self._cond.notify_all()
+        finally:  # its end, or a line that is not its protocol: no more news from it either way
             with self._cond:
-                if "exit" in msg:
-                    self._codes[int(msg["exit"])] = int(msg["code"])
-                else:
-                    pid = int(msg["pid"])
-                    self._codes.pop(pid, None)  # a recycled pid: its last owner's exit was read before
-                    self._started[int(msg["id"])] = pid
+                self._alive = False
                 self._cond.notify_all()
-        with self._cond:
-            self._alive = False
-            self._cond.notify_all()
 
     def start(self, argv: list[str], env: dict[str, str], log: Path) -> WarmProcess:
         with self._cond:
@@ -118,23 +128,23 @@ class _Parent:
                 raise RuntimeError("the warm-start parent did not answer within 30 s")
             if rid not in self._started:
                 raise RuntimeError("the warm-start parent died")
-            return WarmProcess(self, self._started.pop(rid), argv)
+            return WarmProcess(self, rid, self._started.pop(rid), argv)
 
-    def code(self, pid: int) -> int | None:
+    def code(self, rid: int, pid: int) -> int | None:
         with self._cond:
-            return self._code(pid)
+            return self._code(rid, pid)
 
-    def _code(self, pid: int) -> int | None:
-        if pid in self._codes:
-            return self._codes[pid]
-        if not self._alive and not _exists(pid):
+    def _code(self, rid: int, pid: int) -> int | None:
+        if rid in self._codes:
+            return self._codes[rid]
+        if not self._alive and not pid_alive(pid):
             return -signal.SIGKILL  # its parent died before it; the code is lost with it
         return None
 
-    def wait(self, pid: int, timeout: float | None) -> int | None:
+    def wait(self, rid: int, pid: int, timeout: float | None) -> int | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while (code := self._code(pid)) is None:
+            while (code := self._code(rid, pid)) is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
@@ -150,16 +160,6 @@ class _Parent:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait(10)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _parents: list[_Parent] = []
@@ -200,6 +200,7 @@ def _serve() -> None:
     out.write(b"ready\n")
     out.flush()
     pending = b""
+    rids: dict[int, int] = {}  # pid -> its start request's number
     while True:
         try:
             readable, _, _ = select.select([stdin, wake_r], [], [])
@@ -214,7 +215,8 @@ def _serve() -> None:
                 break
             if pid == 0:
                 break
-            out.write(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            if (rid := rids.pop(pid, None)) is not None:
+                out.write(json.dumps({"exit": rid, "code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
         if stdin in readable:
             chunk = os.read(stdin, 1 << 16)
             if not chunk:
@@ -232,6 +234,7 @@ def _serve() -> None:
                     os.close(wake_r)
                     os.close(wake_w)
                     _child(request, imported)
+                rids[pid] = request["id"]
                 out.write(json.dumps({"id": request["id"], "pid": pid}).encode() + b"\n")
         out.flush()
 

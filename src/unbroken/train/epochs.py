@@ -111,7 +111,8 @@ class Epochs:
                 return pg, took
             except CollectiveFailed as exc:
                 if complete() and self.accuse(epoch, group, ids, rank):
-                    raise Unreachable(str(exc)) from exc
+                    unreachable = Unreachable(exc.args[0] if exc.args else str(exc))
+                    raise (unreachable.at(exc.where) if exc.where else unreachable) from exc
                 raise
 
         return build
