@@ -349,12 +349,15 @@ def test_a_checkpoint_of_another_run_never_moves_the_group(make_cluster, tmp_pat
 def test_a_corrupt_newest_checkpoint_falls_back_to_an_older_one(make_cluster, tmp_path):
     """Every node killed, the newest checkpoint truncated and another garbage: the restart
     resumes from the newest valid one, names the bad files, and keeps every promise."""
-    env = {"UB_TEST_STEPS": "80", "UB_TEST_DELAY_MS": "20"}
+    env = {"UB_TEST_STEPS": "200", "UB_TEST_DELAY_MS": "20"}
     ckpt = tmp_path / "ckpt"
     c = make_cluster(env=env, min_nodes=2, node_args=["--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"])
     c.start_coordinator()
     first = [c.start_node(f"n{i}") for i in (1, 2)]
     c.wait_step(27)
+    # Writes run at idle priority: on a busy machine the files lag the steps, and the
+    # test needs a valid one left after it spoils the newest two.
+    c.wait_for(lambda: len(list(ckpt.glob("ckpt-*.pt"))) >= 3, 60, "three checkpoints on disk")
     for n in first:
         n.kill()
         n.wait(10)
