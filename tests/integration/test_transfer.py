@@ -58,7 +58,7 @@ class Group:
         self.runs += 1
         prefix = f"run{self.runs}"
         wake = threading.Event()
-        ended = threading.Barrier(self.size)
+        ended, counted = threading.Barrier(self.size), threading.Barrier(self.size)
 
         def one(rank: int) -> Any:
             devices = [
@@ -73,6 +73,7 @@ class Group:
                 if ended.wait(timeout) == 0:  # every rank's group is still alive: count its connections
                     ports = [self.store.get(f"{prefix}/{s}/{r}") for s in range(self.streams) for r in range(self.size)]
                     self.connections = established_to({data_address(raw)[1] for raw in ports})
+                counted.wait(timeout)  # no rank drops its group (closing its side) before the count
 
         with ThreadPoolExecutor(self.size) as pool:
             return [f.result(timeout) for f in [pool.submit(one, r) for r in range(self.size)]]

@@ -6,7 +6,9 @@ step, which cost 6x the copy for a 400 MB state); serialising and writing run on
 background thread, at a lower CPU priority than training, into ``ckpt-<step>.pt.tmp``,
 fsynced, then renamed, so a file named ``ckpt-<step>.pt`` is always complete. If the
 previous write is still running, the new checkpoint is skipped rather than blocking the
-step (its buffers are still being written from).
+step (its buffers are still being written from), and the running write is hurried back to
+the step loop's priority: on a machine whose cores training keeps busy, an idle-priority
+write would otherwise never end, and every later checkpoint would be skipped with it.
 """
 
 from __future__ import annotations
@@ -116,6 +118,9 @@ class Checkpointer:
         self.skipped = 0
         self.staged_s: list[float] = []
         """How long each capture held the step up (the copies not left to the writer)."""
+        self.hurried = 0
+        """Writes that were still running when the next checkpoint was due (`_hurry`)."""
+        self._writer: _Priority | None = None
 
     @property
     def busy(self) -> bool:
@@ -129,6 +134,7 @@ class Checkpointer:
         `wait_captured`. The others are copied now."""
         if self.busy:
             self.skipped += 1
+            self._hurry()
             return False
         self._start(self._write, tree, later)
         return True
@@ -145,9 +151,19 @@ class Checkpointer:
         """Start writing this node's erasure-coded fragments of ``tree`` (`unbroken.state.fragments`)."""
         if self.busy:
             self.skipped += 1
+            self._hurry()
             return False
         self._start(self._write_fragments, tree, later, k, m, mine, optimizer_in_digest)
         return True
+
+    def _hurry(self) -> None:
+        """The next checkpoint is due and the last one is still being written: let the write
+        run at the step loop's priority (a write starved by busy cores would hold every later
+        checkpoint back)."""
+        writer = self._writer
+        if writer is not None and writer.restore():
+            self.hurried += 1
+            log.info("the checkpoint being written is overdue: its writer runs at the step loop's priority now")
 
     def wait_captured(self) -> None:
         """Block until the last capture holds its own copy of every tensor."""
@@ -160,6 +176,7 @@ class Checkpointer:
         tensors = [t if later is not None and later(t) else t.clone() for t in tensors]
         self.staged_s.append(time.monotonic() - start)
         captured = self._captured = threading.Event()
+        self._writer = None  # the last write's thread has ended; this one lowers its own
 
         def run() -> None:
             try:
@@ -178,7 +195,7 @@ class Checkpointer:
     def _write_fragments(self, snap: dict[str, Any], k: int, m: int, mine: list[int], in_digest: bool) -> None:
         from unbroken.state.fragments import write_fragments
 
-        _lower_priority()
+        self._writer = _Priority.lower()
         start = time.monotonic()
         try:
             write_fragments(self.directory, snap, k, m, mine, snapshot_digest(snap, in_digest))
@@ -192,7 +209,7 @@ class Checkpointer:
         step = int(snap["step"])
         final = checkpoint_path(self.directory, step)
         tmp = final.with_name(final.name + f".{os.getpid()}.tmp")
-        _lower_priority()
+        self._writer = _Priority.lower()
         start = time.monotonic()
         try:
             with open(tmp, "wb") as f:
@@ -219,14 +236,61 @@ class Checkpointer:
             self._thread.join(timeout)
 
 
-def _lower_priority() -> None:
-    """Let the calling thread run only on a core training leaves idle (Linux schedules
-    threads one by one): ``SCHED_IDLE``, which a busy core grants about 0.3 % of its time
-    where nice +10 is still granted 10 %; where that policy is refused, nice +10. On a busy
-    machine the write takes longer, and the step loop does not wait for it."""
-    tid = threading.get_native_id()
+class _Priority:
+    """The calling thread's CPU priority lowered below the step loop's, and the way back."""
+
+    def __init__(self, tid: int, policy: int, nice: int) -> None:
+        self.tid, self.policy, self.nice = tid, policy, nice
+        self._lock = threading.Lock()
+        self._lowered = True
+
+    @classmethod
+    def lower(cls) -> _Priority | None:
+        """Let the calling thread run only on a core training leaves idle (Linux schedules
+        threads one by one): ``SCHED_IDLE``, which a busy core grants about 0.3 % of its
+        time where nice +10 is still granted 10 %. ``SCHED_IDLE`` only where the thread may
+        leave it again (`restore`: root, or an ``RLIMIT_NICE`` that allows it); elsewhere nice
+        +10, which an unprivileged thread cannot undo but which never stops a write. None
+        where neither is possible."""
+        tid = threading.get_native_id()
+        try:
+            policy, nice = os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
+        except (AttributeError, OSError):
+            return None
+        if _may_raise_to(nice):
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                return cls(tid, policy, nice)
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice + NICE)
+        except OSError:
+            return None
+        return cls(tid, policy, nice)
+
+    def restore(self) -> bool:
+        """Back to the priority the thread had (once; False where that is not allowed, or
+        the thread ended)."""
+        with self._lock:
+            if not self._lowered:
+                return False
+            self._lowered = False
+            try:
+                os.sched_setscheduler(self.tid, self.policy, os.sched_param(0))
+                os.setpriority(os.PRIO_PROCESS, self.tid, self.nice)
+            except OSError:  # not permitted, or the write just ended
+                return False
+            return True
+
+
+def _may_raise_to(nice: int) -> bool:
+    """Whether this process may set a thread's nice value back to ``nice`` (Linux: root,
+    ``CAP_SYS_NICE``, or an ``RLIMIT_NICE`` soft limit of at least 20 - nice)."""
+    if os.geteuid() == 0:
+        return True
     try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        with contextlib.suppress(AttributeError, OSError):
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + NICE)
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    except (ImportError, AttributeError, OSError, ValueError):
+        return False
+    return soft == resource.RLIM_INFINITY or soft >= 20 - nice
