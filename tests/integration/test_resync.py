@@ -16,7 +16,7 @@ def syncs(node):
 
 def test_a_fine_tune_joiner_and_a_node_back_from_a_short_absence_fetch_only_what_changed(make_cluster):
     # A frozen backbone of 2 x 16 x 32768 floats (4.2 MB) in front of a small trained head.
-    env = {"UB_TEST_STEPS": "300", "UB_TEST_DELAY_MS": "30", "UB_TEST_BACKBONE": "32768"}
+    env = {"UB_TEST_STEPS": "200", "UB_TEST_DELAY_MS": "30", "UB_TEST_BACKBONE": "32768"}
     c = make_cluster(env=env, min_nodes=2, node_args=["--digest-every", "1"])
     c.start_coordinator()
     c.start_node("n1")
@@ -42,7 +42,7 @@ def test_a_fine_tune_joiner_and_a_node_back_from_a_short_absence_fetch_only_what
 def test_the_source_killed_mid_transfer_costs_only_the_chunks_it_had_not_sent(make_cluster):
     # A 42 MB state (a wide hidden layer and its momentum) in 1 MB chunks, 14 per donor.
     # n1 joins first, so it is rank 0: the source, which describes the state to the joiner.
-    env = {"UB_TEST_STEPS": "150", "UB_TEST_DELAY_MS": "20", "UB_TEST_HIDDEN": "262144"}
+    env = {"UB_TEST_STEPS": "50", "UB_TEST_DELAY_MS": "20", "UB_TEST_HIDDEN": "262144"}
     c = make_cluster(env=env, min_nodes=3, node_args=["--digest-every", "1"])
     c.start_coordinator()
     victim = c.start_node("n1", fault="kill@resync:2")
