@@ -5,12 +5,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from unbroken.testing import LocalCluster
 
 JOB = str(Path(__file__).parent / "jobs" / "mlp.py") + ":job"
+
+# One intra-op thread, as each node has (the warm parents set OMP_NUM_THREADS=1): a test's
+# own torch work (single-process references) gains nothing from a second thread on small
+# tensors, which only spins (a reference run: 6.2 s of CPU with 2, 3.7 s with 1, same wall).
+torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from integration.helpers import EXAMPLES, kill_and_join, load_example
+from integration.helpers import EXAMPLES, UNPACED, kill_and_join, load_example
 from unbroken.job import load_job
 from unbroken.testing import check_promises
-from unbroken.testing.promises import reference_tree
+from unbroken.testing.promises import environment, reference_tree
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -85,7 +85,8 @@ def test_an_example_survives_a_kill_and_a_join_and_matches_one_process(
         ]
         assert sent and all(b == [3, 3] for _, _, b in sent), [x for x in sent if x[2] != [3, 3]][:10]
 
-    job = load_job(ref, args)
+    with environment(UNPACED):
+        job = load_job(ref, args)
     report = check_promises({name: n.entries() for name, n in c.nodes.items()}, job, finishers=3)
     assert report.ok, "\n".join(report.problems) + "\n" + c.diagnostics()
     losses: list[float] = []
@@ -149,7 +150,8 @@ def test_float16_with_a_loss_scale_skips_overflowing_steps_together_and_matches_
         coordinator_args=TINY_BUCKETS,  # an overflow found in one bucket, after others went out
     )
     kill_and_join(c, args)
-    job = load_job(ref, args)
+    with environment(UNPACED):
+        job = load_job(ref, args)
     report = check_promises({name: n.entries() for name, n in c.nodes.items()}, job, finishers=3)
     assert report.ok, "\n".join(report.problems) + "\n" + c.diagnostics()
 
