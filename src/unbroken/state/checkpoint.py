@@ -283,8 +283,9 @@ class _Priority:
 
 
 def _may_raise_to(nice: int) -> bool:
-    """Whether this process may set a thread's nice value back to ``nice`` (Linux: root,
-    ``CAP_SYS_NICE``, or an ``RLIMIT_NICE`` soft limit of at least 20 - nice)."""
+    """Whether this process may set a thread's nice value back to ``nice`` (Linux: as root,
+    or with an ``RLIMIT_NICE`` soft limit of at least 20 - nice; a lone ``CAP_SYS_NICE`` is
+    not looked for, and gets nice +10)."""
     if os.geteuid() == 0:
         return True
     try:
