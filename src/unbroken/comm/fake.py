@@ -53,6 +53,8 @@ class _Meeting:
     op: str
     arrived: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     futures: dict[int, torch.futures.Future[Any]] = field(default_factory=dict)
+    broken_by: int | None = None
+    """The rank whose death broke it (every rank's part fails, those still to come too)."""
 
 
 class FakeWorld:
@@ -73,11 +75,19 @@ class FakeWorld:
     def group(self, rank: int) -> FakeProcessGroup:
         return FakeProcessGroup(self, rank)
 
+    def delivered(self, rank: int) -> bool:
+        """Whether every collective ``rank`` has joined is complete (what it sent has arrived)."""
+        with self._lock:
+            return not any(rank in m.arrived and m.broken_by is None for m in self._meetings.values())
+
     def kill(self, rank: int) -> None:
         """``rank`` is gone: its pending and future collectives fail on every other rank."""
         with self._lock:
             self._dead.add(rank)
-            pending = [m for m in self._meetings.values() if rank not in m.arrived]
+            # A ring with a dead peer breaks whether or not that peer had sent its part.
+            pending = list(self._meetings.values())
+            for meeting in pending:
+                meeting.broken_by = rank
             orphans = [f for key, q in self._receiving.items() if key[0] == rank for _, f in q]
             self._receiving = {k: q for k, q in self._receiving.items() if k[0] != rank}
         for meeting in pending:
@@ -133,11 +143,13 @@ class FakeWorld:
             meeting.arrived[rank] = args
             meeting.futures[rank] = future
             dead = sorted(self._dead - set(meeting.arrived))
+            if meeting.broken_by is None and dead:
+                meeting.broken_by = dead[0]
             complete = len(meeting.arrived) == self.size
             if complete:
                 del self._meetings[seq]
-        if dead:
-            self._fail(meeting, dead[0])
+        if meeting.broken_by is not None:
+            self._fail(meeting, meeting.broken_by)
         elif complete:
             finish(meeting)
             for fut in meeting.futures.values():

@@ -13,14 +13,17 @@ if TYPE_CHECKING:
     from unbroken.testing.cluster import LocalCluster, NodeProcess
     from unbroken.testing.etcd import EtcdCluster
     from unbroken.testing.faults import Fault, FaultPlan, parse_faults
+    from unbroken.testing.inmemory import Crash, MemoryJob
     from unbroken.testing.promises import PromiseReport, check_promises, reference_state
     from unbroken.train.throttle import Throttle, parse_throttle
 
 _LAZY = {
+    "Crash": "unbroken.testing.inmemory",
     "EtcdCluster": "unbroken.testing.etcd",
     "Fault": "unbroken.testing.faults",
     "FaultPlan": "unbroken.testing.faults",
     "LocalCluster": "unbroken.testing.cluster",
+    "MemoryJob": "unbroken.testing.inmemory",
     "NodeProcess": "unbroken.testing.cluster",
     "PromiseReport": "unbroken.testing.promises",
     "Throttle": "unbroken.train.throttle",
@@ -31,10 +34,12 @@ _LAZY = {
 }
 
 __all__ = [
+    "Crash",
     "EtcdCluster",
     "Fault",
     "FaultPlan",
     "LocalCluster",
+    "MemoryJob",
     "NodeProcess",
     "PromiseReport",
     "Throttle",

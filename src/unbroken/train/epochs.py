@@ -8,7 +8,6 @@ import base64
 import functools
 import logging
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +23,7 @@ from unbroken.errors import BadContribution, CollectiveFailed, Unreachable
 from unbroken.events import Entry
 from unbroken.sched.zones import WORLD, Zones
 from unbroken.specs import CodecSpec, Mode, Rule
+from unbroken.train.hooks import Build, GroupMaker
 from unbroken.train.step import EXTRA
 
 if TYPE_CHECKING:
@@ -39,8 +39,11 @@ def zones_of(order: m.EpochOrder) -> Zones:
 class Epochs:
     """Builds each epoch's groups and reducer for one node; answers the leader's probes."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, groups: GroupMaker | None = None) -> None:
+        """``groups``: how an epoch's process groups are made (default: gloo groups on the
+        rendezvous the leader relays)."""
         self.node = node
+        self.groups: GroupMaker = groups or self._builder
         self.meeting = Meeting(self._meet)
         self.codec = CodecSlot(node.name)
         self._accusing = threading.Lock()
@@ -61,7 +64,7 @@ class Epochs:
             microbatches=list(order.microbatches),
         )
         node.group = group  # the epoch now current: what the build's abort checks compare orders with
-        build = self._builder(order.epoch, node.scope(during_step=False))
+        build = self.groups(order.epoch, node.scope(during_step=False))
         # Where zones exist, the step reduces through the zone and leaders' groups: the
         # world group only carries the sync phase, robust gathers and audits, whose
         # rings and transfers touch a few peers each, so it connects only those.
@@ -73,7 +76,7 @@ class Epochs:
         group.pg, group.built_in_s, group.lazy = pg, took, zones.multi
         return group, self._reducer(order, zones, group, build)
 
-    def _builder(self, epoch: int, scope: EpochScope) -> Callable[..., tuple[Any, float]]:
+    def _builder(self, epoch: int, scope: EpochScope) -> Build:
         """Builds the epoch's groups (by name, `Zones.groups`; ``ids``: its members by rank)
         on its rendezvous. A build waits for its peers up to the collective timeout: the
         others may still be finishing a step or a round; one that never comes is named by
@@ -117,7 +120,7 @@ class Epochs:
 
         return build
 
-    def _reducer(self, order: m.EpochOrder, zones: Zones, group: EpochGroup, build: Any) -> Reducer:
+    def _reducer(self, order: m.EpochOrder, zones: Zones, group: EpochGroup, build: Build) -> Reducer:
         """The step's reduction: flat, or two-level with a zone group and a leaders' group."""
         node = self.node
         B = node.job.batch_size

@@ -1,4 +1,6 @@
-"""What the CLI or a test may inject into a node: faults at chosen points of its life.
+"""What the CLI or a test may inject into a node: faults at chosen points of its life, and
+the planes it talks to (`Control`, `GroupMaker`: the real ones by default, in-memory ones in
+unit tests of the step loop, `unbroken.testing.inmemory`).
 
 A node asks its `Faults` at each point where a fault can strike (before a step's compute,
 while a collective is in flight, after a commit, when it builds an epoch's data plane) and
@@ -10,11 +12,17 @@ specs and their plan live with the testing aids (`unbroken.testing.faults`), whi
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from unbroken.events import Entry
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from unbroken.comm.group import EpochScope
+    from unbroken.control import messages as m
 
 Record = Callable[[Entry, Mapping[str, object]], None]
 """Writes one entry to the node's commit log (a fault that fires says so there first)."""
@@ -88,6 +96,53 @@ class NoFaults:
 
     def bitflip(self, step: int) -> bool:
         return False
+
+
+class Control(Protocol):
+    """What a node needs of the control plane: `unbroken.control.client.ControlClient`
+    (a session with the job's leader) unless a test gives another."""
+
+    member_id: str
+    """This node's identity in the group (a new one after an expulsion)."""
+    welcome: m.Welcome | None
+    expelled: str | None
+    """Why the leader expelled this node (None while it is a member)."""
+    finished: int | None
+    """The job's last step, once the leader said the job is over."""
+    step: int
+    """The step this node has committed (what its heartbeats say)."""
+    rtt_s: float
+    on_command: Callable[[m.Command], None] | None
+    on_met: Callable[[m.Met], None] | None
+    on_probe: Callable[[m.Probe], None] | None
+    on_welcome: Callable[[m.Welcome, bool], None] | None
+
+    def start(self) -> m.Welcome:
+        """Join the job (blocks until welcomed or refused)."""
+
+    def rejoin(self) -> m.Welcome:
+        """Join again as a new member (after an expulsion)."""
+
+    def close(self) -> None: ...
+
+    def send(self, msg: BaseModel) -> None:
+        """Queue a message for the leader."""
+
+    def touch(self) -> None:
+        """The step loop is alive."""
+
+    def latest_order(self) -> m.EpochOrder | None: ...
+
+    def commit_allowed(self) -> bool:
+        """Whether this node can be sure it is still a member (the commit fence)."""
+
+
+Build = Callable[..., "tuple[Any, float]"]
+"""Builds one of an epoch's groups: ``build(group, rank, ids, lazy=False, streams=1)`` returns
+its process group and the seconds the build took (`unbroken.train.epochs.Epochs`)."""
+
+GroupMaker = Callable[[int, "EpochScope"], Build]
+"""The data plane's groups of an epoch: ``make(epoch, scope)`` is that epoch's `Build`."""
 
 
 def flip_bit(t: torch.Tensor, index: int = 0, bit: int = 20) -> None:

@@ -57,7 +57,7 @@ from unbroken.train.compute import JobCompute
 from unbroken.train.device import Calibration, ComputeReplica, resolve_device
 from unbroken.train.diloco import DiLoCo
 from unbroken.train.epochs import Epochs
-from unbroken.train.hooks import Faults, NoFaults, flip_bit
+from unbroken.train.hooks import Control, Faults, GroupMaker, NoFaults, flip_bit
 from unbroken.train.measure import Meter
 from unbroken.train.records import Records
 from unbroken.train.scale import KEY as SCALE_KEY
@@ -91,10 +91,22 @@ class NodeResult:
 class Node:
     """One training process. ``Node(job, config).run()`` blocks until the job is done."""
 
-    def __init__(self, job: Job, config: NodeConfig, faults: Faults | None = None, *, own_loop: bool = False) -> None:
+    def __init__(
+        self,
+        job: Job,
+        config: NodeConfig,
+        faults: Faults | None = None,
+        *,
+        own_loop: bool = False,
+        control: Callable[[Node], Control] | None = None,
+        groups: GroupMaker | None = None,
+    ) -> None:
         """``faults``: injected by the CLI's ``--fault`` or a test (`unbroken.testing.faults`).
         ``own_loop``: the user's code computes each slice on its own model, wherever it
-        lives (`unbroken.swarm`): no compute copy, no speed probes, no roles but trainer."""
+        lives (`unbroken.swarm`): no compute copy, no speed probes, no roles but trainer.
+        ``control`` and ``groups``: the control plane this node talks to and how it builds
+        an epoch's process groups (default: a session with ``config``'s coordinators, gloo
+        groups on their rendezvous; in-memory ones in tests, `unbroken.testing.inmemory`)."""
         self.job = job
         self.config = config
         self.name = config.display_name
@@ -129,7 +141,7 @@ class Node:
         self.faults: Faults = faults or NoFaults()
         self.faults.attach(self.records.log)
         self.graveyard = Graveyard(hold_s=config.collective_timeout_s + 5)
-        self.epochs = Epochs(self)
+        self.epochs = Epochs(self, groups)
         self.state.node_local = self.epochs.codec
         self.audits = Audits(self)
         self.group: EpochGroup | None = None
@@ -149,7 +161,15 @@ class Node:
         self._epochs_formed = 0
         self._partial = Partial()
         """What this node fetched of a peer's state so far (kept when a transfer is cut short)."""
-        self.client = ControlClient(
+        self.client: Control = control(self) if control is not None else self._connect()
+        self.client.on_command = self._command
+        self.client.on_met = self.epochs.met
+        self.client.on_probe = self.epochs.probe
+        self.client.on_welcome = self.epochs.welcomed
+
+    def _connect(self) -> ControlClient:
+        config = self.config
+        return ControlClient(
             config.coordinators,
             self._hello,
             name=self.name,
@@ -162,10 +182,6 @@ class Node:
             etcd_prefix=config.etcd_prefix,
             relays=config.relays,
         )
-        self.client.on_command = self._command
-        self.client.on_met = self.epochs.met
-        self.client.on_probe = self.epochs.probe
-        self.client.on_welcome = self.epochs.welcomed
 
     # ---------------------------------------------------------------- public
 
