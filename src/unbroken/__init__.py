@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from unbroken.config import CoordinatorConfig, NodeConfig
+from unbroken.config import CoordinatorConfig, MembershipConfig, NodeConfig, ServiceConfig
 from unbroken.errors import (
     AuditMismatch,
     BadContribution,
@@ -29,6 +29,7 @@ from unbroken.errors import (
     UnbrokenError,
     Unreachable,
 )
+from unbroken.specs import CodecSpec, DiLoCoPolicy, Policy
 
 if TYPE_CHECKING:
     from unbroken.control.coordinator import Coordinator
@@ -64,11 +65,13 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AuditMismatch",
     "BadContribution",
+    "CodecSpec",
     "CollectiveFailed",
     "ConfigError",
     "Coordinator",
     "CoordinatorConfig",
     "CoordinatorUnreachable",
+    "DiLoCoPolicy",
     "EpochAborted",
     "EtcdUnavailable",
     "Expelled",
@@ -77,10 +80,13 @@ __all__ = [
     "JobLoadError",
     "JoinRefused",
     "LoaderOrder",
+    "MembershipConfig",
     "Node",
     "NodeConfig",
     "NodeResult",
+    "Policy",
     "ProtocolError",
+    "ServiceConfig",
     "Slice",
     "StepProtocol",
     "Suspicion",

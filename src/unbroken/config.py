@@ -11,23 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from unbroken.errors import ConfigError
-from unbroken.specs import (
-    AUDIT_EVERY,
-    BUCKET_MB,
-    INNER_STEPS,
-    MAX_BUCKET_MB,
-    MAX_STREAMS,
-    OUTER_LR,
-    OUTER_MOMENTUM,
-    ROLES,
-    STREAMS,
-    CodecSpec,
-    DiLoCoPolicy,
-    Mode,
-    Policy,
-    parse_fragments,
-    parse_rule,
-)
+from unbroken.specs import ROLES, Policy, check_range
 from unbroken.train.throttle import parse_throttle
 
 ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
@@ -35,12 +19,6 @@ ENV_ETCD = "UNBROKEN_ETCD"
 READY_PREFIX = "UNBROKEN_COORDINATOR_READY"
 """A coordinator or relay prints this, then ``HOST:PORT``, on stdout once it serves."""
 DEFAULT_ETCD_PREFIX = "/unbroken/job"
-
-
-def _check_range(owner: str, name: str, value: float, low: float, high: float | None = None) -> None:
-    if not value >= low or (high is not None and not value <= high):  # also refuses NaN
-        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise ConfigError(f"{owner}.{name} = {value!r} is out of range: it must be {bound}")
 
 
 def _check_etcd(owner: str, endpoints: tuple[str, ...], prefix: str, ttl_s: int) -> None:
@@ -52,7 +30,7 @@ def _check_etcd(owner: str, endpoints: tuple[str, ...], prefix: str, ttl_s: int)
             f"{owner}.etcd_prefix = {prefix!r}: use a path such as /unbroken/myjob (one per job; "
             "every coordinator and node of the job the same)"
         )
-    _check_range(owner, "etcd_ttl_s", ttl_s, 1, 60)
+    check_range(owner, "etcd_ttl_s", ttl_s, 1, 60)
 
 
 def environment_coordinators() -> list[str]:
@@ -69,62 +47,20 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 @dataclass(frozen=True)
-class CoordinatorConfig:
-    """Settings of the coordinator service."""
+class ServiceConfig:
+    """Where and how a coordinator serves: its address, who may talk to it, its election."""
 
     host: str = "127.0.0.1"
     """Interface to listen on (use 0.0.0.0 to accept nodes from other machines)."""
     port: int = 29400
     """Port of the control service (HTTP + node sessions); 0 picks a free one."""
-    lease_s: float = 1.0
-    """A node whose heartbeats stop for this long is declared failed."""
-    build_deadline_s: float = 5.0
-    """How long after most of an epoch's group wrote its rendezvous entries a member that
-    never wrote its own is benched (it never joined the data plane)."""
-    recovery_window_s: float = 3.0
-    """After a restart, how long to wait for the last epoch's members to reconnect."""
-    min_nodes: int = 1
-    """The first epoch waits until this many nodes have joined (later epochs do not)."""
+    advertise: str = ""
+    """HOST or HOST:PORT nodes use to reach this coordinator, published in etcd when it
+    leads (default: ``host`` and the port it listens on; give it when ``host`` is 0.0.0.0)."""
     max_message_bytes: int = 1 << 20
     """Control messages larger than this are refused and their session dropped."""
     event_log: Path | None = None
     """Where to append the event log as JSON lines (none: keep it in memory only)."""
-    balance: bool = True
-    """Shares and roles follow the nodes' measured throughput and memory; False splits the
-    batch by the nodes' ``weight`` and never moves a node out of training for speed."""
-
-    codec: str = "none"
-    """Codec of the inter-zone hop: none, fp16, bf16, int8, int4, int2, topk or topk:RATIO."""
-    streams: int = STREAMS
-    """TCP connections each inter-zone hop (the zone leaders' exchange, and a state transfer
-    between zones) is spread over, in parallel: a single connection's window caps what it
-    carries over a long link (1..16)."""
-    bucket_mb: float = BUCKET_MB
-    """Gradient buckets of about this many MB are summed while backward still runs (as DDP's
-    default; 0: the gradient goes out in one piece after backward)."""
-    aggregate: str = "mean"
-    """How the members' gradients are combined: ``mean`` (exact synchronous training),
-    ``clip[:C]`` or ``trimmed[:F]`` (robust to a faulty node; see `unbroken.comm.robust`)."""
-    fragments: str = ""
-    """``K,M``: nodes write checkpoints (``--checkpoint-every``) as K data + M parity fragments
-    on their own ``--checkpoint-dir`` (any K rebuild it: `unbroken restore`); empty: rank 0
-    writes whole checkpoints."""
-    audit_every: int = AUDIT_EVERY
-    """Every this many steps the trainers compare state digests; a replica that differs from
-    the majority (silent corruption) is named, repaired from a peer, and flagged (0: off)."""
-    mode: str = "sync"
-    """``sync`` (one all-reduce per step, exact large-batch math) or ``diloco`` (each zone trains
-    alone for ``inner_steps``, then the zones exchange pseudo-gradients; see `unbroken.train.diloco`)."""
-    inner_steps: int = INNER_STEPS
-    """DiLoCo: inner steps per round (H)."""
-    outer_lr: float = OUTER_LR
-    """DiLoCo: learning rate of the outer optimizer (SGD with Nesterov momentum)."""
-    outer_momentum: float = OUTER_MOMENTUM
-    """DiLoCo: momentum of the outer optimizer."""
-    outer_overlap: bool = False
-    """DiLoCo across zones: a round's exchange between zones runs during the next round and is
-    applied at its end, one round late (compute never waits for the slow links; a failure
-    then costs up to two rounds)."""
     token: str | None = field(default=None, repr=False)
     """The job's secret: nodes must prove they hold it to join (none: anyone may join)."""
     tls_cert: Path | None = None
@@ -139,60 +75,59 @@ class CoordinatorConfig:
     etcd_ttl_s: int = 1
     """The leader's etcd lease: a leader that cannot renew it for this long stops leading
     and a standby takes over (etcd may raise it to its own minimum)."""
-    advertise: str = ""
-    """HOST or HOST:PORT nodes use to reach this coordinator, published in etcd when it
-    leads (default: --host and the port it listens on; give it when --host is 0.0.0.0)."""
-
-    policy: Policy = field(init=False, repr=False, compare=False)
-    """The training policy of the fields above, parsed once (what every epoch order carries)."""
-
-    def _parse_policy(self) -> Policy:
-        try:
-            codec = CodecSpec.parse(self.codec)
-        except ValueError as exc:
-            raise ConfigError(f"CoordinatorConfig.codec: {exc}") from None
-        if self.mode not in set(Mode):
-            raise ConfigError(f"CoordinatorConfig.mode = {self.mode!r}: choose 'sync' or 'diloco' (--mode)")
-        _check_range("CoordinatorConfig", "inner_steps", self.inner_steps, 1, 1_000_000)
-        _check_range("CoordinatorConfig", "streams", self.streams, 1, MAX_STREAMS)
-        _check_range("CoordinatorConfig", "bucket_mb", self.bucket_mb, 0, MAX_BUCKET_MB)
-        _check_range("CoordinatorConfig", "audit_every", self.audit_every, 0, 1_000_000)
-        _check_range("CoordinatorConfig", "outer_lr", self.outer_lr, 1e-6, 100)
-        _check_range("CoordinatorConfig", "outer_momentum", self.outer_momentum, 0, 0.999)
-        try:
-            aggregate = parse_rule(self.aggregate)
-        except ConfigError as exc:
-            raise ConfigError(f"CoordinatorConfig.aggregate: {exc}") from None
-        diloco = None
-        if self.mode == Mode.DILOCO:
-            diloco = DiLoCoPolicy(self.inner_steps, self.outer_lr, self.outer_momentum, self.outer_overlap)
-        return Policy(
-            codec=codec,
-            aggregate=aggregate,
-            fragments=parse_fragments(self.fragments) if self.fragments else None,
-            audit_every=self.audit_every,
-            streams=self.streams,
-            bucket_mb=self.bucket_mb,
-            diloco=diloco,
-        )
 
     def __post_init__(self) -> None:
-        _check_etcd("CoordinatorConfig", self.etcd, self.etcd_prefix, self.etcd_ttl_s)
+        _check_etcd("ServiceConfig", self.etcd, self.etcd_prefix, self.etcd_ttl_s)
         if self.advertise and (len(self.advertise) > 256 or any(c.isspace() for c in self.advertise)):
-            raise ConfigError(f"CoordinatorConfig.advertise = {self.advertise!r}: give HOST or HOST:PORT")
-
-        object.__setattr__(self, "policy", self._parse_policy())
+            raise ConfigError(f"ServiceConfig.advertise = {self.advertise!r}: give HOST or HOST:PORT")
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("CoordinatorConfig: give both tls_cert and tls_key (--tls-cert, --tls-key), or neither")
+            raise ConfigError("ServiceConfig: give both tls_cert and tls_key (--tls-cert, --tls-key), or neither")
         for path in (self.tls_cert, self.tls_key):
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"TLS file {path} does not exist")
-        _check_range("CoordinatorConfig", "port", self.port, 0, 65535)
-        _check_range("CoordinatorConfig", "build_deadline_s", self.build_deadline_s, 0.5, 3600)
-        _check_range("CoordinatorConfig", "lease_s", self.lease_s, 0.05, 3600)
-        _check_range("CoordinatorConfig", "recovery_window_s", self.recovery_window_s, 0, 3600)
-        _check_range("CoordinatorConfig", "min_nodes", self.min_nodes, 1, 100_000)
-        _check_range("CoordinatorConfig", "max_message_bytes", self.max_message_bytes, 1024)
+        check_range("ServiceConfig", "port", self.port, 0, 65535)
+        check_range("ServiceConfig", "max_message_bytes", self.max_message_bytes, 1024)
+
+
+@dataclass(frozen=True)
+class MembershipConfig:
+    """How the leader decides who is in the group and with what share (`Membership`)."""
+
+    lease_s: float = 1.0
+    """A node whose heartbeats stop for this long is declared failed."""
+    build_deadline_s: float = 5.0
+    """How long after most of an epoch's group wrote its rendezvous entries a member that
+    never wrote its own is benched (it never joined the data plane)."""
+    recovery_window_s: float = 3.0
+    """After a restart, how long to wait for the last epoch's members to reconnect."""
+    min_nodes: int = 1
+    """The first epoch waits until this many nodes have joined (later epochs do not)."""
+    balance: bool = True
+    """Shares and roles follow the nodes' measured throughput and memory; False splits the
+    batch by the nodes' ``weight`` and never moves a node out of training for speed."""
+
+    def __post_init__(self) -> None:
+        check_range("MembershipConfig", "lease_s", self.lease_s, 0.05, 3600)
+        check_range("MembershipConfig", "build_deadline_s", self.build_deadline_s, 0.5, 3600)
+        check_range("MembershipConfig", "recovery_window_s", self.recovery_window_s, 0, 3600)
+        check_range("MembershipConfig", "min_nodes", self.min_nodes, 1, 100_000)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Settings of a coordinator, by owner: the service, the membership decisions, and the
+    training policy every epoch order carries (`unbroken.specs.Policy`)::
+
+        CoordinatorConfig(
+            service=ServiceConfig(port=0, token=secret),
+            membership=MembershipConfig(min_nodes=4),
+            policy=Policy(codec=CodecSpec("int8"), diloco=DiLoCoPolicy(inner_steps=50)),
+        )
+    """
+
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+    policy: Policy = field(default_factory=Policy)
 
 
 @dataclass(frozen=True)
@@ -289,20 +224,20 @@ class NodeConfig:
             raise ConfigError(f"NodeConfig.weight = {self.weight!r} must be greater than 0 and at most 1e9")
         if len(self.display_name) > 200:
             raise ConfigError(f"NodeConfig.name is {len(self.display_name)} characters long; at most 200 are allowed")
-        _check_range("NodeConfig", "max_microbatch", self.max_microbatch, 0)
-        _check_range("NodeConfig", "checkpoint_every", self.checkpoint_every, 0)
-        _check_range("NodeConfig", "max_donors", self.max_donors, 0, 100_000)
-        _check_range("NodeConfig", "connect_timeout_s", self.connect_timeout_s, 0.1, 86400)
-        _check_range("NodeConfig", "collective_timeout_s", self.collective_timeout_s, 1, 86400)
-        _check_range("NodeConfig", "digest_every", self.digest_every, 0)
-        _check_range("NodeConfig", "stall_timeout_s", self.stall_timeout_s, 0.5, 86400)
-        _check_range("NodeConfig", "memory_limit", self.memory_limit, 0)
+        check_range("NodeConfig", "max_microbatch", self.max_microbatch, 0)
+        check_range("NodeConfig", "checkpoint_every", self.checkpoint_every, 0)
+        check_range("NodeConfig", "max_donors", self.max_donors, 0, 100_000)
+        check_range("NodeConfig", "connect_timeout_s", self.connect_timeout_s, 0.1, 86400)
+        check_range("NodeConfig", "collective_timeout_s", self.collective_timeout_s, 1, 86400)
+        check_range("NodeConfig", "digest_every", self.digest_every, 0)
+        check_range("NodeConfig", "stall_timeout_s", self.stall_timeout_s, 0.5, 86400)
+        check_range("NodeConfig", "memory_limit", self.memory_limit, 0)
         if self.tls_ca is not None and not Path(self.tls_ca).is_file():
             raise ConfigError(f"TLS CA bundle {self.tls_ca} does not exist")
-        _check_range("NodeConfig", "link_latency_ms", self.link_latency_ms, 0, 60_000)
-        _check_range("NodeConfig", "link_mbit", self.link_mbit, 0)
+        check_range("NodeConfig", "link_latency_ms", self.link_latency_ms, 0, 60_000)
+        check_range("NodeConfig", "link_mbit", self.link_mbit, 0)
         for zone, mbit in self.link_mbit_from:
-            _check_range("NodeConfig", f"link_mbit_from[{zone!r}]", mbit, 0)
+            check_range("NodeConfig", f"link_mbit_from[{zone!r}]", mbit, 0)
         if len(self.zone) > 128:
             raise ConfigError(f"NodeConfig.zone is {len(self.zone)} characters long; at most 128 are allowed")
         if self.role not in ROLES:

@@ -24,11 +24,11 @@ TOPK_RATIO = 0.01
 STREAMS = 4
 """Connections one inter-zone hop is spread over by default (one TCP window caps a long link)."""
 MAX_STREAMS = 16
-"""Most TCP connections one inter-zone hop is spread over (`CoordinatorConfig.streams`)."""
+"""Most TCP connections one inter-zone hop is spread over (`Policy.streams`)."""
 BUCKET_MB = 25.0
 """Gradient buckets summed while backward runs, by default (DDP's size)."""
 MAX_BUCKET_MB = 1024.0
-"""The largest gradient bucket summed while backward runs (`CoordinatorConfig.bucket_mb`)."""
+"""The largest gradient bucket summed while backward runs (`Policy.bucket_mb`)."""
 
 RULES = {"mean": 0.0, "clip": 2.0, "trimmed": 0.25, "checked": 0.0}
 """Each aggregation rule with its default parameter."""
@@ -53,6 +53,12 @@ class CodecSpec:
 
     name: str = "none"
     ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in CODECS:
+            raise ConfigError(f"CodecSpec.name = {self.name!r} is not one of {', '.join(CODECS)}")
+        if self.name == "topk" and not 0 < self.ratio <= 1:
+            raise ConfigError(f"CodecSpec.ratio = {self.ratio!r}: top-k's ratio must be in (0, 1] (e.g. 0.01)")
 
     def __str__(self) -> str:
         return f"topk:{self.ratio:g}" if self.name == "topk" else self.name
@@ -145,35 +151,111 @@ class Mode(StrEnum):
     """Zones train alone for ``inner_steps``, then exchange pseudo-gradients."""
 
 
+def check_range(owner: str, name: str, value: float, low: float, high: float | None = None) -> None:
+    """Raise a ConfigError naming ``owner.name`` unless ``low <= value <= high``."""
+    if not value >= low or (high is not None and not value <= high):  # also refuses NaN
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ConfigError(f"{owner}.{name} = {value!r} is out of range: it must be {bound}")
+
+
 @dataclass(frozen=True)
 class DiLoCoPolicy:
+    """DiLoCo's outer loop (`unbroken.train.diloco`)."""
+
     inner_steps: int = INNER_STEPS
-    """Inner steps per round (H)."""
+    """Inner steps per round (H; ``--inner-steps``)."""
     outer_lr: float = OUTER_LR
+    """Learning rate of the outer optimizer, SGD with Nesterov momentum (``--outer-lr``)."""
     outer_momentum: float = OUTER_MOMENTUM
+    """Momentum of the outer optimizer (``--outer-momentum``)."""
     overlap: bool = False
-    """A round's exchange between zones runs during the next round and is applied at its end."""
+    """A round's exchange between zones runs during the next round and is applied at its
+    end, one round late: compute never waits for the slow links, and a failure then costs
+    up to two rounds (``--outer-overlap``)."""
+
+    def __post_init__(self) -> None:
+        check_range("DiLoCoPolicy", "inner_steps", self.inner_steps, 1, 1_000_000)
+        check_range("DiLoCoPolicy", "outer_lr", self.outer_lr, 1e-6, 100)
+        check_range("DiLoCoPolicy", "outer_momentum", self.outer_momentum, 0, 0.999)
+
+
+POLICY_FLAGS = (
+    "codec", "aggregate", "fragments", "audit_every", "streams", "bucket_mb",
+    "mode", "inner_steps", "outer_lr", "outer_momentum", "outer_overlap",
+)  # fmt: skip
+"""The policy as flags and the wire spell it: `Policy.parse`'s arguments, the fields of
+`unbroken.control.messages.PolicyMsg`, ``unbroken coordinator``'s options."""
 
 
 @dataclass(frozen=True)
 class Policy:
-    """How the group trains, as the coordinator's operator set it."""
+    """How the group trains, as the coordinator's operator set it (`CoordinatorConfig.policy`;
+    from flags or the wire: `Policy.parse`)."""
 
     codec: CodecSpec = field(default_factory=CodecSpec)
-    """The codec of the inter-zone hop."""
+    """The codec of the inter-zone hop (``--codec``)."""
     aggregate: Rule = field(default_factory=lambda: Rule("mean"))
-    """How the members' contributions are combined."""
+    """How the members' contributions are combined: the exact mean, or a rule robust to a
+    faulty node (``--aggregate``; `unbroken.comm.robust`)."""
     fragments: Fragments | None = None
-    """Checkpoints as fragments over the nodes' disks (None: whole files)."""
+    """Nodes write checkpoints as K data + M parity fragments on their own disks (any K
+    rebuild one: `unbroken restore`); None: rank 0 writes whole files (``--fragments``)."""
     audit_every: int = AUDIT_EVERY
-    """Steps between consistency audits (0: never; synchronous mode only)."""
+    """Steps between consistency audits: a replica whose digest differs from the majority's
+    (silent corruption) is named and repaired (0: never; synchronous mode only)."""
     streams: int = STREAMS
-    """Connections each inter-zone hop and cross-zone state transfer is spread over."""
+    """TCP connections each inter-zone hop and cross-zone state transfer is spread over, in
+    parallel: one connection's window caps what it carries over a long link."""
     bucket_mb: float = BUCKET_MB
-    """Gradient buckets summed while backward runs (0: one piece after it)."""
+    """Gradient buckets of about this many MB are summed while backward still runs, as
+    DDP's (0: the gradient goes out in one piece after backward)."""
     diloco: DiLoCoPolicy | None = None
-    """DiLoCo's outer loop (None: synchronous training)."""
+    """DiLoCo's outer loop (None: synchronous training, one all-reduce per step)."""
+
+    def __post_init__(self) -> None:
+        check_range("Policy", "audit_every", self.audit_every, 0, 1_000_000)
+        check_range("Policy", "streams", self.streams, 1, MAX_STREAMS)
+        check_range("Policy", "bucket_mb", self.bucket_mb, 0, MAX_BUCKET_MB)
 
     @property
     def mode(self) -> Mode:
         return Mode.SYNC if self.diloco is None else Mode.DILOCO
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        codec: str = "none",
+        aggregate: str = "mean",
+        fragments: str = "",
+        audit_every: int = AUDIT_EVERY,
+        streams: int = STREAMS,
+        bucket_mb: float = BUCKET_MB,
+        mode: str = "sync",
+        inner_steps: int = INNER_STEPS,
+        outer_lr: float = OUTER_LR,
+        outer_momentum: float = OUTER_MOMENTUM,
+        outer_overlap: bool = False,
+    ) -> Policy:
+        """The policy as flags and the wire spell it (each argument is its flag's); raises a
+        ConfigError naming the value that does not parse."""
+        try:
+            spec = CodecSpec.parse(codec)
+        except ValueError as exc:
+            raise ConfigError(f"Policy.codec: {exc}") from None
+        if mode not in set(Mode):
+            raise ConfigError(f"Policy.mode = {mode!r}: choose 'sync' or 'diloco' (--mode)")
+        try:
+            rule = parse_rule(aggregate)
+        except ConfigError as exc:
+            raise ConfigError(f"Policy.aggregate: {exc}") from None
+        outer = DiLoCoPolicy(inner_steps, outer_lr, outer_momentum, outer_overlap)  # checked in either mode
+        return cls(
+            codec=spec,
+            aggregate=rule,
+            fragments=parse_fragments(fragments) if fragments else None,
+            audit_every=audit_every,
+            streams=streams,
+            bucket_mb=bucket_mb,
+            diloco=outer if mode == Mode.DILOCO else None,
+        )

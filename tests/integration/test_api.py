@@ -8,14 +8,14 @@ import urllib.request
 import pytest
 
 from integration.helpers import assert_promises
-from unbroken import Coordinator, CoordinatorConfig
+from unbroken import Coordinator, CoordinatorConfig, MembershipConfig, ServiceConfig
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_embedded_coordinator_serves_state(make_cluster):
     env = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "20"}
-    coord = Coordinator(CoordinatorConfig(port=0, min_nodes=2)).start()
+    coord = Coordinator(CoordinatorConfig(ServiceConfig(port=0), MembershipConfig(min_nodes=2))).start()
     try:
         c = make_cluster(env=env)
         c.address = coord.address

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from integration.helpers import assert_promises, events_of
-from unbroken import Coordinator, CoordinatorConfig
+from unbroken import Coordinator, CoordinatorConfig, MembershipConfig, ServiceConfig
 from unbroken.control import auth
 from unbroken.control import messages as m
 
@@ -62,7 +62,9 @@ async def _handshake(
 
 
 def test_a_replayed_hello_is_refused():
-    coord = Coordinator(CoordinatorConfig(port=0, token=TOKEN, recovery_window_s=0)).start()
+    coord = Coordinator(
+        CoordinatorConfig(ServiceConfig(port=0, token=TOKEN), MembershipConfig(recovery_window_s=0))
+    ).start()
     try:
         url = f"http://{coord.address[0]}:{coord.address[1]}/ws"
         knock, first, challenge = asyncio.run(_handshake(url, None, TOKEN))
@@ -135,7 +137,11 @@ def test_tls_control_plane_end_to_end(make_cluster, tmp_path):
     cert.private_key_and_cert_chain_pem.write_to_path(str(cert_pem))
     cert.private_key_pem.write_to_path(str(key_pem))
     ca.cert_pem.write_to_path(str(ca_pem))
-    coord = Coordinator(CoordinatorConfig(port=0, min_nodes=2, token=TOKEN, tls_cert=cert_pem, tls_key=key_pem)).start()
+    coord = Coordinator(
+        CoordinatorConfig(
+            ServiceConfig(port=0, token=TOKEN, tls_cert=cert_pem, tls_key=key_pem), MembershipConfig(min_nodes=2)
+        )
+    ).start()
     try:
         c = make_cluster(env=ENV)
         c.address = coord.address

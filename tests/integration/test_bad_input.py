@@ -51,7 +51,7 @@ def test_unreachable_coordinator_is_a_clear_error_after_a_bounded_wait():
         (["node", JOB, "--coordinator", "nowhere"], "coordinator address 'nowhere' is not of the form HOST:PORT"),
         (["node", JOB, "--coordinator", "127.0.0.1:1", "--checkpoint-every", "5"], "checkpoint_dir is not"),
         (["node", "no_such_file.py:job", "--coordinator", "127.0.0.1:1"], "job file no_such_file.py does not exist"),
-        (["coordinator", "--lease", "0"], "CoordinatorConfig.lease_s = 0.0 is out of range"),
+        (["coordinator", "--lease", "0"], "MembershipConfig.lease_s = 0.0 is out of range"),
         (["node", JOB, "--coordinator", "127.0.0.1:1", "--fault", "boom@x:1"], "SIGNAL@PHASE:STEP"),
         (
             ["node", JOB, "--coordinator", "127.0.0.1:1", "--device", "cuda"],

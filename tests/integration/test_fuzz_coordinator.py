@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unbroken import Coordinator, CoordinatorConfig
+from unbroken import Coordinator, CoordinatorConfig, MembershipConfig, ServiceConfig
 from unbroken.control import auth
 from unbroken.control import messages as m
 from unbroken.events import Kind
@@ -107,7 +107,9 @@ frames = st.lists(
 
 
 def test_hostile_sessions_never_crash_the_coordinator_or_change_membership():
-    coord = Coordinator(CoordinatorConfig(port=0, token=TOKEN, recovery_window_s=0, lease_s=2.0)).start()
+    coord = Coordinator(
+        CoordinatorConfig(ServiceConfig(port=0, token=TOKEN), MembershipConfig(recovery_window_s=0, lease_s=2.0))
+    ).start()
     host, port = coord.address
     url = f"http://{host}:{port}/ws"
     members = [Member(url, "a"), Member(url, "b")]

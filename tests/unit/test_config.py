@@ -1,43 +1,75 @@
-"""NodeConfig, CoordinatorConfig and parse_address: errors that name the field and the range."""
+"""NodeConfig, CoordinatorConfig's sections and parse_address: errors that name the field and the range."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from unbroken.config import CoordinatorConfig, NodeConfig, parse_address
+from unbroken.config import CoordinatorConfig, MembershipConfig, NodeConfig, ServiceConfig, parse_address
 from unbroken.errors import ConfigError
+from unbroken.specs import CodecSpec, DiLoCoPolicy, Policy
 
 ADDR = (("127.0.0.1", 29400),)
 
 
 def test_defaults_are_valid() -> None:
     c = CoordinatorConfig()
-    assert (c.host, c.port, c.lease_s, c.min_nodes) == ("127.0.0.1", 29400, 1.0, 1)
+    assert (c.service.host, c.service.port, c.membership.lease_s, c.membership.min_nodes) == (
+        "127.0.0.1",
+        29400,
+        1.0,
+        1,
+    )
+    assert c.policy == Policy()
     n = NodeConfig(coordinators=ADDR)
     assert n.weight == 1.0 and n.checkpoint_dir is None
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "range_words"),
+    ("owner", "field", "value", "range_words"),
     [
-        ("port", -1, "between 0 and 65535"),
-        ("port", 65536, "between 0 and 65535"),
-        ("build_deadline_s", 0.1, "between 0.5 and 3600"),
-        ("lease_s", 0.01, "between 0.05 and 3600"),
-        ("lease_s", 7200.0, "between 0.05 and 3600"),
-        ("recovery_window_s", -1.0, "between 0 and 3600"),
-        ("min_nodes", 0, "between 1 and 100000"),
-        ("max_message_bytes", 100, "at least 1024"),
+        (ServiceConfig, "port", -1, "between 0 and 65535"),
+        (ServiceConfig, "port", 65536, "between 0 and 65535"),
+        (ServiceConfig, "max_message_bytes", 100, "at least 1024"),
+        (MembershipConfig, "build_deadline_s", 0.1, "between 0.5 and 3600"),
+        (MembershipConfig, "lease_s", 0.01, "between 0.05 and 3600"),
+        (MembershipConfig, "lease_s", 7200.0, "between 0.05 and 3600"),
+        (MembershipConfig, "recovery_window_s", -1.0, "between 0 and 3600"),
+        (MembershipConfig, "min_nodes", 0, "between 1 and 100000"),
+        (Policy, "streams", 0, "between 1 and 16"),
+        (Policy, "bucket_mb", -1.0, "between 0 and 1024.0"),
+        (Policy, "audit_every", -1, "between 0 and 1000000"),
+        (DiLoCoPolicy, "inner_steps", 0, "between 1 and 1000000"),
+        (DiLoCoPolicy, "outer_lr", float("nan"), "between 1e-06 and 100"),
+        (DiLoCoPolicy, "outer_momentum", 1.0, "between 0 and 0.999"),
+        (CodecSpec, "name", "int3", "is not one of none, fp16"),
     ],
 )
-def test_coordinator_config_errors_name_the_field_value_and_range(field: str, value: float, range_words: str) -> None:
+def test_coordinator_config_errors_name_the_section_field_value_and_range(
+    owner: type, field: str, value: float, range_words: str
+) -> None:
     with pytest.raises(ConfigError) as err:
-        CoordinatorConfig(**{field: value})  # type: ignore[arg-type]
+        owner(**{field: value})
     msg = str(err.value)
-    assert f"CoordinatorConfig.{field} = {value!r}" in msg
+    assert f"{owner.__name__}.{field} = {value!r}" in msg
     assert range_words in msg
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        ({"codec": "int3"}, "Policy.codec: codec 'int3' is not one of"),
+        ({"mode": "async"}, "Policy.mode = 'async': choose 'sync' or 'diloco'"),
+        ({"aggregate": "median"}, "Policy.aggregate: aggregation 'median' is not one of"),
+        ({"fragments": "3"}, "fragments '3' is not K,M"),
+        ({"inner_steps": 0}, "DiLoCoPolicy.inner_steps = 0"),  # refused in synchronous mode too
+    ],
+)
+def test_a_policy_spelled_as_flags_names_what_does_not_parse(flags: dict[str, object], words: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        Policy.parse(**flags)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -85,8 +117,8 @@ def test_display_name_defaults_to_host_and_pid() -> None:
 @pytest.mark.parametrize(
     ("cls", "field"),
     [
-        (CoordinatorConfig, "lease_s"),
-        (CoordinatorConfig, "recovery_window_s"),
+        (MembershipConfig, "lease_s"),
+        (MembershipConfig, "recovery_window_s"),
         (NodeConfig, "connect_timeout_s"),
         (NodeConfig, "collective_timeout_s"),
     ],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import get_args
 
 from unbroken import specs
@@ -19,31 +20,33 @@ def test_diloco_defaults_are_the_same_in_the_config_the_epoch_order_and_the_cli(
         ("outer_lr", specs.OUTER_LR),
         ("outer_momentum", specs.OUTER_MOMENTUM),
     ):
-        assert getattr(CoordinatorConfig(), name) == order[name].default == getattr(cli, name) == default, name
-        assert getattr(typed, name) == default, name
+        assert getattr(typed, name) == order[name].default == getattr(cli, name) == default, name
     for name, default in (
         ("streams", specs.STREAMS),
         ("bucket_mb", specs.BUCKET_MB),
         ("audit_every", specs.AUDIT_EVERY),
-        ("codec", "none"),
-        ("aggregate", "mean"),
-        ("fragments", ""),
     ):
-        assert getattr(CoordinatorConfig(), name) == order[name].default == getattr(cli, name) == default, name
-    assert m.PolicyMsg().parsed() == specs.Policy()
+        assert getattr(specs.Policy(), name) == order[name].default == getattr(cli, name) == default, name
+    for name, default in (("codec", "none"), ("aggregate", "mean"), ("fragments", "")):
+        assert order[name].default == getattr(cli, name) == default, name
+    assert m.PolicyMsg().parsed() == specs.Policy() == CoordinatorConfig().policy
+    assert tuple(m.PolicyMsg.model_fields) == specs.POLICY_FLAGS
+    assert tuple(inspect.signature(specs.Policy.parse).parameters) == specs.POLICY_FLAGS
+    assert all(hasattr(cli, name) for name in specs.POLICY_FLAGS)
 
 
 def test_the_policy_is_parsed_once_and_carried_whole() -> None:
-    config = CoordinatorConfig(
+    policy = specs.Policy.parse(
         mode="diloco", codec="topk:0.05", aggregate="clip:3", fragments="3,2", outer_overlap=True
     )
-    policy = config.policy
     assert policy.mode is specs.Mode.DILOCO and policy.diloco == specs.DiLoCoPolicy(overlap=True)
     assert policy.codec == specs.CodecSpec("topk", 0.05) and policy.aggregate == specs.Rule("clip", 3.0)
     assert policy.fragments == specs.Fragments(3, 2)
     wire = m.PolicyMsg.model_validate_json(m.PolicyMsg.of(policy).model_dump_json())
     assert wire.parsed() == policy
-    assert CoordinatorConfig().policy == specs.Policy()
+    argv = ["coordinator", "--mode", "diloco", "--codec", "topk:0.05", "--aggregate", "clip:3", "--fragments", "3,2"]
+    cli = build_parser().parse_args([*argv, "--outer-overlap"])
+    assert specs.Policy.parse(**{name: getattr(cli, name) for name in specs.POLICY_FLAGS}) == policy
 
 
 def test_roles_a_node_may_ask_for_are_the_same_everywhere() -> None:

@@ -28,45 +28,51 @@ from unbroken.config import (
     ENV_ETCD,
     READY_PREFIX,
     CoordinatorConfig,
+    MembershipConfig,
     NodeConfig,
+    ServiceConfig,
     parse_address,
 )
 from unbroken.control.auth import ENV_TOKEN, load_token
 from unbroken.control.etcd import parse_endpoints
 from unbroken.errors import ConfigError, UnbrokenError
-from unbroken.specs import AUDIT_EVERY, BUCKET_MB, INNER_STEPS, OUTER_LR, OUTER_MOMENTUM, ROLES, STREAMS
+from unbroken.specs import (
+    AUDIT_EVERY,
+    BUCKET_MB,
+    INNER_STEPS,
+    OUTER_LR,
+    OUTER_MOMENTUM,
+    POLICY_FLAGS,
+    ROLES,
+    STREAMS,
+    Policy,
+)
 
 
 def _coordinator(args: argparse.Namespace) -> int:
     from unbroken.control.coordinator import Coordinator
 
     config = CoordinatorConfig(
-        host=args.host,
-        port=args.port,
-        build_deadline_s=args.build_deadline,
-        lease_s=args.lease,
-        recovery_window_s=args.recovery_window,
-        min_nodes=args.min_nodes,
-        event_log=Path(args.event_log) if args.event_log else None,
-        balance=args.balance == "throughput",
-        codec=args.codec,
-        streams=args.streams,
-        bucket_mb=args.bucket_mb,
-        aggregate=args.aggregate,
-        audit_every=args.audit_every,
-        fragments=args.fragments,
-        mode=args.mode,
-        inner_steps=args.inner_steps,
-        outer_lr=args.outer_lr,
-        outer_momentum=args.outer_momentum,
-        outer_overlap=args.outer_overlap,
-        token=load_token(args.token, args.token_file),
-        tls_cert=Path(args.tls_cert) if args.tls_cert else None,
-        tls_key=Path(args.tls_key) if args.tls_key else None,
-        etcd=_etcd(args),
-        etcd_prefix=args.etcd_prefix,
-        etcd_ttl_s=args.etcd_ttl,
-        advertise=args.advertise or "",
+        service=ServiceConfig(
+            host=args.host,
+            port=args.port,
+            advertise=args.advertise or "",
+            event_log=Path(args.event_log) if args.event_log else None,
+            token=load_token(args.token, args.token_file),
+            tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+            tls_key=Path(args.tls_key) if args.tls_key else None,
+            etcd=_etcd(args),
+            etcd_prefix=args.etcd_prefix,
+            etcd_ttl_s=args.etcd_ttl,
+        ),
+        membership=MembershipConfig(
+            lease_s=args.lease,
+            build_deadline_s=args.build_deadline,
+            recovery_window_s=args.recovery_window,
+            min_nodes=args.min_nodes,
+            balance=args.balance == "throughput",
+        ),
+        policy=Policy.parse(**{name: getattr(args, name) for name in POLICY_FLAGS}),
     )
     coord = Coordinator(config)
 
@@ -79,7 +85,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         await asyncio.sleep(0.05)
         host, port = coord.address
         print(f"{READY_PREFIX} {host}:{port}", flush=True)
-        scheme = "https" if config.tls_cert else "http"
+        scheme = "https" if config.service.tls_cert else "http"
         url = f"{scheme}://{host}:{port}"
         print(
             f"unbroken coordinator on {url}  (dashboard: {url}/, state: {url}/api/state)", file=sys.stderr, flush=True
@@ -96,7 +102,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         asyncio.run(serve())
     except OSError as exc:
         raise ConfigError(
-            f"cannot listen on {config.host}:{config.port} ({exc.strerror or exc}); "
+            f"cannot listen on {config.service.host}:{config.service.port} ({exc.strerror or exc}); "
             "is another coordinator running there? Use --port 0 or another port"
         ) from None
     return 0

@@ -2,7 +2,7 @@
 
 Run it with ``unbroken coordinator --host H --port P``, or from Python::
 
-    coord = Coordinator(CoordinatorConfig(port=0))
+    coord = Coordinator(CoordinatorConfig(ServiceConfig(port=0)))
     coord.start()            # serves from a background thread
     print(coord.address)     # ("127.0.0.1", 41234)
     coord.stop()
@@ -83,10 +83,10 @@ class Coordinator(ThreadedService):
         super().__init__()
         self.config = config or CoordinatorConfig()
         self.coordinator_id = uuid.uuid4().hex[:12]
-        self.token = self.config.token
+        self.token = self.config.service.token
         self.membership = self._new_membership()
         self.office = Office(
-            self.config,
+            self.config.service,
             self.coordinator_id,
             lambda: self.address,
             job=lambda: self.membership.job,
@@ -95,7 +95,7 @@ class Coordinator(ThreadedService):
             on_deposed=self._deposed,
             deliver=self._send_decision,
         )
-        self.events = EventLog(self.config.event_log, MAX_EVENTS)
+        self.events = EventLog(self.config.service.event_log, MAX_EVENTS)
         """The job's events (``/api/events?since=`` pages by their ``seq``)."""
         self.history = History()
         self.anomalies = Detector()
@@ -108,34 +108,26 @@ class Coordinator(ThreadedService):
         self._last_order: m.EpochOrder | None = None
         self._told: dict[str, int] = {}
         """The epoch of the last order each member's session was sent."""
-        self.rendezvous = Rendezvous(self.config.build_deadline_s)
+        self.rendezvous = Rendezvous(self.config.membership.build_deadline_s)
         """The data plane's rendezvous entries of the last epochs (`control.meeting`)."""
         self._meet_flush: asyncio.Handle | None = None
         self.doorman = Doorman()
         self.quiet = Quiet()
         self._runner: web.AppRunner | None = None
-        self.address: tuple[str, int] = (self.config.host, self.config.port)
+        self.address: tuple[str, int] = (self.config.service.host, self.config.service.port)
         self._prompted = False
         self.loop_lag_s = 0.0
         """The longest stall of the event loop seen (leases were extended by each)."""
 
     def _new_membership(self) -> Membership:
-        return Membership(
-            lease_s=self.config.lease_s,
-            now=time.monotonic(),
-            recovering=True,
-            recovery_window_s=self.config.recovery_window_s,
-            min_nodes=self.config.min_nodes,
-            balance=self.config.balance,
-            policy=self.config.policy,
-        )
+        return Membership(self.config.membership, now=time.monotonic(), recovering=True, policy=self.config.policy)
 
     # ---------------------------------------------------------------- lifecycle
 
     async def serve(self) -> None:
         """Serve until `stop` is called (or the task is cancelled)."""
         stopping = self._begin()
-        app = web.Application(client_max_size=self.config.max_message_bytes)
+        app = web.Application(client_max_size=self.config.service.max_message_bytes)
         app.router.add_get("/api/state", self._state)
         app.router.add_get("/healthz", self._health)
         app.router.add_get("/ws", self._ws)
@@ -143,17 +135,22 @@ class Coordinator(ThreadedService):
         add_routes(app, self)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
         await self._runner.setup()
+        service = self.config.service
         ssl_context = None
-        if self.config.tls_cert is not None and self.config.tls_key is not None:
+        if service.tls_cert is not None and service.tls_key is not None:
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            ssl_context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+            ssl_context.load_cert_chain(service.tls_cert, service.tls_key)
         site = web.TCPSite(
-            self._runner, self.config.host, self.config.port, reuse_address=True, ssl_context=ssl_context
+            self._runner,
+            service.host,
+            service.port,
+            reuse_address=True,
+            ssl_context=ssl_context,
         )
         await site.start()
         sockets = getattr(site._server, "sockets", None) or []
         if sockets:
-            self.address = (self.config.host, sockets[0].getsockname()[1])
+            self.address = (self.config.service.host, sockets[0].getsockname()[1])
         log.info("coordinator %s on %s:%d", self.coordinator_id, *self.address)
         ticker = asyncio.create_task(self._tick_forever(), name="coordinator-tick")
         try:
@@ -184,7 +181,7 @@ class Coordinator(ThreadedService):
         """A fresh view for the new term: the nodes hand theirs over as they reconnect."""
         self._record(Event(time.monotonic(), Kind.LEADER, None, 0, 0, f"{self.office.advertised} leads (term {term})"))
         self._drop_sessions()
-        self.rendezvous = Rendezvous(self.config.build_deadline_s)  # the new term's epochs meet anew
+        self.rendezvous = Rendezvous(self.config.membership.build_deadline_s)  # the new term's epochs meet anew
         self.membership = self._new_membership()
         self.membership.term = term
         self.membership.number_above(epoch_floor)
@@ -306,7 +303,7 @@ class Coordinator(ThreadedService):
     # ---------------------------------------------------------------- sessions
 
     async def _ws(self, request: web.Request) -> web.StreamResponse:
-        limit = self.config.max_message_bytes
+        limit = self.config.service.max_message_bytes
         ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=None)
         await ws.prepare(request)
         peer = request.remote or "?"
@@ -394,7 +391,7 @@ class Coordinator(ThreadedService):
         session = open_session()
         self._sessions[mid] = session
         self._told.pop(mid, None)  # a new session: its next order goes in full
-        lease = self.config.lease_s
+        lease = self.config.membership.lease_s
         session.send(
             m.Welcome(
                 lease_s=lease,
@@ -404,7 +401,7 @@ class Coordinator(ThreadedService):
                 proof=proof,
                 term=self.term,
                 group_step=group_step,
-                build_deadline_s=self.config.build_deadline_s,
+                build_deadline_s=self.config.membership.build_deadline_s,
             )
         )
         self._apply(decision)
@@ -474,7 +471,7 @@ class Coordinator(ThreadedService):
         renewed by its batches alone, would lapse with it. They get two leases and a half
         from now to come back instead (they leave a relay that stops acknowledging after
         two). A relay merely slow is dropped too: its members only reconnect."""
-        lease = self.config.lease_s
+        lease = self.config.membership.lease_s
         for link in [r for r in self._relays.values() if now - r.heard_at > lease / 2]:
             log.warning("relay %s silent for %.2f s: its members are detached", link.relay_id, now - link.heard_at)
             members = list(link.members)
@@ -604,7 +601,8 @@ class Coordinator(ThreadedService):
             return
         for mid, groups in self.rendezvous.absent(last.epoch, now).items():
             why = (
-                f"did not join the data plane of epoch {last.epoch} within {self.config.build_deadline_s:g} s "
+                f"did not join the data plane of epoch {last.epoch} "
+                f"within {self.config.membership.build_deadline_s:g} s "
                 f"of most of its group (no rendezvous entry for {', '.join(groups)}): its data plane is "
                 "not running, or stuck before building its groups"
             )
@@ -621,7 +619,7 @@ class Coordinator(ThreadedService):
             # count against anyone's lease, as etcd extends leases after a leader pause; and
             # heartbeats may still sit unread in the sockets, so this tick expires nothing.
             lag = now - last - TICK_S
-            late = lag > self.config.lease_s / 2
+            late = lag > self.config.membership.lease_s / 2
             if lag > LAG_FORGIVEN_S:
                 self.membership.pause(lag)
                 for link in self._relays.values():

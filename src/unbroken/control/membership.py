@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from unbroken.config import MembershipConfig
 from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
 from unbroken.control.hearsay import PERIOD_S as HEARSAY_PERIOD_S
 from unbroken.control.hearsay import Hearsay, Report
@@ -175,23 +176,23 @@ class Membership:
 
     def __init__(
         self,
+        config: MembershipConfig | None = None,
         *,
-        lease_s: float,
         now: float,
         recovering: bool = False,
-        recovery_window_s: float = 3.0,
-        min_nodes: int = 1,
-        balance: bool = True,
         policy: Policy | None = None,
     ) -> None:
+        """``recovering``: a coordinator (re)started while a group may be training: wait up to
+        ``config.recovery_window_s`` for the last epoch's members before forming one."""
+        config = config or MembershipConfig()
         self.policy = policy or Policy()
         """How the group trains: every epoch order carries it (`_aggregate` may tighten its rule)."""
         self._policy_msg = PolicyMsg.of(self.policy)
         self.term = 0
         """The leader's term, carried by every epoch order (0 without etcd)."""
-        self.lease_s = lease_s
-        self.min_nodes = min_nodes
-        self.balance = balance
+        self.lease_s = config.lease_s
+        self.min_nodes = config.min_nodes
+        self.balance = config.balance
         """Shares and roles follow measured throughput (else: the operators' weights)."""
         self.plan: Plan | None = None
         self._rollback_to = -1
@@ -234,7 +235,7 @@ class Membership:
         """Members that reported the job's last step, with their state's digest."""
         self._accusers: dict[tuple[int, str, str], set[str]] = {}
         """(epoch, culprit or "", kind) → the members that reported it."""
-        self._hearsay = Hearsay(window_s=max(2.0, 2 * lease_s))
+        self._hearsay = Hearsay(window_s=max(2.0, 2 * config.lease_s))
         """Reports of failed collectives that nothing else bore out yet."""
         self._witnesses: dict[int, dict[str, str]] = {}
         """The last epochs' members, each with its zone (who could see a verdict's evidence)."""
@@ -249,7 +250,7 @@ class Membership:
         self._pending_due: float | None = None
         self._pending_urgent = False
         self._pending_reasons: dict[str, None] = {}
-        self.recovering_until = now + recovery_window_s if recovering else None
+        self.recovering_until = now + config.recovery_window_s if recovering else None
         self._resumes: dict[str, Resume] = {}
         self._next_expiry_scan = now
 

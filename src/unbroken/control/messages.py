@@ -31,12 +31,8 @@ from unbroken.specs import (
     OUTER_LR,
     OUTER_MOMENTUM,
     STREAMS,
-    CodecSpec,
     DiLoCoPolicy,
-    Mode,
     Policy,
-    parse_fragments,
-    parse_rule,
 )
 
 PROTOCOL_VERSION = 1
@@ -371,19 +367,8 @@ class PolicyMsg(BaseModel):
         return self._parsed
 
     def _parse(self) -> Policy:
-        """Raises ValueError (or ConfigError) naming what does not parse."""
-        diloco = None
-        if self.mode == Mode.DILOCO.value:
-            diloco = DiLoCoPolicy(self.inner_steps, self.outer_lr, self.outer_momentum, self.outer_overlap)
-        return Policy(
-            codec=CodecSpec.parse(self.codec),
-            aggregate=parse_rule(self.aggregate),
-            fragments=parse_fragments(self.fragments) if self.fragments else None,
-            audit_every=self.audit_every,
-            streams=self.streams,
-            bucket_mb=self.bucket_mb,
-            diloco=diloco,
-        )
+        """Raises ConfigError naming what does not parse."""
+        return Policy.parse(**self.model_dump())
 
     @model_validator(mode="after")
     def _parses(self) -> PolicyMsg:

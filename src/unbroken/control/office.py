@@ -23,7 +23,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from unbroken.config import CoordinatorConfig
+from unbroken.config import ServiceConfig
 from unbroken.control import messages as m
 from unbroken.control.election import Leadership
 from unbroken.control.etcd import Etcd
@@ -46,7 +46,7 @@ class Office:
 
     def __init__(
         self,
-        config: CoordinatorConfig,
+        config: ServiceConfig,
         coordinator_id: str,
         address: Callable[[], tuple[str, int]],
         *,

@@ -271,7 +271,7 @@ def send_all(sessions: Mapping[str, Sender], messages: Mapping[str, BaseModel]) 
 
 async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamResponse:
     """One relay's session: its handshake, then its batches until it ends."""
-    limit = RELAY_MESSAGE_FACTOR * coord.config.max_message_bytes
+    limit = RELAY_MESSAGE_FACTOR * coord.config.service.max_message_bytes
     ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=None)
     await ws.prepare(request)
     peer = request.remote or "?"
@@ -303,7 +303,7 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
             m.RelayWelcome(
                 coordinator_id=coord.coordinator_id,
                 term=term,
-                lease_s=coord.config.lease_s,
+                lease_s=coord.config.membership.lease_s,
                 proof=auth.coordinator_proof(coord.token, challenge, hello.nonce, hello.relay_id)
                 if coord.token
                 else "",

@@ -25,7 +25,7 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from unbroken.config import CoordinatorConfig
+from unbroken.config import CoordinatorConfig, MembershipConfig, ServiceConfig
 from unbroken.control.coordinator import Coordinator
 from unbroken.testing.cluster import LocalCluster, NodeProcess
 from unbroken.testing.etcd import EtcdCluster
@@ -62,7 +62,11 @@ def run_demo(steps: int = 0, nodes: int = 3, out_dir: Path | None = None, ha: bo
                     cluster.start_coordinator()
                 cluster.wait_for(lambda: cluster.leader() is not None, 30, "a leader")
                 return _drive(console, cluster, _following(cluster), nodes, num_steps, ha=True)
-        coord = Coordinator(CoordinatorConfig(port=0, min_nodes=nodes, event_log=workdir / "events.jsonl")).start()
+        coord = Coordinator(
+            CoordinatorConfig(
+                ServiceConfig(port=0, event_log=workdir / "events.jsonl"), MembershipConfig(min_nodes=nodes)
+            )
+        ).start()
         try:
             with LocalCluster(JOB, workdir, env=env) as cluster:
                 cluster.address = coord.address

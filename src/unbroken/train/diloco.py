@@ -1,7 +1,7 @@
 """DiLoCo: zones train on their own for H inner steps, then exchange what they learned.
 
 ``unbroken coordinator --mode diloco --inner-steps H --codec int8`` (or
-``CoordinatorConfig(mode="diloco")``): inside a zone the members train synchronously —
+``CoordinatorConfig(policy=Policy(diloco=DiLoCoPolicy()))``): inside a zone the members train synchronously —
 one zone all-reduce per inner step, nothing crosses the slow links — for H inner steps (a
 *round*). Then the zones exchange their pseudo-gradients, the change of the parameters
 since the round began, compressed by the inter-zone codec; the average weighted by each
@@ -92,7 +92,7 @@ class DiLoCo:
                 "buffers would have to be carried across the round applied late; leave --outer-overlap off"
             )
         self.in_flight: _InFlight | None = None
-        """The round whose exchange runs while the next one trains (`CoordinatorConfig.outer_overlap`)."""
+        """The round whose exchange runs while the next one trains (`DiLoCoPolicy.overlap`)."""
         self._local_start: list[torch.Tensor] = []
         """This zone's parameters when the round in training began (they differ from the
         committed ones by the progress of the round in flight)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from unbroken.config import MembershipConfig
 from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
 from unbroken.control.membership import (
     FAULT_GRACE_S,
@@ -52,7 +53,7 @@ def admit_all(ms: Membership, ids: list[str], now: float, **fields: object) -> N
 
 def formed(ids: list[str], now: float = 0.0, **kwargs: object) -> Membership:
     """A membership whose first epoch holds ``ids`` (joined at ``now``, formed after settling)."""
-    ms = Membership(lease_s=LEASE, now=now, **kwargs)  # type: ignore[arg-type]
+    ms = Membership(MembershipConfig(lease_s=LEASE, **kwargs), now=now)  # type: ignore[arg-type]
     admit_all(ms, ids, now)
     order = only_order(ms.tick(now + JOIN_SETTLE_S))
     assert order.members == ids
@@ -69,7 +70,7 @@ def keep_alive(ms: Membership, now: float, step: int = 0) -> None:
 
 
 def test_joins_within_the_settle_time_share_one_epoch() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     ms.admit(hello("a"), 0.0)
     ms.admit(hello("b", weight=2.0), JOIN_SETTLE_S * 0.8)
     assert ms.tick(JOIN_SETTLE_S * 0.9).orders == {}  # still settling
@@ -96,7 +97,7 @@ def test_a_join_after_the_first_epoch_makes_a_second_one_with_old_members_first(
 
 
 def test_min_nodes_holds_the_first_epoch_until_enough_have_joined() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0, min_nodes=3)
+    ms = Membership(MembershipConfig(lease_s=LEASE, min_nodes=3), now=0.0)
     admit_all(ms, ["a", "b"], 0.0)
     assert ms.tick(JOIN_SETTLE_S).orders == {}
     keep_alive(ms, 0.5)
@@ -109,7 +110,7 @@ def test_min_nodes_holds_the_first_epoch_until_enough_have_joined() -> None:
 
 
 def test_a_cold_start_from_a_checkpoint_waits_for_min_nodes_and_numbers_above_its_epoch() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0, min_nodes=2)
+    ms = Membership(MembershipConfig(lease_s=LEASE, min_nodes=2), now=0.0)
     ms.admit(hello("a", step=20, restored_epoch=9), 0.0)
     keep_alive(ms, JOIN_SETTLE_S)
     assert ms.tick(JOIN_SETTLE_S).orders == {}
@@ -120,14 +121,14 @@ def test_a_cold_start_from_a_checkpoint_waits_for_min_nodes_and_numbers_above_it
 
 
 def test_a_live_node_with_steps_behind_it_does_not_wait_for_min_nodes() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0, min_nodes=2)
+    ms = Membership(MembershipConfig(lease_s=LEASE, min_nodes=2), now=0.0)
     ms.admit(hello("a", step=20), 0.0)
     keep_alive(ms, JOIN_SETTLE_S)
     assert only_order(ms.tick(JOIN_SETTLE_S)).members == ["a"]
 
 
 def test_a_validator_that_joins_first_waits_for_a_node_that_may_train() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     assert ms.admit(hello("v", role="validator"), 0.0).refuse is None
     keep_alive(ms, 1.0)
     assert ms.tick(1.0).orders == {}, "a validator never trains, not even alone"
@@ -321,7 +322,7 @@ def test_in_an_epoch_of_two_one_word_against_another_benches_nobody() -> None:
 
 
 def test_an_unreachable_report_cannot_narrow_its_witnesses_to_a_zone() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     zones = {"a": "z1", "b": "z1", "f": "z1", "g": "z1", "c": "z2", "d": "z2", "e": "z2"}
     for mid, zone in zones.items():
         assert ms.admit(hello(mid, zone=zone), 0.0).refuse is None
@@ -560,7 +561,7 @@ def test_finished_members_outlive_their_lease_and_their_session() -> None:
 
 
 def test_one_members_done_finishes_nothing() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     for mid in ("a", "b", "c"):
         ms.admit(hello(mid, steps=40), 0.0)
     ms.tick(JOIN_SETTLE_S)
@@ -576,7 +577,7 @@ def test_one_members_done_finishes_nothing() -> None:
 
 
 def test_a_finisher_leaving_before_the_others_report_is_no_failure() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     for mid in ("a", "b"):
         ms.admit(hello(mid, steps=40), 0.0)
     ms.tick(JOIN_SETTLE_S)
@@ -592,7 +593,7 @@ def test_a_finisher_leaving_before_the_others_report_is_no_failure() -> None:
 
 
 def test_last_epoch_in_a_hello_raises_the_epoch_counter() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     ms.admit(hello("a", last_epoch=41), 0.0)
     ms.admit(hello("b", last_epoch=7), 0.0)
     order = only_order(ms.tick(JOIN_SETTLE_S))
@@ -631,7 +632,7 @@ def resume_hello(member_id: str, epoch: int = 7, members: tuple[str, ...] = ("a"
 
 
 def test_recovery_adopts_the_epoch_when_all_its_members_return() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     assert ms.admit(resume_hello("a"), 0.1).orders == {}
     keep_alive(ms, 0.2)
     assert ms.tick(0.2).orders == {}  # b is not back yet
@@ -649,7 +650,7 @@ def test_recovery_adopts_the_epoch_when_all_its_members_return() -> None:
 
 
 def test_after_adoption_a_failure_makes_an_epoch_above_the_adopted_one() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     ms.admit(resume_hello("a"), 0.1)
     ms.admit(resume_hello("b"), 0.1)
     ms.tick(0.2)
@@ -659,7 +660,7 @@ def test_after_adoption_a_failure_makes_an_epoch_above_the_adopted_one() -> None
 
 
 def test_recovery_without_a_missing_member_ends_in_an_urgent_epoch_a_lease_after_the_first_is_back() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     ms.admit(resume_hello("a"), 0.1)
     for t in (0.5, 1.0, 1.3):
         keep_alive(ms, t)
@@ -678,7 +679,7 @@ def test_a_hello_without_resume_shortens_recovery_to_a_grace_period() -> None:
     from unbroken.control.membership import FRESH_JOB_GRACE_S
 
     grace = max(FRESH_JOB_GRACE_S, 2 * LEASE)
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=30.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=30.0), now=0.0, recovering=True)
     ms.admit(hello("a"), 0.0)
     keep_alive(ms, grace / 2)
     assert ms.tick(grace / 2).orders == {}  # members of a live group may still come back
@@ -690,7 +691,7 @@ def test_a_hello_without_resume_shortens_recovery_to_a_grace_period() -> None:
 
 def test_a_new_node_first_after_a_restart_does_not_start_a_second_group() -> None:
     # The coordinator restarted; a fresh node reconnects before the live group does.
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     ms.admit(hello("new"), 0.05)
     ms.admit(resume_hello("a"), 0.2)
     ms.admit(resume_hello("b"), 0.3)
@@ -702,7 +703,7 @@ def test_a_new_node_first_after_a_restart_does_not_start_a_second_group() -> Non
 
 
 def test_a_new_node_during_recovery_joins_right_after_adoption() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     ms.admit(resume_hello("a"), 0.1)
     ms.admit(hello("c"), 0.2)
     keep_alive(ms, 0.3)
@@ -719,7 +720,7 @@ def test_a_new_node_during_recovery_joins_right_after_adoption() -> None:
 
 def test_min_nodes_does_not_hold_a_restarted_job_whose_member_is_missing() -> None:
     """After a restart, a job that already ran must go on with fewer nodes than min_nodes."""
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0, min_nodes=3)
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0, min_nodes=3), now=0.0, recovering=True)
     ms.admit(resume_hello("a"), 0.1)
     keep_alive(ms, 3.0)
     order = only_order(ms.tick(3.0))
@@ -727,7 +728,7 @@ def test_min_nodes_does_not_hold_a_restarted_job_whose_member_is_missing() -> No
 
 
 def test_min_nodes_holds_a_fresh_job() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0, min_nodes=2)
+    ms = Membership(MembershipConfig(lease_s=LEASE, min_nodes=2), now=0.0)
     ms.admit(hello("a"), 0.0)
     keep_alive(ms, 0.5)
     assert ms.tick(0.5).orders == {}
@@ -774,14 +775,14 @@ def test_a_reconnect_that_replaces_an_open_session_keeps_the_member_and_its_epoc
 
 
 def test_orders_carry_the_leaders_term():
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     ms.term = 42
     admit_all(ms, ["a"], 0.0)
     assert only_order(ms.tick(JOIN_SETTLE_S)).term == 42
 
 
 def test_a_member_that_abandoned_the_newest_epoch_ends_a_new_leaders_wait_early():
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     resume = {"epoch": 5, "members": ["a", "b", "c"], "step": 40}
     assert ms.admit(hello("a", resume=Resume(**resume, abandoned=True), last_epoch=5), 0.0).refuse is None
     assert ms.admit(hello("b", resume=Resume(**resume, abandoned=True), last_epoch=5), 0.05).refuse is None
@@ -793,7 +794,7 @@ def test_a_member_that_abandoned_the_newest_epoch_ends_a_new_leaders_wait_early(
 
 
 def test_an_intact_epoch_is_still_adopted_when_everyone_is_back():
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     resume = {"epoch": 5, "members": ["a", "b"], "step": 40, "shares": [6, 6], "roles": ["trainer", "trainer"]}
     for mid in ("a", "b"):
         assert ms.admit(hello(mid, resume=Resume(**resume), last_epoch=5), 0.0).refuse is None
@@ -803,7 +804,7 @@ def test_an_intact_epoch_is_still_adopted_when_everyone_is_back():
 
 
 def test_after_a_restart_members_not_back_within_a_lease_of_the_first_are_not_waited_for():
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     resume = {"epoch": 5, "members": ["a", "b", "c"], "step": 40}
     for mid in ("a", "b"):
         assert ms.admit(hello(mid, resume=Resume(**resume), last_epoch=5), 0.1).refuse is None
@@ -815,7 +816,7 @@ def test_after_a_restart_members_not_back_within_a_lease_of_the_first_are_not_wa
 
 
 def test_a_failure_reported_during_a_recovery_ends_it_after_a_settle():
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     resume = {"epoch": 5, "members": ["a", "b", "c"], "step": 40}
     for mid in ("a", "b", "c"):
         assert ms.admit(hello(mid, resume=Resume(**resume), last_epoch=5), 0.0).refuse is None
@@ -825,7 +826,7 @@ def test_a_failure_reported_during_a_recovery_ends_it_after_a_settle():
 
 
 def test_a_collective_failure_reported_during_a_recovery_ends_it_after_a_settle():
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     resume = {"epoch": 5, "members": ["a", "b", "c"], "step": 40}
     for mid in ("a", "b"):
         assert ms.admit(hello(mid, resume=Resume(**resume), last_epoch=5), 0.0).refuse is None
@@ -858,7 +859,7 @@ def test_extended_leases_lapse_only_after_the_time_given() -> None:
 
 
 def test_leaders_measure_their_links_and_the_next_epoch_leaves_the_slow_pairs_out_of_the_ring() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     zones = {"a": "A", "b": "B", "c": "C", "d": "D", "a2": "A"}
     for mid, zone in zones.items():
         assert ms.admit(hello(mid, zone=zone), 0.0).refuse is None
@@ -886,7 +887,7 @@ def test_leaders_measure_their_links_and_the_next_epoch_leaves_the_slow_pairs_ou
 
 
 def test_a_ring_reorder_names_only_the_ring_the_epoch_forms_with() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     zones = {"a": "A", "b": "B", "c": "C", "d": "D"}
     for mid, zone in zones.items():
         assert ms.admit(hello(mid, zone=zone), 0.0).refuse is None

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from unbroken.config import MembershipConfig
 from unbroken.control.membership import (
     JOIN_SETTLE_S,
     PLAN_DWELL_S,
@@ -55,7 +56,7 @@ def form(
     speeds: dict[str, float], batch_size: int, *, now: float = 0.0, ms: Membership | None = None, **hello_fields: object
 ) -> tuple[Membership, Decision]:
     """Admit members with these per-sample times at ``now`` and form the first epoch."""
-    ms = ms or Membership(lease_s=LEASE, now=now)
+    ms = ms or Membership(MembershipConfig(lease_s=LEASE), now=now)
     for mid, per_sample in speeds.items():
         d = ms.admit(hello(mid, batch_size, per_sample, **hello_fields), now)
         assert d.refuse is None, d.refuse
@@ -101,7 +102,7 @@ def test_shares_follow_measured_speed_and_sum_to_the_batch() -> None:
 
 
 def test_shares_are_ordered_by_speed_whatever_the_join_order() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     for i, (mid, per_sample) in enumerate((("slow", 4 * FAST), ("fast", FAST), ("mid", 2 * FAST))):
         ms.admit(hello(mid, 70, per_sample), i * 0.01)  # rank = join order
     order = only_order(ms.tick(0.02 + JOIN_SETTLE_S))
@@ -110,7 +111,7 @@ def test_shares_are_ordered_by_speed_whatever_the_join_order() -> None:
 
 
 def test_microbatches_honour_each_nodes_memory_cap() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     caps = {"a": (FAST, 16), "b": (2 * FAST, 0), "c": (4 * FAST, 3)}
     for mid, (per_sample, cap) in caps.items():
         ms.admit(
@@ -127,7 +128,7 @@ def test_microbatches_honour_each_nodes_memory_cap() -> None:
 
 
 def test_a_node_that_fits_not_one_sample_does_not_train() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     ms.admit(hello("a", 12), 0.0)
     ms.admit(hello("b", 12, capabilities=Capabilities(per_sample_s=FAST, max_microbatch=-1, measurements=3)), 0.0)
     d = ms.tick(JOIN_SETTLE_S)
@@ -156,7 +157,7 @@ def test_a_far_slower_node_gets_no_share_and_another_role(evaluates: bool, role:
 def test_a_slow_node_is_dropped_when_it_would_lengthen_the_step() -> None:
     # Its share would not round to zero, but its fixed cost per micro-batch makes even one
     # sample take longer than the whole step of the others.
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     ms.admit(hello("a", 20), 0.0)
     ms.admit(hello("b", 20), 0.0)
     caps = Capabilities(per_sample_s=FAST, overhead_s=0.05, measurements=3)
@@ -172,7 +173,7 @@ def test_a_slow_node_is_dropped_when_it_would_lengthen_the_step() -> None:
 
 def test_a_slow_node_known_only_from_its_start_up_estimate_keeps_training() -> None:
     # Processes starting together disturb each other's start-up measurement: no demotion on it.
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     ms.admit(hello("a", 20), 0.0)
     ms.admit(hello("b", 20), 0.0)
     caps = Capabilities(per_sample_s=FAST, overhead_s=0.05, measurements=0)
@@ -189,7 +190,7 @@ def test_only_one_validator_even_if_several_could_evaluate() -> None:
 
 
 def test_without_balancing_shares_follow_weights_and_nobody_is_demoted() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0, balance=False)
+    ms = Membership(MembershipConfig(lease_s=LEASE, balance=False), now=0.0)
     for mid, weight, per_sample in (("a", 1.0, FAST), ("b", 2.0, 100 * FAST), ("c", 3.0, 4 * FAST)):
         ms.admit(hello(mid, 12, per_sample, weight=weight, evaluates=True), 0.0)
     order = only_order(ms.tick(JOIN_SETTLE_S))
@@ -198,7 +199,7 @@ def test_without_balancing_shares_follow_weights_and_nobody_is_demoted() -> None
 
 
 def test_without_balancing_no_rebalance_follows_slow_reports() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0, balance=False)
+    ms = Membership(MembershipConfig(lease_s=LEASE, balance=False), now=0.0)
     for mid in "abc":
         ms.admit(hello(mid, 90), 0.0)
     only_order(ms.tick(JOIN_SETTLE_S))
@@ -258,7 +259,7 @@ def test_a_node_that_slows_down_gets_a_smaller_share_in_a_non_urgent_epoch() -> 
 
 
 def test_the_straggler_is_reported_once_per_plan_when_it_keeps_standing_out() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0, balance=False)  # shares that never move
+    ms = Membership(MembershipConfig(lease_s=LEASE, balance=False), now=0.0)  # shares that never move
     form({"a": FAST, "b": FAST, "c": FAST}, batch_size=B, now=0.0, ms=ms)
     seen: list[tuple[float, Event]] = []
     t = T0
@@ -275,7 +276,7 @@ def test_the_straggler_is_reported_once_per_plan_when_it_keeps_standing_out() ->
 def test_a_slow_moment_that_moves_from_node_to_node_is_no_straggler() -> None:
     # On a shared machine the node descheduled for a few steps changes from one moment to the
     # next: each stands out in some reviews, none for long.
-    ms = Membership(lease_s=LEASE, now=0.0, balance=False)
+    ms = Membership(MembershipConfig(lease_s=LEASE, balance=False), now=0.0)
     form({"a": FAST, "b": FAST, "c": FAST}, batch_size=B, now=0.0, ms=ms)
     t, k = T0, 0
     while t < T0 + 4 * STRAGGLER_PERSIST_S:
@@ -401,7 +402,7 @@ def test_a_node_that_recovers_its_speed_gets_its_share_back() -> None:
 
 
 def test_a_hot_spare_waits_and_is_promoted_when_a_trainer_fails() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     ms.admit(hello("a", 12), 0.0)
     ms.admit(hello("b", 12), 0.0)
     ms.admit(hello("spare", 12, role="standby"), 0.0)
@@ -434,7 +435,7 @@ def test_a_hot_spare_waits_and_is_promoted_when_a_trainer_fails() -> None:
 
 
 def test_a_promoted_spare_stays_a_trainer_when_a_node_joins_later() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     for mid in ("a", "b"):
         ms.admit(hello(mid, 12), 0.0)
     ms.admit(hello("spare", 12, role="standby"), 0.0)
@@ -449,7 +450,7 @@ def test_a_promoted_spare_stays_a_trainer_when_a_node_joins_later() -> None:
 
 
 def test_a_spare_is_not_promoted_when_a_non_trainer_leaves() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     ms.admit(hello("a", 20), 0.0)
     ms.admit(hello("v", 20, 100 * FAST, evaluates=True), 0.01)
     ms.admit(hello("spare", 20, role="standby"), 0.02)
@@ -475,7 +476,7 @@ def resume_hello(mid: str, shares: list[int], roles: list[str], per_sample_s: fl
     [([9, 3], ["trainer", "trainer"]), ([12, 0], ["trainer", "validator"]), ([2, 10], ["trainer", "trainer"])],
 )
 def test_an_adopted_group_keeps_the_shares_and_roles_it_carries(shares: list[int], roles: list[str]) -> None:
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     ms.admit(resume_hello("a", shares, roles), 0.1)
     ms.admit(resume_hello("b", shares, roles), 0.2)
     d = ms.tick(0.3)
@@ -489,7 +490,7 @@ def test_an_adopted_group_keeps_the_shares_and_roles_it_carries(shares: list[int
 
 
 def test_an_adopted_group_without_shares_gets_a_fresh_plan() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     ms.admit(resume_hello("a", [], []), 0.1)
     ms.admit(resume_hello("b", [], []), 0.2)
     ms.tick(0.3)
@@ -498,7 +499,7 @@ def test_an_adopted_group_without_shares_gets_a_fresh_plan() -> None:
 
 
 def test_an_adopted_plan_is_consistent_with_the_adopted_shares() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0, recovering=True, recovery_window_s=3.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     ms.admit(resume_hello("a", [12, 0], ["trainer", "validator"]), 0.1)
     ms.admit(resume_hello("b", [12, 0], ["trainer", "validator"]), 0.2)
     ms.tick(0.3)
@@ -535,7 +536,7 @@ def test_a_validation_report_from_an_unknown_member_is_ignored() -> None:
 
 def three_trainers() -> tuple[Membership, EpochOrder]:
     """Members a, b and c of a job with a batch of 30, in their first epoch."""
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     for mid in ("a", "b", "c"):
         ms.admit(hello(mid, 30), 0.0)
     return ms, only_order(ms.tick(JOIN_SETTLE_S))
@@ -633,7 +634,7 @@ def test_auto_zones_form_from_measured_round_trips_in_a_non_urgent_epoch() -> No
 
 
 def test_named_zones_and_auto_zones_mix() -> None:
-    ms = Membership(lease_s=LEASE, now=0.0)
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     caps = {"x": 0.0002, "y": 0.0004}
     for mid, zone in (("x", "auto"), ("y", "auto"), ("p", "paris"), ("q", "paris")):
         c = Capabilities(per_sample_s=FAST, measurements=3, rtt_s=caps.get(mid, 0.03))
