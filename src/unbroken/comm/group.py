@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
+import torch
 from torch._C._distributed_c10d import ProcessGroupGloo
 from torch.distributed import HashStore, PrefixStore  # type: ignore[attr-defined]
 
@@ -56,6 +57,38 @@ class EpochScope:
     """Where this node is now (its errors carry it)."""
 
 
+class Work(Protocol):
+    """A collective in flight."""
+
+    def wait(self) -> bool: ...
+
+    def is_completed(self) -> bool: ...
+
+    def get_future(self) -> torch.futures.Future[Any]: ...
+
+
+class ProcessGroup(Protocol):
+    """What the data plane uses of a process group: `ProcessGroupGloo`'s calls as they are
+    made here, and all that `unbroken.comm.fake.FakeProcessGroup` has (unit tests run the
+    reducer, transfers and the step loop on it)."""
+
+    def size(self) -> int: ...
+
+    def rank(self) -> int: ...
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> Work:
+        """Sum ``tensors[0]`` over the group, in place."""
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> Work:
+        """``outputs[0][r]`` is rank r's ``inputs[0]``."""
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Work: ...
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work: ...
+
+
 @dataclass
 class EpochGroup:
     """The data-plane group of one epoch."""
@@ -64,11 +97,11 @@ class EpochGroup:
     rank: int
     members: list[str]
     shares: list[int]
-    pg: Any
+    pg: ProcessGroup | None
     built_in_s: float = 0.0
     roles: list[str] = field(default_factory=list)
     microbatches: list[int] = field(default_factory=list)
-    extra_pgs: list[Any] = field(default_factory=list)
+    extra_pgs: list[ProcessGroup] = field(default_factory=list)
     """Zone and leader groups of this epoch (buried with the epoch's group)."""
     lazy: bool = False
     """Its group over all members connects pairs on first use (`Meeting.devices`): a peer
@@ -311,7 +344,7 @@ class Graveyard:
         self._graves: list[tuple[float, Any]] = []
         self._lock = threading.Lock()
 
-    def bury(self, pg: Any) -> None:
+    def bury(self, pg: ProcessGroup | None) -> None:
         if pg is None:
             return
         with self._lock:

@@ -11,11 +11,10 @@ leader reports what it received from each zone (MB/s); the coordinator orders th
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
-from unbroken.comm.group import EpochScope, run_abortable
+from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable
 from unbroken.comm.reduce import LinkEmulation
 
 PROBE_BYTES = 1 << 20
@@ -25,7 +24,7 @@ TRIES = 2
 
 
 def probe(
-    pg: Any,
+    pg: ProcessGroup,
     rank: int,
     zones: list[str],
     link: LinkEmulation,
@@ -36,7 +35,7 @@ def probe(
     return run_abortable(lambda: _rounds(pg, rank, zones, link), scope, "link probe")
 
 
-def _rounds(pg: Any, rank: int, zones: list[str], link: LinkEmulation) -> dict[str, float]:
+def _rounds(pg: ProcessGroup, rank: int, zones: list[str], link: LinkEmulation) -> dict[str, float]:
     size = len(zones)
     payload = torch.zeros(PROBE_BYTES // 4, dtype=torch.float32)
     got = torch.empty_like(payload)

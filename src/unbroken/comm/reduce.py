@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from unbroken.comm.codecs import Codec
-from unbroken.comm.group import EpochScope, wait_all, wait_until, wait_work
+from unbroken.comm.group import EpochScope, ProcessGroup, wait_all, wait_until, wait_work
 from unbroken.comm.robust import combine, lie
 from unbroken.errors import BadContribution
 from unbroken.sched.zones import Zones
@@ -118,11 +118,11 @@ class Reducer:
 
     rank: int
     zones: Zones
-    pg: Any
+    pg: ProcessGroup
     """The epoch's group of all members."""
-    zone_pg: Any = None
+    zone_pg: ProcessGroup | None = None
     """This node's zone (None when zones are not used or the zone has one member)."""
-    leaders_pg: Any = None
+    leaders_pg: ProcessGroup | None = None
     """The zone leaders (None unless this node leads its zone and there are several zones)."""
     streams: int = 1
     """Connections ``leaders_pg`` has per pair: the exchange is cut in as many pieces, in flight together."""
@@ -195,6 +195,7 @@ class Reducer:
         # A ring all-gather: every payload reaches this leader from the one before it in the ring.
         names = self.zones.names
         before = names[(names.index(self.zones.of_rank[self.rank]) - 1) % len(names)]
+        assert self.leaders_pg is not None, "only a zone leader exchanges between zones"
         return time.monotonic() + self.link.delay(payload, self.leaders_pg.size() - 1, before)
 
     def _post_exchange(self, flat: torch.Tensor, silent: bool = False) -> _Exchange:
@@ -205,12 +206,14 @@ class Reducer:
             head = self.codec.encode_nothing(k) if silent else self.codec.encode(flat[:k])
         tail = flat[k:].contiguous().view(torch.uint8)
         mine = torch.cat([head, tail])
-        count = self.leaders_pg.size()
+        leaders = self.leaders_pg
+        assert leaders is not None, "only a zone leader exchanges between zones"
+        count = leaders.size()
         # Every leader's payload has the same size, so its pieces do: piece i of every leader
         # travels in the i-th all-gather, which takes the group's i-th stream.
         pieces = torch.tensor_split(mine, min(self.streams, max(1, mine.numel())))
         outs = [[torch.empty_like(piece) for _ in range(count)] for piece in pieces]
-        works = [self.leaders_pg.allgather([o], [piece]) for o, piece in zip(outs, pieces, strict=True)]
+        works = [leaders.allgather([o], [piece]) for o, piece in zip(outs, pieces, strict=True)]
         return _Exchange(works, outs, head.numel(), k, int(mine.numel()) * (int(count) - 1))
 
     def _finish_exchange(
@@ -320,7 +323,7 @@ class Reducer:
 
     def _first_hop(
         self,
-        pg: Any,
+        pg: ProcessGroup,
         flat: torch.Tensor,
         early: Early | None,
         scope: EpochScope,

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 import xxhash
 
-from unbroken.comm.group import EpochScope, run_abortable, wait_work
+from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable, wait_work
 from unbroken.errors import TransferError
 from unbroken.state import layout
 from unbroken.state.snapshot import digest_prefix
@@ -208,12 +208,14 @@ class SyncResult:
 # ---------------------------------------------------------------- the sync phase
 
 
-def gather_digests(pg: Any, size: int, step: int, digest: str, scope: EpochScope, what: str) -> list[tuple[int, int]]:
+def gather_digests(
+    pg: ProcessGroup, size: int, step: int, digest: str, scope: EpochScope, what: str
+) -> list[tuple[int, int]]:
     """Every rank's ``(committed step, digest prefix)``, in rank order (one small all-gather)."""
     return [(s, d) for s, d in _gather(pg, size, [step, digest_prefix(digest)], scope, what)]
 
 
-def _gather(pg: Any, size: int, values: list[int], scope: EpochScope, what: str) -> list[tuple[int, ...]]:
+def _gather(pg: ProcessGroup, size: int, values: list[int], scope: EpochScope, what: str) -> list[tuple[int, ...]]:
     mine = torch.tensor(values, dtype=torch.int64)
     gathered = [torch.zeros(len(values), dtype=torch.int64) for _ in range(size)]
     wait_work(pg.allgather([gathered], [mine]), scope, what)
@@ -229,7 +231,7 @@ def layout_id(slots: Sequence[layout.Slot], chunk_bytes: int) -> int:
 
 
 def sync_state(
-    pg: Any,
+    pg: ProcessGroup,
     rank: int,
     size: int,
     state: Replicated,
@@ -275,7 +277,7 @@ def sync_state(
 
 
 def _serve(
-    pg: Any,
+    pg: ProcessGroup,
     plan: SyncPlan,
     head: bytes,
     tensors: list[torch.Tensor],
@@ -327,7 +329,7 @@ def _serve(
 
 
 def _fetch(
-    pg: Any,
+    pg: ProcessGroup,
     rank: int,
     plan: SyncPlan,
     state: Replicated,
@@ -389,7 +391,7 @@ def _fetch(
     )  # fmt: skip
 
 
-def _recv_description(pg: Any, src: int) -> tuple[bytes, torch.Tensor, int]:
+def _recv_description(pg: ProcessGroup, src: int) -> tuple[bytes, torch.Tensor, int]:
     meta = torch.zeros(3, dtype=torch.int64)
     pg.recv([meta], src, _TAG_META).wait()
     head_len, num_chunks, chunk_bytes = (int(x) for x in meta)
@@ -404,7 +406,7 @@ def _recv_description(pg: Any, src: int) -> tuple[bytes, torch.Tensor, int]:
 
 
 def _recv_chunks(
-    pg: Any,
+    pg: ProcessGroup,
     partial: Partial,
     generation: int,
     tensors: list[torch.Tensor],

@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from unbroken.comm.fake import FakeWorld
-from unbroken.comm.group import EpochScope
+from unbroken.comm.group import EpochScope, ProcessGroup
 from unbroken.config import NodeConfig
 from unbroken.control import messages as m
 from unbroken.errors import JoinRefused
@@ -90,7 +90,9 @@ class MemoryGroups:
     def maker(self, epoch: int, scope: EpochScope) -> Build:
         """`unbroken.train.hooks.GroupMaker`: built at once (there is nothing to connect)."""
 
-        def build(name: str, rank: int, ids: list[str], lazy: bool = False, streams: int = 1) -> tuple[Any, float]:
+        def build(
+            name: str, rank: int, ids: list[str], lazy: bool = False, streams: int = 1
+        ) -> tuple[ProcessGroup, float]:
             return self.world(epoch, name, ids).group(rank), 0.0
 
         return build

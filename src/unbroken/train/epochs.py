@@ -126,6 +126,7 @@ class Epochs:
         B = node.job.batch_size
         rank = group.rank
         policy = order.policy.parsed()
+        assert group.pg is not None, "the epoch's group is built before its reducer"
         reducer = Reducer(
             rank,
             zones,
@@ -162,6 +163,7 @@ class Epochs:
         """Measure the links to the other zones' leaders and report them (`comm.links`)."""
         node = self.node
         rank = zones.leaders.index(reducer.rank)
+        assert reducer.leaders_pg is not None, "links are probed by zone leaders"
         rates = probe(reducer.leaders_pg, rank, zones.names, node.link, node.scope(during_step=False))
         log.info("%s: links from the other zones (MB/s): %s", node.name,
                  ", ".join(f"{z} {r:.0f}" for z, r in sorted(rates.items())))  # fmt: skip
