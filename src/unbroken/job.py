@@ -332,6 +332,10 @@ def load_job(ref: str, args: Sequence[str] = ()) -> Job:
 
     ``attr`` may name a `Job` or a function returning one: of no arguments, or of one, the
     job's command-line arguments (``args``, a list of strings, to parse with argparse).
+
+    Raises:
+        JobLoadError: ``ref`` is malformed, its file or module cannot be imported (the
+            import's own error is in the message), or ``attr`` is missing or gives no `Job`.
     """
     target, sep, attr = ref.rpartition(":")
     if not sep or not target or not attr:

@@ -86,7 +86,12 @@ def join(
     ``$UNBROKEN_COORDINATOR``. ``args``: the script's arguments that every node must share,
     part of the job's identity (default ``sys.argv[1:]``; give ``[]`` or a subset when nodes
     take arguments of their own). ``options``: any `NodeConfig` field (``name``, ``token``,
-    ``checkpoint_dir``...). Under ``unbroken run`` its command-line options win."""
+    ``checkpoint_dir``...). Under ``unbroken run`` its command-line options win.
+
+    Raises:
+        ConfigError: an option that is not a `NodeConfig` field or is out of range, or no
+            coordinator given anywhere (the message says the three ways to give one).
+    """
     fields = {f.name: f for f in dataclasses.fields(NodeConfig)}
     unknown = sorted(set(options) - set(fields))
     if unknown:
@@ -284,7 +289,13 @@ class Swarm:
 
     def step(self) -> bool:
         """Reduce this step's gradient with the group's, vote, and on commit apply it (the
-        optimizer, then the scheduler, on every replica). True iff the step committed."""
+        optimizer, then the scheduler, on every replica). True iff the step committed (a
+        peer's failure is not raised: the step is retried in the next epoch).
+
+        Raises:
+            ConfigError: out of order (before `backward`), or the loop stepped the scheduler
+                itself.
+        """
         sl, steps, node = self._current, self._steps, self.node
         if sl is None or steps is None or node is None:
             raise ConfigError("swarm.step() comes after swarm.backward(loss), once per batch of swarm.batches()")

@@ -48,7 +48,12 @@ class ThreadedService(abc.ABC):
         return self._ready.is_set()
 
     def start(self: _S, timeout: float = 10.0) -> _S:
-        """Serve from a background thread; returns once the service is listening."""
+        """Serve from a background thread; returns once the service is listening.
+
+        Raises:
+            TimeoutError: it did not listen within ``timeout`` seconds.
+            OSError: its address cannot be bound (in use, or not this host's).
+        """
 
         def run() -> None:
             try:

@@ -186,7 +186,22 @@ class Node:
     # ---------------------------------------------------------------- public
 
     def run(self) -> NodeResult:
-        """The Job loop: every slice computed with the job's loss (`JobCompute`)."""
+        """The Job loop: every slice computed with the job's loss (`JobCompute`), until the
+        job is done or this node leaves (SIGTERM, `request_leave`); how it ended.
+
+        Failures of peers, links and the leader are not raised: the node abandons the epoch
+        and joins the next. What ends the run early is raised:
+
+        Raises:
+            CoordinatorUnreachable: no coordinator (or etcd leader record) answered within
+                ``NodeConfig.connect_timeout_s``; the message lists what each address said.
+            JoinRefused: the leader refused this node: another job or model, a wrong token,
+                or (``Refused.finished``) a job already over.
+            JobFailed: the job's own code (model, loss, data, collate) raised; the original
+                error and its traceback are in the message.
+            ConfigError: the job asks for what the group's policy cannot do (``Job.loss_scale``
+                in DiLoCo mode, ``--outer-overlap`` with buffers).
+        """
         with self.session(calibrate=self.compute.calibrate):
             steps = self.steps()
             try:
@@ -613,7 +628,7 @@ class _Session:
 
 
 def run_node(job: Job, config: NodeConfig, faults: Faults | None = None) -> NodeResult:
-    """Run one node to the end of the job (see `Node`)."""
+    """Run one node to the end of the job; raises what `Node.run` raises."""
     return Node(job, config, faults).run()
 
 
