@@ -11,7 +11,7 @@ from integration.helpers import assert_promises, established, events_of
 
 pytestmark = pytest.mark.timeout(600)
 
-ENV = {"UB_TEST_STEPS": "200", "UB_TEST_DELAY_MS": "10", "UB_TEST_BATCH": "64"}
+ENV = {"UB_TEST_STEPS": "120", "UB_TEST_DELAY_MS": "10", "UB_TEST_BATCH": "64"}
 ZONES = "abcd"
 KILLS = {"a3": 12, "b5": 20, "c2": 28, "d7": 36, "a6": 44}
 """Node -> the step at which it SIGKILLs itself (mid-compute)."""
