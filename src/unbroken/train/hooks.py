@@ -12,7 +12,7 @@ specs and their plan live with the testing aids (`unbroken.testing.faults`), whi
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -21,7 +21,7 @@ from unbroken.events import Entry
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-    from unbroken.comm.group import EpochScope
+    from unbroken.comm.group import EpochScope, ProcessGroup
     from unbroken.control import messages as m
 
 Record = Callable[[Entry, Mapping[str, object]], None]
@@ -137,7 +137,7 @@ class Control(Protocol):
         """Whether this node can be sure it is still a member (the commit fence)."""
 
 
-Build = Callable[..., "tuple[Any, float]"]
+Build = Callable[..., "tuple[ProcessGroup, float]"]
 """Builds one of an epoch's groups: ``build(group, rank, ids, lazy=False, streams=1)`` returns
 its process group and the seconds the build took (`unbroken.train.epochs.Epochs`)."""
 
