@@ -53,8 +53,11 @@ class CodecSpec:
 
     name: str = "none"
     ratio: float = 0.0
+    """Top-k's fraction of elements sent (0 for the others; top-k given 0 takes `TOPK_RATIO`)."""
 
     def __post_init__(self) -> None:
+        if self.name == "topk" and self.ratio == 0.0:
+            object.__setattr__(self, "ratio", TOPK_RATIO)
         if self.name not in CODECS:
             raise ConfigError(f"CodecSpec.name = {self.name!r} is not one of {', '.join(CODECS)}")
         if self.name == "topk" and not 0 < self.ratio <= 1:

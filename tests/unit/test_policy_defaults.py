@@ -5,10 +5,13 @@ from __future__ import annotations
 import inspect
 from typing import get_args
 
+import pytest
+
 from unbroken import specs
-from unbroken.cli.main import build_parser
+from unbroken.cli.main import _policy, build_parser
 from unbroken.config import CoordinatorConfig
 from unbroken.control import messages as m
+from unbroken.errors import ConfigError
 
 
 def test_diloco_defaults_are_the_same_in_the_config_the_epoch_order_and_the_cli() -> None:
@@ -55,3 +58,23 @@ def test_roles_a_node_may_ask_for_are_the_same_everywhere() -> None:
     node = next(a for a in build_parser()._actions if a.dest == "command").choices["node"]  # type: ignore[union-attr]
     role = next(a for a in node._actions if a.dest == "role")
     assert tuple(role.choices) == specs.ROLES  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--codec", "int3"], "--codec: codec 'int3' is not one of"),
+        (["--aggregate", "median"], "--aggregate: aggregation 'median' is not one of"),
+        (["--inner-steps", "0"], "--inner-steps = 0 is out of range"),
+        (["--outer-momentum", "1"], "--outer-momentum = 1.0 is out of range"),
+        (["--streams", "99"], "--streams = 99 is out of range"),
+    ],
+)
+def test_a_bad_policy_flag_is_named_as_it_was_typed(argv: list[str], words: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        _policy(build_parser().parse_args(["coordinator", *argv]))
+    assert words in str(err.value)
+
+
+def test_top_k_without_a_ratio_takes_the_default_one() -> None:
+    assert specs.CodecSpec("topk") == specs.CodecSpec("topk", specs.TOPK_RATIO) == specs.CodecSpec.parse("topk")

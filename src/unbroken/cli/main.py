@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import runpy
 import shlex
 import signal
@@ -49,6 +50,17 @@ from unbroken.specs import (
 )
 
 
+def _policy(args: argparse.Namespace) -> Policy:
+    """The training policy's flags, parsed; an error names the flag as it was typed."""
+    try:
+        return Policy.parse(**{name: getattr(args, name) for name in POLICY_FLAGS})
+    except ConfigError as exc:
+        text = str(exc).replace("DiLoCoPolicy.overlap", "--outer-overlap")
+        for name in POLICY_FLAGS:
+            text = re.sub(rf"\b(?:DiLoCo)?Policy\.{name}\b", "--" + name.replace("_", "-"), text)
+        raise ConfigError(text) from None
+
+
 def _coordinator(args: argparse.Namespace) -> int:
     from unbroken.control.coordinator import Coordinator
 
@@ -72,7 +84,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             min_nodes=args.min_nodes,
             balance=args.balance == "throughput",
         ),
-        policy=Policy.parse(**{name: getattr(args, name) for name in POLICY_FLAGS}),
+        policy=_policy(args),
     )
     coord = Coordinator(config)
 
