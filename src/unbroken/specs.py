@@ -1,10 +1,11 @@
 """The job's training policy (`Policy`: mode, codec, aggregation rule, checkpoint fragments,
 DiLoCo), typed and parsed without torch.
 
-A coordinator parses it once from its config (`CoordinatorConfig.policy`) and every epoch
-order carries it whole (`unbroken.control.messages.PolicyMsg`, parsed again where a node
-receives it: a coordinator's word is checked too); the nodes build the codec and combine
-gradients from it. Parsing here keeps torch out of the coordinator's process, whose start-up
+A coordinator is given it typed (`CoordinatorConfig.policy`; the command line's flags are
+parsed by `Policy.parse`), each part checking itself, and every epoch order carries it whole
+(`unbroken.control.messages.PolicyMsg`, parsed again where a node receives it: a
+coordinator's word is checked too); the nodes build the codec and combine gradients from it.
+Parsing here keeps torch out of the coordinator's process, whose start-up
 is on the recovery path of every coordinator restart (importing torch alone takes over a
 second of CPU, many seconds on a machine busy with training).
 """
@@ -97,6 +98,16 @@ class Rule:
     """``mean``, ``checked``, ``clip`` or ``trimmed``."""
     value: float = 0.0
     """``clip``: the norm bound as a multiple of the median norm; ``trimmed``: the fraction cut at each end."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in RULES:
+            raise ConfigError(f"Rule.kind = {self.kind!r} is not one of {', '.join(RULES)}")
+        if self.kind in ("clip", "trimmed") and self.value == 0.0:
+            object.__setattr__(self, "value", RULES[self.kind])
+        if self.kind == "clip" and not self.value >= 1.0:
+            raise ConfigError(f"Rule.value = {self.value!r}: the clip bound must be at least 1 (times the median norm)")
+        if self.kind == "trimmed" and not 0.0 < self.value < 0.5:
+            raise ConfigError(f"Rule.value = {self.value!r}: the trimmed fraction must be between 0 and 0.5")
 
     @property
     def robust(self) -> bool:
@@ -219,6 +230,8 @@ class Policy:
         check_range("Policy", "audit_every", self.audit_every, 0, 1_000_000)
         check_range("Policy", "streams", self.streams, 1, MAX_STREAMS)
         check_range("Policy", "bucket_mb", self.bucket_mb, 0, MAX_BUCKET_MB)
+        if self.fragments is not None:
+            parse_fragments(str(self.fragments))  # a NamedTuple checks nothing itself
 
     @property
     def mode(self) -> Mode:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from unbroken.config import CoordinatorConfig, MembershipConfig, NodeConfig, ServiceConfig, parse_address
 from unbroken.errors import ConfigError
-from unbroken.specs import CodecSpec, DiLoCoPolicy, Policy
+from unbroken.specs import CodecSpec, DiLoCoPolicy, Fragments, Policy, Rule
 
 ADDR = (("127.0.0.1", 29400),)
 
@@ -151,3 +152,20 @@ def test_parse_address_errors_show_the_expected_form(text: str) -> None:
         parse_address(text)
     assert repr(text) in str(err.value)
     assert "HOST:PORT" in str(err.value) and "127.0.0.1:29400" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("policy", "words"),
+    [
+        (lambda: Policy(aggregate=Rule("clip", 0.5)), "the clip bound must be at least 1"),
+        (lambda: Policy(aggregate=Rule("bogus")), "Rule.kind = 'bogus' is not one of"),
+        (lambda: Policy(fragments=Fragments(0, 0)), "fragments '0,0': need 1 <= K <= 128"),
+    ],
+)
+def test_a_typed_policy_checks_its_parts_as_the_flags_are(policy: Callable[[], Policy], words: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        policy()
+
+
+def test_robust_rules_without_a_value_take_their_default() -> None:
+    assert Rule("clip") == Rule("clip", 2.0) and Rule("trimmed") == Rule("trimmed", 0.25)

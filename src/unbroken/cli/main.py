@@ -55,7 +55,7 @@ def _policy(args: argparse.Namespace) -> Policy:
     try:
         return Policy.parse(**{name: getattr(args, name) for name in POLICY_FLAGS})
     except ConfigError as exc:
-        text = str(exc).replace("DiLoCoPolicy.overlap", "--outer-overlap")
+        text = str(exc)
         for name in POLICY_FLAGS:
             text = re.sub(rf"\b(?:DiLoCo)?Policy\.{name}\b", "--" + name.replace("_", "-"), text)
         raise ConfigError(text) from None

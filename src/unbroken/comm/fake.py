@@ -12,6 +12,7 @@ only the caller's deadline or abort ends (as with a frozen peer). No sockets, no
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -87,11 +88,12 @@ class FakeWorld:
             # A ring with a dead peer breaks whether or not that peer had sent its part.
             pending = list(self._meetings.values())
             for meeting in pending:
-                meeting.broken_by = rank
+                if meeting.broken_by is None:  # the first death broke it: name that one
+                    meeting.broken_by = rank
             orphans = [f for key, q in self._receiving.items() if key[0] == rank for _, f in q]
             self._receiving = {k: q for k, q in self._receiving.items() if k[0] != rank}
         for meeting in pending:
-            self._fail(meeting, rank)
+            self._fail(meeting, meeting.broken_by if meeting.broken_by is not None else rank)
         for fut in orphans:
             fut.set_exception(_reset(rank))
 
@@ -128,8 +130,10 @@ class FakeWorld:
 
     def _fail(self, meeting: _Meeting, gone: int) -> None:
         for fut in list(meeting.futures.values()):
-            if not fut.done():
-                fut.set_exception(_reset(gone))
+            # A kill and a peer's arrival may fail the same meeting at once: the first wins.
+            with contextlib.suppress(RuntimeError):
+                if not fut.done():
+                    fut.set_exception(_reset(gone))
 
     def _arrive(
         self, seq: int, rank: int, op: str, args: tuple[Any, ...], finish: Callable[[_Meeting], None]

@@ -99,13 +99,18 @@ class MemoryGroups:
 
     def kill(self, member: str, delivered: bool = False, timeout_s: float = 10.0) -> None:
         """``member`` died: every group it is in fails on the others (what they have posted
-        and what they post later); ``delivered``: once its collectives in flight completed."""
+        and what they post later); ``delivered``: once its collectives in flight in its
+        latest epoch completed (raises if they do not within ``timeout_s``)."""
         with self._lock:
-            worlds = [(w, ids.index(member)) for w, ids in self._worlds.values() if member in ids]
+            mine = [(e, w, ids.index(member)) for (e, _), (w, ids) in self._worlds.items() if member in ids]
+        latest = max((e for e, _, _ in mine), default=0)
+        current = [(w, r) for e, w, r in mine if e == latest]
         deadline = time.monotonic() + timeout_s
-        while delivered and not all(w.delivered(r) for w, r in worlds) and time.monotonic() < deadline:
+        while delivered and not all(w.delivered(r) for w, r in current):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{member}'s collectives of epoch {latest} did not complete in {timeout_s:g} s")
             time.sleep(0.001)
-        for world, rank in worlds:
+        for world, rank in [(w, r) for _, w, r in mine]:
             world.kill(rank)
 
 
@@ -150,7 +155,9 @@ class MemoryControl:
 
 class MemoryJob:
     """``names`` nodes of ``job`` as threads of this process (see the module docstring).
-    Each writes its commit log and final state under ``workdir``."""
+    Each writes its commit log and final state under ``workdir``. The threads share torch's,
+    Python's and numpy's global generators: a job that draws from them as it trains
+    (dropout, an unseeded shuffle) is not exact here as it is across processes."""
 
     def __init__(
         self,
@@ -190,7 +197,13 @@ class MemoryJob:
             self.nodes[name] = Node(
                 job, config, fault, control=lambda node: MemoryControl(self, node.name), groups=self.groups.maker
             )
-        self._threads = [threading.Thread(target=self._run, args=(n,), name=f"node-{n}") for n in self.nodes]
+        unknown = sorted(set(faults) - set(self.nodes))
+        if unknown:
+            raise ValueError(f"faults for {unknown}, who are not among the nodes {list(self.nodes)}")
+        # Daemons: a node a failed test left waiting must not keep the interpreter alive.
+        self._threads = [
+            threading.Thread(target=self._run, args=(n,), name=f"node-{n}", daemon=True) for n in self.nodes
+        ]
 
     def __enter__(self) -> MemoryJob:
         for t in self._threads:
@@ -198,13 +211,18 @@ class MemoryJob:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for node in self.nodes.values():  # whatever still runs leaves at its next wait
+        for node in self.nodes.values():  # whatever still runs leaves between steps...
             node.request_leave()
         try:
-            self.join(60)
+            self.join(10)
         except TimeoutError:
-            if exc[0] is None:  # else the test's own failure is the one to see
-                raise
+            for name in self.nodes:  # ...or, stuck in a collective, when its groups fail
+                self.groups.kill(name)
+            try:
+                self.join(60)
+            except TimeoutError:
+                if exc[0] is None:  # else the test's own failure is the one to see
+                    raise
 
     def _run(self, name: str) -> None:
         try:
