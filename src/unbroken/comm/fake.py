@@ -93,7 +93,7 @@ class FakeWorld:
             orphans = [f for key, q in self._receiving.items() if key[0] == rank for _, f in q]
             self._receiving = {k: q for k, q in self._receiving.items() if k[0] != rank}
         for meeting in pending:
-            self._fail(meeting, meeting.broken_by if meeting.broken_by is not None else rank)
+            self._fail(meeting)
         for fut in orphans:
             fut.set_exception(_reset(rank))
 
@@ -128,12 +128,14 @@ class FakeWorld:
             fut.set_exception(_reset(src))
         return FakeWork(fut)
 
-    def _fail(self, meeting: _Meeting, gone: int) -> None:
+    def _fail(self, meeting: _Meeting) -> None:
+        """Every part of ``meeting`` fails, naming the rank whose death broke it."""
+        assert meeting.broken_by is not None
         for fut in list(meeting.futures.values()):
             # A kill and a peer's arrival may fail the same meeting at once: the first wins.
             with contextlib.suppress(RuntimeError):
                 if not fut.done():
-                    fut.set_exception(_reset(gone))
+                    fut.set_exception(_reset(meeting.broken_by))
 
     def _arrive(
         self, seq: int, rank: int, op: str, args: tuple[Any, ...], finish: Callable[[_Meeting], None]
@@ -153,7 +155,7 @@ class FakeWorld:
             if complete:
                 del self._meetings[seq]
         if meeting.broken_by is not None:
-            self._fail(meeting, meeting.broken_by)
+            self._fail(meeting)
         elif complete:
             finish(meeting)
             for fut in meeting.futures.values():
