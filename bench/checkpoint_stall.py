@@ -18,7 +18,11 @@ Per configuration: the median step time (gaps between consecutive commits after
 the capture happens right after a commit, so it lands in the gap to the next one: the
 stall), and their ratios to the baseline. The background write competes for the same
 2 cores, so the steps after a checkpoint slow down too: the mean step time is reported as
-well. Medians over ``--repeats`` interleaved repeats.
+well. The warm-up (15 steps, about 8 s of the large model) leaves out the start-up and each
+node's one-time re-measure of its speed 5 s in (a stall of about 2 s in every
+configuration, at a step that varies); the first checkpoint (step ``--every``) also
+allocates the buffers every later one reuses, and its step is reported on its own, whether
+or not it falls in the warm-up. Medians over ``--repeats`` interleaved repeats.
 """
 
 from __future__ import annotations
@@ -58,19 +62,24 @@ def run(args: argparse.Namespace, workdir: Path, config: str) -> dict[str, Any]:
             gaps[b["step"]] = b["t"] - a["t"]
     # The state is captured right after step s is committed: the stall lands in the gap to s + 1.
     with_ckpt = [g for s, g in gaps.items() if config != "none" and (s - 1) % args.every == 0]
+    first = next((b["t"] - a["t"] for a, b in itertools.pairwise(commits) if b["step"] == args.every + 1), None)
     return {
         "median": statistics.median(gaps.values()),
         "mean": statistics.fmean(gaps.values()),
         "ckpt_steps": statistics.median(with_ckpt) if with_ckpt else None,
+        "first": first if config in ("whole", "fragments") else None,
+        # Within the run: the machine's speed drifts by 10 % between runs minutes apart.
+        "mean_in_run": statistics.fmean(gaps.values()) / statistics.median(gaps.values()),
+        "ckpt_in_run": statistics.median(with_ckpt) / statistics.median(gaps.values()) if with_ckpt else None,
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(jobs.JOBS), default="large")
-    p.add_argument("--steps", type=int, default=60, help="steps per run")
+    p.add_argument("--steps", type=int, default=80, help="steps per run")
     p.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
-    p.add_argument("--warmup", type=int, default=5, help="steps left out at the start")
+    p.add_argument("--warmup", type=int, default=15, help="steps left out at the start")
     p.add_argument("--repeats", type=int, default=1, help="repeats of every configuration, interleaved")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for one run")
     p.add_argument("--nodes", type=int, default=2, help="nodes (1 on 2 cores: the capture has a core of its own)")
@@ -96,11 +105,15 @@ def main() -> None:
             progress.close()
     base = median(r["median"] for r in raw["none"])
     base_mean = median(r["mean"] for r in raw["none"])
+    base_in_run = median(r["mean_in_run"] for r in raw["none"])
     rows = []
     for config in configs:
         med = median(r["median"] for r in raw[config])
         mean = median(r["mean"] for r in raw[config])
         stall = median(r["ckpt_steps"] for r in raw[config]) if config != "none" else None
+        first = median(r["first"] for r in raw[config]) if config in ("whole", "fragments") else None
+        mean_in_run = median(r["mean_in_run"] for r in raw[config])
+        ckpt_in_run = median(r["ckpt_in_run"] for r in raw[config]) if config != "none" else None
         rows.append(
             [
                 config if config != "none" else "none (baseline)",
@@ -110,18 +123,37 @@ def main() -> None:
                 ratio(mean, base_mean),
                 fmt(stall and 1e3 * stall, " ms", 1),
                 ratio(stall, base),
+                fmt(first and 1e3 * first, " ms", 1),
+                ratio(first, base),
+                ratio(mean_in_run, base_in_run),
+                ratio(ckpt_in_run, 1.0),
             ]
         )
     n_params = jobs.num_params(args.model)
     print_table(
         f"Checkpoint stall: {args.model} MLP ({n_params / 1e6:.1f}M params), {args.nodes} node(s), {args.steps} steps, "
         f"checkpoint every {args.every}, medians over {args.repeats} repeats",
-        ["checkpoints", "median step", "vs none", "mean step", "vs none", "step with a checkpoint", "vs none"],
+        [
+            "checkpoints",
+            "median step",
+            "vs none",
+            "mean step",
+            "vs none",
+            "step with a checkpoint",
+            "vs none",
+            "first checkpoint",
+            "vs none",
+            "mean ÷ median, vs none",
+            "checkpoint step ÷ median",
+        ],
         rows,
         caption="whole: rank 0 captures, a thread writes ckpt-N.pt; fragments: every node captures, packs, "
         "encodes (zfec, k=1 m=1) and writes its fragment in a thread; audit: no checkpoints, a consistency audit "
         "(digest all-gather + an in-memory copy to come back to) every N steps instead. 'Step with a checkpoint': "
-        "the gap after the commit that triggered it (it includes the capture).",
+        "the gap after the commit that triggered it (it includes the capture); 'first checkpoint': the same for the "
+        "first one, which also allocates the buffers the later ones reuse. The last two columns compare within each "
+        "run (the machine's speed drifts by about 10 % between runs): its mean step over its median step, as a ratio "
+        "to the baseline's, and its checkpoint steps over its median step.",
     )
 
 

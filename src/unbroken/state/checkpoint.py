@@ -9,11 +9,18 @@ previous write is still running, the new checkpoint is skipped rather than block
 step (its buffers are still being written from), and the running write is hurried back to
 the step loop's priority: on a machine whose cores training keeps busy, an idle-priority
 write would otherwise never end, and every later checkpoint would be skipped with it.
+
+The file is what ``torch.save`` writes (``torch.load`` reads it), but its tensor bytes go
+straight from those buffers to the disk (`unbroken.state.directio`). So the buffers are
+laid out as the file wants them: one page-aligned region per dtype (one storage each:
+``torch.save`` keeps one storage per record), each record's bytes at a page-aligned offset
+of the file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -26,7 +33,9 @@ from typing import Any
 import torch
 
 from unbroken.errors import ConfigError
-from unbroken.state import layout
+from unbroken.state import directio, layout
+from unbroken.state.directio import PAGE
+from unbroken.state.fragments import SHARED_ONLY, Packed, write_fragments
 from unbroken.state.snapshot import snapshot_digest
 
 log = logging.getLogger(__name__)
@@ -110,14 +119,16 @@ class Checkpointer:
         self.failure: str | None = None
         """Why the last write failed (None after a write that succeeded)."""
         self._thread: threading.Thread | None = None
-        self._staged: dict[str, Any] | None = None
-        """The last copy handed to the writer; the next one is copied into its tensors."""
+        self._arena: _Arena | Packed | None = None
+        """The buffers of the last copy handed to the writer; the next one is copied into them."""
         self._captured: threading.Event | None = None
         """Set once the last capture holds its own copy of every tensor."""
         self.written: list[tuple[int, float]] = []
         self.skipped = 0
         self.staged_s: list[float] = []
         """How long each capture held the step up (the copies not left to the writer)."""
+        self.captured_s: list[float] = []
+        """How long each capture's copies on the writer's thread took."""
         self.hurried = 0
         """Writes that were still running when the next checkpoint was due (`_hurry`)."""
         self._writer: _Priority | None = None
@@ -136,7 +147,7 @@ class Checkpointer:
             self.skipped += 1
             self._hurry()
             return False
-        self._start(self._write, tree, later)
+        self._start(self._write, tree, later, None)
         return True
 
     def save_fragments_async(
@@ -153,7 +164,8 @@ class Checkpointer:
             self.skipped += 1
             self._hurry()
             return False
-        self._start(self._write_fragments, tree, later, k, m, mine, optimizer_in_digest)
+        shared = {key: v for key, v in tree.items() if key not in SHARED_ONLY}
+        self._start(self._write_fragments, shared, later, k, m, mine, optimizer_in_digest)
         return True
 
     def _hurry(self) -> None:
@@ -170,7 +182,21 @@ class Checkpointer:
         if self._captured is not None:
             self._captured.wait()
 
-    def _start(self, write: Callable[..., None], tree: dict[str, Any], later: Later | None, *args: Any) -> None:
+    def _buffers(self, header: Any, tensors: list[torch.Tensor], k: int | None) -> _Arena | Packed:
+        """Where this capture goes: the last one's buffers if the layout is the same (for a
+        whole file, ``k`` None; packed for k data fragments otherwise)."""
+        arena = self._arena
+        if k is None:
+            if not isinstance(arena, _Arena) or not arena.fits(tensors):
+                arena = _Arena(tensors)
+        elif not isinstance(arena, Packed) or not arena.fits(header, k):
+            arena = Packed(header, k)
+        self._arena = arena
+        return arena
+
+    def _start(
+        self, write: Callable[..., None], tree: dict[str, Any], later: Later | None, k: int | None, *args: Any
+    ) -> None:
         start = time.monotonic()
         header, tensors = layout.split(tree)
         tensors = [t if later is not None and later(t) else t.clone() for t in tensors]
@@ -180,25 +206,30 @@ class Checkpointer:
 
         def run() -> None:
             try:
-                self._staged = dict(layout.copy(layout.join(header, tensors), into=self._staged))
+                begun = time.monotonic()
+                staged = self._buffers(header, tensors, k).fill(header, tensors)
+                self.captured_s.append(time.monotonic() - begun)
             except Exception as exc:  # out of memory: this checkpoint is lost, the job is not
                 log.error("capturing the state of step %s failed: %s", tree.get("step"), exc)
                 self.failure = f"the state of step {tree.get('step')} could not be captured: {exc}"
                 return
             finally:
                 captured.set()
-            write(self._staged, *args)
+            if k is None:
+                write(staged)
+            else:
+                write(staged, k, *args)
 
         self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
     def _write_fragments(self, snap: dict[str, Any], k: int, m: int, mine: list[int], in_digest: bool) -> None:
-        from unbroken.state.fragments import write_fragments
-
+        packed = self._arena
+        assert isinstance(packed, Packed), "a fragments capture fills a packed buffer"
         self._writer = _Priority.lower()
         start = time.monotonic()
         try:
-            write_fragments(self.directory, snap, k, m, mine, snapshot_digest(snap, in_digest))
+            write_fragments(self.directory, packed, k, m, mine, snapshot_digest(snap, in_digest))
             self.written.append((int(snap["step"]), time.monotonic() - start))
             self.failure = None
         except OSError as exc:
@@ -212,12 +243,13 @@ class Checkpointer:
         self._writer = _Priority.lower()
         start = time.monotonic()
         try:
-            with open(tmp, "wb") as f:
-                torch.save(snap, f)
-                f.flush()
-                os.fsync(f.fileno())
+            self._save(snap, tmp)
             os.replace(tmp, final)
             self.written.append((step, time.monotonic() - start))
+            log.debug(
+                "checkpoint of step %d: captured in %.3f s, written in %.3f s",
+                step, self.captured_s[-1], self.written[-1][1],
+            )  # fmt: skip
             self.failure = None
             self._prune()
         except OSError as exc:
@@ -225,6 +257,21 @@ class Checkpointer:
             self.failure = f"checkpoint of step {step} could not be written to {self.directory}: {exc}"
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
+
+    def _save(self, snap: dict[str, Any], path: Path) -> None:
+        """``torch.save(snap)`` into ``path``, fsynced; the tensor bytes written directly from
+        the arena where this torch and the file system allow it."""
+        arena = self._arena
+        with open(path, "wb") as f:
+            if _DIRECT_SAVE and isinstance(arena, _Arena) and arena.holds(snap):
+                with _aligned_records(), torch.serialization.skip_data():
+                    torch.save(snap, f)  # the pickle and the zip's records, with holes for the bytes
+                f.flush()
+                arena.write(path, _record_offsets(path, snap))
+            else:
+                torch.save(snap, f)
+                f.flush()
+            os.fsync(f.fileno())
 
     def _prune(self) -> None:
         found = sorted((int(mt.group(1)), p) for p in self.directory.iterdir() if (mt := _NAME.match(p.name)))
@@ -234,6 +281,94 @@ class Checkpointer:
     def close(self, timeout: float = 60.0) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+_DIRECT_SAVE = directio.O_DIRECT != 0 and hasattr(torch.serialization, "skip_data")
+"""Whether this torch can save with holes for the bytes (2.6 and newer) on this system."""
+
+
+@contextlib.contextmanager
+def _aligned_records() -> Any:
+    """``torch.save`` places each record's bytes at a page-aligned offset (its global
+    setting for the duration: a save in another thread meanwhile is only padded more)."""
+    from torch.utils.serialization import config
+
+    old = config.save.storage_alignment
+    config.save.storage_alignment = PAGE
+    try:
+        yield
+    finally:
+        config.save.storage_alignment = old
+
+
+def _record_offsets(path: Path, snap: dict[str, Any]) -> list[int]:
+    """Where each tensor's storage (in `layout.split` order) starts in the file ``torch.save``
+    wrote: read back from its pickle alone (tensors on the meta device are not read)."""
+    meta = torch.load(path, map_location="meta", weights_only=True)
+    _, tensors = layout.split(meta, as_they_are=True)
+    offsets = [t.untyped_storage()._checkpoint_offset for t in tensors]
+    if len(offsets) != len(layout.split(snap)[1]) or None in offsets:
+        raise OSError(errno.EIO, f"{path} does not hold the tensors just saved")
+    return [int(at) for at in offsets if at is not None]
+
+
+class _Arena:
+    """A capture's buffers: each tensor a view of its dtype's region of one anonymous,
+    page-aligned mapping, each region a whole number of pages (one storage per region, so
+    a region is one record of the file, its bytes ready for direct I/O as they are)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.slots = [(t.dtype, tuple(t.shape)) for t in tensors]
+        spans: dict[torch.dtype, int] = {}
+        where: list[tuple[torch.dtype, int]] = []
+        for t in tensors:
+            start = spans.get(t.dtype, 0)
+            where.append((t.dtype, start))
+            spans[t.dtype] = start + -(-t.numel() * t.element_size() // 64) * 64
+        self.regions: list[tuple[int, int, torch.Tensor]] = []
+        """(offset in the mapping, bytes, the region as a tensor of its dtype)"""
+        sized = {dtype: directio.pages(n) for dtype, n in spans.items()}
+        self._map = directio.buffer(sum(sized.values()))
+        region_of: dict[torch.dtype, torch.Tensor] = {}
+        offset = 0
+        for dtype, n in sized.items():
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            region = torch.frombuffer(self._map, dtype=dtype, count=n // itemsize, offset=offset)
+            region_of[dtype] = region
+            self.regions.append((offset, n, region))
+            offset += n
+        self.views = [
+            region_of[dtype][start // t.element_size() :][: t.numel()].view(t.shape)
+            for t, (dtype, start) in zip(tensors, where, strict=True)
+        ]
+
+    def fits(self, tensors: list[torch.Tensor]) -> bool:
+        return self.slots == [(t.dtype, tuple(t.shape)) for t in tensors]
+
+    def fill(self, header: Any, tensors: list[torch.Tensor]) -> dict[str, Any]:
+        """The tree of ``header`` with ``tensors`` copied into this arena's views."""
+        for dst, src in zip(self.views, tensors, strict=True):
+            dst.copy_(src)
+        return dict(layout.join(header, self.views))
+
+    def holds(self, snap: dict[str, Any]) -> bool:
+        """Whether every tensor of ``snap`` is this arena's (a tree filled by `fill`)."""
+        mine = {v.data_ptr() for v in self.views}
+        return all(t.data_ptr() in mine for t in layout.split(snap)[1])
+
+    def write(self, path: Path, offsets: list[int]) -> None:
+        """Each region's bytes at its record's offset in ``path`` (direct I/O, or through the
+        page cache where the file system refuses it: tmpfs)."""
+        start_of: dict[int, int] = {}
+        for view, offset in zip(self.views, offsets, strict=True):
+            start_of.setdefault(view.untyped_storage().data_ptr(), offset)
+        memory = memoryview(self._map)
+        with directio.opened(path) as fd:
+            for base, n, region in self.regions:
+                at = start_of[region.untyped_storage().data_ptr()]
+                if at % PAGE:
+                    raise OSError(errno.EINVAL, f"a record at offset {at} is not page-aligned")
+                directio.pwrite_all(fd, memory[base : base + n], at)
 
 
 class _Priority:

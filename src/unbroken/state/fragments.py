@@ -9,9 +9,10 @@ write a disk can rewrite its manifest too) of each fragment and of the whole: a 
 fragment is detected and the state rebuilt from the others.
 
 The bytes must be identical on every node, so the state is packed here deterministically
-(a JSON header describing the tree, then each tensor's bytes in tree order; no pickle, no
-timestamps), without the RNG states (each process draws its own numbers) and without
-node-local state (codec residuals).
+(a JSON header describing the tree, then each tensor's bytes in tree order at aligned
+offsets; no pickle, no timestamps), without the RNG states (each process draws its own
+numbers) and without node-local state (codec residuals). A node computes only the parity
+it keeps, and writes its fragments from the packed buffer by direct I/O (`directio`).
 
     unbroken restore --from /disk/node1/ckpt --from /disk/node2/ckpt ... --to /shared/ckpt
 
@@ -21,13 +22,14 @@ number of nodes started with ``--checkpoint-dir /shared/ckpt`` resume from.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import re
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,67 +39,123 @@ import zfec
 from zfec import easyfec
 
 from unbroken.errors import TransferError
-from unbroken.state import layout
+from unbroken.state import directio, layout
 
 MAGIC = b"UBPACK01"
+"""The first packed form: tensors back to back after the header (still read)."""
+ALIGNED = b"UBPACK02"
+"""The packed form written now: the header, then each tensor at a 64-byte-aligned offset
+from the first page boundary after it (zeros between), so a capture copies straight into
+it (`Packed`) and its blocks go to the disk by direct I/O."""
+_ALIGN = 64
 _MANIFEST = re.compile(r"^frag-(\d{9})\.json$")
 KEEP = 3
 """Fragment sets kept per directory (older ones are deleted)."""
 HASH = "xxh3-128"
 """The checksum of new manifests: 20x faster than SHA-256 on a state of hundreds of MB."""
+SHARED_ONLY = ("rng", "local")
+"""What a fragment leaves out of a state: each process's own random streams, node-local state."""
 
 
 # ---------------------------------------------------------------- deterministic packing
 
 
+def _head(header: Any) -> bytes:
+    return json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
+
+
+def _offsets(start: int, slots: Sequence[layout.Slot]) -> tuple[list[int], int]:
+    """Where each tensor of the aligned form starts, and the packed size."""
+    offsets, at = [], start
+    for slot in slots:
+        offsets.append(at)
+        at += -(-slot.nbytes // _ALIGN) * _ALIGN
+    return offsets, at
+
+
+class Packed:
+    """A state in the aligned packed form, in a page-aligned buffer kept from one checkpoint
+    to the next: a capture copies into its tensor views (`fill`), and its fragments are cut
+    from the buffer as it is (the buffer is padded to ``k`` whole-page blocks)."""
+
+    def __init__(self, header: Any, k: int) -> None:
+        self.slots = layout.slots(header)
+        self.k = k
+        self.start = directio.pages(16 + len(_head(header)))
+        offsets, self.size = _offsets(self.start, self.slots)
+        self.block = directio.pages(-(-self.size // k))
+        """Bytes per fragment: whole pages."""
+        self.buffer = directio.buffer(self.block * k)
+        self.step = 0
+        """The step of the state last filled in."""
+        self.views = [
+            torch.frombuffer(self.buffer, dtype=torch.uint8, count=s.nbytes, offset=at).view(s.dtype).view(s.shape)
+            if s.nbytes
+            else torch.empty(s.shape, dtype=s.dtype)
+            for s, at in zip(self.slots, offsets, strict=True)
+        ]
+
+    @classmethod
+    def of(cls, tree: Any, k: int = 1) -> Packed:
+        """``tree`` packed (copied) into a new buffer."""
+        header, tensors = layout.split(tree)
+        packed = cls(header, k)
+        packed.fill(header, tensors)
+        return packed
+
+    def fits(self, header: Any, k: int) -> bool:
+        return (
+            k == self.k and directio.pages(16 + len(_head(header))) == self.start and layout.slots(header) == self.slots
+        )
+
+    def fill(self, header: Any, tensors: Sequence[torch.Tensor]) -> Any:
+        """``header`` and ``tensors`` (copied) in this buffer; the tree of its views."""
+        head = _head(header)
+        memory = memoryview(self.buffer)
+        memory[:16] = ALIGNED + struct.pack("<Q", len(head))
+        memory[16 : 16 + len(head)] = head
+        memory[16 + len(head) : self.start] = bytes(self.start - 16 - len(head))
+        for dst, src in zip(self.views, tensors, strict=True):
+            dst.copy_(src)
+        tree = layout.join(header, self.views)
+        self.step = int(tree["step"]) if isinstance(tree, dict) and "step" in tree else 0
+        return tree
+
+    def blob(self) -> bytes:
+        return bytes(memoryview(self.buffer)[: self.size])
+
+
 def pack(tree: Any) -> bytes:
     """Tensors, dicts (any key order: sorted), lists, tuples and JSON scalars, deterministically."""
-    buf, size = pack_into(tree)
-    return bytes(buf[:size])
+    return Packed.of(tree).blob()
 
 
-def pack_into(tree: Any, pad_to: int = 1) -> tuple[bytearray, int]:
-    """`pack` into a new buffer zero-padded to a multiple of ``pad_to``, and the packed size.
-
-    The tensors are copied by torch, which lets go of the GIL: a checkpoint being packed on
-    a background thread does not hold up the step loop (``bytes.join`` would, for as long as
-    it takes to copy hundreds of MB)."""
-    header, tensors = layout.split(tree)
-    head = json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
-    size = 16 + len(head) + sum(layout.byte_view(t).numel() for t in tensors)
-    buf = bytearray(-(-size // pad_to) * pad_to)
-    buf[:16] = MAGIC + struct.pack("<Q", len(head))
-    buf[16 : 16 + len(head)] = head
-    out = torch.frombuffer(buf, dtype=torch.uint8)
-    at = 16 + len(head)
-    for t in tensors:
-        b = layout.byte_view(t)
-        out[at : at + b.numel()].copy_(b)
-        at += b.numel()
-    return buf, size
-
-
-def unpack(blob: bytes) -> Any:
-    if blob[:8] != MAGIC:
+def unpack(blob: bytes | bytearray | memoryview) -> Any:
+    blob = memoryview(blob)
+    magic = bytes(blob[:8])
+    if magic not in (MAGIC, ALIGNED):
         raise TransferError("not a packed state (bad magic)")
     (n,) = struct.unpack("<Q", blob[8:16])
-    header = json.loads(blob[16 : 16 + n])
-    offset = 16 + n
+    header = json.loads(bytes(blob[16 : 16 + n]))
+    slots = layout.slots(header)
+    if magic == ALIGNED:
+        offsets, _ = _offsets(directio.pages(16 + n), slots)
+    else:
+        offsets = list(itertools.accumulate((s.nbytes for s in slots[:-1]), initial=16 + n))
     tensors = []
-    for slot in layout.slots(header):
-        raw = bytearray(blob[offset : offset + slot.nbytes])
+    for slot, at in zip(slots, offsets, strict=True):
+        raw = bytearray(blob[at : at + slot.nbytes])
         if len(raw) != slot.nbytes:
             raise TransferError("packed state is truncated")
         flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         tensors.append(flat.view(slot.dtype).reshape(slot.shape))
-        offset += slot.nbytes
     return layout.join(header, tensors)
 
 
 # ---------------------------------------------------------------- fragments
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Manifest:
     step: int
     k: int
@@ -107,44 +165,66 @@ class Manifest:
     checksum: str
     """Of the packed state."""
     fragments: tuple[str, ...]
-    """The checksum of each of the k + m fragments."""
+    """The checksum of each of the k + m fragments ("" for a parity fragment its node did
+    not compute: each node computes only the parity it keeps; `rebuild` merges manifests)."""
     digest: str
     """The state's replica digest (what the nodes compared when it was committed)."""
     hash: str = "sha256"
     """How the checksums were computed (``xxh3-128``; ``sha256`` in older manifests)."""
 
 
-def encode(blob: bytes | bytearray, k: int, m: int) -> list[bytes | memoryview]:
-    """The k data blocks (``blob`` cut in k, the last zero-padded) and m parity blocks. A
-    blob already a multiple of k long is cut without copying (zfec encodes without the GIL)."""
+def encode(
+    blob: bytes | bytearray | memoryview, k: int, m: int, wanted: Sequence[int] | None = None
+) -> list[bytes | memoryview]:
+    """The k data blocks (``blob`` cut in k, the last zero-padded) and m parity blocks, or
+    only the ``wanted`` ones (in that order). A blob already a multiple of k long is cut
+    without copying (zfec encodes without the GIL); with k = 1 every block is the blob
+    itself (the code is a repetition: nothing to compute)."""
     if len(blob) % k:
         blob = bytes(blob) + bytes(k - len(blob) % k)
     size = len(blob) // k
     view = memoryview(blob)
-    return list(zfec.Encoder(k, k + m).encode([view[i * size : (i + 1) * size] for i in range(k)]))
+    data = [view[i * size : (i + 1) * size] for i in range(k)]
+    nums = list(range(k + m)) if wanted is None else list(wanted)
+    parity = sorted({i for i in nums if i >= k})
+    if k == 1:
+        return [data[0] for _ in nums]
+    made = dict(zip(parity, zfec.Encoder(k, k + m).encode(data, tuple(parity)), strict=True)) if parity else {}
+    return [data[i] if i < k else made[i] for i in nums]
 
 
 def decode(blocks: dict[int, bytes], k: int, m: int, size: int) -> bytes:
+    """The blob of ``size`` bytes back from any k of its blocks (however far they were padded)."""
     if len(blocks) < k:
         raise TransferError(f"{len(blocks)} good fragments, {k} needed")
     nums = sorted(blocks)[:k]
-    pad = (k - size % k) % k
+    pad = k * len(blocks[nums[0]]) - size
     return bytes(easyfec.Decoder(k, k + m).decode([blocks[i] for i in nums], nums, pad))
 
 
 def write_fragments(
-    directory: Path, snap: dict[str, Any], k: int, m: int, mine: Sequence[int], digest: str
+    directory: Path, state: dict[str, Any] | Packed, k: int, m: int, mine: Sequence[int], digest: str
 ) -> Manifest:
-    """Encode a captured state and write the fragments ``mine`` (and the manifest) atomically."""
-    padded, size = pack_into({key: v for key, v in snap.items() if key not in ("rng", "local")}, pad_to=k)
-    blocks = encode(padded, k, m)
+    """Write the fragments ``mine`` of a captured state (or of one already `Packed` for k),
+    and the manifest, atomically. Only the parity this node keeps is computed; the
+    manifest has the checksums of every data fragment and of the fragments written here."""
+    packed = (
+        state
+        if isinstance(state, Packed)
+        else Packed.of({key: v for key, v in state.items() if key not in SHARED_ONLY}, k)
+    )
+    if packed.k != k:
+        raise ValueError(f"a state packed for {packed.k} data fragments cannot be cut into {k}")
+    memory = memoryview(packed.buffer)[: packed.block * k]
+    wanted = sorted({*range(k), *mine})
+    blocks = dict(zip(wanted, encode(memory, k, m, wanted), strict=True))
     manifest = Manifest(
-        step=int(snap["step"]),
+        step=packed.step,
         k=k,
         m=m,
-        size=size,
-        checksum=_checksum(HASH, memoryview(padded)[:size]),
-        fragments=tuple(_checksum(HASH, b) for b in blocks),
+        size=packed.size,
+        checksum=_checksum(HASH, memory[: packed.size]),
+        fragments=tuple(_checksum(HASH, blocks[i]) if i in blocks else "" for i in range(k + m)),
         digest=digest,
         hash=HASH,
     )
@@ -171,7 +251,9 @@ def rebuild(directories: Iterable[Path], step: int | None = None) -> tuple[dict[
                     raw = json.loads(p.read_text())
                     if "sha256" in raw:  # written before the checksum became xxh3
                         raw["checksum"], raw["hash"] = raw.pop("sha256"), "sha256"
-                    manifests.setdefault(int(mt.group(1)), Manifest(**{**raw, "fragments": tuple(raw["fragments"])}))
+                    found_step = int(mt.group(1))
+                    man = Manifest(**{**raw, "fragments": tuple(raw["fragments"])})
+                    manifests[found_step] = _merge(manifests[found_step], man) if found_step in manifests else man
                 except (OSError, ValueError, TypeError):
                     continue
             elif p.name.startswith("frag-") and p.suffix[1:].isdigit():
@@ -185,8 +267,11 @@ def rebuild(directories: Iterable[Path], step: int | None = None) -> tuple[dict[
         good: dict[int, bytes] = {}
         for i, paths in sorted(found.get(s, {}).items()):
             for p in paths:
+                if i >= len(man.fragments) or not man.fragments[i]:
+                    notes.append(f"{p}: no manifest found lists its checksum, ignored")
+                    continue
                 data = p.read_bytes()
-                if i < len(man.fragments) and _checksum(man.hash, data) == man.fragments[i]:
+                if _checksum(man.hash, data) == man.fragments[i]:
                     good[i] = data
                     break
                 notes.append(f"{p}: checksum mismatch (corrupt), ignored")
@@ -201,6 +286,14 @@ def rebuild(directories: Iterable[Path], step: int | None = None) -> tuple[dict[
     raise TransferError("no checkpoint can be rebuilt: " + ("; ".join(notes) or "no fragments found"))
 
 
+def _merge(a: Manifest, b: Manifest) -> Manifest:
+    """One step's manifests from several nodes: the fragment checksums each one knows."""
+    if (a.k, a.m, a.size, a.checksum, a.hash) != (b.k, b.m, b.size, b.checksum, b.hash):
+        return a  # another state under the same step (a run set aside): the first one found
+    known = tuple(x or y for x, y in zip(a.fragments, b.fragments, strict=False))
+    return dataclasses.replace(a, fragments=known)
+
+
 def _checksum(algo: str, data: bytes | bytearray | memoryview) -> str:
     if algo == "xxh3-128":
         return str(xxhash.xxh3_128(data).hexdigest())
@@ -211,10 +304,7 @@ def _checksum(algo: str, data: bytes | bytearray | memoryview) -> str:
 
 def _atomic(path: Path, data: bytes | memoryview) -> None:
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    directio.write_file(tmp, data)
     os.replace(tmp, path)
 
 

@@ -33,14 +33,15 @@ class Slot:
         return numel * torch.empty(0, dtype=self.dtype).element_size()
 
 
-def split(tree: Any) -> tuple[Any, list[torch.Tensor]]:
+def split(tree: Any, as_they_are: bool = False) -> tuple[Any, list[torch.Tensor]]:
     """The header and the tensors (contiguous, on the CPU; views of the tree's own tensors
-    where they already are, so a donor does not copy its state to send it)."""
+    where they already are, so a donor does not copy its state to send it). ``as_they_are``:
+    the tensors themselves, wherever they are (meta tensors: a file's layout without its data)."""
     tensors: list[torch.Tensor] = []
 
     def walk(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous()
+            t = x if as_they_are else x.detach().cpu().contiguous()
             tensors.append(t)
             return {"t": len(tensors) - 1, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
         if isinstance(x, dict):

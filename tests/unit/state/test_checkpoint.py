@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 
 from unbroken.state import checkpoint as ck
-from unbroken.state import layout
+from unbroken.state import directio, layout
 from unbroken.state.checkpoint import KEEP, Checkpointer, checkpoint_path, latest_checkpoint, load_checkpoint
 from unbroken.state.snapshot import TrainState
 
@@ -173,16 +175,102 @@ def test_the_copy_goes_into_buffers_kept_from_one_checkpoint_to_the_next(tmp_pat
     c = Checkpointer(tmp_path)
     c.save_async(state.tree())
     c.close()
-    first = [t.data_ptr() for t in layout.split(c._staged)[1]]
+    assert c._arena is not None
+    first = [t.data_ptr() for t in c._arena.views]
     with torch.no_grad():
         model.weight += 1  # the live state moves on; the checkpoint taken before must not
     state.step = 1
     c.save_async(state.tree())
     c.close()
-    assert [t.data_ptr() for t in layout.split(c._staged)[1]] == first, "no new allocation for an unchanged layout"
+    assert [t.data_ptr() for t in c._arena.views] == first, "no new allocation for an unchanged layout"
     back = load_checkpoint(checkpoint_path(tmp_path, 1))
     assert torch.equal(back["model"]["weight"], model.weight) and len(c.staged_s) == 2
     assert not torch.equal(load_checkpoint(checkpoint_path(tmp_path, 0))["model"]["weight"], model.weight)
+
+
+def mixed(step: int) -> dict[str, Any]:
+    """A state with every kind of tensor a capture meets: dtypes side by side, a scalar,
+    empty ones, one of an odd size."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "step": step,
+        "cursor": step,
+        "model": {"w": torch.randn(513, 77, generator=g), "b": torch.randn(3, generator=g).to(torch.bfloat16)},
+        "rng": torch.randint(0, 255, (5003,), dtype=torch.uint8, generator=g),
+        "seen": torch.tensor([True, False, True]),
+        "count": torch.tensor(step, dtype=torch.int64),
+        "nothing": [torch.empty(0), torch.empty(0, 4, dtype=torch.int32)],
+    }
+
+
+def spy_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, int]]:
+    """(direct I/O?, bytes) of every positioned write a checkpoint makes."""
+    import fcntl
+
+    seen: list[tuple[bool, int]] = []
+    real = os.pwrite
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        seen.append((bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0)), len(data)))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(directio.os, "pwrite", pwrite)
+    return seen
+
+
+def same(a: Any, b: Any) -> bool:
+    ha, ta = layout.split(a)
+    hb, tb = layout.split(b)
+    return ha == hb and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(ta, tb, strict=True))
+
+
+@pytest.mark.skipif(not ck._DIRECT_SAVE, reason="this torch or system has no direct checkpoint writes")
+def test_the_tensor_bytes_go_to_the_disk_directly_and_the_file_is_torch_saves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes = spy_writes(monkeypatch)
+    c = Checkpointer(tmp_path)
+    for step in (1, 2):
+        assert c.save_async(mixed(step))
+        c.close()
+        assert c.failure is None
+        back = torch.load(checkpoint_path(tmp_path, step), weights_only=True)
+        assert same(back, mixed(step))
+    tensors = layout.split(mixed(1))[1]
+    payload = sum(t.numel() * t.element_size() for t in tensors)
+    dtypes = len({t.dtype for t in tensors})
+    assert writes and all(direct for direct, _ in writes), "every tensor byte by direct I/O"
+    assert payload <= sum(n for _, n in writes) // 2 < payload + dtypes * ck.PAGE, "each region once, in pages"
+    reader = torch._C.PyTorchFileReader(str(checkpoint_path(tmp_path, 2)))
+    data = [r for r in reader.get_all_records() if r.startswith("data/")]
+    assert len(data) == dtypes == 6, "a record per dtype"
+    assert all(reader.get_record_offset(r) % ck.PAGE == 0 for r in data)
+
+
+def test_a_file_system_without_direct_io_gets_the_same_file(tmp_path: Path) -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no /dev/shm (tmpfs) to write to")
+    directory = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        c = Checkpointer(directory)
+        assert c.save_async(mixed(3))
+        c.close()
+        assert c.failure is None and same(load_checkpoint(checkpoint_path(directory, 3)), mixed(3))
+    finally:
+        shutil.rmtree(directory)
+
+
+def test_a_new_layout_gets_new_buffers_and_the_old_checkpoint_is_untouched(tmp_path: Path) -> None:
+    c = Checkpointer(tmp_path)
+    c.save_async(mixed(1))
+    c.close()
+    grown = mixed(2)
+    grown["model"]["extra"] = torch.arange(10.0)
+    c.save_async(grown)
+    c.close()
+    assert same(load_checkpoint(checkpoint_path(tmp_path, 1)), mixed(1))
+    assert same(load_checkpoint(checkpoint_path(tmp_path, 2)), grown)
 
 
 def test_the_newest_checkpoint_that_loads_is_used_and_the_bad_ones_are_named(tmp_path: Path) -> None:
@@ -227,7 +315,9 @@ def test_set_aside_moves_only_checkpoints_and_says_why(tmp_path: Path) -> None:
     assert (aside / "ckpt-000000005.pt").exists() and "another run's" in (aside / "WHY.txt").read_text()
 
 
-def test_the_parameters_are_copied_while_the_next_step_computes_and_the_rest_at_once(tmp_path: Path) -> None:
+def test_the_parameters_are_copied_while_the_next_step_computes_and_the_rest_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A capture leaves the parameters and optimizer state (what only the next update changes)
     to the writer's thread: the step goes on at once, and the update waits for the copy. A
     buffer, which the next forward pass may change, is copied before `save_async` returns."""
@@ -238,28 +328,21 @@ def test_the_parameters_are_copied_while_the_next_step_computes_and_the_rest_at_
     c = Checkpointer(tmp_path)
     weight, mean = model.weight.detach().clone(), model.running_mean.clone()
     gate = threading.Event()
-    copy = layout.copy
-    ck_layout = ck.layout
+    fill = ck._Arena.fill
 
-    class Held:  # the writer's copy waits until the test has changed the buffer
-        split, join = staticmethod(ck_layout.split), staticmethod(ck_layout.join)
+    def held(arena: Any, header: Any, tensors: list[torch.Tensor]) -> Any:
+        assert gate.wait(10), "the writer's copy waits until the test has changed the buffer"
+        return fill(arena, header, tensors)
 
-        @staticmethod
-        def copy(tree: Any, into: Any = None) -> Any:
-            gate.wait(10)
-            return copy(tree, into)
-
-    ck.layout = Held  # type: ignore[assignment]
-    try:
-        assert c.save_async(state.tree(), later=lambda t: t.data_ptr() in params)
-        model.running_mean += 1  # the next forward pass: the capture already holds the old buffer
-        gate.set()
-        c.wait_captured()
-        with torch.no_grad():
-            model.weight += 1  # the next update, after `wait_captured`
-        c.close()
-    finally:
-        ck.layout = ck_layout
+    monkeypatch.setattr(ck._Arena, "fill", held)
+    assert c.save_async(state.tree(), later=lambda t: t.data_ptr() in params)
+    model.running_mean += 1  # the next forward pass: the capture already holds the old buffer
+    assert c._captured is not None and not c._captured.is_set(), "the parameters are still to be copied"
+    gate.set()
+    c.wait_captured()
+    with torch.no_grad():
+        model.weight += 1  # the next update, after `wait_captured`
+    c.close()
     back = load_checkpoint(checkpoint_path(tmp_path, 0))
     assert torch.equal(back["model"]["weight"], weight) and torch.equal(back["model"]["running_mean"], mean)
 

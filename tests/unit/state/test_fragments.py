@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,10 +13,10 @@ import torch
 from unbroken.errors import ConfigError, TransferError
 from unbroken.specs import parse_fragments
 from unbroken.state.fragments import (
+    Packed,
     decode,
     encode,
     pack,
-    pack_into,
     rebuild,
     unpack,
     write_fragments,
@@ -56,12 +57,35 @@ def test_packing_keeps_types_and_odd_values() -> None:
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])
-def test_packing_into_a_padded_buffer_gives_the_same_bytes_and_the_same_fragments(k: int) -> None:
+def test_a_state_packed_for_k_fragments_is_the_same_bytes_cut_in_whole_pages(k: int) -> None:
     snap = {key: v for key, v in trained_state().capture().items() if key != "rng"}
-    buf, size = pack_into(snap, pad_to=k)
+    packed = Packed.of(snap, k)
     blob = pack(snap)
-    assert size == len(blob) and bytes(buf[:size]) == blob and len(buf) % k == 0 and not any(buf[size:])
-    assert [bytes(b) for b in encode(buf, k, 2)] == [bytes(b) for b in encode(blob, k, 2)]
+    buf = memoryview(packed.buffer)
+    assert packed.size == len(blob) and bytes(buf[: packed.size]) == blob and not any(buf[packed.size :])
+    assert packed.block % 4096 == 0 and len(buf) == packed.block * k
+    blocks = encode(buf, k, 2)
+    assert all(len(b) == packed.block for b in blocks)
+    assert decode(dict(enumerate(blocks[-k:], start=2)), k, 2, len(blob)) == blob
+    assert [bytes(b) for b in encode(buf, k, 2, [k + 1, 0])] == [bytes(blocks[k + 1]), bytes(blocks[0])]
+
+
+def test_a_packed_buffer_is_reused_for_a_state_of_the_same_layout() -> None:
+    state = trained_state()
+    snap = {key: v for key, v in state.capture().items() if key != "rng"}
+    from unbroken.state import layout
+
+    header, tensors = layout.split(snap)
+    packed = Packed(header, 2)
+    packed.fill(header, tensors)
+    first = pack(snap)
+    state.step, state.cursor = 123456, 987654  # a longer header, the same pages
+    later = {key: v for key, v in state.capture().items() if key != "rng"}
+    later_header, later_tensors = layout.split(later)
+    assert packed.fits(later_header, 2) and not packed.fits(later_header, 3)
+    tree = packed.fill(later_header, [t + 1 if t.is_floating_point() else t for t in later_tensors])
+    assert packed.blob() != first and tree["step"] == 123456 == packed.step
+    assert unpack(packed.blob())["step"] == 123456
 
 
 @pytest.mark.parametrize(("k", "m"), [(1, 0), (3, 2), (2, 3), (4, 1)])
@@ -122,6 +146,33 @@ def test_the_newest_rebuildable_step_wins_and_old_sets_are_pruned(tmp_path: Path
     (tmp_path / "frag-000000040.001").unlink()  # step 40: one fragment left of the 2 needed
     _, manifest, notes = rebuild([tmp_path])
     assert manifest.step == 30 and any("step 40" in n for n in notes)
+
+
+def test_a_node_computes_only_the_parity_it_keeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import zfec
+
+    state = trained_state()
+    snap, digest = state.capture(), state.digest()
+    asked: list[tuple[int, ...]] = []
+    real = zfec.Encoder
+
+    class Counting:
+        def __init__(self, k: int, n: int) -> None:
+            self.inner = real(k, n)
+
+        def encode(self, blocks: Any, wanted: tuple[int, ...]) -> Any:
+            asked.append(wanted)
+            return self.inner.encode(blocks, wanted)
+
+    monkeypatch.setattr(zfec, "Encoder", Counting)
+    disks = [tmp_path / f"n{i}" for i in range(5)]
+    for rank, disk in enumerate(disks):
+        write_fragments(disk, snap, 3, 2, [rank], digest)
+    assert asked == [(3,), (4,)], "data fragments need no encoding; each parity is made once, where it is kept"
+    write_fragments(tmp_path / "k1", snap, 1, 2, [0, 1, 2], digest)
+    assert len(asked) == 2, "with one data fragment every parity is a copy"
+    _, manifest, notes = rebuild([disks[3], disks[4], disks[0]])
+    assert manifest.step == 3 and not notes
 
 
 @pytest.mark.parametrize("spec", ["3", "3,2,1", "0,2", "a,b", "200,100"])
