@@ -345,6 +345,7 @@ def _chaos(args: argparse.Namespace) -> int:
     table.add_row("link faults", summary["link_faults"])
     rows = [(f"recovery: {kind}", st) for kind, st in summary["recovery_s"].items()]
     rows.append(("recovery beyond coordinator downtime", summary["recovery_beyond_coordinator_down_s"]))
+    rows += [(f"next commit: {kind}", st) for kind, st in summary["next_commit_s"].items()]
     for label, st in rows:
         if st:
             table.add_row(

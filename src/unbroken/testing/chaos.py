@@ -27,7 +27,9 @@ delay or random loss). Elsewhere the nodes run on loopback and the report says w
 faults were skipped. The last node that trains is never stopped or cut (nodes still
 starting up do not count). After ``duration`` seconds the faults stop and the job runs
 to its end; then the report: faults by kind, recovery time after each (fault → the
-group's next commit: median, p95, max), committed steps lost (0 is the promise), replicas
+group's first commit of a step computed wholly after the fault: median, p95, max; and, as
+reported before, fault → its next commit of a new step, which a step already in flight at
+the fault can make almost at once), committed steps lost (0 is the promise), replicas
 equal after every step, exactly-once samples, and the final model against single-process
 training.
 """
@@ -109,18 +111,46 @@ def time_outside(start: float, end: float, gaps: list[tuple[float, float]]) -> f
     return max(0.0, end - start) - inside
 
 
+class Commits:
+    """The group's commits, from every node's commit log, and when each step began."""
+
+    def __init__(self, logs: dict[str, list[dict[str, Any]]]) -> None:
+        entries = [e for log in logs.values() for e in log]
+        self.commits = sorted((e["t"], e["step"], e.get("epoch")) for e in entries if e["kind"] == "commit")
+        self.begun: dict[tuple[Any, int], float] = {}
+        """(epoch, step committed) → its first contribution (a contribution to step s commits s + 1)."""
+        for e in entries:
+            if e["kind"] == "contrib":
+                key = (e.get("epoch"), e["step"] + 1)
+                self.begun[key] = min(self.begun.get(key, e["t"]), e["t"])
+
+    def after(self, at: float) -> tuple[float | None, float | None]:
+        """After a fault at ``at``: the group's next commit of a new step, and its first
+        commit of a step computed wholly after the fault (the recovery: a step in flight at
+        the fault may still commit just after it, before the group stalls)."""
+        before = max((s for t, s, _ in self.commits if t <= at), default=0)
+        # Other nodes may still commit `before` just after the fault: a new step is later.
+        later = [(t, s, ep) for t, s, ep in self.commits if t > at and s > before]
+        fresh = next((t for t, s, ep in later if self.begun.get((ep, s), t) > at), None)
+        return (later[0][0] if later else None), fresh
+
+
 @dataclass
 class ChaosReport:
     duration_s: float
     steps: int
     faults: list[Fault]
     recoveries: dict[str, list[float]]
+    """Per fault kind: fault → the group's first commit of a step computed wholly after it."""
     steps_lost: int
     promises: PromiseReport
     max_diff: float | None
     problems: list[str] = field(default_factory=list)
     links: str = ""
     """Whether link faults were injected, how, or why not."""
+    next_commits: dict[str, list[float]] = field(default_factory=dict)
+    """Per fault kind: fault → the group's next commit of a new step, whenever it was computed
+    (what recovery meant before 2026-12-04: a step in flight at the fault counts as ~0 s)."""
     beyond_down: list[float] = field(default_factory=list)
     """Each recovery less the time within it that no coordinator served (killed, not yet
     restarted): what a single coordinator can answer for. Empty with ``ha``."""
@@ -145,6 +175,7 @@ class ChaosReport:
             "faults_total": len(self.faults),
             "recovery_s": {k: stats(v) for k, v in self.recoveries.items()} | {"all": stats(every)},
             "recovery_beyond_coordinator_down_s": stats(self.beyond_down),
+            "next_commit_s": {k: stats(v) for k, v in self.next_commits.items()},
             "steps_lost": self.steps_lost,
             "link_faults": self.links,
             "fault_log": [{"kind": f.kind, "at": f.at, "target": f.target, "detail": f.detail} for f in self.faults],
@@ -444,8 +475,9 @@ class Chaos:
         logs = {name: n.entries() for name, n in c.nodes.items()}
         finishers = [n for n in c.nodes.values() if any(e["kind"] == "final" for e in n.entries())]
         promises = check_promises(logs, job, finishers=1)
-        commits = sorted((e["t"], e["step"]) for entries in logs.values() for e in entries if e["kind"] == "commit")
+        commits = Commits(logs)
         recoveries: dict[str, list[float]] = collections.defaultdict(list)
+        next_commits: dict[str, list[float]] = collections.defaultdict(list)
         beyond_down: list[float] = []
         for f in self.faults:
             if f.kind == "join":
@@ -454,13 +486,13 @@ class Chaos:
                 if first is not None:
                     recoveries["join (spawn to first commit)"].append(first - f.at)
                 continue
-            before = max((s for t, s in commits if t <= f.at), default=0)
-            # The group's next new step (other nodes may still commit `before` just after).
-            after = next(((t, s) for t, s in commits if t > f.at and s > before), None)
+            after, fresh = commits.after(f.at)
             if after is not None:
-                recoveries[f.kind].append(after[0] - f.at)
+                next_commits[f.kind].append(after - f.at)
+            if fresh is not None:
+                recoveries[f.kind].append(fresh - f.at)
                 if not self.ha:
-                    beyond_down.append(time_outside(f.at, after[0], self._coordinator_down))
+                    beyond_down.append(time_outside(f.at, fresh, self._coordinator_down))
         # A lost committed step would have to be committed again later, in another epoch.
         lost = sum(1 for p in promises.problems if "committed in epoch" in p and "and again" in p)
         problems = list(promises.problems)
@@ -485,7 +517,8 @@ class Chaos:
             max_diff,
             problems,
             self.links_note,
-            beyond_down,
+            next_commits=dict(next_commits),
+            beyond_down=beyond_down,
         )
 
 

@@ -1,11 +1,11 @@
-"""The chaos soak's pure parts: which fault kinds may be drawn, and link names that fit."""
+"""The chaos soak's pure parts: which fault kinds may be drawn, link names that fit, recovery times."""
 
 from __future__ import annotations
 
 import pytest
 
 from unbroken.testing import netns
-from unbroken.testing.chaos import HA_KINDS, KINDS, feasible_kinds, time_outside
+from unbroken.testing.chaos import HA_KINDS, KINDS, Commits, feasible_kinds, time_outside
 
 SIGNAL_KINDS = ["kill", "stop", "term", "join", "coordinator"]
 
@@ -79,3 +79,30 @@ def test_recovery_beyond_coordinator_downtime_takes_out_only_the_overlap() -> No
     assert time_outside(9.0, 15.0, down) == pytest.approx(6.0 - 1.6 - 1.7)  # two restarts inside
     assert time_outside(11.0, 11.2, down) == 0.0  # recovered while it was still down
     assert time_outside(12.0, 11.0, down) == 0.0
+
+
+def test_a_step_in_flight_at_the_fault_is_not_the_recovery() -> None:
+    """Step 7 was contributed before the fault at t=10 and commits at 10.01; the group then
+    stalls, and step 8 (contributed at 12.0, in a new epoch) commits at 12.5."""
+    logs = {
+        "a": [
+            {"kind": "contrib", "t": 9.5, "epoch": 1, "step": 6},
+            {"kind": "commit", "t": 9.9, "epoch": 1, "step": 6},
+            {"kind": "contrib", "t": 9.95, "epoch": 1, "step": 6},
+            {"kind": "commit", "t": 10.01, "epoch": 1, "step": 7},
+            {"kind": "contrib", "t": 12.0, "epoch": 2, "step": 7},
+            {"kind": "commit", "t": 12.5, "epoch": 2, "step": 8},
+        ],
+        "b": [
+            {"kind": "contrib", "t": 9.96, "epoch": 1, "step": 6},
+            {"kind": "commit", "t": 10.02, "epoch": 1, "step": 7},  # the same step, by another node
+            {"kind": "contrib", "t": 11.9, "epoch": 2, "step": 7},
+            {"kind": "commit", "t": 12.5, "epoch": 2, "step": 8},
+        ],
+    }
+    after, fresh = Commits(logs).after(10.0)
+    assert after == 10.01 and fresh == 12.5
+    # A fault after the in-flight step's commit: that commit is before it, step 8 is both.
+    assert Commits(logs).after(10.015) == (12.5, 12.5)
+    # A commit whose contributions are not logged (a state received from a peer) counts.
+    assert Commits({"c": [{"kind": "commit", "t": 3.0, "epoch": 1, "step": 2}]}).after(1.0) == (3.0, 3.0)
