@@ -10,11 +10,11 @@ step (its buffers are still being written from), and the running write is hurrie
 the step loop's priority: on a machine whose cores training keeps busy, an idle-priority
 write would otherwise never end, and every later checkpoint would be skipped with it.
 
-The file is what ``torch.save`` writes (``torch.load`` reads it), but its tensor bytes go
-straight from those buffers to the disk (`unbroken.state.directio`). So the buffers are
-laid out as the file wants them: one page-aligned region per dtype (one storage each:
-``torch.save`` keeps one storage per record), each record's bytes at a page-aligned offset
-of the file.
+The file is what ``torch.save`` writes (``torch.load`` reads it), but where no core stood
+free since the last checkpoint its tensor bytes go straight from those buffers to the disk
+(`unbroken.state.directio`). So the buffers are laid out as the file wants them: one
+page-aligned region per dtype (one storage each: ``torch.save`` keeps one storage per
+record), each record's bytes at a page-aligned offset of the file.
 """
 
 from __future__ import annotations
@@ -132,6 +132,11 @@ class Checkpointer:
         self.hurried = 0
         """Writes that were still running when the next checkpoint was due (`_hurry`)."""
         self._writer: _Priority | None = None
+        self._idle = directio.IdleCores()
+        """Whether a core stood free since the last checkpoint: its write then goes through
+        the page cache, whose copy costs training nothing there (`directio`)."""
+        self.direct: list[bool] = []
+        """Whether each write went past the page cache."""
 
     @property
     def busy(self) -> bool:
@@ -229,7 +234,9 @@ class Checkpointer:
         self._writer = _Priority.lower()
         start = time.monotonic()
         try:
-            write_fragments(self.directory, packed, k, m, mine, snapshot_digest(snap, in_digest))
+            direct = not self._idle.free()
+            self.direct.append(direct)
+            write_fragments(self.directory, packed, k, m, mine, snapshot_digest(snap, in_digest), direct)
             self.written.append((int(snap["step"]), time.monotonic() - start))
             self.failure = None
         except OSError as exc:
@@ -247,8 +254,8 @@ class Checkpointer:
             os.replace(tmp, final)
             self.written.append((step, time.monotonic() - start))
             log.debug(
-                "checkpoint of step %d: captured in %.3f s, written in %.3f s",
-                step, self.captured_s[-1], self.written[-1][1],
+                "checkpoint of step %d: captured in %.3f s, written in %.3f s (%s)",
+                step, self.captured_s[-1], self.written[-1][1], "direct" if self.direct[-1] else "page cache",
             )  # fmt: skip
             self.failure = None
             self._prune()
@@ -262,8 +269,10 @@ class Checkpointer:
         """``torch.save(snap)`` into ``path``, fsynced; the tensor bytes written directly from
         the arena where this torch and the file system allow it."""
         arena = self._arena
+        direct = _DIRECT_SAVE and isinstance(arena, _Arena) and arena.holds(snap) and not self._idle.free()
+        self.direct.append(direct)
         with open(path, "wb") as f:
-            if _DIRECT_SAVE and isinstance(arena, _Arena) and arena.holds(snap):
+            if direct and isinstance(arena, _Arena):
                 with _aligned_records(), torch.serialization.skip_data():
                     torch.save(snap, f)  # the pickle and the zip's records, with holes for the bytes
                 f.flush()

@@ -203,11 +203,18 @@ def decode(blocks: dict[int, bytes], k: int, m: int, size: int) -> bytes:
 
 
 def write_fragments(
-    directory: Path, state: dict[str, Any] | Packed, k: int, m: int, mine: Sequence[int], digest: str
+    directory: Path,
+    state: dict[str, Any] | Packed,
+    k: int,
+    m: int,
+    mine: Sequence[int],
+    digest: str,
+    direct: bool = True,
 ) -> Manifest:
     """Write the fragments ``mine`` of a captured state (or of one already `Packed` for k),
-    and the manifest, atomically. Only the parity this node keeps is computed; the
-    manifest has the checksums of every data fragment and of the fragments written here."""
+    and the manifest, atomically (``direct``: past the page cache, `directio`). Only the
+    parity this node keeps is computed; the manifest has the checksums of every data
+    fragment and of the fragments written here."""
     packed = (
         state
         if isinstance(state, Packed)
@@ -230,7 +237,7 @@ def write_fragments(
     )
     directory.mkdir(parents=True, exist_ok=True)
     for i in mine:
-        _atomic(directory / f"frag-{manifest.step:09d}.{i:03d}", blocks[i])
+        _atomic(directory / f"frag-{manifest.step:09d}.{i:03d}", blocks[i], direct)
     _atomic(directory / f"frag-{manifest.step:09d}.json", json.dumps(manifest.__dict__).encode())
     _prune(directory)
     return manifest
@@ -302,9 +309,9 @@ def _checksum(algo: str, data: bytes | bytearray | memoryview) -> str:
     raise TransferError(f"unknown checksum {algo!r} in a fragment manifest")
 
 
-def _atomic(path: Path, data: bytes | memoryview) -> None:
+def _atomic(path: Path, data: bytes | memoryview, direct: bool = False) -> None:
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    directio.write_file(tmp, data)
+    directio.write_file(tmp, data, direct)
     os.replace(tmp, path)
 
 

@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -230,6 +231,7 @@ def test_the_tensor_bytes_go_to_the_disk_directly_and_the_file_is_torch_saves(
 ) -> None:
     writes = spy_writes(monkeypatch)
     c = Checkpointer(tmp_path)
+    c._idle = Cores(free=False)  # training keeps every core busy
     for step in (1, 2):
         assert c.save_async(mixed(step))
         c.close()
@@ -245,6 +247,41 @@ def test_the_tensor_bytes_go_to_the_disk_directly_and_the_file_is_torch_saves(
     data = [r for r in reader.get_all_records() if r.startswith("data/")]
     assert len(data) == dtypes == 6, "a record per dtype"
     assert all(reader.get_record_offset(r) % ck.PAGE == 0 for r in data)
+    assert c.direct == [True, True]
+
+
+class Cores(directio.IdleCores):
+    """Whether a core stood free, as a test says."""
+
+    def __init__(self, free: bool) -> None:
+        self._free = free
+
+    def free(self) -> bool:
+        return self._free
+
+
+def test_where_a_core_stood_free_the_page_cache_writes_the_same_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes = spy_writes(monkeypatch)
+    c = Checkpointer(tmp_path)
+    c._idle = Cores(free=True)
+    assert c.save_async(mixed(4))
+    c.close()
+    assert same(load_checkpoint(checkpoint_path(tmp_path, 4)), mixed(4))
+    assert c.direct == [False] and not any(direct for direct, _ in writes)
+
+
+def test_idle_cores_are_counted_from_the_processs_own_cores() -> None:
+    idle = directio.IdleCores()
+    if idle._read() is None:
+        pytest.skip("no /proc/stat")
+    busy_until = time.monotonic() + 0.3
+    while time.monotonic() < busy_until:  # this core is busy: at most the others are idle
+        pass
+    n = len(os.sched_getaffinity(0))
+    seen = idle.since_last()
+    assert seen is not None and 0.0 <= seen <= n - 0.5
 
 
 def test_a_file_system_without_direct_io_gets_the_same_file(tmp_path: Path) -> None:
