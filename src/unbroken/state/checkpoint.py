@@ -137,6 +137,8 @@ class Checkpointer:
         the page cache, whose copy costs training nothing there (`directio`)."""
         self.direct: list[bool] = []
         """Whether each write went past the page cache."""
+        self._write_cpu_s = 0.0
+        """CPU the last write took on its thread (the writer's own, not training's)."""
 
     @property
     def busy(self) -> bool:
@@ -203,6 +205,8 @@ class Checkpointer:
         self, write: Callable[..., None], tree: dict[str, Any], later: Later | None, k: int | None, *args: Any
     ) -> None:
         start = time.monotonic()
+        if not self.direct:  # the first checkpoint: whether a core is free now, not during start-up
+            self._idle.since_last()
         header, tensors = layout.split(tree)
         tensors = [t if later is not None and later(t) else t.clone() for t in tensors]
         self.staged_s.append(time.monotonic() - start)
@@ -232,11 +236,12 @@ class Checkpointer:
         packed = self._arena
         assert isinstance(packed, Packed), "a fragments capture fills a packed buffer"
         self._writer = _Priority.lower()
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.thread_time()
         try:
-            direct = not self._idle.free()
+            direct = not self._idle.free(self._write_cpu_s)
             self.direct.append(direct)
             write_fragments(self.directory, packed, k, m, mine, snapshot_digest(snap, in_digest), direct)
+            self._write_cpu_s = time.thread_time() - cpu
             self.written.append((int(snap["step"]), time.monotonic() - start))
             self.failure = None
         except OSError as exc:
@@ -269,7 +274,10 @@ class Checkpointer:
         """``torch.save(snap)`` into ``path``, fsynced; the tensor bytes written directly from
         the arena where this torch and the file system allow it."""
         arena = self._arena
-        direct = _DIRECT_SAVE and isinstance(arena, _Arena) and arena.holds(snap) and not self._idle.free()
+        cpu = time.thread_time()
+        direct = (
+            _DIRECT_SAVE and isinstance(arena, _Arena) and arena.holds(snap) and not self._idle.free(self._write_cpu_s)
+        )
         self.direct.append(direct)
         with open(path, "wb") as f:
             if direct and isinstance(arena, _Arena):
@@ -281,6 +289,7 @@ class Checkpointer:
                 torch.save(snap, f)
                 f.flush()
             os.fsync(f.fileno())
+        self._write_cpu_s = time.thread_time() - cpu
 
     def _prune(self) -> None:
         found = sorted((int(mt.group(1)), p) for p in self.directory.iterdir() if (mt := _NAME.match(p.name)))

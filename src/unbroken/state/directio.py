@@ -20,6 +20,7 @@ import ctypes
 import errno
 import mmap
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,8 +100,8 @@ class IdleCores:
         self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self._last = self._read()
 
-    def _read(self) -> tuple[int, int] | None:
-        """Idle and total ticks of this process's cores so far."""
+    def _read(self) -> tuple[int, int, float] | None:
+        """Idle and total ticks of this process's cores so far, and when."""
         wanted = {f"cpu{i}" for i in self._cpus}
         idle = total = 0
         try:
@@ -113,19 +114,24 @@ class IdleCores:
                         total += sum(values)
         except (OSError, ValueError):
             return None
-        return (idle, total) if total else None
+        return (idle, total, time.monotonic()) if total else None
 
-    def since_last(self) -> float | None:
-        """Idle cores on average since the last call (or since this was made); None where
-        that cannot be known."""
+    def since_last(self, min_s: float = 0.0) -> tuple[float, float] | None:
+        """Idle cores on average since the last look, and over how many seconds; None where
+        that cannot be known or the last look is under ``min_s`` old (kept for the next)."""
         now, last = self._read(), self._last
-        self._last = now
         if now is None or last is None or now[1] <= last[1]:
+            self._last = now
             return None
-        return (now[0] - last[0]) / (now[1] - last[1]) * len(self._cpus)
+        if now[2] - last[2] < min_s:
+            return None
+        self._last = now
+        return (now[0] - last[0]) / (now[1] - last[1]) * len(self._cpus), now[2] - last[2]
 
-    def free(self) -> bool:
-        """Whether a core stood free since the last look (False where unknown: direct I/O,
-        which costs least in all)."""
-        idle = self.since_last()
-        return idle is not None and idle >= FREE
+    def free(self, busy_s: float = 0.0) -> bool:
+        """Whether a core stood free over the last second or more, counting ``busy_s`` of CPU
+        the caller itself spent meanwhile as idle (a write through the page cache must not
+        take its own copying for training). False where unknown: direct I/O, which costs
+        least in all."""
+        seen = self.since_last(min_s=1.0)
+        return seen is not None and seen[0] + busy_s / seen[1] >= FREE

@@ -256,7 +256,10 @@ class Cores(directio.IdleCores):
     def __init__(self, free: bool) -> None:
         self._free = free
 
-    def free(self) -> bool:
+    def since_last(self, min_s: float = 0.0) -> tuple[float, float] | None:
+        return None
+
+    def free(self, busy_s: float = 0.0) -> bool:
         return self._free
 
 
@@ -279,9 +282,21 @@ def test_idle_cores_are_counted_from_the_processs_own_cores() -> None:
     busy_until = time.monotonic() + 0.3
     while time.monotonic() < busy_until:  # this core is busy: at most the others are idle
         pass
-    n = len(os.sched_getaffinity(0))
     seen = idle.since_last()
-    assert seen is not None and 0.0 <= seen <= n - 0.5
+    assert seen is not None and 0.0 <= seen[0] <= len(os.sched_getaffinity(0)) - 0.5 and seen[1] >= 0.3
+
+
+def test_a_core_is_free_only_over_a_second_or_more_and_the_writers_own_copying_counts_as_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ticks = iter([(0, 0, 0.0), (50, 100, 0.5), (60, 200, 1.5), (90, 300, 3.0), (110, 400, 4.5)])
+    monkeypatch.setattr(directio.IdleCores, "_read", lambda self: next(ticks))
+    idle = directio.IdleCores()
+    idle._cpus = [0, 1]
+    assert not idle.free(), "half a second is too short to tell (direct I/O then)"
+    assert not idle.free(), "0.6 idle cores over 1.5 s"
+    assert idle.free(busy_s=0.3), "0.6 idle cores over 1.5 s, plus the writer's own 0.2 of a core"
+    assert not idle.free(busy_s=0.3), "0.4 + 0.2 < 0.75"
 
 
 def test_a_file_system_without_direct_io_gets_the_same_file(tmp_path: Path) -> None:
