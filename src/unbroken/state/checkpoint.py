@@ -238,8 +238,7 @@ class Checkpointer:
         self._writer = _Priority.lower()
         start, cpu = time.monotonic(), time.thread_time()
         try:
-            direct = not self._idle.free(self._write_cpu_s)
-            self.direct.append(direct)
+            direct = self._direct(True)
             write_fragments(self.directory, packed, k, m, mine, snapshot_digest(snap, in_digest), direct)
             self._write_cpu_s = time.thread_time() - cpu
             self.written.append((int(snap["step"]), time.monotonic() - start))
@@ -269,6 +268,18 @@ class Checkpointer:
             self.failure = f"checkpoint of step {step} could not be written to {self.directory}: {exc}"
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
+
+    def _direct(self, possible: bool) -> bool:
+        """Whether this write goes past the page cache (where ``possible``): only where no
+        core stood free since the last one."""
+        direct = possible and not self._idle.free(self._write_cpu_s)
+        if not self.direct or self.direct[-1] != direct:
+            log.info(
+                "checkpoints are written %s",
+                "past the page cache (no core stood free)" if direct else "through the page cache",
+            )
+        self.direct.append(direct)
+        return direct
 
     def _save(self, snap: dict[str, Any], path: Path) -> None:
         """``torch.save(snap)`` into ``path``, fsynced; the tensor bytes written directly from
