@@ -286,10 +286,7 @@ class Checkpointer:
         the arena where this torch and the file system allow it."""
         arena = self._arena
         cpu = time.thread_time()
-        direct = (
-            _DIRECT_SAVE and isinstance(arena, _Arena) and arena.holds(snap) and not self._idle.free(self._write_cpu_s)
-        )
-        self.direct.append(direct)
+        direct = self._direct(_DIRECT_SAVE and isinstance(arena, _Arena) and arena.holds(snap))
         with open(path, "wb") as f:
             if direct and isinstance(arena, _Arena):
                 with _aligned_records(), torch.serialization.skip_data():
