@@ -243,7 +243,7 @@ class Checkpointer:
             self._write_cpu_s = time.thread_time() - cpu
             self.written.append((int(snap["step"]), time.monotonic() - start))
             self.failure = None
-        except OSError as exc:
+        except Exception as exc:  # a disk's error or a codec's: this checkpoint is lost, the job is not
             log.error("fragments of step %d failed: %s", snap["step"], exc)
             self.failure = f"fragments of step {snap['step']} could not be written to {self.directory}: {exc}"
 
@@ -263,7 +263,7 @@ class Checkpointer:
             )  # fmt: skip
             self.failure = None
             self._prune()
-        except OSError as exc:
+        except Exception as exc:  # a disk's error or torch's: this checkpoint is lost, the job is not
             log.error("checkpoint of step %d failed: %s", step, exc)
             self.failure = f"checkpoint of step {step} could not be written to {self.directory}: {exc}"
             with contextlib.suppress(OSError):
@@ -309,8 +309,19 @@ class Checkpointer:
             self._thread.join(timeout)
 
 
-_DIRECT_SAVE = directio.O_DIRECT != 0 and hasattr(torch.serialization, "skip_data")
-"""Whether this torch can save with holes for the bytes (2.6 and newer) on this system."""
+def _can_save_with_holes() -> bool:
+    """Whether this torch saves with holes for the bytes at aligned offsets (``skip_data``
+    and ``storage_alignment``: 2.7 and newer) and this system has direct I/O."""
+    if not directio.O_DIRECT or not hasattr(torch.serialization, "skip_data"):
+        return False
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        return False
+    return hasattr(config.save, "storage_alignment")
+
+
+_DIRECT_SAVE = _can_save_with_holes()
 
 
 @contextlib.contextmanager

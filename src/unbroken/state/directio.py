@@ -69,9 +69,32 @@ def opened(path: Path, create: bool = False) -> Iterator[int]:
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """All of ``view`` at ``offset``; a direct descriptor the file system turns down after
+    all (or that took part of a call) goes on through the page cache."""
     done = 0
     while done < len(view):
-        done += os.pwrite(fd, view[done : done + CHUNK], offset + done)
+        try:
+            n = os.pwrite(fd, view[done : done + CHUNK], offset + done)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP) or not _through_page_cache(fd):
+                raise
+            continue
+        if n <= 0:
+            raise OSError(errno.EIO, f"a write of {len(view) - done} bytes took none")
+        if n % PAGE:
+            _through_page_cache(fd)  # the next offset is no longer aligned
+        done += n
+
+
+def _through_page_cache(fd: int) -> bool:
+    """Turn direct I/O off on ``fd``; False where it was not on."""
+    import fcntl
+
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if not O_DIRECT or not flags & O_DIRECT:
+        return False
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~O_DIRECT)
+    return True
 
 
 def write_file(path: Path, data: bytes | memoryview, direct: bool = True) -> None:

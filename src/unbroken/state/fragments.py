@@ -246,7 +246,7 @@ def write_fragments(
 def rebuild(directories: Iterable[Path], step: int | None = None) -> tuple[dict[str, Any], Manifest, list[str]]:
     """The newest state (or ``step``) that k good fragments in ``directories`` rebuild, its
     manifest, and what was wrong on the way (corrupt or missing fragments)."""
-    manifests: dict[int, Manifest] = {}
+    manifests: dict[int, list[Manifest]] = {}
     found: dict[int, dict[int, list[Path]]] = {}
     for d in directories:
         if not d.is_dir():
@@ -258,19 +258,20 @@ def rebuild(directories: Iterable[Path], step: int | None = None) -> tuple[dict[
                     raw = json.loads(p.read_text())
                     if "sha256" in raw:  # written before the checksum became xxh3
                         raw["checksum"], raw["hash"] = raw.pop("sha256"), "sha256"
-                    found_step = int(mt.group(1))
                     man = Manifest(**{**raw, "fragments": tuple(raw["fragments"])})
-                    manifests[found_step] = _merge(manifests[found_step], man) if found_step in manifests else man
+                    if len(man.fragments) != man.k + man.m:
+                        raise ValueError("a checksum for each fragment")
+                    manifests.setdefault(int(mt.group(1)), []).append(man)
                 except (OSError, ValueError, TypeError):
                     continue
             elif p.name.startswith("frag-") and p.suffix[1:].isdigit():
                 s, i = int(p.name[5:14]), int(p.suffix[1:])
                 found.setdefault(s, {}).setdefault(i, []).append(p)
     notes: list[str] = []
-    for s in sorted(manifests, reverse=True):
+    candidates = [(at, man) for at in sorted(manifests, reverse=True) for man in _agreed(manifests[at])]
+    for s, man in candidates:
         if step is not None and s != step:
             continue
-        man = manifests[s]
         good: dict[int, bytes] = {}
         for i, paths in sorted(found.get(s, {}).items()):
             for p in paths:
@@ -293,12 +294,18 @@ def rebuild(directories: Iterable[Path], step: int | None = None) -> tuple[dict[
     raise TransferError("no checkpoint can be rebuilt: " + ("; ".join(notes) or "no fragments found"))
 
 
-def _merge(a: Manifest, b: Manifest) -> Manifest:
-    """One step's manifests from several nodes: the fragment checksums each one knows."""
-    if (a.k, a.m, a.size, a.checksum, a.hash) != (b.k, b.m, b.size, b.checksum, b.hash):
-        return a  # another state under the same step (a run set aside): the first one found
-    known = tuple(x or y for x, y in zip(a.fragments, b.fragments, strict=False))
-    return dataclasses.replace(a, fragments=known)
+def _agreed(found: list[Manifest]) -> list[Manifest]:
+    """One step's manifests from several nodes, as one per state they describe (the state
+    most of them describe first), each with the fragment checksums any of them knows (a
+    node lists only the parity it computed)."""
+    groups: dict[tuple[Any, ...], list[Manifest]] = {}
+    for man in found:
+        groups.setdefault((man.k, man.m, man.size, man.checksum, man.hash, man.digest), []).append(man)
+    merged = []
+    for same in sorted(groups.values(), key=len, reverse=True):
+        known = tuple(next((c for c in column if c), "") for column in zip(*(m.fragments for m in same), strict=True))
+        merged.append(dataclasses.replace(same[0], fragments=known))
+    return merged
 
 
 def _checksum(algo: str, data: bytes | bytearray | memoryview) -> str:

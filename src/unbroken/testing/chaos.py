@@ -118,11 +118,13 @@ class Commits:
         entries = [e for log in logs.values() for e in log]
         self.commits = sorted((e["t"], e["step"], e.get("epoch")) for e in entries if e["kind"] == "commit")
         self.begun: dict[tuple[Any, int], float] = {}
-        """(epoch, step committed) → its first contribution (a contribution to step s commits s + 1)."""
+        """(epoch, step committed) → when its first contribution's compute began (a
+        contribution to step s commits s + 1, and is logged once computed)."""
         for e in entries:
             if e["kind"] == "contrib":
                 key = (e.get("epoch"), e["step"] + 1)
-                self.begun[key] = min(self.begun.get(key, e["t"]), e["t"])
+                start = e["t"] - float(e.get("compute_s") or 0.0)
+                self.begun[key] = min(self.begun.get(key, start), start)
 
     def after(self, at: float) -> tuple[float | None, float | None]:
         """After a fault at ``at``: the group's next commit of a new step, and its first

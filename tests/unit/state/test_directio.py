@@ -51,3 +51,27 @@ def test_unaligned_bytes_go_through_the_page_cache(tmp_path: Path, monkeypatch: 
     assert (tmp_path / "f").read_bytes() == data and calls == []
     directio.write_file(tmp_path / "f", b"shorter")  # replaces, not overlays
     assert (tmp_path / "f").read_bytes() == b"shorter"
+
+
+@pytest.mark.skipif(not directio.O_DIRECT, reason="no O_DIRECT on this system")
+def test_a_file_system_that_opens_direct_but_refuses_the_write_gets_it_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = os.pwrite
+
+    def refusing(fd: int, data: Any, offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & directio.O_DIRECT:
+            raise OSError(22, os.strerror(22))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(directio.os, "pwrite", refusing)
+    buf = directio.buffer(3 * directio.PAGE)
+    memoryview(buf)[:] = os.urandom(len(buf))
+    directio.write_file(tmp_path / "f", memoryview(buf))
+    assert (tmp_path / "f").read_bytes() == bytes(buf)
+
+
+def test_a_write_that_takes_nothing_is_an_error_not_a_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(directio.os, "pwrite", lambda fd, data, offset: 0)
+    with pytest.raises(OSError, match="took none"):
+        directio.write_file(tmp_path / "f", memoryview(directio.buffer(directio.PAGE)))

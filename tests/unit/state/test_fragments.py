@@ -85,7 +85,55 @@ def test_a_packed_buffer_is_reused_for_a_state_of_the_same_layout() -> None:
     assert packed.fits(later_header, 2) and not packed.fits(later_header, 3)
     tree = packed.fill(later_header, [t + 1 if t.is_floating_point() else t for t in later_tensors])
     assert packed.blob() != first and tree["step"] == 123456 == packed.step
-    assert unpack(packed.blob())["step"] == 123456
+    assert packed.blob() == Packed.of(layout.join(later_header, tree_tensors(tree))).blob()
+    state.step, state.cursor = 3, 24  # a shorter header again: the same bytes as packed afresh
+    again = {key: v for key, v in state.capture().items() if key != "rng"}
+    h, t = layout.split(again)
+    assert packed.fits(h, 2)
+    packed.fill(h, t)
+    assert packed.blob() == pack(again) == first
+
+
+def tree_tensors(tree: Any) -> list[torch.Tensor]:
+    from unbroken.state import layout
+
+    return layout.split(tree)[1]
+
+
+def test_a_state_packed_back_to_back_before_alignment_still_unpacks() -> None:
+    import json
+    import struct
+
+    from unbroken.state import layout
+
+    tree = {"step": 4, "w": torch.arange(5, dtype=torch.float32), "n": torch.tensor([1, 2], dtype=torch.int16)}
+    header, tensors = layout.split(tree)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    blob = b"UBPACK01" + struct.pack("<Q", len(head)) + head + b"".join(t.numpy().tobytes() for t in tensors)
+    back = unpack(blob)
+    assert back["step"] == 4 and torch.equal(back["w"], tree["w"]) and torch.equal(back["n"], tree["n"])
+    blocks = encode(blob, 3, 1)  # fragments of it, padded to k as they were
+    assert decode({1: blocks[1], 2: blocks[2], 3: blocks[3]}, 3, 1, len(blob)) == blob
+
+
+def test_the_state_most_manifests_describe_is_rebuilt_and_a_malformed_manifest_is_ignored(tmp_path: Path) -> None:
+    import json
+
+    state = trained_state()
+    snap, digest = state.capture(), state.digest()
+    disks = [tmp_path / f"n{i}" for i in range(3)]
+    for rank, disk in enumerate(disks):
+        write_fragments(disk, snap, 2, 1, [rank], digest)
+    manifest = disks[0] / "frag-000000003.json"
+    raw = json.loads(manifest.read_text())
+    raw["checksum"] = "0" * 32  # one node's manifest describes another state
+    manifest.write_text(json.dumps(raw))
+    short = disks[1] / "frag-000000003.json"
+    raw = json.loads(short.read_text())
+    raw["fragments"] = raw["fragments"][:1]
+    short.write_text(json.dumps(raw))
+    _, man, _ = rebuild(disks)
+    assert man.step == 3 and man.checksum != "0" * 32
 
 
 @pytest.mark.parametrize(("k", "m"), [(1, 0), (3, 2), (2, 3), (4, 1)])

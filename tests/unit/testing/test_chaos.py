@@ -106,3 +106,18 @@ def test_a_step_in_flight_at_the_fault_is_not_the_recovery() -> None:
     assert Commits(logs).after(10.015) == (12.5, 12.5)
     # A commit whose contributions are not logged (a state received from a peer) counts.
     assert Commits({"c": [{"kind": "commit", "t": 3.0, "epoch": 1, "step": 2}]}).after(1.0) == (3.0, 3.0)
+
+
+def test_a_step_whose_compute_began_before_the_fault_is_not_the_recovery() -> None:
+    """The fault lands while step 7 is being computed: its contributions are logged after
+    the fault (when computed), but began before it."""
+    logs = {
+        "a": [
+            {"kind": "commit", "t": 9.9, "epoch": 1, "step": 6},
+            {"kind": "contrib", "t": 10.05, "epoch": 1, "step": 6, "compute_s": 0.1},
+            {"kind": "commit", "t": 10.08, "epoch": 1, "step": 7},
+            {"kind": "contrib", "t": 11.5, "epoch": 2, "step": 7, "compute_s": 0.1},
+            {"kind": "commit", "t": 11.6, "epoch": 2, "step": 8},
+        ]
+    }
+    assert Commits(logs).after(10.0) == (10.08, 11.6)
