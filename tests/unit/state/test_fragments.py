@@ -36,6 +36,16 @@ def trained_state(seed: int = 0) -> TrainState:
     return state
 
 
+def spread(tmp_path: Path, k: int, m: int, names: str = "n") -> tuple[list[Path], str, dict[str, Any]]:
+    """Every one of k + m nodes writes its own fragment of one trained state to its disk."""
+    state = trained_state()
+    snap, digest = state.capture(), state.digest()
+    disks = [tmp_path / f"{names}{i}" for i in range(k + m)]
+    for rank, disk in enumerate(disks):
+        write_fragments(disk, snap, k, m, [rank], digest)
+    return disks, digest, snap
+
+
 def test_packing_is_deterministic_and_round_trips() -> None:
     a, b = trained_state(), trained_state()
     snap_a = {k: v for k, v in a.capture().items() if k != "rng"}
@@ -119,11 +129,7 @@ def test_a_state_packed_back_to_back_before_alignment_still_unpacks() -> None:
 def test_the_state_most_manifests_describe_is_rebuilt_and_a_malformed_manifest_is_ignored(tmp_path: Path) -> None:
     import json
 
-    state = trained_state()
-    snap, digest = state.capture(), state.digest()
-    disks = [tmp_path / f"n{i}" for i in range(3)]
-    for rank, disk in enumerate(disks):
-        write_fragments(disk, snap, 2, 1, [rank], digest)
+    disks, _, _ = spread(tmp_path, 2, 1)
     manifest = disks[0] / "frag-000000003.json"
     raw = json.loads(manifest.read_text())
     raw["checksum"] = "0" * 32  # one node's manifest describes another state
@@ -148,11 +154,7 @@ def test_any_k_fragments_rebuild_the_blob(k: int, m: int) -> None:
 
 
 def test_five_disks_two_lost_one_corrupt_byte_still_restores_bit_identical(tmp_path: Path) -> None:
-    state = trained_state()
-    snap, digest = state.capture(), state.digest()
-    disks = [tmp_path / f"node{i}" for i in range(5)]
-    for rank, disk in enumerate(disks):
-        write_fragments(disk, snap, 3, 2, [rank], digest)
+    disks, digest, snap = spread(tmp_path, 3, 2, names="node")
     for disk in disks[:2]:  # two nodes' disks are gone
         for p in disk.iterdir():
             p.unlink()
@@ -174,11 +176,7 @@ def test_five_disks_two_lost_one_corrupt_byte_still_restores_bit_identical(tmp_p
 
 
 def test_k3_m2_survives_any_two_lost_disks(tmp_path: Path) -> None:
-    state = trained_state()
-    snap, digest = state.capture(), state.digest()
-    disks = [tmp_path / f"n{i}" for i in range(5)]
-    for rank, disk in enumerate(disks):
-        write_fragments(disk, snap, 3, 2, [rank], digest)
+    disks, _, _ = spread(tmp_path, 3, 2)
     for lost in itertools.combinations(range(5), 2):
         _, manifest, _ = rebuild([d for i, d in enumerate(disks) if i not in lost])
         assert manifest.step == 3
