@@ -63,14 +63,16 @@ def run(args: argparse.Namespace, workdir: Path, config: str) -> dict[str, Any]:
     # The state is captured right after step s is committed: the stall lands in the gap to s + 1.
     with_ckpt = [g for s, g in gaps.items() if config != "none" and (s - 1) % args.every == 0]
     first = next((b["t"] - a["t"] for a, b in itertools.pairwise(commits) if b["step"] == args.every + 1), None)
+    med, mean = statistics.median(gaps.values()), statistics.fmean(gaps.values())
+    ckpt = statistics.median(with_ckpt) if with_ckpt else None
     return {
-        "median": statistics.median(gaps.values()),
-        "mean": statistics.fmean(gaps.values()),
-        "ckpt_steps": statistics.median(with_ckpt) if with_ckpt else None,
+        "median": med,
+        "mean": mean,
+        "ckpt_steps": ckpt,
         "first": first if config in ("whole", "fragments") else None,
         # Within the run: the machine's speed drifts by 10 % between runs minutes apart.
-        "mean_in_run": statistics.fmean(gaps.values()) / statistics.median(gaps.values()),
-        "ckpt_in_run": statistics.median(with_ckpt) / statistics.median(gaps.values()) if with_ckpt else None,
+        "mean_in_run": mean / med,
+        "ckpt_in_run": ckpt / med if ckpt is not None else None,
     }
 
 

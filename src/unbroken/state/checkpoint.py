@@ -35,7 +35,7 @@ import torch
 from unbroken.errors import ConfigError
 from unbroken.state import directio, layout
 from unbroken.state.directio import PAGE
-from unbroken.state.fragments import SHARED_ONLY, Packed, write_fragments
+from unbroken.state.fragments import ALIGN, SHARED_ONLY, Packed, write_fragments
 from unbroken.state.snapshot import snapshot_digest
 
 log = logging.getLogger(__name__)
@@ -194,8 +194,8 @@ class Checkpointer:
         whole file, ``k`` None; packed for k data fragments otherwise)."""
         arena = self._arena
         if k is None:
-            if not isinstance(arena, _Arena) or not arena.fits(tensors):
-                arena = _Arena(tensors)
+            if not isinstance(arena, _Arena) or not arena.fits(header):
+                arena = _Arena(header)
         elif not isinstance(arena, Packed) or not arena.fits(header, k):
             arena = Packed(header, k)
         self._arena = arena
@@ -354,14 +354,14 @@ class _Arena:
     page-aligned mapping, each region a whole number of pages (one storage per region, so
     a region is one record of the file, its bytes ready for direct I/O as they are)."""
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.slots = [(t.dtype, tuple(t.shape)) for t in tensors]
+    def __init__(self, header: Any) -> None:
+        self.slots = layout.slots(header)
         spans: dict[torch.dtype, int] = {}
-        where: list[tuple[torch.dtype, int]] = []
-        for t in tensors:
-            start = spans.get(t.dtype, 0)
-            where.append((t.dtype, start))
-            spans[t.dtype] = start + -(-t.numel() * t.element_size() // 64) * 64
+        where: list[int] = []
+        for slot in self.slots:
+            start = spans.get(slot.dtype, 0)
+            where.append(start)
+            spans[slot.dtype] = start + directio.round_up(slot.nbytes, ALIGN)
         self.regions: list[tuple[int, int, torch.Tensor]] = []
         """(offset in the mapping, bytes, the region as a tensor of its dtype)"""
         sized = {dtype: directio.pages(n) for dtype, n in spans.items()}
@@ -375,12 +375,12 @@ class _Arena:
             self.regions.append((offset, n, region))
             offset += n
         self.views = [
-            region_of[dtype][start // t.element_size() :][: t.numel()].view(t.shape)
-            for t, (dtype, start) in zip(tensors, where, strict=True)
+            region_of[slot.dtype][start // region_of[slot.dtype].element_size() :][: slot.numel].view(slot.shape)
+            for slot, start in zip(self.slots, where, strict=True)
         ]
 
-    def fits(self, tensors: list[torch.Tensor]) -> bool:
-        return self.slots == [(t.dtype, tuple(t.shape)) for t in tensors]
+    def fits(self, header: Any) -> bool:
+        return layout.slots(header) == self.slots
 
     def fill(self, header: Any, tensors: list[torch.Tensor]) -> dict[str, Any]:
         """The tree of ``header`` with ``tensors`` copied into this arena's views."""

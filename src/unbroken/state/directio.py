@@ -32,9 +32,14 @@ CHUNK = 32 << 20
 (its thread cannot die inside it), so a call is kept to a few tens of milliseconds."""
 
 
+def round_up(n: int, to: int) -> int:
+    """``n`` rounded up to a multiple of ``to``."""
+    return -(-n // to) * to
+
+
 def pages(n: int) -> int:
     """``n`` bytes rounded up to whole pages (at least one)."""
-    return max(-(-n // PAGE) * PAGE, PAGE)
+    return max(round_up(n, PAGE), PAGE)
 
 
 def buffer(n: int) -> mmap.mmap:

@@ -47,7 +47,8 @@ ALIGNED = b"UBPACK02"
 """The packed form written now: the header, then each tensor at a 64-byte-aligned offset
 from the first page boundary after it (zeros between), so a capture copies straight into
 it (`Packed`) and its blocks go to the disk by direct I/O."""
-_ALIGN = 64
+ALIGN = 64
+"""Where a tensor of a packed buffer may start (any dtype's alignment divides it)."""
 _MANIFEST = re.compile(r"^frag-(\d{9})\.json$")
 KEEP = 3
 """Fragment sets kept per directory (older ones are deleted)."""
@@ -69,7 +70,7 @@ def _offsets(start: int, slots: Sequence[layout.Slot]) -> tuple[list[int], int]:
     offsets, at = [], start
     for slot in slots:
         offsets.append(at)
-        at += -(-slot.nbytes // _ALIGN) * _ALIGN
+        at += directio.round_up(slot.nbytes, ALIGN)
     return offsets, at
 
 

@@ -9,6 +9,7 @@ every node: no pickle, no memory addresses, no timestamps.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,11 +27,12 @@ class Slot:
     shape: tuple[int, ...]
 
     @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
     def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * torch.empty(0, dtype=self.dtype).element_size()
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
 
 
 def split(tree: Any, as_they_are: bool = False) -> tuple[Any, list[torch.Tensor]]:
