@@ -1,6 +1,6 @@
 """Slow links between zones: inter-zone bytes, time and final loss per codec, same sample budget.
 
-    python bench/slowlink.py                          # 5 configurations, 1 repeat, ~5 min on 2 cores
+    python bench/slowlink.py                          # 6 configurations, 1 repeat, ~5 min on 2 cores
     python bench/slowlink.py --repeats 2              # medians over 2 interleaved repeats, ~8 min
     python bench/slowlink.py --balance weights        # equal shares: no live rebalancing
     python bench/slowlink.py --codecs none,int8,bf16,topk:0.05 --latency-ms 50 --mbit 20
@@ -63,6 +63,7 @@ LABELS = {
     "int8": "sync int8",
     "int4": "sync int4 (error feedback)",
     "int2": "sync int2 (ternary, error feedback)",
+    "int1": "sync int1 (sign, error feedback)",
 }
 INT8_TARGET = 3.9
 DILOCO_TARGET = 1000.0
@@ -169,7 +170,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--codecs",
-        default="none,int8,topk:0.01,diloco:50+int8,diloco:100+int2",
+        default="none,int8,topk:0.01,diloco:50+int8,diloco:100+int2,diloco:50+int1+overlap",
         help="configurations, comma-separated ('none' first): inter-zone codecs of sync mode, or "
         "diloco:H+CODEC[+overlap] (+overlap: --outer-overlap)",
     )

@@ -18,7 +18,7 @@ from typing import NamedTuple
 from unbroken.errors import ConfigError
 from unbroken.events import StrEnum
 
-CODECS = ("none", "fp16", "bf16", "int8", "int4", "int2", "topk")
+CODECS = ("none", "fp16", "bf16", "int8", "int4", "int2", "int1", "topk")
 TOPK_RATIO = 0.01
 """Fraction of elements top-k sends by default."""
 
@@ -74,8 +74,8 @@ class CodecSpec:
 
 
 def parse_codec(spec: str) -> tuple[str, float]:
-    """``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``, ``topk`` or ``topk:RATIO`` (e.g. ``topk:0.05``):
-    the codec's name and its ratio (top-k only; 0 for the others). Raises ValueError."""
+    """``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``, ``int1``, ``topk`` or ``topk:RATIO``
+    (e.g. ``topk:0.05``): the codec's name and its ratio (top-k only; 0 for the others). Raises ValueError."""
     name, _, arg = spec.strip().lower().partition(":")
     if name in CODECS and name != "topk" and not arg:
         return name, 0.0

@@ -65,7 +65,7 @@ def inter_zone_bytes(c) -> dict[str, list[int]]:
     }
 
 
-@pytest.mark.parametrize("codec", ["int8", "int2"])
+@pytest.mark.parametrize("codec", ["int8", "int2", "int1"])
 def test_two_zones_train_to_the_expected_loss_and_talk_once_a_round(make_cluster, codec):
     c = start(make_cluster, codec=codec)
     codes = c.wait_exit(timeout=120)

@@ -452,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--codec",
         default="none",
-        help="inter-zone codec: none, fp16, bf16, int8, int4, int2 (error feedback), topk[:RATIO]",
+        help="inter-zone codec: none, fp16, bf16, int8, int4, int2, int1 (error feedback), topk[:RATIO]",
     )
     c.add_argument(
         "--streams",

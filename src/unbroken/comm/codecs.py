@@ -1,4 +1,4 @@
-"""Gradient codecs for slow links: one small interface, six lossy encodings and the identity.
+"""Gradient codecs for slow links: one small interface, seven lossy encodings and the identity.
 
 A codec turns a flat float32 tensor into a fixed-size byte payload and back. Fixed size
 because the payloads travel through gloo's all-gather, which needs equal sizes on every
@@ -6,7 +6,7 @@ rank; every receiver decodes every payload to float32 and sums them in rank orde
 sum of many nodes neither overflows (int8) nor depends on who computes it (replicas stay
 bit-identical).
 
-Error feedback (top-k, int4, int2, and int8 if asked): what a node's payload failed to carry is kept
+Error feedback (top-k, int4, int2, int1, and int8 if asked): what a node's payload failed to carry is kept
 as a residual and added to its next tensor, so nothing is lost, only delayed. Residuals are
 node-local state (`Codec.state_dict`), saved with the node's own checkpoint, never
 replicated.
@@ -168,20 +168,22 @@ class Int8(_WithResidual):
 
 
 class LowBit(_WithResidual):
-    """4 or 2 bits an element, with error feedback: DiLoCo's pseudo-gradients, which cross
-    between zones once a round, in 7.8 or 15 times fewer bytes than float32 (scales included).
+    """4, 2 or 1 bits an element, with error feedback: DiLoCo's pseudo-gradients, which
+    cross between zones once a round, in 7.8, 15 or 28 times fewer bytes than float32
+    (scales included).
 
     One float32 scale per chunk of `INT8_CHUNK` elements, then the levels, packed
     ``8 / bits`` to a byte. int4 has the 15 levels -7..7 of the chunk's largest magnitude;
     int2 the three -1, 0, 1 (ternary) of 1.5 times its mean magnitude, which for normally
     spread values is near the least-squares choice (the largest would round almost every
-    element to 0). What a payload does not carry stays in the residual and goes with the
-    next one.
+    element to 0); int1 the sign alone, times the mean magnitude (the scale that keeps the
+    chunk's L1 mass; zero counts as positive). What a payload does not carry stays in the
+    residual and goes with the next one.
     """
 
     def __init__(self, bits: int, chunk: int = INT8_CHUNK) -> None:
-        if bits not in (2, 4):
-            raise ValueError(f"low-bit codecs have 2 or 4 bits, not {bits}")
+        if bits not in (1, 2, 4):
+            raise ValueError(f"low-bit codecs have 1, 2 or 4 bits, not {bits}")
         if chunk < 1 or chunk * bits % 8:
             raise ValueError(f"a chunk of {chunk} elements does not fill whole bytes at {bits} bits")
         self.bits, self.chunk, self.name = bits, chunk, f"int{bits}"
@@ -204,14 +206,19 @@ class LowBit(_WithResidual):
         magnitude = blocks.abs()
         if self.levels > 1:
             scales = magnitude.amax(dim=1) / self.levels
-        else:  # the mean of the chunk's own elements (the last chunk is padded with zeros)
+        else:  # of the mean of the chunk's own elements (the last chunk is padded with zeros)
             real = torch.full((c,), float(self.chunk))
             real[-1] = n - (c - 1) * self.chunk
-            scales = magnitude.sum(dim=1) / real * 1.5
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        q = torch.round(blocks / safe[:, None]).clamp_(-self.levels, self.levels)
+            scales = magnitude.sum(dim=1) / real * (1.5 if self.levels else 1.0)
+        if self.levels:
+            safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+            q = torch.round(blocks / safe[:, None]).clamp_(-self.levels, self.levels)
+            u = (q + self.levels).to(torch.uint8)
+        else:
+            u = (blocks >= 0).to(torch.uint8)
+            q = u.to(torch.float32) * 2 - 1
         _keep(self, x, x - (q * scales[:, None]).reshape(-1)[:n])
-        u = (q + self.levels).to(torch.uint8).view(-1, 8 // self.bits)
+        u = u.view(-1, 8 // self.bits)
         packed = torch.zeros(u.shape[0], dtype=torch.uint8)
         for k in range(8 // self.bits):
             packed |= u[:, k] << (k * self.bits)
@@ -223,9 +230,10 @@ class LowBit(_WithResidual):
         packed = payload[4 * c :]
         mask = (1 << self.bits) - 1
         u = torch.stack([(packed >> (k * self.bits)) & mask for k in range(8 // self.bits)], dim=1)
-        if int(u.max()) > 2 * self.levels:
+        if self.levels and int(u.max()) > 2 * self.levels:
             raise ValueError(f"{self.name} payload has a level above {self.levels}")
-        q = u.reshape(c, self.chunk).to(torch.float32) - self.levels
+        q = u.reshape(c, self.chunk).to(torch.float32)
+        q = q - self.levels if self.levels else q * 2 - 1
         return (q * scales[:, None]).reshape(-1)[:numel]
 
 
@@ -298,7 +306,8 @@ def _with_residual(codec: Int8 | LowBit | TopK, x: torch.Tensor) -> torch.Tensor
 
 
 def make_codec(spec: str) -> Codec:
-    """``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``, ``topk`` or ``topk:RATIO`` (e.g. ``topk:0.05``)."""
+    """``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``, ``int1``, ``topk`` or ``topk:RATIO``
+    (e.g. ``topk:0.05``)."""
     name, ratio = parse_codec(spec)
     if name == "none":
         return Identity()
@@ -306,7 +315,7 @@ def make_codec(spec: str) -> Codec:
         return HalfPrecision(torch.float16 if name == "fp16" else torch.bfloat16)
     if name == "int8":
         return Int8()
-    if name in ("int4", "int2"):
+    if name in ("int4", "int2", "int1"):
         return LowBit(int(name[3:]))
     return TopK(ratio)
 

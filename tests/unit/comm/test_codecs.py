@@ -89,7 +89,7 @@ def test_reduce_is_the_same_on_every_rank() -> None:
     assert all(torch.equal(first, reduce_payloads(Int8(), list(payloads), 3000)) for _ in range(3))
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4", "int2", "topk:0.05"])
+@pytest.mark.parametrize("spec", ["int8", "int4", "int2", "int1", "topk:0.05"])
 def test_error_feedback_loses_nothing_over_time(spec: str) -> None:
     # The sum of what was sent plus the residual equals the sum of what was given.
     codec = make_codec(spec)
@@ -146,7 +146,7 @@ def test_unknown_codecs_are_refused_with_the_choices(bad: str) -> None:
 @given(
     n=st.integers(min_value=1, max_value=3000),
     scale=st.floats(min_value=1e-6, max_value=1e4),
-    spec=st.sampled_from(["fp16", "bf16", "int8", "int4", "int2", "topk:0.1"]),
+    spec=st.sampled_from(["fp16", "bf16", "int8", "int4", "int2", "int1", "topk:0.1"]),
 )
 def test_round_trip_error_is_bounded_by_the_input_scale(n: int, scale: float, spec: str) -> None:
     x = grad(n, seed=n, scale=scale)
@@ -156,8 +156,8 @@ def test_round_trip_error_is_bounded_by_the_input_scale(n: int, scale: float, sp
     assert (y - x).abs().max().item() <= x.abs().max().item() * 1.0001 + 1e-9
 
 
-@pytest.mark.parametrize(("spec", "cut"), [("int4", 7.5), ("int2", 15.0)])
-def test_low_bit_codecs_cut_bytes_8_and_16_times(spec: str, cut: float) -> None:
+@pytest.mark.parametrize(("spec", "cut"), [("int4", 7.5), ("int2", 15.0), ("int1", 28.0)])
+def test_low_bit_codecs_cut_bytes_8_16_and_28_times(spec: str, cut: float) -> None:
     n = 1_000_000
     assert 4 * n / make_codec(spec).payload_bytes(n) >= cut
 
@@ -189,7 +189,7 @@ def test_a_low_bit_level_out_of_range_is_refused() -> None:
         codec.decode(payload, INT8_CHUNK)
 
 
-@pytest.mark.parametrize("spec", ["int4", "int2"])
+@pytest.mark.parametrize("spec", ["int4", "int2", "int1"])
 def test_low_bit_payloads_are_equal_for_equal_inputs_and_residuals(spec: str) -> None:
     a, b = make_codec(spec), make_codec(spec)
     for i in range(3):
@@ -197,7 +197,7 @@ def test_low_bit_payloads_are_equal_for_equal_inputs_and_residuals(spec: str) ->
         assert torch.equal(a.encode(x), b.encode(x.clone()))
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("spec", ["int8", "int4", "int2", "int1"])
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0])
 def test_a_payload_with_a_bad_scale_is_refused(spec: str, scale: float) -> None:
     codec = make_codec(spec)
@@ -215,7 +215,7 @@ def test_a_topk_payload_with_a_value_not_finite_is_refused() -> None:
         codec.decode(payload, 10)
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4", "int2", "topk:0.05"])
+@pytest.mark.parametrize("spec", ["int8", "int4", "int2", "int1", "topk:0.05"])
 def test_a_gradient_not_finite_leaves_no_residual_behind(spec: str) -> None:
     # Its step is refused; a NaN carried in the residual would spoil every step after it.
     codec = make_codec(spec)
@@ -235,3 +235,21 @@ def test_int2_carries_the_last_partial_chunk_as_well_as_the_others() -> None:
     codec = LowBit(2)
     y = codec.decode(codec.encode(x), n)
     assert y[-1] == pytest.approx(1.5 * abs(float(x[-1])) * (1 if x[-1] > 0 else -1))
+
+
+def test_int1_sends_each_sign_times_its_chunks_mean_magnitude() -> None:
+    # Two levels a chunk, +-mean|x| (zero counts as positive); the last chunk holds 3 real
+    # elements and padding: its scale is the mean of those 3 alone.
+    n = 4 * INT8_CHUNK + 3
+    x = grad(n)
+    x[5] = 0.0
+    codec = LowBit(1)
+    payload = codec.encode(x)
+    assert payload.numel() == 4 * 5 + 5 * INT8_CHUNK // 8
+    y = codec.decode(payload, n)
+    for a in range(0, n, INT8_CHUNK):
+        chunk = x[a : a + INT8_CHUNK]
+        want = torch.where(chunk >= 0, 1.0, -1.0) * chunk.abs().mean()
+        assert torch.allclose(y[a : a + INT8_CHUNK], want, rtol=1e-6)
+    assert y[5] > 0
+    assert torch.allclose(codec.residual, x - y)

@@ -106,7 +106,7 @@ def test_a_row_that_lies_about_its_norm_is_named_by_every_rank(rule: str) -> Non
     assert "declared a gradient norm" in str(out[0])
 
 
-@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "int4", "int2", "topk:0.5"])
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "int4", "int2", "int1", "topk:0.5"])
 def test_two_zones_exchange_through_every_codec_and_agree_on_the_sum(codec: str) -> None:
     # Ranks 0, 1 in zone A and 2, 3 in zone B: zones sum first, leaders 0 and 2 exchange
     # the coded head (and the exact tail), then each zone's leader broadcasts.
