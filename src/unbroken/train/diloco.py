@@ -76,7 +76,8 @@ class DiLoCo:
         self.inner_steps = policy.inner_steps
         self.anchor = [nn.Parameter(p.detach().clone(), requires_grad=False) for p in node.params]
         """The parameters at the round's start (what the outer optimizer steps)."""
-        self.outer = torch.optim.SGD(self.anchor, lr=policy.outer_lr, momentum=policy.outer_momentum, nesterov=True)
+        momentum = policy.outer_momentum  # 0: plain SGD (torch refuses Nesterov without momentum)
+        self.outer = torch.optim.SGD(self.anchor, lr=policy.outer_lr, momentum=momentum, nesterov=momentum > 0)
         node.state.attach_outer(self.outer)
         node.state.optimizer_in_digest = False
         self._round_start: dict[str, object] | None = None

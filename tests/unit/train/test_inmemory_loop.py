@@ -92,6 +92,18 @@ def test_a_diloco_round_across_two_zones_commits_at_round_ends_with_every_sample
     assert inter and all(b > 0 for b in inter), "the zone leaders exchanged pseudo-gradients"
 
 
+def test_an_outer_optimizer_without_momentum_is_plain_sgd(tmp_path: Path) -> None:
+    # --outer-momentum 0 is a valid policy: Nesterov needs momentum, so the outer step is
+    # plain SGD (it used to raise in every node's DiLoCo set-up).
+    j = job(8)
+    plain = Policy(codec=CodecSpec.parse("int8"), diloco=DiLoCoPolicy(inner_steps=4, outer_momentum=0.0))
+    with MemoryJob(j, list(ZONES), tmp_path, policy=plain, zones=ZONES) as mj:
+        mj.order(list(ZONES))
+        results = finished(mj.join(60))
+    assert len({r.digest for r in results.values()}) == 1
+    assert outer_commits(mj, "a1") == [4, 8]
+
+
 def rollbacks(mj: MemoryJob) -> set[str]:
     return {who for who, msg in mj.received if isinstance(msg, m.Report) and msg.kind == Kind.ROLLBACK}
 
