@@ -121,6 +121,9 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._arena: _Arena | Packed | None = None
         """The buffers of the last copy handed to the writer; the next one is copied into them."""
+        self._laying: tuple[threading.Thread, _Priority | None] | None = None
+        """The thread laying out the first buffers ahead of the first checkpoint (`prepare`),
+        and its lowered priority."""
         self._captured: threading.Event | None = None
         """Set once the last capture holds its own copy of every tensor."""
         self.written: list[tuple[int, float]] = []
@@ -175,6 +178,47 @@ class Checkpointer:
         self._start(self._write_fragments, shared, later, k, m, mine, optimizer_in_digest)
         return True
 
+    def prepare(self, tree: dict[str, Any], fragments: int | None = None) -> None:
+        """Lay out, at low priority, the buffers the first capture of a state like ``tree``
+        will fill (``fragments``: packed for that many data fragments), so that the step of
+        the first checkpoint only copies, as later ones do: allocating and touching 400 MB
+        took that step 1 s or more. Once; a capture that comes first, or finds another
+        layout, allocates its own as before."""
+        if self._arena is not None or self._laying is not None:
+            return
+        if fragments is not None:
+            tree = {key: v for key, v in tree.items() if key not in SHARED_ONLY}
+        header, _ = layout.split(tree)
+        lowered: list[_Priority | None] = []
+        started = threading.Event()
+
+        def run() -> None:
+            lowered.append(_Priority.lower())
+            started.set()
+            try:
+                arena = _Arena(header) if fragments is None else Packed(header, fragments)
+            except Exception as exc:  # out of memory now: the first capture tries again
+                log.warning("checkpoint buffers could not be laid out ahead: %s", exc)
+                return
+            if self._arena is None:
+                self._arena = arena
+
+        thread = threading.Thread(target=run, name="checkpoint-buffers", daemon=True)
+        thread.start()
+        started.wait()
+        self._laying = (thread, lowered[0])
+
+    def _laid(self) -> None:
+        """The buffers `prepare` lays out, waited for at the step loop's priority (a capture
+        needs them now)."""
+        laying, self._laying = self._laying, None
+        if laying is None:
+            return
+        thread, priority = laying
+        if thread.is_alive() and priority is not None:
+            priority.restore()
+        thread.join()
+
     def _hurry(self) -> None:
         """The next checkpoint is due and the last one is still being written: let the write
         run at the step loop's priority (a write starved by busy cores would hold every later
@@ -192,6 +236,7 @@ class Checkpointer:
     def _buffers(self, header: Any, tensors: list[torch.Tensor], k: int | None) -> _Arena | Packed:
         """Where this capture goes: the last one's buffers if the layout is the same (for a
         whole file, ``k`` None; packed for k data fragments otherwise)."""
+        self._laid()
         arena = self._arena
         if k is None:
             if not isinstance(arena, _Arena) or not arena.fits(header):

@@ -48,6 +48,8 @@ class Records:
         self._notes: list[tuple[Kind, str]] = []
         """Events for the job's log from before this node joined (sent once it has)."""
         self._checkpoint_failure: str | None = None
+        self._prepared = False
+        """The first checkpoint's buffers were laid out ahead (`Checkpointer.prepare`)."""
         """The checkpoint failure last reported (None: none, or writes succeed again)."""
         self._recent: list[m.StepPoint] = []
         """Steps committed since the last progress report (rank 0 sends them: the curves)."""
@@ -128,7 +130,13 @@ class Records:
     def maybe_checkpoint(self, g: EpochGroup) -> None:
         node = self.node
         ck, step = node.config.checkpoint_every, node.state.step
-        if self.checkpointer is None or not ck or step % ck:
+        if self.checkpointer is None or not ck:
+            return
+        if step % ck:
+            if not self._prepared and (self._fragments_of(g) if self.fragments else g.rank == 0):
+                # After a commit the optimizer's state exists: the first checkpoint's layout.
+                self._prepared = True
+                self.checkpointer.prepare(self.checkpoint_tree(), self.fragments[0] if self.fragments else None)
             return
         failure = self.checkpointer.failure
         if failure is not None and failure != self._checkpoint_failure:
@@ -138,7 +146,7 @@ class Records:
         self._checkpoint_failure = failure
         if self.fragments is not None:
             k, m_ = self.fragments
-            mine = [i for i in range(k + m_) if i % g.size == g.rank]
+            mine = self._fragments_of(g)
             snap = self.checkpoint_tree()
             in_digest = node.state.optimizer_in_digest
             if mine and self.checkpointer.save_fragments_async(snap, k, m_, mine, in_digest, later=self._later()):
@@ -146,6 +154,12 @@ class Records:
             return
         if g.rank == 0 and self.checkpointer.save_async(self.checkpoint_tree(), later=self._later()):
             self.report(Kind.CHECKPOINT, f"checkpoint of step {step} being written to {node.config.checkpoint_dir}")
+
+    def _fragments_of(self, g: EpochGroup) -> list[int]:
+        """The fragments this member writes (rank r: every fragment i with i mod size = r)."""
+        assert self.fragments is not None
+        k, m_ = self.fragments
+        return [i for i in range(k + m_) if i % g.size == g.rank]
 
     def _later(self) -> Later | None:
         """The tensors only the next update changes (parameters, optimizer states): a

@@ -15,6 +15,7 @@ from torch import nn
 from unbroken.state import checkpoint as ck
 from unbroken.state import directio, layout
 from unbroken.state.checkpoint import KEEP, Checkpointer, checkpoint_path, latest_checkpoint, load_checkpoint
+from unbroken.state.fragments import SHARED_ONLY, Packed
 from unbroken.state.snapshot import TrainState
 
 
@@ -200,6 +201,11 @@ def mixed(step: int) -> dict[str, Any]:
         "count": torch.tensor(step, dtype=torch.int64),
         "nothing": [torch.empty(0), torch.empty(0, 4, dtype=torch.int32)],
     }
+
+
+def shared(tree: dict[str, Any]) -> dict[str, Any]:
+    """What fragments hold of a state (`SHARED_ONLY` left out)."""
+    return {key: v for key, v in tree.items() if key not in SHARED_ONLY}
 
 
 def spy_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, int]]:
@@ -487,3 +493,50 @@ def test_a_writer_that_could_not_leave_idle_priority_is_niced_instead(
     c.close()
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert seen == [(os.SCHED_OTHER, min(base + ck.NICE, 19))]
+
+
+def test_the_first_checkpoints_buffers_are_laid_out_ahead_on_a_thread_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    laid: list[str] = []
+    real = ck._Arena.__init__
+
+    def arena(self: Any, header: Any) -> None:
+        laid.append(threading.current_thread().name)
+        real(self, header)
+
+    monkeypatch.setattr(ck._Arena, "__init__", arena)
+    c = Checkpointer(tmp_path)
+    c.prepare(mixed(0))
+    c.prepare(mixed(0))  # once
+    c.save_async(mixed(1))
+    c.close()
+    assert laid == ["checkpoint-buffers"], "the capture found its buffers laid out"
+    assert same(load_checkpoint(checkpoint_path(tmp_path, 1)), mixed(1))
+
+
+def test_buffers_laid_out_for_another_layout_are_replaced_by_the_capture(tmp_path: Path) -> None:
+    c = Checkpointer(tmp_path)
+    c.prepare(mixed(0))
+    grown = mixed(1)
+    grown["model"]["extra"] = torch.arange(10.0)
+    c.save_async(grown)
+    c.close()
+    assert same(load_checkpoint(checkpoint_path(tmp_path, 1)), grown)
+
+
+def test_fragments_buffers_are_laid_out_packed_for_their_k(tmp_path: Path) -> None:
+    model = nn.Linear(30, 20)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    model(torch.ones(1, 30)).sum().backward()
+    state.optimizer.step()  # the momentum exists: the layout of every later state
+    c = Checkpointer(tmp_path)
+    c.prepare(state.tree(), fragments=2)
+    c._laid()
+    packed = c._arena
+    assert isinstance(packed, Packed) and packed.fits(layout.split(shared(state.tree()))[0], 2)
+    state.step = 1
+    c.save_fragments_async(state.tree(), 2, 1, [0, 1, 2])
+    c.close()
+    assert c._arena is packed and c.failure is None
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("frag")), list(tmp_path.iterdir())
