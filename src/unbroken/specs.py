@@ -181,7 +181,7 @@ class DiLoCoPolicy:
     outer_lr: float = OUTER_LR
     """Learning rate of the outer optimizer, SGD with Nesterov momentum (``--outer-lr``)."""
     outer_momentum: float = OUTER_MOMENTUM
-    """Momentum of the outer optimizer (``--outer-momentum``)."""
+    """Momentum of the outer optimizer, Nesterov's (``--outer-momentum``; 0: plain SGD)."""
     overlap: bool = False
     """A round's exchange between zones runs during the next round and is applied at its
     end, one round late: compute never waits for the slow links, and a failure then costs

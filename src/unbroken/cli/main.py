@@ -493,7 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--inner-steps", type=int, default=INNER_STEPS, help="diloco: inner steps per round (H)")
     c.add_argument("--outer-lr", type=float, default=OUTER_LR, help="diloco: outer learning rate")
-    c.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM, help="diloco: outer Nesterov momentum")
+    c.add_argument(
+        "--outer-momentum", type=float, default=OUTER_MOMENTUM, help="diloco: outer Nesterov momentum (0: plain SGD)"
+    )
     c.add_argument(
         "--outer-overlap",
         action="store_true",

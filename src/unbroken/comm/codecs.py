@@ -154,7 +154,7 @@ class Int8(_WithResidual):
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
         if self.error_feedback:
-            _keep(self, x, x - (q.to(torch.float32) * scales[:, None]).reshape(-1)[:n])
+            _keep(self, x, x - (q.to(torch.float32) * scales[:, None]).reshape(-1)[:n], scales)
         out = torch.empty(4 * c + c * self.chunk, dtype=torch.uint8)
         out[: 4 * c] = scales.contiguous().view(torch.uint8)
         out[4 * c :] = q.reshape(-1).view(torch.uint8)
@@ -217,7 +217,7 @@ class LowBit(_WithResidual):
         else:
             u = (blocks >= 0).to(torch.uint8)
             q = u.to(torch.float32) * 2 - 1
-        _keep(self, x, x - (q * scales[:, None]).reshape(-1)[:n])
+        _keep(self, x, x - (q * scales[:, None]).reshape(-1)[:n], scales)
         u = u.view(-1, 8 // self.bits)
         packed = torch.zeros(u.shape[0], dtype=torch.uint8)
         for k in range(8 // self.bits):
@@ -291,10 +291,14 @@ def _scales(raw: torch.Tensor, name: str) -> torch.Tensor:
     return scales
 
 
-def _keep(codec: Int8 | LowBit | TopK, x: torch.Tensor, residual: torch.Tensor) -> None:
-    """Carry ``residual`` into the next payload, unless this input was not finite: the step
-    it belongs to is refused, and a NaN kept in the residual would spoil every later one."""
-    codec.residual = residual if all_finite(x) else None
+def _keep(
+    codec: Int8 | LowBit | TopK, x: torch.Tensor, residual: torch.Tensor, scales: torch.Tensor | None = None
+) -> None:
+    """Carry ``residual`` into the next payload, unless this input was not finite, or so
+    large that a chunk's ``scales`` overflowed: the step it belongs to is refused, and a NaN
+    kept in the residual would spoil every later one."""
+    finite = all_finite(x) and (scales is None or all_finite(scales))
+    codec.residual = residual if finite else None
 
 
 def _with_residual(codec: Int8 | LowBit | TopK, x: torch.Tensor) -> torch.Tensor:

@@ -121,9 +121,8 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._arena: _Arena | Packed | None = None
         """The buffers of the last copy handed to the writer; the next one is copied into them."""
-        self._laying: tuple[threading.Thread, _Priority | None] | None = None
-        """The thread laying out the first buffers ahead of the first checkpoint (`prepare`),
-        and its lowered priority."""
+        self._laying: threading.Thread | None = None
+        """The thread laying out buffers ahead of a checkpoint (`prepare`)."""
         self._captured: threading.Event | None = None
         """Set once the last capture holds its own copy of every tensor."""
         self.written: list[tuple[int, float]] = []
@@ -179,45 +178,48 @@ class Checkpointer:
         return True
 
     def prepare(self, tree: dict[str, Any], fragments: int | None = None) -> None:
-        """Lay out, at low priority, the buffers the first capture of a state like ``tree``
-        will fill (``fragments``: packed for that many data fragments), so that the step of
-        the first checkpoint only copies, as later ones do: allocating and touching 400 MB
-        took that step 1 s or more. Once; a capture that comes first, or finds another
-        layout, allocates its own as before."""
-        if self._arena is not None or self._laying is not None:
+        """Lay out, on a thread, the buffers the next capture of a state like ``tree`` will
+        fill (``fragments``: packed for that many data fragments), so that the step of the
+        first checkpoint only copies, as later ones do: allocating and touching 400 MB took
+        that step 1 s or more. At the step loop's priority: the mapping's page faults hold
+        the process's memory map, and a thread starved at idle priority would hold up the
+        step loop's own allocations. A capture that finds another layout allocates its own."""
+        if self.has_buffers:
             return
         if fragments is not None:
             tree = {key: v for key, v in tree.items() if key not in SHARED_ONLY}
-        header, _ = layout.split(tree)
-        lowered: list[_Priority | None] = []
-        started = threading.Event()
+        header, _ = layout.split(tree, as_they_are=True)  # only shapes and dtypes: no copy to the host
 
         def run() -> None:
-            lowered.append(_Priority.lower())
-            started.set()
             try:
                 arena = _Arena(header) if fragments is None else Packed(header, fragments)
-            except Exception as exc:  # out of memory now: the first capture tries again
+            except Exception as exc:  # out of memory now: the capture tries again
                 log.warning("checkpoint buffers could not be laid out ahead: %s", exc)
                 return
             if self._arena is None:
                 self._arena = arena
 
-        thread = threading.Thread(target=run, name="checkpoint-buffers", daemon=True)
-        thread.start()
-        started.wait()
-        self._laying = (thread, lowered[0])
+        self._laying = threading.Thread(target=run, name="checkpoint-buffers", daemon=True)
+        self._laying.start()
+
+    @property
+    def has_buffers(self) -> bool:
+        """Buffers are laid out, or being laid out, for the next capture."""
+        return self._arena is not None or self._laying is not None
+
+    def release(self) -> None:
+        """Give the buffers back (this node writes no more checkpoints: it is not rank 0
+        any more); a later capture or `prepare` lays them out again."""
+        if self.busy:
+            return
+        self._laid()
+        self._arena = None
 
     def _laid(self) -> None:
-        """The buffers `prepare` lays out, waited for at the step loop's priority (a capture
-        needs them now)."""
+        """Wait for the buffers `prepare` lays out (a capture needs them now)."""
         laying, self._laying = self._laying, None
-        if laying is None:
-            return
-        thread, priority = laying
-        if thread.is_alive() and priority is not None:
-            priority.restore()
-        thread.join()
+        if laying is not None:
+            laying.join()
 
     def _hurry(self) -> None:
         """The next checkpoint is due and the last one is still being written: let the write

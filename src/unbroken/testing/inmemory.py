@@ -169,7 +169,9 @@ class MemoryJob:
         zones: Mapping[str, str] | None = None,
         faults: Mapping[str, Faults] | None = None,
         collective_timeout_s: float = 20.0,
+        checkpoint_every: int = 0,
     ) -> None:
+        """``checkpoint_every``: each node checkpoints into ``workdir/<name>-ckpt`` (0: none)."""
         self.job = job
         self.workdir = workdir
         self.policy = m.PolicyMsg.of(policy or Policy())
@@ -193,6 +195,8 @@ class MemoryJob:
                 commit_log=workdir / f"{name}.jsonl",
                 final_state=workdir / f"{name}.pt",
                 collective_timeout_s=collective_timeout_s,
+                checkpoint_dir=workdir / f"{name}-ckpt" if checkpoint_every else None,
+                checkpoint_every=checkpoint_every,
             )
             self.nodes[name] = Node(
                 job, config, fault, control=lambda node: MemoryControl(self, node.name), groups=self.groups.maker

@@ -6,8 +6,9 @@ one zone all-reduce per inner step, nothing crosses the slow links — for H inn
 *round*). Then the zones exchange their pseudo-gradients, the change of the parameters
 since the round began, compressed by the inter-zone codec; the average weighted by each
 zone's samples is the gradient of an outer optimizer (SGD with Nesterov momentum, as in
-DiLoCo) stepping the parameters of the round's start. Every zone starts the next round from
-the result. Inter-zone bytes drop by about H x the codec's ratio.
+DiLoCo; plain SGD with ``--outer-momentum 0``) stepping the parameters of the round's start.
+Every zone starts the next round from the result. Inter-zone bytes drop by about H x the
+codec's ratio.
 
 Data: inner step s consumes global batch s split by the epoch's shares, as in sync mode;
 each zone computes its own members' slices. A round consumes batches kH .. kH+H-1 exactly

@@ -29,6 +29,8 @@ PROGRESS_EVERY_S = 0.05
 PROGRESS_LOG_EVERY_S = 10.0
 RECENT_MAX = 512
 """Steps kept for the next progress report (the message's limit)."""
+LAY_OUT_AHEAD = 3
+"""Commits before a checkpoint step from which its buffers are laid out (`Checkpointer.prepare`)."""
 
 
 class Records:
@@ -48,8 +50,6 @@ class Records:
         self._notes: list[tuple[Kind, str]] = []
         """Events for the job's log from before this node joined (sent once it has)."""
         self._checkpoint_failure: str | None = None
-        self._prepared = False
-        """The first checkpoint's buffers were laid out ahead (`Checkpointer.prepare`)."""
         """The checkpoint failure last reported (None: none, or writes succeed again)."""
         self._recent: list[m.StepPoint] = []
         """Steps committed since the last progress report (rank 0 sends them: the curves)."""
@@ -133,9 +133,11 @@ class Records:
         if self.checkpointer is None or not ck:
             return
         if step % ck:
-            if not self._prepared and (self._fragments_of(g) if self.fragments else g.rank == 0):
-                # After a commit the optimizer's state exists: the first checkpoint's layout.
-                self._prepared = True
+            writes = bool(self._fragments_of(g)) if self.fragments else g.rank == 0
+            if not writes:
+                self.checkpointer.release()
+            elif ck - step % ck <= LAY_OUT_AHEAD and not self.checkpointer.has_buffers:
+                # After a commit the optimizer's state exists: the checkpoint's layout.
                 self.checkpointer.prepare(self.checkpoint_tree(), self.fragments[0] if self.fragments else None)
             return
         failure = self.checkpointer.failure

@@ -253,3 +253,14 @@ def test_int1_sends_each_sign_times_its_chunks_mean_magnitude() -> None:
         assert torch.allclose(y[a : a + INT8_CHUNK], want, rtol=1e-6)
     assert y[5] > 0
     assert torch.allclose(codec.residual, x - y)
+
+
+@pytest.mark.parametrize("spec", ["int2", "int1"])
+def test_values_so_large_that_a_chunks_scale_overflows_leave_no_residual_behind(spec: str) -> None:
+    # The mean magnitude of 3e38s overflows float32: that payload is refused on arrival, and
+    # an infinite residual would spoil every later one.
+    codec = make_codec(spec)
+    codec.encode(torch.full((600,), 3e38))
+    assert codec.state_dict()["residual"] is None
+    y = codec.decode(codec.encode(grad(600, seed=3)), 600)
+    assert torch.isfinite(y).all()

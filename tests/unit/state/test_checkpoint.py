@@ -540,3 +540,14 @@ def test_fragments_buffers_are_laid_out_packed_for_their_k(tmp_path: Path) -> No
     c.close()
     assert c._arena is packed and c.failure is None
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("frag")), list(tmp_path.iterdir())
+
+
+def test_a_node_that_writes_no_more_checkpoints_gives_its_buffers_back(tmp_path: Path) -> None:
+    c = Checkpointer(tmp_path)
+    c.prepare(mixed(0))
+    assert c.has_buffers
+    c.release()
+    assert not c.has_buffers and c._arena is None
+    c.save_async(mixed(1))  # lays them out again
+    c.close()
+    assert c.has_buffers and same(load_checkpoint(checkpoint_path(tmp_path, 1)), mixed(1))
