@@ -104,6 +104,9 @@ class ControlClient:
         self.finished: int | None = None
         self.connected = False
         self.outage = False
+        self.lapses = 0
+        """Sessions lost with the lease already stale: the coordinator may have ordered an
+        epoch without this node meanwhile, which no later session's welcome disproves."""
         self.lease_s = 1.0
         self.step = 0
         self._last_acked_send = 0.0
@@ -423,6 +426,7 @@ class ControlClient:
                     fresh = time.monotonic() - self._last_acked_send < self.lease_s
                     self.connected = False
                     self.outage = fresh and self.expelled is None
+                    self.lapses += 0 if fresh else 1
                 self.wake.set()
                 if not self._closing and self.expelled is None:
                     log.warning("lost the coordinator session (%s)", "lease fresh: outage" if fresh else "lease stale")

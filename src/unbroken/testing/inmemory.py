@@ -124,6 +124,7 @@ class MemoryControl:
         self.expelled: str | None = None
         self.finished: int | None = None
         self.step = 0
+        self.lapses = 0
         self.rtt_s = 0.0
         self.on_command: Callable[[m.Command], None] | None = None
         self.on_met: Callable[[m.Met], None] | None = None

@@ -184,7 +184,7 @@ class DiLoCo:
         while node.state.step < node.job.num_steps:
             if p.leaving_alone():
                 return
-            sl = p.open()
+            sl = p.open(commits=False)
             try:
                 loss = yield sl
                 p.check()

@@ -111,6 +111,8 @@ class Control(Protocol):
     """The job's last step, once the leader said the job is over."""
     step: int
     """The step this node has committed (what its heartbeats say)."""
+    lapses: int
+    """Sessions lost with a stale lease (`unbroken.control.client.ControlClient.lapses`)."""
     rtt_s: float
     on_command: Callable[[m.Command], None] | None
     on_met: Callable[[m.Met], None] | None

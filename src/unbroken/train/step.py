@@ -41,7 +41,7 @@ from unbroken.comm.group import EpochGroup, wait_until
 from unbroken.comm.reduce import VOTE_SLOTS, Early, Reducer
 from unbroken.comm.robust import NORM_TOLERANCE, all_finite
 from unbroken.control import messages as m
-from unbroken.errors import BadContribution, CollectiveFailed, JobFailed, Suspicion
+from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted, JobFailed, Suspicion
 from unbroken.events import Entry
 from unbroken.job import StepInfo
 from unbroken.sched.shares import offsets
@@ -123,6 +123,8 @@ class StepProtocol:
         self._squares = 0.0
         self._poison: float | None = None
         self._lie: str | None = None
+        self._lapses = node.client.lapses
+        """The control session's lapses when the step (or the epoch) opened (`fence`)."""
 
     # ---------------------------------------------------------------- before compute
 
@@ -143,10 +145,14 @@ class StepProtocol:
         node.announce_leave()
         return False
 
-    def open(self) -> Slice:
-        """This member's slice of the next step."""
+    def open(self, *, commits: bool = True) -> Slice:
+        """This member's slice of the next step. ``commits``: the step commits on its own
+        (not a DiLoCo inner step, committed by its round's outer step): the commit fence
+        watches the control session from here (from the epoch's start otherwise)."""
         self.check()
         node = self.node
+        if commits:
+            self._lapses = node.client.lapses
         step = node.state.step
         node.faults.maybe_fire("compute", step)
         return Slice(step, node.data.indices(step, self.offset, self.share), node.job.batch_size)
@@ -316,12 +322,22 @@ class StepProtocol:
         return True
 
     def fence(self) -> None:
-        """Refuse to commit unless this node is sure it is still a member."""
+        """Refuse to commit unless this node is sure it is still a member. A session lost
+        with the lease stale since the step opened ends the epoch here: a coordinator may
+        have ordered another epoch without this node meanwhile (one that took over, still
+        recovering, may even welcome it back into this one before it learns of the newer),
+        and a later session's lease proves nothing of this epoch. The step is retried in
+        the next one, whose sync brings whatever the group committed."""
         client = self.node.client
-        if client.commit_allowed():
-            return
-        log.warning("%s: lease not confirmed before commit; waiting for the coordinator", self.node.name)
-        wait_until(client.commit_allowed, self.scope, "commit fence")
+        if not client.commit_allowed():
+            log.warning("%s: lease not confirmed before commit; waiting for the coordinator", self.node.name)
+            wait_until(client.commit_allowed, self.scope, "commit fence")
+        if client.lapses != self._lapses:
+            raise EpochAborted(
+                f"the lease lapsed with the coordinator session during step {self.node.state.step}: "
+                f"epoch {self.group.epoch} may be over, so the step is not committed here",
+                where=self.node.where(),
+            )
 
     # ---------------------------------------------------------------- after the vote
 

@@ -148,7 +148,7 @@ def test_a_fault_of_one_step_spoils_every_bucket_of_it_and_the_norm_counts_what_
     node = SimpleNamespace(
         numel=numel, compressed_numel=numel, scale=None, faults=FaultPlan(parse_faults(fault), lambda _k, _f: None),
         replica=SimpleNamespace(params=params, device=torch.device("cpu")),
-        scope=lambda **_kw: EpochScope(threading.Event(), lambda: None, 10.0),
+        scope=lambda **_kw: EpochScope(threading.Event(), lambda: None, 10.0), client=SimpleNamespace(lapses=0),
     )  # fmt: skip
     group = SimpleNamespace(shares=[4], rank=0, size=1)
     reducer = Reducer(0, Zones(()), pg, bucket_bytes=4 * 20)
