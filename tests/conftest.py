@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,3 +37,19 @@ def make_cluster(tmp_path: Path) -> Iterator[object]:
     yield make
     for c in clusters:
         c.close()
+
+
+@pytest.fixture
+def arenas_laid(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The threads on which whole-file checkpoint buffers are laid out (`state.checkpoint._Arena`), in order."""
+    from unbroken.state import checkpoint
+
+    laid: list[str] = []
+    real = checkpoint._Arena.__init__
+
+    def arena(self: Any, header: Any) -> None:
+        laid.append(threading.current_thread().name)
+        real(self, header)
+
+    monkeypatch.setattr(checkpoint._Arena, "__init__", arena)
+    return laid

@@ -35,7 +35,7 @@ import torch
 from unbroken.errors import ConfigError
 from unbroken.state import directio, layout
 from unbroken.state.directio import PAGE
-from unbroken.state.fragments import ALIGN, SHARED_ONLY, Packed, write_fragments
+from unbroken.state.fragments import ALIGN, Packed, shared, write_fragments
 from unbroken.state.snapshot import snapshot_digest
 
 log = logging.getLogger(__name__)
@@ -173,8 +173,7 @@ class Checkpointer:
             self.skipped += 1
             self._hurry()
             return False
-        shared = {key: v for key, v in tree.items() if key not in SHARED_ONLY}
-        self._start(self._write_fragments, shared, later, k, m, mine, optimizer_in_digest)
+        self._start(self._write_fragments, shared(tree), later, k, m, mine, optimizer_in_digest)
         return True
 
     def prepare(self, tree: dict[str, Any], fragments: int | None = None) -> None:
@@ -186,9 +185,8 @@ class Checkpointer:
         step loop's own allocations. A capture that finds another layout allocates its own."""
         if self.has_buffers:
             return
-        if fragments is not None:
-            tree = {key: v for key, v in tree.items() if key not in SHARED_ONLY}
-        header, _ = layout.split(tree, as_they_are=True)  # only shapes and dtypes: no copy to the host
+        # Only shapes and dtypes are wanted: no copy of a GPU state to the host.
+        header, _ = layout.split(tree if fragments is None else shared(tree), as_they_are=True)
 
         def run() -> None:
             try:
@@ -196,8 +194,7 @@ class Checkpointer:
             except Exception as exc:  # out of memory now: the capture tries again
                 log.warning("checkpoint buffers could not be laid out ahead: %s", exc)
                 return
-            if self._arena is None:
-                self._arena = arena
+            self._arena = arena  # nothing else sets it meanwhile: a capture or `release` joins this thread first
 
         self._laying = threading.Thread(target=run, name="checkpoint-buffers", daemon=True)
         self._laying.start()

@@ -58,6 +58,11 @@ SHARED_ONLY = ("rng", "local")
 """What a fragment leaves out of a state: each process's own random streams, node-local state."""
 
 
+def shared(tree: dict[str, Any]) -> dict[str, Any]:
+    """What fragments hold of a state: all but `SHARED_ONLY`."""
+    return {key: v for key, v in tree.items() if key not in SHARED_ONLY}
+
+
 # ---------------------------------------------------------------- deterministic packing
 
 
@@ -216,11 +221,7 @@ def write_fragments(
     and the manifest, atomically (``direct``: past the page cache, `directio`). Only the
     parity this node keeps is computed; the manifest has the checksums of every data
     fragment and of the fragments written here."""
-    packed = (
-        state
-        if isinstance(state, Packed)
-        else Packed.of({key: v for key, v in state.items() if key not in SHARED_ONLY}, k)
-    )
+    packed = state if isinstance(state, Packed) else Packed.of(shared(state), k)
     if packed.k != k:
         raise ValueError(f"a state packed for {packed.k} data fragments cannot be cut into {k}")
     memory = memoryview(packed.buffer)[: packed.block * k]

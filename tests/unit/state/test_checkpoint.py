@@ -15,7 +15,7 @@ from torch import nn
 from unbroken.state import checkpoint as ck
 from unbroken.state import directio, layout
 from unbroken.state.checkpoint import KEEP, Checkpointer, checkpoint_path, latest_checkpoint, load_checkpoint
-from unbroken.state.fragments import SHARED_ONLY, Packed
+from unbroken.state.fragments import Packed, shared
 from unbroken.state.snapshot import TrainState
 
 
@@ -201,11 +201,6 @@ def mixed(step: int) -> dict[str, Any]:
         "count": torch.tensor(step, dtype=torch.int64),
         "nothing": [torch.empty(0), torch.empty(0, 4, dtype=torch.int32)],
     }
-
-
-def shared(tree: dict[str, Any]) -> dict[str, Any]:
-    """What fragments hold of a state (`SHARED_ONLY` left out)."""
-    return {key: v for key, v in tree.items() if key not in SHARED_ONLY}
 
 
 def spy_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, int]]:
@@ -496,22 +491,14 @@ def test_a_writer_that_could_not_leave_idle_priority_is_niced_instead(
 
 
 def test_the_first_checkpoints_buffers_are_laid_out_ahead_on_a_thread_of_their_own(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, arenas_laid: list[str]
 ) -> None:
-    laid: list[str] = []
-    real = ck._Arena.__init__
-
-    def arena(self: Any, header: Any) -> None:
-        laid.append(threading.current_thread().name)
-        real(self, header)
-
-    monkeypatch.setattr(ck._Arena, "__init__", arena)
     c = Checkpointer(tmp_path)
     c.prepare(mixed(0))
     c.prepare(mixed(0))  # once
     c.save_async(mixed(1))
     c.close()
-    assert laid == ["checkpoint-buffers"], "the capture found its buffers laid out"
+    assert arenas_laid == ["checkpoint-buffers"], "the capture found its buffers laid out"
     assert same(load_checkpoint(checkpoint_path(tmp_path, 1)), mixed(1))
 
 
