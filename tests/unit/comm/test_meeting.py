@@ -195,7 +195,9 @@ def test_a_lazy_group_connects_only_the_pairs_that_exchange_data():
 
     def slow_publish(rank: int, epoch: int, key: str, value: bytes) -> None:
         if rank == late:  # this rank's entry reaches the others after their gathers began
-            threading.Timer(0.5, lambda: (publish(rank, epoch, key, value), held.set())).start()
+            # Marked held before the entry is out: the gathers cannot end without it, so the mark
+            # is always there once they have (set after the publish, it raced the assertion).
+            threading.Timer(0.5, lambda: (held.set(), publish(rank, epoch, key, value))).start()
         else:
             publish(rank, epoch, key, value)
 
