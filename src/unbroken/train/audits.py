@@ -12,6 +12,7 @@ from unbroken.comm.group import EpochGroup
 from unbroken.comm.transfer import gather_digests
 from unbroken.errors import AuditMismatch
 from unbroken.events import Entry
+from unbroken.state import layout
 from unbroken.train.sync import audit
 
 if TYPE_CHECKING:
@@ -31,10 +32,17 @@ class Audits:
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
-    def synced(self, received: bool) -> None:
-        """After the sync phase: the state the group agreed on is one a failed audit may come back to."""
-        if self.every and (self.audited is None or received):
+    def synced(self, received: bool, fetched: dict[str, Any] | None = None) -> None:
+        """After the sync phase: the state the group agreed on is one a failed audit may come
+        back to. ``fetched``: the tree a receiver fetched, in buffers of its own (its state
+        took copies), kept as that state instead of a capture."""
+        if not self.every or not (self.audited is None or received):
+            return
+        if fetched is None:
             self.audited = self.node.state.capture(reuse=self.audited)
+            return
+        local = self.node.state.tree(local=True).get("local")
+        self.audited = fetched | ({"local": layout.copy(local)} if local is not None else {})
 
     def rollback_if_ordered(self) -> None:
         """A failed audit's order: back to the state audited at ``rollback_to``, if held and ahead of it."""

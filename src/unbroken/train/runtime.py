@@ -403,13 +403,13 @@ class Node:
         r = sync_state(
             g.pg, g.rank, g.size, self.state, self.scope(during_step=False), partial=self._partial,
             on_sent=functools.partial(self.faults.maybe_fire, "resync"), max_donors=self.config.max_donors,
-            incremental=not self.config.full_resync,
+            incremental=not self.config.full_resync, keep=self.audits.every > 0,
         )  # fmt: skip
         if r.role != "receiver":
             self._partial.close()  # a fetch cut short earlier is moot now: let its copy go
         else:
             self.applied_step = -1  # the state is a peer's now
-        self.audits.synced(received=r.role == "receiver")
+        self.audits.synced(received=r.role == "receiver", fetched=r.fetched)
         if self.diloco is not None:
             self.diloco.sync_zone(received=r.role == "receiver")
         if r.role in ("source", "donor"):
@@ -420,11 +420,8 @@ class Node:
         elif r.role == "receiver":
             entry = {"epoch": g.epoch, "step": self.state.step, "from": [g.members[p] for p in r.peers]}
             counts = {"chunks": r.chunks, "total_chunks": r.total_chunks, "resumed_chunks": r.resumed_chunks}
-            self.records.log(
-                Entry.SYNC,
-                entry | counts | {"mb": r.megabytes, "state_mb": r.state_megabytes, "seconds": r.seconds}
-                | {"digest": self.state.digest()}
-            )  # fmt: skip
+            sizes = {"mb": r.megabytes, "state_mb": r.state_megabytes, "seconds": r.seconds, "load_s": r.load_s}
+            self.records.log(Entry.SYNC, entry | counts | sizes | {"digest": self.state.digest()})
             what = f"{r.megabytes:.1f} of {r.state_megabytes:.1f} MB from {len(r.peers)} peer(s) in {r.seconds:.2f} s"
             self.report(Kind.SYNC, f"received the state of step {self.state.step} ({what})")
             log.info("%s: received the state of step %d: %s", self.name, self.state.step, what)
