@@ -18,11 +18,10 @@ Per configuration: the median step time (gaps between consecutive commits after
 the capture happens right after a commit, so it lands in the gap to the next one: the
 stall), and their ratios to the baseline. The background write competes for the same
 2 cores, so the steps after a checkpoint slow down too: the mean step time is reported as
-well. The warm-up (15 steps, about 8 s of the large model) leaves out the start-up and each
-node's one-time re-measure of its speed 5 s in (a stall of about 2 s in every
-configuration, at a step that varies); the first checkpoint (step ``--every``) also
-allocates the buffers every later one reuses, and its step is reported on its own, whether
-or not it falls in the warm-up. Medians over ``--repeats`` interleaved repeats.
+well. The warm-up (15 steps, about 8 s of the large model) leaves out the start-up; the
+first checkpoint (step ``--every``) has its buffers laid out ahead (that every later one
+reuses), and its step is reported on its own, whether or not it falls in the warm-up.
+Medians over ``--repeats`` interleaved repeats.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ momentum, so the state is parameters + momentum buffers):
   commit. State size ("mb") and throughput (MB/s, on the wire: "seconds" less "load_s") come
   from the (first) sync line. If the joiner is expelled before its first commit (e.g. its
   lease expires during the transfer) it rejoins and syncs again; the table counts that.
+  What the join costs the group: the longest gap between n1's commits from the spawn to
+  ``--after`` seconds past the joiner's first commit (its start-up, the epoch change, the
+  transfer, its first steps), against n1's median gap in the 15 s before the spawn.
   The joiner then leaves gracefully (SIGTERM) for the next repeat.
 - baseline, cold start: the same node alone, a 1-node job on a fresh coordinator, spawned
   while the 2-node job keeps training (so both see the same CPU load on this machine):
@@ -27,6 +30,7 @@ The ratio join / cold start is the price of joining a running job.
 from __future__ import annotations
 
 import argparse
+import itertools
 import signal
 import subprocess
 import tempfile
@@ -82,6 +86,10 @@ def join(args: argparse.Namespace, a: LocalCluster, name: str) -> dict[str, Any]
         connected = wait_until(lambda: _connected_at(a, name), 5.0, f"{name}'s join event")
     except TimeoutError as exc:
         raise RuntimeError(f"{exc}\n{a.diagnostics()}") from None
+    time.sleep(args.after)
+    group = [e["t"] for e in a.nodes["n1"].entries() if e.get("kind") == "commit"]
+    before = [t for t in group if t0 - 15 <= t <= t0]
+    during = [t for t in group if t0 <= t <= commit["t"] + args.after]
     first, last = syncs[0], syncs[-1]
     out = {
         "connected": connected - t0,
@@ -94,6 +102,8 @@ def join(args: argparse.Namespace, a: LocalCluster, name: str) -> dict[str, Any]
         "first_step": commit["t"] - last["t"],
         "syncs": len(syncs),
         "expelled": expelled,
+        "gap_before": median(b - a for a, b in itertools.pairwise(before)),
+        "gap_longest": max((b - a for a, b in itertools.pairwise(during)), default=None),
     }
     node.signal(signal.SIGTERM)  # leave gracefully before the next repeat
     try:
@@ -110,6 +120,7 @@ def main() -> None:
     p.add_argument("--large-repeats", type=int, default=1, help="joins (and cold starts) of the large model")
     p.add_argument("--lease", type=float, default=1.0, help="coordinator heartbeat lease of the 2-node job, seconds")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for any one wait")
+    p.add_argument("--after", type=float, default=8.0, help="seconds the joiner stays after its first commit")
     p.add_argument("--workdir", help="keep logs here (default: a temporary directory)")
     args = p.parse_args()
     models = [m for m in args.models.split(",") if m]
@@ -189,6 +200,12 @@ def main() -> None:
             ["  state transfer: of which checking and loading", fmt(med(model, "join", "load"), " s", 3), "-", "-"],
             ["  state transfer: throughput (on the wire)", fmt(med(model, "join", "throughput"), " MB/s", 0), "-", "-"],
             ["  in sync -> first commit (first step)", fmt(med(model, "join", "first_step"), " s", 3), "-", "-"],
+            [
+                f"  the group's longest commit gap, spawn -> first commit + {args.after:g} s (vs median before)",
+                fmt(med(model, "join", "gap_longest"), " s", 3),
+                fmt(med(model, "join", "gap_before"), " s", 3),
+                ratio(med(model, "join", "gap_longest"), med(model, "join", "gap_before")),
+            ],
             [
                 "  joiner expelled before its first commit (per run)",
                 ", ".join(str(r["expelled"]) for r in res[model]["join"]),

@@ -1,24 +1,27 @@
 """What a node knows of its own speed and memory, for the coordinator's plan.
 
 Calibrated before joining (on a model copy: one small and one larger forward/backward,
-activation bytes counted), measured again once start-up is over (processes starting
-together on one machine disturb each other's first measurement), then followed step by
-step: the per-sample cost is the median of the last nine steps, so a few slow steps are
-ignored and a lasting change shows within five; their spread is reported with it, so the
-plan can tell a difference between nodes from noise. A member without a share keeps it fresh
+activation bytes counted), then followed step by step: each step's compute time over the
+time the calibration predicts for its share and micro-batches is a factor, and the cost
+model reported is the calibration's scaled by the median factor of the last nine steps.
+So a few slow steps are ignored and a lasting change shows within five, and a calibration
+that processes starting together on one machine slowed (they disturb each other's first
+measurement) is put right by the first steps, with no pass of its own. Their spread is
+reported with it, so the plan can tell a difference between nodes from noise. A member without a share keeps it fresh
 with probes from its sidecar thread.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import statistics
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,9 +43,8 @@ from unbroken.train.throttle import Throttle
 log = logging.getLogger(__name__)
 
 CALIBRATION_SAMPLES = 8
-RECALIBRATE_AFTER_S = 5.0
 RECENT_STEPS = 9
-"""Steps whose per-sample cost the reported one is the median of: a process descheduled for
+"""Steps whose speed factor the reported cost model is scaled by the median of: a process descheduled for
 a few steps of a few milliseconds moves it little, a lasting slowdown shows within five."""
 
 
@@ -64,6 +66,9 @@ class Meter:
         self.throttle = throttle
         self.name = name
         self.calibration: Calibration | None = None
+        """The cost model reported: the `shape`, scaled by the median of the recent steps."""
+        self.shape: Calibration | None = None
+        """The last full measurement (calibration or probe): fixed and per-sample cost in proportion."""
         self.mb_cap = 0
         """Largest micro-batch memory allows (0: no limit; -1: not one sample)."""
         self.oom_cap = 0
@@ -75,8 +80,6 @@ class Meter:
         """Relative standard error of the reported per-sample cost (0: fewer than 3 steps)."""
         self._recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
         self._lock = threading.Lock()
-        self._recalibrated = False
-        self._started_at = time.monotonic()
 
     def calibrate(self, model: torch.nn.Module, model_bytes: int, memory_limit: int, user_cap: int, step: int) -> None:
         """Measure speed and activation memory before joining; set the micro-batch cap."""
@@ -93,6 +96,7 @@ class Meter:
                     f"the job's code raised on its first {k} samples (measured before joining), so it "
                     f"cannot train: {type(exc).__name__}: {exc}\n{where}"
                 ) from exc
+        self.shape = self.calibration
         info = describe(self.replica.device)
         fraction = 0.9 if self.replica.device.type == "cuda" else 0.5
         budget = memory_limit or int(info.memory_available * fraction)
@@ -131,47 +135,29 @@ class Meter:
         return calibrate(run, saved, max(4, min(k, job.num_samples or k)))
 
     def observe(self, share: int, n_micro: int, seconds: float) -> None:
-        """Fold one step's compute time into the per-sample cost."""
+        """Fold one step's compute time into the cost model."""
         self.last_compute_s = seconds
         with self._lock:
             cal = self.calibration
             if cal is None:
                 return
-            self._recent.append(max(seconds - n_micro * cal.overhead_s, seconds * 0.05) / share)
+            shape = self.shape
+            if shape is None or shape.per_sample_s <= 0:  # nothing measured before: this step is the shape
+                shape = self.shape = dataclasses.replace(cal, per_sample_s=seconds / share, overhead_s=0.0)
+            self._recent.append(seconds / (n_micro * shape.overhead_s + share * shape.per_sample_s))
             self.measurements += 1
-            median = statistics.median(self._recent)
-            self.noise = relative_error(self._recent, median)
-            self.calibration = Calibration(
-                median,
-                cal.overhead_s,
-                cal.activation_bytes_per_sample,
-                cal.activation_bytes_fixed,
+            factor = statistics.median(self._recent)
+            self.noise = relative_error(self._recent, factor)
+            self.calibration = dataclasses.replace(
+                shape, per_sample_s=shape.per_sample_s * factor, overhead_s=shape.overhead_s * factor
             )
 
     def probed(self, cal: Calibration) -> None:
-        """A probe's result (from the sidecar thread)."""
+        """A probe's result (from the sidecar thread): the new shape, its steps to come."""
         with self._lock:
-            self.calibration = cal
+            self.calibration = self.shape = cal
+            self._recent.clear()
             self.measurements += 1
-
-    def maybe_recalibrate(self, copy_model: Callable[[], torch.nn.Module], step: int) -> None:
-        """Measure the fixed cost per micro-batch again, once, when start-up is over."""
-        if self._recalibrated or time.monotonic() - self._started_at < RECALIBRATE_AFTER_S:
-            return
-        self._recalibrated = True
-        with torch.random.fork_rng(devices=[]):
-            try:
-                cal = self.probe(copy_model(), step)
-            except Exception as exc:  # keep the start-up figures
-                log.warning("%s: could not re-measure compute speed: %s", self.name, exc)
-                return
-        with self._lock:
-            self.calibration = cal
-            self._recent.clear()  # the noise of the steps before is still the best guess of it
-        log.info(
-            "%s: re-measured %.3f ms/sample + %.3f ms/micro-batch",
-            self.name, cal.per_sample_s * 1e3, cal.overhead_s * 1e3,
-        )  # fmt: skip
 
     def capabilities(self, rtt_s: float, step: int) -> m.Capabilities:
         info = describe(self.replica.device)

@@ -458,8 +458,6 @@ class Node:
                 flip_bit(self.params[0])
             if self.audits.due(self.state.step):
                 self.audits.check(g)
-            if sl.share and not self.own_loop:
-                self.meter.maybe_recalibrate(self.compute.probe_model, self.state.step)
             if g.role == "validator":
                 self._maybe_validate()
             if tally.switch > 0 or self.state.step >= self.job.num_steps:

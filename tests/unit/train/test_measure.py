@@ -1,13 +1,16 @@
-"""The noise a node reports with its speed: the standard error of its median step cost."""
+"""The cost model a node reports (its calibration scaled by its steps) and the noise it
+reports with it: the standard error of its median step."""
 
 from __future__ import annotations
 
 import random
 import statistics
+from typing import Any
 
 import pytest
 
-from unbroken.train.measure import RECENT_STEPS, relative_error
+from unbroken.train.device import Calibration
+from unbroken.train.measure import RECENT_STEPS, Meter, relative_error
 
 
 def test_steady_steps_have_no_noise() -> None:
@@ -31,3 +34,53 @@ def test_noise_is_the_standard_error_of_the_median() -> None:
 def test_one_descheduled_step_hardly_moves_it() -> None:
     steps = [1.0, 1.01, 0.99, 1.0, 1.02, 0.98, 1.0, 1.01, 5.0]
     assert relative_error(steps, statistics.median(steps)) < 0.02
+
+
+def meter(cal: Calibration) -> Meter:
+    m = Meter(job=Any, replica=Any, throttle=Any, name="n")  # type: ignore[arg-type]
+    m.calibration = m.shape = cal
+    return m
+
+
+def test_a_calibration_slowed_at_start_up_is_scaled_by_the_steps_not_re_measured() -> None:
+    # Measured while other processes started: everything took 1.8x. The steps (fixed cost
+    # 0.2 s, 0.01 s a sample) put both parts right; the share it would take next is predicted.
+    m = meter(Calibration(0.018, 0.36, 100, 7))
+    for _ in range(5):
+        m.observe(12, 1, 0.2 + 12 * 0.01)
+    cal = m.calibration
+    assert cal is not None and (cal.activation_bytes_per_sample, cal.activation_bytes_fixed) == (100, 7)
+    assert cal.per_sample_s == pytest.approx(0.01) and cal.overhead_s == pytest.approx(0.2)
+    assert cal.overhead_s * 2 + 30 * cal.per_sample_s == pytest.approx(0.4 + 30 * 0.01), "2 micro-batches of 15"
+
+
+def test_a_lasting_slowdown_shows_within_five_steps_and_one_slow_step_does_not() -> None:
+    m = meter(Calibration(0.01, 0.2, 100, 7))
+    for _ in range(RECENT_STEPS):
+        m.observe(12, 1, 0.32)
+    m.observe(12, 1, 3.2)  # descheduled once
+    assert m.calibration is not None and m.calibration.per_sample_s == pytest.approx(0.01)
+    for _ in range(RECENT_STEPS):
+        m.observe(12, 1, 0.32)
+    for _ in range(4):
+        m.observe(12, 1, 0.64)  # throttled to half speed
+    assert m.calibration.per_sample_s == pytest.approx(0.01)
+    m.observe(12, 1, 0.64)
+    assert m.calibration.per_sample_s == pytest.approx(0.02) and m.calibration.overhead_s == pytest.approx(0.4)
+
+
+def test_a_node_that_could_not_calibrate_takes_its_first_step_as_the_cost_per_sample() -> None:
+    m = meter(Calibration(0.0, 0.0, 1, 0))  # out of memory before joining, or the user's own loop
+    m.observe(10, 1, 0.5)
+    m.observe(20, 1, 1.0)
+    assert m.calibration is not None and m.calibration.per_sample_s == pytest.approx(0.05)
+    assert m.calibration.overhead_s == 0.0 and m.noise == 0.0
+
+
+def test_a_probe_is_the_new_shape_and_the_steps_before_it_are_dropped() -> None:
+    m = meter(Calibration(0.01, 0.2, 100, 7))
+    for _ in range(3):
+        m.observe(12, 1, 0.64)
+    m.probed(Calibration(0.005, 0.1, 100, 7))
+    m.observe(12, 1, 0.16)
+    assert m.calibration is not None and m.calibration.per_sample_s == pytest.approx(0.005)
