@@ -83,6 +83,10 @@ class TrainState:
     """DiLoCo's outer optimizer (its momentum is committed state); None in sync mode."""
     pending_outer: dict[str, Any] | None = None
     """An outer optimizer state restored before the outer optimizer existed (attached later)."""
+    outer_settings: dict[str, Any] = field(default_factory=dict)
+    """The outer optimizer's hyper-parameters as the job's policy has them now: a state
+    saved under another policy (a restart with a new ``--outer-lr``) brings its momentum
+    buffers, not its settings."""
     optimizer_in_digest: bool = True
     """False in DiLoCo mode: the inner optimizer belongs to a zone, not to every replica."""
     node_local: NodeLocal | None = None
@@ -95,8 +99,14 @@ class TrainState:
     def attach_outer(self, outer: torch.optim.Optimizer) -> None:
         self.outer = outer
         if self.pending_outer is not None:
-            outer.load_state_dict(self.pending_outer)
+            self._load_outer(self.pending_outer)
             self.pending_outer = None
+
+    def _load_outer(self, state: dict[str, Any]) -> None:
+        assert self.outer is not None
+        self.outer.load_state_dict(state)
+        for group in self.outer.param_groups:
+            group.update(self.outer_settings)
 
     def digest(self) -> str:
         return self.digest_of(self.tree())
@@ -135,7 +145,7 @@ class TrainState:
             self.node_local.load_state_dict(local["state"])  # a peer's residual is not ours: ignored
         if "outer" in snap:
             if self.outer is not None:
-                self.outer.load_state_dict(take(snap["outer"]))
+                self._load_outer(take(snap["outer"]))
             else:
                 self.pending_outer = take(snap["outer"])
         if "rng" in snap:  # absent from a state rebuilt from fragments

@@ -78,7 +78,9 @@ class DiLoCo:
         self.anchor = [nn.Parameter(p.detach().clone(), requires_grad=False) for p in node.params]
         """The parameters at the round's start (what the outer optimizer steps)."""
         momentum = policy.outer_momentum  # 0: plain SGD (torch refuses Nesterov without momentum)
-        self.outer = torch.optim.SGD(self.anchor, lr=policy.outer_lr, momentum=momentum, nesterov=momentum > 0)
+        settings = {"lr": policy.outer_lr, "momentum": momentum, "nesterov": momentum > 0}
+        self.outer = torch.optim.SGD(self.anchor, **settings)  # type: ignore[arg-type]
+        node.state.outer_settings = settings
         node.state.attach_outer(self.outer)
         node.state.optimizer_in_digest = False
         self._round_start: dict[str, object] | None = None

@@ -276,3 +276,29 @@ def test_a_state_without_scheduler_or_extra_has_the_parts_it_had_before() -> Non
     """Checkpoints written before either existed still match their digests."""
     st = make_state()
     assert set(st.tree()) == {"step", "cursor", "model", "optimizer", "rng"}
+
+
+def test_an_outer_state_saved_under_other_settings_keeps_its_momentum_and_takes_the_new_settings() -> None:
+    # A DiLoCo run restarted with a new --outer-lr and --outer-momentum: the checkpoint (or a
+    # peer's state) brings the outer momentum buffers, the policy of now the settings.
+    old = make_state()
+    old.outer = torch.optim.SGD(old.model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    for p in old.model.parameters():
+        p.grad = torch.ones_like(p)
+    old.outer.step()
+    snap = old.capture()
+    now = {"lr": 0.3, "momentum": 0.0, "nesterov": False}
+    for attached_first in (True, False):
+        new = make_state()
+        new.outer_settings = dict(now)
+        outer = torch.optim.SGD(new.model.parameters(), **now)  # type: ignore[arg-type]
+        if attached_first:
+            new.attach_outer(outer)
+            new.restore(snap)  # a peer's state, or a rollback
+        else:
+            new.restore(snap)  # a checkpoint, before the outer loop exists
+            new.attach_outer(outer)
+        (group,) = outer.param_groups
+        assert {k: group[k] for k in now} == now, attached_first
+        buffers = [outer.state[p]["momentum_buffer"] for p in new.model.parameters()]
+        assert all(torch.equal(b, torch.ones_like(b)) for b in buffers), attached_first
