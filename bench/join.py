@@ -13,7 +13,7 @@ momentum, so the state is parameters + momentum buffers):
   imports, model build), connected -> in sync (waiting for the group's step boundary, the
   new epoch's process group, the peer-to-peer state transfer), transfer alone (the sync
   line's "seconds", and of it "load_s", the check and load of what arrived), in sync -> first
-  commit. State size ("mb") and throughput (MB/s, on the wire: "seconds" less "load_s") come
+  commit. State size ("mb") and throughput (MB/s: "seconds" less "load_s") come
   from the (first) sync line. If the joiner is expelled before its first commit (e.g. its
   lease expires during the transfer) it rejoins and syncs again; the table counts that.
   What the join costs the group: the longest gap between n1's commits from the spawn to
@@ -198,7 +198,7 @@ def main() -> None:
             ["  state transfer: size", fmt(med(model, "join", "mb"), " MB", 1), "-", "-"],
             ["  state transfer: time", fmt(med(model, "join", "transfer"), " s", 3), "-", "-"],
             ["  state transfer: of which checking and loading", fmt(med(model, "join", "load"), " s", 3), "-", "-"],
-            ["  state transfer: throughput (on the wire)", fmt(med(model, "join", "throughput"), " MB/s", 0), "-", "-"],
+            ["  state transfer: throughput less load", fmt(med(model, "join", "throughput"), " MB/s", 0), "-", "-"],
             ["  in sync -> first commit (first step)", fmt(med(model, "join", "first_step"), " s", 3), "-", "-"],
             [
                 f"  the group's longest commit gap, spawn -> first commit + {args.after:g} s (vs median before)",

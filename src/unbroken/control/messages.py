@@ -98,9 +98,10 @@ class Capabilities(BaseModel):
     measurements: Count = 0
     """Steps and probes behind the speed figures (0: the start-up estimate only)."""
     noise: Annotated[float, Field(ge=0, le=10)] = 0.0
-    """Relative standard error of ``per_sample_s``, from the spread of the steps it is the
-    median of (0 before three steps, when ``measurements`` says the figure is a start-up
-    estimate). The plan treats differences within it as noise."""
+    """Relative standard error of the step time ``per_sample_s`` and ``overhead_s`` give, from
+    the spread of the steps they follow the median of (0 before three steps, when
+    ``measurements`` says the figure is a start-up estimate). The plan treats differences
+    within it as noise."""
     max_microbatch: Annotated[int, Field(ge=-1, le=2**31)] = 0
     """Largest micro-batch that fits in memory (0: no limit; -1: not even one sample)."""
     comm_s: Seconds = 0.0

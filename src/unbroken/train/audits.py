@@ -41,8 +41,9 @@ class Audits:
         if fetched is None:
             self.audited = self.node.state.capture(reuse=self.audited)
             return
-        local = self.node.state.tree(local=True).get("local")
-        self.audited = fetched | ({"local": layout.copy(local)} if local is not None else {})
+        local = self.node.state.node_local
+        mine = {"owner": local.owner, "state": local.state_dict()} if local is not None else None
+        self.audited = fetched | ({"local": layout.copy(mine)} if mine is not None else {})
 
     def rollback_if_ordered(self) -> None:
         """A failed audit's order: back to the state audited at ``rollback_to``, if held and ahead of it."""

@@ -160,6 +160,9 @@ class Calibration:
     overhead_s: float
     activation_bytes_per_sample: int
     activation_bytes_fixed: int
+    apart: bool = True
+    """The passes told the two costs apart; False where the per-sample cost is only a floor
+    (small passes bound by the fixed cost, as on a GPU): the fixed cost is then a bound."""
 
 
 def calibrate(run: Callable[[int], float], saved_bytes: Callable[[int], int], k: int, repeats: int = 2) -> Calibration:
@@ -172,11 +175,12 @@ def calibrate(run: Callable[[int], float], saved_bytes: Callable[[int], int], k:
     k = max(4, k)
     t2 = min(run(2) for _ in range(repeats))
     tk = min(run(k) for _ in range(repeats))
-    per_sample = max((tk - t2) / (k - 2), tk / k * 0.05, 1e-9)
+    slope, floor = (tk - t2) / (k - 2), tk / k * 0.05
+    per_sample = max(slope, floor, 1e-9)
     overhead = max(t2 - 2 * per_sample, 0.0)
     b2, bk = saved_bytes(2), saved_bytes(k)
     per_sample_bytes = max((bk - b2) // (k - 2), 1)
-    return Calibration(per_sample, overhead, per_sample_bytes, max(b2 - 2 * per_sample_bytes, 0))
+    return Calibration(per_sample, overhead, per_sample_bytes, max(b2 - 2 * per_sample_bytes, 0), slope >= floor)
 
 
 MAX_MICROBATCH = 2**31 - 1

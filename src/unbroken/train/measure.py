@@ -2,13 +2,15 @@
 
 Calibrated before joining (on a model copy: one small and one larger forward/backward,
 activation bytes counted), then followed step by step: each step's compute time over the
-time the calibration predicts for its share and micro-batches is a factor, and the cost
-model reported is the calibration's scaled by the median factor of the last nine steps.
-So a few slow steps are ignored and a lasting change shows within five, and a calibration
-that processes starting together on one machine slowed (they disturb each other's first
-measurement) is put right by the first steps, with no pass of its own. Their spread is
-reported with it, so the plan can tell a difference between nodes from noise. A member without a share keeps it fresh
-with probes from its sidecar thread.
+time the calibration predicts for its share and micro-batches is a factor, and the median
+factor of the last nine steps gives the time a step takes now. Where the calibration told
+its fixed and per-sample costs apart, both are scaled by it (a calibration that processes
+starting together on one machine slowed is put right by the first steps, with no pass of
+its own); where its small passes could not (bound by the fixed cost), its fixed cost is a
+bound and the steps say the per-sample cost. So a few slow steps are ignored and a lasting
+change shows within five. The factors' spread is reported with it, so the plan can tell a
+difference between nodes from noise. A member without a share keeps its figures fresh with
+probes from its sidecar thread.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ log = logging.getLogger(__name__)
 
 CALIBRATION_SAMPLES = 8
 RECENT_STEPS = 9
-"""Steps whose speed factor the reported cost model is scaled by the median of: a process descheduled for
-a few steps of a few milliseconds moves it little, a lasting slowdown shows within five."""
+"""Steps whose median speed factor the reported cost model follows: a process descheduled
+for a few steps of a few milliseconds moves it little, a lasting slowdown shows within five."""
 
 
 def relative_error(values: Sequence[float], median: float) -> float:
@@ -77,7 +79,7 @@ class Meter:
         self.last_comm_s = 0.0
         self.measurements = 0
         self.noise = 0.0
-        """Relative standard error of the reported per-sample cost (0: fewer than 3 steps)."""
+        """Relative standard error of the step time the reported cost model gives (0: fewer than 3 steps)."""
         self._recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
         self._lock = threading.Lock()
 
@@ -139,18 +141,23 @@ class Meter:
         self.last_compute_s = seconds
         with self._lock:
             cal = self.calibration
-            if cal is None:
+            if cal is None or seconds <= 0 or share <= 0:
                 return
             shape = self.shape
             if shape is None or shape.per_sample_s <= 0:  # nothing measured before: this step is the shape
-                shape = self.shape = dataclasses.replace(cal, per_sample_s=seconds / share, overhead_s=0.0)
-            self._recent.append(seconds / (n_micro * shape.overhead_s + share * shape.per_sample_s))
+                shape = self.shape = dataclasses.replace(cal, per_sample_s=seconds / share, overhead_s=0.0, apart=False)
+            predicted = n_micro * shape.overhead_s + share * shape.per_sample_s
+            self._recent.append(seconds / predicted)
             self.measurements += 1
             factor = statistics.median(self._recent)
             self.noise = relative_error(self._recent, factor)
-            self.calibration = dataclasses.replace(
-                shape, per_sample_s=shape.per_sample_s * factor, overhead_s=shape.overhead_s * factor
-            )
+            if shape.apart:  # the proportion is known: the steps say the level
+                per_sample, overhead = shape.per_sample_s * factor, shape.overhead_s * factor
+            else:  # the fixed cost is a bound (the steps' own, if lower): the rest is per sample
+                typical = factor * predicted
+                overhead = min(shape.overhead_s, 0.95 * typical / n_micro)
+                per_sample = (typical - n_micro * overhead) / share
+            self.calibration = dataclasses.replace(shape, per_sample_s=per_sample, overhead_s=overhead)
 
     def probed(self, cal: Calibration) -> None:
         """A probe's result (from the sidecar thread): the new shape, its steps to come."""

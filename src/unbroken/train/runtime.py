@@ -403,7 +403,7 @@ class Node:
         r = sync_state(
             g.pg, g.rank, g.size, self.state, self.scope(during_step=False), partial=self._partial,
             on_sent=functools.partial(self.faults.maybe_fire, "resync"), max_donors=self.config.max_donors,
-            incremental=not self.config.full_resync, keep=self.audits.every > 0,
+            incremental=not self.config.full_resync, keep=self.audits.every > 0 and self.audits.audited is None,
         )  # fmt: skip
         if r.role != "receiver":
             self._partial.close()  # a fetch cut short earlier is moot now: let its copy go

@@ -84,3 +84,27 @@ def test_a_probe_is_the_new_shape_and_the_steps_before_it_are_dropped() -> None:
     m.probed(Calibration(0.005, 0.1, 100, 7))
     m.observe(12, 1, 0.16)
     assert m.calibration is not None and m.calibration.per_sample_s == pytest.approx(0.005)
+
+
+def test_a_calibration_that_could_not_tell_its_costs_apart_takes_the_per_sample_cost_from_the_steps() -> None:
+    # Small passes bound by the fixed cost (a GPU): the per-sample cost was only a floor.
+    # The steps, 256 samples in one micro-batch, say the rest: 10 ms + 0.2 ms a sample.
+    m = meter(Calibration(0.0000625, 0.009875, 100, 7, apart=False))
+    for _ in range(5):
+        m.observe(256, 1, 0.010 + 256 * 0.0002)
+    cal = m.calibration
+    assert cal is not None and cal.overhead_s == pytest.approx(0.009875)
+    assert cal.per_sample_s == pytest.approx((0.0612 - 0.009875) / 256)
+    # ...and a fixed cost above what whole steps take (measured while others started) is cut.
+    slowed = meter(Calibration(0.001, 0.28, 100, 7, apart=False))
+    for _ in range(5):
+        slowed.observe(6, 1, 0.16)
+    assert slowed.calibration is not None and slowed.calibration.overhead_s == pytest.approx(0.152)
+    assert slowed.calibration.per_sample_s == pytest.approx(0.008 / 6)
+
+
+def test_a_step_of_no_measurable_time_is_left_out() -> None:
+    m = meter(Calibration(0.0, 0.0, 1, 0))
+    m.observe(10, 1, 0.0)
+    m.observe(10, 1, 0.5)
+    assert m.calibration is not None and m.calibration.per_sample_s == pytest.approx(0.05)
