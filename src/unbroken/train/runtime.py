@@ -532,13 +532,17 @@ class Node:
         latest = self.client.latest_order()
         resume = None
         if g is not None and member_id in g.members:
+            # A step in flight across a lapse will not commit here (`StepProtocol.fence`):
+            # the epoch is as good as abandoned, and a leader that took over must not adopt
+            # it for members still waiting in that step for this one.
+            lapsed = self.protocol is not None and self.protocol.group is g and self.protocol.lapsed()
             resume = m.Resume(
                 epoch=g.epoch,
                 members=g.members,
                 step=self.state.step,
                 shares=g.shares,
                 roles=g.roles,  # type: ignore[arg-type]
-                abandoned=g.pg is None,
+                abandoned=g.pg is None or lapsed,
             )
         return m.Hello(
             job=self.job.name,

@@ -321,6 +321,11 @@ class StepProtocol:
             )
         return True
 
+    def lapsed(self) -> bool:
+        """The control session was lost with the lease stale since the step in flight opened
+        (since the epoch began, for DiLoCo's inner steps): `fence` refuses to commit it."""
+        return self.node.client.lapses != self._lapses
+
     def fence(self) -> None:
         """Refuse to commit unless this node is sure it is still a member. A session lost
         with the lease stale since the step opened ends the epoch here: a coordinator may
@@ -332,7 +337,7 @@ class StepProtocol:
         if not client.commit_allowed():
             log.warning("%s: lease not confirmed before commit; waiting for the coordinator", self.node.name)
             wait_until(client.commit_allowed, self.scope, "commit fence")
-        if client.lapses != self._lapses:
+        if self.lapsed():
             raise EpochAborted(
                 f"the lease lapsed with the coordinator session during step {self.node.state.step}: "
                 f"epoch {self.group.epoch} may be over, so the step is not committed here",

@@ -13,8 +13,10 @@ import torch
 
 from unbroken.comm.group import EpochScope
 from unbroken.comm.reduce import Reducer
+from unbroken.control.messages import Capabilities
 from unbroken.errors import EpochAborted, Where
 from unbroken.sched.zones import Zones
+from unbroken.train.runtime import Node
 from unbroken.train.step import StepProtocol
 
 
@@ -50,3 +52,26 @@ def test_the_fence_still_waits_for_a_lease_confirmed_on_the_same_session() -> No
     threading.Timer(0.3, confirmed.set).start()
     p.fence()  # a heartbeat acknowledged on the same session: the step commits
     assert confirmed.is_set()
+
+
+def test_a_resume_after_a_lapse_during_the_step_says_the_epoch_is_abandoned() -> None:
+    # The CI failure: a node reconnected to the leader that took over, resumed its epoch as
+    # intact, and only then refused its step at the fence and left the epoch. The leader had
+    # adopted the epoch, so the others waited in that step for it until a join re-formed it.
+    client = SimpleNamespace(lapses=0, commit_allowed=lambda: True, latest_order=lambda: None)
+    p = protocol(client)
+    g = SimpleNamespace(epoch=1, members=["n1#a", "n2#b"], shares=[4, 4], roles=["trainer"] * 2, pg=object())
+    p.group = g  # type: ignore[assignment]
+    node = SimpleNamespace(
+        group=g, client=client, protocol=p, state=SimpleNamespace(step=168), name="n1", _fingerprint=[],
+        job=SimpleNamespace(name="j", identity=lambda: "j", batch_size=8, num_steps=300, evaluate=None),
+        config=SimpleNamespace(weight=1.0, role="auto", zone=""), records=SimpleNamespace(restored_epoch=None),
+        capabilities=lambda: Capabilities(),
+    )  # fmt: skip
+    resume = Node._hello(node, "n1#a").resume  # type: ignore[arg-type]
+    assert resume is not None and not resume.abandoned
+    client.lapses = 1  # the session was lost with the lease stale during the step
+    resume = Node._hello(node, "n1#a").resume  # type: ignore[arg-type]
+    assert resume is not None and resume.abandoned
+    with pytest.raises(EpochAborted):
+        p.fence()
