@@ -19,8 +19,8 @@ the capture happens right after a commit, so it lands in the gap to the next one
 stall), and their ratios to the baseline. The background write competes for the same
 2 cores, so the steps after a checkpoint slow down too: the mean step time is reported as
 well. The warm-up (15 steps, about 8 s of the large model) leaves out the start-up; the
-first checkpoint (step ``--every``) has its buffers laid out ahead (that every later one
-reuses), and its step is reported on its own, whether or not it falls in the warm-up.
+first checkpoint (step ``--every``), whose buffers every later one reuses, is reported on
+its own, whether or not it falls in the warm-up.
 Medians over ``--repeats`` interleaved repeats.
 """
 
@@ -152,9 +152,9 @@ def main() -> None:
         "encodes (zfec, k=1 m=1) and writes its fragment in a thread; audit: no checkpoints, a consistency audit "
         "(digest all-gather + an in-memory copy to come back to) every N steps instead. 'Step with a checkpoint': "
         "the gap after the commit that triggered it (it includes the capture); 'first checkpoint': the same for the "
-        "first one, which also allocates the buffers the later ones reuse. The last two columns compare within each "
-        "run (the machine's speed drifts by about 10 % between runs): its mean step over its median step, as a ratio "
-        "to the baseline's, and its checkpoint steps over its median step.",
+        "first one, whose buffers (reused by the later ones) are laid out ahead. The last two columns compare "
+        "within each run (the machine's speed drifts by about 10 % between runs): its mean step over its median "
+        "step, as a ratio to the baseline's, and its checkpoint steps over its median step.",
     )
 
 
