@@ -295,6 +295,7 @@ class Membership:
         if hello.member_id in self.members:
             if reconnect:
                 self.heartbeat(hello.member_id, hello.step, now)
+                self._left_epoch(hello, now)
                 return d
             d.refuse = f"member id {hello.member_id!r} is already connected"
             return d
@@ -353,6 +354,23 @@ class Membership:
             return d
         self._want_epoch(now, urgent=False, reason=f"{hello.name} joined", delay=JOIN_SETTLE_S)
         return d
+
+    def _left_epoch(self, hello: Hello, now: float) -> None:
+        """A session replaced (or a relay's member back) says it abandoned its epoch (its
+        fence refuses the step in flight): the epoch cannot go on without it."""
+        r, mid = hello.resume, hello.member_id
+        if r is None or not r.abandoned:
+            return
+        if self.recovering_until is not None:
+            if mid in self._resumes:
+                self._resumes[mid] = r
+                if r.epoch >= self.epoch:
+                    self.recovering_until = min(self.recovering_until, now + BROKEN_SETTLE_S)
+            return
+        if r.epoch == self.epoch and self.rank_of(mid) is not None:
+            self._trace(mid, now)  # its leaving bears out what the others report of the epoch
+            why = f"{self.members[mid].name} left epoch {r.epoch} (its session lapsed)"
+            self._want_epoch(now, urgent=True, reason=why, delay=0.0)
 
     def leave(self, member_id: str, now: float, reason: str) -> Decision:
         m = self.members.get(member_id)

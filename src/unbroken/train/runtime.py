@@ -535,7 +535,8 @@ class Node:
             # A step in flight across a lapse will not commit here (`StepProtocol.fence`):
             # the epoch is as good as abandoned, and a leader that took over must not adopt
             # it for members still waiting in that step for this one.
-            lapsed = self.protocol is not None and self.protocol.group is g and self.protocol.lapsed()
+            p = self.protocol
+            lapsed = p is not None and p.group is g and p.lapsed()
             resume = m.Resume(
                 epoch=g.epoch,
                 members=g.members,

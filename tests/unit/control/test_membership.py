@@ -649,6 +649,35 @@ def test_recovery_adopts_the_epoch_when_all_its_members_return() -> None:
     assert ms.tick(5.0).orders == {}  # and nothing later either
 
 
+def test_a_replaced_session_that_abandoned_its_epoch_is_not_adopted_while_recovering() -> None:
+    # b resumed epoch 7 intact, then lost that session with its lease stale during its step
+    # (its fence refuses the step) and reconnected before this coordinator saw it close.
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
+    ms.admit(resume_hello("b"), 0.1)
+    gone = hello("b", step=30, last_epoch=7, resume=Resume(epoch=7, members=["a", "b"], step=30, abandoned=True))
+    assert ms.admit(gone, 0.15, reconnect=True).refuse is None
+    ms.admit(resume_hello("a"), 0.2)
+    keep_alive(ms, 0.3)
+    d = ms.tick(0.3)
+    assert "adopt" not in [e.kind for e in d.events], d.events
+    keep_alive(ms, 0.5)
+    order = only_order(ms.tick(0.5))
+    assert order.urgent and order.epoch > 7 and sorted(order.members) == ["a", "b"]
+
+
+def test_a_replaced_session_that_abandoned_the_epoch_in_force_re_forms_it() -> None:
+    # Back through another path (its relay froze): the others wait in its step otherwise.
+    ms = formed(["a", "b"])
+    keep_alive(ms, 0.5, step=3)
+    back = hello("b", step=3, last_epoch=1, resume=Resume(epoch=1, members=ms.epoch_members, step=3, abandoned=True))
+    assert ms.admit(back, 0.6, reconnect=True).refuse is None
+    order = only_order(ms.tick(0.6))
+    assert order.urgent and order.epoch == 2 and order.members == ["a", "b"], order
+    intact = hello("a", step=3, last_epoch=2, resume=Resume(epoch=2, members=["a", "b"], step=3))
+    ms.admit(intact, 0.7, reconnect=True)
+    assert ms.tick(0.7).orders == {}, "an intact resume changes nothing"
+
+
 def test_after_adoption_a_failure_makes_an_epoch_above_the_adopted_one() -> None:
     ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     ms.admit(resume_hello("a"), 0.1)
