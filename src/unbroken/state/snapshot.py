@@ -123,7 +123,7 @@ class TrainState:
         to again (an audited state) must not change as training goes on."""
 
         def take(x: Any) -> Any:
-            return x if own else copy.deepcopy(x)
+            return x if own else deep_copy(x)
 
         self.model.load_state_dict(snap["model"])
         if "optimizer" in snap:
@@ -181,6 +181,26 @@ class TrainState:
 
     def load_tree(self, tree: dict[str, Any], own: bool = True) -> None:
         self.restore(tree, own=own)
+
+
+def deep_copy(x: Any) -> Any:
+    """``copy.deepcopy(x)`` with its plain tensors cloned first: deepcopy copies a tensor's
+    storage holding the GIL (a 150 MB one starved a joiner's heartbeats past its lease on a
+    busy machine), clone lets the control thread run."""
+    memo: dict[int, Any] = {}
+
+    def walk(y: Any) -> None:
+        if type(y) is torch.Tensor and not y.requires_grad:
+            memo.setdefault(id(y), y.clone())
+        elif isinstance(y, dict):
+            for v in y.values():
+                walk(v)
+        elif isinstance(y, list | tuple):
+            for v in y:
+                walk(v)
+
+    walk(x)
+    return copy.deepcopy(x, memo)
 
 
 def tree_digest(tree: Any) -> str:

@@ -10,7 +10,7 @@ from torch import nn
 
 from unbroken.control.messages import TensorSpec
 from unbroken.state import layout
-from unbroken.state.snapshot import TrainState, digest_prefix, fingerprint
+from unbroken.state.snapshot import TrainState, deep_copy, digest_prefix, fingerprint
 
 
 class Net(nn.Module):
@@ -302,3 +302,15 @@ def test_an_outer_state_saved_under_other_settings_keeps_its_momentum_and_takes_
         assert {k: group[k] for k in now} == now, attached_first
         buffers = [outer.state[p]["momentum_buffer"] for p in new.model.parameters()]
         assert all(torch.equal(b, torch.ones_like(b)) for b in buffers), attached_first
+
+
+def test_a_deep_copy_clones_every_tensor_once_and_shares_nothing() -> None:
+    t = torch.arange(6.0)
+    tree = {"state": {0: {"momentum_buffer": t, "step": torch.tensor(3.0)}}, "groups": [{"lr": 0.1, "params": [0]}]}
+    tree["again"] = t  # the same tensor twice stays one tensor in the copy
+    out = deep_copy(tree)
+    got = out["state"][0]["momentum_buffer"]
+    assert torch.equal(got, t) and got.data_ptr() != t.data_ptr() and out["again"] is got
+    assert out["groups"] == tree["groups"] and out["groups"] is not tree["groups"]
+    t.zero_()
+    assert torch.equal(got, torch.arange(6.0))
