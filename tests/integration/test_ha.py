@@ -125,9 +125,8 @@ def test_frozen_leader_is_fenced_after_it_wakes(make_cluster, etcd):
         assert new_term > old_term
         # The new leader forms epochs: a node joins while the old leader is frozen.
         nodes.append(c.start_node("n4"))
-        c.wait_for(
-            lambda: any(t == new_term for _, t in terms_followed(nodes[3])), 60, "n4 in an epoch of the new term"
-        )
+        # A later term too: the new leader may lose its lease under load and be elected again.
+        c.wait_for(lambda: any(t >= new_term for _, t in terms_followed(nodes[3])), 60, "n4 in the new term")
     finally:
         old_proc.send_signal(signal.SIGCONT)
     # Awake again, the old leader knows it lost its lease: it says so and leads nothing.
@@ -147,7 +146,7 @@ def test_frozen_leader_is_fenced_after_it_wakes(make_cluster, etcd):
     assert_promises(c, env, finishers=3)
     assert_terms_never_go_back(c)
     # Nothing of the old term was followed once the new one led: n4 joined after the freeze.
-    assert all(t == new_term for _, t in terms_followed(nodes[3])), terms_followed(nodes[3])
+    assert all(t >= new_term for _, t in terms_followed(nodes[3])), terms_followed(nodes[3])
     assert any("stops leading" in e["reason"] for e in events_of(c, "deposed")), c.diagnostics()
 
 

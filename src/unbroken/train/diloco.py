@@ -53,7 +53,7 @@ from unbroken.comm.transfer import sync_state
 from unbroken.errors import BadContribution, ConfigError
 from unbroken.events import Entry, Kind
 from unbroken.job import AnyOptimizer
-from unbroken.state.snapshot import deep_copy, tree_digest
+from unbroken.state.snapshot import tree_digest
 from unbroken.train.guard import judge
 from unbroken.train.hooks import LIES
 from unbroken.train.step import Slice, add_deltas, after_step, write_deltas
@@ -334,7 +334,7 @@ class DiLoCo:
         st = self.node.state
         self._local_start = [q.detach().clone() for q in self.node.params]
         scheduler = copy.deepcopy(st.scheduler.state_dict()) if st.scheduler is not None else None
-        self._inner_start = (deep_copy(st.optimizer.state_dict()), scheduler)
+        self._inner_start = (copy.deepcopy(st.optimizer.state_dict()), scheduler)
 
     def _overlapped_round_end(self, first: int, last: int, losses: list[float]) -> bool:
         """Apply the round before (its exchange ran during this one), post this round's, and
@@ -462,4 +462,4 @@ class _InnerState:
         return ()
 
     def load_tree(self, tree: dict[str, Any], own: bool = True) -> None:
-        self.optimizer.load_state_dict(tree if own else deep_copy(tree))
+        self.optimizer.load_state_dict(tree if own else copy.deepcopy(tree))
