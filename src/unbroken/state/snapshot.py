@@ -169,9 +169,14 @@ class TrainState:
             tree["scheduler"] = self.scheduler.state_dict()
         if self.extra:
             tree["extra"] = {name: value.state_dict() for name, value in self.extra.items()}
-        if local and self.node_local is not None:
-            tree["local"] = {"owner": self.node_local.owner, "state": self.node_local.state_dict()}
+        if local and (mine := self.local_part()) is not None:
+            tree["local"] = mine
         return tree
+
+    def local_part(self) -> dict[str, Any] | None:
+        """This node's own state as a tree carries it (None: it has none)."""
+        nl = self.node_local
+        return {"owner": nl.owner, "state": nl.state_dict()} if nl is not None else None
 
     def digest_of(self, tree: dict[str, Any]) -> str:
         return snapshot_digest(tree, self.optimizer_in_digest)

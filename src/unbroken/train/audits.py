@@ -41,8 +41,7 @@ class Audits:
         if fetched is None:
             self.audited = self.node.state.capture(reuse=self.audited)
             return
-        local = self.node.state.node_local
-        mine = {"owner": local.owner, "state": local.state_dict()} if local is not None else None
+        mine = self.node.state.local_part()
         self.audited = fetched | ({"local": layout.copy(mine)} if mine is not None else {})
 
     def rollback_if_ordered(self) -> None:
