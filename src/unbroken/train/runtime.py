@@ -59,16 +59,19 @@ from unbroken.train.diloco import DiLoCo
 from unbroken.train.epochs import Epochs
 from unbroken.train.hooks import Control, Faults, GroupMaker, NoFaults, flip_bit
 from unbroken.train.measure import Meter
+from unbroken.train.memory import keep_freed_memory
 from unbroken.train.records import Records
 from unbroken.train.scale import KEY as SCALE_KEY
 from unbroken.train.scale import ScaleState
 from unbroken.train.sidecar import Sidecar
-from unbroken.train.step import Slice, StepProtocol
+from unbroken.train.step import Slice, StepProtocol, flat_length
 from unbroken.train.throttle import parse_throttle
 
 log = logging.getLogger(__name__)
 
 LEAVE_GRACE_S = 5.0
+FLAT_MEMBERS = 64
+"""Members the kept flat tensor has norm slots for at first (twice the group's past that)."""
 VALIDATE_EVERY_S = 0.5
 
 Steps = Generator[Slice, float, "NodeResult"]
@@ -111,6 +114,7 @@ class Node:
         self.config = config
         self.name = config.display_name
         self.wake = threading.Event()
+        keep_freed_memory()
         model, optimizer = job.build()
         scheduler, extra = job.build_scheduler(optimizer), job.build_state(model)
         self.scale = ScaleState(job.loss_scale) if job.loss_scale is not None else None
@@ -132,6 +136,10 @@ class Node:
             self.meter.calibration = Calibration(0.0, 0.0, 1, 0)
         self.compute = JobCompute(self)
         self.numel = sum(p.numel() for p in self.params) + sum(b.numel() for b in self.buffers)
+        self._flat: torch.Tensor | None = None
+        """The step's flat tensor, kept from epoch to epoch (`_step_buffer`); a joiner lays
+        it out here, while the group still trains, not in its first epoch."""
+        self._step_buffer(1)
         self.compressed_numel = sum(p.numel() for p in self.params)
         """The gradient part of the flat tensor: what the inter-zone codec compresses."""
         self.link = LinkEmulation(config.link_latency_ms / 1e3, config.link_mbit, dict(config.link_mbit_from))
@@ -369,6 +377,7 @@ class Node:
             self.wake.wait(0.5)
 
     def _abandon(self) -> None:
+        self._flat = None  # a collective of the abandoned epoch may still write into it
         if self.group is not None:
             for pg in [self.group.pg, *self.group.extra_pgs]:
                 self.graveyard.bury(pg)
@@ -377,7 +386,12 @@ class Node:
 
     def _form(self, order: m.EpochOrder) -> None:
         g, reducer = self.epochs.form(order)
-        self.protocol = StepProtocol(self, g, reducer)
+        # DiLoCo's rounds keep exchanges in flight across steps: each epoch has a flat of its own.
+        sync = order.policy.parsed().mode is Mode.SYNC
+        if not sync:
+            self._flat = None
+        flat = self._step_buffer(g.size) if sync else None
+        self.protocol = StepProtocol(self, g, reducer, flat=flat)
         self.records.log(Entry.EPOCH, {"epoch": order.epoch, "term": order.term, "step": self.state.step})
         self.records.first_in_epoch = True
         self._epochs_formed += 1
@@ -392,6 +406,18 @@ class Node:
         if policy.mode is Mode.DILOCO and self.diloco is None:
             self.diloco = DiLoCo(self, order)
 
+    def _step_buffer(self, members: int) -> torch.Tensor:
+        """Zeros for the flat tensor of an epoch of ``members``: the one this node keeps,
+        cleared (the epoch before ended at a commit, nothing writes into it any more)."""
+        length = flat_length(self.numel, members)
+        if self._flat is None or self._flat.numel() < length:
+            self._flat = None  # let the old one go first
+            self._flat = torch.zeros(flat_length(self.numel, max(2 * members, FLAT_MEMBERS)), dtype=torch.float32)
+            return self._flat[:length]
+        flat = self._flat[:length]
+        flat.zero_()
+        return flat
+
     def _sync(self) -> None:
         """Compare (step, digest) across the group; whoever is behind or different catches up."""
         self.records.settle()  # a receiver's state is overwritten, a rollback's too
@@ -403,13 +429,13 @@ class Node:
         r = sync_state(
             g.pg, g.rank, g.size, self.state, self.scope(during_step=False), partial=self._partial,
             on_sent=functools.partial(self.faults.maybe_fire, "resync"), max_donors=self.config.max_donors,
-            incremental=not self.config.full_resync, keep=self.audits.every > 0 and self.audits.audited is None,
+            incremental=not self.config.full_resync,
         )  # fmt: skip
         if r.role != "receiver":
             self._partial.close()  # a fetch cut short earlier is moot now: let its copy go
         else:
             self.applied_step = -1  # the state is a peer's now
-        self.audits.synced(received=r.role == "receiver", fetched=r.fetched)
+        self.audits.synced(received=r.role == "receiver")
         if self.diloco is not None:
             self.diloco.sync_zone(received=r.role == "receiver")
         if r.role in ("source", "donor"):
@@ -458,6 +484,8 @@ class Node:
                 flip_bit(self.params[0])
             if self.audits.due(self.state.step):
                 self.audits.check(g)
+            else:
+                self.audits.ahead(self.state.step)
             if g.role == "validator":
                 self._maybe_validate()
             if tally.switch > 0 or self.state.step >= self.job.num_steps:
