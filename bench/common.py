@@ -143,7 +143,9 @@ class DDPRun:
         timeout_s: float = 60.0,
         faults: dict[int, str] | None = None,
         throttles: dict[int, str] | None = None,
+        extra: list[str] | None = None,
     ) -> None:
+        """``extra``: more arguments for every rank's worker."""
         from datetime import timedelta
 
         import torch.distributed as dist
@@ -168,6 +170,7 @@ class DDPRun:
                 cmd += ["--fault", faults[r]]
             if throttles.get(r):
                 cmd += ["--throttle", throttles[r]]
+            cmd += extra or []
             err = open(self.workdir / f"ddp{r}.err", "ab")  # noqa: SIM115
             self.procs[r] = subprocess.Popen(cmd, stdout=err, stderr=err, env=full_env)
             err.close()

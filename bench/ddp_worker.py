@@ -15,6 +15,8 @@ more; then the gradients are flattened into one tensor, summed with an explicit
 So the idle lands on compute only, never on communication, as on a slower device. The
 split stays equal (B/W per rank): the faster ranks wait for the slowest at the all-reduce.
 Without ``--throttle`` the rank runs plain DDP as above (all-reduce during backward).
+With ``--keep-freed-memory`` the process's malloc keeps the memory it frees, as an unbroken
+node's does (`unbroken.train.memory`): how much of a difference is the allocator's.
 
 It writes JSON lines like a node's commit log: ``{"t", "kind": "commit", "step"}`` after
 each step, ``{"kind": "fault"}`` before an injected fault fires, and ``{"kind": "error"}``
@@ -40,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import jobs
 from unbroken.train.data import DataPlan
+from unbroken.train.memory import keep_freed_memory
 from unbroken.train.throttle import parse_throttle
 
 
@@ -54,7 +57,10 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=60.0, help="process-group (collective) timeout, seconds")
     p.add_argument("--fault", default="", help="kill@STEP or stop@STEP: signal self before STEP's backward")
     p.add_argument("--throttle", default="", help="emulate a slower device: F or F,STEP:F,... (see above)")
+    p.add_argument("--keep-freed-memory", action="store_true", help="malloc as an unbroken node's (see above)")
     args = p.parse_args()
+    if args.keep_freed_memory and not keep_freed_memory():
+        p.error("--keep-freed-memory: not in force here (glibc only; UNBROKEN_MALLOC=system unset)")
     throttle = parse_throttle(args.throttle) if args.throttle else None
     if throttle is not None and args.fault:
         p.error("--fault is not supported together with --throttle")

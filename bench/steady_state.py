@@ -18,6 +18,11 @@ one gradient all-reduce and one optimizer step per step, OMP_NUM_THREADS=1 every
 
 Runs alternate (unbroken, DDP, DDP, unbroken, ...) so drift on a shared machine hits both.
 The figure is the ratio of median step times, ours / DDP (the project's target: <= 1.10).
+
+``--malloc kept,system`` runs unbroken with the node's own malloc setting (it keeps the
+memory it frees: `unbroken.train.memory`) and with the system's (``UNBROKEN_MALLOC=system``);
+``--ddp-malloc system,kept`` does the same for DDP (the first DDP variant is the baseline):
+how much of a difference is the allocator's, on either side.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ from common import DDPRun, ProgressLine, fmt, median, print_command, print_table
 from unbroken.testing import LocalCluster
 
 
-def run_unbroken(args: argparse.Namespace, workdir: Path, bucket_mb: str) -> list[float]:
-    env = jobs.env_for(args.steps, args.batch)
+def run_unbroken(args: argparse.Namespace, workdir: Path, bucket_mb: str, malloc: str) -> list[float]:
+    env = jobs.env_for(args.steps, args.batch) | ({"UNBROKEN_MALLOC": "system"} if malloc == "system" else {})
     ref, coordinator = jobs.job_ref(args.model), ["--bucket-mb", bucket_mb]
     with LocalCluster(ref, workdir, env=env, min_nodes=args.nodes, coordinator_args=coordinator) as c:
         c.start_coordinator()
@@ -48,9 +53,10 @@ def run_unbroken(args: argparse.Namespace, workdir: Path, bucket_mb: str) -> lis
         return gaps
 
 
-def run_ddp(args: argparse.Namespace, workdir: Path) -> list[float]:
+def run_ddp(args: argparse.Namespace, workdir: Path, malloc: str) -> list[float]:
     env = jobs.env_for(args.steps, args.batch)
-    with DDPRun(args.model, args.nodes, workdir, env, timeout_s=args.timeout) as d:
+    extra = ["--keep-freed-memory"] if malloc == "kept" else []
+    with DDPRun(args.model, args.nodes, workdir, env, timeout_s=args.timeout, extra=extra) as d:
         codes = d.wait_exit(range(args.nodes), args.timeout)
         if any(code != 0 for code in codes.values()):
             raise RuntimeError(f"DDP run failed: {codes}\n{d.stderr(0)}")
@@ -76,9 +82,16 @@ def main() -> None:
         help="unbroken's gradient buckets (the coordinator's --bucket-mb), comma-separated for a run of each: "
         "25,0 sets buckets summed during backward beside the gradient summed whole after it",
     )
+    p.add_argument("--malloc", default="kept", help="unbroken malloc, a run of each: kept, system")
+    p.add_argument("--ddp-malloc", default="system", help="DDP's malloc, the same way (the first is the baseline)")
     args = p.parse_args()
     buckets = args.bucket_mb.split(",")
-    systems = [f"unbroken:{b}" for b in buckets] + ["ddp"]
+    mallocs, ddp_mallocs = args.malloc.split(","), args.ddp_malloc.split(",")
+    if not set(mallocs) | set(ddp_mallocs) <= {"kept", "system"}:
+        p.error("--malloc and --ddp-malloc take kept and system")
+    ours = [f"unbroken:{b}:{m}" for b in buckets for m in mallocs]
+    ddps = [f"ddp:{m}" for m in ddp_mallocs]
+    systems = ours + ddps
     if args.batch % args.nodes:
         p.error("--batch must be divisible by --nodes (DDP splits it equally)")
     if args.steps <= args.warmup + 2:
@@ -100,10 +113,12 @@ def main() -> None:
                 progress.update(f"repeat {rep + 1}/{args.repeats}: {system} running")
                 t0 = time.monotonic()
                 workdir = root / f"{system.replace(':', '-')}-{rep}"
-                if system == "ddp":
-                    gaps = run_ddp(args, workdir)
+                kind, _, rest = system.partition(":")
+                if kind == "ddp":
+                    gaps = run_ddp(args, workdir, rest)
                 else:
-                    gaps = run_unbroken(args, workdir, system.partition(":")[2])
+                    bucket_mb, _, malloc = rest.partition(":")
+                    gaps = run_unbroken(args, workdir, bucket_mb, malloc)
                 results[system] += gaps
                 per_run[system].append(median(gaps) or float("nan"))
                 progress.update(
@@ -116,15 +131,23 @@ def main() -> None:
         if tmp is not None:
             tmp.cleanup()
 
-    ddp = median(per_run["ddp"])
+    base = ddps[0]
+    ddp = median(per_run[base])
+
+    def label(system: str) -> str:
+        kind, _, rest = system.partition(":")
+        if kind == "ddp":
+            return f"plain DDP, gloo, its own buckets, {rest} malloc" + (" (baseline)" if system == base else "")
+        bucket_mb, _, malloc = rest.partition(":")
+        return f"unbroken ({args.nodes} nodes, --bucket-mb {bucket_mb}, {malloc} malloc)"
+
     rows = []
-    labels = {s: f"unbroken ({args.nodes} nodes, --bucket-mb {s.partition(':')[2]})" for s in systems[:-1]}
-    for system, label in [*labels.items(), ("ddp", "plain DDP, gloo, its own buckets (baseline)")]:
+    for system in systems:
         med = median(per_run[system])
         all_gaps = sorted(results[system])
         p90 = all_gaps[int(0.9 * (len(all_gaps) - 1))] if all_gaps else None
         rows.append([
-            label,
+            label(system),
             fmt(med and med * 1e3, " ms", 2),
             fmt(p90 and p90 * 1e3, " ms", 2),
             fmt(med and 1 / med, "", 1),
@@ -138,12 +161,13 @@ def main() -> None:
         ["system", "median step", "p90 step", "steps/s", "samples/s", "per-run medians (ms)", "vs DDP"],
         rows,
         caption="; ".join(
-            f"--bucket-mb {s.partition(':')[2]}: ours/DDP = {ratio(median(per_run[s]), ddp, 3)} (per run "
-            + ", ".join(f"{a / b:.3f}" for a, b in zip(per_run[s], per_run["ddp"], strict=True))
+            f"{label(s)}: / DDP = {ratio(median(per_run[s]), ddp, 3)} (per run "
+            + ", ".join(f"{a / b:.3f}" for a, b in zip(per_run[s], per_run[base], strict=True))
             + ")"
-            for s in systems[:-1]
+            for s in systems
+            if s != base
         )
-        + " (target <= 1.10)",
+        + " (target for ours <= 1.10)",
     )
 
 

@@ -256,3 +256,25 @@ def test_a_joiner_lacking_tensors_and_holding_none_that_match_gets_the_exact_sta
     # Everything but the RNG state, which the threads of this test share.
     assert r.role == "receiver" and r.chunks == r.total_chunks - 1, r
     assert joiner.digest() == donor.digest()
+
+
+def test_a_receiver_that_keeps_what_it_fetched_holds_a_copy_apart_from_its_state() -> None:
+    # Audits keep the synced state to come back to: the fetched buffers are that copy, so
+    # the state must take copies of them, not the buffers themselves (an optimizer keeps the
+    # tensors it is given, and its steps would then change the kept copy too).
+    donor, joiner = make_state(1), make_state(2)
+    joiner.step = 0
+    results = sync([donor, joiner], keep=True)
+    r: SyncResult = results[1]
+    assert r.role == "receiver" and r.fetched is not None and results[0].fetched is None
+    assert joiner.digest() == donor.digest() == joiner.digest_of(r.fetched)
+    live = {t.data_ptr() for t in layout.split(joiner.tree())[1] if t.numel()}
+    assert not live & {t.data_ptr() for t in layout.split(r.fetched)[1] if t.numel()}
+    kept = joiner.digest_of(r.fetched)
+    joiner.optimizer.zero_grad()
+    joiner.model(torch.randn(4, 256)).square().mean().backward()
+    joiner.optimizer.step()
+    assert joiner.digest_of(r.fetched) == kept != joiner.digest()
+    plain = make_state(2)
+    plain.step = 0
+    assert sync([make_state(1), plain])[1].fetched is None

@@ -184,8 +184,8 @@ class TrainState:
     def source_only(self) -> tuple[str, ...]:
         return ("/rng",) if self.optimizer_in_digest else ("/rng", "/optimizer")
 
-    def load_tree(self, tree: dict[str, Any]) -> None:
-        self.restore(tree, own=True)
+    def load_tree(self, tree: dict[str, Any], own: bool = True) -> None:
+        self.restore(tree, own=own)
 
 
 def deep_copy(x: Any) -> Any:

@@ -461,5 +461,5 @@ class _InnerState:
     def source_only(self) -> tuple[str, ...]:
         return ()
 
-    def load_tree(self, tree: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(tree)
+    def load_tree(self, tree: dict[str, Any], own: bool = True) -> None:
+        self.optimizer.load_state_dict(tree if own else copy.deepcopy(tree))

@@ -9,7 +9,8 @@ out again. Served from the heap and never trimmed, they are reused from step to 
 no fault (the same step: 140-150 ms). The price: the process keeps its peak memory (what it
 once held for a state transfer or a checkpoint capture stays allocated to it).
 
-``UNBROKEN_MALLOC=system`` leaves malloc as it is.
+A node process (`unbroken node`) does so unless ``UNBROKEN_MALLOC=system``; a script's own
+process (`unbroken.join`) only with ``UNBROKEN_MALLOC=kept``: its malloc is the user's.
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ _INT_MAX = 2**31 - 1
 _done = False
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory(default: bool = True) -> bool:
     """Large allocations from the heap, which is not trimmed (once per process); whether
-    that is in force. Nothing happens without glibc (``mallopt`` elsewhere is a stub or absent)
-    or with ``UNBROKEN_MALLOC=system``."""
+    that is in force. ``UNBROKEN_MALLOC``: ``kept`` or ``system`` decide, else ``default``.
+    Nothing happens without glibc (``mallopt`` elsewhere is a stub or absent)."""
     global _done
     if _done:
         return True
-    if os.environ.get("UNBROKEN_MALLOC", "").lower() == "system":
+    choice = os.environ.get("UNBROKEN_MALLOC", "").lower()
+    if choice == "system" or (choice != "kept" and not default):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
@@ -47,4 +49,5 @@ def keep_freed_memory() -> bool:
         log.warning("malloc refused to keep freed memory: each step maps its large tensors afresh")
         return False
     _done = True
+    log.info("malloc keeps freed memory for reuse (UNBROKEN_MALLOC=system to leave it as it is)")
     return True

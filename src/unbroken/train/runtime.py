@@ -114,7 +114,7 @@ class Node:
         self.config = config
         self.name = config.display_name
         self.wake = threading.Event()
-        keep_freed_memory()
+        keep_freed_memory(default=not own_loop)  # a user's own process keeps its malloc unless asked
         model, optimizer = job.build()
         scheduler, extra = job.build_scheduler(optimizer), job.build_state(model)
         self.scale = ScaleState(job.loss_scale) if job.loss_scale is not None else None
@@ -407,16 +407,15 @@ class Node:
             self.diloco = DiLoCo(self, order)
 
     def _step_buffer(self, members: int) -> torch.Tensor:
-        """Zeros for the flat tensor of an epoch of ``members``: the one this node keeps,
-        cleared (the epoch before ended at a commit, nothing writes into it any more)."""
+        """The flat tensor of an epoch of ``members``: the one this node keeps (the epoch
+        before ended at a commit: nothing writes into it any more). Not cleared: each step's
+        contribution writes all of it, and until then the parameters' ``.grad`` still show
+        the last step's sum (an own loop may read them after `Swarm.step`)."""
         length = flat_length(self.numel, members)
         if self._flat is None or self._flat.numel() < length:
             self._flat = None  # let the old one go first
             self._flat = torch.zeros(flat_length(self.numel, max(2 * members, FLAT_MEMBERS)), dtype=torch.float32)
-            return self._flat[:length]
-        flat = self._flat[:length]
-        flat.zero_()
-        return flat
+        return self._flat[:length]
 
     def _sync(self) -> None:
         """Compare (step, digest) across the group; whoever is behind or different catches up."""
@@ -429,13 +428,13 @@ class Node:
         r = sync_state(
             g.pg, g.rank, g.size, self.state, self.scope(during_step=False), partial=self._partial,
             on_sent=functools.partial(self.faults.maybe_fire, "resync"), max_donors=self.config.max_donors,
-            incremental=not self.config.full_resync,
+            incremental=not self.config.full_resync, keep=self.audits.every > 0 and self.audits.audited is None,
         )  # fmt: skip
         if r.role != "receiver":
             self._partial.close()  # a fetch cut short earlier is moot now: let its copy go
         else:
             self.applied_step = -1  # the state is a peer's now
-        self.audits.synced(received=r.role == "receiver")
+        self.audits.synced(received=r.role == "receiver", fetched=r.fetched)
         if self.diloco is not None:
             self.diloco.sync_zone(received=r.role == "receiver")
         if r.role in ("source", "donor"):
@@ -484,8 +483,6 @@ class Node:
                 flip_bit(self.params[0])
             if self.audits.due(self.state.step):
                 self.audits.check(g)
-            else:
-                self.audits.ahead(self.state.step)
             if g.role == "validator":
                 self._maybe_validate()
             if tally.switch > 0 or self.state.step >= self.job.num_steps:

@@ -109,9 +109,9 @@ class StepProtocol:
         *,
         flat: torch.Tensor | None = None,
     ) -> None:
-        """``flat``: zeros of `flat_length` to use (the node keeps one from epoch to epoch:
-        a fresh one of 200 MB, for a 50M model, took 1.4 s at every member on each epoch
-        change on a busy machine)."""
+        """``flat``: the flat tensor to use, of `flat_length` (the node keeps one from epoch
+        to epoch: a fresh one of 200 MB, for a 50M model, took 1.4 s at every member on each
+        epoch change on a busy machine); zeros of its own otherwise."""
         self.node = node
         self.group = group
         self.reducer = reducer
