@@ -59,8 +59,8 @@ def main() -> int:
     p.add_argument("--throttle", default="", help="emulate a slower device: F or F,STEP:F,... (see above)")
     p.add_argument("--keep-freed-memory", action="store_true", help="malloc as an unbroken node's (see above)")
     args = p.parse_args()
-    if args.keep_freed_memory and not keep_freed_memory():
-        p.error("--keep-freed-memory: not in force here (glibc only; UNBROKEN_MALLOC=system unset)")
+    if args.keep_freed_memory and not keep_freed_memory(default=True):
+        p.error("--keep-freed-memory: not in force here (glibc only, and not with UNBROKEN_MALLOC=system)")
     throttle = parse_throttle(args.throttle) if args.throttle else None
     if throttle is not None and args.fault:
         p.error("--fault is not supported together with --throttle")

@@ -19,10 +19,10 @@ one gradient all-reduce and one optimizer step per step, OMP_NUM_THREADS=1 every
 Runs alternate (unbroken, DDP, DDP, unbroken, ...) so drift on a shared machine hits both.
 The figure is the ratio of median step times, ours / DDP (the project's target: <= 1.10).
 
-``--malloc kept,system`` runs unbroken with the node's own malloc setting (it keeps the
-memory it frees: `unbroken.train.memory`) and with the system's (``UNBROKEN_MALLOC=system``);
-``--ddp-malloc system,kept`` does the same for DDP (the first DDP variant is the baseline):
-how much of a difference is the allocator's, on either side.
+``--malloc system,kept`` runs unbroken with malloc as it is and with ``UNBROKEN_MALLOC=kept``
+(the process keeps the memory it frees: `unbroken.train.memory`); ``--ddp-malloc
+system,kept`` does the same for DDP (the first DDP variant is the baseline): how much of a
+difference is the allocator's, on either side.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from unbroken.testing import LocalCluster
 
 
 def run_unbroken(args: argparse.Namespace, workdir: Path, bucket_mb: str, malloc: str) -> list[float]:
-    env = jobs.env_for(args.steps, args.batch) | ({"UNBROKEN_MALLOC": "system"} if malloc == "system" else {})
+    env = jobs.env_for(args.steps, args.batch) | {"UNBROKEN_MALLOC": malloc}
     ref, coordinator = jobs.job_ref(args.model), ["--bucket-mb", bucket_mb]
     with LocalCluster(ref, workdir, env=env, min_nodes=args.nodes, coordinator_args=coordinator) as c:
         c.start_coordinator()
@@ -82,7 +82,7 @@ def main() -> None:
         help="unbroken's gradient buckets (the coordinator's --bucket-mb), comma-separated for a run of each: "
         "25,0 sets buckets summed during backward beside the gradient summed whole after it",
     )
-    p.add_argument("--malloc", default="kept", help="unbroken malloc, a run of each: kept, system")
+    p.add_argument("--malloc", default="system", help="unbroken malloc, a run of each: kept, system")
     p.add_argument("--ddp-malloc", default="system", help="DDP's malloc, the same way (the first is the baseline)")
     args = p.parse_args()
     buckets = args.bucket_mb.split(",")

@@ -28,8 +28,8 @@ replicated state, and a crash, hang or leave costs at most the step in flight. S
   and seeded generator; ``drop_last`` holds), a map-style dataset in a seeded permutation
   per pass, an IterableDataset or `Stream` in its own order. Samples are read and collated
   in this process (the loader's workers are not used);
-- the process's malloc stays as it is: ``UNBROKEN_MALLOC=kept`` makes it keep the large
-  tensors each step frees for the next, as a node process does (`unbroken.train.memory`).
+- ``UNBROKEN_MALLOC=kept`` makes the process keep the large tensors each step frees for the
+  next (`unbroken.train.memory`).
 """
 
 from __future__ import annotations

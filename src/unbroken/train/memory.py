@@ -1,16 +1,16 @@
-"""The node process keeps the memory it frees for its next allocations (glibc's malloc).
+"""A process that keeps the memory it frees for its next allocations (glibc's malloc), if asked.
 
 A training step frees and allocates the same large tensors every step: a 50M-parameter
 model's gradient is 200 MB, in tensors of up to 150 MB. glibc serves each allocation over
-32 MB with a mapping of its own and unmaps it when freed, so every step faulted in 200 MB of
-freshly zeroed pages: 49,000 page faults and a third of a 240 ms step on a 2-core VM, and
-more where the hypervisor takes freed pages back (free page reporting) and has to hand them
-out again. Served from the heap and never trimmed, they are reused from step to step with
-no fault (the same step: 140-150 ms). The price: the process keeps its peak memory (what it
-once held for a state transfer or a checkpoint capture stays allocated to it).
+32 MB with a mapping of its own and unmaps it when freed, so every step faults in 200 MB of
+freshly zeroed pages: 49,000 page faults and a third of a 240 ms step on a 2-core VM.
+Served from the heap and never trimmed, they are reused from step to step with no fault
+(the same step: 140-150 ms); the process keeps its peak memory.
 
-A node process (`unbroken node`) does so unless ``UNBROKEN_MALLOC=system``; a script's own
-process (`unbroken.join`) only with ``UNBROKEN_MALLOC=kept``: its malloc is the user's.
+``UNBROKEN_MALLOC=kept`` asks for it, in a node process or a script's own loop. It is not the
+default yet: on a 2-core machine shared by a 2-node job and a third node starting, the
+start and the state transfer took about twice as long beside trainers that kept their
+memory, for reasons not understood yet (`bench/join.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _INT_MAX = 2**31 - 1
 _done = False
 
 
-def keep_freed_memory(default: bool = True) -> bool:
+def keep_freed_memory(default: bool = False) -> bool:
     """Large allocations from the heap, which is not trimmed (once per process); whether
     that is in force. ``UNBROKEN_MALLOC``: ``kept`` or ``system`` decide, else ``default``.
     Nothing happens without glibc (``mallopt`` elsewhere is a stub or absent)."""
@@ -49,5 +49,5 @@ def keep_freed_memory(default: bool = True) -> bool:
         log.warning("malloc refused to keep freed memory: each step maps its large tensors afresh")
         return False
     _done = True
-    log.info("malloc keeps freed memory for reuse (UNBROKEN_MALLOC=system to leave it as it is)")
+    log.info("malloc keeps freed memory for reuse (UNBROKEN_MALLOC=kept)")
     return True

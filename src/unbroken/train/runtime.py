@@ -114,7 +114,7 @@ class Node:
         self.config = config
         self.name = config.display_name
         self.wake = threading.Event()
-        keep_freed_memory(default=not own_loop)  # a user's own process keeps its malloc unless asked
+        keep_freed_memory()  # with UNBROKEN_MALLOC=kept
         model, optimizer = job.build()
         scheduler, extra = job.build_scheduler(optimizer), job.build_state(model)
         self.scale = ScaleState(job.loss_scale) if job.loss_scale is not None else None

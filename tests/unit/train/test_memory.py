@@ -1,4 +1,4 @@
-"""A node process reuses the large tensors it frees instead of faulting in fresh pages."""
+"""With ``UNBROKEN_MALLOC=kept`` a process reuses the large tensors it frees instead of faulting in fresh pages."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 PROBE = """
 import resource, sys, torch
 from unbroken.train.memory import keep_freed_memory
-kept = keep_freed_memory(default=sys.argv[1] == "node")
+kept = keep_freed_memory()
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(20):  # the heap settles: its first few blocks of this size are new (up to 5 seen)
     before = faults()
@@ -37,26 +37,24 @@ def glibc() -> bool:
     return True
 
 
-def faults(process: str, malloc: str | None) -> tuple[bool, int]:
+def faults(malloc: str | None) -> tuple[bool, int]:
     env = {k: v for k, v in os.environ.items() if k != "UNBROKEN_MALLOC"}
     if malloc is not None:
         env["UNBROKEN_MALLOC"] = malloc
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, process], env=env, capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120, check=True
     )
     kept, count = out.stdout.split()
     return kept == "True", int(count)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not glibc(), reason="glibc's malloc")
-def test_a_large_tensor_freed_and_allocated_again_faults_no_fresh_pages_in_a_node_process() -> None:
-    kept, count = faults("node", None)
+def test_a_large_tensor_freed_and_allocated_again_faults_no_fresh_pages_where_asked() -> None:
+    kept, count = faults("kept")
     # Now and then a small allocation settles in a freed block and the next 64 MB is new.
     assert kept and count < 4 * 16_384, f"{count} page faults for 10 x 64 MB allocated again"
-    assert faults("node", "system")[0] is False, "UNBROKEN_MALLOC=system leaves malloc alone"
-    assert faults("own-loop", None)[0] is False, "a user's own process keeps its malloc..."
-    assert faults("own-loop", "kept")[0] is True, "...unless asked"
+    assert faults(None)[0] is False and faults("system")[0] is False, "malloc is left alone unless asked"
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not (thp.exists() and "[always]" in thp.read_text()):  # 2 MB pages: few faults either way
-        _, count = faults("node", "system")
+        _, count = faults(None)
         assert count >= 10 * 16_000, f"only {count} page faults: each 64 MB is mapped afresh by default"
