@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--ddp-malloc", default="system", help="DDP's malloc, the same way (the first is the baseline)")
     args = p.parse_args()
     buckets = args.bucket_mb.split(",")
-    mallocs, ddp_mallocs = args.malloc.split(","), args.ddp_malloc.split(",")
+    mallocs, ddp_mallocs = list(dict.fromkeys(args.malloc.split(","))), list(dict.fromkeys(args.ddp_malloc.split(",")))
     if not set(mallocs) | set(ddp_mallocs) <= {"kept", "system"}:
         p.error("--malloc and --ddp-malloc take kept and system")
     ours = [f"unbroken:{b}:{m}" for b in buckets for m in mallocs]

@@ -5,7 +5,8 @@ model's gradient is 200 MB, in tensors of up to 150 MB. glibc serves each alloca
 32 MB with a mapping of its own and unmaps it when freed, so every step faults in 200 MB of
 freshly zeroed pages: 49,000 page faults and a third of a 240 ms step on a 2-core VM.
 Served from the heap and never trimmed, they are reused from step to step with no fault
-(the same step: 140-150 ms); the process keeps its peak memory.
+(the same step: 140-150 ms); the process keeps its peak memory. On the main thread: a
+thread's own arena still maps an allocation over 64 MB afresh.
 
 ``UNBROKEN_MALLOC=kept`` asks for it, in a node process or a script's own loop. It is not the
 default yet: on a 2-core machine shared by a 2-node job and a third node starting, the
@@ -36,6 +37,8 @@ def keep_freed_memory(default: bool = False) -> bool:
     if _done:
         return True
     choice = os.environ.get("UNBROKEN_MALLOC", "").lower()
+    if choice not in ("", "kept", "system"):
+        log.warning("UNBROKEN_MALLOC=%s is neither kept nor system: taken as unset", choice)
     if choice == "system" or (choice != "kept" and not default):
         return False
     try:

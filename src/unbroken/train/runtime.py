@@ -413,7 +413,7 @@ class Node:
         the last step's sum (an own loop may read them after `Swarm.step`)."""
         length = flat_length(self.numel, members)
         if self._flat is None or self._flat.numel() < length:
-            self._flat = None  # let the old one go first
+            self._flat = None  # (the last epoch's protocol and `.grad` views hold it until replaced)
             self._flat = torch.zeros(flat_length(self.numel, max(2 * members, FLAT_MEMBERS)), dtype=torch.float32)
         return self._flat[:length]
 

@@ -175,17 +175,28 @@ def test_the_step_flat_is_kept_across_graceful_epoch_changes_and_let_go_after_a_
 ) -> None:
     # A fresh flat tensor at each epoch change cost every member 1.4 s for a 50M model on a
     # busy machine. After a failure a collective of the abandoned epoch may still write into
-    # the old one: that one is not used again.
+    # the old one: that one is not used again. It is not cleared: each contribution writes
+    # all of it (here it is handed over full of NaN, which the guard would refuse).
+    from unbroken.train import runtime
     from unbroken.train.step import StepProtocol
 
     seen: list[tuple[str, int, int]] = []
-    real = StepProtocol.__init__
+    real, real_buffer = StepProtocol.__init__, runtime.Node._step_buffer
 
     def init(self: StepProtocol, node: Any, group: Any, reducer: Any, *, flat: Any = None) -> None:
         real(self, node, group, reducer, flat=flat)
         seen.append((node.name, group.epoch, self.flat.untyped_storage().data_ptr()))
 
+    built: dict[str, int] = {}
+
+    def step_buffer(self: runtime.Node, members: int) -> torch.Tensor:
+        flat = real_buffer(self, members).fill_(float("nan"))
+        built.setdefault(self.name, flat.untyped_storage().data_ptr())  # in `Node.__init__`
+        return flat
+
     monkeypatch.setattr(StepProtocol, "__init__", init)
+    monkeypatch.setattr(runtime.Node, "_step_buffer", step_buffer)
+    monkeypatch.setattr(runtime, "FLAT_MEMBERS", 1)  # built with norm slots for 2: grown for 3
     j = job(24)
     with MemoryJob(j, ["a", "b", "c"], tmp_path, faults={"c": Crash("allreduce", 16)}) as mj:
         mj.order(["a", "b", "c"])
@@ -202,5 +213,6 @@ def test_the_step_flat_is_kept_across_graceful_epoch_changes_and_let_go_after_a_
     for name in ("a", "b"):
         epochs = {epoch: ptr for who, epoch, ptr in seen if who == name}
         assert sorted(epochs) == [1, 2, 3], seen
+        assert epochs[1] != built[name], "grown: the one built had norm slots for 2 members"
         assert epochs[1] == epochs[2], "kept across the graceful change"
         assert epochs[3] != epochs[2], "a new one after the failure"

@@ -51,10 +51,11 @@ def faults(malloc: str | None) -> tuple[bool, int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not glibc(), reason="glibc's malloc")
 def test_a_large_tensor_freed_and_allocated_again_faults_no_fresh_pages_where_asked() -> None:
     kept, count = faults("kept")
-    # Now and then a small allocation settles in a freed block and the next 64 MB is new.
-    assert kept and count < 4 * 16_384, f"{count} page faults for 10 x 64 MB allocated again"
-    assert faults(None)[0] is False and faults("system")[0] is False, "malloc is left alone unless asked"
+    assert kept and faults(None)[0] is False and faults("system")[0] is False, "malloc is left alone unless asked"
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not (thp.exists() and "[always]" in thp.read_text()):  # 2 MB pages: few faults either way
-        _, count = faults(None)
-        assert count >= 10 * 16_000, f"only {count} page faults: each 64 MB is mapped afresh by default"
+    if thp.exists() and "[always]" in thp.read_text():
+        return  # 2 MB pages: a fresh 64 MB is 32 faults, too few to tell reuse apart
+    # Now and then a small allocation settles in a freed block and the next 64 MB is new.
+    assert count < 4 * 16_384, f"{count} page faults for 10 x 64 MB allocated again"
+    _, count = faults(None)
+    assert count >= 10 * 16_000, f"only {count} page faults: each 64 MB is mapped afresh by default"
