@@ -386,11 +386,12 @@ class Node:
 
     def _form(self, order: m.EpochOrder) -> None:
         g, reducer = self.epochs.form(order)
-        # DiLoCo's rounds keep exchanges in flight across steps: each epoch has a flat of its own.
-        sync = order.policy.parsed().mode is Mode.SYNC
-        if not sync:
-            self._flat = None
-        flat = self._step_buffer(g.size) if sync else None
+        policy = order.policy.parsed()
+        sync = policy.mode is Mode.SYNC
+        if sync:
+            flat = self._step_buffer(g.size)
+        else:  # DiLoCo's rounds keep exchanges in flight across steps: each epoch has a flat of its own
+            self._flat = flat = None
         self.protocol = StepProtocol(self, g, reducer, flat=flat)
         self.records.log(Entry.EPOCH, {"epoch": order.epoch, "term": order.term, "step": self.state.step})
         self.records.first_in_epoch = True
@@ -400,8 +401,7 @@ class Node:
             self.name, order.epoch, g.rank, g.size, g.role, g.shares[g.rank], self.job.batch_size, g.built_in_s * 1e3,
         )  # fmt: skip
         self._set_role(g.role)
-        policy = order.policy.parsed()
-        self.audits.every = policy.audit_every if policy.mode is Mode.SYNC else 0
+        self.audits.every = policy.audit_every if sync else 0
         self.records.fragments = policy.fragments
         if policy.mode is Mode.DILOCO and self.diloco is None:
             self.diloco = DiLoCo(self, order)
