@@ -461,7 +461,10 @@ def test_a_checkpoint_directory_removed_mid_run_is_an_event_and_a_flag(make_clus
     c.start_node("a")
     c.start_node("b")
     c.wait_step(10)
-    shutil.rmtree(ckpt)
+    # Moved away in one step, then removed: an rmtree in place races the writers' temporary files.
+    gone = tmp_path / "gone"
+    ckpt.rename(gone)
+    shutil.rmtree(gone, ignore_errors=True)
 
     def flagged() -> list[str]:
         return [mem["checkpoint_error"] for mem in c.state()["members"] if mem["checkpoint_error"]]
