@@ -59,3 +59,25 @@ def test_a_failed_audit_at_the_last_step_rolls_back_instead_of_finishing(make_cl
         checks = [(e["step"], e["ok"]) for e in entries if e["kind"] == "audit"]
         assert checks[-2:] == [(40, False), (40, True)], checks
     assert_promises(c, env, finishers=3)
+
+
+def test_a_flipped_bit_met_first_by_an_epoch_change_still_takes_the_group_back(make_cluster):
+    """The bit flips after step 23 and a member dies at step 26, before the audit of step 30:
+    the sync phase of the next epoch compares the members' digests at one step, as an audit
+    does. The flipped replica is named and every member goes back to the last audited state
+    (step 20): its contributions since are not kept, and the job ends equal to the reference."""
+    c = make_cluster(env=ENV, min_nodes=3, coordinator_args=["--audit-every", "10"], node_args=["--digest-every", "1"])
+    c.start_coordinator()
+    c.start_node("a")
+    c.start_node("b")
+    bad = c.start_node("c", fault="bitflip@commit:23")
+    c.start_node("d", fault="kill@compute:26")
+    codes = c.wait_exit(timeout=120)
+    assert codes["a"] == codes["b"] == codes["c"] == 0 and codes["d"] != 0, c.diagnostics()
+    assert fired(bad, "bitflip")
+    audits = events_of(c, "audit")
+    assert len(audits) == 1 and audits[0]["node"] == "c", audits
+    for name in ("a", "b"):
+        restores = [e["step"] for e in c.nodes[name].entries() if e["kind"] == "restore"]
+        assert restores == [20], (name, restores)
+    assert_promises(c, ENV, finishers=3)

@@ -36,7 +36,7 @@ from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable, wait_wo
 from unbroken.errors import TransferError
 from unbroken.state import layout
 from unbroken.state.snapshot import digest_prefix
-from unbroken.train.sync import SyncPlan, plan_sync
+from unbroken.train.sync import SyncPlan, diverged, plan_sync
 
 CHUNK_BYTES = 1 << 20
 MAX_HEADER_BYTES = 64 << 20
@@ -192,7 +192,7 @@ class SyncResult:
     """What the sync phase did on this rank."""
 
     role: str
-    """``source`` (the first donor), ``donor``, ``receiver`` or ``none``."""
+    """``source`` (the first donor), ``donor``, ``receiver``, ``none`` or ``diverged``."""
     step: int
     peers: tuple[int, ...]
     """Receivers (for a donor) or donors (for a receiver)."""
@@ -211,6 +211,9 @@ class SyncResult:
     fetched: Any = None
     """A receiver's fetched tree, where ``sync_state(keep=True)``: the state it holds now,
     in buffers of its own."""
+    culprit: int = -1
+    """Role ``diverged``: the rank whose replica differs from the majority's (-1: no majority)."""
+    reason: str = ""
 
 
 # ---------------------------------------------------------------- the sync phase
@@ -250,9 +253,16 @@ def sync_state(
     max_donors: int = 0,
     incremental: bool = True,
     keep: bool = False,
+    behind: bool = False,
+    trained: bool = False,
+    audited: bool = False,
 ) -> SyncResult:
     """The sync phase: compare (step, digest) across the group; whoever is behind or
     different fetches the chunks it lacks of the majority's state at the highest step.
+    ``behind``: this rank's state is not one to sync from (it reports no step, and fetches);
+    ``trained``: it committed steps since its state was last compared; ``audited``: the
+    comparison is an audit too (`plan.diverged`), and a verdict moves nothing (role
+    ``diverged``: every rank reaches it from the same reports).
 
     ``on_sent(n)`` is called on a donor after its n-th chunk went out (fault injection);
     ``max_donors`` caps the donors a receiver asks (0: all of them); ``incremental=False``
@@ -262,9 +272,14 @@ def sync_state(
     (400 MB fresh took 1.5 s on a busy 2-core machine)."""
     header, tensors = layout.split(state.tree())
     own_slots = layout.slots(header)
-    values = [state.step, digest_prefix(state.digest()), layout_id(own_slots, chunk_bytes)]
+    step = -1 if behind else state.step
+    values = [step, digest_prefix(state.digest()), layout_id(own_slots, chunk_bytes), int(trained)]
     reports = _gather(pg, size, values, scope, "sync exchange")
-    plan = plan_sync([(s, d) for s, d, _ in reports])
+    steps = [(s, d) for s, d, _, _ in reports]
+    plan = plan_sync(steps)
+    verdict = diverged(steps, [bool(t) for *_, t in reports]) if audited else None
+    if verdict is not None:
+        return SyncResult("diverged", plan.step, (), culprit=verdict[0], reason=verdict[1])
     if not plan.receivers:
         return SyncResult("none", plan.step, ())
     plan = replace(plan, donors=tuple(r for r in plan.donors if reports[r][2] == reports[plan.source][2]))

@@ -551,7 +551,11 @@ class Membership:
         if current and self.recovering_until is not None:
             self._epoch_broke(now, f"{m.name} reports: {reason}")
         if current and rollback_to >= 0:
-            self._rollback_to = rollback_to
+            # The oldest audited state reported: every copy of it predates the corruption
+            # (a joiner's copy is of the step it joined at, a member cut short of a verdict
+            # holds an older one), and a member without it fetches it from one that holds it.
+            held = self._rollback_to
+            self._rollback_to = rollback_to if held < 0 else min(held, rollback_to)
         act, released = self._hearsay.reported(member_id, epoch, now, reason)
         self._release(released, now)
         c = self.members.get(culprit) if culprit is not None else None

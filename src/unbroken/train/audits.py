@@ -1,11 +1,17 @@
 """Consistency audits: every N steps the members compare state digests (`train.sync.audit`
-decides). A replica that differs from the majority was corrupted since the last audit, and
-its contributions since then are suspect: every member goes back to the last audited state
-(kept in memory), the culprit one step behind it so that the sync phase repairs it from a
-peer, and the steps since are redone with the same samples. The culprit is named."""
+decides), and each sync phase compares those of the members at the highest step
+(`train.sync.diverged`). A replica that differs from the majority was corrupted since it was
+last compared, and its contributions since then are suspect: every member goes back to the
+last audited state (kept in memory), the culprit behind it so that the sync phase repairs
+it from a peer, and the steps since are redone with the same samples. The culprit is named.
+
+A member that holds no copy of the state the leader orders back to (a joiner holds the one
+it fetched, a member cut short of an audit's verdict an older one) is put behind too: it
+fetches that state from a member that holds it instead of offering its own."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from unbroken.comm.group import EpochGroup
@@ -18,6 +24,8 @@ from unbroken.train.sync import audit
 if TYPE_CHECKING:
     from unbroken.train.runtime import Node
 
+log = logging.getLogger(__name__)
+
 
 class Audits:
     """One node's audits: the state at the last audit that passed, and the checks."""
@@ -28,6 +36,11 @@ class Audits:
         """Steps between audits, as the epoch order says (0: none)."""
         self.audited: dict[str, Any] | None = None
         """The state at the last audit that passed (what a failed audit rolls back to)."""
+        self.behind = False
+        """This node's state is not one the group may go on from (it refused it, or holds no
+        copy of the state ordered back to): the next sync phase replaces it."""
+        self.trained = False
+        """It committed steps since its state was last compared with the group's."""
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -36,6 +49,7 @@ class Audits:
         """After the sync phase: the state the group agreed on is one a failed audit may come
         back to. ``fetched``: the tree a receiver fetched, in buffers of its own (its state
         took copies), kept as that state instead of a capture."""
+        self.behind = self.trained = False
         if not self.every or not (self.audited is None or received):
             return
         if fetched is None:
@@ -45,13 +59,16 @@ class Audits:
         self.audited = fetched | ({"local": layout.copy(mine)} if mine is not None else {})
 
     def rollback_if_ordered(self) -> None:
-        """A failed audit's order: back to the state audited at ``rollback_to``, if held and ahead of it."""
+        """A failed audit's order: back to the state audited at ``rollback_to``, if this node
+        is ahead of it; behind it where it holds no copy of that state."""
         order = self.node.client.latest_order()
         back = order.rollback_to if order is not None else -1
-        held = self.audited
-        if back < 0 or held is None or int(held["step"]) != back or self.node.state.step <= back:
+        if back < 0 or self.node.state.step <= back:
             return
-        self._restore()
+        if self.audited is not None and int(self.audited["step"]) == back:
+            self._restore()
+            return
+        self._put_behind(f"no copy of the state of step {back} that a failed audit goes back to")
 
     def _restore(self) -> None:
         assert self.audited is not None
@@ -60,8 +77,13 @@ class Audits:
         node.state.restore(self.audited)
         node.applied_step = -1
         node.client.step = node.state.step
+        self.trained = False
         fields = {"step": node.state.step, "digest": node.state.digest(), "why": "failed audit"}
         node.records.log(Entry.RESTORE, fields)
+
+    def _put_behind(self, why: str) -> None:
+        self.behind = True
+        log.info("%s: state of step %d set aside: %s", self.node.name, self.node.state.step, why)
 
     def check(self, g: EpochGroup) -> None:
         """Compare digests now; raise `AuditMismatch` (after going back) if a replica differs."""
@@ -69,21 +91,28 @@ class Audits:
         assert g.pg is not None
         digest = node.state.digest()
         scope = node.scope(during_step=True)
-        verdict = audit(gather_digests(g.pg, g.size, node.state.step, digest, scope, "audit"))
+        reports = gather_digests(g.pg, g.size, node.state.step, digest, scope, "audit")
+        verdict = audit(reports)
         node.records.log(Entry.AUDIT, {"step": node.state.step, "digest": digest, "ok": verdict is None})
         if verdict is None:
-            self.audited = node.state.capture(reuse=self.audited)
+            if len(set(reports)) == 1:  # not where no state had a majority: none passed
+                self.audited = node.state.capture(reuse=self.audited)
+                self.trained = False
             return
         rank, why = verdict
-        message = f"audit at step {node.state.step}: {g.members[rank]}'s state {why}"
+        self.failed(g, rank, f"audit at step {node.state.step}: {g.members[rank]}'s state {why}")
+
+    def failed(self, g: EpochGroup, rank: int, message: str) -> None:
+        """A verdict against ``rank`` (-1: nobody can be named): back to the audited state
+        at once, not only when the next order says so (after the job's last step there is
+        no next order to wait for, and the suspect state must not be final). A member whose
+        wait for the verdict was cut short by an order never saw it: that order's
+        `rollback_to` takes it back."""
         back = int(self.audited["step"]) if self.audited is not None else -1
         if self.audited is not None:
-            # Back at once, not only when the next order says so: after the job's last step
-            # there is no next order to wait for, and the suspect state must not be final.
-            # (A member whose wait on this all-gather was cut short by an order never saw
-            # the verdict: that order's `rollback_to` takes it back.)
             self._restore()
-            if rank == g.rank:
-                node.state.step -= 1  # behind the group: the sync phase sends it a peer's state
-                node.client.step = node.state.step
+        else:
+            self._put_behind("no audited state to go back to")
+        if rank == g.rank:
+            self._put_behind("its replica was refused")
         raise AuditMismatch(rank, message, rollback_to=back)

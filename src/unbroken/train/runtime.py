@@ -301,7 +301,7 @@ class Node:
         A failure abandons the epoch (the step in flight is undone) and waits for the next."""
         while True:
             self.records.joined()
-            if self.state.step >= self.job.num_steps:
+            if self.state.step >= self.job.num_steps and not self.audits.behind:
                 return self._finish()
             order = self._next_order()
             if isinstance(order, NodeResult):
@@ -328,7 +328,7 @@ class Node:
 
     def _refused(self, order: m.EpochOrder, exc: CollectiveFailed | TransferError) -> None:
         """Tell the leader why this epoch failed here (and whom the data blames, if anyone)."""
-        culprit = order.members[exc.rank] if isinstance(exc, BadContribution) else None
+        culprit = order.members[exc.rank] if isinstance(exc, BadContribution) and exc.rank >= 0 else None
         kind = Kind.BAD_GRADIENT
         if isinstance(exc, (AuditMismatch, Suspicion)):
             kind = Kind.AUDIT if isinstance(exc, AuditMismatch) else Kind.SUSPECT
@@ -429,7 +429,14 @@ class Node:
             g.pg, g.rank, g.size, self.state, self.scope(during_step=False), partial=self._partial,
             on_sent=functools.partial(self.faults.maybe_fire, "resync"), max_donors=self.config.max_donors,
             incremental=not self.config.full_resync, keep=self.audits.every > 0 and self.audits.audited is None,
+            behind=self.audits.behind, trained=self.audits.trained, audited=self.audits.every > 0,
         )  # fmt: skip
+        if r.role == "diverged":
+            self.audits.failed(g, r.culprit, f"sync phase: {g.members[r.culprit]}'s {r.reason}" if r.culprit >= 0 else
+                               f"sync phase: {r.reason}")  # fmt: skip
+        if self.audits.behind and r.role != "receiver":
+            log.warning("%s: no member holds the audited state to go back to; going on from step %d",
+                        self.name, self.state.step)  # fmt: skip
         if r.role != "receiver":
             self._partial.close()  # a fetch cut short earlier is moot now: let its copy go
         else:
@@ -478,6 +485,7 @@ class Node:
                 raise
             p.apply(sl, overflow=overflow)
             p.commit(sl, tally.loss, overflow=overflow)
+            self.audits.trained = True
             if self.faults.bitflip(self.state.step):
                 self.records.settle()
                 flip_bit(self.params[0])

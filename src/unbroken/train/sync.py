@@ -40,6 +40,30 @@ def plan_sync(reports: Sequence[tuple[int, int]]) -> SyncPlan:
     return SyncPlan(source=source, step=top, receivers=receivers, digest=winner, donors=donors)
 
 
+def diverged(reports: Sequence[tuple[int, int]], trained: Sequence[bool]) -> tuple[int, str] | None:
+    """The sync phase's own audit: members at the highest step whose states differ, where one
+    that differs from the majority there (``trained``: it committed steps since its state was
+    last compared) took part in the group's steps with a corrupted replica. Its contributions
+    are suspect as an audit's culprit's are: the rank to blame (-1 when no state has a
+    strict majority there and nobody can be), with why; None when the states there agree, or
+    when the ones that differ never trained with the group (a node starting from its own
+    state: the sync phase just repairs it)."""
+    top = max(step for step, _ in reports)
+    at_top = [r for r, (step, _) in enumerate(reports) if step == top]
+    votes = Counter(reports[r][1] for r in at_top)
+    if len(votes) == 1:
+        return None
+    winner, count = votes.most_common(1)[0]
+    if 2 * count <= len(at_top):
+        if not any(trained[r] for r in at_top):
+            return None
+        return -1, f"the {len(at_top)} members at step {top} hold {len(votes)} different states, none a majority"
+    culprit = next((r for r in at_top if reports[r][1] != winner and trained[r]), None)
+    if culprit is None:
+        return None
+    return culprit, f"digest at step {top} differs from the majority's ({count} of {len(at_top)} agree)"
+
+
 def audit(reports: Sequence[tuple[int, int]]) -> tuple[int, str] | None:
     """The consistency audit's verdict from each rank's ``(committed step, digest)``: the
     first rank whose digest differs from a strict majority's, with why; None when all agree

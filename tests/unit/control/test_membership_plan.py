@@ -668,6 +668,18 @@ def test_failed_audits_count_as_offences_and_a_replica_that_keeps_failing_them_i
     assert [e.kind for e in d.events] == ["audit", "quarantine"]
 
 
+def test_a_failed_audit_goes_back_to_the_oldest_audited_state_its_reporters_hold() -> None:
+    ms, _ = three_trainers()
+    t = JOIN_SETTLE_S
+    reason = "digest differs from the majority's (2 of 3 agree)"
+    ms.fault("a", ms.epoch, reason, t, culprit="c", kind=Kind.AUDIT, rollback_to=20)
+    ms.fault("c", ms.epoch, reason, t, culprit="c", kind=Kind.AUDIT, rollback_to=25)  # joined at step 25
+    ms.fault("b", ms.epoch, reason, t, culprit="c", kind=Kind.AUDIT, rollback_to=-1)
+    for mid in ("a", "b", "c"):
+        ms.heartbeat(mid, 0, t)
+    assert only_order(ms.tick(t)).rollback_to == 20
+
+
 def test_a_member_absent_from_the_data_plane_is_kept_out_of_epochs_then_tried_again() -> None:
     from unbroken.control.membership import BENCH_S, QUARANTINE_AFTER
 

@@ -63,3 +63,43 @@ def test_a_receiver_keeps_what_it_fetched_with_its_own_state_and_reuses_it_at_th
     before = ptrs(kept)
     audits.synced(received=True)  # a later sync without a fetch of its own: captured into the same buffers
     assert audits.audited is not None and ptrs(audits.audited) == before
+
+
+def ordered_back_to(step: int, held: int | None, at: int) -> tuple[Audits, TrainState, list[Any]]:
+    """A node at step ``at`` holding an audited copy of step ``held``, told to go back to ``step``."""
+    state = make_state(3)
+    logged: list[Any] = []
+    records = SimpleNamespace(settle=lambda: None, log=lambda kind, fields: logged.append((kind, fields)))
+    order = SimpleNamespace(rollback_to=step)
+    client = SimpleNamespace(latest_order=lambda: order, step=at)
+    node = SimpleNamespace(state=state, records=records, client=client, name="n", applied_step=at)
+    audits = Audits(node)  # type: ignore[arg-type]
+    audits.every = 10
+    if held is not None:
+        state.step = held
+        audits.audited = state.capture()
+    state.step = at
+    audits.trained = True
+    return audits, state, logged
+
+
+def test_a_node_holding_the_state_ordered_back_to_restores_it() -> None:
+    audits, state, logged = ordered_back_to(20, held=20, at=30)
+    audits.rollback_if_ordered()
+    assert state.step == 20 and not audits.behind and not audits.trained
+    assert [fields["step"] for _, fields in logged] == [20]
+
+
+def test_a_node_without_a_copy_of_that_state_is_put_behind_instead_of_offering_its_own() -> None:
+    for held in (25, None):  # a joiner's copy is of its join step; a node may hold none
+        audits, state, logged = ordered_back_to(20, held=held, at=30)
+        audits.rollback_if_ordered()
+        assert audits.behind and state.step == 30 and not logged, held
+        audits.synced(received=True)  # the sync phase replaced its state
+        assert not audits.behind
+
+
+def test_a_node_not_ahead_of_the_state_ordered_back_to_stays_as_it_is() -> None:
+    audits, state, _ = ordered_back_to(20, held=25, at=20)
+    audits.rollback_if_ordered()
+    assert not audits.behind and state.step == 20

@@ -1,10 +1,11 @@
-"""plan_sync: after an epoch forms, who holds the state everyone must have."""
+"""plan_sync: after an epoch forms, who holds the state everyone must have; diverged: whether
+the states compared there convict a replica that trained with the group."""
 
 from __future__ import annotations
 
 import pytest
 
-from unbroken.train.sync import SyncPlan, plan_sync
+from unbroken.train.sync import SyncPlan, diverged, plan_sync
 
 
 def test_the_highest_step_wins_even_against_a_majority_behind() -> None:
@@ -45,3 +46,21 @@ def test_nobody_receives_when_all_agree() -> None:
 def test_no_reports_is_an_error() -> None:
     with pytest.raises(ValueError, match="no reports"):
         plan_sync([])
+
+
+def test_a_replica_that_trained_and_differs_at_the_top_step_is_named() -> None:
+    reports = [(26, 1), (26, 1), (26, 9), (3, 4)]
+    why = "digest at step 26 differs from the majority's (2 of 3 agree)"
+    assert diverged(reports, [True, True, True, False]) == (2, why)
+    assert diverged(reports, [True, True, False, False]) is None, "a state that never trained is just repaired"
+
+
+def test_nobody_is_named_where_the_top_step_has_no_majority() -> None:
+    verdict = diverged([(8, 1), (8, 2), (7, 5)], [True, False, True])
+    assert verdict is not None and verdict[0] == -1 and "none a majority" in verdict[1]
+    assert diverged([(8, 1), (8, 2)], [False, False]) is None
+
+
+def test_states_that_agree_at_the_top_step_convict_nobody() -> None:
+    assert diverged([(5, 4), (5, 4), (2, 7), (-1, 3)], [True] * 4) is None
+    assert diverged([(0, 4)], [True]) is None
