@@ -451,13 +451,19 @@ def _recv_chunks(
         if want:
             works.append(pg.send([torch.tensor(want, dtype=torch.int64)], d, _TAG_WANT))
     queues = {d: deque(want) for d, want in asks.items()}
-    inflight = deque[tuple[int, int, torch.Tensor, Any]]()
+    inflight = deque[tuple[int, int, torch.Tensor, torch.Tensor, Any]]()
 
-    def post(d: int) -> None:
+    def post(d: int, base: torch.Tensor | None = None) -> None:
+        """The next chunk asked of ``d``, into ``base`` once a chunk landed there (fresh pages
+        at the transfer's rate were as dear as the copy on a busy machine); never into one
+        whose receive may still be in flight."""
         if queues[d]:
             i = queues[d].popleft()
-            buf = torch.empty(table[i].end - table[i].start, dtype=torch.uint8)
-            inflight.append((d, i, buf, pg.recv([buf], d, _TAG_CHUNKS + i)))
+            n = table[i].end - table[i].start
+            if base is None or base.numel() < n:
+                base = torch.empty(n, dtype=torch.uint8)
+            buf = base[:n]
+            inflight.append((d, i, base, buf, pg.recv([buf], d, _TAG_CHUNKS + i)))
 
     for d in queues:
         for _ in range(WINDOW):
@@ -466,7 +472,7 @@ def _recv_chunks(
     # epoch ends is kept for the next attempt. The first failure is raised at the end.
     failed: dict[int, BaseException] = {}
     while inflight:
-        d, i, buf, w = inflight.popleft()
+        d, i, base, buf, w = inflight.popleft()
         if d in failed:
             continue
         try:
@@ -482,7 +488,7 @@ def _recv_chunks(
                 raise TransferError("an abandoned fetch: a later attempt took over its copy")
             chunk_view(tensors, table[i]).copy_(buf)
             fetched.add(i)
-        post(d)
+        post(d, base)
     if failed:
         raise next(iter(failed.values()))
     for w in works:

@@ -440,7 +440,7 @@ class ControlClient:
             # dropped then would be a failure). With etcd a leader that lost its lease is left
             # sooner (`_watch_leader`). A relay's members leave it after two leases (its
             # acknowledgements wait for the leader's, slower under load): the leader keeps
-            # their leases two and a half leases after it finds the relay silent.
+            # their leases three and a half leases after it finds the relay silent.
             patience = (2.0 if self._via_relay else 3.0) * self.lease_s
             if time.monotonic() - self._last_acked_send > patience:
                 log.warning("no heartbeat acknowledged for %.1f s; dropping the session", patience)

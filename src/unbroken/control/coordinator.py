@@ -72,6 +72,10 @@ REPORT_S = 0.05
 """How often a training node reports progress, at least (a lease's heartbeat period, if longer)."""
 MEET_BATCH_S = 0.003
 """Rendezvous entries arriving within this long go to the members in one message."""
+SILENT_RELAY_GRACE = 3.5
+"""Leases a silent relay's members keep, from when the leader finds it silent: they leave it
+after two leases without an acknowledgement, then reconnect (50 fake members reconnecting
+at once on a busy 2-core machine outlasted a margin of one lease)."""
 
 
 class Coordinator(ThreadedService):
@@ -468,16 +472,16 @@ class Coordinator(ThreadedService):
     def _check_relays(self, now: float) -> None:
         """A relay not heard from for half a lease (it sends ten batches a lease) is gone:
         its host died without closing the connection, or it froze, and its members' leases,
-        renewed by its batches alone, would lapse with it. They get two leases and a half
-        from now to come back instead (they leave a relay that stops acknowledging after
-        two). A relay merely slow is dropped too: its members only reconnect."""
+        renewed by its batches alone, would lapse with it. They get `SILENT_RELAY_GRACE`
+        leases from now to come back instead (they leave a relay that stops acknowledging
+        after two). A relay merely slow is dropped too: its members only reconnect."""
         lease = self.config.membership.lease_s
         for link in [r for r in self._relays.values() if now - r.heard_at > lease / 2]:
             log.warning("relay %s silent for %.2f s: its members are detached", link.relay_id, now - link.heard_at)
             members = list(link.members)
             self.relay_lost(link)
             link.session.close()
-            self.membership.extend(members, now + 2.5 * lease)
+            self.membership.extend(members, now + SILENT_RELAY_GRACE * lease)
         if self._detached:
             self._detached &= self.membership.members.keys()
 

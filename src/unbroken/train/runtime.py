@@ -509,6 +509,7 @@ class Node:
             self.sidecar = Sidecar(
                 self.job,
                 self.name,
+                self.state.model,
                 self.device,
                 lambda model: self.meter.probe(model, self.state.step),
                 self.meter.probed,
