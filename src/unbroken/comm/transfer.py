@@ -36,7 +36,7 @@ from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable, wait_wo
 from unbroken.errors import TransferError
 from unbroken.state import layout
 from unbroken.state.snapshot import digest_prefix
-from unbroken.train.sync import SyncPlan, diverged, plan_sync
+from unbroken.train.sync import Standing, SyncPlan, diverged, floored, plan_sync
 
 CHUNK_BYTES = 1 << 20
 MAX_HEADER_BYTES = 64 << 20
@@ -214,6 +214,8 @@ class SyncResult:
     culprit: int = -1
     """Role ``diverged``: the rank whose replica differs from the majority's (-1: no majority)."""
     reason: str = ""
+    compared: bool = False
+    """Role ``diverged``: this rank's state was among those compared (at the highest step)."""
 
 
 # ---------------------------------------------------------------- the sync phase
@@ -253,16 +255,13 @@ def sync_state(
     max_donors: int = 0,
     incremental: bool = True,
     keep: bool = False,
-    behind: bool = False,
-    trained: bool = False,
-    audited: bool = False,
+    standing: Standing | None = None,
 ) -> SyncResult:
     """The sync phase: compare (step, digest) across the group; whoever is behind or
     different fetches the chunks it lacks of the majority's state at the highest step.
-    ``behind``: this rank's state is not one to sync from (it reports no step, and fetches);
-    ``trained``: it committed steps since its state was last compared; ``audited``: the
-    comparison is an audit too (`plan.diverged`), and a verdict moves nothing (role
-    ``diverged``: every rank reaches it from the same reports).
+    With ``standing`` (audits on) the comparison is an audit too (`train.sync.diverged`,
+    `train.sync.floored`), and a verdict moves nothing: role ``diverged``, which every rank
+    reaches from the same reports.
 
     ``on_sent(n)`` is called on a donor after its n-th chunk went out (fault injection);
     ``max_donors`` caps the donors a receiver asks (0: all of them); ``incremental=False``
@@ -272,14 +271,22 @@ def sync_state(
     (400 MB fresh took 1.5 s on a busy 2-core machine)."""
     header, tensors = layout.split(state.tree())
     own_slots = layout.slots(header)
-    step = -1 if behind else state.step
-    values = [step, digest_prefix(state.digest()), layout_id(own_slots, chunk_bytes), int(trained)]
+    st = standing or Standing()
+    step = -1 if st.behind else state.step
+    values = [step, digest_prefix(state.digest()), layout_id(own_slots, chunk_bytes)]
+    values += [st.committed_epoch, st.floor, st.floor_epoch, st.synced_epoch]
     reports = _gather(pg, size, values, scope, "sync exchange")
-    steps = [(s, d) for s, d, _, _ in reports]
-    plan = plan_sync(steps)
-    verdict = diverged(steps, [bool(t) for *_, t in reports]) if audited else None
-    if verdict is not None:
-        return SyncResult("diverged", plan.step, (), culprit=verdict[0], reason=verdict[1])
+    steps = [r[0] for r in reports]
+    if standing is not None:
+        standings = [Standing(r[0] < 0, *r[3:]) for r in reports]
+        steps = floored(steps, standings)
+    held = [(s, r[1]) for s, r in zip(steps, reports, strict=True)]
+    plan = plan_sync(held)
+    if standing is not None:
+        verdict = diverged(held, [s.committed_epoch for s in standings])
+        if verdict is not None:
+            compared = steps[rank] == plan.step
+            return SyncResult("diverged", plan.step, (), culprit=verdict[0], reason=verdict[1], compared=compared)
     if not plan.receivers:
         return SyncResult("none", plan.step, ())
     plan = replace(plan, donors=tuple(r for r in plan.donors if reports[r][2] == reports[plan.source][2]))

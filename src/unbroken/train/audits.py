@@ -12,14 +12,14 @@ fetches that state from a member that holds it instead of offering its own."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from unbroken.comm.group import EpochGroup
 from unbroken.comm.transfer import gather_digests
 from unbroken.errors import AuditMismatch
 from unbroken.events import Entry
 from unbroken.state import layout
-from unbroken.train.sync import audit
+from unbroken.train.sync import Standing, audit
 
 if TYPE_CHECKING:
     from unbroken.train.runtime import Node
@@ -39,17 +39,33 @@ class Audits:
         self.behind = False
         """This node's state is not one the group may go on from (it refused it, or holds no
         copy of the state ordered back to): the next sync phase replaces it."""
-        self.trained = False
-        """It committed steps since its state was last compared with the group's."""
+        self.committed_epoch = -1
+        """The epoch in which this node committed the step it holds (-1: the state came
+        from a peer, a copy or a checkpoint)."""
+        self.floor = self.floor_epoch = -1
+        """The step this node went back to at a verdict since its last completed sync phase,
+        and the verdict's epoch (`train.sync.floored`)."""
+        self.synced_epoch = -1
+        """The epoch of this node's last completed sync phase."""
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
-    def synced(self, received: bool, fetched: dict[str, Any] | None = None) -> None:
-        """After the sync phase: the state the group agreed on is one a failed audit may come
-        back to. ``fetched``: the tree a receiver fetched, in buffers of its own (its state
-        took copies), kept as that state instead of a capture."""
-        self.behind = self.trained = False
+    def standing(self) -> Standing | None:
+        """What this node says of its state in the sync phase (None: audits are off)."""
+        if not self.every:
+            return None
+        return Standing(self.behind, self.committed_epoch, self.floor, self.floor_epoch, self.synced_epoch)
+
+    def synced(self, epoch: int, received: bool, fetched: dict[str, Any] | None = None) -> None:
+        """After the sync phase of ``epoch``: the state the group agreed on is one a failed
+        audit may come back to. ``fetched``: the tree a receiver fetched, in buffers of its
+        own (its state took copies), kept as that state instead of a capture."""
+        self.behind = False
+        self.floor = self.floor_epoch = -1
+        self.synced_epoch = epoch
+        if received:
+            self.committed_epoch = -1
         if not self.every or not (self.audited is None or received):
             return
         if fetched is None:
@@ -77,7 +93,7 @@ class Audits:
         node.state.restore(self.audited)
         node.applied_step = -1
         node.client.step = node.state.step
-        self.trained = False
+        self.committed_epoch = -1
         fields = {"step": node.state.step, "digest": node.state.digest(), "why": "failed audit"}
         node.records.log(Entry.RESTORE, fields)
 
@@ -94,23 +110,30 @@ class Audits:
         reports = gather_digests(g.pg, g.size, node.state.step, digest, scope, "audit")
         verdict = audit(reports)
         node.records.log(Entry.AUDIT, {"step": node.state.step, "digest": digest, "ok": verdict is None})
-        if verdict is None:
-            if len(set(reports)) == 1:  # not where no state had a majority: none passed
-                self.audited = node.state.capture(reuse=self.audited)
-                self.trained = False
+        if verdict is None and len(set(reports)) == 1:
+            self.audited = node.state.capture(reuse=self.audited)
             return
+        if verdict is None:  # no state has a majority: nobody can be named, and none passed
+            self.failed(g, -1, f"audit at step {node.state.step}: no state has a majority of the {g.size} members")
+        assert verdict is not None
         rank, why = verdict
         self.failed(g, rank, f"audit at step {node.state.step}: {g.members[rank]}'s state {why}")
 
-    def failed(self, g: EpochGroup, rank: int, message: str) -> None:
+    def failed(self, g: EpochGroup, rank: int, message: str, below_top: bool = False) -> NoReturn:
         """A verdict against ``rank`` (-1: nobody can be named): back to the audited state
         at once, not only when the next order says so (after the job's last step there is
         no next order to wait for, and the suspect state must not be final). A member whose
-        wait for the verdict was cut short by an order never saw it: that order's
-        `rollback_to` takes it back."""
-        back = int(self.audited["step"]) if self.audited is not None else -1
-        if self.audited is not None:
+        wait for the verdict was cut short never saw it: the order's `rollback_to`, or the
+        floor this node reports at the next sync phase, takes it back. ``below_top``: a
+        sync phase's verdict, this node below the step compared: it receives anyway, and
+        its older copy must not pull the group further back."""
+        back = -1
+        if below_top:
+            self._put_behind("below the step a sync phase's verdict was about")
+        elif self.audited is not None:
             self._restore()
+            back = self.floor = self.node.state.step
+            self.floor_epoch = g.epoch
         else:
             self._put_behind("no audited state to go back to")
         if rank == g.rank:

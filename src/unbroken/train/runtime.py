@@ -429,11 +429,11 @@ class Node:
             g.pg, g.rank, g.size, self.state, self.scope(during_step=False), partial=self._partial,
             on_sent=functools.partial(self.faults.maybe_fire, "resync"), max_donors=self.config.max_donors,
             incremental=not self.config.full_resync, keep=self.audits.every > 0 and self.audits.audited is None,
-            behind=self.audits.behind, trained=self.audits.trained, audited=self.audits.every > 0,
+            standing=self.audits.standing(),
         )  # fmt: skip
         if r.role == "diverged":
-            self.audits.failed(g, r.culprit, f"sync phase: {g.members[r.culprit]}'s {r.reason}" if r.culprit >= 0 else
-                               f"sync phase: {r.reason}")  # fmt: skip
+            who = f"{g.members[r.culprit]}'s " if r.culprit >= 0 else ""
+            self.audits.failed(g, r.culprit, f"sync phase: {who}{r.reason}", below_top=not r.compared)
         if self.audits.behind and r.role != "receiver":
             log.warning("%s: no member holds the audited state to go back to; going on from step %d",
                         self.name, self.state.step)  # fmt: skip
@@ -441,7 +441,7 @@ class Node:
             self._partial.close()  # a fetch cut short earlier is moot now: let its copy go
         else:
             self.applied_step = -1  # the state is a peer's now
-        self.audits.synced(received=r.role == "receiver", fetched=r.fetched)
+        self.audits.synced(g.epoch, received=r.role == "receiver", fetched=r.fetched)
         if self.diloco is not None:
             self.diloco.sync_zone(received=r.role == "receiver")
         if r.role in ("source", "donor"):
@@ -485,7 +485,7 @@ class Node:
                 raise
             p.apply(sl, overflow=overflow)
             p.commit(sl, tally.loss, overflow=overflow)
-            self.audits.trained = True
+            self.audits.committed_epoch = g.epoch
             if self.faults.bitflip(self.state.step):
                 self.records.settle()
                 flip_bit(self.params[0])

@@ -40,28 +40,63 @@ def plan_sync(reports: Sequence[tuple[int, int]]) -> SyncPlan:
     return SyncPlan(source=source, step=top, receivers=receivers, digest=winner, donors=donors)
 
 
-def diverged(reports: Sequence[tuple[int, int]], trained: Sequence[bool]) -> tuple[int, str] | None:
-    """The sync phase's own audit: members at the highest step whose states differ, where one
-    that differs from the majority there (``trained``: it committed steps since its state was
-    last compared) took part in the group's steps with a corrupted replica. Its contributions
-    are suspect as an audit's culprit's are: the rank to blame (-1 when no state has a
-    strict majority there and nobody can be), with why; None when the states there agree, or
-    when the ones that differ never trained with the group (a node starting from its own
-    state: the sync phase just repairs it)."""
+def diverged(reports: Sequence[tuple[int, int]], epochs: Sequence[int]) -> tuple[int, str] | None:
+    """The sync phase's own audit. Members that committed the highest step in the same epoch
+    (``epochs``: where each one committed the step it holds, -1 for a state that came from
+    elsewhere: a peer, a copy, a checkpoint) applied the same sums to the same state, so
+    their states must be equal; one that differs from the others there was corrupted, and
+    its contributions are suspect as an audit's culprit's are. States committed in different
+    epochs may differ (other members, other sums) and are only repaired. The rank to blame
+    (-1 where no state has a strict majority of its epoch's and nobody can be), with why;
+    None when nothing convicts anyone."""
     top = max(step for step, _ in reports)
-    at_top = [r for r, (step, _) in enumerate(reports) if step == top]
-    votes = Counter(reports[r][1] for r in at_top)
-    if len(votes) == 1:
-        return None
-    winner, count = votes.most_common(1)[0]
-    if 2 * count <= len(at_top):
-        if not any(trained[r] for r in at_top):
-            return None
-        return -1, f"the {len(at_top)} members at step {top} hold {len(votes)} different states, none a majority"
-    culprit = next((r for r in at_top if reports[r][1] != winner and trained[r]), None)
-    if culprit is None:
-        return None
-    return culprit, f"digest at step {top} differs from the majority's ({count} of {len(at_top)} agree)"
+    by_epoch: dict[int, list[int]] = {}
+    for r, (step, _) in enumerate(reports):
+        if step == top and epochs[r] >= 0:
+            by_epoch.setdefault(epochs[r], []).append(r)
+    for epoch, ranks in sorted(by_epoch.items()):
+        votes = Counter(reports[r][1] for r in ranks)
+        if len(votes) == 1:
+            continue
+        winner, count = votes.most_common(1)[0]
+        where = f"step {top} as committed in epoch {epoch}"
+        if 2 * count <= len(ranks):
+            return -1, f"the {len(ranks)} members holding {where} hold {len(votes)} different states, none a majority"
+        culprit = next(r for r in ranks if reports[r][1] != winner)
+        return culprit, f"state at {where} differs from the others' ({count} of {len(ranks)} agree)"
+    return None
+
+
+@dataclass(frozen=True)
+class Standing:
+    """What a member says of its state in the sync phase, beyond its step and digest, where
+    audits are on (`unbroken.train.audits`)."""
+
+    behind: bool = False
+    """Its state is not one to go on from (refused, or no copy of the state ordered back to)."""
+    committed_epoch: int = -1
+    """The epoch in which it committed the step it holds (-1: the state came from elsewhere)."""
+    floor: int = -1
+    """The step it went back to at a verdict since its last completed sync phase (-1: none)."""
+    floor_epoch: int = -1
+    """The epoch of that verdict."""
+    synced_epoch: int = -1
+    """The epoch of its last completed sync phase."""
+
+
+def floored(steps: Sequence[int], standings: Sequence[Standing]) -> list[int]:
+    """The steps to plan a sync from after a verdict some members did not see (their wait
+    was cut short by an order, and the leader's `rollback_to` with it may have been dropped):
+    a member above the lowest floor holds a state the verdict refused, and reports no step
+    (-1), as one put behind does. A floor counts until any member completed a sync phase
+    after its verdict (the group settled since: a member back from a long absence with an
+    old floor moves nothing), and only where a member holds that step."""
+    settled = max(s.synced_epoch for s in standings)
+    held = [f.floor for s, f in zip(steps, standings, strict=True) if s >= 0 <= f.floor and f.floor_epoch >= settled]
+    if not held or min(held) not in steps:
+        return list(steps)
+    floor = min(held)
+    return [-1 if s > floor else s for s in steps]
 
 
 def audit(reports: Sequence[tuple[int, int]]) -> tuple[int, str] | None:

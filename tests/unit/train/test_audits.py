@@ -5,9 +5,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
+from unbroken.errors import AuditMismatch
 from unbroken.state import layout
 from unbroken.state.snapshot import TrainState
 from unbroken.train.audits import Audits
@@ -47,7 +49,7 @@ def test_a_receiver_keeps_what_it_fetched_with_its_own_state_and_reuses_it_at_th
     receiver.restore(fetched)  # the state took copies
     audits = Audits(SimpleNamespace(state=receiver))  # type: ignore[arg-type]
     audits.every = 5
-    audits.synced(received=True, fetched=fetched)
+    audits.synced(1, received=True, fetched=fetched)
     kept = audits.audited
     assert kept is not None and kept["model"] is fetched["model"], "no second copy of the state"
     assert not ptrs(kept) & ptrs(receiver.tree(local=True)), "nothing shared with the live state"
@@ -61,7 +63,7 @@ def test_a_receiver_keeps_what_it_fetched_with_its_own_state_and_reuses_it_at_th
     receiver.restore(kept)  # a failed audit comes back
     assert receiver.digest() == digest and torch.equal(receiver.node_local.value, torch.full((3,), 7.0))
     before = ptrs(kept)
-    audits.synced(received=True)  # a later sync without a fetch of its own: captured into the same buffers
+    audits.synced(2, received=True)  # a later sync without a fetch of its own: captured into the same buffers
     assert audits.audited is not None and ptrs(audits.audited) == before
 
 
@@ -79,14 +81,14 @@ def ordered_back_to(step: int, held: int | None, at: int) -> tuple[Audits, Train
         state.step = held
         audits.audited = state.capture()
     state.step = at
-    audits.trained = True
+    audits.committed_epoch = 3
     return audits, state, logged
 
 
 def test_a_node_holding_the_state_ordered_back_to_restores_it() -> None:
     audits, state, logged = ordered_back_to(20, held=20, at=30)
     audits.rollback_if_ordered()
-    assert state.step == 20 and not audits.behind and not audits.trained
+    assert state.step == 20 and not audits.behind and audits.committed_epoch == -1
     assert [fields["step"] for _, fields in logged] == [20]
 
 
@@ -95,7 +97,7 @@ def test_a_node_without_a_copy_of_that_state_is_put_behind_instead_of_offering_i
         audits, state, logged = ordered_back_to(20, held=held, at=30)
         audits.rollback_if_ordered()
         assert audits.behind and state.step == 30 and not logged, held
-        audits.synced(received=True)  # the sync phase replaced its state
+        audits.synced(4, received=True)  # the sync phase replaced its state
         assert not audits.behind
 
 
@@ -103,3 +105,22 @@ def test_a_node_not_ahead_of_the_state_ordered_back_to_stays_as_it_is() -> None:
     audits, state, _ = ordered_back_to(20, held=25, at=20)
     audits.rollback_if_ordered()
     assert not audits.behind and state.step == 20
+
+
+def test_a_verdict_takes_a_compared_member_back_and_leaves_it_a_floor_and_one_below_the_step_behind() -> None:
+    g = SimpleNamespace(rank=0, epoch=6, members=["n", "x"])
+    audits, state, _ = ordered_back_to(-1, held=20, at=30)
+    with pytest.raises(AuditMismatch) as exc:
+        audits.failed(g, 1, "x's state differs")  # type: ignore[arg-type]
+    assert exc.value.rollback_to == 20 and state.step == 20 and not audits.behind
+    assert (audits.floor, audits.floor_epoch) == (20, 6), "reported at the next sync, for members that missed it"
+    audits, state, _ = ordered_back_to(-1, held=10, at=15)  # an old copy: it must not pull the group back to 10
+    with pytest.raises(AuditMismatch) as exc:
+        audits.failed(g, 1, "x's state differs", below_top=True)  # type: ignore[arg-type]
+    assert exc.value.rollback_to == -1 and state.step == 15 and audits.behind and audits.floor == -1
+    audits, state, _ = ordered_back_to(-1, held=20, at=30)
+    with pytest.raises(AuditMismatch):
+        audits.failed(g, 0, "n's state differs")  # type: ignore[arg-type]
+    assert state.step == 20 and audits.behind, "the culprit goes back, then fetches a peer's copy"
+    audits.synced(7, received=True)
+    assert not audits.behind and audits.floor == -1 and audits.synced_epoch == 7

@@ -1,11 +1,11 @@
 """plan_sync: after an epoch forms, who holds the state everyone must have; diverged: whether
-the states compared there convict a replica that trained with the group."""
+the states compared there convict a replica; floored: who missed a verdict."""
 
 from __future__ import annotations
 
 import pytest
 
-from unbroken.train.sync import SyncPlan, diverged, plan_sync
+from unbroken.train.sync import Standing, SyncPlan, diverged, floored, plan_sync
 
 
 def test_the_highest_step_wins_even_against_a_majority_behind() -> None:
@@ -48,19 +48,41 @@ def test_no_reports_is_an_error() -> None:
         plan_sync([])
 
 
-def test_a_replica_that_trained_and_differs_at_the_top_step_is_named() -> None:
+def test_a_replica_that_differs_from_those_that_committed_the_same_step_in_the_same_epoch_is_named() -> None:
     reports = [(26, 1), (26, 1), (26, 9), (3, 4)]
-    why = "digest at step 26 differs from the majority's (2 of 3 agree)"
-    assert diverged(reports, [True, True, True, False]) == (2, why)
-    assert diverged(reports, [True, True, False, False]) is None, "a state that never trained is just repaired"
+    why = "state at step 26 as committed in epoch 4 differs from the others' (2 of 3 agree)"
+    assert diverged(reports, [4, 4, 4, -1]) == (2, why)
+    assert diverged(reports, [4, 4, -1, -1]) is None, "a state from elsewhere (a checkpoint) is just repaired"
 
 
-def test_nobody_is_named_where_the_top_step_has_no_majority() -> None:
-    verdict = diverged([(8, 1), (8, 2), (7, 5)], [True, False, True])
+def test_states_committed_in_different_epochs_or_taken_from_elsewhere_convict_nobody() -> None:
+    # A committed step 31 in epoch 5 before it was expelled; b and c redid it without it.
+    assert diverged([(31, 9), (31, 2), (31, 2)], [5, 7, 7]) is None
+    # Two joiners restored from another run's checkpoint at the group's step do not outvote it.
+    assert diverged([(30, 1), (30, 2), (30, 2)], [5, -1, -1]) is None
+
+
+def test_nobody_is_named_where_the_members_of_one_epoch_have_no_majority() -> None:
+    verdict = diverged([(8, 1), (8, 2), (7, 5)], [3, 3, 3])
     assert verdict is not None and verdict[0] == -1 and "none a majority" in verdict[1]
-    assert diverged([(8, 1), (8, 2)], [False, False]) is None
 
 
 def test_states_that_agree_at_the_top_step_convict_nobody() -> None:
-    assert diverged([(5, 4), (5, 4), (2, 7), (-1, 3)], [True] * 4) is None
-    assert diverged([(0, 4)], [True]) is None
+    assert diverged([(5, 4), (5, 4), (2, 7), (-1, 3)], [2] * 4) is None
+    assert diverged([(0, 4)], [1]) is None
+
+
+def test_a_member_that_missed_a_verdict_is_planned_as_behind_the_step_the_others_went_back_to() -> None:
+    seen = Standing(floor=100, floor_epoch=5, synced_epoch=4)
+    missed = Standing(committed_epoch=5, synced_epoch=4)
+    steps = floored([100, 100, 150], [seen, seen, missed])
+    assert steps == [100, 100, -1]
+    assert plan_sync([(s, 7) for s in steps]).receivers == (2,)
+
+
+def test_a_floor_counts_only_until_the_group_settled_and_only_where_it_is_held() -> None:
+    old = Standing(floor=100, floor_epoch=5, synced_epoch=4)  # back after a long absence
+    settled = Standing(committed_epoch=9, synced_epoch=9)
+    assert floored([100, 5000, 5000], [old, settled, settled]) == [100, 5000, 5000]
+    fresh = Standing(floor=100, floor_epoch=5, synced_epoch=4)
+    assert floored([-1, 150], [fresh, Standing(synced_epoch=4)]) == [-1, 150], "nobody holds step 100"
