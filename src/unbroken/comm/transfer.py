@@ -256,12 +256,14 @@ def sync_state(
     incremental: bool = True,
     keep: bool = False,
     standing: Standing | None = None,
+    refused: Callable[[], None] | None = None,
 ) -> SyncResult:
     """The sync phase: compare (step, digest) across the group; whoever is behind or
     different fetches the chunks it lacks of the majority's state at the highest step.
     With ``standing`` (audits on) the comparison is an audit too (`train.sync.diverged`,
     `train.sync.floored`), and a verdict moves nothing: role ``diverged``, which every rank
-    reaches from the same reports.
+    reaches from the same reports. ``refused`` is called where this rank's state is planned
+    as behind for a verdict it missed (it stays so even if the transfer that follows fails).
 
     ``on_sent(n)`` is called on a donor after its n-th chunk went out (fault injection);
     ``max_donors`` caps the donors a receiver asks (0: all of them); ``incremental=False``
@@ -280,6 +282,8 @@ def sync_state(
     if standing is not None:
         standings = [Standing(r[0] < 0, *r[3:]) for r in reports]
         steps = floored(steps, standings)
+        if steps[rank] < 0 <= reports[rank][0] and refused is not None:
+            refused()
     held = [(s, r[1]) for s, r in zip(steps, reports, strict=True)]
     plan = plan_sync(held)
     if standing is not None:

@@ -97,6 +97,11 @@ class Audits:
         fields = {"step": node.state.step, "digest": node.state.digest(), "why": "failed audit"}
         node.records.log(Entry.RESTORE, fields)
 
+    def missed_verdict(self) -> None:
+        """The sync phase found this node above the step the others went back to at a
+        verdict it never saw: behind until a sync phase completes, even if this one fails."""
+        self._put_behind("a verdict it missed refused its state")
+
     def _put_behind(self, why: str) -> None:
         self.behind = True
         log.info("%s: state of step %d set aside: %s", self.node.name, self.node.state.step, why)

@@ -429,7 +429,7 @@ class Node:
             g.pg, g.rank, g.size, self.state, self.scope(during_step=False), partial=self._partial,
             on_sent=functools.partial(self.faults.maybe_fire, "resync"), max_donors=self.config.max_donors,
             incremental=not self.config.full_resync, keep=self.audits.every > 0 and self.audits.audited is None,
-            standing=self.audits.standing(),
+            standing=self.audits.standing(), refused=self.audits.missed_verdict,
         )  # fmt: skip
         if r.role == "diverged":
             who = f"{g.members[r.culprit]}'s " if r.culprit >= 0 else ""

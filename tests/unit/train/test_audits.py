@@ -98,7 +98,7 @@ def test_a_node_without_a_copy_of_that_state_is_put_behind_instead_of_offering_i
         audits.rollback_if_ordered()
         assert audits.behind and state.step == 30 and not logged, held
         audits.synced(4, received=True)  # the sync phase replaced its state
-        assert not audits.behind
+        assert not audits.behind and audits.committed_epoch == -1, "a peer's state: not committed here"
 
 
 def test_a_node_not_ahead_of_the_state_ordered_back_to_stays_as_it_is() -> None:
@@ -124,3 +124,21 @@ def test_a_verdict_takes_a_compared_member_back_and_leaves_it_a_floor_and_one_be
     assert state.step == 20 and audits.behind, "the culprit goes back, then fetches a peer's copy"
     audits.synced(7, received=True)
     assert not audits.behind and audits.floor == -1 and audits.synced_epoch == 7
+
+
+def test_an_audit_where_no_state_has_a_majority_takes_every_member_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from unbroken.train import audits as module
+
+    g = SimpleNamespace(rank=0, epoch=6, size=2, members=["n", "x"], pg=object())
+    for reports, goes_back in (([(30, 1), (30, 2)], True), ([(30, 1), (30, 1)], False)):
+        monkeypatch.setattr(module, "gather_digests", lambda *_, reports=reports: reports)
+        audits, state, _ = ordered_back_to(-1, held=20, at=30)
+        audits.node.scope = lambda during_step: None  # type: ignore[attr-defined]
+        if goes_back:
+            with pytest.raises(AuditMismatch) as exc:
+                audits.check(g)  # type: ignore[arg-type]
+            assert exc.value.rank == -1 and "no state has a majority" in str(exc.value)
+            assert state.step == 20 and not audits.behind, "both go back: nobody can be named"
+        else:
+            audits.check(g)  # type: ignore[arg-type]
+            assert state.step == 30 and audits.audited is not None and int(audits.audited["step"]) == 30

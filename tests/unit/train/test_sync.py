@@ -78,6 +78,9 @@ def test_a_member_that_missed_a_verdict_is_planned_as_behind_the_step_the_others
     steps = floored([100, 100, 150], [seen, seen, missed])
     assert steps == [100, 100, -1]
     assert plan_sync([(s, 7) for s in steps]).receivers == (2,)
+    # A verdict of an audit during training: in the epoch whose sync phase they all completed.
+    seen, missed = Standing(floor=100, floor_epoch=5, synced_epoch=5), Standing(committed_epoch=5, synced_epoch=5)
+    assert floored([100, 200], [seen, missed]) == [100, -1]
 
 
 def test_a_floor_counts_only_until_the_group_settled_and_only_where_it_is_held() -> None:
