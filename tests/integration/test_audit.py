@@ -81,3 +81,18 @@ def test_a_flipped_bit_met_first_by_an_epoch_change_still_takes_the_group_back(m
         restores = [e["step"] for e in c.nodes[name].entries() if e["kind"] == "restore"]
         assert restores == [20], (name, restores)
     assert_promises(c, ENV, finishers=3)
+
+
+def test_the_last_step_is_audited_even_off_the_audit_period(make_cluster):
+    """45 steps audited every 10: the bit flipped after step 42 is found at step 45, the
+    job's last, not kept in the final state."""
+    env = {"UB_TEST_STEPS": "45", "UB_TEST_DELAY_MS": "10"}
+    c, _ = flipped(make_cluster, env, 42)
+    audits = events_of(c, "audit")
+    assert len(audits) == 1 and "step 45" in audits[0]["reason"], audits
+    for name in ("a", "b"):
+        entries = c.nodes[name].entries()
+        assert [e["step"] for e in entries if e["kind"] == "restore"] == [40], name
+        checks = [(e["step"], e["ok"]) for e in entries if e["kind"] == "audit"]
+        assert checks[-3:] == [(40, True), (45, False), (45, True)], checks
+    assert_promises(c, env, finishers=3)

@@ -47,9 +47,13 @@ class Audits:
         and the verdict's epoch (`train.sync.floored`)."""
         self.synced_epoch = -1
         """The epoch of this node's last completed sync phase."""
+        self.unsettled = False
+        """An audit began here and its verdict was not seen (its wait was cut short): a node
+        at the job's last step does not finish on that state before a sync phase settles it."""
 
     def due(self, step: int) -> bool:
-        return bool(self.every) and step % self.every == 0
+        """Every ``every`` steps, and at the job's last step (the state people keep)."""
+        return bool(self.every) and (step % self.every == 0 or step == self.node.job.num_steps)
 
     def standing(self) -> Standing | None:
         """What this node says of its state in the sync phase (None: audits are off)."""
@@ -61,7 +65,7 @@ class Audits:
         """After the sync phase of ``epoch``: the state the group agreed on is one a failed
         audit may come back to. ``fetched``: the tree a receiver fetched, in buffers of its
         own (its state took copies), kept as that state instead of a capture."""
-        self.behind = False
+        self.behind = self.unsettled = False
         self.floor = self.floor_epoch = -1
         self.synced_epoch = epoch
         if received:
@@ -112,11 +116,14 @@ class Audits:
         assert g.pg is not None
         digest = node.state.digest()
         scope = node.scope(during_step=True)
+        self.unsettled = True
         reports = gather_digests(g.pg, g.size, node.state.step, digest, scope, "audit")
+        self.unsettled = False
         verdict = audit(reports)
         node.records.log(Entry.AUDIT, {"step": node.state.step, "digest": digest, "ok": verdict is None})
         if verdict is None and len(set(reports)) == 1:
-            self.audited = node.state.capture(reuse=self.audited)
+            if node.state.step < node.job.num_steps:  # after the last step nothing comes back to it
+                self.audited = node.state.capture(reuse=self.audited)
             return
         if verdict is None:  # no state has a majority: nobody can be named, and none passed
             self.failed(g, -1, f"audit at step {node.state.step}: no state has a majority of the {g.size} members")

@@ -301,7 +301,7 @@ class Node:
         A failure abandons the epoch (the step in flight is undone) and waits for the next."""
         while True:
             self.records.joined()
-            if self.state.step >= self.job.num_steps and not self.audits.behind:
+            if self.state.step >= self.job.num_steps and not (self.audits.behind or self.audits.unsettled):
                 return self._finish()
             order = self._next_order()
             if isinstance(order, NodeResult):

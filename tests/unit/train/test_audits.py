@@ -74,7 +74,8 @@ def ordered_back_to(step: int, held: int | None, at: int) -> tuple[Audits, Train
     records = SimpleNamespace(settle=lambda: None, log=lambda kind, fields: logged.append((kind, fields)))
     order = SimpleNamespace(rollback_to=step)
     client = SimpleNamespace(latest_order=lambda: order, step=at)
-    node = SimpleNamespace(state=state, records=records, client=client, name="n", applied_step=at)
+    job = SimpleNamespace(num_steps=105)
+    node = SimpleNamespace(state=state, records=records, client=client, name="n", applied_step=at, job=job)
     audits = Audits(node)  # type: ignore[arg-type]
     audits.every = 10
     if held is not None:
@@ -142,3 +143,25 @@ def test_an_audit_where_no_state_has_a_majority_takes_every_member_back(monkeypa
         else:
             audits.check(g)  # type: ignore[arg-type]
             assert state.step == 30 and audits.audited is not None and int(audits.audited["step"]) == 30
+
+
+def test_the_last_step_is_audited_and_a_verdict_not_seen_keeps_the_node_from_finishing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from unbroken.errors import EpochAborted
+    from unbroken.train import audits as module
+
+    audits, _, _ = ordered_back_to(-1, held=100, at=105)
+    assert [s for s in range(1, 106) if audits.due(s)] == [10 * k for k in range(1, 11)] + [105]
+
+    def cut_short(*_: Any) -> Any:
+        raise EpochAborted("epoch 7 ordered")
+
+    monkeypatch.setattr(module, "gather_digests", cut_short)
+    audits.node.scope = lambda during_step: None  # type: ignore[attr-defined]
+    g = SimpleNamespace(rank=0, epoch=6, size=2, members=["n", "x"], pg=object())
+    with pytest.raises(EpochAborted):
+        audits.check(g)  # type: ignore[arg-type]
+    assert audits.unsettled, "not finished on a state whose audit it never saw the end of"
+    audits.synced(7, received=False)
+    assert not audits.unsettled
