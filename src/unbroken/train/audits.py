@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MAX_TIES = 3
+"""Rollbacks for a step whose states differ without a majority, before the audits take the
+difference for the members' arithmetic and let the sync phase settle it."""
+
 
 class Audits:
     """One node's audits: the state at the last audit that passed, and the checks."""
@@ -47,6 +51,10 @@ class Audits:
         and the verdict's epoch (`train.sync.floored`)."""
         self.synced_epoch = -1
         """The epoch of this node's last completed sync phase."""
+        self._ties: dict[int, int] = {}
+        """Verdicts without a majority, by step (`MAX_TIES`)."""
+        self.arithmetic_differs = False
+        """Found once: from then on a difference without a majority is settled at once."""
         self.unsettled = False
         """An audit began here and its verdict was not seen (its wait was cut short): a node
         at the job's last step does not finish on that state before a sync phase settles it."""
@@ -106,6 +114,28 @@ class Audits:
         verdict it never saw: behind until a sync phase completes, even if this one fails."""
         self._put_behind("a verdict it missed refused its state")
 
+    def _give_up(self, g: EpochGroup, step: int, message: str) -> NoReturn:
+        """The same step differed again and again with no majority to name anyone: not a
+        flipped bit but arithmetic that differs between these members (a GPU beside a CPU,
+        a nondeterministic kernel). Rolling back again would loop forever: this node's state
+        is marked as taken from elsewhere, so the next sync phase only repairs it (the tie
+        goes to the lowest rank's state), and training goes on, loudly; from then on such a
+        difference is settled so at once."""
+        self.committed_epoch = -1
+        self._ties.pop(step, None)
+        if self.arithmetic_differs:
+            log.warning("%s: %s; settled by the sync phase (the members' arithmetic differs)", self.node.name, message)
+            raise AuditMismatch(-1, message, rollback_to=-1)
+        self.arithmetic_differs = True
+        why = (
+            f"{message}; the {MAX_TIES + 1}th time at step {step} without a majority: the members' "
+            "arithmetic differs (mixed device kinds, nondeterministic kernels?). Going on from the "
+            "lowest rank's state; add a member so a majority can name the odd one, or turn audits "
+            "off (--audit-every 0)"
+        )
+        log.error("%s: %s", self.node.name, why)
+        raise AuditMismatch(-1, why, rollback_to=-1)
+
     def _put_behind(self, why: str) -> None:
         self.behind = True
         log.info("%s: state of step %d set aside: %s", self.node.name, self.node.state.step, why)
@@ -139,6 +169,11 @@ class Audits:
         floor this node reports at the next sync phase, takes it back. ``below_top``: a
         sync phase's verdict, this node below the step compared: it receives anyway, and
         its older copy must not pull the group further back."""
+        step = self.node.state.step
+        if rank < 0:
+            self._ties[step] = self._ties.get(step, 0) + 1
+            if self._ties[step] > MAX_TIES or self.arithmetic_differs:
+                self._give_up(g, step, message)
         back = -1
         if below_top:
             self._put_behind("below the step a sync phase's verdict was about")

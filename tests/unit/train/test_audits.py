@@ -165,3 +165,25 @@ def test_the_last_step_is_audited_and_a_verdict_not_seen_keeps_the_node_from_fin
     assert audits.unsettled, "not finished on a state whose audit it never saw the end of"
     audits.synced(7, received=False)
     assert not audits.unsettled
+
+
+def test_a_difference_without_a_majority_that_comes_back_every_time_is_settled_instead_of_looping() -> None:
+    from unbroken.train.audits import MAX_TIES
+
+    g = SimpleNamespace(rank=0, epoch=6, members=["n", "x"])
+    audits, state, _ = ordered_back_to(-1, held=20, at=30)
+    audits.committed_epoch = 6
+    for _ in range(MAX_TIES):
+        with pytest.raises(AuditMismatch) as exc:
+            audits.failed(g, -1, "audit at step 30: no state has a majority")  # type: ignore[arg-type]
+        assert exc.value.rollback_to == 20 and state.step == 20
+        state.step, audits.committed_epoch = 30, 6  # the steps redone: the same difference again
+    with pytest.raises(AuditMismatch) as exc:
+        audits.failed(g, -1, "audit at step 30: no state has a majority")  # type: ignore[arg-type]
+    assert exc.value.rollback_to == -1 and state.step == 30, "no rollback the 4th time"
+    assert "arithmetic differs" in str(exc.value) and audits.arithmetic_differs
+    assert audits.committed_epoch == -1, "the next sync phase only repairs it (no verdict on it)"
+    state.step, audits.committed_epoch = 130, 7
+    with pytest.raises(AuditMismatch) as exc:
+        audits.failed(g, -1, "audit at step 130: no state has a majority")  # type: ignore[arg-type]
+    assert exc.value.rollback_to == -1 and state.step == 130, "settled at once from then on"
