@@ -28,7 +28,16 @@ from unbroken.config import MembershipConfig
 from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
 from unbroken.control.hearsay import PERIOD_S as HEARSAY_PERIOD_S
 from unbroken.control.hearsay import Hearsay, Report
-from unbroken.control.messages import Capabilities, EpochOrder, Hello, PolicyMsg, Resume, TensorSpec
+from unbroken.control.messages import (
+    REFUSALS_KEPT,
+    Capabilities,
+    EpochOrder,
+    Hello,
+    PolicyMsg,
+    Refusal,
+    Resume,
+    TensorSpec,
+)
 from unbroken.events import Event, Kind
 from unbroken.sched.balance import Plan, Preference, Profile, Role, adopt, plan, rebalance
 from unbroken.sched.links import RING_MIN_ZONES, Links, bottleneck
@@ -196,6 +205,8 @@ class Membership:
         """Shares and roles follow measured throughput (else: the operators' weights)."""
         self.plan: Plan | None = None
         self._rollback_to = -1
+        self._verdicts: list[Refusal] = []
+        """The latest audit verdicts, sent in every order (`EpochOrder.refused`)."""
         """A failed audit's rollback, carried by the next epoch order."""
         self._zones_in_force: list[str] = []
         """The zones of the epoch in force (empty: one zone)."""
@@ -550,6 +561,10 @@ class Membership:
         current = epoch == self.epoch
         if current and self.recovering_until is not None:
             self._epoch_broke(now, f"{m.name} reports: {reason}")
+        if rollback_to >= 0:
+            # Remembered whatever the epoch now (a report may come after the next order):
+            # a member away since must not bring back what the verdict refused.
+            self._refuse(epoch, rollback_to)
         if current and rollback_to >= 0:
             # The oldest audited state reported: every copy of it predates the corruption
             # (a joiner's copy is of the step it joined at, a member cut short of a verdict
@@ -612,6 +627,14 @@ class Membership:
             return d
         self._want_epoch(now, urgent=True, reason=f"collective failed at {m.name}: {reason}", delay=FAULT_GRACE_S)
         return d
+
+    def _refuse(self, epoch: int, step: int) -> None:
+        """Record a verdict: states committed in ``epoch`` or before, above ``step``."""
+        for i, r in enumerate(self._verdicts):
+            if r.epoch == epoch:  # the oldest step reported for a verdict counts
+                self._verdicts[i] = Refusal(epoch=epoch, step=min(step, r.step))
+                return
+        self._verdicts = [*self._verdicts, Refusal(epoch=epoch, step=step)][-REFUSALS_KEPT:]
 
     def absent(self, member_id: str, epoch: int, reason: str, now: float, kind: Kind = Kind.ABSENT) -> Decision:
         """The leader saw ``member_id`` never join epoch ``epoch``'s data plane (its own
@@ -977,6 +1000,7 @@ class Membership:
             probe_links=bool(self._ring) and not self.links.complete(self._ring, now),
             policy=self._policy(members),
             rollback_to=self._rollback_to,
+            refused=self._verdicts,
         )
         self._rollback_to = -1  # told once: a later epoch must not roll back again
         # Everyone of the old epoch hears of it (a leaver learns it may go), and everyone of the new.

@@ -167,6 +167,18 @@ class Heartbeat(_Msg):
     step: Count
 
 
+REFUSALS_KEPT = 8
+
+
+class Refusal(BaseModel):
+    """A verdict of the consistency audits: a state committed in ``epoch`` or before and
+    above ``step`` holds a corrupted replica's contributions (the group went back to ``step``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    epoch: EpochNo
+    step: Count
+
+
 class StepPoint(BaseModel):
     """One committed step as its reporter saw it (the dashboard's curves, anomaly checks)."""
 
@@ -401,6 +413,8 @@ class EpochOrder(_Msg):
     """The zone leaders measure the rate between each pair of zones and report it (`Links`)."""
     rollback_to: Annotated[int, Field(ge=-1)] = -1
     """After a failed audit: members holding the state audited at this step go back to it."""
+    refused: Annotated[list[Refusal], Field(max_length=REFUSALS_KEPT)] = []
+    """The latest verdicts (a member back from a long absence must not offer a refused state)."""
     policy: PolicyMsg = PolicyMsg()
     """How the group trains (the same in every order, but for ``aggregate`` while the
     coordinator has contributions checked)."""

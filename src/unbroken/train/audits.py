@@ -109,6 +109,19 @@ class Audits:
         fields = {"step": node.state.step, "digest": node.state.digest(), "why": "failed audit"}
         node.records.log(Entry.RESTORE, fields)
 
+    def refuse_if_recorded(self) -> None:
+        """A state this node committed in a verdict's epoch or before, above the step that
+        verdict went back to, is refused (the node was away: the floors that would have said
+        so are gone): behind, it fetches the group's state instead of offering its own."""
+        order = self.node.client.latest_order()
+        if order is None or self.committed_epoch < 0:
+            return
+        step = self.node.state.step
+        for r in order.refused:
+            if self.committed_epoch <= r.epoch and step > r.step:
+                self._put_behind(f"committed in epoch {self.committed_epoch}: refused by epoch {r.epoch}'s verdict")
+                return
+
     def missed_verdict(self) -> None:
         """The sync phase found this node above the step the others went back to at a
         verdict it never saw: behind until a sync phase completes, even if this one fails."""

@@ -423,6 +423,7 @@ class Node:
         if self.diloco is not None:
             self.diloco.rollback()
         self.audits.rollback_if_ordered()
+        self.audits.refuse_if_recorded()
         g = self.group
         assert g is not None and g.pg is not None
         r = sync_state(

@@ -677,7 +677,25 @@ def test_a_failed_audit_goes_back_to_the_oldest_audited_state_its_reporters_hold
     ms.fault("b", ms.epoch, reason, t, culprit="c", kind=Kind.AUDIT, rollback_to=-1)
     for mid in ("a", "b", "c"):
         ms.heartbeat(mid, 0, t)
-    assert only_order(ms.tick(t)).rollback_to == 20
+    order = only_order(ms.tick(t))
+    assert order.rollback_to == 20
+    assert [(r.epoch, r.step) for r in order.refused] == [(order.epoch - 1, 20)], "remembered in every order"
+
+
+def test_a_verdict_reported_after_the_next_epoch_formed_is_still_remembered() -> None:
+    ms, _ = three_trainers()
+    t = JOIN_SETTLE_S
+    verdict_epoch = ms.epoch
+    ms.fault("a", verdict_epoch, "collective failed", t)  # the epoch changes before the verdict's reports
+    for mid in ("a", "b", "c"):
+        ms.heartbeat(mid, 0, t)
+    ms.tick(t + 1.0)
+    assert ms.epoch > verdict_epoch
+    ms.fault("b", verdict_epoch, "digest differs", t + 1.0, culprit="c", kind=Kind.AUDIT, rollback_to=30)
+    ms.fault("a", verdict_epoch, "digest differs", t + 1.0, culprit="c", kind=Kind.AUDIT, rollback_to=40)
+    ms.fault("c", ms.epoch, "collective failed", t + 1.1)
+    order = only_order(ms.tick(t + 2.0))
+    assert [(r.epoch, r.step) for r in order.refused] == [(verdict_epoch, 30)]
 
 
 def test_a_member_absent_from_the_data_plane_is_kept_out_of_epochs_then_tried_again() -> None:

@@ -187,3 +187,14 @@ def test_a_difference_without_a_majority_that_comes_back_every_time_is_settled_i
     with pytest.raises(AuditMismatch) as exc:
         audits.failed(g, -1, "audit at step 130: no state has a majority")  # type: ignore[arg-type]
     assert exc.value.rollback_to == -1 and state.step == 130, "settled at once from then on"
+
+
+def test_a_state_committed_before_a_recorded_verdict_above_its_step_is_refused() -> None:
+    from unbroken.control.messages import Refusal
+
+    for committed, step, refused in ((5, 200, True), (4, 101, True), (6, 200, False), (-1, 200, False), (5, 90, False)):
+        audits, state, _ = ordered_back_to(-1, held=None, at=step)
+        audits.node.client.latest_order().refused = [Refusal(epoch=2, step=10), Refusal(epoch=5, step=100)]
+        audits.committed_epoch = committed
+        audits.refuse_if_recorded()
+        assert audits.behind is refused and state.step == step, (committed, step)
