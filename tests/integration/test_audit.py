@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from integration.helpers import assert_promises, events_of, fired
 
 ENV = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "10"}
@@ -45,19 +47,20 @@ def test_a_flipped_bit_is_found_named_and_repaired(make_cluster):
     assert_promises(c, ENV, finishers=3)
 
 
-def test_a_failed_audit_at_the_last_step_rolls_back_instead_of_finishing(make_cluster):
+@pytest.mark.parametrize(("steps", "flip", "back"), [(40, 35, 30), (45, 42, 40)], ids=["on-period", "off-period"])
+def test_a_failed_audit_at_the_last_step_rolls_back_instead_of_finishing(make_cluster, steps, flip, back):
     """The audit of the job's last step finds a flipped bit: nobody finishes with that
     state; every member goes back to the last audited one, redoes the steps, and the job
-    ends equal to the reference."""
-    env = {"UB_TEST_STEPS": "40", "UB_TEST_DELAY_MS": "10"}
-    c, _ = flipped(make_cluster, env, 35)
+    ends equal to the reference. The last step is audited even off the audit period."""
+    env = {"UB_TEST_STEPS": str(steps), "UB_TEST_DELAY_MS": "10"}
+    c, _ = flipped(make_cluster, env, flip)
     audits = events_of(c, "audit")
-    assert len(audits) == 1 and "step 40" in audits[0]["reason"], audits
+    assert len(audits) == 1 and f"step {steps}" in audits[0]["reason"], audits
     for name in ("a", "b"):
         entries = c.nodes[name].entries()
-        assert [e["step"] for e in entries if e["kind"] == "restore"] == [30], name
+        assert [e["step"] for e in entries if e["kind"] == "restore"] == [back], name
         checks = [(e["step"], e["ok"]) for e in entries if e["kind"] == "audit"]
-        assert checks[-2:] == [(40, False), (40, True)], checks
+        assert checks[-3:] == [(back, True), (steps, False), (steps, True)], checks
     assert_promises(c, env, finishers=3)
 
 
@@ -81,18 +84,3 @@ def test_a_flipped_bit_met_first_by_an_epoch_change_still_takes_the_group_back(m
         restores = [e["step"] for e in c.nodes[name].entries() if e["kind"] == "restore"]
         assert restores == [20], (name, restores)
     assert_promises(c, ENV, finishers=3)
-
-
-def test_the_last_step_is_audited_even_off_the_audit_period(make_cluster):
-    """45 steps audited every 10: the bit flipped after step 42 is found at step 45, the
-    job's last, not kept in the final state."""
-    env = {"UB_TEST_STEPS": "45", "UB_TEST_DELAY_MS": "10"}
-    c, _ = flipped(make_cluster, env, 42)
-    audits = events_of(c, "audit")
-    assert len(audits) == 1 and "step 45" in audits[0]["reason"], audits
-    for name in ("a", "b"):
-        entries = c.nodes[name].entries()
-        assert [e["step"] for e in entries if e["kind"] == "restore"] == [40], name
-        checks = [(e["step"], e["ok"]) for e in entries if e["kind"] == "audit"]
-        assert checks[-3:] == [(40, True), (45, False), (45, True)], checks
-    assert_promises(c, env, finishers=3)

@@ -205,9 +205,10 @@ class Membership:
         """Shares and roles follow measured throughput (else: the operators' weights)."""
         self.plan: Plan | None = None
         self._rollback_to = -1
-        self._verdicts: list[Refusal] = []
-        """The latest audit verdicts, sent in every order (`EpochOrder.refused`)."""
         """A failed audit's rollback, carried by the next epoch order."""
+        self._verdicts: list[Refusal] = []
+        """The latest audit verdicts, sent in every order (`EpochOrder.refused`); not carried
+        over a change of leader."""
         self._zones_in_force: list[str] = []
         """The zones of the epoch in force (empty: one zone)."""
         self._formed_at_step = -1

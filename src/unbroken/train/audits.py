@@ -53,8 +53,9 @@ class Audits:
         """The epoch of this node's last completed sync phase."""
         self._ties: dict[int, int] = {}
         """Verdicts without a majority, by step (`MAX_TIES`)."""
-        self.arithmetic_differs = False
-        """Found once: from then on a difference without a majority is settled at once."""
+        self.arithmetic_differs: frozenset[str] = frozenset()
+        """The members whose arithmetic was found to differ: while they are the epoch's,
+        a difference without a majority is settled at once."""
         self.unsettled = False
         """An audit began here and its verdict was not seen (its wait was cut short): a node
         at the job's last step does not finish on that state before a sync phase settles it."""
@@ -119,6 +120,9 @@ class Audits:
         step = self.node.state.step
         for r in order.refused:
             if self.committed_epoch <= r.epoch and step > r.step:
+                if self.audited is not None and int(self.audited["step"]) <= r.step:
+                    self._restore()  # an audited state before the verdict's step: offered again
+                    return
                 self._put_behind(f"committed in epoch {self.committed_epoch}: refused by epoch {r.epoch}'s verdict")
                 return
 
@@ -132,14 +136,16 @@ class Audits:
         flipped bit but arithmetic that differs between these members (a GPU beside a CPU,
         a nondeterministic kernel). Rolling back again would loop forever: this node's state
         is marked as taken from elsewhere, so the next sync phase only repairs it (the tie
-        goes to the lowest rank's state), and training goes on, loudly; from then on such a
-        difference is settled so at once."""
+        goes to the lowest rank's state), and training goes on, loudly; while the same
+        members train, such a difference is settled so at once."""
         self.committed_epoch = -1
+        self.unsettled = True  # not final before the sync phase settled it (the job's last step)
         self._ties.pop(step, None)
-        if self.arithmetic_differs:
+        members = frozenset(g.members)
+        if self.arithmetic_differs == members:
             log.warning("%s: %s; settled by the sync phase (the members' arithmetic differs)", self.node.name, message)
             raise AuditMismatch(-1, message, rollback_to=-1)
-        self.arithmetic_differs = True
+        self.arithmetic_differs = members
         why = (
             f"{message}; the {MAX_TIES + 1}th time at step {step} without a majority: the members' "
             "arithmetic differs (mixed device kinds, nondeterministic kernels?). Going on from the "
@@ -185,7 +191,7 @@ class Audits:
         step = self.node.state.step
         if rank < 0:
             self._ties[step] = self._ties.get(step, 0) + 1
-            if self._ties[step] > MAX_TIES or self.arithmetic_differs:
+            if self._ties[step] > MAX_TIES or self.arithmetic_differs == frozenset(g.members):
                 self._give_up(g, step, message)
         back = -1
         if below_top:

@@ -50,6 +50,8 @@ def diverged(reports: Sequence[tuple[int, int]], epochs: Sequence[int]) -> tuple
     (-1 where no state has a strict majority of its epoch's and nobody can be), with why;
     None when nothing convicts anyone."""
     top = max(step for step, _ in reports)
+    if top < 0:
+        return None  # every state set aside: none is compared (the tie rule settles it)
     by_epoch: dict[int, list[int]] = {}
     for r, (step, _) in enumerate(reports):
         if step == top and epochs[r] >= 0:

@@ -181,12 +181,17 @@ def test_a_difference_without_a_majority_that_comes_back_every_time_is_settled_i
     with pytest.raises(AuditMismatch) as exc:
         audits.failed(g, -1, "audit at step 30: no state has a majority")  # type: ignore[arg-type]
     assert exc.value.rollback_to == -1 and state.step == 30, "no rollback the 4th time"
-    assert "arithmetic differs" in str(exc.value) and audits.arithmetic_differs
+    assert "arithmetic differs" in str(exc.value) and audits.arithmetic_differs == {"n", "x"}
     assert audits.committed_epoch == -1, "the next sync phase only repairs it (no verdict on it)"
+    assert audits.unsettled, "not final before that sync phase (it may be the job's last step)"
     state.step, audits.committed_epoch = 130, 7
     with pytest.raises(AuditMismatch) as exc:
         audits.failed(g, -1, "audit at step 130: no state has a majority")  # type: ignore[arg-type]
-    assert exc.value.rollback_to == -1 and state.step == 130, "settled at once from then on"
+    assert exc.value.rollback_to == -1 and state.step == 130, "settled at once while the same members train"
+    g.members = ["n", "y"]  # x left: a difference with y is rolled back again
+    with pytest.raises(AuditMismatch) as exc:
+        audits.failed(g, -1, "audit at step 130: no state has a majority")  # type: ignore[arg-type]
+    assert exc.value.rollback_to == 20 and state.step == 20
 
 
 def test_a_state_committed_before_a_recorded_verdict_above_its_step_is_refused() -> None:
@@ -198,3 +203,8 @@ def test_a_state_committed_before_a_recorded_verdict_above_its_step_is_refused()
         audits.committed_epoch = committed
         audits.refuse_if_recorded()
         assert audits.behind is refused and state.step == step, (committed, step)
+    audits, state, _ = ordered_back_to(-1, held=80, at=200)  # it holds an audited state before the verdict's step
+    audits.node.client.latest_order().refused = [Refusal(epoch=5, step=100)]
+    audits.committed_epoch = 5
+    audits.refuse_if_recorded()
+    assert state.step == 80 and not audits.behind, "offered again: the sync phase decides from there"

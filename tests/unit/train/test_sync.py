@@ -70,6 +70,7 @@ def test_nobody_is_named_where_the_members_of_one_epoch_have_no_majority() -> No
 def test_states_that_agree_at_the_top_step_convict_nobody() -> None:
     assert diverged([(5, 4), (5, 4), (2, 7), (-1, 3)], [2] * 4) is None
     assert diverged([(0, 4)], [1]) is None
+    assert diverged([(-1, 4), (-1, 5)], [3, 3]) is None, "states all set aside are not compared"
 
 
 def test_a_member_that_missed_a_verdict_is_planned_as_behind_the_step_the_others_went_back_to() -> None:
