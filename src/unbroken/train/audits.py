@@ -166,19 +166,16 @@ class Audits:
         digest = node.state.digest()
         scope = node.scope(during_step=True)
         self.unsettled = True
-        reports = gather_digests(g.pg, g.size, node.state.step, digest, scope, "audit")
+        verdict = audit(gather_digests(g.pg, g.size, node.state.step, digest, scope, "audit"))
         self.unsettled = False
-        verdict = audit(reports)
         node.records.log(Entry.AUDIT, {"step": node.state.step, "digest": digest, "ok": verdict is None})
-        if verdict is None and len(set(reports)) == 1:
+        if verdict is None:
             if node.state.step < node.job.num_steps:  # after the last step nothing comes back to it
                 self.audited = node.state.capture(reuse=self.audited)
             return
-        if verdict is None:  # no state has a majority: nobody can be named, and none passed
-            self.failed(g, -1, f"audit at step {node.state.step}: no state has a majority of the {g.size} members")
-        assert verdict is not None
         rank, why = verdict
-        self.failed(g, rank, f"audit at step {node.state.step}: {g.members[rank]}'s state {why}")
+        who = f"{g.members[rank]}'s state " if rank >= 0 else ""
+        self.failed(g, rank, f"audit at step {node.state.step}: {who}{why}")
 
     def failed(self, g: EpochGroup, rank: int, message: str, below_top: bool = False) -> NoReturn:
         """A verdict against ``rank`` (-1: nobody can be named): back to the audited state

@@ -103,9 +103,8 @@ def floored(steps: Sequence[int], standings: Sequence[Standing]) -> list[int]:
 
 def audit(reports: Sequence[tuple[int, int]]) -> tuple[int, str] | None:
     """The consistency audit's verdict from each rank's ``(committed step, digest)``: the
-    first rank whose digest differs from a strict majority's, with why; None when all agree
-    (or when no digest has a majority: then nobody can be blamed, and the next sync phase
-    settles it)."""
+    first rank whose digest differs from a strict majority's, with why; -1 where no digest
+    has a majority (nobody can be blamed, and no state passed); None when all agree."""
     if not reports:
         return None
     votes = Counter(reports)
@@ -113,7 +112,7 @@ def audit(reports: Sequence[tuple[int, int]]) -> tuple[int, str] | None:
     if count == len(reports):
         return None
     if 2 * count <= len(reports):
-        return None
+        return -1, f"no state has a majority of the {len(reports)} members"
     rank = next(r for r, rep in enumerate(reports) if rep != winner)
     step, _ = reports[rank]
     if step != winner[0]:
