@@ -11,6 +11,17 @@ node whose session dropped while its lease was fresh assumes a coordinator outag
 keeps training with its group; one that finds its lease stale (it was frozen) must not
 commit until the coordinator has answered.
 
+An outage is trusted one lease at a time, as a session is: each lease needs evidence, asked
+for every quarter lease and counted from when it was asked, that no coordinator can have
+formed an epoch without this node. A coordinator that starts (or takes over) does not leave
+out a member of the epoch it finds until a lease after it started (`Membership`), so the
+evidence is that none started: with etcd, no leader of a newer term and no newer epoch
+published (the old leader's key may outlive it while its address refuses connections), or no
+etcd majority at all (every member refuses or answers that it has no raft leader: nobody can
+be elected); without etcd, every coordinator address refuses connections. Trust that lapses
+(this node cut off: no answer at all) counts as a lapse and is not renewed by later
+evidence: the step in flight is not committed, and the node waits for a coordinator's order.
+
 Leaders and terms: with etcd, the node asks it who leads before trying the addresses it
 was given, and a standby it reaches names the leader. Every welcome and order carries
 the leader's term; the node remembers the highest it has seen and refuses a session or
@@ -40,8 +51,8 @@ from pydantic import BaseModel
 from unbroken.config import parse_address
 from unbroken.control import auth
 from unbroken.control import messages as m
-from unbroken.control.election import find_leader
-from unbroken.control.etcd import Etcd
+from unbroken.control.election import epoch_key, find_leader
+from unbroken.control.etcd import Etcd, View
 from unbroken.control.orders import complete
 from unbroken.errors import ConfigError, CoordinatorUnreachable, EtcdUnavailable, JoinRefused, ProtocolError
 
@@ -104,6 +115,8 @@ class ControlClient:
         self.finished: int | None = None
         self.connected = False
         self.outage = False
+        self._trusted_until = 0.0
+        """While in an outage: when this node's trust in its epoch lapses (module docstring)."""
         self.lapses = 0
         """Sessions lost with the lease already stale: the coordinator may have ordered an
         epoch without this node meanwhile, which no later session's welcome disproves."""
@@ -200,7 +213,16 @@ class ControlClient:
                 return False
             if self.connected:
                 return time.monotonic() - self._last_acked_send < self.lease_s
-            return self.outage
+            return self._outage_trusted(time.monotonic())
+
+    def _outage_trusted(self, now: float) -> bool:
+        """(Under the lock.) Whether the outage is still vouched for; a lapse ends it."""
+        if self.outage and now >= self._trusted_until:
+            self.outage = False
+            self.lapses += 1
+            log.warning("outage: no evidence for a lease that no coordinator leads without this node")
+            self.wake.set()
+        return self.outage
 
     # ---------------------------------------------------------------- session thread
 
@@ -216,9 +238,11 @@ class ControlClient:
         self._queue = asyncio.Queue()
         etcd = Etcd(self.etcd_endpoints, timeout_s=0.5) if self.etcd_endpoints else None
         self._etcd = etcd
+        vouch = asyncio.create_task(self._vouch_forever(etcd))
         try:
             await self._connect_forever(run_id, etcd)
         finally:
+            vouch.cancel()
             if etcd is not None:
                 await etcd.close()  # this run's client: a later run has its own
 
@@ -426,6 +450,7 @@ class ControlClient:
                     fresh = time.monotonic() - self._last_acked_send < self.lease_s
                     self.connected = False
                     self.outage = fresh and self.expelled is None
+                    self._trusted_until = self._last_acked_send + self.lease_s
                     self.lapses += 0 if fresh else 1
                 self.wake.set()
                 if not self._closing and self.expelled is None:
@@ -482,6 +507,52 @@ class ControlClient:
         except EtcdUnavailable:
             return False  # cut off from etcd too: nothing is known; the lease decides
         return found is None or found[1] != self.term
+
+    async def _vouch_forever(self, etcd: Etcd | None) -> None:
+        """During an outage, renew its trust every quarter lease while there is evidence."""
+        while True:
+            await asyncio.sleep(self.lease_s / 4)
+            with self._lock:
+                if not self._outage_trusted(time.monotonic()):
+                    continue
+            asked = time.monotonic()
+            try:
+                vouched = await asyncio.wait_for(self._nobody_else_leads(etcd), timeout=self.lease_s / 2)
+            except asyncio.TimeoutError:
+                vouched = False
+            with self._lock:
+                if vouched and self._outage_trusted(time.monotonic()):
+                    self._trusted_until = max(self._trusted_until, asked + self.lease_s)
+
+    async def _nobody_else_leads(self, etcd: Etcd | None) -> bool:
+        """Evidence, as of when this was called, that no coordinator has started since this
+        node's last session: none can have formed an epoch without it (module docstring)."""
+        if etcd is None:
+            refusals = await asyncio.gather(*(_refuses(h, p, self.lease_s / 4) for h, p in self.addresses))
+            return bool(refusals) and all(refusals)
+        views = await etcd.views()
+        if View.LED not in views:
+            # Every member down or outside a majority: nobody can be elected. (A silent one
+            # might be leading a majority that this node cannot see.)
+            return all(v in (View.DOWN, View.LEADERLESS) for v in views)
+        try:
+            found = await find_leader(etcd, self.etcd_prefix)
+            published = await etcd.get(epoch_key(self.etcd_prefix))
+        except EtcdUnavailable:
+            return False
+        newest = self.latest_order()
+        if published is not None and int(published.json().get("epoch", 0)) > (newest.epoch if newest else 0):
+            return False
+        if found is None:
+            return True
+        record, term = found
+        if term != self.term:
+            return False
+        try:  # the leader of this node's term: still there unless its address refuses connections
+            host, port = parse_address(str(record.get("address", "")))
+        except ConfigError:
+            return False
+        return await _refuses(host, port, self.lease_s / 4)
 
     async def _writer(self, ws: aiohttp.ClientWebSocketResponse, seal: auth.Seal | None) -> None:
         assert self._queue is not None
@@ -549,3 +620,16 @@ class ControlClient:
         with self._lock:
             self.expelled = reason
         self.wake.set()
+
+
+async def _refuses(host: str, port: int, timeout_s: float) -> bool:
+    """True when ``host:port`` refuses a connection (nothing listens there); False when it
+    accepts or does not answer in time."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return False

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import enum
 import json
 import logging
 from collections.abc import Sequence
@@ -28,6 +29,19 @@ log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 1.0
 """One request to one endpoint; a member that does not answer in this long is skipped."""
+
+
+class View(str, enum.Enum):
+    """What one etcd member says of its cluster when asked alone (`Etcd.views`)."""
+
+    DOWN = "down"
+    """It refused the connection: nothing listens there."""
+    LEADERLESS = "leaderless"
+    """It answered and knows no raft leader: it is not part of a majority."""
+    LED = "led"
+    """It answered and follows (or is) a raft leader."""
+    SILENT = "silent"
+    """No answer in time: down, cut off or overloaded; nothing is known."""
 
 
 def _b64(data: bytes) -> str:
@@ -131,6 +145,28 @@ class Etcd:
             f"no etcd member answered {path} ({'; '.join(errors)}); check --etcd and that a majority "
             "of the etcd cluster is up"
         )
+
+    async def views(self) -> list[View]:
+        """Each member's own view of the cluster, asked of all at once (a status is served
+        locally: it answers at once even where a read would wait for a majority)."""
+        if self._http is None:
+            self._http = aiohttp.ClientSession()
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+
+        async def view(endpoint: str) -> View:
+            assert self._http is not None
+            try:
+                async with self._http.post(f"{endpoint}/v3/maintenance/status", json={}, timeout=timeout) as r:
+                    data = await r.json(content_type=None)
+            except aiohttp.ClientConnectorError as exc:
+                return View.DOWN if isinstance(exc.os_error, ConnectionRefusedError) else View.SILENT
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+                return View.SILENT
+            if r.status != 200 or not isinstance(data, dict):
+                return View.SILENT
+            return View.LED if str(data.get("leader", "0")) not in ("", "0") else View.LEADERLESS
+
+        return list(await asyncio.gather(*(view(e) for e in self.endpoints)))
 
     # ---------------------------------------------------------------- leases
 

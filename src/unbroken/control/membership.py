@@ -14,12 +14,19 @@ Coordinator life::
     fresh ──first join──▶ running
     recovering ──(all members of the newest reported epoch back: adopt it)──▶ running
                └─(window over: urgent epoch of whoever is back)─────────────▶ running
+
+A recovering coordinator leaves out a member of the newest reported epoch that is not back
+no sooner than a lease (and a margin) after it started: that member may be training on in
+an outage, which it trusts a lease past its last evidence that no coordinator had started
+(`unbroken.control.client`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +71,9 @@ PROBE_WAIT_S = 2.0
 FRESH_JOB_GRACE_S = 1.0
 """After a restart, how long a first hello without a resume waits for members to come back."""
 BROKEN_SETTLE_S = 0.3
+OUTAGE_MARGIN_S = 0.1
+"""Beyond a lease, how long a recovering coordinator waits before leaving out a member of
+the epoch it found (the clocks' rates, the evidence's way to the node)."""
 """After a restart, once a member says the newest epoch is broken (it abandoned it), how
 long to wait for the rest of the group to reconnect before forming the next epoch."""
 REASONS_SHOWN = 8
@@ -77,6 +87,16 @@ REBALANCE_EVERY_S = 0.25
 REVIEW_MEMBERS = 500
 """Groups larger than this are reviewed proportionally less often."""
 REBALANCE_PERSIST_S = 0.5
+WANDER_REVIEWS = 120
+"""A member's speeds noted at this many plan reviews (half a minute for a small group) say
+how far its speed strays by itself: a machine's processes sharing its cores make identical
+nodes look 2-3 times apart for a second or more, each in turn, and shares that follow that
+only move back and forth. Its spread (robust: a lasting change of level moves it only once it
+fills half the window) counts as noise of its speed (`unbroken.sched.balance.NOISE_Z`)."""
+WANDER_KNOWN_AFTER = 8
+WANDER_EVERY = 4
+"""Reviews before a member's wander counts (none until then: a node that is slow from the
+start is moved at once)."""
 """A better plan must stay better for this long before it replaces the current one."""
 STRAGGLER_PERSIST_S = 2.0
 """A trainer must stand out in every review for this long to be called a straggler (on a
@@ -131,6 +151,13 @@ class Member:
     quarantined: bool = False
     bytes_intra: int = 0
     bytes_inter: int = 0
+    levels: deque[float] = field(default_factory=lambda: deque(maxlen=WANDER_REVIEWS))
+    """Its predicted time for an even share at each recent plan review, as a logarithm."""
+    reviews: int = 0
+    wander: float = 0.0
+    """How far its speed strays from its usual level (relative; see `WANDER_REVIEWS`)."""
+    typical_wander: float = 0.0
+    """The median of its fellow trainers' wander at the last review."""
 
     def profile(self, now: float = 0.0) -> Profile:
         c = self.caps
@@ -144,8 +171,20 @@ class Member:
             self.evaluates,
             benched=now < self.benched_until,
             settled=c.measurements >= SETTLED_AFTER,
-            noise=c.noise,
+            noise=max(c.noise, self.wander, self.typical_wander),
         )
+
+    def review(self, even_share: float) -> None:
+        """Note its speed at a plan review; its wander is the spread of those it noted."""
+        t = self.profile().time_for(max(1, round(even_share)))
+        if t <= 0:
+            return
+        self.levels.append(math.log(t))
+        self.reviews += 1
+        if len(self.levels) < WANDER_KNOWN_AFTER or self.reviews % WANDER_EVERY:
+            return  # a spread of 120 values moves little in a review: recomputed every few
+        centre = statistics.median(self.levels)
+        self.wander = 1.4826 * statistics.median(abs(v - centre) for v in self.levels)
 
 
 @dataclass
@@ -263,6 +302,10 @@ class Membership:
         self._pending_urgent = False
         self._pending_reasons: dict[str, None] = {}
         self.recovering_until = now + config.recovery_window_s if recovering else None
+        self._outage_fence = now + config.lease_s + OUTAGE_MARGIN_S if recovering else now
+        """Until when a recovering coordinator leaves no member of the epoch it found out."""
+        self._came_back: set[str] = set()
+        """Members that resumed here: one that fails after is gone as in a running epoch."""
         self._resumes: dict[str, Resume] = {}
         self._next_expiry_scan = now
 
@@ -359,6 +402,7 @@ class Membership:
                 # would be failed by its lease anyway. Waiting longer only stalls the group.
                 self.recovering_until = min(self.recovering_until, now + self.lease_s + JOIN_SETTLE_S)
             self._resumes[hello.member_id] = r
+            self._came_back.add(hello.member_id)
             self.epoch = max(self.epoch, r.epoch)
             if r.abandoned and r.epoch >= self.epoch:  # self.epoch: the newest resumed so far
                 # The newest epoch cannot go on: form the next as soon as the others are back.
@@ -791,6 +835,14 @@ class Membership:
             return d
         if any(len(m.compute_times) < PLAN_DWELL_STEPS for m in trainers):
             return d
+        for m in trainers:
+            m.review(self.batch_size / len(trainers))
+        # What makes a speed stray (processes sharing cores, other jobs) is mostly the site's,
+        # and a difference between two members strays with both: a member whose own record
+        # happened to be calm is judged with the group's typical wander at least.
+        typical = statistics.median(m.wander for m in trainers) if trainers else 0.0
+        for m in trainers:
+            m.typical_wander = typical
         better = rebalance(
             self.batch_size, self.shares, [m.profile(now) for m in live], overhead_s=self._comm_s(trainers)
         )
@@ -841,6 +893,11 @@ class Membership:
                     self._want_epoch(now, urgent=False, reason="nodes joined during recovery", delay=0.0)
                 return d
         if now >= self.recovering_until:
+            if now < self._outage_fence and self._resumes:
+                newest = max(r.epoch for r in self._resumes.values())
+                found = {mid for r in self._resumes.values() if r.epoch == newest for mid in r.members}
+                if not found <= set(self.members) | self._came_back:
+                    return d  # one not back may still commit in that epoch
             self.recovering_until = None
             if self.members and self._pending_due is not None:
                 self._pending_due, self._pending_urgent = now, True  # a failure during recovery said why
