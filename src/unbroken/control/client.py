@@ -520,6 +520,9 @@ class ControlClient:
                 vouched = await asyncio.wait_for(self._nobody_else_leads(etcd), timeout=self.lease_s / 2)
             except asyncio.TimeoutError:
                 vouched = False
+            except Exception:  # a bug here must not end the renewals: no evidence, the lease decides
+                log.exception("asking for evidence of an outage failed")
+                vouched = False
             with self._lock:
                 if vouched and self._outage_trusted(time.monotonic()):
                     self._trusted_until = max(self._trusted_until, asked + self.lease_s)
@@ -541,8 +544,9 @@ class ControlClient:
         except EtcdUnavailable:
             return False
         newest = self.latest_order()
-        if published is not None and int(published.json().get("epoch", 0)) > (newest.epoch if newest else 0):
-            return False
+        epoch = published.json().get("epoch", 0) if published is not None else 0
+        if not isinstance(epoch, int) or epoch > (newest.epoch if newest else 0):
+            return False  # an epoch this node has not had (or a record it cannot read)
         if found is None:
             return True
         record, term = found

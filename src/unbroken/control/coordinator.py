@@ -181,14 +181,16 @@ class Coordinator(ThreadedService):
     def term(self) -> int:
         return self.office.term
 
-    def _elected(self, term: int, epoch_floor: int) -> None:
-        """A fresh view for the new term: the nodes hand theirs over as they reconnect."""
+    def _elected(self, term: int, epoch_floor: int, verdicts: list[m.Refusal]) -> None:
+        """A fresh view for the new term: the nodes hand theirs over as they reconnect; the
+        audits' verdicts come from the last epoch published."""
         self._record(Event(time.monotonic(), Kind.LEADER, None, 0, 0, f"{self.office.advertised} leads (term {term})"))
         self._drop_sessions()
         self.rendezvous = Rendezvous(self.config.membership.build_deadline_s)  # the new term's epochs meet anew
         self.membership = self._new_membership()
         self.membership.term = term
         self.membership.number_above(epoch_floor)
+        self.membership.remember_verdicts(verdicts)
 
     def _deposed(self, reason: str) -> None:
         self._drop_sessions()

@@ -490,6 +490,11 @@ class Membership:
         """Epochs formed from now on are numbered above ``epoch`` (one published before)."""
         self._epoch_floor = max(self._epoch_floor, epoch)
 
+    def remember_verdicts(self, verdicts: Iterable[Refusal]) -> None:
+        """The audits' verdicts a previous leader ordered (published with its last epoch)."""
+        for r in verdicts:
+            self._refuse(r.epoch, r.step)
+
     def extend(self, member_ids: Iterable[str], until: float) -> None:
         """These members' leases run at least until ``until`` (their relay went silent: they
         need time to reconnect elsewhere before their lease may lapse)."""

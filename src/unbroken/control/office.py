@@ -52,11 +52,12 @@ class Office:
         *,
         job: Callable[[], str | None],
         step: Callable[[], int],
-        on_elected: Callable[[int, int], None],
+        on_elected: Callable[[int, int, list[m.Refusal]], None],
         on_deposed: Callable[[str], None],
         deliver: Callable[[Decision], None],
     ) -> None:
-        """``on_elected(term, epoch_floor)`` resets the coordinator's view for a term it won;
+        """``on_elected(term, epoch_floor, verdicts)`` resets the coordinator's view for a term
+        it won (the newest epoch published, and the audit verdicts it carried);
         ``on_deposed(reason)`` drops it; ``deliver`` sends a decision's messages now."""
         self.config = config
         self.coordinator_id = coordinator_id
@@ -167,16 +168,17 @@ class Office:
     async def _take_over(self, term: int) -> None:
         """A fresh view for the new term, numbered above the newest epoch published."""
         assert self.leadership is not None
-        floor = 0
+        floor, verdicts = 0, []
         try:
             last = await self.leadership.last_epoch()
             floor = int(last.get("epoch", 0)) if last else 0
+            verdicts = [m.Refusal.model_validate(r) for r in (last or {}).get("refused", [])][-m.REFUSALS_KEPT :]
         except (EtcdUnavailable, ValueError, TypeError):
             pass  # the nodes' hellos carry the newest epoch they heard of as well
         if self.leadership.term != term or not self.leadership.leading():
             return
         self.term = term
-        self._on_elected(term, floor)
+        self._on_elected(term, floor, verdicts)
         self._took_over = True
 
     def _deposed(self, reason: str) -> None:
@@ -219,7 +221,13 @@ class Office:
 
     async def _publish(self, term: int, epoch: int, order: m.EpochOrder) -> bool:
         assert self.leadership is not None
-        record = {"epoch": epoch, "term": term, "members": len(order.members), "step": self._step()}
+        record = {
+            "epoch": epoch,
+            "term": term,
+            "members": len(order.members),
+            "step": self._step(),
+            "refused": [r.model_dump() for r in order.refused],  # the audits' verdicts outlive this leader
+        }
         while self._current(term):
             try:
                 if await self.leadership.record_epoch(record, term):

@@ -68,7 +68,10 @@ class Audits:
         """What this node says of its state in the sync phase (None: audits are off)."""
         if not self.every:
             return None
-        return Standing(self.behind, self.committed_epoch, self.floor, self.floor_epoch, self.synced_epoch)
+        # A process restarted from a checkpoint settled everything before that state's epoch.
+        restored = self.node.records.restored_epoch
+        synced = max(self.synced_epoch, restored if restored is not None else -1)
+        return Standing(self.behind, self.committed_epoch, self.floor, self.floor_epoch, synced)
 
     def synced(self, epoch: int, received: bool, fetched: dict[str, Any] | None = None) -> None:
         """After the sync phase of ``epoch``: the state the group agreed on is one a failed

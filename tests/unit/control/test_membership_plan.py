@@ -20,7 +20,7 @@ from unbroken.control.membership import (
     Event,
     Membership,
 )
-from unbroken.control.messages import Capabilities, EpochOrder, Hello, Resume, TensorSpec
+from unbroken.control.messages import Capabilities, EpochOrder, Hello, Refusal, Resume, TensorSpec
 from unbroken.events import Kind
 from unbroken.sched.balance import Role
 
@@ -739,6 +739,13 @@ def test_a_verdict_reported_after_the_next_epoch_formed_is_still_remembered() ->
     ms.fault("c", ms.epoch, "collective failed", t + 1.1)
     order = only_order(ms.tick(t + 2.0))
     assert [(r.epoch, r.step) for r in order.refused] == [(verdict_epoch, 30)]
+
+
+def test_verdicts_a_previous_leader_ordered_go_out_with_every_order() -> None:
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
+    ms.remember_verdicts([Refusal(epoch=3, step=40), Refusal(epoch=3, step=30), Refusal(epoch=5, step=90)])
+    _, d = form({"a": FAST, "b": FAST}, batch_size=B, ms=ms)
+    assert [(r.epoch, r.step) for r in only_order(d).refused] == [(3, 30), (5, 90)]
 
 
 def test_a_member_absent_from_the_data_plane_is_kept_out_of_epochs_then_tried_again() -> None:

@@ -13,6 +13,7 @@ from unbroken.errors import AuditMismatch
 from unbroken.state import layout
 from unbroken.state.snapshot import TrainState
 from unbroken.train.audits import Audits
+from unbroken.train.sync import Standing, floored
 
 
 class Residual:
@@ -208,3 +209,17 @@ def test_a_state_committed_before_a_recorded_verdict_above_its_step_is_refused()
     audits.committed_epoch = 5
     audits.refuse_if_recorded()
     assert state.step == 80 and not audits.behind, "offered again: the sync phase decides from there"
+
+
+def test_a_process_restarted_from_a_checkpoint_has_settled_the_epochs_before_it() -> None:
+    # The whole group restarted from checkpoints of epoch 7: a live member's floor from a
+    # verdict of epoch 5 must not put them behind (no sync phase completed since the restart).
+    audits, _, _ = ordered_back_to(20, held=None, at=30)
+    audits.node.records.restored_epoch = None
+    assert audits.standing() is not None and audits.standing().synced_epoch == -1  # type: ignore[union-attr]
+    audits.node.records.restored_epoch = 7
+    restarted = audits.standing()
+    assert restarted is not None and restarted.synced_epoch == 7
+    live = Standing(False, 5, 20, 5, 4)  # went back to step 20 at a verdict of epoch 5, holds it
+    assert floored([30, 30, 20], [restarted, restarted, live]) == [30, 30, 20]
+    assert floored([30, 30, 20], [live, live, live]) == [-1, -1, 20]  # without the restart: behind
