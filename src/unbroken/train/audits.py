@@ -46,6 +46,9 @@ class Audits:
         self.committed_epoch = -1
         """The epoch in which this node committed the step it holds (-1: the state came
         from a peer, a copy or a checkpoint)."""
+        self.checkpoint_epoch = -1
+        """While this node holds the state it restored from a checkpoint, that state's epoch
+        (a verdict of that epoch or later refuses it like a state committed then)."""
         self.floor = self.floor_epoch = -1
         """The step this node went back to at a verdict since its last completed sync phase,
         and the verdict's epoch (`train.sync.floored`)."""
@@ -78,7 +81,7 @@ class Audits:
         audit may come back to. ``fetched``: the tree a receiver fetched, in buffers of its
         own (its state took copies), kept as that state instead of a capture."""
         self.behind = self.unsettled = False
-        self.floor = self.floor_epoch = -1
+        self.floor = self.floor_epoch = self.checkpoint_epoch = -1
         self.synced_epoch = epoch
         if received:
             self.committed_epoch = -1
@@ -109,24 +112,27 @@ class Audits:
         node.state.restore(self.audited)
         node.applied_step = -1
         node.client.step = node.state.step
-        self.committed_epoch = -1
+        self.committed_epoch = self.checkpoint_epoch = -1
         fields = {"step": node.state.step, "digest": node.state.digest(), "why": "failed audit"}
         node.records.log(Entry.RESTORE, fields)
 
     def refuse_if_recorded(self) -> None:
         """A state this node committed in a verdict's epoch or before, above the step that
         verdict went back to, is refused (the node was away: the floors that would have said
-        so are gone): behind, it fetches the group's state instead of offering its own."""
+        so are gone), and so is a checkpoint's written then (the node restarted from one):
+        behind, it fetches the group's state instead of offering its own."""
         order = self.node.client.latest_order()
-        if order is None or self.committed_epoch < 0:
+        epoch = self.committed_epoch if self.committed_epoch >= 0 else self.checkpoint_epoch
+        if order is None or epoch < 0:
             return
         step = self.node.state.step
+        what = f"committed in epoch {epoch}" if self.committed_epoch >= 0 else f"a checkpoint of epoch {epoch}"
         for r in order.refused:
-            if self.committed_epoch <= r.epoch and step > r.step:
+            if epoch <= r.epoch and step > r.step:
                 if self.audited is not None and int(self.audited["step"]) <= r.step:
                     self._restore()  # an audited state before the verdict's step: offered again
                     return
-                self._put_behind(f"committed in epoch {self.committed_epoch}: refused by epoch {r.epoch}'s verdict")
+                self._put_behind(f"{what}: refused by epoch {r.epoch}'s verdict")
                 return
 
     def missed_verdict(self) -> None:

@@ -242,6 +242,7 @@ class Records:
                 ahead = node.state.step
                 node.state.restore(self._fresh, own=True)
                 self.restored_epoch = None
+                node.audits.checkpoint_epoch = -1
                 node.client.step = node.state.step
                 why = f"a checkpoint of step {ahead}, ahead of the group's step {welcome.group_step}"
                 aside = self._set_aside(f"{why}: another run's")

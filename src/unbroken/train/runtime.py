@@ -486,7 +486,7 @@ class Node:
                 raise
             p.apply(sl, overflow=overflow)
             p.commit(sl, tally.loss, overflow=overflow)
-            self.audits.committed_epoch = g.epoch
+            self.audits.committed_epoch, self.audits.checkpoint_epoch = g.epoch, -1
             if self.faults.bitflip(self.state.step):
                 self.records.settle()
                 flip_bit(self.params[0])
@@ -638,6 +638,8 @@ class _Session:
     def __enter__(self) -> Node:
         node = self.node
         node.records.restore_checkpoint()
+        if node.records.restored_epoch is not None:
+            node.audits.checkpoint_epoch = node.records.restored_epoch
         node.install_signals()
         try:
             if node.config.coordinate:

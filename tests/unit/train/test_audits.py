@@ -223,3 +223,19 @@ def test_a_process_restarted_from_a_checkpoint_has_settled_the_epochs_before_it(
     live = Standing(False, 5, 20, 5, 4)  # went back to step 20 at a verdict of epoch 5, holds it
     assert floored([30, 30, 20], [restarted, restarted, live]) == [30, 30, 20]
     assert floored([30, 30, 20], [live, live, live]) == [-1, -1, 20]  # without the restart: behind
+
+
+def test_a_checkpoint_written_before_a_verdict_and_above_its_step_is_refused() -> None:
+    # A node restarted from a checkpoint of step 30 written in epoch 3; the group went back to
+    # step 20 at a verdict of epoch 4: that checkpoint holds the corrupted contributions.
+    for checkpoint_epoch, refused in ((3, True), (4, True), (5, False)):
+        audits, state, _ = ordered_back_to(-1, held=None, at=30)
+        audits.committed_epoch, audits.checkpoint_epoch = -1, checkpoint_epoch
+        audits.node.client.latest_order = lambda: SimpleNamespace(refused=[SimpleNamespace(epoch=4, step=20)])
+        audits.refuse_if_recorded()
+        assert audits.behind is refused and state.step == 30, checkpoint_epoch
+    audits, _, _ = ordered_back_to(-1, held=None, at=30)
+    audits.committed_epoch = -1  # a state fetched from a peer: not the checkpoint's
+    audits.node.client.latest_order = lambda: SimpleNamespace(refused=[SimpleNamespace(epoch=4, step=20)])
+    audits.refuse_if_recorded()
+    assert not audits.behind
