@@ -41,27 +41,26 @@ def plan_sync(reports: Sequence[tuple[int, int]]) -> SyncPlan:
 
 
 def diverged(reports: Sequence[tuple[int, int]], epochs: Sequence[int]) -> tuple[int, str] | None:
-    """The sync phase's own audit. Members that committed the highest step in the same epoch
+    """The sync phase's own audit. Members that committed the same step in the same epoch
     (``epochs``: where each one committed the step it holds, -1 for a state that came from
     elsewhere: a peer, a copy, a checkpoint) applied the same sums to the same state, so
     their states must be equal; one that differs from the others there was corrupted, and
     its contributions are suspect as an audit's culprit's are. States committed in different
-    epochs may differ (other members, other sums) and are only repaired. The rank to blame
-    (-1 where no state has a strict majority of its epoch's and nobody can be), with why;
-    None when nothing convicts anyone."""
-    top = max(step for step, _ in reports)
-    if top < 0:
+    epochs may differ (other members, other sums) and are only repaired. The highest step
+    is judged first. The rank to blame (-1 where no state has a strict majority of its
+    step's and epoch's and nobody can be), with why; None when nothing convicts anyone."""
+    if max(step for step, _ in reports) < 0:
         return None  # every state set aside: none is compared (the tie rule settles it)
-    by_epoch: dict[int, list[int]] = {}
+    groups: dict[tuple[int, int], list[int]] = {}
     for r, (step, _) in enumerate(reports):
-        if step == top and epochs[r] >= 0:
-            by_epoch.setdefault(epochs[r], []).append(r)
-    for epoch, ranks in sorted(by_epoch.items()):
+        if step >= 0 and epochs[r] >= 0:
+            groups.setdefault((step, epochs[r]), []).append(r)
+    for (step, epoch), ranks in sorted(groups.items(), key=lambda g: (-g[0][0], g[0][1])):
         votes = Counter(reports[r][1] for r in ranks)
         if len(votes) == 1:
             continue
         winner, count = votes.most_common(1)[0]
-        where = f"step {top} as committed in epoch {epoch}"
+        where = f"step {step} as committed in epoch {epoch}"
         if 2 * count <= len(ranks):
             return -1, f"the {len(ranks)} members holding {where} hold {len(votes)} different states, none a majority"
         culprit = next(r for r in ranks if reports[r][1] != winner)

@@ -67,6 +67,17 @@ def test_nobody_is_named_where_the_members_of_one_epoch_have_no_majority() -> No
     assert verdict is not None and verdict[0] == -1 and "none a majority" in verdict[1]
 
 
+def test_a_replica_below_the_top_step_is_compared_with_those_at_its_step() -> None:
+    # d and e were cut off one step before a, b and c committed step 26; e was corrupted.
+    reports = [(26, 1), (26, 1), (26, 1), (25, 7), (25, 8), (25, 7)]
+    verdict = diverged(reports, [4] * 6)
+    assert verdict == (4, "state at step 25 as committed in epoch 4 differs from the others' (2 of 3 agree)")
+    assert diverged([(26, 1), (26, 2), (26, 1), (25, 7), (25, 8)], [4] * 5) == (
+        1, "state at step 26 as committed in epoch 4 differs from the others' (2 of 3 agree)",
+    ), "the highest step is judged first"  # fmt: skip
+    assert diverged([(26, 1), (26, 1), (25, 7)], [4] * 3) is None, "alone at its step: only repaired"
+
+
 def test_states_that_agree_at_the_top_step_convict_nobody() -> None:
     assert diverged([(5, 4), (5, 4), (2, 7), (-1, 3)], [2] * 4) is None
     assert diverged([(0, 4)], [1]) is None
