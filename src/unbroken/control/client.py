@@ -11,10 +11,11 @@ node whose session dropped while its lease was fresh assumes a coordinator outag
 keeps training with its group; one that finds its lease stale (it was frozen) must not
 commit until the coordinator has answered.
 
-An outage is trusted one lease at a time, as a session is: each lease needs evidence, asked
-for every quarter lease and counted from when it was asked, that no coordinator can have
-formed an epoch without this node. A coordinator that starts (or takes over) does not leave
-out a member of the epoch it finds until a lease after it started (`Membership`), so the
+An outage is trusted half a lease at a time (`messages.OUTAGE_TRUST_LEASES`): each needs
+evidence, asked for every eighth of a lease and counted from when it was asked, that no
+coordinator can have formed an epoch without this node. A coordinator that starts (or takes
+over) does not leave out a member of the epoch it finds until as long after it started
+(`Membership`), so the
 evidence is that none started: with etcd, no leader of a newer term and no newer epoch
 published (the old leader's key may outlive it while its address refuses connections), or no
 etcd majority at all (every member refuses or answers that it has no raft leader: nobody can
@@ -220,7 +221,7 @@ class ControlClient:
         if self.outage and now >= self._trusted_until:
             self.outage = False
             self.lapses += 1
-            log.warning("outage: no evidence for a lease that no coordinator leads without this node")
+            log.warning("outage: no recent evidence that no coordinator leads without this node")
             self.wake.set()
         return self.outage
 
@@ -450,7 +451,7 @@ class ControlClient:
                     fresh = time.monotonic() - self._last_acked_send < self.lease_s
                     self.connected = False
                     self.outage = fresh and self.expelled is None
-                    self._trusted_until = self._last_acked_send + self.lease_s
+                    self._trusted_until = self._last_acked_send + self._outage_trust_s
                     self.lapses += 0 if fresh else 1
                 self.wake.set()
                 if not self._closing and self.expelled is None:
@@ -508,16 +509,20 @@ class ControlClient:
             return False  # cut off from etcd too: nothing is known; the lease decides
         return found is None or found[1] != self.term
 
+    @property
+    def _outage_trust_s(self) -> float:
+        return self.lease_s * m.OUTAGE_TRUST_LEASES
+
     async def _vouch_forever(self, etcd: Etcd | None) -> None:
-        """During an outage, renew its trust every quarter lease while there is evidence."""
+        """During an outage, renew its trust four times a trust while there is evidence."""
         while True:
-            await asyncio.sleep(self.lease_s / 4)
+            await asyncio.sleep(self._outage_trust_s / 4)
             with self._lock:
                 if not self._outage_trusted(time.monotonic()):
                     continue
             asked = time.monotonic()
             try:
-                vouched = await asyncio.wait_for(self._nobody_else_leads(etcd), timeout=self.lease_s / 2)
+                vouched = await asyncio.wait_for(self._nobody_else_leads(etcd), timeout=self._outage_trust_s / 2)
             except asyncio.TimeoutError:
                 vouched = False
             except Exception:  # a bug here must not end the renewals: no evidence, the lease decides
@@ -525,13 +530,14 @@ class ControlClient:
                 vouched = False
             with self._lock:
                 if vouched and self._outage_trusted(time.monotonic()):
-                    self._trusted_until = max(self._trusted_until, asked + self.lease_s)
+                    self._trusted_until = max(self._trusted_until, asked + self._outage_trust_s)
 
     async def _nobody_else_leads(self, etcd: Etcd | None) -> bool:
         """Evidence, as of when this was called, that no coordinator has started since this
         node's last session: none can have formed an epoch without it (module docstring)."""
         if etcd is None:
-            refusals = await asyncio.gather(*(_refuses(h, p, self.lease_s / 4) for h, p in self.addresses))
+            wait = self._outage_trust_s / 4
+            refusals = await asyncio.gather(*(_refuses(h, p, wait) for h, p in self.addresses))
             return bool(refusals) and all(refusals)
         views = await etcd.views()
         if View.LED not in views:
@@ -556,7 +562,7 @@ class ControlClient:
             host, port = parse_address(str(record.get("address", "")))
         except ConfigError:
             return False
-        return await _refuses(host, port, self.lease_s / 4)
+        return await _refuses(host, port, self._outage_trust_s / 4)
 
     async def _writer(self, ws: aiohttp.ClientWebSocketResponse, seal: auth.Seal | None) -> None:
         assert self._queue is not None

@@ -16,9 +16,9 @@ Coordinator life::
                └─(window over: urgent epoch of whoever is back)─────────────▶ running
 
 A recovering coordinator leaves out a member of the newest reported epoch that is not back
-no sooner than a lease (and a margin) after it started: that member may be training on in
-an outage, which it trusts a lease past its last evidence that no coordinator had started
-(`unbroken.control.client`).
+no sooner than `OUTAGE_TRUST_LEASES` (and a margin) after it started: that member may be
+training on in an outage, which it trusts as long past its last evidence that no
+coordinator had started (`unbroken.control.client`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
 from unbroken.control.hearsay import PERIOD_S as HEARSAY_PERIOD_S
 from unbroken.control.hearsay import Hearsay, Report
 from unbroken.control.messages import (
+    OUTAGE_TRUST_LEASES,
     REFUSALS_KEPT,
     Capabilities,
     EpochOrder,
@@ -72,7 +73,7 @@ FRESH_JOB_GRACE_S = 1.0
 """After a restart, how long a first hello without a resume waits for members to come back."""
 BROKEN_SETTLE_S = 0.3
 OUTAGE_MARGIN_S = 0.1
-"""Beyond a lease, how long a recovering coordinator waits before leaving out a member of
+"""Beyond a node's outage trust, how long a recovering coordinator waits before leaving out a member of
 the epoch it found (the clocks' rates, the evidence's way to the node)."""
 """After a restart, once a member says the newest epoch is broken (it abandoned it), how
 long to wait for the rest of the group to reconnect before forming the next epoch."""
@@ -302,7 +303,7 @@ class Membership:
         self._pending_urgent = False
         self._pending_reasons: dict[str, None] = {}
         self.recovering_until = now + config.recovery_window_s if recovering else None
-        self._outage_fence = now + config.lease_s + OUTAGE_MARGIN_S if recovering else now
+        self._outage_fence = now + config.lease_s * OUTAGE_TRUST_LEASES + OUTAGE_MARGIN_S if recovering else now
         """Until when a recovering coordinator leaves no member of the epoch it found out."""
         self._came_back: set[str] = set()
         """Members that resumed here: one that fails after is gone as in a running epoch."""

@@ -168,6 +168,12 @@ class Heartbeat(_Msg):
 
 
 REFUSALS_KEPT = 8
+OUTAGE_TRUST_LEASES = 0.5
+"""A node in a coordinator outage trusts its epoch this many leases past its last evidence
+that no coordinator had started (`unbroken.control.client`); a coordinator that starts or
+takes over leaves out no member of the epoch it finds before as long (and a margin) has
+passed (`unbroken.control.membership`). Shorter than a lease: a leader and a node dying
+together cost the survivors this wait."""
 
 
 class Refusal(BaseModel):

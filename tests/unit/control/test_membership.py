@@ -10,6 +10,7 @@ from unbroken.control.membership import (
     FAULT_GRACE_S,
     JOIN_SETTLE_S,
     OUTAGE_MARGIN_S,
+    OUTAGE_TRUST_LEASES,
     PROBE_WAIT_S,
     Decision,
     Membership,
@@ -817,12 +818,13 @@ def test_a_member_that_abandoned_the_newest_epoch_ends_a_new_leaders_wait_early(
     assert ms.admit(hello("a", resume=Resume(**resume, abandoned=True), last_epoch=5), 0.0).refuse is None
     assert ms.admit(hello("b", resume=Resume(**resume, abandoned=True), last_epoch=5), 0.05).refuse is None
     # a and b cannot go on in epoch 5: no 3 s wait for c. But c may be cut off and training
-    # on in an outage that it trusts a lease past its last evidence that no coordinator had
-    # started: it is left out no sooner than a lease (and a margin) after this one started.
-    keep_alive(ms, 0.9)
-    assert not ms.tick(LEASE).orders
-    keep_alive(ms, LEASE)
-    order = only_order(ms.tick(LEASE + OUTAGE_MARGIN_S))
+    # on in an outage that it trusts half a lease past its last evidence that no coordinator
+    # had started: it is left out no sooner than that (and a margin) after this one started.
+    fence = LEASE * OUTAGE_TRUST_LEASES + OUTAGE_MARGIN_S
+    keep_alive(ms, fence - 0.05)
+    assert not ms.tick(fence - 0.05).orders
+    keep_alive(ms, fence)
+    order = only_order(ms.tick(fence))
     assert order.members == ["a", "b"] and order.urgent and order.epoch > 5
     assert "abandoned" in order.reason
 
@@ -876,10 +878,11 @@ def test_a_collective_failure_reported_during_a_recovery_ends_it_after_a_settle(
         assert ms.admit(hello(mid, resume=Resume(**resume), last_epoch=5), 0.0).refuse is None
     ms.fault("a", 5, "all-reduce failed: connection reset", 0.2)
     assert not ms.tick(0.3).orders
-    # c is not back: it may be cut off and still trust an outage, so not before a lease.
-    keep_alive(ms, 0.9)
-    assert not ms.tick(0.2 + 0.3 + 0.3).orders
-    order = only_order(ms.tick(LEASE + OUTAGE_MARGIN_S))
+    # c is not back: it may be cut off and still trust an outage, so not before that ends.
+    fence = LEASE * OUTAGE_TRUST_LEASES + OUTAGE_MARGIN_S
+    keep_alive(ms, fence - 0.05)
+    assert not ms.tick(fence - 0.05).orders
+    order = only_order(ms.tick(fence))
     assert order.members == ["a", "b"] and order.urgent
 
 
