@@ -160,12 +160,14 @@ def test_without_etcd_the_evidence_is_a_coordinator_address_that_refuses() -> No
 
 def test_outage_trust_is_renewed_by_evidence_and_a_lapse_is_not_renewed() -> None:
     """The session thread's renewal, run for real: a coordinator address that refuses keeps the
-    outage trusted past several leases; once it stops refusing, trust lapses within a lease,
+    outage trusted past several leases, from a lease nearly spent when the outage began; once
+    it stops refusing, trust lapses within a lease,
     counts as a lapse, and is not renewed when the refusals come back."""
     port = refusing_port()
     c = client([("127.0.0.1", port)], lease_s=0.4)
     loop = asyncio.new_event_loop()
-    task = loop.create_task(c._vouch_forever(None))
+    began = asyncio.Event()
+    task = loop.create_task(c._vouch_forever(None, began))
 
     def run() -> None:
         with contextlib.suppress(asyncio.CancelledError):
@@ -175,7 +177,8 @@ def test_outage_trust_is_renewed_by_evidence_and_a_lapse_is_not_renewed() -> Non
     thread = threading.Thread(target=run, daemon=True)
     with c._lock:
         c.outage = True
-        c._trusted_until = time.monotonic() + c.lease_s
+        c._trusted_until = time.monotonic() + 0.05  # nearly spent: evidence is asked for at once
+    began.set()  # before the loop runs: an Event binds to the loop that first waits on it
     thread.start()
     try:
         time.sleep(1.5)  # almost four leases

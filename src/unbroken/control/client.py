@@ -11,8 +11,8 @@ node whose session dropped while its lease was fresh assumes a coordinator outag
 keeps training with its group; one that finds its lease stale (it was frozen) must not
 commit until the coordinator has answered.
 
-An outage is trusted half a lease at a time (`messages.OUTAGE_TRUST_LEASES`): each needs
-evidence, asked for every eighth of a lease and counted from when it was asked, that no
+An outage is trusted a lease at a time (`messages.OUTAGE_TRUST_LEASES`): each needs
+evidence, asked for at once and then every quarter lease, counted from when it was asked, that no
 coordinator can have formed an epoch without this node. A coordinator that starts (or takes
 over) does not leave out a member of the epoch it finds until as long after it started
 (`Membership`), so the
@@ -117,6 +117,8 @@ class ControlClient:
         self.connected = False
         self.outage = False
         self._trusted_until = 0.0
+        self._outage_began = asyncio.Event()
+        """Set (on the session thread's loop) when an outage starts: its renewals begin."""
         """While in an outage: when this node's trust in its epoch lapses (module docstring)."""
         self.lapses = 0
         """Sessions lost with the lease already stale: the coordinator may have ordered an
@@ -239,7 +241,8 @@ class ControlClient:
         self._queue = asyncio.Queue()
         etcd = Etcd(self.etcd_endpoints, timeout_s=0.5) if self.etcd_endpoints else None
         self._etcd = etcd
-        vouch = asyncio.create_task(self._vouch_forever(etcd))
+        self._outage_began = asyncio.Event()
+        vouch = asyncio.create_task(self._vouch_forever(etcd, self._outage_began))
         try:
             await self._connect_forever(run_id, etcd)
         finally:
@@ -453,6 +456,8 @@ class ControlClient:
                     self.outage = fresh and self.expelled is None
                     self._trusted_until = self._last_acked_send + self._outage_trust_s
                     self.lapses += 0 if fresh else 1
+                if self.outage:
+                    self._outage_began.set()
                 self.wake.set()
                 if not self._closing and self.expelled is None:
                     log.warning("lost the coordinator session (%s)", "lease fresh: outage" if fresh else "lease stale")
@@ -513,24 +518,29 @@ class ControlClient:
     def _outage_trust_s(self) -> float:
         return self.lease_s * m.OUTAGE_TRUST_LEASES
 
-    async def _vouch_forever(self, etcd: Etcd | None) -> None:
-        """During an outage, renew its trust four times a trust while there is evidence."""
+    async def _vouch_forever(self, etcd: Etcd | None, began: asyncio.Event) -> None:
+        """During each outage (``began`` is set as it starts), renew its trust four times a
+        trust while there is evidence, the first time at once: the lease it starts from may
+        be nearly spent (a leader losing etcd holds its acknowledgements back)."""
         while True:
-            await asyncio.sleep(self._outage_trust_s / 4)
-            with self._lock:
-                if not self._outage_trusted(time.monotonic()):
-                    continue
-            asked = time.monotonic()
-            try:
-                vouched = await asyncio.wait_for(self._nobody_else_leads(etcd), timeout=self._outage_trust_s / 2)
-            except asyncio.TimeoutError:
-                vouched = False
-            except Exception:  # a bug here must not end the renewals: no evidence, the lease decides
-                log.exception("asking for evidence of an outage failed")
-                vouched = False
-            with self._lock:
-                if vouched and self._outage_trusted(time.monotonic()):
-                    self._trusted_until = max(self._trusted_until, asked + self._outage_trust_s)
+            await began.wait()
+            began.clear()
+            while True:
+                with self._lock:
+                    if not self._outage_trusted(time.monotonic()):
+                        break
+                asked = time.monotonic()
+                try:
+                    vouched = await asyncio.wait_for(self._nobody_else_leads(etcd), timeout=self._outage_trust_s / 2)
+                except asyncio.TimeoutError:
+                    vouched = False
+                except Exception:  # a bug here must not end the renewals: no evidence, the lease decides
+                    log.exception("asking for evidence of an outage failed")
+                    vouched = False
+                with self._lock:
+                    if vouched and self._outage_trusted(time.monotonic()):
+                        self._trusted_until = max(self._trusted_until, asked + self._outage_trust_s)
+                await asyncio.sleep(self._outage_trust_s / 4)
 
     async def _nobody_else_leads(self, etcd: Etcd | None) -> bool:
         """Evidence, as of when this was called, that no coordinator has started since this

@@ -168,12 +168,14 @@ class Heartbeat(_Msg):
 
 
 REFUSALS_KEPT = 8
-OUTAGE_TRUST_LEASES = 0.5
+OUTAGE_TRUST_LEASES = 1.0
 """A node in a coordinator outage trusts its epoch this many leases past its last evidence
 that no coordinator had started (`unbroken.control.client`); a coordinator that starts or
 takes over leaves out no member of the epoch it finds before as long (and a margin) has
-passed (`unbroken.control.membership`). Shorter than a lease: a leader and a node dying
-together cost the survivors this wait."""
+passed (`unbroken.control.membership`). Half a lease was tried: a leader and a node dying
+together cost the survivors 0.5 s less, but evidence can be missing for longer than that
+while etcd loses its majority (a member believes in its raft leader for an election
+timeout, 0.5 s here, while reads through it time out), and the group stalled there."""
 
 
 class Refusal(BaseModel):

@@ -818,7 +818,7 @@ def test_a_member_that_abandoned_the_newest_epoch_ends_a_new_leaders_wait_early(
     assert ms.admit(hello("a", resume=Resume(**resume, abandoned=True), last_epoch=5), 0.0).refuse is None
     assert ms.admit(hello("b", resume=Resume(**resume, abandoned=True), last_epoch=5), 0.05).refuse is None
     # a and b cannot go on in epoch 5: no 3 s wait for c. But c may be cut off and training
-    # on in an outage that it trusts half a lease past its last evidence that no coordinator
+    # on in an outage that it trusts a lease past its last evidence that no coordinator
     # had started: it is left out no sooner than that (and a margin) after this one started.
     fence = LEASE * OUTAGE_TRUST_LEASES + OUTAGE_MARGIN_S
     keep_alive(ms, fence - 0.05)
