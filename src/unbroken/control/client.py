@@ -12,16 +12,19 @@ keeps training with its group; one that finds its lease stale (it was frozen) mu
 commit until the coordinator has answered.
 
 An outage is trusted a lease at a time (`messages.OUTAGE_TRUST_LEASES`): each needs
-evidence, asked for at once and then every quarter lease, counted from when it was asked, that no
-coordinator can have formed an epoch without this node. A coordinator that starts (or takes
-over) does not leave out a member of the epoch it finds until as long after it started
-(`Membership`), so the
-evidence is that none started: with etcd, no leader of a newer term and no newer epoch
-published (the old leader's key may outlive it while its address refuses connections), or no
-etcd majority at all (every member refuses or answers that it has no raft leader: nobody can
-be elected); without etcd, every coordinator address refuses connections. Trust that lapses
-(this node cut off: no answer at all) counts as a lapse and is not renewed by later
-evidence: the step in flight is not committed, and the node waits for a coordinator's order.
+evidence, asked for at once and then every quarter lease, counted from when it was asked,
+that no coordinator can have formed an epoch without this node. A coordinator that starts
+(or takes over) does not leave out a member of the epoch it finds until as long after it
+started (`Membership`), so the evidence is that none started: with etcd, no leader of a
+newer term and no newer epoch published (the old leader's key may outlive it while its
+address refuses connections), or no etcd majority at all (every member refuses or answers
+that it has no raft leader, and one that answers lists no more members than this node was
+given: nobody can be elected); without etcd, every coordinator address refuses connections.
+Trust that lapses (this node cut off: no answer at all) counts as a lapse and is not
+renewed by later evidence: the step in flight is not committed, and the node waits for a
+coordinator's order. A refused connection is taken to mean that nothing listens there: a
+firewall that rejects (rather than drops) this node's packets to a live coordinator would
+mislead it.
 
 Leaders and terms: with etcd, the node asks it who leads before trying the addresses it
 was given, and a standby it reaches names the leader. Every welcome and order carries
@@ -242,11 +245,15 @@ class ControlClient:
         etcd = Etcd(self.etcd_endpoints, timeout_s=0.5) if self.etcd_endpoints else None
         self._etcd = etcd
         self._outage_began = asyncio.Event()
-        vouch = asyncio.create_task(self._vouch_forever(etcd, self._outage_began))
+        # Its own client: its requests get shorter deadlines than the session's lookups.
+        asking = Etcd(self.etcd_endpoints) if self.etcd_endpoints else None
+        vouch = asyncio.create_task(self._vouch_forever(asking, self._outage_began))
         try:
             await self._connect_forever(run_id, etcd)
         finally:
             vouch.cancel()
+            if asking is not None:
+                await asking.close()
             if etcd is not None:
                 await etcd.close()  # this run's client: a later run has its own
 
@@ -531,7 +538,7 @@ class ControlClient:
                         break
                 asked = time.monotonic()
                 try:
-                    vouched = await asyncio.wait_for(self._nobody_else_leads(etcd), timeout=self._outage_trust_s / 2)
+                    vouched = await asyncio.wait_for(self._nobody_else_leads(etcd), timeout=self._outage_trust_s * 0.75)
                 except asyncio.TimeoutError:
                     vouched = False
                 except Exception:  # a bug here must not end the renewals: no evidence, the lease decides
@@ -549,11 +556,18 @@ class ControlClient:
             wait = self._outage_trust_s / 4
             refusals = await asyncio.gather(*(_refuses(h, p, wait) for h, p in self.addresses))
             return bool(refusals) and all(refusals)
+        ask = etcd.timeout_s = self._outage_trust_s / 6  # a silent member must not use up the check
         views = await etcd.views()
         if View.LED not in views:
             # Every member down or outside a majority: nobody can be elected. (A silent one
-            # might be leading a majority that this node cannot see.)
-            return all(v in (View.DOWN, View.LEADERLESS) for v in views)
+            # might be leading a majority that this node cannot see; so might members this
+            # node was not told of.)
+            if not all(v in (View.DOWN, View.LEADERLESS) for v in views):
+                return False
+            try:
+                return await etcd.cluster_size(ask) <= len(set(etcd.endpoints))
+            except EtcdUnavailable:
+                return False
         try:
             found = await find_leader(etcd, self.etcd_prefix)
             published = await etcd.get(epoch_key(self.etcd_prefix))

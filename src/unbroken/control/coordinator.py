@@ -152,6 +152,7 @@ class Coordinator(ThreadedService):
             ssl_context=ssl_context,
         )
         await site.start()
+        self.membership.listening(time.monotonic())  # a node's evidence (refusals) ended only now
         sockets = getattr(site._server, "sockets", None) or []
         if sockets:
             self.address = (self.config.service.host, sockets[0].getsockname()[1])

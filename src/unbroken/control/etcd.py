@@ -122,7 +122,7 @@ class Etcd:
         """
         if self._http is None:
             self._http = aiohttp.ClientSession()
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         errors = []
         n = len(self.endpoints)
         for i in range(n):
@@ -167,6 +167,12 @@ class Etcd:
             return View.LED if str(data.get("leader", "0")) not in ("", "0") else View.LEADERLESS
 
         return list(await asyncio.gather(*(view(e) for e in self.endpoints)))
+
+    async def cluster_size(self, timeout_s: float | None = None) -> int:
+        """How many members the cluster has, as the first member that answers knows it
+        (served locally, without a majority)."""
+        data = await self.call("cluster/member/list", {}, timeout_s)
+        return len(data.get("members") or [])
 
     # ---------------------------------------------------------------- leases
 

@@ -72,11 +72,11 @@ PROBE_WAIT_S = 2.0
 FRESH_JOB_GRACE_S = 1.0
 """After a restart, how long a first hello without a resume waits for members to come back."""
 BROKEN_SETTLE_S = 0.3
-OUTAGE_MARGIN_S = 0.1
-"""Beyond a node's outage trust, how long a recovering coordinator waits before leaving out a member of
-the epoch it found (the clocks' rates, the evidence's way to the node)."""
 """After a restart, once a member says the newest epoch is broken (it abandoned it), how
 long to wait for the rest of the group to reconnect before forming the next epoch."""
+OUTAGE_MARGIN_S = 0.1
+"""Beyond a node's outage trust, how long a recovering coordinator waits before leaving out
+a member of the epoch it found (the clocks' rates, the evidence's way to the node)."""
 REASONS_SHOWN = 8
 """An epoch's reason names this many causes, then counts the rest."""
 PLAN_DWELL_S = 1.0
@@ -88,16 +88,19 @@ REBALANCE_EVERY_S = 0.25
 REVIEW_MEMBERS = 500
 """Groups larger than this are reviewed proportionally less often."""
 REBALANCE_PERSIST_S = 0.5
+"""A better plan must stay better for this long before it replaces the current one."""
 WANDER_REVIEWS = 120
 """A member's speeds noted at this many plan reviews (half a minute for a small group) say
 how far its speed strays by itself: a machine's processes sharing its cores make identical
 nodes look 2-3 times apart for a second or more, each in turn, and shares that follow that
 only move back and forth. Its spread (robust: a lasting change of level moves it only once it
-fills half the window) counts as noise of its speed (`unbroken.sched.balance.NOISE_Z`)."""
+fills half the window) counts as noise of its speed when a rebalance is judged (not in the
+plan itself: truly unequal nodes keep shares by their speeds)."""
 WANDER_KNOWN_AFTER = 8
-WANDER_EVERY = 4
 """Reviews before a member's wander counts (none until then: a node that is slow from the
 start is moved at once)."""
+WANDER_EVERY = 4
+"""Its wander is computed again every this many reviews (a spread of 120 values moves little)."""
 """A better plan must stay better for this long before it replaces the current one."""
 STRAGGLER_PERSIST_S = 2.0
 """A trainer must stand out in every review for this long to be called a straggler (on a
@@ -172,7 +175,7 @@ class Member:
             self.evaluates,
             benched=now < self.benched_until,
             settled=c.measurements >= SETTLED_AFTER,
-            noise=max(c.noise, self.wander, self.typical_wander),
+            noise=c.noise,
         )
 
     def review(self, even_share: float) -> None:
@@ -183,7 +186,7 @@ class Member:
         self.levels.append(math.log(t))
         self.reviews += 1
         if len(self.levels) < WANDER_KNOWN_AFTER or self.reviews % WANDER_EVERY:
-            return  # a spread of 120 values moves little in a review: recomputed every few
+            return
         centre = statistics.median(self.levels)
         self.wander = 1.4826 * statistics.median(abs(v - centre) for v in self.levels)
 
@@ -490,6 +493,13 @@ class Membership:
     def number_above(self, epoch: int) -> None:
         """Epochs formed from now on are numbered above ``epoch`` (one published before)."""
         self._epoch_floor = max(self._epoch_floor, epoch)
+
+    def listening(self, now: float) -> None:
+        """The coordinator began to listen: a recovering one's wait for members of the epoch it
+        finds counts from now (until then its address refused connections, which a node in
+        an outage takes for evidence that no coordinator runs there)."""
+        if self.recovering_until is not None:
+            self._outage_fence = max(self._outage_fence, now + self.lease_s * OUTAGE_TRUST_LEASES + OUTAGE_MARGIN_S)
 
     def remember_verdicts(self, verdicts: Iterable[Refusal]) -> None:
         """The audits' verdicts a previous leader ordered (published with its last epoch)."""
@@ -850,7 +860,11 @@ class Membership:
         for m in trainers:
             m.typical_wander = typical
         better = rebalance(
-            self.batch_size, self.shares, [m.profile(now) for m in live], overhead_s=self._comm_s(trainers)
+            self.batch_size,
+            self.shares,
+            [m.profile(now) for m in live],
+            overhead_s=self._comm_s(trainers),
+            wander=[max(m.wander, m.typical_wander) for m in live],
         )
         if better is None:
             self._better_since = None

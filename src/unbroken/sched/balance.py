@@ -368,13 +368,15 @@ def rebalance(
     *,
     spares_wanted: int = 0,
     overhead_s: float = 0.0,
+    wander: Sequence[float] = (),
 ) -> tuple[Plan, str] | None:
     """A better plan for the same members, if it shortens the predicted step enough.
 
     ``current`` is the shares in force; the returned reason compares the two predictions.
     Hysteresis (`REBALANCE_MARGIN` of the whole step, ``overhead_s`` included, judged on
     speeds with their noise taken out: `NOISE_Z`) keeps measurement noise from flapping the
-    plan.
+    plan. ``wander``: how far each node's speed strays by itself over a longer time, also
+    counted as noise in that judgement (only there: the plan follows the measured speeds).
     """
     ps = _filled(profiles)
     now_s = _step_time(ps, current)
@@ -382,10 +384,14 @@ def rebalance(
     if list(new.shares) == list(current) or not new.step_s + overhead_s < (now_s + overhead_s) * (1 - REBALANCE_MARGIN):
         return None
     # The gain must remain once noise could explain the differences between the nodes.
-    calm = _denoised(ps, batch_size / max(1, len(new.trainers())))
+    noisy = [dataclasses.replace(p, noise=max(p.noise, w)) for p, w in zip(ps, wander, strict=True)] if wander else ps
+    calm = _denoised(noisy, batch_size / max(1, len(new.trainers())))
     best = plan(batch_size, calm, spares_wanted=spares_wanted, overhead_s=overhead_s, denoise=False)
-    if not best.step_s + overhead_s < (_step_time(calm, current) + overhead_s) * (1 - REBALANCE_MARGIN):
+    before = (_step_time(calm, current) + overhead_s) * (1 - REBALANCE_MARGIN)
+    if not best.step_s + overhead_s < before:
         return None
+    if wander and not _step_time(calm, new.shares) + overhead_s < before:
+        return None  # the plan proposed would gain only on speeds its nodes' wander could explain
     slowest = max(range(len(ps)), key=lambda i: ps[i].time_for(current[i]))
     reason = (
         f"rebalance: predicted step {now_s * 1e3:.1f} ms -> {new.step_s * 1e3:.1f} ms "

@@ -322,6 +322,25 @@ def test_identical_nodes_whose_speeds_wander_keep_their_shares(seed: int) -> Non
     assert len(reasons) <= 2, reasons
 
 
+def test_a_truly_faster_node_keeps_its_larger_share_beside_wandering_peers() -> None:
+    # Wander counts only when a rebalance is judged: a plan made at a join still follows speeds.
+    ms, _ = form({"a": FAST, "b": FAST, "c": FAST, "d": FAST / 2}, batch_size=120)
+    rng = random.Random(3)
+    levels: dict[tuple[str, int], float] = {}
+
+    def speeds(t: float) -> dict[str, float]:
+        block = int(t / 1.5)
+        out = {m: FAST * levels.setdefault((m, block), rng.lognormvariate(0.0, 0.28)) for m in "abc"}
+        return {**out, "d": FAST / 2}
+
+    run_reviews(ms, speeds, T0 + 0.1, T0 + 30)
+    ms.admit(hello("e", 120, FAST), T0 + 30)
+    _, d, _ = tick_until_order(ms, T0 + 30, T0 + 32)
+    shares = dict(zip(only_order(d).members, only_order(d).shares, strict=True))
+    others = sorted(shares[m] for m in "abce")
+    assert shares["d"] >= 1.5 * others[1], shares
+
+
 def test_a_steady_node_that_slows_down_is_still_rebalanced_soon() -> None:
     ms = three_equal()
     assert run_reviews(ms, lambda t: dict.fromkeys("abc", FAST), T0 + 0.1, T0 + 30) == []

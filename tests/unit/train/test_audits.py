@@ -235,7 +235,9 @@ def test_a_checkpoint_written_before_a_verdict_and_above_its_step_is_refused() -
         audits.refuse_if_recorded()
         assert audits.behind is refused and state.step == 30, checkpoint_epoch
     audits, _, _ = ordered_back_to(-1, held=None, at=30)
-    audits.committed_epoch = -1  # a state fetched from a peer: not the checkpoint's
+    audits.committed_epoch, audits.checkpoint_epoch = -1, 3
+    audits.synced(6, received=True)  # the state was then fetched from a peer: not the checkpoint's
+    assert audits.checkpoint_epoch == -1
     audits.node.client.latest_order = lambda: SimpleNamespace(refused=[SimpleNamespace(epoch=4, step=20)])
     audits.refuse_if_recorded()
     assert not audits.behind
