@@ -209,3 +209,22 @@ def test_outage_trust_is_renewed_by_evidence_and_a_lapse_is_not_renewed() -> Non
     finally:
         loop.call_soon_threadsafe(task.cancel)
         thread.join(timeout=5)
+
+
+def test_a_calls_own_deadline_wins_over_the_clients() -> None:
+    """A leader's lease renewal gives its request a deadline shorter than the client's."""
+    from unbroken.errors import EtcdUnavailable
+
+    frozen = silent_listener()
+
+    async def renew() -> float:
+        async with Etcd([f"http://127.0.0.1:{frozen.getsockname()[1]}"], timeout_s=5.0) as e:
+            start = time.monotonic()
+            with pytest.raises(EtcdUnavailable):
+                await e.keepalive(1, timeout_s=0.2)
+            return time.monotonic() - start
+
+    try:
+        assert asyncio.run(renew()) < 2.0
+    finally:
+        frozen.close()

@@ -120,9 +120,9 @@ class ControlClient:
         self.connected = False
         self.outage = False
         self._trusted_until = 0.0
+        """While in an outage: when this node's trust in its epoch lapses (module docstring)."""
         self._outage_began = asyncio.Event()
         """Set (on the session thread's loop) when an outage starts: its renewals begin."""
-        """While in an outage: when this node's trust in its epoch lapses (module docstring)."""
         self.lapses = 0
         """Sessions lost with the lease already stale: the coordinator may have ordered an
         epoch without this node meanwhile, which no later session's welcome disproves."""
@@ -556,7 +556,7 @@ class ControlClient:
             wait = self._outage_trust_s / 4
             refusals = await asyncio.gather(*(_refuses(h, p, wait) for h, p in self.addresses))
             return bool(refusals) and all(refusals)
-        ask = etcd.timeout_s = self._outage_trust_s / 6  # a silent member must not use up the check
+        etcd.timeout_s = self._outage_trust_s / 6  # a silent member must not use up the check
         views = await etcd.views()
         if View.LED not in views:
             # Every member down or outside a majority: nobody can be elected. (A silent one
@@ -565,7 +565,7 @@ class ControlClient:
             if not all(v in (View.DOWN, View.LEADERLESS) for v in views):
                 return False
             try:
-                return await etcd.cluster_size(ask) <= len(set(etcd.endpoints))
+                return await etcd.cluster_size() <= len(set(etcd.endpoints))
             except EtcdUnavailable:
                 return False
         try:

@@ -122,7 +122,7 @@ class Etcd:
         """
         if self._http is None:
             self._http = aiohttp.ClientSession()
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         errors = []
         n = len(self.endpoints)
         for i in range(n):
@@ -168,10 +168,10 @@ class Etcd:
 
         return list(await asyncio.gather(*(view(e) for e in self.endpoints)))
 
-    async def cluster_size(self, timeout_s: float | None = None) -> int:
+    async def cluster_size(self) -> int:
         """How many members the cluster has, as the first member that answers knows it
         (served locally, without a majority)."""
-        data = await self.call("cluster/member/list", {}, timeout_s)
+        data = await self.call("cluster/member/list", {})
         return len(data.get("members") or [])
 
     # ---------------------------------------------------------------- leases

@@ -101,7 +101,6 @@ WANDER_KNOWN_AFTER = 8
 start is moved at once)."""
 WANDER_EVERY = 4
 """Its wander is computed again every this many reviews (a spread of 120 values moves little)."""
-"""A better plan must stay better for this long before it replaces the current one."""
 STRAGGLER_PERSIST_S = 2.0
 """A trainer must stand out in every review for this long to be called a straggler (on a
 shared machine the one descheduled for a few steps changes from moment to moment)."""
@@ -250,8 +249,8 @@ class Membership:
         self._rollback_to = -1
         """A failed audit's rollback, carried by the next epoch order."""
         self._verdicts: list[Refusal] = []
-        """The latest audit verdicts, sent in every order (`EpochOrder.refused`); not carried
-        over a change of leader."""
+        """The latest audit verdicts, sent in every order (`EpochOrder.refused`) and published
+        with each epoch in etcd, whence a new leader takes them over (`remember_verdicts`)."""
         self._zones_in_force: list[str] = []
         """The zones of the epoch in force (empty: one zone)."""
         self._formed_at_step = -1
@@ -306,7 +305,7 @@ class Membership:
         self._pending_urgent = False
         self._pending_reasons: dict[str, None] = {}
         self.recovering_until = now + config.recovery_window_s if recovering else None
-        self._outage_fence = now + config.lease_s * OUTAGE_TRUST_LEASES + OUTAGE_MARGIN_S if recovering else now
+        self._outage_fence = now + self._outage_wait_s if recovering else now
         """Until when a recovering coordinator leaves no member of the epoch it found out."""
         self._came_back: set[str] = set()
         """Members that resumed here: one that fails after is gone as in a running epoch."""
@@ -499,7 +498,12 @@ class Membership:
         finds counts from now (until then its address refused connections, which a node in
         an outage takes for evidence that no coordinator runs there)."""
         if self.recovering_until is not None:
-            self._outage_fence = max(self._outage_fence, now + self.lease_s * OUTAGE_TRUST_LEASES + OUTAGE_MARGIN_S)
+            self._outage_fence = max(self._outage_fence, now + self._outage_wait_s)
+
+    @property
+    def _outage_wait_s(self) -> float:
+        """How long a member not back may still trust an outage (`OUTAGE_TRUST_LEASES`)."""
+        return self.lease_s * OUTAGE_TRUST_LEASES + OUTAGE_MARGIN_S
 
     def remember_verdicts(self, verdicts: Iterable[Refusal]) -> None:
         """The audits' verdicts a previous leader ordered (published with its last epoch)."""
