@@ -117,6 +117,8 @@ class ControlClient:
         self.orders: list[m.EpochOrder] = []
         self.expelled: str | None = None
         self.finished: int | None = None
+        self.final_digest = ""
+        """Once ``finished``: the state the job finished with, as the leader said (may be empty)."""
         self.connected = False
         self.outage = False
         self._trusted_until = 0.0
@@ -414,6 +416,7 @@ class ControlClient:
                 if msg.finished:
                     with self._lock:
                         self.finished = 0
+                        self.final_digest = msg.final_digest
                 raise JoinRefused(f"coordinator at {host}:{port} refused {self.name}: {msg.reason}")
             if not isinstance(msg, m.Welcome):
                 raise ProtocolError(f"expected welcome, got {msg.type}")
@@ -638,6 +641,7 @@ class ControlClient:
                 self.expelled = msg.reason
             elif isinstance(msg, m.Finished):
                 self.finished = msg.step
+                self.final_digest = msg.digest
         if isinstance(msg, m.Command) and self.on_command is not None:
             self.on_command(msg)
         if isinstance(msg, m.Met):

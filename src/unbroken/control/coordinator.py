@@ -394,7 +394,7 @@ class Coordinator(ThreadedService):
         if decision.refuse is not None:
             log.warning("refused %s from %s: %s", hello.name, peer, decision.refuse)
             self._refusal(peer, f"{hello.name}: {decision.refuse}")
-            return m.Refused(reason=decision.refuse, finished=self.membership.finished)
+            return m.Refused(reason=decision.refuse, finished=ms.finished, final_digest=ms.final_digest or "")
         session = open_session()
         self._sessions[mid] = session
         self._told.pop(mid, None)  # a new session: its next order goes in full
@@ -567,7 +567,7 @@ class Coordinator(ThreadedService):
             was_finished = ms.finished
             self._apply(ms.done(mid, msg.step, msg.digest, msg.metrics, now))
             if ms.finished and not was_finished:  # told once, not again at every later Done
-                finished = m.Finished(step=ms.step, term=self.term)
+                finished = m.Finished(step=ms.step, term=self.term, digest=ms.final_digest or "")
                 send_all(self._sessions, {o: finished for o in self._sessions if o not in ms.final_digests})
         elif isinstance(msg, m.Validation):
             self._apply(ms.validation(mid, msg.step, msg.metrics, msg.seconds, now))

@@ -333,6 +333,8 @@ class Refused(_Msg):
     reason: str
     finished: bool = False
     """True when the job is already over (nothing is wrong with the node)."""
+    final_digest: Annotated[str, Field(max_length=128)] = ""
+    """With ``finished``: the state the job finished with (`Finished.digest`)."""
     standby: bool = False
     """This coordinator does not lead: try ``leader`` (or again shortly, when it is empty)."""
     leader: Annotated[str, Field(max_length=300)] = ""
@@ -450,6 +452,9 @@ class Finished(_Msg):
     type: Literal["finished"] = "finished"
     step: Count
     term: Term = 0
+    digest: Annotated[str, Field(max_length=128)] = ""
+    """The state most of the last epoch's trainers finished with: a member still waiting at
+    the last step (an audit not settled) that holds the same state has finished too."""
 
 
 class Command(_Msg):

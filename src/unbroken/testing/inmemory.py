@@ -123,6 +123,7 @@ class MemoryControl:
         self.welcome: m.Welcome | None = None
         self.expelled: str | None = None
         self.finished: int | None = None
+        self.final_digest = ""
         self.step = 0
         self.lapses = 0
         self.rtt_s = 0.0
@@ -257,6 +258,13 @@ class MemoryJob:
     def latest_order(self) -> m.EpochOrder | None:
         with self._lock:
             return self._orders[-1] if self._orders else None
+
+    def finish(self, step: int, digest: str) -> None:
+        """The job is over at ``step`` with the state of ``digest`` (what `m.Finished` says)."""
+        for node in self.nodes.values():
+            node.client.final_digest = digest
+            node.client.finished = step
+            node.wake.set()
 
     def receive(self, member: str, msg: BaseModel) -> None:
         with self._lock:

@@ -109,6 +109,8 @@ class Control(Protocol):
     """Why the leader expelled this node (None while it is a member)."""
     finished: int | None
     """The job's last step, once the leader said the job is over."""
+    final_digest: str
+    """Once ``finished``: the state the job finished with, as the leader said (may be empty)."""
     step: int
     """The step this node has committed (what its heartbeats say)."""
     lapses: int

@@ -363,7 +363,7 @@ class Node:
                     self.client.expelled = "rejoin pending: coordinator unreachable"
                 continue
             if self.client.finished is not None:
-                return NodeResult("job-finished", self.state.step, self.state.digest(), self._epochs_formed)
+                return self._job_finished()
             order = self.client.latest_order()
             if order is not None and order.epoch > current:
                 if self.client.member_id in order.members:
@@ -536,8 +536,18 @@ class Node:
 
     # ---------------------------------------------------------------- ends
 
-    def _finish(self) -> NodeResult:
+    def _job_finished(self) -> NodeResult:
+        """The job finished without this node's word. At the last step with the state most
+        trainers finished with (the audit it waited for there was cut short: its lease ran
+        out, the others finished first), it finished too; otherwise its run just ends."""
         digest = self.state.digest()
+        if self.state.step == self.job.num_steps and digest == self.client.final_digest:
+            log.info("%s: the job finished with this node's state (step %d)", self.name, self.state.step)
+            return self._finish(digest)
+        return NodeResult("job-finished", self.state.step, digest, self._epochs_formed)
+
+    def _finish(self, digest: str | None = None) -> NodeResult:
+        digest = digest or self.state.digest()
         metrics: dict[str, float] = {}
         if self.job.evaluate is not None and (self.group is None or self.group.rank == 0):
             self.state.model.eval()

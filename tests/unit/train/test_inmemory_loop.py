@@ -4,6 +4,7 @@ member killed in the middle of a collective."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from unbroken.specs import CodecSpec, DiLoCoPolicy, Policy
 from unbroken.state import checkpoint as ck
 from unbroken.testing.inmemory import Crash, Crashed, MemoryJob
 from unbroken.testing.promises import check_promises, reference_state
+from unbroken.train.hooks import NoFaults
 from unbroken.train.runtime import NodeResult
 
 ATOL = 1e-5
@@ -216,3 +218,49 @@ def test_the_step_flat_is_kept_across_graceful_epoch_changes_and_let_go_after_a_
         assert epochs[1] != built[name], "grown: the one built had norm slots for 2 members"
         assert epochs[1] == epochs[2], "kept across the graceful change"
         assert epochs[3] != epochs[2], "a new one after the failure"
+
+
+class Held(NoFaults):
+    """A node whose step loop stalls right after committing ``step`` until released (a node
+    whose lease runs out while it writes a checkpoint, on a busy machine)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.reached, self.release = threading.Event(), threading.Event()
+
+    def bitflip(self, step: int) -> bool:
+        if step == self.step:
+            self.reached.set()
+            self.release.wait(60)
+        return False
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same-state", "other-state"])
+def test_a_node_cut_short_in_the_last_steps_audit_finished_if_it_holds_the_state_the_job_finished_with(
+    tmp_path: Path, same: bool
+) -> None:
+    j = job(12)
+    held = Held(12)
+    with MemoryJob(j, ["a", "b", "c"], tmp_path, faults={"c": held}) as mj:
+        mj.order(["a", "b", "c"])
+        assert held.reached.wait(30), "c never committed the last step"
+        mj.order(["a", "b"], urgent=True, reason="c's lease expired")
+        deadline = time.monotonic() + 30
+        while len(done := [msg for _, msg in list(mj.received) if isinstance(msg, m.Done)]) < 2:
+            assert time.monotonic() < deadline, "a and b did not finish without c"
+            time.sleep(0.01)
+        assert isinstance(done[0], m.Done)
+        for name in ("a", "b"):  # they exited: c's audit of epoch 1 cannot complete
+            mj.groups.kill(name)
+        mj.finish(12, done[0].digest if same else "0" * 64)
+        held.release.set()
+        results = mj.join(60)
+    c = results["c"]
+    assert isinstance(c, NodeResult) and c.step == 12
+    finals = [e for e in mj.logs()["c"] if e["kind"] == Entry.FINAL]
+    if same:
+        assert c.outcome == "finished" and c.digest == done[0].digest and len(finals) == 1
+        assert_promised(mj, j, finishers=3)
+    else:
+        assert c.outcome == "job-finished" and not finals, "its state is not the one the job finished with"
+        assert_promised(mj, j, finishers=2)
