@@ -236,6 +236,15 @@ class Meeting:
         ranks = {k: k.rsplit("/", 1)[1] for k in keys}
         return {int(r): ep.store.get(k) for k, r in ranks.items() if r.isascii() and r.isdigit()}
 
+    def writers(self, epoch: int, group: str, before: float) -> set[int]:
+        """The ranks of ``group`` whose entry for ``epoch`` the leader handed over before
+        ``before`` (a `time.monotonic` time)."""
+        with self._lock:
+            ep = self._epochs.get(epoch)
+            keys = [k for k, t in ep.arrived.items() if t < before] if ep is not None else []
+        prefix = f"{group}/0/"
+        return {int(r) for k in keys if k.startswith(prefix) and (r := k[len(prefix) :]).isascii() and r.isdigit()}
+
     def store(self, epoch: int) -> HashStore:
         return self._get(epoch).store
 
@@ -252,9 +261,11 @@ class Meeting:
         """Entries of the epoch's members, from the leader."""
         ep = self._get(epoch)
         with self._lock:
+            now = time.monotonic()
             for key, value in entries.items():
                 if key not in ep.known:
                     ep.known.add(key)  # before it is visible: `publish` must not take it for ours
+                    ep.arrived[key] = now
                     ep.store.set(key, value)  # type: ignore[arg-type]  # bytes, as gloo wrote them
 
     def publish(self, epoch: int) -> None:
@@ -286,6 +297,8 @@ class _Entries:
     store: HashStore
     known: set[str] = field(default_factory=set)
     """Keys the leader knows (received from it, or sent)."""
+    arrived: dict[str, float] = field(default_factory=dict)
+    """Keys received from the leader: when."""
     mine: dict[str, bytes] = field(default_factory=dict)
     """What this node's data plane wrote."""
     devices: dict[str, list[Any]] = field(default_factory=dict)

@@ -79,6 +79,8 @@ class MemoryGroups:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._worlds: dict[tuple[int, str], tuple[FakeWorld, list[str]]] = {}
+        self.met: Callable[[int, str], None] = lambda epoch, key: None
+        """What a build's rendezvous entry does (set by `MemoryJob`: every node sees it)."""
 
     def world(self, epoch: int, name: str, ids: Sequence[str]) -> FakeWorld:
         with self._lock:
@@ -93,7 +95,9 @@ class MemoryGroups:
         def build(
             name: str, rank: int, ids: list[str], lazy: bool = False, streams: int = 1
         ) -> tuple[ProcessGroup, float]:
-            return self.world(epoch, name, ids).group(rank), 0.0
+            world = self.world(epoch, name, ids)
+            self.met(epoch, f"{name}/0/{rank}")
+            return world.group(rank), 0.0
 
         return build
 
@@ -172,13 +176,16 @@ class MemoryJob:
         faults: Mapping[str, Faults] | None = None,
         collective_timeout_s: float = 20.0,
         checkpoint_every: int = 0,
+        max_donors: int = 0,
     ) -> None:
-        """``checkpoint_every``: each node checkpoints into ``workdir/<name>-ckpt`` (0: none)."""
+        """``checkpoint_every``: each node checkpoints into ``workdir/<name>-ckpt`` (0: none);
+        ``max_donors``: the donors a node catching up asks (`NodeConfig.max_donors`)."""
         self.job = job
         self.workdir = workdir
         self.policy = m.PolicyMsg.of(policy or Policy())
         self.zones = dict(zones or {})
         self.groups = MemoryGroups()
+        self.groups.met = self._met
         self._lock = threading.Lock()
         self._orders: list[m.EpochOrder] = []
         self.received: list[tuple[str, BaseModel]] = []
@@ -199,6 +206,7 @@ class MemoryJob:
                 collective_timeout_s=collective_timeout_s,
                 checkpoint_dir=workdir / f"{name}-ckpt" if checkpoint_every else None,
                 checkpoint_every=checkpoint_every,
+                max_donors=max_donors,
             )
             self.nodes[name] = Node(
                 job, config, fault, control=lambda node: MemoryControl(self, node.name), groups=self.groups.maker
@@ -258,6 +266,12 @@ class MemoryJob:
     def latest_order(self) -> m.EpochOrder | None:
         with self._lock:
             return self._orders[-1] if self._orders else None
+
+    def _met(self, epoch: int, key: str) -> None:
+        """A rendezvous entry, handed to every node as the leader hands them out (`m.Met`)."""
+        for node in list(self.nodes.values()):
+            node.epochs.meeting.deliver(epoch, {key: b"memory"})
+            node.wake.set()
 
     def finish(self, step: int, digest: str) -> None:
         """The job is over at ``step`` with the state of ``digest`` (what `m.Finished` says)."""

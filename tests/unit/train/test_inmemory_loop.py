@@ -264,3 +264,56 @@ def test_a_node_cut_short_in_the_last_steps_audit_finished_if_it_holds_the_state
     else:
         assert c.outcome == "job-finished" and not finals, "its state is not the one the job finished with"
         assert_promised(mj, j, finishers=2)
+
+
+class PausedDonor(NoFaults):
+    """The first state transfer any of the nodes sharing it makes as a donor stalls after its
+    first chunk until released."""
+
+    def __init__(self) -> None:
+        self.reached, self.release = threading.Event(), threading.Event()
+        self.lock = threading.Lock()
+
+    def maybe_fire(self, phase: str, step: int) -> None:
+        if phase != "resync":
+            return
+        with self.lock:
+            first = not self.reached.is_set()
+            self.reached.set()
+        if first:
+            self.release.wait(60)
+
+
+def test_members_in_a_step_leave_it_once_a_member_left_the_sync_phase_for_a_newer_epoch(tmp_path: Path) -> None:
+    """A non-urgent order ends a sync phase's transfer at once but a step only at its vote:
+    the members a joiner did not ask for chunks are in the step by then. They must leave it
+    once the donor builds the new epoch (the step cannot complete without it), not wait out
+    the collective timeout (and be named absent from the new epoch meanwhile)."""
+    j = mlp.make(40, delay_ms=20)
+    paused = PausedDonor()
+    try:
+        with MemoryJob(
+            j,
+            ["a", "b", "c", "d"],
+            tmp_path,
+            faults=dict.fromkeys("abc", paused),
+            collective_timeout_s=90,
+            max_donors=1,
+        ) as mj:
+            mj.order(["a", "b", "c"])
+            deadline = time.monotonic() + 30
+            while mj.nodes["a"].state.step < 5:
+                assert time.monotonic() < deadline, "epoch 1 did not train"
+                time.sleep(0.01)
+            mj.order(["a", "b", "c", "d"], reason="d joined")
+            assert paused.reached.wait(30), "nobody sent d the state"
+            mj.order(["a", "b", "c", "d"], reason="a rebalance")
+            results = mj.join(60)
+    finally:
+        paused.release.set()
+    assert set(finished(results)) == {"a", "b", "c", "d"}
+    assert not mj.faults(), "nobody waited out a collective's timeout"
+    assert_promised(mj, j, finishers=4)
+    logs = mj.logs()
+    receivers = [n for n in "abc" if any(e["kind"] == Entry.SYNC for e in logs[n])]
+    assert not receivers, f"{receivers} left a step the others committed"
