@@ -293,6 +293,8 @@ class Membership:
         """Reports of failed collectives that nothing else bore out yet."""
         self._witnesses: dict[int, dict[str, str]] = {}
         """The last epochs' members, each with its zone (who could see a verdict's evidence)."""
+        self._rollbacks: dict[int, dict[str, int]] = {}
+        """Epoch → its members that reported an audit verdict, each with the step it went back to."""
         self._readmit_at: float | None = None
         """When a member kept out of the epochs may come back (an epoch forms then)."""
         self._checking_from: int | None = None
@@ -626,16 +628,17 @@ class Membership:
         current = epoch == self.epoch
         if current and self.recovering_until is not None:
             self._epoch_broke(now, f"{m.name} reports: {reason}")
-        if rollback_to >= 0:
+        back = self._rollback_reported(member_id, epoch, kind, rollback_to, witnesses)
+        if back >= 0:
             # Remembered whatever the epoch now (a report may come after the next order):
             # a member away since must not bring back what the verdict refused.
-            self._refuse(epoch, rollback_to)
-        if current and rollback_to >= 0:
+            self._refuse(epoch, back)
+        if current and back >= 0:
             # The oldest audited state reported: every copy of it predates the corruption
             # (a joiner's copy is of the step it joined at, a member cut short of a verdict
             # holds an older one), and a member without it fetches it from one that holds it.
             held = self._rollback_to
-            self._rollback_to = rollback_to if held < 0 else min(held, rollback_to)
+            self._rollback_to = back if held < 0 else min(held, back)
         act, released = self._hearsay.reported(member_id, epoch, now, reason)
         self._release(released, now)
         c = self.members.get(culprit) if culprit is not None else None
@@ -692,6 +695,24 @@ class Membership:
             return d
         self._want_epoch(now, urgent=True, reason=f"collective failed at {m.name}: {reason}", delay=FAULT_GRACE_S)
         return d
+
+    def _rollback_reported(
+        self, member_id: str, epoch: int, kind: Kind, rollback_to: int, witnesses: dict[str, str]
+    ) -> int:
+        """A member's audit verdict on ``epoch`` (going back to its audited state of step
+        ``rollback_to``; -1: it holds none): the step the group goes back to once most of
+        the epoch's members reported one, the oldest of those reported (-1 until then, and
+        where nobody holds an audited state). Each member reaches the verdict from the same
+        gathered digests: one member's word alone rolls nobody back. (Once most reported, a
+        liar among them can still name an older step: honest members' steps differ too, a
+        joiner's copy being newer than the last audit, so the oldest is the safe one.)"""
+        if kind is not Kind.AUDIT:
+            return -1
+        reports = self._rollbacks.setdefault(epoch, {})
+        reports[member_id] = rollback_to
+        if len(reports) < len(witnesses) // 2 + 1:
+            return -1
+        return min((s for s in reports.values() if s >= 0), default=-1)
 
     def _refuse(self, epoch: int, step: int) -> None:
         """Record a verdict: states committed in ``epoch`` or before, above ``step``."""
@@ -1063,6 +1084,7 @@ class Membership:
         for e in [e for e in self._witnesses if e < self.epoch - 1]:
             del self._witnesses[e]
         self._accusers = {k: v for k, v in self._accusers.items() if k[0] >= self.epoch - 1}
+        self._rollbacks = {e: r for e, r in self._rollbacks.items() if e >= self.epoch - 1}
         self._zones_in_force = zones if len(set(zones)) > 1 else []
         names = list(dict.fromkeys(self._zones_in_force))
         self._ring = self.links.ring(names, self._ring, now) if len(names) >= RING_MIN_ZONES else []

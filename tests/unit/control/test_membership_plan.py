@@ -744,6 +744,21 @@ def test_a_failed_audit_goes_back_to_the_oldest_audited_state_its_reporters_hold
     assert [(r.epoch, r.step) for r in order.refused] == [(order.epoch - 1, 20)], "remembered in every order"
 
 
+def test_one_members_audit_verdict_rolls_nobody_back() -> None:
+    ms, _ = three_trainers()
+    t = JOIN_SETTLE_S
+    verdict_epoch = ms.epoch
+    ms.fault("a", verdict_epoch, "digest differs", t, culprit="c", kind=Kind.AUDIT, rollback_to=20)
+    for mid in ("a", "b", "c"):
+        ms.heartbeat(mid, 0, t)
+    order = only_order(ms.tick(t + 1.0))
+    assert order.rollback_to == -1 and not order.refused, "a lying member could send the group back to step 0"
+    ms.fault("b", verdict_epoch, "digest differs", t + 1.0, culprit="c", kind=Kind.AUDIT, rollback_to=30)
+    ms.fault("c", ms.epoch, "collective failed", t + 1.1)
+    order = only_order(ms.tick(t + 2.0))
+    assert [(r.epoch, r.step) for r in order.refused] == [(verdict_epoch, 20)], "most of the epoch said so"
+
+
 def test_a_verdict_reported_after_the_next_epoch_formed_is_still_remembered() -> None:
     ms, _ = three_trainers()
     t = JOIN_SETTLE_S
