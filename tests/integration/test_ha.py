@@ -111,6 +111,10 @@ def test_leader_killed_then_a_node_killed_training_goes_on(make_cluster, etcd):
     assert_terms_never_go_back(c)
     assert took_over_s < 10, took_over_s
     assert any("leads (term" in e["reason"] for e in events_of(c, "leader"))
+    # n1 and n2 found nothing listening at n3's data-plane address: the new leader did not
+    # wait a lease for n3 to come back (an outage it might still trust).
+    gone = [e for e in events_of(c, "failure") if "nothing listens" in e["reason"]]
+    assert gone and gone[0]["member"].startswith("n3#"), events_of(c, "failure")
 
 
 def test_frozen_leader_is_fenced_after_it_wakes(make_cluster, etcd):

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from unbroken.control import messages as m
 from unbroken.control.meeting import data_address
@@ -28,6 +29,8 @@ from unbroken.sched.zones import WORLD
 REACH_TIMEOUT_S = 1.0
 """How long one connection attempt to a peer's data-plane address may take."""
 REACH_THREADS = 64
+
+T = TypeVar("T")
 
 
 def reach(targets: dict[str, tuple[str, int]], timeout_s: float = REACH_TIMEOUT_S) -> dict[str, str]:
@@ -42,11 +45,33 @@ def reach(targets: dict[str, tuple[str, int]], timeout_s: float = REACH_TIMEOUT_
             return exc.strerror or type(exc).__name__
         return None
 
+    errors = _each(targets, attempt)
+    return {mid: error for mid, error in errors.items() if error is not None}
+
+
+def refusing(targets: dict[str, tuple[str, int]], timeout_s: float = REACH_TIMEOUT_S) -> list[str]:
+    """The members whose (host, port) refuses a TCP connection: nothing listens there, so
+    the process that did is gone (a dead process's ports refuse at once; a cut-off or
+    frozen one's time out, and count as alive)."""
+
+    def attempt(address: tuple[str, int]) -> bool:
+        try:
+            socket.create_connection(address, timeout=timeout_s).close()
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+        return False
+
+    return [mid for mid, gone in _each(targets, attempt).items() if gone]
+
+
+def _each(targets: dict[str, tuple[str, int]], attempt: Callable[[tuple[str, int]], T]) -> dict[str, T]:
+    """``attempt`` on every member's address at once (each connection waits on its own)."""
     if not targets:
         return {}
     with ThreadPoolExecutor(min(REACH_THREADS, len(targets)), thread_name_prefix="reach") as pool:
-        errors = dict(zip(targets, pool.map(attempt, targets.values()), strict=True))
-    return {mid: error for mid, error in errors.items() if error is not None}
+        return dict(zip(targets, pool.map(attempt, targets.values()), strict=True))
 
 
 def unreachable_fault(epoch: int, group: str, member: str, host: str, port: int, error: str) -> m.Fault:

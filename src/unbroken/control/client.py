@@ -140,6 +140,7 @@ class ControlClient:
         self.on_met: Callable[[m.Met], None] | None = None
         """Called (on the control thread) with rendezvous entries for this node's group builds."""
         self.on_probe: Callable[[m.Probe], None] | None = None
+        self.on_check: Callable[[m.Check], None] | None = None
         """Called (on the control thread) when the leader asks to try a member's data-plane address."""
         self.on_welcome: Callable[[m.Welcome, bool], None] | None = None
         """Called (on the control thread) after each welcome, with whether it came from
@@ -626,7 +627,8 @@ class ControlClient:
                     # its own on the same site.
                     self.rtt_s = min(self._rtts) if len(self._rtts) >= RTT_SAMPLES else 0.0
                 return
-            if isinstance(msg, (m.EpochOrder, m.Command, m.Expel, m.Finished, m.Met, m.Probe)) and msg.term < self.term:
+            fenced = (m.EpochOrder, m.Command, m.Expel, m.Finished, m.Met, m.Probe, m.Check)
+            if isinstance(msg, fenced) and msg.term < self.term:
                 log.warning("refusing a %s of term %d (have seen term %d): fenced", msg.type, msg.term, self.term)
                 return
             if isinstance(msg, m.EpochOrder):
@@ -651,6 +653,10 @@ class ControlClient:
         if isinstance(msg, m.Probe):
             if self.on_probe is not None:
                 self.on_probe(msg)
+            return
+        if isinstance(msg, m.Check):
+            if self.on_check is not None:
+                self.on_check(msg)
             return
         self.wake.set()
 

@@ -412,6 +412,8 @@ class Coordinator(ThreadedService):
             )
         )
         self._apply(decision)
+        if hello.resume is not None and (missing := ms.unaccounted(hello.resume)):
+            session.send(m.Check(epoch=hello.resume.epoch, term=self.term, members=missing[: m.CHECKED_MAX]))
         last = self._last_order
         if back and last is not None and hello.last_epoch < last.epoch and mid in last.members:
             # Formed while it was away (its relay died, its session was being replaced): the
@@ -571,6 +573,8 @@ class Coordinator(ThreadedService):
                 send_all(self._sessions, {o: finished for o in self._sessions if o not in ms.final_digests})
         elif isinstance(msg, m.Validation):
             self._apply(ms.validation(mid, msg.step, msg.metrics, msg.seconds, now))
+        elif isinstance(msg, m.Vanished):
+            self._apply(ms.vanished(mid, msg.epoch, msg.members, now))
         elif isinstance(msg, m.Links):
             self._apply(ms.links_measured(mid, msg.epoch, msg.rates, now))
         elif isinstance(msg, m.Meet):

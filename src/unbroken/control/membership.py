@@ -28,7 +28,7 @@ import enum
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from unbroken.config import MembershipConfig
@@ -311,6 +311,9 @@ class Membership:
         """Until when a recovering coordinator leaves no member of the epoch it found out."""
         self._came_back: set[str] = set()
         """Members that resumed here: one that fails after is gone as in a running epoch."""
+        self._vanished: dict[str, set[str]] = {}
+        """Members of the epoch found that are not back → the members back from it that found
+        nothing listening at its data-plane address (`vanished`)."""
         self._resumes: dict[str, Resume] = {}
         self._next_expiry_scan = now
 
@@ -506,6 +509,38 @@ class Membership:
     def _outage_wait_s(self) -> float:
         """How long a member not back may still trust an outage (`OUTAGE_TRUST_LEASES`)."""
         return self.lease_s * OUTAGE_TRUST_LEASES + OUTAGE_MARGIN_S
+
+    def unaccounted(self, resume: Resume) -> list[str]:
+        """Members of the epoch a member came back from (``resume``) that are not back, while
+        this coordinator waits for them (`_outage_fence`): the ones it asks that member to try
+        (`m.Check`)."""
+        if self.recovering_until is None or resume.epoch < self.epoch:
+            return []
+        return [mid for mid in resume.members if mid not in self.members and mid not in self._came_back]
+
+    def vanished(self, reporter: str, epoch: int, members: Iterable[str], now: float) -> Decision:
+        """A member back from ``epoch`` found nothing listening at these members' data-plane
+        addresses there (`m.Vanished`). A dead process commits nothing more: once most of the
+        epoch's other members say so of one, the new epoch need not wait for it."""
+        d = Decision()
+        r = self._resumes.get(reporter)
+        if self.recovering_until is None or r is None or r.epoch != epoch or epoch < self.epoch:
+            return d
+        for mid in members:
+            if mid in r.members and mid != reporter and mid not in self.members:
+                seen = self._vanished.setdefault(mid, set())
+                if reporter not in seen and mid not in self._dead(r.members):
+                    seen.add(reporter)
+                    if mid in self._dead(r.members):
+                        why = f"{mid}: nothing listens at its data-plane address of epoch {epoch} ({len(seen)} found)"
+                        d.events.append(self._event(now, Kind.FAILURE, mid, f"{why}: not waited for"))
+        return d
+
+    def _dead(self, found: Collection[str]) -> set[str]:
+        """Members of ``found`` (the epoch found) that most of its other members found gone."""
+        group = set(found)
+        need = (len(group) - 1) // 2 + 1
+        return {mid for mid, seen in self._vanished.items() if mid in group and len(seen & group) >= need}
 
     def remember_verdicts(self, verdicts: Iterable[Refusal]) -> None:
         """The audits' verdicts a previous leader ordered (published with its last epoch)."""
@@ -941,7 +976,7 @@ class Membership:
             if now < self._outage_fence and self._resumes:
                 newest = max(r.epoch for r in self._resumes.values())
                 found = {mid for r in self._resumes.values() if r.epoch == newest for mid in r.members}
-                if not found <= set(self.members) | self._came_back:
+                if not found <= set(self.members) | self._came_back | self._dead(found):
                     return d  # one not back may still commit in that epoch
             self.recovering_until = None
             if self.members and self._pending_due is not None:

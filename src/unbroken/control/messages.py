@@ -510,12 +510,38 @@ class Probe(_Msg):
     port: Annotated[int, Field(ge=1, le=65535)]
 
 
+CHECKED_MAX = 64
+"""Members one `Check` names (a new leader asks about those of the epoch it found that are
+not back; past this many, the rest wait out the outage fence)."""
+
+
+class Check(_Msg):
+    """A new leader asks a member back from ``epoch`` to try the data-plane addresses those
+    ``members`` had in it: none of them came back yet, and one still in that epoch (its
+    session cut off, its lease fresh) could commit a step there, so the leader waits a lease
+    before leaving it out, unless most of the others find nothing listening (`Vanished`)."""
+
+    type: Literal["check"] = "check"
+    epoch: EpochNo
+    term: Term = 0
+    members: Annotated[list[Name], Field(max_length=CHECKED_MAX)]
+
+
+class Vanished(_Msg):
+    """Members of ``epoch`` whose data-plane address refused this node's connection: nothing
+    listens there, so their processes are gone (or left that epoch long ago)."""
+
+    type: Literal["vanished"] = "vanished"
+    epoch: EpochNo
+    members: Annotated[list[Name], Field(max_length=CHECKED_MAX)]
+
+
 NodeMessage = Annotated[
-    Hello | Heartbeat | Progress | Fault | Leave | Done | Validation | Report | Meet | Links,
+    Hello | Heartbeat | Progress | Fault | Leave | Done | Validation | Report | Meet | Links | Vanished,
     Field(discriminator="type"),
 ]
 CoordinatorMessage = Annotated[
-    Challenge | Welcome | Refused | Ack | EpochOrder | Expel | Finished | Command | Met | Probe,
+    Challenge | Welcome | Refused | Ack | EpochOrder | Expel | Finished | Command | Met | Probe | Check,
     Field(discriminator="type"),
 ]
 

@@ -134,6 +134,7 @@ class MemoryControl:
         self.on_command: Callable[[m.Command], None] | None = None
         self.on_met: Callable[[m.Met], None] | None = None
         self.on_probe: Callable[[m.Probe], None] | None = None
+        self.on_check: Callable[[m.Check], None] | None = None
         self.on_welcome: Callable[[m.Welcome, bool], None] | None = None
 
     def start(self) -> m.Welcome:

@@ -5,6 +5,7 @@ reached (it tries the peers' addresses and says whom: `unbroken.comm.reach`)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import logging
 import threading
@@ -15,10 +16,10 @@ import torch
 from unbroken.comm.codecs import Codec, make_codec
 from unbroken.comm.group import PUBLISH_S, EpochGroup, EpochScope, Meeting, build_group, wait_until
 from unbroken.comm.links import probe
-from unbroken.comm.reach import Stall, accuse, reach, unreachable_fault
+from unbroken.comm.reach import Stall, accuse, reach, refusing, unreachable_fault
 from unbroken.comm.reduce import Reducer
 from unbroken.control import messages as m
-from unbroken.control.meeting import with_port
+from unbroken.control.meeting import data_address, with_port
 from unbroken.errors import BadContribution, CollectiveFailed, Unreachable
 from unbroken.events import Entry
 from unbroken.sched.zones import WORLD, Zones
@@ -47,6 +48,9 @@ class Epochs:
         self.meeting = Meeting(self._meet)
         self.codec = CodecSlot(node.name)
         self._accusing = threading.Lock()
+        self._former: tuple[int, dict[str, tuple[str, int]]] = (-1, {})
+        """The epoch this node was in when a new leader welcomed it, with its other members'
+        data-plane addresses there (`check`)."""
         self._accused: dict[tuple[int, str], bool] = {}
         """(epoch, group) builds whose peers' addresses this node tried: whether any failed."""
 
@@ -221,11 +225,38 @@ class Epochs:
     def met(self, met: m.Met) -> None:
         self.meeting.deliver(met.epoch, {k: base64.b64decode(v) for k, v in met.entries.items()})
 
+    def check(self, check: m.Check) -> None:
+        """A new leader asks which of ``check.members`` left nothing listening at the
+        data-plane address they had in this node's last epoch (`m.Check`)."""
+        epoch, addresses = self._former
+        if check.epoch != epoch:
+            return
+        targets = {mid: addresses[mid] for mid in check.members if mid in addresses}
+
+        def attempt() -> None:
+            if gone := refusing(targets):
+                self.node.client.send(m.Vanished(epoch=epoch, members=gone))
+
+        threading.Thread(target=attempt, name="check", daemon=True).start()
+
     def welcomed(self, welcome: m.Welcome, new_coordinator: bool) -> None:
         if new_coordinator:
+            self._former = self._addresses()  # a new leader may ask about them (`check`)
             self.meeting.reset()
         else:
             self.meeting.republish()
+
+    def _addresses(self) -> tuple[int, dict[str, tuple[str, int]]]:
+        """This node's epoch and the data-plane addresses its other members had in it."""
+        g = self.node.group
+        if g is None:
+            return -1, {}
+        out = {}
+        for r, raw in self.meeting.entries(g.epoch, WORLD).items():
+            if r < len(g.members) and r != g.rank:
+                with contextlib.suppress(ValueError):  # the leader checked it; garbled since, it says nothing
+                    out[g.members[r]] = data_address(raw)
+        return g.epoch, out
 
 
 class CodecSlot:

@@ -119,6 +119,7 @@ class Control(Protocol):
     on_command: Callable[[m.Command], None] | None
     on_met: Callable[[m.Met], None] | None
     on_probe: Callable[[m.Probe], None] | None
+    on_check: Callable[[m.Check], None] | None
     on_welcome: Callable[[m.Welcome, bool], None] | None
 
     def start(self) -> m.Welcome:

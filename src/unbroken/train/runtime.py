@@ -178,6 +178,7 @@ class Node:
         self.client.on_command = self._command
         self.client.on_met = self.epochs.met
         self.client.on_probe = self.epochs.probe
+        self.client.on_check = self.epochs.check
         self.client.on_welcome = self.epochs.welcomed
 
     def _connect(self) -> ControlClient:

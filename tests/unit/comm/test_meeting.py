@@ -13,13 +13,13 @@ import torch
 from integration.helpers import established_to
 from unbroken.comm.codecs import Codec, make_codec
 from unbroken.comm.group import EpochScope, Meeting, build_group
-from unbroken.comm.reach import Stall, accuse, reach
+from unbroken.comm.reach import Stall, accuse, reach, refusing
 from unbroken.comm.reduce import Reducer
 from unbroken.control import messages as m
 from unbroken.control.meeting import data_address, with_port
 from unbroken.errors import BadContribution, CollectiveFailed
 from unbroken.sched.zones import Zones
-from unbroken.testing.faults import refusing_socket
+from unbroken.testing.faults import dropping_sockets, refusing_socket
 
 
 class Leader:
@@ -81,6 +81,19 @@ def test_reach_names_what_it_cannot_connect_to():
     with listening, held:
         failed = reach({"up": ("127.0.0.1", listening.getsockname()[1]), "down": ("127.0.0.1", dead)})
     assert list(failed) == ["down"] and "refused" in failed["down"].lower()
+
+
+def test_only_an_address_that_refuses_counts_as_a_process_gone():
+    listening = socket.create_server(("127.0.0.1", 0))
+    held, dead = closed_port()
+    dropping = dropping_sockets("127.0.0.1")
+    with listening, held, dropping[0], dropping[1]:
+        targets = {
+            "alive": ("127.0.0.1", listening.getsockname()[1]),
+            "dead": ("127.0.0.1", dead),
+            "cut-off": ("127.0.0.1", dropping[0].getsockname()[1]),  # no answer: it may still train
+        }
+        assert refusing(targets, timeout_s=0.3) == ["dead"]
 
 
 def test_a_build_with_an_unreachable_peer_fails_and_its_peers_name_that_peer():

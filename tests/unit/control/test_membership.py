@@ -829,6 +829,24 @@ def test_a_member_that_abandoned_the_newest_epoch_ends_a_new_leaders_wait_early(
     assert "abandoned" in order.reason
 
 
+def test_a_new_leader_does_not_wait_for_a_member_most_of_its_epoch_found_nothing_listening_for():
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
+    resume = {"epoch": 5, "members": ["a", "b", "c"], "step": 40}
+    assert ms.admit(hello("a", resume=Resume(**resume, abandoned=True), last_epoch=5), 0.0).refuse is None
+    assert ms.unaccounted(Resume(**resume)) == ["b", "c"], "whom a is asked to try"
+    assert ms.admit(hello("b", resume=Resume(**resume, abandoned=True), last_epoch=5), 0.02).refuse is None
+    assert ms.unaccounted(Resume(**resume)) == ["c"]
+    assert not ms.vanished("a", 5, ["c"], 0.05).events, "one member's word leaves nobody out"
+    assert not ms.vanished("x", 5, ["c"], 0.05).events and not ms.vanished("b", 4, ["c"], 0.05).events
+    keep_alive(ms, 0.4)
+    assert not ms.tick(0.4).orders
+    (event,) = ms.vanished("b", 5, ["c"], 0.45).events
+    assert event.kind == "failure" and event.member == "c" and "nothing listens" in event.reason
+    keep_alive(ms, 0.5)
+    order = only_order(ms.tick(0.5))  # the abandoned epoch's settle, not the lease
+    assert order.members == ["a", "b"] and order.urgent and order.epoch > 5
+
+
 def test_a_new_leader_does_not_wait_a_lease_when_every_member_is_back():
     ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     resume = {"epoch": 5, "members": ["a", "b"], "step": 40}
