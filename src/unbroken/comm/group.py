@@ -106,6 +106,9 @@ class EpochGroup:
     lazy: bool = False
     """Its group over all members connects pairs on first use (`Meeting.devices`): a peer
     it cannot reach shows in a collective, not in the build."""
+    addresses: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """The other members' data-plane addresses in its world group, once built (kept here: a
+    new leader's welcome clears the rendezvous the build met on)."""
 
     @property
     def role(self) -> str:

@@ -140,8 +140,10 @@ class ControlClient:
         self.on_met: Callable[[m.Met], None] | None = None
         """Called (on the control thread) with rendezvous entries for this node's group builds."""
         self.on_probe: Callable[[m.Probe], None] | None = None
-        self.on_check: Callable[[m.Check], None] | None = None
         """Called (on the control thread) when the leader asks to try a member's data-plane address."""
+        self.on_check: Callable[[m.Check], None] | None = None
+        """Called (on the control thread) when a new leader asks which members of this node's
+        last epoch left nothing listening at their data-plane addresses."""
         self.on_welcome: Callable[[m.Welcome, bool], None] | None = None
         """Called (on the control thread) after each welcome, with whether it came from
         another coordinator incarnation than the last one."""
@@ -416,8 +418,8 @@ class ControlClient:
             if isinstance(msg, m.Refused):
                 if msg.finished:
                     with self._lock:
+                        self.final_digest = msg.final_digest  # first: the step loop reads `finished` unlocked
                         self.finished = 0
-                        self.final_digest = msg.final_digest
                 raise JoinRefused(f"coordinator at {host}:{port} refused {self.name}: {msg.reason}")
             if not isinstance(msg, m.Welcome):
                 raise ProtocolError(f"expected welcome, got {msg.type}")
@@ -642,8 +644,8 @@ class ControlClient:
             elif isinstance(msg, m.Expel):
                 self.expelled = msg.reason
             elif isinstance(msg, m.Finished):
+                self.final_digest = msg.digest  # first: the step loop reads `finished` unlocked
                 self.finished = msg.step
-                self.final_digest = msg.digest
         if isinstance(msg, m.Command) and self.on_command is not None:
             self.on_command(msg)
         if isinstance(msg, m.Met):

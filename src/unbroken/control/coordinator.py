@@ -124,6 +124,8 @@ class Coordinator(ThreadedService):
         """The longest stall of the event loop seen (leases were extended by each)."""
 
     def _new_membership(self) -> Membership:
+        self._asked_vanished: set[tuple[int, tuple[str, ...]]] = set()
+        """(epoch found, members missing) that members back were asked about (`_ask_who_vanished`)."""
         return Membership(self.config.membership, now=time.monotonic(), recovering=True, policy=self.config.policy)
 
     # ---------------------------------------------------------------- lifecycle
@@ -412,8 +414,6 @@ class Coordinator(ThreadedService):
             )
         )
         self._apply(decision)
-        if hello.resume is not None and (missing := ms.unaccounted(hello.resume)):
-            session.send(m.Check(epoch=hello.resume.epoch, term=self.term, members=missing[: m.CHECKED_MAX]))
         last = self._last_order
         if back and last is not None and hello.last_epoch < last.epoch and mid in last.members:
             # Formed while it was away (its relay died, its session was being replaced): the
@@ -592,6 +592,17 @@ class Coordinator(ThreadedService):
             met = m.Met(epoch=epoch, term=self.term, entries=entries)
             send_all(self._sessions, {mid: met for mid in members if mid in self._sessions})
 
+    def _ask_who_vanished(self, now: float) -> None:
+        """Recovering, and only the outage fence left to wait for: the members back from the
+        epoch found try the addresses the missing ones had there (`m.Check`), once for each
+        set of missing members; a dead one is then not waited for (`Membership.vanished`)."""
+        awaited = self.membership.awaited(now)
+        if awaited is None or (key := (awaited.epoch, tuple(awaited.missing))) in self._asked_vanished:
+            return
+        self._asked_vanished.add(key)
+        check = m.Check(epoch=awaited.epoch, term=self.term, members=awaited.missing[: m.CHECKED_MAX])
+        send_all(self._sessions, {mid: check for mid in awaited.back if mid in self._sessions})
+
     def _ask_to_probe(self, epoch: int, culprit: str, group: str, accuser: str) -> None:
         """One member says it cannot connect to ``culprit``'s data plane (in ``group``): the
         epoch's other members try the same address, and each that cannot says so too
@@ -645,6 +656,7 @@ class Coordinator(ThreadedService):
                 if not late:
                     self._check_relays(now)
                     self._name_absent(now)
+                    self._ask_who_vanished(now)
                 self._apply(self.membership.tick(now, expire=not late))
             except Exception:  # a bug here must not stop the service
                 log.exception("coordinator tick failed")

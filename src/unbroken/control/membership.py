@@ -206,6 +206,25 @@ class Decision:
         return self
 
 
+@dataclass(frozen=True)
+class Awaited:
+    """What a recovering coordinator waits for once only its outage fence holds it
+    (`Membership.awaited`)."""
+
+    epoch: int
+    """The epoch it found."""
+    missing: list[str]
+    """Its members that are not back."""
+    back: list[str]
+    """Its members that are back (asked to try the missing ones' addresses)."""
+
+
+def _vanished_quorum(group: Collection[str]) -> int:
+    """Members of an epoch of ``group`` that must find one of them gone (`Membership.vanished`):
+    most of the others, and never one alone (in an epoch of two, one word against nothing)."""
+    return max(2, (len(group) - 1) // 2 + 1)
+
+
 def first_mismatch(ours: Sequence[TensorSpec], theirs: Sequence[TensorSpec]) -> str | None:
     """Describe the first difference between two model fingerprints, or None if equal."""
     for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
@@ -311,9 +330,9 @@ class Membership:
         """Until when a recovering coordinator leaves no member of the epoch it found out."""
         self._came_back: set[str] = set()
         """Members that resumed here: one that fails after is gone as in a running epoch."""
-        self._vanished: dict[str, set[str]] = {}
-        """Members of the epoch found that are not back → the members back from it that found
-        nothing listening at its data-plane address (`vanished`)."""
+        self._vanished: dict[tuple[int, str], set[str]] = {}
+        """(epoch found, a member of it not back) → the members back from that epoch that found
+        nothing listening at its data-plane address there (`vanished`)."""
         self._resumes: dict[str, Resume] = {}
         self._next_expiry_scan = now
 
@@ -510,37 +529,53 @@ class Membership:
         """How long a member not back may still trust an outage (`OUTAGE_TRUST_LEASES`)."""
         return self.lease_s * OUTAGE_TRUST_LEASES + OUTAGE_MARGIN_S
 
-    def unaccounted(self, resume: Resume) -> list[str]:
-        """Members of the epoch a member came back from (``resume``) that are not back, while
-        this coordinator waits for them (`_outage_fence`): the ones it asks that member to try
-        (`m.Check`)."""
-        if self.recovering_until is None or resume.epoch < self.epoch:
-            return []
-        return [mid for mid in resume.members if mid not in self.members and mid not in self._came_back]
+    def awaited(self, now: float) -> Awaited | None:
+        """What a recovering coordinator still waits for once only the outage fence holds it:
+        members of the epoch it found that are not back (one may be cut off and committing
+        there), and the members back from that epoch, whom it asks to try their addresses
+        (`m.Check`). None while it waits for anything else, or for nothing."""
+        if self.recovering_until is None or now < self.recovering_until or now >= self._outage_fence:
+            return None
+        found = self._found()
+        if found is None:
+            return None
+        epoch, group = found
+        missing = sorted(group - set(self.members) - self._came_back - self._dead(epoch, group))
+        if not missing:
+            return None
+        back = sorted(mid for mid, r in self._resumes.items() if r.epoch == epoch and mid in self.members)
+        return Awaited(epoch, missing, back)
+
+    def _found(self) -> tuple[int, set[str]] | None:
+        """The newest epoch members came back from, and its members (as they reported them)."""
+        if not self._resumes:
+            return None
+        newest = max(r.epoch for r in self._resumes.values())
+        return newest, {mid for r in self._resumes.values() if r.epoch == newest for mid in r.members}
 
     def vanished(self, reporter: str, epoch: int, members: Iterable[str], now: float) -> Decision:
         """A member back from ``epoch`` found nothing listening at these members' data-plane
         addresses there (`m.Vanished`). A dead process commits nothing more: once most of the
-        epoch's other members say so of one, the new epoch need not wait for it."""
+        epoch's other members, and never one alone, say so of one, the new epoch need not
+        wait for it."""
         d = Decision()
-        r = self._resumes.get(reporter)
-        if self.recovering_until is None or r is None or r.epoch != epoch or epoch < self.epoch:
+        r, found = self._resumes.get(reporter), self._found()
+        if self.recovering_until is None or r is None or found is None or not r.epoch == found[0] == epoch:
             return d
+        group = found[1]
         for mid in members:
-            if mid in r.members and mid != reporter and mid not in self.members:
-                seen = self._vanished.setdefault(mid, set())
-                if reporter not in seen and mid not in self._dead(r.members):
-                    seen.add(reporter)
-                    if mid in self._dead(r.members):
-                        why = f"{mid}: nothing listens at its data-plane address of epoch {epoch} ({len(seen)} found)"
-                        d.events.append(self._event(now, Kind.FAILURE, mid, f"{why}: not waited for"))
+            if mid in group and mid != reporter and mid not in self.members:
+                seen = self._vanished.setdefault((epoch, mid), set())
+                seen.add(reporter)
+                if len(seen) == _vanished_quorum(group):  # reached now (each reporter counts once)
+                    why = f"{mid}: nothing listens at its data-plane address of epoch {epoch} ({len(seen)} found)"
+                    d.events.append(self._event(now, Kind.FAILURE, mid, f"{why}: not waited for"))
         return d
 
-    def _dead(self, found: Collection[str]) -> set[str]:
-        """Members of ``found`` (the epoch found) that most of its other members found gone."""
-        group = set(found)
-        need = (len(group) - 1) // 2 + 1
-        return {mid for mid, seen in self._vanished.items() if mid in group and len(seen & group) >= need}
+    def _dead(self, epoch: int, group: set[str]) -> set[str]:
+        """Members of ``group`` (epoch ``epoch``, found) that most of the others found gone."""
+        need = _vanished_quorum(group)
+        return {mid for (e, mid), seen in self._vanished.items() if e == epoch and len(seen & group) >= need}
 
     def remember_verdicts(self, verdicts: Iterable[Refusal]) -> None:
         """The audits' verdicts a previous leader ordered (published with its last epoch)."""
@@ -667,13 +702,12 @@ class Membership:
         if back >= 0:
             # Remembered whatever the epoch now (a report may come after the next order):
             # a member away since must not bring back what the verdict refused.
-            self._refuse(epoch, back)
+            self._refuse(epoch, back, replace=True)
         if current and back >= 0:
-            # The oldest audited state reported: every copy of it predates the corruption
-            # (a joiner's copy is of the step it joined at, a member cut short of a verdict
-            # holds an older one), and a member without it fetches it from one that holds it.
-            held = self._rollback_to
-            self._rollback_to = back if held < 0 else min(held, back)
+            # Every copy of the audited state predates the corruption (a joiner's copy is of
+            # the step it joined at, a member cut short of a verdict holds an older one), and
+            # a member without it fetches it from one that holds it.
+            self._rollback_to = back
         act, released = self._hearsay.reported(member_id, epoch, now, reason)
         self._release(released, now)
         c = self.members.get(culprit) if culprit is not None else None
@@ -736,24 +770,33 @@ class Membership:
     ) -> int:
         """A member's audit verdict on ``epoch`` (going back to its audited state of step
         ``rollback_to``; -1: it holds none): the step the group goes back to once most of
-        the epoch's members reported one, the oldest of those reported (-1 until then, and
-        where nobody holds an audited state). Each member reaches the verdict from the same
-        gathered digests: one member's word alone rolls nobody back. (Once most reported, a
-        liar among them can still name an older step: honest members' steps differ too, a
-        joiner's copy being newer than the last audit, so the oldest is the safe one.)"""
+        the epoch's members reported one (-1 until then, and where nobody holds an audited
+        state). Each member reaches the verdict from the same gathered digests: one member's
+        word alone rolls nobody back. The step is the oldest that two of them name (members
+        audited together hold the same one), else the oldest named (a joiner's copy is newer
+        than the last audit): a liar among them cannot send the group further back than the
+        others' own copies, unless each of them holds a different one."""
         if kind is not Kind.AUDIT:
+            return -1
+        members = set(witnesses)
+        if (found := self._found()) is not None and found[0] == epoch and epoch not in self._witnesses:
+            members = found[1]  # recovering: the epoch's members, not only those back so far
+        if member_id not in members:
             return -1
         reports = self._rollbacks.setdefault(epoch, {})
         reports[member_id] = rollback_to
-        if len(reports) < len(witnesses) // 2 + 1:
+        if len(reports) < len(members) // 2 + 1:
             return -1
-        return min((s for s in reports.values() if s >= 0), default=-1)
+        steps = [s for s in reports.values() if s >= 0]
+        named_twice = [s for s in set(steps) if steps.count(s) >= 2]
+        return min(named_twice or steps, default=-1)
 
-    def _refuse(self, epoch: int, step: int) -> None:
-        """Record a verdict: states committed in ``epoch`` or before, above ``step``."""
+    def _refuse(self, epoch: int, step: int, replace: bool = False) -> None:
+        """Record a verdict: states committed in ``epoch`` or before, above ``step`` (the
+        oldest step said for the epoch, or, ``replace``, this one: the reports' step so far)."""
         for i, r in enumerate(self._verdicts):
-            if r.epoch == epoch:  # the oldest step reported for a verdict counts
-                self._verdicts[i] = Refusal(epoch=epoch, step=min(step, r.step))
+            if r.epoch == epoch:
+                self._verdicts[i] = Refusal(epoch=epoch, step=step if replace else min(step, r.step))
                 return
         self._verdicts = [*self._verdicts, Refusal(epoch=epoch, step=step)][-REFUSALS_KEPT:]
 
@@ -973,10 +1016,9 @@ class Membership:
                     self._want_epoch(now, urgent=False, reason="nodes joined during recovery", delay=0.0)
                 return d
         if now >= self.recovering_until:
-            if now < self._outage_fence and self._resumes:
-                newest = max(r.epoch for r in self._resumes.values())
-                found = {mid for r in self._resumes.values() if r.epoch == newest for mid in r.members}
-                if not found <= set(self.members) | self._came_back | self._dead(found):
+            if now < self._outage_fence and (found := self._found()) is not None:
+                epoch, found_members = found
+                if not found_members <= set(self.members) | self._came_back | self._dead(epoch, found_members):
                     return d  # one not back may still commit in that epoch
             self.recovering_until = None
             if self.members and self._pending_due is not None:

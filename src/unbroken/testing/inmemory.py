@@ -277,7 +277,7 @@ class MemoryJob:
     def finish(self, step: int, digest: str) -> None:
         """The job is over at ``step`` with the state of ``digest`` (what `m.Finished` says)."""
         for node in self.nodes.values():
-            node.client.final_digest = digest
+            node.client.final_digest = digest  # first, as `ControlClient` does
             node.client.finished = step
             node.wake.set()
 

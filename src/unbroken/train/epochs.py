@@ -78,6 +78,7 @@ class Epochs:
             WORLD, rank, list(order.members), lazy=zones.multi, streams=zones.streams(WORLD, order.policy.streams)
         )
         group.pg, group.built_in_s, group.lazy = pg, took, zones.multi
+        group.addresses = self._addresses(group)
         return group, self._reducer(order, zones, group, build)
 
     def _builder(self, epoch: int, scope: EpochScope) -> Build:
@@ -241,22 +242,20 @@ class Epochs:
 
     def welcomed(self, welcome: m.Welcome, new_coordinator: bool) -> None:
         if new_coordinator:
-            self._former = self._addresses()  # a new leader may ask about them (`check`)
+            g = self.node.group
+            self._former = (g.epoch, g.addresses) if g is not None else (-1, {})  # for `check`
             self.meeting.reset()
         else:
             self.meeting.republish()
 
-    def _addresses(self) -> tuple[int, dict[str, tuple[str, int]]]:
-        """This node's epoch and the data-plane addresses its other members had in it."""
-        g = self.node.group
-        if g is None:
-            return -1, {}
+    def _addresses(self, g: EpochGroup) -> dict[str, tuple[str, int]]:
+        """The data-plane addresses ``g``'s other members wrote for its world group."""
         out = {}
         for r, raw in self.meeting.entries(g.epoch, WORLD).items():
             if r < len(g.members) and r != g.rank:
                 with contextlib.suppress(ValueError):  # the leader checked it; garbled since, it says nothing
                     out[g.members[r]] = data_address(raw)
-        return g.epoch, out
+        return out
 
 
 class CodecSlot:

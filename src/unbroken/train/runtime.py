@@ -74,10 +74,6 @@ LEAVE_GRACE_S = 5.0
 FLAT_MEMBERS = 64
 """Members the kept flat tensor has norm slots for at first (twice the group's past that)."""
 VALIDATE_EVERY_S = 0.5
-GONE_AHEAD_S = 1.0
-"""How long a member of this epoch must have been building the next one before a step of this
-epoch is given up (`Node._gone_ahead`): well within a build's deadline (5 s by default), and
-far more than a committed step's last messages take to arrive."""
 
 Steps = Generator[Slice, float, "NodeResult"]
 """A node's life (`Node.steps`): yields each slice to compute, takes its loss back."""
@@ -299,17 +295,20 @@ class Node:
 
     def _gone_ahead(self, latest: m.EpochOrder) -> str | None:
         """A member of this epoch that left it for ``latest`` (its rendezvous entry for that
-        epoch arrived `GONE_AHEAD_S` ago), if any. A step waits out an order that is not
-        urgent (the group switches after it, by vote), but members not yet in the step leave
-        at once (a sync phase's transfer, a build): once one of them builds the new epoch,
-        the step can never complete, and waiting for it would only get this node named absent
-        there. (A member that committed the step, by vote, builds it too: this node's part
-        of that step completes within moments, so the entry must have been here a while.)"""
-        g = self.group
-        if g is None:
+        epoch arrived half a build deadline ago), if any. A step waits out an order that is
+        not urgent (the group switches after it, by vote), but members not yet in the step
+        leave at once (a sync phase's transfer, a build): once one of them builds the new
+        epoch, the step can never complete, and waiting for it would only get this node named
+        absent there (a build deadline after the first member of this epoch wrote its entry).
+        A member that committed the step by vote builds the new epoch too, while this node's
+        part of that step may still be arriving (over a slow link, for seconds): the entry
+        must have been here a while, and the other half of the deadline is left to build."""
+        g, welcome = self.group, self.client.welcome
+        if g is None or welcome is None:
             return None
         peers = set(g.members) - {self.client.member_id}
-        for r in self.epochs.meeting.writers(latest.epoch, WORLD, before=time.monotonic() - GONE_AHEAD_S):
+        since = time.monotonic() - welcome.build_deadline_s / 2
+        for r in self.epochs.meeting.writers(latest.epoch, WORLD, before=since):
             if r < len(latest.members) and latest.members[r] in peers:
                 return latest.members[r]
         return None

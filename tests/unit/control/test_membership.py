@@ -833,18 +833,45 @@ def test_a_new_leader_does_not_wait_for_a_member_most_of_its_epoch_found_nothing
     ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
     resume = {"epoch": 5, "members": ["a", "b", "c"], "step": 40}
     assert ms.admit(hello("a", resume=Resume(**resume, abandoned=True), last_epoch=5), 0.0).refuse is None
-    assert ms.unaccounted(Resume(**resume)) == ["b", "c"], "whom a is asked to try"
     assert ms.admit(hello("b", resume=Resume(**resume, abandoned=True), last_epoch=5), 0.02).refuse is None
-    assert ms.unaccounted(Resume(**resume)) == ["c"]
-    assert not ms.vanished("a", 5, ["c"], 0.05).events, "one member's word leaves nobody out"
-    assert not ms.vanished("x", 5, ["c"], 0.05).events and not ms.vanished("b", 4, ["c"], 0.05).events
-    keep_alive(ms, 0.4)
-    assert not ms.tick(0.4).orders
-    (event,) = ms.vanished("b", 5, ["c"], 0.45).events
+    assert ms.awaited(0.1) is None, "the members back still settle: nobody is asked yet"
+    awaited = ms.awaited(0.4)  # only the outage fence holds the leader now
+    assert awaited is not None and (awaited.epoch, awaited.missing, awaited.back) == (5, ["c"], ["a", "b"])
+    assert not ms.vanished("a", 5, ["c"], 0.45).events, "one member's word leaves nobody out"
+    assert not ms.vanished("a", 5, ["c"], 0.45).events, "nor twice"
+    assert not ms.vanished("x", 5, ["c"], 0.45).events and not ms.vanished("b", 4, ["c"], 0.45).events
+    keep_alive(ms, 0.45)
+    assert not ms.tick(0.45).orders
+    (event,) = ms.vanished("b", 5, ["c"], 0.5).events
     assert event.kind == "failure" and event.member == "c" and "nothing listens" in event.reason
+    assert ms.awaited(0.5) is None
     keep_alive(ms, 0.5)
-    order = only_order(ms.tick(0.5))  # the abandoned epoch's settle, not the lease
+    order = only_order(ms.tick(0.5))  # not the lease's fence
     assert order.members == ["a", "b"] and order.urgent and order.epoch > 5
+
+
+def test_in_an_epoch_of_two_the_one_back_cannot_end_the_wait_for_the_other_alone():
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
+    resume = {"epoch": 5, "members": ["a", "c"], "step": 40}
+    assert ms.admit(hello("a", resume=Resume(**resume, abandoned=True), last_epoch=5), 0.0).refuse is None
+    assert not ms.vanished("a", 5, ["c"], 0.4).events
+    fence = LEASE * OUTAGE_TRUST_LEASES + OUTAGE_MARGIN_S
+    keep_alive(ms, fence - 0.05)
+    assert not ms.tick(fence - 0.05).orders, "c may be alive, cut off, and trusting an outage"
+    keep_alive(ms, fence)
+    assert only_order(ms.tick(fence)).members == ["a"]
+
+
+def test_a_verdict_from_the_first_member_back_rolls_nobody_back():
+    ms = Membership(MembershipConfig(lease_s=LEASE, recovery_window_s=3.0), now=0.0, recovering=True)
+    resume = {"epoch": 5, "members": ["a", "b", "c"], "step": 40}
+    assert ms.admit(hello("a", resume=Resume(**resume), last_epoch=5), 0.0).refuse is None
+    ms.fault("a", 5, "audit: digest differs", 0.01, kind=Kind.AUDIT, rollback_to=0)
+    for mid in ("b", "c"):
+        assert ms.admit(hello(mid, resume=Resume(**resume), last_epoch=5), 0.02).refuse is None
+    keep_alive(ms, 0.5)
+    order = only_order(ms.tick(0.5))
+    assert order.rollback_to == -1 and not order.refused, "most of epoch 5 must say so, not most of those back"
 
 
 def test_a_new_leader_does_not_wait_a_lease_when_every_member_is_back():

@@ -759,6 +759,18 @@ def test_one_members_audit_verdict_rolls_nobody_back() -> None:
     assert [(r.epoch, r.step) for r in order.refused] == [(verdict_epoch, 20)], "most of the epoch said so"
 
 
+def test_a_liar_among_a_verdicts_reporters_cannot_send_the_group_further_back_than_the_others_copies() -> None:
+    ms, _ = three_trainers()
+    t = JOIN_SETTLE_S
+    verdict_epoch = ms.epoch
+    for mid, back in (("a", 0), ("b", 20), ("c", 20)):
+        ms.fault(mid, verdict_epoch, "digest differs", t, kind=Kind.AUDIT, rollback_to=back)
+    for mid in ("a", "b", "c"):
+        ms.heartbeat(mid, 0, t)
+    order = only_order(ms.tick(t + 1.0))
+    assert order.rollback_to == 20 and [(r.epoch, r.step) for r in order.refused] == [(verdict_epoch, 20)]
+
+
 def test_a_verdict_reported_after_the_next_epoch_formed_is_still_remembered() -> None:
     ms, _ = three_trainers()
     t = JOIN_SETTLE_S
