@@ -51,8 +51,9 @@ def reach(targets: dict[str, tuple[str, int]], timeout_s: float = REACH_TIMEOUT_
 
 def refusing(targets: dict[str, tuple[str, int]], timeout_s: float = REACH_TIMEOUT_S) -> list[str]:
     """The members whose (host, port) refuses a TCP connection: nothing listens there, so
-    the process that did is gone (a dead process's ports refuse at once; a cut-off or
-    frozen one's time out, and count as alive)."""
+    the process that did is gone. A dead process's ports refuse at once; a cut-off host's
+    time out, and a frozen process's kernel still accepts: both count as alive. (A firewall
+    that rejects rather than drops would pass for a dead process.)"""
 
     def attempt(address: tuple[str, int]) -> bool:
         try:

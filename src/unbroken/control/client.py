@@ -15,7 +15,9 @@ An outage is trusted a lease at a time (`messages.OUTAGE_TRUST_LEASES`): each ne
 evidence, asked for at once and then every quarter lease, counted from when it was asked,
 that no coordinator can have formed an epoch without this node. A coordinator that starts
 (or takes over) does not leave out a member of the epoch it finds until as long after it
-started (`Membership`), so the evidence is that none started: with etcd, no leader of a
+started (`Membership`) unless most of that epoch's other members find nothing listening at
+the member's data-plane address (its process is gone: it commits nothing), so the evidence
+is that none started: with etcd, no leader of a
 newer term and no newer epoch published (the old leader's key may outlive it while its
 address refuses connections), or no etcd majority at all (every member refuses or answers
 that it has no raft leader, and one that answers lists no more members than this node was

@@ -18,7 +18,10 @@ Coordinator life::
 A recovering coordinator leaves out a member of the newest reported epoch that is not back
 no sooner than `OUTAGE_TRUST_LEASES` (and a margin) after it started: that member may be
 training on in an outage, which it trusts as long past its last evidence that no
-coordinator had started (`unbroken.control.client`).
+coordinator had started (`unbroken.control.client`). Unless it is gone: once that wait is
+all that holds the coordinator, the members back try the addresses the missing ones had in
+the epoch (`m.Check`), and one that most of them, two at least, find nothing listening at
+is not waited for (`Membership.vanished`).
 """
 
 from __future__ import annotations
@@ -327,7 +330,8 @@ class Membership:
         self._pending_reasons: dict[str, None] = {}
         self.recovering_until = now + config.recovery_window_s if recovering else None
         self._outage_fence = now + self._outage_wait_s if recovering else now
-        """Until when a recovering coordinator leaves no member of the epoch it found out."""
+        """Until when a recovering coordinator leaves no member of the epoch it found out (but
+        one found gone: `vanished`)."""
         self._came_back: set[str] = set()
         """Members that resumed here: one that fails after is gone as in a running epoch."""
         self._vanished: dict[tuple[int, str], set[str]] = {}
