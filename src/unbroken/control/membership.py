@@ -773,13 +773,15 @@ class Membership:
         self, member_id: str, epoch: int, kind: Kind, rollback_to: int, witnesses: dict[str, str]
     ) -> int:
         """A member's audit verdict on ``epoch`` (going back to its audited state of step
-        ``rollback_to``; -1: it holds none): the step the group goes back to once most of
-        the epoch's members reported one (-1 until then, and where nobody holds an audited
-        state). Each member reaches the verdict from the same gathered digests: one member's
-        word alone rolls nobody back. The step is the oldest that two of them name (members
-        audited together hold the same one), else the oldest named (a joiner's copy is newer
-        than the last audit): a liar among them cannot send the group further back than the
-        others' own copies, unless each of them holds a different one."""
+        ``rollback_to``; -1: it holds none): the step the group goes back to, -1 until it is
+        known. Each member reaches the verdict from the same gathered digests: one member's
+        word alone rolls nobody back. It is known once most of the epoch's members reported
+        and two of them name the same step (members audited together hold the same one: the
+        oldest such), or once all of them reported (the oldest named: a joiner's copy is newer
+        than the last audit). A liar that reports first cannot get its step ordered before the
+        others' arrive, and a member's first report is the one that counts. Until then the
+        members that saw the verdict went back on their own, and the sync phase's floors take
+        back those that did not."""
         if kind is not Kind.AUDIT:
             return -1
         members = set(witnesses)
@@ -788,11 +790,13 @@ class Membership:
         if member_id not in members:
             return -1
         reports = self._rollbacks.setdefault(epoch, {})
-        reports[member_id] = rollback_to
+        reports.setdefault(member_id, rollback_to)
         if len(reports) < len(members) // 2 + 1:
             return -1
         steps = [s for s in reports.values() if s >= 0]
         named_twice = [s for s in set(steps) if steps.count(s) >= 2]
+        if not named_twice and len(reports) < len(members):
+            return -1
         return min(named_twice or steps, default=-1)
 
     def _refuse(self, epoch: int, step: int, replace: bool = False) -> None:

@@ -753,7 +753,7 @@ def test_one_members_audit_verdict_rolls_nobody_back() -> None:
         ms.heartbeat(mid, 0, t)
     order = only_order(ms.tick(t + 1.0))
     assert order.rollback_to == -1 and not order.refused, "a lying member could send the group back to step 0"
-    ms.fault("b", verdict_epoch, "digest differs", t + 1.0, culprit="c", kind=Kind.AUDIT, rollback_to=30)
+    ms.fault("b", verdict_epoch, "digest differs", t + 1.0, culprit="c", kind=Kind.AUDIT, rollback_to=20)
     ms.fault("c", ms.epoch, "collective failed", t + 1.1)
     order = only_order(ms.tick(t + 2.0))
     assert [(r.epoch, r.step) for r in order.refused] == [(verdict_epoch, 20)], "most of the epoch said so"
@@ -771,6 +771,25 @@ def test_a_liar_among_a_verdicts_reporters_cannot_send_the_group_further_back_th
     assert order.rollback_to == 20 and [(r.epoch, r.step) for r in order.refused] == [(verdict_epoch, 20)]
 
 
+def test_a_liar_reporting_first_gets_no_rollback_ordered_before_the_others_reports() -> None:
+    ms, _ = three_trainers()
+    t = JOIN_SETTLE_S
+    verdict_epoch = ms.epoch
+    ms.fault("a", verdict_epoch, "digest differs", t, culprit="c", kind=Kind.AUDIT, rollback_to=0)
+    ms.fault("a", verdict_epoch, "digest differs", t, culprit="c", kind=Kind.AUDIT, rollback_to=20)  # no second word
+    ms.fault("b", verdict_epoch, "digest differs", t, culprit="c", kind=Kind.AUDIT, rollback_to=20)
+    for mid in ("a", "b", "c"):
+        ms.heartbeat(mid, 0, t)
+    order = only_order(ms.tick(t + 1.0))  # c benched by most of the epoch: the order goes out now
+    assert order.rollback_to == -1 and not order.refused, "0 and 20: nothing known yet"
+    ms.fault("c", verdict_epoch, "digest differs", t + 1.0, culprit="c", kind=Kind.AUDIT, rollback_to=20)
+    ms.fault("a", ms.epoch, "collective failed", t + 1.1)
+    for mid in ("a", "b", "c"):
+        ms.heartbeat(mid, 0, t + 1.1)
+    order = only_order(ms.tick(t + 2.0))
+    assert [(r.epoch, r.step) for r in order.refused] == [(verdict_epoch, 20)], "c's own copy agrees with b's"
+
+
 def test_a_verdict_reported_after_the_next_epoch_formed_is_still_remembered() -> None:
     ms, _ = three_trainers()
     t = JOIN_SETTLE_S
@@ -781,7 +800,7 @@ def test_a_verdict_reported_after_the_next_epoch_formed_is_still_remembered() ->
     ms.tick(t + 1.0)
     assert ms.epoch > verdict_epoch
     ms.fault("b", verdict_epoch, "digest differs", t + 1.0, culprit="c", kind=Kind.AUDIT, rollback_to=30)
-    ms.fault("a", verdict_epoch, "digest differs", t + 1.0, culprit="c", kind=Kind.AUDIT, rollback_to=40)
+    ms.fault("a", verdict_epoch, "digest differs", t + 1.0, culprit="c", kind=Kind.AUDIT, rollback_to=30)
     ms.fault("c", ms.epoch, "collective failed", t + 1.1)
     order = only_order(ms.tick(t + 2.0))
     assert [(r.epoch, r.step) for r in order.refused] == [(verdict_epoch, 30)]
