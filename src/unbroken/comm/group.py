@@ -235,9 +235,8 @@ class Meeting:
             ep = self._epochs.get(epoch)
             if ep is None:
                 return {}
-            keys = [k for k in ep.known if k.startswith(f"{group}/0/")]
-        ranks = {k: k.rsplit("/", 1)[1] for k in keys}
-        return {int(r): ep.store.get(k) for k, r in ranks.items() if r.isascii() and r.isdigit()}
+            ranks = {k: r for k in ep.known if (r := _first_stream_rank(k, group)) is not None}
+        return {r: ep.store.get(k) for k, r in ranks.items()}
 
     def writers(self, epoch: int, group: str, before: float) -> set[int]:
         """The ranks of ``group`` whose entry for ``epoch`` the leader handed over before
@@ -245,8 +244,7 @@ class Meeting:
         with self._lock:
             ep = self._epochs.get(epoch)
             keys = [k for k, t in ep.arrived.items() if t < before] if ep is not None else []
-        prefix = f"{group}/0/"
-        return {int(r) for k in keys if k.startswith(prefix) and (r := k[len(prefix) :]).isascii() and r.isdigit()}
+        return {r for k in keys if (r := _first_stream_rank(k, group)) is not None}
 
     def store(self, epoch: int) -> HashStore:
         return self._get(epoch).store
@@ -293,6 +291,13 @@ class Meeting:
         """A new leader incarnation: its epochs are new, so are their entries."""
         with self._lock:
             self._epochs.clear()
+
+
+def _first_stream_rank(key: str, group: str) -> int | None:
+    """The rank of a rendezvous key of ``group``'s first stream (gloo's ``GROUP/0/RANK``)."""
+    prefix = f"{group}/0/"
+    rank = key[len(prefix) :] if key.startswith(prefix) else ""
+    return int(rank) if rank.isascii() and rank.isdigit() else None
 
 
 @dataclass
