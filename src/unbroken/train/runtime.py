@@ -306,9 +306,12 @@ class Node:
         g, welcome = self.group, self.client.welcome
         if g is None or welcome is None:
             return None
-        peers = set(g.members) - {self.client.member_id}
         since = time.monotonic() - welcome.build_deadline_s / 2
-        for r in self.epochs.meeting.writers(latest.epoch, WORLD, before=since):
+        writers = self.epochs.meeting.writers(latest.epoch, WORLD, before=since)
+        if not writers:  # most polls of a step waiting for its switch: no set of the members built
+            return None
+        peers = set(g.members) - {self.client.member_id}
+        for r in sorted(writers):
             if r < len(latest.members) and latest.members[r] in peers:
                 return latest.members[r]
         return None
