@@ -17,11 +17,11 @@ that no coordinator can have formed an epoch without this node. A coordinator th
 (or takes over) does not leave out a member of the epoch it finds until as long after it
 started (`Membership`) unless most of that epoch's other members find nothing listening at
 the member's data-plane address (its process is gone: it commits nothing), so the evidence
-is that none started: with etcd, no leader of a
-newer term and no newer epoch published (the old leader's key may outlive it while its
-address refuses connections), or no etcd majority at all (every member refuses or answers
-that it has no raft leader, and one that answers lists no more members than this node was
-given: nobody can be elected); without etcd, every coordinator address refuses connections.
+is that none started: with etcd, no leader of a newer term and no newer epoch published
+(the old leader's key may outlive it while its address refuses connections), or no etcd
+majority at all (every member refuses or answers that it has no raft leader, and one that
+answers lists no more members than this node was given: nobody can be elected); without
+etcd, every coordinator address refuses connections.
 Trust that lapses (this node cut off: no answer at all) counts as a lapse and is not
 renewed by later evidence: the step in flight is not committed, and the node waits for a
 coordinator's order. A refused connection is taken to mean that nothing listens there: a

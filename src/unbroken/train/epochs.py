@@ -233,6 +233,8 @@ class Epochs:
         if check.epoch != epoch:
             return
         targets = {mid: addresses[mid] for mid in check.members if mid in addresses}
+        if not targets:
+            return
 
         def attempt() -> None:
             if gone := refusing(targets):
