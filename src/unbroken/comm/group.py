@@ -345,9 +345,12 @@ def build_group(
             scope.wake.set()
 
     def built() -> bool:
+        # Read before publishing: a lazy build writes its last stream's entry just before it
+        # returns, and a peer's first use of that stream waits for the entry.
+        done = bool(result)
         if publish is not None:
             publish()
-        return bool(result)
+        return done
 
     start = time.monotonic()
     threading.Thread(target=build, name=f"pg-build-{group}", daemon=True).start()

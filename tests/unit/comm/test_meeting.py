@@ -245,6 +245,43 @@ def test_a_lazy_group_connects_only_the_pairs_that_exchange_data():
     assert size <= connections <= size + 2, connections
 
 
+class _HeldStore(torch.distributed.Store):
+    """A store whose writes wait until ``open`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.distributed.HashStore()
+        self.open = threading.Event()
+
+    def set(self, key: str, value: bytes) -> None:
+        self.open.wait()
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def list_keys(self) -> list[str]:
+        return self.inner.list_keys()
+
+
+def test_a_lazy_build_publishes_every_entry_it_wrote_even_the_one_written_as_it_returned():
+    # A lazy build writes its streams' entries and returns at once; a peer's first use of a
+    # stream waits for that stream's entry. A publish that read the store before the build
+    # wrote must not be the last one made (a busy machine once left a stream unconnected).
+    sent: list[str] = []
+    store = _HeldStore()
+
+    def publish() -> None:
+        keys = store.list_keys()
+        store.open.set()
+        time.sleep(0.2)  # the build writes and returns meanwhile
+        sent.extend(k for k in keys if k not in sent)
+
+    devices = Meeting(lambda e, k, v: None).devices(7, "leaders", "127.0.0.1", lazy=True, streams=4)
+    build_group(store, "leaders", 0, 2, devices, EpochScope(threading.Event(), lambda: None, 10.0), publish)
+    assert sorted(sent) == [f"leaders/{s}/0" for s in range(4)]
+
+
 def stream_ports(node: object, epoch: int, group: str, streams: int, size: int) -> set[int]:
     store = node.store(epoch)  # type: ignore[attr-defined]
     return {data_address(store.get(f"{group}/{s}/{r}"))[1] for s in range(streams) for r in range(size)}
