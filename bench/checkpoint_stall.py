@@ -64,7 +64,11 @@ def run(args: argparse.Namespace, workdir: Path, config: str) -> dict[str, Any]:
     first = next((b["t"] - a["t"] for a, b in itertools.pairwise(commits) if b["step"] == args.every + 1), None)
     med, mean = statistics.median(gaps.values()), statistics.fmean(gaps.values())
     ckpt = statistics.median(with_ckpt) if with_ckpt else None
+    offsets: dict[int, list[float]] = {}
+    for s, g in gaps.items():
+        offsets.setdefault((s - 1) % args.every, []).append(g / med)
     return {
+        "by_offset": {o: statistics.median(v) for o, v in sorted(offsets.items())},
         "median": med,
         "mean": mean,
         "ckpt_steps": ckpt,
@@ -156,6 +160,11 @@ def main() -> None:
         "within each run (the machine's speed drifts by about 10 % between runs): its mean step over its median "
         "step, as a ratio to the baseline's, and its checkpoint steps over its median step.",
     )
+    # Where the cost lands: the capture in the first gap, the write in the ones after it.
+    print("Each gap over its run's median step, by commits since the checkpoint's (medians over repeats):")
+    for config in configs:
+        row = [median(r["by_offset"].get(o, 1.0) for r in raw[config]) for o in range(args.every)]
+        print(f"  {config:>9}: " + " ".join(f"+{o + 1} {x:.2f}" for o, x in enumerate(row)))
 
 
 if __name__ == "__main__":
