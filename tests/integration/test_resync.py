@@ -68,7 +68,14 @@ def test_the_source_killed_mid_transfer_costs_only_the_chunks_it_had_not_sent(ma
     # What arrived before the source died was kept: the retry, from a new source whose
     # header differs (its RNG state), asked only for the rest.
     assert done["resumed_chunks"] >= 2 and done["chunks"] + done["resumed_chunks"] <= done["total_chunks"], done
-    assert done["state_mb"] > 40 and len(done["from"]) == 2 and "n1" not in str(done["from"]), (done, transfers(c))
+    # Every survivor that was a member of the epoch of the retry sent part of it (on a busy
+    # machine one may have been expelled for a lapsed lease and be back only later).
+    members = {
+        n.name for n in c.nodes.values() for e in n.entries() if e["kind"] == "epoch" and e["epoch"] == done["epoch"]
+    }
+    donors = members - {"n1", "n4"}
+    sent = {member.split("#")[0] for member in done["from"]}
+    assert done["state_mb"] > 40 and donors and sent == donors, (done, members, transfers(c))
     # Replicas equal after every step and every sample once; not the single-process
     # reference: with a 262144-wide layer, summing the batch's gradient in three slices
     # instead of one already moves the weights by 1e-2 over 150 steps (measured), far
