@@ -270,15 +270,17 @@ def test_a_lazy_build_publishes_every_entry_it_wrote_even_the_one_written_as_it_
     # wrote must not be the last one made (a busy machine once left a stream unconnected).
     sent: list[str] = []
     store = _HeldStore()
+    ended = threading.Event()  # the scope's wake: set as the build ends
 
     def publish() -> None:
         keys = store.list_keys()
-        store.open.set()
-        time.sleep(0.2)  # the build writes and returns meanwhile
+        if not store.open.is_set():  # the first call: the build writes and returns meanwhile
+            store.open.set()
+            assert ended.wait(10)
         sent.extend(k for k in keys if k not in sent)
 
     devices = Meeting(lambda e, k, v: None).devices(7, "leaders", "127.0.0.1", lazy=True, streams=4)
-    build_group(store, "leaders", 0, 2, devices, EpochScope(threading.Event(), lambda: None, 10.0), publish)
+    build_group(store, "leaders", 0, 2, devices, EpochScope(ended, lambda: None, 10.0), publish)
     assert sorted(sent) == [f"leaders/{s}/0" for s in range(4)]
 
 

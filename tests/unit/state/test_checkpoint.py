@@ -274,6 +274,24 @@ def test_where_a_core_stood_free_the_page_cache_writes_the_same_file(
     assert c.direct == [False] and writes == [], "torch.save wrote it all, through the page cache"
 
 
+@pytest.mark.skipif(not ck._DIRECT_SAVE, reason="this torch or system has no direct checkpoint writes")
+def test_a_write_through_the_page_cache_that_outlasts_the_period_sends_the_next_past_it(
+    tmp_path: Path, slow_save: tuple[threading.Event, threading.Event]
+) -> None:
+    started, release = slow_save
+    c = Checkpointer(tmp_path)
+    c._idle = Cores(free=True)
+    assert c.save_async(mixed(1))
+    assert started.wait(5)
+    assert not c.save_async(mixed(2)), "still writing: skipped"
+    release.set()
+    c.close()
+    assert c.overran and c.save_async(mixed(3))
+    c.close()
+    assert c.failure is None and c.direct == [False, True], "a core is free, the disk did not keep up"
+    assert same(load_checkpoint(checkpoint_path(tmp_path, 3)), mixed(3))
+
+
 def test_idle_cores_are_counted_from_the_processs_own_cores() -> None:
     idle = directio.IdleCores()
     if idle._read() is None:
