@@ -119,6 +119,8 @@ class Checkpointer:
         self.failure: str | None = None
         """Why the last write failed (None after a write that succeeded)."""
         self._thread: threading.Thread | None = None
+        self._syncer: threading.Thread | None = None
+        """The thread fsyncing a checkpoint written through the page cache (`_write`)."""
         self._arena: _Arena | Packed | None = None
         """The buffers of the last copy handed to the writer; the next one is copied into them."""
         self._laying: threading.Thread | None = None
@@ -307,20 +309,57 @@ class Checkpointer:
         self._writer = _Priority.lower()
         start = time.monotonic()
         try:
-            self._save(snap, tmp)
-            os.replace(tmp, final)
-            self.written.append((step, time.monotonic() - start))
-            log.debug(
-                "checkpoint of step %d: captured in %.3f s, written in %.3f s (%s)",
-                step, self.captured_s[-1], self.written[-1][1], "direct" if self.direct[-1] else "page cache",
-            )  # fmt: skip
-            self.failure = None
-            self._prune()
+            durable = self._save(snap, tmp)
         except Exception as exc:  # a disk's error or torch's: this checkpoint is lost, the job is not
-            log.error("checkpoint of step %d failed: %s", step, exc)
-            self.failure = f"checkpoint of step {step} could not be written to {self.directory}: {exc}"
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
+            self._failed(step, tmp, exc)
+            return
+        # The last checkpoint's bytes reach the disk first (at most one fsync in flight: a
+        # disk slower than the checkpoints keeps this writer busy, and the next is skipped).
+        if self._syncer is not None:
+            self._syncer.join()
+        if durable:
+            self._finish(step, tmp, final, start)
+            return
+
+        def sync() -> None:
+            cpu = time.thread_time()
+            try:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                self._failed(step, tmp, exc)
+                return
+            finally:
+                self._write_cpu_s += time.thread_time() - cpu
+            self._finish(step, tmp, final, start)
+
+        # The buffers are free once the page cache holds their bytes: the next checkpoint
+        # may copy into them while these reach the disk (seconds where the disk is slow).
+        self._syncer = threading.Thread(target=sync, name="checkpoint-sync", daemon=True)
+        self._syncer.start()
+
+    def _finish(self, step: int, tmp: Path, final: Path, start: float) -> None:
+        try:
+            os.replace(tmp, final)
+        except OSError as exc:
+            self._failed(step, tmp, exc)
+            return
+        self.written.append((step, time.monotonic() - start))
+        log.debug(
+            "checkpoint of step %d: captured in %.3f s, written in %.3f s",
+            step, self.captured_s[-1] if self.captured_s else 0.0, self.written[-1][1],
+        )  # fmt: skip
+        self.failure = None
+        self._prune()
+
+    def _failed(self, step: int, tmp: Path, exc: BaseException) -> None:
+        log.error("checkpoint of step %d failed: %s", step, exc)
+        self.failure = f"checkpoint of step {step} could not be written to {self.directory}: {exc}"
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
     def _direct(self, possible: bool) -> bool:
         """Whether this write goes past the page cache (where ``possible``): where no core
@@ -334,9 +373,10 @@ class Checkpointer:
         self.direct.append(direct)
         return direct
 
-    def _save(self, snap: dict[str, Any], path: Path) -> None:
-        """``torch.save(snap)`` into ``path``, fsynced; the tensor bytes written directly from
-        the arena where this torch and the file system allow it."""
+    def _save(self, snap: dict[str, Any], path: Path) -> bool:
+        """``torch.save(snap)`` into ``path``: the tensor bytes written directly from the
+        arena where this torch and the file system allow it, and the file fsynced then (True);
+        through the page cache otherwise, not yet fsynced (False)."""
         arena = self._arena
         cpu = time.thread_time()
         direct = self._direct(_DIRECT_SAVE and isinstance(arena, _Arena) and arena.holds(snap))
@@ -346,11 +386,12 @@ class Checkpointer:
                     torch.save(snap, f)  # the pickle and the zip's records, with holes for the bytes
                 f.flush()
                 arena.write(path, _record_offsets(path, snap))
+                os.fsync(f.fileno())
             else:
                 torch.save(snap, f)
                 f.flush()
-            os.fsync(f.fileno())
         self._write_cpu_s = time.thread_time() - cpu
+        return direct and isinstance(arena, _Arena)
 
     def _prune(self) -> None:
         found = sorted((int(mt.group(1)), p) for p in self.directory.iterdir() if (mt := _NAME.match(p.name)))
@@ -358,8 +399,11 @@ class Checkpointer:
             p.unlink(missing_ok=True)
 
     def close(self, timeout: float = 60.0) -> None:
+        end = time.monotonic() + timeout
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._syncer is not None:
+            self._syncer.join(max(0.0, end - time.monotonic()))
 
 
 def _can_save_with_holes() -> bool:

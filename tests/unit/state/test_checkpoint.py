@@ -292,6 +292,41 @@ def test_a_write_through_the_page_cache_that_outlasts_the_period_sends_the_next_
     assert same(load_checkpoint(checkpoint_path(tmp_path, 3)), mixed(3))
 
 
+def test_the_next_checkpoint_is_copied_while_the_last_ones_bytes_reach_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Through the page cache the write is a copy, then an fsync that takes seconds on a slow
+    # disk: the buffers are free for the next checkpoint meanwhile, the file is named only
+    # once it is on the disk, and the files are named in order.
+    syncing, release = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        syncing.set()
+        assert release.wait(10)
+        real_fsync(fd)
+
+    monkeypatch.setattr(ck.os, "fsync", fsync)
+    c = Checkpointer(tmp_path)
+    c._idle = Cores(free=True)
+    try:
+        assert c.save_async(mixed(1))
+        assert syncing.wait(10)
+        deadline = time.monotonic() + 10
+        while c.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not c.busy and latest_checkpoint(tmp_path) is None, "copied, not yet on the disk"
+        assert c.save_async(mixed(2)), "the next is not skipped"
+        time.sleep(0.2)
+        assert c.busy and latest_checkpoint(tmp_path) is None, "the second waits for the first's fsync"
+    finally:
+        release.set()
+        c.close()
+    assert c.failure is None and c.direct == [False, False] and c.skipped == 0
+    assert ckpt_names(tmp_path) == ["ckpt-000000001.pt", "ckpt-000000002.pt"]
+    assert same(load_checkpoint(checkpoint_path(tmp_path, 2)), mixed(2))
+
+
 def test_idle_cores_are_counted_from_the_processs_own_cores() -> None:
     idle = directio.IdleCores()
     if idle._read() is None:
