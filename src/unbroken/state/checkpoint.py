@@ -121,6 +121,10 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._syncer: threading.Thread | None = None
         """The thread fsyncing a checkpoint written through the page cache (`_write`)."""
+        self._syncing: _Priority | None = None
+        """Its priority, lowered as the writer's was."""
+        self._sync_cpu_s = 0.0
+        """CPU the last fsync took on its thread."""
         self._arena: _Arena | Packed | None = None
         """The buffers of the last copy handed to the writer; the next one is copied into them."""
         self._laying: threading.Thread | None = None
@@ -233,6 +237,9 @@ class Checkpointer:
         if self.direct and not self.direct[-1] and not self.overran:
             self.overran = True
             log.info("a checkpoint written through the page cache outlasted the checkpoint period: the next go past it")
+        syncing = self._syncing
+        if syncing is not None and self._syncer is not None and self._syncer.is_alive():
+            syncing.restore()
         writer = self._writer
         if writer is not None and writer.restore():
             self.hurried += 1
@@ -275,6 +282,7 @@ class Checkpointer:
                 self.captured_s.append(time.monotonic() - begun)
             except Exception as exc:  # out of memory: this checkpoint is lost, the job is not
                 log.error("capturing the state of step %s failed: %s", tree.get("step"), exc)
+                self._synced()  # the last one's success does not come after this failure
                 self.failure = f"the state of step {tree.get('step')} could not be captured: {exc}"
                 return
             finally:
@@ -311,17 +319,22 @@ class Checkpointer:
         try:
             durable = self._save(snap, tmp)
         except Exception as exc:  # a disk's error or torch's: this checkpoint is lost, the job is not
+            self._synced()
             self._failed(step, tmp, exc)
             return
         # The last checkpoint's bytes reach the disk first (at most one fsync in flight: a
         # disk slower than the checkpoints keeps this writer busy, and the next is skipped).
-        if self._syncer is not None:
-            self._syncer.join()
+        self._synced()
         if durable:
             self._finish(step, tmp, final, start)
             return
 
+        writer = self._writer
+
         def sync() -> None:
+            # At the writer's lowered priority (inherited), hurried with it (`_hurry`).
+            if writer is not None:
+                self._syncing = _Priority(threading.get_native_id(), writer.policy, writer.nice)
             cpu = time.thread_time()
             try:
                 fd = os.open(tmp, os.O_RDONLY)
@@ -333,13 +346,18 @@ class Checkpointer:
                 self._failed(step, tmp, exc)
                 return
             finally:
-                self._write_cpu_s += time.thread_time() - cpu
+                self._sync_cpu_s = time.thread_time() - cpu
             self._finish(step, tmp, final, start)
 
         # The buffers are free once the page cache holds their bytes: the next checkpoint
         # may copy into them while these reach the disk (seconds where the disk is slow).
         self._syncer = threading.Thread(target=sync, name="checkpoint-sync", daemon=True)
         self._syncer.start()
+
+    def _synced(self) -> None:
+        """Wait for the last checkpoint's fsync (`_write`)."""
+        if self._syncer is not None:
+            self._syncer.join()
 
     def _finish(self, step: int, tmp: Path, final: Path, start: float) -> None:
         try:
@@ -364,7 +382,7 @@ class Checkpointer:
     def _direct(self, possible: bool) -> bool:
         """Whether this write goes past the page cache (where ``possible``): where no core
         stood free since the last one, or the page cache could not keep up (`overran`)."""
-        direct = possible and (self.overran or not self._idle.free(self._write_cpu_s))
+        direct = possible and (self.overran or not self._idle.free(self._write_cpu_s + self._sync_cpu_s))
         if not self.direct or self.direct[-1] != direct:
             log.info(
                 "checkpoints are written %s",

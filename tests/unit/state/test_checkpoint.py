@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -317,14 +318,51 @@ def test_the_next_checkpoint_is_copied_while_the_last_ones_bytes_reach_the_disk(
             time.sleep(0.01)
         assert not c.busy and latest_checkpoint(tmp_path) is None, "copied, not yet on the disk"
         assert c.save_async(mixed(2)), "the next is not skipped"
-        time.sleep(0.2)
+        while not list(tmp_path.glob("ckpt-000000002.pt.*.tmp")) and time.monotonic() < deadline + 10:
+            time.sleep(0.01)
+        time.sleep(0.1)
         assert c.busy and latest_checkpoint(tmp_path) is None, "the second waits for the first's fsync"
     finally:
         release.set()
         c.close()
     assert c.failure is None and c.direct == [False, False] and c.skipped == 0
     assert ckpt_names(tmp_path) == ["ckpt-000000001.pt", "ckpt-000000002.pt"]
+    assert same(load_checkpoint(checkpoint_path(tmp_path, 1)), mixed(1)), "its buffers were reused only once copied"
     assert same(load_checkpoint(checkpoint_path(tmp_path, 2)), mixed(2))
+
+
+def test_a_failure_after_a_checkpoint_still_reaching_the_disk_is_reported_after_its_success(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    syncing, release = threading.Event(), threading.Event()
+    real_fsync, real_save = os.fsync, torch.save
+
+    def fsync(fd: int) -> None:
+        syncing.set()
+        assert release.wait(10)
+        real_fsync(fd)
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if obj["step"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(ck.os, "fsync", fsync)
+    monkeypatch.setattr(ck.torch, "save", save)
+    c = Checkpointer(tmp_path)
+    c._idle = Cores(free=True)
+    try:
+        assert c.save_async(mixed(1))
+        assert syncing.wait(10)
+        while c.busy:
+            time.sleep(0.01)
+        assert c.save_async(mixed(2))
+        time.sleep(0.1)
+    finally:
+        release.set()
+        c.close()
+    assert c.failure is not None and "step 2" in c.failure and "No space" in c.failure
+    assert ckpt_names(tmp_path) == ["ckpt-000000001.pt"]
 
 
 def test_idle_cores_are_counted_from_the_processs_own_cores() -> None:
