@@ -293,12 +293,9 @@ def test_a_write_through_the_page_cache_that_outlasts_the_period_sends_the_next_
     assert same(load_checkpoint(checkpoint_path(tmp_path, 3)), mixed(3))
 
 
-def test_the_next_checkpoint_is_copied_while_the_last_ones_bytes_reach_the_disk(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Through the page cache the write is a copy, then an fsync that takes seconds on a slow
-    # disk: the buffers are free for the next checkpoint meanwhile, the file is named only
-    # once it is on the disk, and the files are named in order.
+@pytest.fixture
+def held_fsync(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Make a checkpoint's fsync wait until released (a slow disk)."""
     syncing, release = threading.Event(), threading.Event()
     real_fsync = os.fsync
 
@@ -308,6 +305,16 @@ def test_the_next_checkpoint_is_copied_while_the_last_ones_bytes_reach_the_disk(
         real_fsync(fd)
 
     monkeypatch.setattr(ck.os, "fsync", fsync)
+    return syncing, release
+
+
+def test_the_next_checkpoint_is_copied_while_the_last_ones_bytes_reach_the_disk(
+    tmp_path: Path, held_fsync: tuple[threading.Event, threading.Event]
+) -> None:
+    # Through the page cache the write is a copy, then an fsync that takes seconds on a slow
+    # disk: the buffers are free for the next checkpoint meanwhile, the file is named only
+    # once it is on the disk, and the files are named in order.
+    syncing, release = held_fsync
     c = Checkpointer(tmp_path)
     c._idle = Cores(free=True)
     try:
@@ -332,22 +339,16 @@ def test_the_next_checkpoint_is_copied_while_the_last_ones_bytes_reach_the_disk(
 
 
 def test_a_failure_after_a_checkpoint_still_reaching_the_disk_is_reported_after_its_success(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held_fsync: tuple[threading.Event, threading.Event]
 ) -> None:
-    syncing, release = threading.Event(), threading.Event()
-    real_fsync, real_save = os.fsync, torch.save
-
-    def fsync(fd: int) -> None:
-        syncing.set()
-        assert release.wait(10)
-        real_fsync(fd)
+    syncing, release = held_fsync
+    real_save = torch.save
 
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         if obj["step"] == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
         real_save(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(ck.os, "fsync", fsync)
     monkeypatch.setattr(ck.torch, "save", save)
     c = Checkpointer(tmp_path)
     c._idle = Cores(free=True)
