@@ -64,18 +64,17 @@ def run(args: argparse.Namespace, workdir: Path, config: str) -> dict[str, Any]:
     for a, b in itertools.pairwise(commits):
         if b["step"] == a["step"] + 1 and b["step"] > args.warmup:
             gaps[b["step"]] = b["t"] - a["t"]
-    # The state is captured right after step s is committed: the stall lands in the gap to s + 1.
-    with_ckpt = [g for s, g in gaps.items() if config in ("whole", "fragments") and s - 1 in started]
-    if config == "audit":
-        with_ckpt = [g for s, g in gaps.items() if (s - 1) % args.every == 0]
     due = list(range(args.every, args.steps, args.every))
+    # The checkpoints that started (audits are never skipped: the schedule's).
+    marks = started if config in ("whole", "fragments") else set(due)
+    # The state is captured right after step s is committed: the stall lands in the gap to s + 1.
+    with_ckpt = [g for s, g in gaps.items() if config != "none" and s - 1 in marks]
     first = next((b["t"] - a["t"] for a, b in itertools.pairwise(commits) if b["step"] == args.every + 1), None)
     med, mean = statistics.median(gaps.values()), statistics.fmean(gaps.values())
     ckpt = statistics.median(with_ckpt) if with_ckpt else None
-    marks = started if config in ("whole", "fragments") else set(due)
     offsets: dict[int, list[float]] = {}
     for s, g in gaps.items():
-        # Counted from the last checkpoint that started (the schedule's, without checkpoints).
+        # Counted from the last one that started (the schedule's where none is taken)
         last = max((k for k in marks if k < s), default=None)
         if last is not None and s - 1 - last < args.every:
             offsets.setdefault(s - 1 - last, []).append(g / med)

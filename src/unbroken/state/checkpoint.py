@@ -399,7 +399,8 @@ class Checkpointer:
         cpu = time.thread_time()
         direct = self._direct(_DIRECT_SAVE and isinstance(arena, _Arena) and arena.holds(snap))
         with open(path, "wb") as f:
-            if direct and isinstance(arena, _Arena):
+            if direct:
+                assert isinstance(arena, _Arena), "a direct write is one the arena allows (`_direct`)"
                 with _aligned_records(), torch.serialization.skip_data():
                     torch.save(snap, f)  # the pickle and the zip's records, with holes for the bytes
                 f.flush()
@@ -409,7 +410,7 @@ class Checkpointer:
                 torch.save(snap, f)
                 f.flush()
         self._write_cpu_s = time.thread_time() - cpu
-        return direct and isinstance(arena, _Arena)
+        return direct
 
     def _prune(self) -> None:
         found = sorted((int(mt.group(1)), p) for p in self.directory.iterdir() if (mt := _NAME.match(p.name)))
