@@ -66,6 +66,8 @@ class Kind(StrEnum):
     CHECKPOINT = "checkpoint"
     CHECKPOINT_OK = "checkpoint-ok"
     CHECKPOINT_FAILED = "checkpoint-failed"
+    CHECKPOINT_SKIPPED = "checkpoint-skipped"
+    """The last checkpoint was still being written when the next was due."""
     SYNC = "sync"
     ROLLBACK = "rollback"
     # The control plane itself.
@@ -102,7 +104,9 @@ class Entry(StrEnum):
     CHECKPOINT_FAILED = "checkpoint-failed"
 
 
-REPORTED = frozenset({Kind.CHECKPOINT, Kind.CHECKPOINT_OK, Kind.CHECKPOINT_FAILED, Kind.SYNC, Kind.ROLLBACK})
+REPORTED = frozenset(
+    {Kind.CHECKPOINT, Kind.CHECKPOINT_OK, Kind.CHECKPOINT_FAILED, Kind.CHECKPOINT_SKIPPED, Kind.SYNC, Kind.ROLLBACK}
+)
 """The kinds a node may report (`unbroken.control.messages.Report`): a node that could
 report a failure or an epoch would write the coordinator's decisions for it."""
 ANOMALIES = frozenset({Kind.STRAGGLER, Kind.LOSS_NAN, Kind.LOSS_SPIKE, Kind.THROUGHPUT_COLLAPSE, Kind.FLAPPING})

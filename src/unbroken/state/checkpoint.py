@@ -3,12 +3,14 @@
 The step loop only copies the state, at the step boundary, into buffers the checkpointer
 keeps from one checkpoint to the next (a memcpy: no allocation and no page faults on the
 step, which cost 6x the copy for a 400 MB state); serialising and writing run on a
-background thread, at a lower CPU priority than training, into ``ckpt-<step>.pt.tmp``,
-fsynced, then renamed, so a file named ``ckpt-<step>.pt`` is always complete. If the
-previous write is still running, the new checkpoint is skipped rather than blocking the
-step (its buffers are still being written from), and the running write is hurried back to
-the step loop's priority: on a machine whose cores training keeps busy, an idle-priority
-write would otherwise never end, and every later checkpoint would be skipped with it.
+background thread, at a lower CPU priority than training, into a temporary file
+(``ckpt-<step>.pt.<pid>@<host>.tmp``: the next checkpointer in the directory removes it if
+its writer died), fsynced, then renamed, so a file named ``ckpt-<step>.pt`` is always
+complete. If the previous write is still running, the new checkpoint is skipped rather than
+blocking the step (its buffers are still being written from; the node reports it), and the
+running write is hurried back to the step loop's priority: on a machine whose cores
+training keeps busy, an idle-priority write would otherwise never end, and every later
+checkpoint would be skipped with it.
 
 The file is what ``torch.save`` writes (``torch.load`` reads it), but where no core stood
 free since the last checkpoint its tensor bytes go straight from those buffers to the disk
@@ -116,6 +118,8 @@ class Checkpointer:
                 f"checkpoint directory {directory} cannot be written ({exc.strerror or exc}): give a writable "
                 "--checkpoint-dir, or none"
             ) from None
+        for stale in directio.remove_stale(directory):
+            log.info("removed %s: its writer was stopped before it was complete", stale)
         self.failure: str | None = None
         """Why the last write failed (None after a write that succeeded)."""
         self._thread: threading.Thread | None = None
@@ -313,7 +317,7 @@ class Checkpointer:
     def _write(self, snap: dict[str, Any]) -> None:
         step = int(snap["step"])
         final = checkpoint_path(self.directory, step)
-        tmp = final.with_name(final.name + f".{os.getpid()}.tmp")
+        tmp = directio.temp_path(final)
         self._writer = _Priority.lower()
         start = time.monotonic()
         try:

@@ -20,6 +20,8 @@ import ctypes
 import errno
 import mmap
 import os
+import re
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,6 +101,41 @@ def _through_page_cache(fd: int) -> bool:
     if not O_DIRECT or not flags & O_DIRECT:
         return False
     fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~O_DIRECT)
+    return True
+
+
+_TEMP = re.compile(r"^(?P<name>.+)\.(?P<pid>\d+)@(?P<host>[^/]+)\.tmp$")
+
+
+def temp_path(final: Path) -> Path:
+    """Where ``final`` is written before it is renamed into place: named by the writing
+    process and its host, so that `remove_stale` can tell a dead writer's file from a
+    live one's, even in a directory several machines share."""
+    return final.with_name(f"{final.name}.{os.getpid()}@{socket.gethostname()}.tmp")
+
+
+def remove_stale(directory: Path) -> list[Path]:
+    """Remove the temporary files (`temp_path`) of writers on this host that are no longer
+    running (a node killed mid-write leaves its file, hundreds of MB, behind); returns them.
+    Another host's files are left alone: whether their writer lives cannot be told here."""
+    host, removed = socket.gethostname(), []
+    for p in directory.iterdir():
+        mt = _TEMP.match(p.name)
+        if mt is None or mt.group("host") != host or _alive(int(mt.group("pid"))):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
     return True
 
 

@@ -319,9 +319,13 @@ def _checksum(algo: str, data: bytes | bytearray | memoryview) -> str:
 
 
 def _atomic(path: Path, data: bytes | memoryview, direct: bool = False) -> None:
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    directio.write_file(tmp, data, direct)
-    os.replace(tmp, path)
+    tmp = directio.temp_path(path)
+    try:
+        directio.write_file(tmp, data, direct)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _prune(directory: Path) -> None:

@@ -50,6 +50,8 @@ class Records:
         self._notes: list[tuple[Kind, str]] = []
         """Events for the job's log from before this node joined (sent once it has)."""
         self._checkpoint_failure: str | None = None
+        self.checkpoint_writing: int | None = None
+        """The step of the last checkpoint this node started to write."""
         """The checkpoint failure last reported (None: none, or writes succeed again)."""
         self._recent: list[m.StepPoint] = []
         """Steps committed since the last progress report (rank 0 sends them: the curves)."""
@@ -151,11 +153,33 @@ class Records:
             mine = self._fragments_of(g)
             snap = self.checkpoint_tree()
             in_digest = node.state.optimizer_in_digest
-            if mine and self.checkpointer.save_fragments_async(snap, k, m_, mine, in_digest, later=self._later()):
-                self.report(Kind.CHECKPOINT, f"fragments {mine} of {k}+{m_} of step {step} being written")
+            if not mine:
+                return
+            if self.checkpointer.save_fragments_async(snap, k, m_, mine, in_digest, later=self._later()):
+                self._started(f"fragments {mine} of {k}+{m_} of step {step} being written")
+            else:
+                self._skipped(f"fragments {mine} of {k}+{m_} of step {step}")
             return
-        if g.rank == 0 and self.checkpointer.save_async(self.checkpoint_tree(), later=self._later()):
-            self.report(Kind.CHECKPOINT, f"checkpoint of step {step} being written to {node.config.checkpoint_dir}")
+        if g.rank != 0:
+            return
+        if self.checkpointer.save_async(self.checkpoint_tree(), later=self._later()):
+            self._started(f"checkpoint of step {step} being written to {node.config.checkpoint_dir}")
+        else:
+            self._skipped(f"checkpoint of step {step}")
+
+    def _started(self, what: str) -> None:
+        self.checkpoint_writing = self.node.state.step
+        self.report(Kind.CHECKPOINT, what)
+
+    def _skipped(self, what: str) -> None:
+        """A checkpoint not taken because the last one is still being written: said, so that
+        a disk too slow for ``--checkpoint-every`` shows before a restart needs the files."""
+        assert self.checkpointer is not None
+        self.report(
+            Kind.CHECKPOINT_SKIPPED,
+            f"{what} skipped: the one of step {self.checkpoint_writing} is still being written "
+            f"({self.checkpointer.skipped} skipped so far; a faster disk or a longer --checkpoint-every)",
+        )
 
     def _fragments_of(self, g: EpochGroup) -> list[int]:
         """The fragments this member writes (rank r: every fragment i with i mod size = r)."""

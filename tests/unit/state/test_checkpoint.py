@@ -47,6 +47,29 @@ def test_latest_checkpoint_ignores_temporary_and_foreign_files(tmp_path: Path) -
     assert latest_checkpoint(tmp_path) == tmp_path / "ckpt-000000005.pt"
 
 
+def test_a_dead_writers_temporary_file_on_this_host_is_removed_and_no_other(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
+    dead, host = int(done.stdout), socket.gethostname()
+    left = tmp_path / f"ckpt-000000009.pt.{dead}@{host}.tmp"
+    kept = [
+        tmp_path / f"ckpt-000000010.pt.{os.getpid()}@{host}.tmp",  # a live writer's
+        tmp_path / f"ckpt-000000010.pt.{dead}@another-{host}.tmp",  # a machine sharing the directory
+        tmp_path / "ckpt-000000008.pt.1234.tmp",  # not one of ours
+        tmp_path / f"frag-000000009.001.{dead}@{host}.tmp.bak",
+    ]
+    for p in [left, *kept]:
+        p.write_bytes(b"half a checkpo")
+    torch.save(snap(5), tmp_path / "ckpt-000000005.pt")
+    Checkpointer(tmp_path)
+    assert not left.exists()
+    assert all(p.exists() for p in kept)
+    assert latest_checkpoint(tmp_path) == tmp_path / "ckpt-000000005.pt"
+
+
 def test_save_async_writes_a_checkpoint_that_loads_back(tmp_path: Path) -> None:
     c = Checkpointer(tmp_path / "ckpts")
     assert c.save_async(snap(7)) is True

@@ -221,6 +221,22 @@ def test_a_node_computes_only_the_parity_it_keeps(tmp_path: Path, monkeypatch: p
     assert manifest.step == 3 and not notes
 
 
+def test_a_fragment_write_that_fails_leaves_no_partial_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from unbroken.state import directio
+
+    state = trained_state()
+    real = directio.write_file
+
+    def full_disk(path: Path, data: bytes | memoryview, direct: bool = True) -> None:
+        real(path, bytes(data)[:10], direct)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(directio, "write_file", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        write_fragments(tmp_path, state.capture(), 1, 1, [0, 1], state.digest())
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("spec", ["3", "3,2,1", "0,2", "a,b", "200,100"])
 def test_bad_fragment_specs(spec: str) -> None:
     with pytest.raises(ConfigError, match="fragments"):

@@ -172,6 +172,41 @@ def test_rank_0_lays_out_its_checkpoint_buffers_a_few_steps_ahead_and_the_others
     assert not (tmp_path / "b-ckpt").exists() or not list((tmp_path / "b-ckpt").glob("ckpt-*"))
 
 
+def test_a_checkpoint_skipped_behind_one_still_being_written_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+    real = ck.Checkpointer._write
+
+    def held(self: ck.Checkpointer, snap: dict[str, Any]) -> None:
+        if int(snap["step"]) == 4:
+            assert release.wait(60), "the test never let step 4's write go"
+        real(self, snap)
+
+    monkeypatch.setattr(ck.Checkpointer, "_write", held)
+
+    def skips(mj: MemoryJob) -> list[tuple[str, int, str]]:
+        got = list(mj.received)
+        return [
+            (who, msg.step, msg.reason)
+            for who, msg in got
+            if isinstance(msg, m.Report) and msg.kind is Kind.CHECKPOINT_SKIPPED
+        ]
+
+    with MemoryJob(job(12), ["a", "b"], tmp_path, checkpoint_every=4) as mj:
+        mj.order(["a", "b"])
+        deadline = time.monotonic() + 60
+        while len(skips(mj)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        release.set()  # the job's end waits for the write
+        finished(mj.join(60))
+    reported = skips(mj)
+    assert [(who, step) for who, step, _ in reported] == [("a", 8), ("a", 12)], reported
+    assert all("the one of step 4 is still being written" in why for _, _, why in reported), reported
+    assert "2 skipped so far" in reported[-1][2]
+    assert sorted(p.name for p in (tmp_path / "a-ckpt").iterdir()) == ["ckpt-000000004.pt"], "nothing half-written left"
+
+
 def test_the_step_flat_is_kept_across_graceful_epoch_changes_and_let_go_after_a_failure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
