@@ -13,7 +13,12 @@ Compute cost (``--compute``):
 - ``sleep`` (default): the ~0.67M-parameter MLP of ``bench/jobs.py`` plus a sleep of
   ``--sample-ms`` per sample in each forward pass (``UB_BENCH_SAMPLE_MS``), so that compute
   time is proportional to a node's share and three processes on a 2-core machine do not
-  fight over the CPU (which would decide their speeds instead of ``--throttle``).
+  fight over the CPU (which would decide their speeds instead of ``--throttle``). With
+  ``--backward-share F`` the fraction F of it is spent in backward instead, each layer's
+  part in proportion to its parameters, as on a real device (F = 0.67): the gradient's
+  buckets (``--bucket-mb``, the coordinator's) can then be summed while earlier layers'
+  backward runs. With all of it in forward, backward takes about 1 % of the step and no sum
+  overlaps anything.
 - ``cpu``: the same MLP, real matrix compute only (a larger default batch, so that a step
   is not dominated by the all-reduce); CPU contention between the processes is part of
   every group figure, while the ideal is measured alone, without it.
@@ -126,13 +131,16 @@ def shares_at(entries_by_node: dict[str, list[dict[str, Any]]], step: int) -> di
 
 
 def env_for(args: argparse.Namespace, steps: int) -> dict[str, str]:
-    return jobs.env_for(steps, args.batch, sample_ms=args.sample_ms if args.compute == "sleep" else 0.0)
+    sleep = args.compute == "sleep"
+    return jobs.env_for(
+        steps, args.batch, sample_ms=args.sample_ms if sleep else 0.0, backward=args.backward_share if sleep else 0.0
+    )
 
 
 def run_unbroken(args: argparse.Namespace, workdir: Path, throttles: list[str]) -> dict[str, Any]:
     env = env_for(args, args.steps)
     with LocalCluster(jobs.job_ref(MODEL), workdir, env=env, min_nodes=len(throttles)) as c:
-        c.start_coordinator()
+        c.start_coordinator(extra=["--bucket-mb", str(args.bucket_mb)])
         for i, th in enumerate(throttles):
             c.start_node(f"n{i}", extra=["--throttle", th])
         codes = c.wait_exit(timeout=args.timeout)
@@ -264,6 +272,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--alone-warmup", type=int, default=2, help="steps left out at the start of each alone run")
     p.add_argument("--batch", type=int, help="global batch B, divisible by 3 (default 90; 960 with --compute cpu)")
     p.add_argument("--sample-ms", type=float, default=2.0, help="sleep per sample with --compute sleep")
+    p.add_argument(
+        "--backward-share",
+        type=float,
+        default=0.0,
+        help="with --compute sleep, the fraction of the sleep spent in backward, layer by layer (0.67 as a real "
+        "model's backward costs about twice its forward; 0: all in forward, where no sum can overlap it)",
+    )
+    p.add_argument(
+        "--bucket-mb", type=float, default=25.0, help="unbroken's gradient buckets (the coordinator's --bucket-mb)"
+    )
     p.add_argument("--speeds", default="1,0.5,0.25", help="static scenario: the nodes' speed factors")
     p.add_argument("--slow-at", type=int, help="dynamic scenario: the step S the slowdown starts (default 2/5 in)")
     p.add_argument("--slow-factor", type=float, default=0.25, help="dynamic scenario: the slowed node's factor")
@@ -289,7 +307,13 @@ def main() -> None:
     n = len(args.speeds)
     static, dynamic = args.scenario in ("both", "static"), args.scenario in ("both", "dynamic")
     cost = (
-        f"compute sleep: {args.sample_ms:g} ms sleep per sample in each forward pass + the MLP's own compute"
+        f"compute sleep: {args.sample_ms:g} ms sleep per sample"
+        + (
+            f", {args.backward_share:.0%} of it in backward, layer by layer"
+            if args.backward_share
+            else " in each forward pass"
+        )
+        + f" + the MLP's own compute; buckets of {args.bucket_mb:g} MB"
         if args.compute == "sleep"
         else f"compute cpu: real matrix compute only; {n} processes share this machine's {os.cpu_count()} cores, "
         "so CPU contention is part of every group figure (the ideal is measured alone, without it)"

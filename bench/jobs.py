@@ -17,6 +17,9 @@ and the DDP baseline passes to every rank, so both sides build the very same `Jo
 ``UB_BENCH_DELAY_MS`` a sleep per forward pass (default 0; only to slow a run on purpose)
 ``UB_BENCH_SAMPLE_MS`` a sleep per sample in each forward pass (default 0): a compute cost
                       proportional to the share that does not load the CPU (bench/hetero.py)
+``UB_BENCH_BACKWARD`` the fraction of that sleep spent in backward instead (default 0; a
+                      real model's backward costs about twice its forward: 0.67), each layer's
+                      part in proportion to its parameters
 ``UB_BENCH_FREEZE``   the first N Linear layers are frozen (default 0): a fine-tune whose
                       backbone every node builds from the seed (bench/resync.py)
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,9 +53,31 @@ SHAPES = {
 DEFAULT_BATCH = {"small": 96, "medium": 48, "large": 12}
 
 
+class _Busy(torch.autograd.Function):
+    """The identity, idling ``forward_s`` on the way forward and ``backward_s`` on the way back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        time.sleep(forward_s)
+        ctx.backward_s = backward_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
 class MLP(nn.Module):
     def __init__(
-        self, d_in: int, hidden: int, d_out: int, delay_s: float = 0.0, per_sample_s: float = 0.0, freeze: int = 0
+        self,
+        d_in: int,
+        hidden: int,
+        d_out: int,
+        delay_s: float = 0.0,
+        per_sample_s: float = 0.0,
+        freeze: int = 0,
+        backward: float = 0.0,
     ) -> None:
         super().__init__()
         self.net = nn.Sequential(
@@ -61,11 +87,27 @@ class MLP(nn.Module):
             layer.requires_grad_(False)
         self.delay_s = delay_s
         self.per_sample_s = per_sample_s
+        self.backward = backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.delay_s or self.per_sample_s:
-            time.sleep(self.delay_s + self.per_sample_s * len(x))
-        return self.net(x)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if not self.per_sample_s:
+            return self.net(x)
+        if not self.backward:
+            time.sleep(self.per_sample_s * len(x))
+            return self.net(x)
+        # As a real device spends it: each layer in proportion to its parameters, the share
+        # ``backward`` of it in that layer's backward, which runs before the layer's
+        # gradient is complete (so a bucket's sum can overlap the earlier layers' backward).
+        cost = self.per_sample_s * len(x)
+        total = sum(p.numel() for p in self.parameters())
+        for module in self.net:
+            x = module(x)
+            if isinstance(module, nn.Linear):
+                part = cost * sum(p.numel() for p in module.parameters()) / total
+                x = _Busy.apply(x, part * (1 - self.backward), part * self.backward)
+        return x
 
 
 def num_params(kind: str) -> int:
@@ -117,9 +159,10 @@ def make(kind: str) -> Job:
     delay = float(os.environ.get("UB_BENCH_DELAY_MS", "0")) / 1000
     per_sample = float(os.environ.get("UB_BENCH_SAMPLE_MS", "0")) / 1000
     freeze = int(os.environ.get("UB_BENCH_FREEZE", "0"))
+    backward = float(os.environ.get("UB_BENCH_BACKWARD", "0"))
     return Job(
         name=f"bench-{kind}",
-        model=lambda: MLP(d_in, hidden, d_out, delay, per_sample, freeze),
+        model=lambda: MLP(d_in, hidden, d_out, delay, per_sample, freeze, backward),
         optimizer=_optimizer(opt),
         dataset=dataset(kind, samples),
         loss=F.cross_entropy,
@@ -150,13 +193,20 @@ def job_ref(kind: str) -> str:
 
 
 def env_for(
-    steps: int, batch: int | None = None, opt: str = "sgd", samples: int = 4096, sample_ms: float = 0.0
+    steps: int,
+    batch: int | None = None,
+    opt: str = "sgd",
+    samples: int = 4096,
+    sample_ms: float = 0.0,
+    backward: float = 0.0,
 ) -> dict[str, str]:
     env = {"UB_BENCH_STEPS": str(steps), "UB_BENCH_OPT": opt, "UB_BENCH_SAMPLES": str(samples)}
     if batch:
         env["UB_BENCH_BATCH"] = str(batch)
     if sample_ms:
         env["UB_BENCH_SAMPLE_MS"] = str(sample_ms)
+    if backward:
+        env["UB_BENCH_BACKWARD"] = str(backward)
     return env
 
 

@@ -175,9 +175,10 @@ class Records:
         """A checkpoint not taken because the last one is still being written: said, so that
         a disk too slow for ``--checkpoint-every`` shows before a restart needs the files."""
         assert self.checkpointer is not None
+        last = "the last one" if self.checkpoint_writing is None else f"the one of step {self.checkpoint_writing}"
         self.report(
             Kind.CHECKPOINT_SKIPPED,
-            f"{what} skipped: the one of step {self.checkpoint_writing} is still being written "
+            f"{what} skipped: {last} is still being written "
             f"({self.checkpointer.skipped} skipped so far; a faster disk or a longer --checkpoint-every)",
         )
 
