@@ -292,6 +292,8 @@ def parse_args() -> argparse.Namespace:
     args.batch = args.batch or DEFAULT_BATCH[args.compute]
     if args.batch % len(args.speeds):
         p.error(f"--batch must be divisible by {len(args.speeds)} (the equal split)")
+    if not 0 <= args.backward_share <= 1:
+        p.error(f"--backward-share {args.backward_share:g} must be between 0 and 1 (a fraction of the compute)")
     if args.slow_at is None:
         args.slow_at = max(args.warmup + 10, 2 * args.steps // 5)
     if args.steps <= args.warmup + 2 or args.ddp_steps <= args.ddp_warmup + 2:

@@ -4,8 +4,8 @@ The step loop only copies the state, at the step boundary, into buffers the chec
 keeps from one checkpoint to the next (a memcpy: no allocation and no page faults on the
 step, which cost 6x the copy for a 400 MB state); serialising and writing run on a
 background thread, at a lower CPU priority than training, into a temporary file
-(``ckpt-<step>.pt.<pid>@<host>.tmp``: the next checkpointer in the directory removes it if
-its writer died), fsynced, then renamed, so a file named ``ckpt-<step>.pt`` is always
+(``ckpt-<step>.pt.<pid>@<writer>.tmp``: a checkpointer started later on the same machine
+removes it if its writer died), fsynced, then renamed, so a file named ``ckpt-<step>.pt`` is always
 complete. If the previous write is still running, the new checkpoint is skipped rather than
 blocking the step (its buffers are still being written from; the node reports it), and the
 running write is hurried back to the step loop's priority: on a machine whose cores

@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
+import logging
 import mmap
 import os
 import re
@@ -25,6 +27,8 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 PAGE = 4096
 """What direct I/O wants aligned: buffer addresses, file offsets and lengths."""
@@ -104,28 +108,47 @@ def _through_page_cache(fd: int) -> bool:
     return True
 
 
-_TEMP = re.compile(r"^(?P<name>.+)\.(?P<pid>\d+)@(?P<host>[^/]+)\.tmp$")
+_TEMP = re.compile(r"^(?:ckpt-\d{9}\.pt|frag-\d{9}\.(?:\d{3}|json))\.(?P<pid>\d{1,10})@(?P<writer>[\w.-]+)\.tmp$")
+
+
+@functools.cache
+def _writer() -> str:
+    """This process's machine and process-id namespace, as a file name can hold them: its
+    host name, its boot's id (machines named alike differ by it) and its pid namespace
+    (containers on one host, sharing its name, number their processes each their own way)."""
+    parts = [socket.gethostname()]
+    with contextlib.suppress(OSError):
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8])
+    with contextlib.suppress(OSError):
+        parts.append("".join(ch for ch in os.readlink("/proc/self/ns/pid") if ch.isdigit()))
+    return re.sub(r"[^\w.-]", "_", "-".join(parts))
 
 
 def temp_path(final: Path) -> Path:
     """Where ``final`` is written before it is renamed into place: named by the writing
-    process and its host, so that `remove_stale` can tell a dead writer's file from a
-    live one's, even in a directory several machines share."""
-    return final.with_name(f"{final.name}.{os.getpid()}@{socket.gethostname()}.tmp")
+    process and where it runs (`_writer`), so that `remove_stale` can tell a dead writer's
+    file from a live one's in a directory other machines or containers share."""
+    return final.with_name(f"{final.name}.{os.getpid()}@{_writer()}.tmp")
 
 
 def remove_stale(directory: Path) -> list[Path]:
-    """Remove the temporary files (`temp_path`) of writers on this host that are no longer
-    running (a node killed mid-write leaves its file, hundreds of MB, behind); returns them.
-    Another host's files are left alone: whether their writer lives cannot be told here."""
-    host, removed = socket.gethostname(), []
+    """Remove the temporary files (`temp_path`) whose writer ran here (this machine, this
+    process-id namespace) and runs no more (a node killed mid-write leaves hundreds of MB
+    behind); returns them. Others' files are left alone: whether their writer lives cannot
+    be told from here. A file that cannot be removed is left with a warning."""
+    removed = []
     for p in directory.iterdir():
         mt = _TEMP.match(p.name)
-        if mt is None or mt.group("host") != host or _alive(int(mt.group("pid"))):
+        if mt is None or mt.group("writer") != _writer() or _alive(int(mt.group("pid"))) or not p.is_file():
             continue
-        with contextlib.suppress(FileNotFoundError):
+        try:
             p.unlink()
-            removed.append(p)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("could not remove %s, left by a writer that no longer runs: %s", p, exc)
+            continue
+        removed.append(p)
     return removed
 
 
@@ -134,7 +157,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
+    except (PermissionError, OverflowError):  # another user's process; no such pid can be
         return True
     return True
 

@@ -22,6 +22,7 @@ number of nodes started with ``--checkpoint-dir /shared/ckpt`` resume from.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -324,7 +325,8 @@ def _atomic(path: Path, data: bytes | memoryview, direct: bool = False) -> None:
         directio.write_file(tmp, data, direct)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the write's own error is the one to report
+            tmp.unlink(missing_ok=True)
         raise
 
 

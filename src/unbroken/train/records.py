@@ -50,9 +50,9 @@ class Records:
         self._notes: list[tuple[Kind, str]] = []
         """Events for the job's log from before this node joined (sent once it has)."""
         self._checkpoint_failure: str | None = None
-        self.checkpoint_writing: int | None = None
-        """The step of the last checkpoint this node started to write."""
         """The checkpoint failure last reported (None: none, or writes succeed again)."""
+        self._writing: int | None = None
+        """The step of the last checkpoint this node started to write."""
         self._recent: list[m.StepPoint] = []
         """Steps committed since the last progress report (rank 0 sends them: the curves)."""
         self._last_progress = 0.0
@@ -168,14 +168,14 @@ class Records:
             self._skipped(f"checkpoint of step {step}")
 
     def _started(self, what: str) -> None:
-        self.checkpoint_writing = self.node.state.step
+        self._writing = self.node.state.step
         self.report(Kind.CHECKPOINT, what)
 
     def _skipped(self, what: str) -> None:
         """A checkpoint not taken because the last one is still being written: said, so that
         a disk too slow for ``--checkpoint-every`` shows before a restart needs the files."""
         assert self.checkpointer is not None
-        last = "the last one" if self.checkpoint_writing is None else f"the one of step {self.checkpoint_writing}"
+        last = "the last one" if self._writing is None else f"the one of step {self._writing}"
         self.report(
             Kind.CHECKPOINT_SKIPPED,
             f"{what} skipped: {last} is still being written "

@@ -53,19 +53,25 @@ def test_a_dead_writers_temporary_file_on_this_host_is_removed_and_no_other(tmp_
     import sys
 
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
-    dead, host = int(done.stdout), socket.gethostname()
-    left = tmp_path / f"ckpt-000000009.pt.{dead}@{host}.tmp"
+    dead = int(done.stdout)
+    here = directio.temp_path(tmp_path / "x").name.split("@", 1)[1].removesuffix(".tmp")
+    assert here.startswith(socket.gethostname().replace("/", "_"))
+    left = [tmp_path / f"ckpt-000000009.pt.{dead}@{here}.tmp", tmp_path / f"frag-000000009.001.{dead}@{here}.tmp"]
     kept = [
-        tmp_path / f"ckpt-000000010.pt.{os.getpid()}@{host}.tmp",  # a live writer's
-        tmp_path / f"ckpt-000000010.pt.{dead}@another-{host}.tmp",  # a machine sharing the directory
-        tmp_path / "ckpt-000000008.pt.1234.tmp",  # not one of ours
-        tmp_path / f"frag-000000009.001.{dead}@{host}.tmp.bak",
+        tmp_path / f"ckpt-000000010.pt.{os.getpid()}@{here}.tmp",  # a live writer's
+        tmp_path / f"ckpt-000000010.pt.{dead}@another-{here}.tmp",  # a machine or container sharing the directory
+        tmp_path / f"ckpt-000000010.pt.{10**30}@{here}.tmp",  # no such pid: not ours to judge
+        tmp_path / "ckpt-000000008.pt.1234.tmp",  # not a writer-named file
+        tmp_path / f"notes.{dead}@{here}.tmp",  # not a checkpoint's
+        tmp_path / f"frag-000000009.001.{dead}@{here}.tmp.bak",
     ]
-    for p in [left, *kept]:
+    for p in [*left, *kept]:
         p.write_bytes(b"half a checkpo")
+    (tmp_path / f"ckpt-000000011.pt.{dead}@{here}.tmp").mkdir()  # not a file: left alone
+    kept.append(tmp_path / f"ckpt-000000011.pt.{dead}@{here}.tmp")
     torch.save(snap(5), tmp_path / "ckpt-000000005.pt")
     Checkpointer(tmp_path)
-    assert not left.exists()
+    assert not any(p.exists() for p in left)
     assert all(p.exists() for p in kept)
     assert latest_checkpoint(tmp_path) == tmp_path / "ckpt-000000005.pt"
 
