@@ -88,6 +88,11 @@ class MLP(nn.Module):
         self.delay_s = delay_s
         self.per_sample_s = per_sample_s
         self.backward = backward
+        total = sum(p.numel() for p in self.parameters())
+        self._parts = {
+            id(m): sum(p.numel() for p in m.parameters()) / total for m in self.net if isinstance(m, nn.Linear)
+        }
+        """Each layer's part of the emulated compute: its parameters' (its FLOPs in an MLP)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.delay_s:
@@ -101,11 +106,10 @@ class MLP(nn.Module):
         # ``backward`` of it in that layer's backward, which runs before the layer's
         # gradient is complete (so a bucket's sum can overlap the earlier layers' backward).
         cost = self.per_sample_s * len(x)
-        total = sum(p.numel() for p in self.parameters())
         for module in self.net:
             x = module(x)
             if isinstance(module, nn.Linear):
-                part = cost * sum(p.numel() for p in module.parameters()) / total
+                part = cost * self._parts[id(module)]
                 x = _Busy.apply(x, part * (1 - self.backward), part * self.backward)
         return x
 

@@ -151,30 +151,23 @@ class Records:
         if self.fragments is not None:
             k, m_ = self.fragments
             mine = self._fragments_of(g)
-            snap = self.checkpoint_tree()
-            in_digest = node.state.optimizer_in_digest
             if not mine:
                 return
-            if self.checkpointer.save_fragments_async(snap, k, m_, mine, in_digest, later=self._later()):
-                self._started(f"fragments {mine} of {k}+{m_} of step {step} being written")
-            else:
-                self._skipped(f"fragments {mine} of {k}+{m_} of step {step}")
-            return
-        if g.rank != 0:
-            return
-        if self.checkpointer.save_async(self.checkpoint_tree(), later=self._later()):
-            self._started(f"checkpoint of step {step} being written to {node.config.checkpoint_dir}")
+            what, where = f"fragments {mine} of {k}+{m_} of step {step}", ""
+            in_digest = node.state.optimizer_in_digest
+            started = self.checkpointer.save_fragments_async(
+                self.checkpoint_tree(), k, m_, mine, in_digest, later=self._later()
+            )
         else:
-            self._skipped(f"checkpoint of step {step}")
-
-    def _started(self, what: str) -> None:
-        self._writing = self.node.state.step
-        self.report(Kind.CHECKPOINT, what)
-
-    def _skipped(self, what: str) -> None:
-        """A checkpoint not taken because the last one is still being written: said, so that
-        a disk too slow for ``--checkpoint-every`` shows before a restart needs the files."""
-        assert self.checkpointer is not None
+            if g.rank != 0:
+                return
+            what, where = f"checkpoint of step {step}", f" to {node.config.checkpoint_dir}"
+            started = self.checkpointer.save_async(self.checkpoint_tree(), later=self._later())
+        if started:
+            self._writing = step
+            self.report(Kind.CHECKPOINT, f"{what} being written{where}")
+            return
+        # Said, so that a disk too slow for --checkpoint-every shows before a restart needs the files.
         last = "the last one" if self._writing is None else f"the one of step {self._writing}"
         self.report(
             Kind.CHECKPOINT_SKIPPED,
