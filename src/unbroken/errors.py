@@ -9,6 +9,7 @@
      ├── CoordinatorUnreachable        no coordinator answered within the connect deadline
      ├── EtcdUnavailable               no member of the etcd cluster answered (or no majority)
      ├── JoinRefused                   the coordinator refused this node (names the reason)
+     ├── JobHalted                     the group stopped the job on a failure it cannot train past
      ├── ProtocolError                 a control message was malformed or too large
      ├── EpochAborted                  the current epoch ended under us; form the next one
      │    └── Expelled                 the coordinator expelled this node (lease lost)
@@ -80,6 +81,12 @@ class EtcdUnavailable(UnbrokenError):
 
 class JoinRefused(UnbrokenError):
     """The coordinator refused to admit this node; the message says why and what to change."""
+
+
+class JobHalted(UnbrokenError):
+    """The group stopped the job: a failure training cannot go past (every member that
+    computed a step refused for it, a divergence back after a repair, a rollback past its
+    bound, no member left to train). The message names it; nothing is committed after it."""
 
 
 class ProtocolError(UnbrokenError):

@@ -54,6 +54,8 @@ class Kind(StrEnum):
     UNREACHABLE = "unreachable"
     UNFOUNDED = "unfounded"
     QUARANTINE = "quarantine"
+    HALTED = "halted"
+    """The job stopped on a failure it cannot train past (`Membership.halt`)."""
     REFUSED = "refused"
     PROTOCOL = "protocol"
     # Anomalies (`unbroken.observe.anomaly`; stragglers from the plan's review).

@@ -127,6 +127,13 @@ def _ignoring_arguments(hook: Hook) -> Callable[..., None]:
     return call
 
 
+def _scheduled(optimizer: Any) -> bool:
+    """Whether a torch learning-rate scheduler was built on ``optimizer`` (or on one of a
+    dict of them): every `LRScheduler` writes ``initial_lr`` into the groups it drives."""
+    optimizers = optimizer.values() if isinstance(optimizer, dict) else [optimizer]
+    return any("initial_lr" in g for o in optimizers for g in getattr(o, "param_groups", []))
+
+
 def _own_loop(model: nn.Module, batch: Any) -> torch.Tensor:
     raise AssertionError("the own loop computes its slices itself")
 
@@ -158,6 +165,11 @@ class Swarm:
         self._next: Slice | None = None
         self._loss = 0.0
         self._computing_since = 0.0
+        self._backwards = 0
+        """`backward` calls for the batch in hand."""
+        self._in_backward = False
+        self._stray = 0
+        """Gradients accumulated into the model outside `backward` (a plain ``loss.backward()``)."""
 
     # ---------------------------------------------------------------- set-up
 
@@ -187,6 +199,13 @@ class Swarm:
         if self._replicated is None:
             raise ConfigError("Swarm.batches: call swarm.replicate(model, optimizer[, scheduler]) first")
         model, optimizer, scheduler, state = self._replicated
+        if scheduler is None and _scheduled(optimizer):
+            raise ConfigError(
+                "the optimizer has a learning-rate scheduler (its param groups carry 'initial_lr') that "
+                "swarm.replicate was not given: its step count would be this node's alone (a joiner's would "
+                "differ, a retried step would count twice); pass it, swarm.replicate(model, opt, sched), and "
+                "remove sched.step() from the loop (swarm.step() steps it on every replica at each commit)"
+            )
         order: PassOrder | None = None
         dataset = data
         if isinstance(data, DataLoader):
@@ -256,6 +275,7 @@ class Swarm:
         node = Node(job, config, self.faults, own_loop=True)
         torch.random.set_rng_state(rng)
         self.node = node
+        hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in node.params]  # type: ignore[no-untyped-call]
         with node.session():
             self._steps = steps = node.steps()
             try:
@@ -269,6 +289,7 @@ class Swarm:
                         continue
                     batch = job.collate(job.samples(sl.indices))
                     self._current, self._next, self._loss = sl, None, 0.0
+                    self._backwards = self._stray = 0
                     self._computing_since = time.perf_counter()
                     yield batch
                     if self._current is not None:
@@ -278,6 +299,12 @@ class Swarm:
                 self.result = stop.value
             finally:
                 steps.close()  # a step left in flight by an exception undoes itself
+                for hook in hooks:
+                    hook.remove()
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._stray += 1
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, the loss being the mean over this batch: weighted by this
@@ -286,7 +313,12 @@ class Swarm:
         if sl is None:
             raise ConfigError("swarm.backward(loss) is for the batch swarm.batches() just gave")
         assert self.node is not None
-        (loss * (sl.weight * self.node.loss_scale)).backward()  # type: ignore[no-untyped-call]
+        self._in_backward = True
+        try:
+            (loss * (sl.weight * self.node.loss_scale)).backward()  # type: ignore[no-untyped-call]
+        finally:
+            self._in_backward = False
+        self._backwards += 1
         self._loss += float(loss.detach()) * sl.weight
 
     def step(self) -> bool:
@@ -295,12 +327,23 @@ class Swarm:
         peer's failure is not raised: the step is retried in the next epoch).
 
         Raises:
-            ConfigError: out of order (before `backward`), or the loop stepped the scheduler
-                itself.
+            ConfigError: out of order (no `backward` for this batch), a gradient computed
+                outside `backward` (``loss.backward()``: not weighted by this node's share),
+                or the loop stepped the scheduler itself.
         """
         sl, steps, node = self._current, self._steps, self.node
         if sl is None or steps is None or node is None:
             raise ConfigError("swarm.step() comes after swarm.backward(loss), once per batch of swarm.batches()")
+        if self._stray:
+            raise ConfigError(
+                "a gradient was computed outside swarm.backward(loss) (loss.backward()?): it would go into the "
+                "step unweighted by this node's share of the global batch; call swarm.backward(loss) instead"
+            )
+        if not self._backwards:
+            raise ConfigError(
+                "swarm.step() without swarm.backward(loss) for this batch: it would commit no gradient "
+                "for these samples; call swarm.backward(loss) first"
+            )
         node.meter.observe(sl.share, 1, time.perf_counter() - self._computing_since)
         self._current = None
         stepped = getattr(node.state.scheduler, "last_epoch", node.state.step)

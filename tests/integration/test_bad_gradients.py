@@ -14,14 +14,18 @@ ENV = {"UB_TEST_STEPS": "40", "UB_TEST_DELAY_MS": "10"}
 
 
 def two_and_one(make_cluster, name: str, fault: str, timeout: float, coordinator_args=()):
-    """Nodes a and b, and ``name`` with ``fault``, run to the end; all three exit cleanly."""
+    """Nodes a and b, and ``name`` with ``fault``, run to the end; a and b exit cleanly, and
+    so does ``name`` unless it was quarantined: then it stops with an error naming why."""
     c = make_cluster(env=ENV, min_nodes=3, node_args=["--digest-every", "1"], coordinator_args=list(coordinator_args))
     c.start_coordinator()
     c.start_node("a")
     c.start_node("b")
     odd = c.start_node(name, fault=fault)
     codes = c.wait_exit(timeout=timeout)
-    assert codes == {"a": 0, "b": 0, name: 0}, c.diagnostics()
+    quarantined = any(e["reason"].startswith(name) for e in events_of(c, "quarantine"))
+    assert codes == {"a": 0, "b": 0, name: 2 if quarantined else 0}, c.diagnostics()
+    if quarantined:
+        assert "quarantined by the group" in odd.stderr(), odd.stderr()[-2000:]
     return c, odd
 
 

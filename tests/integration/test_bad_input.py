@@ -14,6 +14,7 @@ import pytest
 
 from conftest import JOB
 from integration.helpers import assert_promises, events_of
+from unbroken.control import messages as m
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -147,7 +148,7 @@ async def _hostile_sessions(host: str, port: int) -> list[str]:
     """Open sessions that misbehave in different ways; return how each ended."""
     url = f"http://{host}:{port}/ws"
     outcomes = []
-    hello_extra = {"v": 1, "type": "knock", "member_id": "x#1", "evil": True}
+    hello_extra = {"v": m.PROTOCOL_VERSION, "type": "knock", "member_id": "x#1", "evil": True}
     bad_version = {"v": 99, "type": "knock", "member_id": "x#1"}
     async with aiohttp.ClientSession() as http:
         for payload in ["not json {", json.dumps(hello_extra), json.dumps(bad_version), "x" * (2 << 20), b"\x00\x01"]:

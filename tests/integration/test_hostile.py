@@ -282,7 +282,7 @@ def test_a_members_lies_about_its_progress_and_the_end_are_not_taken(make_cluste
     for name in ("a", "b"):
         c.start_node(name, extra=["--token", TOKEN])
     c.wait_step(5)
-    progress = '{"v":1,"type":"progress","epoch":1,"step":%s,"loss":%s,"wall_time":1.0}'
+    progress = '{"v":' + str(m.PROTOCOL_VERSION) + ',"type":"progress","epoch":1,"step":%s,"loss":%s,"wall_time":1.0}'
     lies = [
         m.encode(m.Done(step=0, digest="0" * 16)),
         progress % ("3", "NaN"),

@@ -78,8 +78,10 @@ def test_the_ported_plain_loop_survives_a_kill_and_a_join_and_matches_the_plain_
 
 
 def test_own_loop_mistakes_are_named(make_cluster, tmp_path):
-    """A loop that also steps the scheduler, or an unseeded shuffling DataLoader: the node
-    stops with an error that names the fix."""
+    """A loop that also steps the scheduler, an unseeded shuffling DataLoader, a plain
+    ``loss.backward()``, a step with no backward, a scheduler left out of `replicate`: the
+    node stops with an error that names the fix (the last three used to commit a wrong
+    gradient, or train with a learning rate of its own, and exit 0)."""
     source = (EXAMPLES / "own_loop.py").read_text()
     mistakes = {
         "remove sched.step() from your loop": (
@@ -87,6 +89,12 @@ def test_own_loop_mistakes_are_named(make_cluster, tmp_path):
             "log(losses, loss.item())\n            sched.step()",
         ),
         "give it a seeded one": ("generator=generator)", "generator=None)"),
+        "call swarm.backward(loss) instead": ("swarm.backward(loss)", "loss.backward()"),
+        "swarm.step() without swarm.backward(loss)": ("swarm.backward(loss)", "pass"),
+        "pass it, swarm.replicate(model, opt, sched)": (
+            "model, opt, sched = swarm.replicate(model, opt, sched)",
+            "model, opt = swarm.replicate(model, opt)",
+        ),
     }
     for i, (fix, (text, mistake)) in enumerate(mistakes.items()):
         script = tmp_path / f"mistake{i}.py"

@@ -6,6 +6,7 @@ adds a sleep per sample: a compute cost proportional to the share, without loadi
 ``UB_TEST_BATCH`` sets B; ``UB_TEST_EVAL=1`` adds a held-out evaluation. ``UB_TEST_HIDDEN``
 and ``UB_TEST_NAME`` make a mismatching model or another job, for refusal tests;
 ``UB_TEST_BATCHNORM=1`` adds a BatchNorm layer (running statistics are buffers);
+``UB_TEST_NAN_AT=STEP`` puts NaN in every sample of that step (whoever computes it);
 ``UB_TEST_BACKBONE=W`` puts a frozen backbone of width W in front (a fine-tune: only the
 head trains, and every node builds the same backbone from the seed).
 """
@@ -67,6 +68,11 @@ def make(steps: int | None = None, delay_ms: float | None = None) -> Job:
     backbone = int(os.environ.get("UB_TEST_BACKBONE", "0"))
     batch_size = int(os.environ.get("UB_TEST_BATCH", "30"))
     dataset, loss, collate = TensorDataset(X, Y), F.cross_entropy, None
+    nan_at = os.environ.get("UB_TEST_NAN_AT")
+    if nan_at:
+        poisoned = X.clone()
+        poisoned[DataPlan(len(X), batch_size, 7).indices(int(nan_at), 0, batch_size)] = float("nan")
+        dataset = TensorDataset(poisoned, Y)
     bumps = os.environ.get("UB_TEST_LOSS_BUMP")  # "STEP:VALUE,...": the loss *reported* at STEP (samples seen once)
     if bumps:  # jumps by VALUE (nan: not finite); a constant, so the gradients stay as they were
         bump = torch.zeros(len(X))

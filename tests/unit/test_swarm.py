@@ -48,3 +48,15 @@ def test_unbroken_run_names_a_missing_script(capsys: pytest.CaptureFixture[str])
 
     assert main(["run", "no/such/script.py", "--coordinator", "127.0.0.1:9"]) == 2
     assert "no/such/script.py is not a file" in capsys.readouterr().err
+
+
+def test_a_scheduler_left_out_of_replicate_is_refused_before_joining() -> None:
+    swarm = unbroken.join("127.0.0.1:9", job="j", batch_size=4, steps=2)
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+    swarm.replicate(model, opt)
+    data = TensorDataset(torch.zeros(8, 1))
+    with pytest.raises(ConfigError, match=r"initial_lr.*swarm\.replicate\(model, opt, sched\)"):
+        next(iter(swarm.batches(data)))
+    assert sched.last_epoch == 0

@@ -118,7 +118,11 @@ class ControlClient:
         self.welcome: m.Welcome | None = None
         self.orders: list[m.EpochOrder] = []
         self.expelled: str | None = None
+        self.quarantined = False
+        """The expulsion is final: this node must not come back (`Expel.final`)."""
         self.finished: int | None = None
+        self.halted: str | None = None
+        """The job was stopped on this error rather than finished (`Finished.error`)."""
         self.final_digest = ""
         """Once ``finished``: the state the job finished with, as the leader said (may be empty)."""
         self.connected = False
@@ -644,9 +648,11 @@ class ControlClient:
                 self.orders.append(msg)
                 del self.orders[:-8]
             elif isinstance(msg, m.Expel):
+                self.quarantined = msg.final  # first: the step loop reads `expelled` unlocked
                 self.expelled = msg.reason
             elif isinstance(msg, m.Finished):
                 self.final_digest = msg.digest  # first: the step loop reads `finished` unlocked
+                self.halted = msg.error or None
                 self.finished = msg.step
         if isinstance(msg, m.Command) and self.on_command is not None:
             self.on_command(msg)

@@ -396,7 +396,8 @@ class Coordinator(ThreadedService):
         if decision.refuse is not None:
             log.warning("refused %s from %s: %s", hello.name, peer, decision.refuse)
             self._refusal(peer, f"{hello.name}: {decision.refuse}")
-            return m.Refused(reason=decision.refuse, finished=ms.finished, final_digest=ms.final_digest or "")
+            finished = ms.finished and ms.halted is None
+            return m.Refused(reason=decision.refuse, finished=finished, final_digest=ms.final_digest or "")
         session = open_session()
         self._sessions[mid] = session
         self._told.pop(mid, None)  # a new session: its next order goes in full
@@ -561,6 +562,7 @@ class Coordinator(ThreadedService):
                     kind=msg.kind,
                     rollback_to=msg.rollback_to,
                     zone_only=msg.zone_only,
+                    step=msg.step,
                 )
             )
         elif isinstance(msg, m.Leave):
@@ -683,12 +685,17 @@ class Coordinator(ThreadedService):
         self.office.submit(d)
 
     def _send_decision(self, d: Decision) -> None:
-        for mid, reason in d.expel.items():
+        expel = {mid: (reason, False) for mid, reason in d.expel.items()}
+        expel |= {mid: (reason, True) for mid, reason in d.quarantine.items()}
+        for mid, (reason, final) in expel.items():
             self._told.pop(mid, None)
             s = self._sessions.pop(mid, None)
             if s is not None:
-                s.send(m.Expel(reason=reason, term=self.term))
+                s.send(m.Expel(reason=reason, term=self.term, final=final))
                 s.close()
+        if d.halt is not None:
+            halted = m.Finished(step=self.membership.step, term=self.term, error=d.halt)
+            send_all(self._sessions, dict.fromkeys(self._sessions, halted))
         if d.orders:
             send_all(self._sessions, self._compact(d.orders))
 

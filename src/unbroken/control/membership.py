@@ -118,7 +118,9 @@ CHECKED_STEPS = 20
 RING_REASON = "leaders' ring "
 """How a pending epoch's reason names the ring it reorders to (one, the newest)."""
 QUARANTINE_AFTER = 3
-"""...and after this many refusals it is quarantined: out of every epoch while connected."""
+"""...and after this many refusals it is quarantined: told to stop, and out of every epoch."""
+REFUSED_STEPS_KEPT = 64
+"""Steps behind the newest refused one whose refusals are remembered (`Membership.halt`)."""
 
 
 class MemberState(str, enum.Enum):
@@ -201,11 +203,17 @@ class Decision:
     expel: dict[str, str] = field(default_factory=dict)
     refuse: str | None = None
     events: list[Event] = field(default_factory=list)
+    quarantine: dict[str, str] = field(default_factory=dict)
+    """Members told not to come back (their sessions closed), with why."""
+    halt: str | None = None
+    """The job stops here with this error (`Membership.halt`): every member is told."""
 
     def merge(self, other: Decision) -> Decision:
         self.orders.update(other.orders)
         self.expel.update(other.expel)
         self.events.extend(other.events)
+        self.quarantine.update(other.quarantine)
+        self.halt = self.halt or other.halt
         return self
 
 
@@ -307,6 +315,10 @@ class Membership:
         self.num_steps = 0
         """The job's last step, as its first member said (0: not said)."""
         self.finished = False
+        self.halted: str | None = None
+        """Why the job was stopped without finishing (`halt`): ``finished`` is True too."""
+        self._refused_at: dict[int, dict[str, str]] = {}
+        """Step → the members whose contribution to it was refused, with why (`halt`)."""
         self.final_digests: dict[str, str] = {}
         """Members that reported the job's last step, with their state's digest."""
         self._accusers: dict[tuple[int, str, str], set[str]] = {}
@@ -384,6 +396,9 @@ class Membership:
                 self._left_epoch(hello, now)
                 return d
             d.refuse = f"member id {hello.member_id!r} is already connected"
+            return d
+        if self.halted is not None:
+            d.refuse = f"job {self.job!r} was stopped at step {self.step}: {self.halted}"
             return d
         if self.finished:
             d.refuse = f"job {self.job!r} already finished at step {self.step}"
@@ -683,6 +698,7 @@ class Membership:
         kind: Kind = Kind.BAD_GRADIENT,
         rollback_to: int = -1,
         zone_only: bool = False,
+        step: int = -1,
     ) -> Decision:
         """A member saw a collective fail, or refused a bad contribution (``culprit``), or a
         sum that did not add up (``Kind.SUSPECT``). Re-form the epoch unless it already
@@ -745,7 +761,7 @@ class Membership:
                 return d
             if agreed and c is not None:
                 what = "bad gradient" if kind is Kind.BAD_GRADIENT else "failed audit"
-                return self._offence(c, epoch, reason, now, kind, f"{what} from {c.name}")
+                return self._offence(c, epoch, reason, now, kind, f"{what} from {c.name}", step)
             if agreed and self._checking_from is None:
                 # A contribution lied, and only the gathered rows can say whose: check each.
                 self._checking_from = self.step
@@ -825,12 +841,31 @@ class Membership:
         self._readmit_at = min(self._readmit_at or c.excluded_until, c.excluded_until)
         return self._offence(c, epoch, reason, now, kind, f"{c.name}: {OFFENCES[kind]}")
 
-    def _offence(self, c: Member, epoch: int, reason: str, now: float, kind: Kind, why: str) -> Decision:
-        """Bench ``c`` for an offence in ``epoch`` (counted once per epoch) and re-form."""
+    def _offence(
+        self, c: Member, epoch: int, reason: str, now: float, kind: Kind, why: str, step: int = -1
+    ) -> Decision:
+        """Bench ``c`` for an offence in ``epoch`` (counted once per epoch) and re-form;
+        quarantine it after `QUARANTINE_AFTER`. A bad gradient at ``step`` that another
+        member was refused for too is the step's samples, not a node: the job halts."""
         d = Decision()
         if (epoch, c.member_id) in self._refused:
             return d
         self._refused.add((epoch, c.member_id))
+        if kind is Kind.BAD_GRADIENT and step >= 0:
+            refused = self._refused_at.setdefault(step, {})
+            refused.setdefault(c.member_id, reason)
+            for old in [s for s in self._refused_at if s < step - REFUSED_STEPS_KEPT]:
+                del self._refused_at[old]
+            if len(refused) >= 2:
+                said = "; ".join(f"{self._name(mid)}: {why}" for mid, why in refused.items())
+                return self.halt(
+                    now,
+                    f"step {step} was refused for every member that computed it ({said}). Its samples give "
+                    "that gradient whoever computes them: the model or the data (NaN/Inf in these samples, a "
+                    "learning rate too high, no loss scaling), not a faulty node. Fix it and restart from the "
+                    "last checkpoint",
+                    step,
+                )
         self._release(self._hearsay.borne_out({epoch}, now, by=c.member_id), now)
         self._checking_from = None  # found: the next epoch goes back to the job's rule
         c.flags += 1
@@ -838,17 +873,36 @@ class Membership:
         d.events.append(self._event(now, kind, c.member_id, f"{c.name} (offence {c.flags}): {reason}"))
         if c.flags >= QUARANTINE_AFTER and not c.quarantined:
             c.quarantined = True
-            d.events.append(
-                self._event(
-                    now,
-                    Kind.QUARANTINE,
-                    c.member_id,
-                    f"{c.name}: {c.flags} offences (refused gradients, failed audits, absent from or unreachable "
-                    "on the data plane); out of training",
-                )
+            said = (
+                f"{c.name} quarantined after {c.flags} offences (refused gradients, failed audits, absent from "
+                f"or unreachable on the data plane), the last: {reason}"
             )
+            d.events.append(self._event(now, Kind.QUARANTINE, c.member_id, f"{said}; out of training"))
+            if all(x.quarantined for x in self.members.values()):  # told by the halt, not expelled
+                return d.merge(self.halt(now, f"no member is left to train: {said}", step))
+            d.quarantine[c.member_id] = said
         self._want_epoch(now, urgent=True, reason=why, delay=0.0)
         return d
+
+    def halt(self, now: float, reason: str, step: int = -1) -> Decision:
+        """Stop the job on a failure training cannot go past: no epoch forms after it, every
+        member is told to stop with ``reason``, and a node that comes later is refused with it
+        (a loop that retries or rolls back forever would look like training and never end).
+        ``step``: the step that could not be taken (the group committed every one before it)."""
+        d = Decision()
+        if self.finished:
+            return d
+        self.step = max(self.step, step)
+        self.finished = True
+        self.halted = reason
+        self._pending_due = None
+        d.halt = reason
+        d.events.append(self._event(now, Kind.HALTED, None, f"job stopped at step {self.step}: {reason}"))
+        return d
+
+    def _name(self, member_id: str) -> str:
+        member = self.members.get(member_id)
+        return member.name if member is not None else member_id
 
     def done(self, member_id: str, step: int, digest: str, metrics: dict[str, float], now: float) -> Decision:
         """A member reached the job's last step. The job is finished once most of the

@@ -35,7 +35,7 @@ from unbroken.specs import (
     Policy,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 Count = Annotated[int, Field(ge=0, le=2**53)]
@@ -51,7 +51,7 @@ class _Msg(BaseModel):
     # NaN and infinities are refused at the boundary: no peer puts them into the state or
     # the JSON the dashboard reads (nodes send non-finite figures as flagged sentinels).
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-    v: Literal[1] = 1
+    v: Literal[2] = 2
 
 
 class TensorSpec(BaseModel):
@@ -262,6 +262,8 @@ class Fault(_Msg):
     reason: Annotated[str, Field(max_length=2000)]
     culprit: Name | None = None
     """The member whose contribution was refused (a bad gradient), when the fault is one."""
+    step: Annotated[int, Field(ge=-1)] = -1
+    """The step that failed (the reporter's committed step; -1: not said)."""
     kind: Annotated[Kind, _kind_of(FAULTS)] = Kind.BAD_GRADIENT
     """Why the culprit was refused: its gradient, or its state failed the consistency audit;
     ``suspect`` (no culprit): the step's sum did not add up, and nobody can say whose part lied;
@@ -446,6 +448,8 @@ class Expel(_Msg):
     type: Literal["expelled"] = "expelled"
     reason: str
     term: Term = 0
+    final: bool = False
+    """Not to come back: the member is quarantined (``reason`` names its offences)."""
 
 
 class Finished(_Msg):
@@ -455,6 +459,8 @@ class Finished(_Msg):
     digest: Annotated[str, Field(max_length=128)] = ""
     """The state most of the last epoch's trainers finished with: a member still waiting at
     the last step (an audit not settled) that holds the same state has finished too."""
+    error: Annotated[str, Field(max_length=4000)] = ""
+    """The job was halted, not finished (`Membership.halt`): every node stops with this."""
 
 
 class Command(_Msg):
@@ -667,7 +673,7 @@ def parse_leader_message(data: str | bytes, limit: int = 64 << 20) -> LeaderMess
 
 def down_text(to: list[str], encoded: str) -> str:
     """A `Down` around a message encoded once (an order goes to every relay alike)."""
-    return f'{{"v":1,"type":"down","to":{json.dumps(to)},"msg":{encoded}}}'
+    return f'{{"v":{PROTOCOL_VERSION},"type":"down","to":{json.dumps(to)},"msg":{encoded}}}'
 
 
 def encode(msg: BaseModel) -> str:

@@ -35,6 +35,9 @@ import aiohttp
 from unbroken.control import messages as m
 from unbroken.errors import ProtocolError
 
+V = m.PROTOCOL_VERSION
+"""The protocol version the fakes' hand-written frames carry."""
+
 FINGERPRINT = [m.TensorSpec(name="fake.weight", shape=[4, 4], dtype="float32")]
 _EPOCH = re.compile(r'"epoch":(\d+)')
 
@@ -306,20 +309,20 @@ class FakeNodes:
                         break
                     self.received += 1
                     data = raw.data
-                    if data.startswith('{"v":1,"type":"ack"'):
+                    if data.startswith(f'{{"v":{V},"type":"ack"'):
                         seq = json.loads(data)["seq"]
                         if seq in sent:
                             at = sent.pop(seq)
                             acked[0] = max(acked[0], at)
                             node.rtts.append(time.monotonic() - at)
-                    elif data.startswith('{"v":1,"type":"epoch"'):
+                    elif data.startswith(f'{{"v":{V},"type":"epoch"'):
                         # The epoch number is read off the front: a fake node does not build
                         # groups, and parsing a 10,000-member order 10,000 times is the fake
                         # side's cost, not the control plane's.
                         found = _EPOCH.search(data, 0, 200)
                         if found:
                             node.epochs.setdefault(int(found.group(1)), time.monotonic())
-                    elif data.startswith('{"v":1,"type":"expelled"'):
+                    elif data.startswith(f'{{"v":{V},"type":"expelled"'):
                         node.expelled = json.loads(data)["reason"]
                         node.expulsions += 1
                         if node.was_silent(time.monotonic(), welcome.lease_s):
@@ -354,7 +357,7 @@ class FakeNodes:
                     seq += 1
                     sent[seq] = counted = now
                     text = (
-                        f'{{"v":1,"type":"progress","epoch":0,"step":{step},"loss":1.0,'
+                        f'{{"v":{V},"type":"progress","epoch":0,"step":{step},"loss":1.0,'
                         f'"wall_time":{time.time()},"samples_per_s":10.0,"compute_s":0.01,"seq":{seq}}}'
                     )
                     await ws.send_str(text)
@@ -364,7 +367,7 @@ class FakeNodes:
                 elif now - counted >= heartbeat_s:
                     seq += 1
                     sent[seq] = counted = now
-                    await ws.send_str(f'{{"v":1,"type":"heartbeat","seq":{seq},"step":{step}}}')
+                    await ws.send_str(f'{{"v":{V},"type":"heartbeat","seq":{seq},"step":{step}}}')
                     self.sent += 1
                     node.sent_now(now, heartbeat_s)
                 if len(sent) > 64:

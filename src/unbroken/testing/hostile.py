@@ -15,7 +15,7 @@ import aiohttp
 from unbroken.control import auth
 from unbroken.control import messages as m
 
-JUNK = '{"v":1,"type":"hello","name":"' + "x" * (1 << 20) + '"}'
+JUNK = f'{{"v":{m.PROTOCOL_VERSION},"type":"hello","name":"' + "x" * (1 << 20) + '"}'
 
 
 class Flood(threading.Thread):

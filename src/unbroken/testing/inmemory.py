@@ -126,7 +126,9 @@ class MemoryControl:
         self.member_id = member_id
         self.welcome: m.Welcome | None = None
         self.expelled: str | None = None
+        self.quarantined = False
         self.finished: int | None = None
+        self.halted: str | None = None
         self.final_digest = ""
         self.step = 0
         self.lapses = 0

@@ -107,8 +107,12 @@ class Control(Protocol):
     welcome: m.Welcome | None
     expelled: str | None
     """Why the leader expelled this node (None while it is a member)."""
+    quarantined: bool
+    """The expulsion is final: the node stops instead of rejoining."""
     finished: int | None
     """The job's last step, once the leader said the job is over."""
+    halted: str | None
+    """Why the job was stopped rather than finished (with ``finished``)."""
     final_digest: str
     """Once ``finished``: the state the job finished with, as the leader said (may be empty)."""
     step: int

@@ -41,6 +41,7 @@ from unbroken.errors import (
     CoordinatorUnreachable,
     EpochAborted,
     Expelled,
+    JobHalted,
     JoinRefused,
     Suspicion,
     TransferError,
@@ -284,6 +285,8 @@ class Node:
 
         if self.client.expelled is not None:
             return left(Expelled, f"expelled: {self.client.expelled}")
+        if self.client.halted is not None:
+            return left(EpochAborted, f"the job was stopped: {self.client.halted}")
         latest = self.client.latest_order()
         if latest is not None and latest.epoch > current and (latest.urgent or not during_step):
             return left(EpochAborted, f"epoch {latest.epoch} ordered: {latest.reason}")
@@ -364,7 +367,15 @@ class Node:
         zone_only = isinstance(exc, BadContribution) and exc.zone_only
         reason = str(exc)[:2000]
         self.client.send(
-            m.Fault(epoch=order.epoch, reason=reason, culprit=culprit, kind=kind, rollback_to=back, zone_only=zone_only)
+            m.Fault(
+                epoch=order.epoch,
+                reason=reason,
+                culprit=culprit,
+                kind=kind,
+                rollback_to=back,
+                zone_only=zone_only,
+                step=self.state.step,
+            )
         )
 
     def _next_order(self) -> m.EpochOrder | NodeResult:
@@ -375,6 +386,11 @@ class Node:
             self.wake.clear()
             self.client.touch()
             self.graveyard.sweep()
+            if self.client.halted is not None:
+                raise JobHalted(f"the group stopped the job at step {self.client.finished}: {self.client.halted}")
+            if self.client.expelled is not None and self.client.quarantined:
+                self.records.log(Entry.EXPELLED, {"reason": self.client.expelled, "step": self.state.step})
+                raise JoinRefused(f"quarantined by the group: {self.client.expelled}")
             if self.client.expelled is not None:
                 log.warning("%s was expelled (%s); rejoining as a new member", self.name, self.client.expelled)
                 self.records.log(Entry.EXPELLED, {"reason": self.client.expelled, "step": self.state.step})

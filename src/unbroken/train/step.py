@@ -374,7 +374,13 @@ class StepProtocol:
             n = p.numel()
             p.grad = flat[off : off + n].view_as(p).to(p.device, p.dtype)
             off += n
-        add_deltas(flat, off, node.buffers, sl.before)
+        if self.group.size == 1:  # its own values, bit for bit (b0 + (b - b0) rounds)
+            with torch.no_grad():
+                for b, mine in zip(node.buffers, node.compute_buffers, strict=True):
+                    if b is not mine:
+                        b.copy_(mine)
+        else:
+            add_deltas(flat, off, node.buffers, sl.before)
         st = node.state
         if not overflow:
             if node.job.before_update is not None:
@@ -405,23 +411,28 @@ def write_deltas(
     flat: torch.Tensor, off: int, buffers: list[torch.Tensor], before: list[torch.Tensor], weight: float, count: int
 ) -> None:
     """The buffers' changes since ``before`` into ``flat`` from ``off``. Deltas, not values:
-    a buffer nobody changed stays bit-exact. Float buffers are weighted (a share of the
-    batch), counters averaged over ``count`` contributors."""
+    a buffer nobody changed stays bit-exact. An element that did not change is a zero delta
+    even where it is infinite (an additive attention mask holds -inf, and -inf - -inf is
+    NaN). Float buffers are weighted (a share of the batch), counters averaged over
+    ``count`` contributors."""
     for b, b0 in zip(buffers, before, strict=True):
         n = b.numel()
-        delta = (b.detach().to(b0.device) - b0).reshape(-1).to(torch.float32)
+        now = b.detach().to(b0.device)
+        delta = torch.where(now == b0, torch.zeros((), dtype=b0.dtype), now - b0).reshape(-1).to(torch.float32)
         flat[off : off + n].copy_(delta * (weight if b.dtype.is_floating_point else 1.0 / count))
         off += n
 
 
 def add_deltas(flat: torch.Tensor, off: int, buffers: list[torch.Tensor], before: list[torch.Tensor]) -> None:
     """Each buffer becomes its value at ``before`` plus the summed delta in ``flat`` from
-    ``off`` (counters rounded back to integers)."""
+    ``off`` (counters rounded back to integers); an element whose delta is zero keeps its
+    value as it was, bit for bit (-0.0, -inf)."""
     with torch.no_grad():
         for b, b0 in zip(buffers, before, strict=True):
             n = b.numel()
             delta = flat[off : off + n].view_as(b).to(b.device)
-            b.copy_(b0 + (delta if b.dtype.is_floating_point else delta.round()).to(b.dtype))
+            moved = b0 + (delta if b.dtype.is_floating_point else delta.round()).to(b.dtype)
+            b.copy_(torch.where(delta == 0, b0, moved))
             off += n
 
 

@@ -1,0 +1,54 @@
+"""A failure training cannot go past stops the job with its cause named, on every node and
+with a non-zero exit; it is never a loop that looks like training (promise 9)."""
+
+from __future__ import annotations
+
+import pytest
+
+from integration.helpers import events_of
+
+pytestmark = pytest.mark.timeout(180)
+
+NAN_AT = 5
+ENV = {"UB_TEST_STEPS": "30", "UB_TEST_DELAY_MS": "10", "UB_TEST_NAN_AT": str(NAN_AT)}
+
+
+def commits(c) -> list[int]:
+    return [e["step"] for n in c.nodes.values() for e in n.entries() if e["kind"] == "commit"]
+
+
+def test_a_step_whose_samples_give_nan_on_every_member_stops_the_job_naming_the_step(make_cluster):
+    """NaN in the samples of one step: each member that computes them is refused in turn.
+    The second member refused for the same step is the data's evidence, not a node's: the
+    job stops, every node exits non-zero saying which step and why, and a node that comes
+    later is refused with the same reason (before: both nodes quarantined, the job hung)."""
+    c = make_cluster(env=ENV, min_nodes=2)
+    c.start_coordinator()
+    c.start_node("a")
+    c.start_node("b")
+    codes = c.wait_exit(timeout=90)
+    assert codes == {"a": 2, "b": 2}, c.diagnostics()
+    for node in c.nodes.values():
+        err = node.stderr()
+        assert f"step {NAN_AT} was refused for every member that computed it" in err, err[-3000:]
+        assert "not a faulty node" in err
+    (halted,) = events_of(c, "halted")
+    assert f"step {NAN_AT}" in halted["reason"], halted
+    assert max(commits(c)) == NAN_AT, "nothing is committed at or after the step that cannot be computed"
+    assert not events_of(c, "quarantine"), "the data, not the members, was named"
+    late = c.start_node("late")
+    assert late.wait(timeout=60) == 2
+    assert "was stopped at step" in late.stderr() and f"step {NAN_AT}" in late.stderr(), late.stderr()[-3000:]
+
+
+def test_the_last_member_quarantined_stops_the_job_instead_of_waiting_forever(make_cluster):
+    """One node: its gradient of step 5 is refused again and again until it is quarantined,
+    and with nobody left to train the job stops (before: the node waited, alive, forever)."""
+    c = make_cluster(env=ENV, min_nodes=1)
+    c.start_coordinator()
+    c.start_node("a")
+    assert c.wait_exit(timeout=90) == {"a": 2}, c.diagnostics()
+    err = c.nodes["a"].stderr()
+    assert "no member is left to train" in err and "quarantined" in err, err[-3000:]
+    assert events_of(c, "quarantine") and events_of(c, "halted")
+    assert max(commits(c)) == NAN_AT
