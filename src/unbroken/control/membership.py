@@ -119,6 +119,8 @@ RING_REASON = "leaders' ring "
 """How a pending epoch's reason names the ring it reorders to (one, the newest)."""
 QUARANTINE_AFTER = 3
 """...and after this many refusals it is quarantined: told to stop, and out of every epoch."""
+ROLLBACK_PERIODS = 2
+"""A failed audit may discard at most this many audit periods of steps; past it the job halts."""
 REFUSED_STEPS_KEPT = 64
 """Steps behind the newest refused one whose refusals are remembered (`Membership.halt`)."""
 
@@ -317,6 +319,8 @@ class Membership:
         self.finished = False
         self.halted: str | None = None
         """Why the job was stopped without finishing (`halt`): ``finished`` is True too."""
+        self._rolled_back: dict[int, set[int]] = {}
+        """A step failed audits went back to → the epochs of those audits (`_rollback_bounded`)."""
         self._refused_at: dict[int, dict[str, str]] = {}
         """Step → the members whose contribution to it was refused, with why (`halt`)."""
         self.final_digests: dict[str, str] = {}
@@ -724,6 +728,8 @@ class Membership:
             # a member away since must not bring back what the verdict refused.
             self._refuse(epoch, back, replace=True)
         if current and back >= 0:
+            if (halt := self._rollback_bounded(epoch, back, reason, now)) is not None:
+                return halt
             # Every copy of the audited state predates the corruption (a joiner's copy is of
             # the step it joined at, a member cut short of a verdict holds an older one), and
             # a member without it fetches it from one that holds it.
@@ -814,6 +820,34 @@ class Membership:
         if not named_twice and len(reports) < len(members):
             return -1
         return min(named_twice or steps, default=-1)
+
+    def _rollback_bounded(self, epoch: int, back: int, reason: str, now: float) -> Decision | None:
+        """A halt instead of the rollback to ``back`` that an audit of ``epoch`` decided, when
+        it is one no repair can end: the group already went back to that step after an audit
+        of another epoch (repaired, it diverged again), or it would discard more than
+        `ROLLBACK_PERIODS` audit periods (a job whose audits go back further and further)."""
+        epochs = self._rolled_back.setdefault(back, set())
+        epochs.add(epoch)
+        if len(epochs) >= 2:
+            return self.halt(
+                now,
+                f"the replicas diverged again after the group went back to step {back} and repaired them "
+                f"(the last audit: {reason}). A difference that comes back is how the members compute, not a "
+                "flipped bit: state the training loop changes outside what unbroken replicates (a scheduler not "
+                "given to replicate(), a learning rate or a counter the loop sets itself), code or settings that "
+                "differ between nodes, nondeterministic kernels or mixed devices. Make the members compute "
+                "alike, then restart from the last checkpoint",
+            )
+        every = self.policy.audit_every
+        if every and self.step - back > ROLLBACK_PERIODS * every:
+            return self.halt(
+                now,
+                f"a failed audit ({reason}) would take the group back {self.step - back} steps, from step "
+                f"{self.step} to step {back}: more than {ROLLBACK_PERIODS} audit periods of {every} steps, so "
+                "the audits before it did not pass either. Training on would redo the run, not repair it: "
+                "find why the members' states differ (the audits name who), then restart from the last checkpoint",
+            )
+        return None
 
     def _refuse(self, epoch: int, step: int, replace: bool = False) -> None:
         """Record a verdict: states committed in ``epoch`` or before, above ``step`` (the

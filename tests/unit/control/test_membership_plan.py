@@ -844,3 +844,49 @@ def test_a_benched_member_goes_behind_the_others_so_it_leads_no_zone() -> None:
     benched = only_order(ms.tick(t))
     assert benched.members[-1] == first and benched.members[:2] == order.members[1:], (name, benched.members)
     assert benched.shares[-1] == 0
+
+
+def audit_verdict(ms: Membership, t: float, back: int) -> Decision:
+    """Two of three members report a failed audit going back to step ``back``."""
+    reason = "c's state digest differs from the majority's (2 of 3 agree)"
+    ms.fault("a", ms.epoch, reason, t, culprit="c", kind=Kind.AUDIT, rollback_to=back)
+    return ms.fault("b", ms.epoch, reason, t, culprit="c", kind=Kind.AUDIT, rollback_to=back)
+
+
+def test_a_divergence_back_after_the_repair_of_the_same_step_stops_the_job_naming_it() -> None:
+    """A difference the group went back for and repaired, found again from the same audited
+    state: it is how the members compute, and rolling back again would loop (it redid the
+    run three times and ended with an untrained model, exit 0)."""
+    ms, _ = three_trainers()
+    t = JOIN_SETTLE_S
+    for mid in ("a", "b", "c"):
+        ms.heartbeat(mid, 40, t)
+    assert audit_verdict(ms, t, 20).halt is None
+    order = only_order(ms.tick(t))
+    assert order.rollback_to == 20 and not ms.finished
+    for mid in ("a", "b", "c"):
+        ms.heartbeat(mid, 40, t + 1)
+    d = audit_verdict(ms, t + 1, 20)
+    assert d.halt is not None and "diverged again after the group went back to step 20" in d.halt
+    assert "c's state digest differs" in d.halt, "the audit's own words (who differs) are in the error"
+    assert [e.kind for e in d.events if e.kind == Kind.HALTED] == [Kind.HALTED]
+    assert ms.finished and ms.halted == d.halt
+    assert not ms.tick(t + 5).orders, "no epoch forms after a halt"
+    refused = ms.admit(hello("late", 30), t + 6).refuse
+    assert refused is not None and "was stopped at step 40" in refused
+
+
+def test_a_rollback_past_two_audit_periods_stops_the_job_instead() -> None:
+    from unbroken.control.membership import ROLLBACK_PERIODS
+
+    ms, _ = three_trainers()
+    t = JOIN_SETTLE_S
+    every = ms.policy.audit_every
+    for mid in ("a", "b", "c"):
+        ms.heartbeat(mid, (ROLLBACK_PERIODS + 1) * every, t)
+    d = audit_verdict(ms, t, 0)
+    assert d.halt is not None and f"would take the group back {(ROLLBACK_PERIODS + 1) * every} steps" in d.halt
+    ms2, _ = three_trainers()
+    for mid in ("a", "b", "c"):
+        ms2.heartbeat(mid, ROLLBACK_PERIODS * every, t)
+    assert audit_verdict(ms2, t, 0).halt is None, "within the bound, the audit's rollback stands"
