@@ -19,6 +19,7 @@ import torch
 from unbroken.events import Entry
 from unbroken.job import Job, StepInfo
 from unbroken.state.snapshot import TrainState
+from unbroken.train.step import slice_seed
 
 
 @dataclass
@@ -160,7 +161,7 @@ def reference_tree(
     for step in range(steps if steps is not None else job.num_steps):
         indices = plan.indices(step, 0, job.batch_size)
         optimizer.zero_grad(set_to_none=True)
-        torch.manual_seed(job.seed * 1_000_003 + step)
+        torch.manual_seed(slice_seed(job.seed, step, 0))
         loss = torch.zeros(())
         n = len(indices)
         for part in [indices[k * n // parts : (k + 1) * n // parts] for k in range(parts)]:

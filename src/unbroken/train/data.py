@@ -96,7 +96,9 @@ class LoaderOrder:
         then only the last `KEPT` passes can be asked again)."""
         loader = self.loader
         places = [loader, loader.sampler, loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None)]
-        return [g for x in places if x is not None for g in vars(x).values() if isinstance(g, torch.Generator)]
+        # A sampler may be any iterable (a list of indices, which PyTorch allows): no attributes.
+        owners = [vars(x) for x in places if x is not None and hasattr(x, "__dict__")]
+        return [g for fields in owners for g in fields.values() if isinstance(g, torch.Generator)]
 
     def __call__(self, data_pass: int) -> list[int]:
         if data_pass in self._recent:

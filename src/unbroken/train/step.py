@@ -176,7 +176,7 @@ class StepProtocol:
 
     def prepare(self, sl: Slice) -> None:
         """Right before computing ``sl``: the buffers are remembered, the gradients cleared,
-        the step's seed set (dropout draws the same masks when the step is retried)."""
+        the slice's seed set (`slice_seed`: each slice of a step draws its own noise)."""
         node = self.node
         if not sl.before:
             sl.before = [b.detach().clone() for b in node.buffers]
@@ -184,7 +184,7 @@ class StepProtocol:
         node.replica.pull()
         for p in node.replica.params:
             p.grad = None
-        seed = node.job.seed * 1_000_003 + sl.step
+        seed = slice_seed(node.job.seed, sl.step, self.offset)
         if node.replica.device.type == "cpu":
             torch.default_generator.manual_seed(seed)  # what `torch.manual_seed` seeds on a CPU, 100x cheaper
         else:
@@ -405,6 +405,17 @@ class StepProtocol:
         node.records.maybe_checkpoint(g)
         if node.faults.false_alarm(node.state.step, g.epoch):
             node.client.send(m.Fault(epoch=g.epoch, reason=f"all-reduce of step {sl.step} failed: connection reset"))
+
+
+def slice_seed(seed: int, step: int, offset: int) -> int:
+    """The seed of torch's generators for the slice of step ``step`` that starts at position
+    ``offset`` of the global batch: random ops (dropout, noise, augmentation) draw from it.
+    Keyed by the data, not the node: the slices of a step draw different noise, as the parts
+    of one batch do in one process; the slice at offset 0 (the whole batch, on one node)
+    seeds as ``torch.manual_seed(seed * 1_000_003 + step)`` at each step of a plain loop,
+    so one node is bit-identical to that loop; a step retried with the same split draws the
+    same noise."""
+    return seed * 1_000_003 + step + (offset << 32)
 
 
 def write_deltas(

@@ -4,6 +4,7 @@ bit for bit."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,34 @@ def test_one_node_keeps_batchnorm_statistics_bit_identical_to_one_process(
     got = torch.load(tmp_path / "a.pt", weights_only=True)["model"]
     for k, v in reference_tree(j)["model"].items():
         assert torch.equal(got[k], v), f"{k} differs by {(got[k].double() - v.double()).abs().max().item()}"
+
+
+def test_each_slice_of_a_step_draws_its_own_noise_keyed_by_its_place_in_the_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two nodes of equal shares seed torch from their slice's place in the batch: different
+    noise for different samples, as in one process (before, every node drew the same). The
+    seeds are recorded rather than the draws: in-memory nodes are threads sharing torch's
+    generator, so what one draws depends on when the other seeds."""
+    from unbroken.train import step
+
+    seeded: list[tuple[str, int, int]] = []
+    real = step.slice_seed
+
+    def recorded(seed: int, at: int, offset: int) -> int:
+        seeded.append((threading.current_thread().name, at, offset))
+        return real(seed, at, offset)
+
+    monkeypatch.setattr(step, "slice_seed", recorded)
+    j = masked_job(4)
+    with MemoryJob(j, ["a", "b"], tmp_path) as mj:
+        mj.order(["a", "b"])
+        results = mj.join(60)
+    assert all(isinstance(r, NodeResult) and r.outcome == "finished" for r in results.values()), results
+    for s in range(4):
+        offsets = {(who, offset) for who, at, offset in seeded if at == s}
+        assert offsets == {("node-a", 0), ("node-b", 15)}, (s, offsets)
+    assert real(3, 2, 0) == 3 * 1_000_003 + 2, (
+        "one node seeds as a plain loop's torch.manual_seed(seed * 1_000_003 + step)"
+    )
+    assert len({real(3, 2, o) for o in (0, 1, 15, 29)}) == 4

@@ -106,3 +106,13 @@ def test_a_pass_asked_again_after_later_ones_is_the_same_with_a_nested_sampler()
     order = LoaderOrder(loader())
     assert [order(k) for k in range(8)] == iterated
     assert order(1) == iterated[1] and order(2) == iterated[2]  # out of sequence, older than the kept passes
+
+
+def test_a_list_as_the_sampler_reads_its_order() -> None:
+    """PyTorch takes any iterable of indices as a sampler (``sampler=[...]``): it has no
+    attributes to look for generators in (it used to crash: ``vars()`` of a list)."""
+    data = TensorDataset(torch.arange(8.0))
+    indices = [5, 3, 7, 1, 0, 2, 6, 4]
+    loader = DataLoader(data, batch_size=2, sampler=indices)
+    order = LoaderOrder(loader)
+    assert order(0) == indices and order(1) == indices
