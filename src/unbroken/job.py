@@ -224,9 +224,18 @@ class Job:
                 start = k
         return out
 
-    def identity(self) -> str:
-        """A short hash of what must match across nodes besides the model itself."""
-        spec = {
+    def identity(self, optimizer: AnyOptimizer | None = None) -> str:
+        """A short hash of what must match across nodes besides the model itself (of
+        `identity_spec`: with ``optimizer``, its hyperparameters as built too)."""
+        return hashlib.blake2b(
+            json.dumps(self.identity_spec(optimizer), sort_keys=True).encode(), digest_size=8
+        ).hexdigest()
+
+    def identity_spec(self, optimizer: AnyOptimizer | None = None) -> dict[str, Any]:
+        """What must match across nodes besides the model itself, readable (a refusal names
+        the fields that differ); with ``optimizer``, each group's hyperparameters as the
+        job's code built them (a node whose code sets another learning rate is another job)."""
+        spec: dict[str, Any] = {
             "name": self.name,
             "batch_size": self.batch_size,
             "num_steps": self.num_steps,
@@ -241,7 +250,9 @@ class Job:
             spec["loss_scale"] = dataclasses.asdict(self.loss_scale)
         if self.args:
             spec["args"] = list(self.args)
-        return hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=8).hexdigest()
+        if optimizer is not None:
+            spec["optimizer"] = hyperparameters(optimizer)
+        return spec
 
     def microbatch_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """The mean loss of one collated micro-batch (`step`, or `loss` of the model's output)."""
@@ -398,3 +409,33 @@ def _positional(fn: Callable[..., Any]) -> tuple[bool, bool]:
     first = positional[0] if positional else None
     wants = first is not None and (first.default is first.empty or first.name in ("argv", "args"))
     return accepts, wants
+
+
+IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+"""Optimizer options that choose a kernel, not the math: nodes on other devices may differ."""
+
+
+def hyperparameters(optimizer: AnyOptimizer) -> list[dict[str, Any]] | dict[str, list[dict[str, Any]]]:
+    """Each param group's hyperparameters without its parameters (learning rate, betas,
+    weight decay...), as JSON values, for one optimizer or several by name; options
+    that only choose a kernel are left out."""
+    if isinstance(optimizer, Optimizers):
+        return {name: _groups(opt) for name, opt in optimizer.optimizers.items()}
+    return _groups(optimizer)
+
+
+def _groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    groups = []
+    for group in optimizer.param_groups:
+        kept: dict[str, Any] = {}
+        for key, value in group.items():
+            if key == "params" or key in IMPLEMENTATION_FLAGS:
+                continue
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if isinstance(value, (bool, int, float, str, type(None))) or (
+                isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float)) for v in value)
+            ):
+                kept[key] = list(value) if isinstance(value, tuple) else value
+        groups.append(kept)
+    return groups

@@ -124,3 +124,21 @@ def test_a_plain_python_launch_joins_the_same_group(make_cluster, tmp_path):
     assert c.wait_exit(timeout=60) == {"n1": 0}, c.diagnostics()
     (finished,) = events_of(c, "finished")
     assert "2 agree on the state" in finished["reason"], finished
+
+
+def test_a_node_whose_code_sets_another_learning_rate_is_refused_naming_it(make_cluster, tmp_path):
+    """Same job name and arguments, but this node's code builds its optimizer with another
+    learning rate: refused as another job, the refusal naming the hyperparameter and both
+    values (it used to be accepted silently)."""
+    script = tmp_path / "other_lr.py"
+    script.write_text((EXAMPLES / "own_loop.py").read_text().replace("lr=args.lr,", "lr=args.lr * 2,"))
+    args = ["--steps", "400", "--delay-ms", "20"]
+    c = make_cluster(job=str(EXAMPLES / "own_loop.py"), min_nodes=1)
+    c.start_coordinator()
+    c.start_node("n1", job_args=args)
+    c.wait_step(1, timeout=60)
+    c.job = str(script)
+    other = c.start_node("n2", job_args=args)
+    assert other.wait(timeout=120) != 0
+    err = other.stderr()
+    assert "it differs in optimizer[0].initial_lr: 0.003 vs 0.006" in err, err[-3000:]

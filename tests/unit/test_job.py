@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import uuid
 from pathlib import Path
@@ -334,3 +335,26 @@ def test_state_that_cannot_be_sent_and_a_scheduler_that_needs_a_metric_are_refus
     plateau = make_job(scheduler=lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
     with pytest.raises(ConfigError, match=r"step\(\) needs arguments .*step it in after_step instead"):
         plateau.build_scheduler(optimizer)
+
+
+def test_the_optimizers_hyperparameters_are_part_of_the_job_identity_and_named_when_they_differ() -> None:
+    from unbroken.control.membership import job_differences
+
+    def build(lr: float, fused: bool | None = None) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=lr, fused=fused)
+
+    job = Job(
+        name="j",
+        model=lambda: torch.nn.Linear(2, 2),
+        optimizer=lambda m: build(1e-3),
+        dataset=torch.utils.data.TensorDataset(torch.zeros(4, 2)),
+        loss=torch.nn.functional.mse_loss,
+        batch_size=2,
+        num_steps=3,
+    )
+    assert job.identity(build(1e-3)) == job.identity(build(1e-3)) != job.identity(build(2e-3))
+    assert job.identity(build(1e-3)) == job.identity(build(1e-3, fused=False)), "a kernel choice is not the math"
+    assert job.identity() != job.identity(build(1e-3)), "checkpoints keep the identity without the optimizer"
+    ours, theirs = (json.dumps(job.identity_spec(build(lr))) for lr in (1e-3, 2e-3))
+    assert job_differences(ours, theirs) == ["optimizer[0].lr: 0.001 vs 0.002"]
+    assert job_differences(ours, "not json") == []

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 import statistics
 from collections import deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from unbroken.config import MembershipConfig
 from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
@@ -238,6 +240,38 @@ def _vanished_quorum(group: Collection[str]) -> int:
     return max(2, (len(group) - 1) // 2 + 1)
 
 
+def _spec_differences(ours: Mapping[str, Any], theirs: Mapping[str, Any], limit: int = 6) -> list[str]:
+    """The fields in which two `Job.identity_spec` differ, as ``path: ours vs theirs``."""
+    found: list[str] = []
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if len(found) >= limit or a == b:
+            return
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            for key in sorted(set(a) | set(b), key=str):
+                walk(a.get(key, "(none)"), b.get(key, "(none)"), f"{path}.{key}" if path else str(key))
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and any(isinstance(x, dict) for x in a):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                walk(x, y, f"{path}[{i}]")
+        else:
+            found.append(f"{path}: {json.dumps(a)[:200]} vs {json.dumps(b)[:200]}")
+
+    walk(ours, theirs, "")
+    return found
+
+
+def job_differences(ours: str, theirs: str) -> list[str]:
+    """The fields two nodes' job specs (`Hello.job_spec`, JSON) differ in; none if either is
+    missing or unreadable (a node's word: shown, never acted on)."""
+    try:
+        a, b = json.loads(ours), json.loads(theirs)
+    except ValueError:
+        return []
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return []
+    return _spec_differences(a, b)
+
+
 def first_mismatch(ours: Sequence[TensorSpec], theirs: Sequence[TensorSpec]) -> str | None:
     """Describe the first difference between two model fingerprints, or None if equal."""
     for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
@@ -311,6 +345,8 @@ class Membership:
         self.shares: list[int] = []
         self.job: str | None = None
         self.job_identity: str | None = None
+        self.job_spec = ""
+        """The first member's `Job.identity_spec` (JSON): what a refused node differs in."""
         self.batch_size: int | None = None
         self.fingerprint: list[TensorSpec] | None = None
         self.step = 0
@@ -377,10 +413,13 @@ class Membership:
         member's previous session was still open and has been replaced (it stays as it was)."""
         d = Decision()
         if self.job is not None and (hello.job != self.job or hello.job_identity != self.job_identity):
+            differs = job_differences(self.job_spec, hello.job_spec)
+            said = f"; it differs in {'; '.join(differs)} (the group's vs this node's)" if differs else ""
             d.refuse = (
                 f"this coordinator runs job {self.job!r} ({self.job_identity}); this node runs "
-                f"{hello.job!r} ({hello.job_identity}): start a separate coordinator per job (with etcd: "
-                "a separate --etcd-prefix), or use the same job settings (name, batch size, steps, seed, dataset size)"
+                f"{hello.job!r} ({hello.job_identity}){said}: start a separate coordinator per job (with etcd: "
+                "a separate --etcd-prefix), or use the same job settings (name, batch size, steps, seed, dataset "
+                "size, arguments, the optimizer's hyperparameters)"
             )
             return d
         if self.num_steps and hello.steps and hello.steps != self.num_steps:
@@ -418,6 +457,7 @@ class Membership:
         running = bool(self._epoch_members) and self.recovering_until is None and hello.resume is None
         step = min(hello.step, self.step) if running else hello.step
         self.job, self.job_identity = hello.job, hello.job_identity
+        self.job_spec = self.job_spec or hello.job_spec
         self.num_steps = self.num_steps or hello.steps
         self.fingerprint = list(hello.fingerprint)
         self.batch_size = hello.batch_size

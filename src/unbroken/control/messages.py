@@ -134,6 +134,8 @@ class Hello(_Msg):
     type: Literal["hello"] = "hello"
     job: Name
     job_identity: Annotated[str, Field(max_length=64)]
+    job_spec: Annotated[str, Field(max_length=65_536)] = ""
+    """What ``job_identity`` hashes, as JSON (`Job.identity_spec`): a refusal names what differs."""
     fingerprint: Annotated[list[TensorSpec], Field(max_length=100_000)]
     member_id: Name
     name: Name

@@ -16,6 +16,7 @@ else (failure handling, epochs, sync, audits, DiLoCo rounds) is the same code fo
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import os
@@ -124,6 +125,10 @@ class Node:
         if self.scale is not None:
             extra[SCALE_KEY] = self.scale
         self.state = TrainState(model, optimizer, scheduler=scheduler, extra=extra)
+        # The optimizer as the job's code built it, before any state is loaded into it: a
+        # node whose code sets another learning rate is refused as another job.
+        self._job_identity = job.identity(optimizer)
+        self._job_spec = json.dumps(job.identity_spec(optimizer), sort_keys=True)
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Buffers a forward pass updates (BatchNorm statistics) travel in the same
         # all-reduce as the gradients, so replicas stay bit-identical between syncs.
@@ -635,7 +640,8 @@ class Node:
             )
         return m.Hello(
             job=self.job.name,
-            job_identity=self.job.identity(),
+            job_identity=self._job_identity,
+            job_spec=self._job_spec,
             fingerprint=self._fingerprint,
             member_id=member_id,
             name=self.name,
