@@ -1,0 +1,543 @@
+"""A sharded zone's data plane: ZeRO-3 over flat ranges, each range also held by a buddy.
+
+The zone's parameters are one flat index space, block after block (`Blocks`); a `Layout`
+(`unbroken.state.shards`) gives each member a contiguous primary range, sized by the memory
+it offers, and a buddy for every range. A member keeps only what it holds: its primary
+range and the ranges it is buddy for, each with its optimizer state (`Holding`). A step::
+
+    forward   before each block: its parameters gathered from their primaries (all-gather),
+              written into the block's own tensors; after it: those tensors' storage freed
+    backward  before each block (a hook on its output's gradient): gathered again; once
+              every parameter of the block has its gradient, the block's gradient is summed
+              over the zone (all-reduce) and each member keeps the part of every range it
+              holds, primary and buddy alike; the block's storage is freed again
+    update    each member steps its optimizer on everything it holds: the primary and its
+              buddy copies take the same update from the same summed gradient, so a copy is
+              bit-identical to its primary at every committed step (checked by `digests`)
+
+A loss of members is repaired by `reshard` on the survivors' next group: the plan of
+`unbroken.state.shards` says which live holder sends which range (values and optimizer
+state) to whom, and a range whose both holders died is reported for the caller to fetch
+from another zone or the checkpoint. Every wait is abortable (`EpochScope`), as the rest of
+the data plane's: a dead peer fails the collective in milliseconds, a frozen one at the
+scope's deadline or its abort.
+
+Why not FSDP2's `fully_shard`: its shards are even slices of every parameter's first
+dimension, so shards cannot follow each member's memory, and it has no second copy of a
+shard; re-sharding after a death would need the state of every rank, the dead one's too.
+What this engine takes from the same design: the per-block gather, the freeing of storage
+between uses, and the version counters left alone while a block's storage is refilled (the
+tensors autograd saved stay valid).
+
+Not yet here: buffers (BatchNorm statistics) are not sharded or summed (a model with
+buffers that forward passes change is refused), parameters shared between blocks, and
+devices other than the CPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+from torch import nn
+
+from unbroken.comm.group import EpochScope, ProcessGroup, wait_all
+from unbroken.errors import ConfigError, TransferError
+from unbroken.state.shards import Layout, Plan, Purpose
+
+log = logging.getLogger(__name__)
+
+Optimizer = torch.optim.Optimizer
+OptimizerFactory = Callable[[list[dict[str, Any]]], Optimizer]
+"""Builds the optimizer over param groups (``[{"params": [...], "lr": ...}, ...]``)."""
+
+
+@dataclass
+class Block:
+    """Modules whose parameters are gathered together, and their span of the flat space."""
+
+    module: nn.Module
+    params: list[nn.Parameter]
+    start: int
+    end: int
+    offsets: list[int]
+    """Each parameter's start in the flat space."""
+    gathered: bool = False
+    waiting: int = 0
+    """Gradients of this backward still to come before the block's sum."""
+
+
+@dataclass
+class Piece:
+    """The part of one parameter inside a held range: a tensor the optimizer steps."""
+
+    param: int
+    """Index of the parameter (in flat order)."""
+    start: int
+    end: int
+    """Its span in the flat space."""
+    tensor: torch.Tensor
+
+
+@dataclass
+class Holding:
+    """A range this member holds, primary or buddy copy, in pieces (one per parameter)."""
+
+    start: int
+    end: int
+    purpose: Purpose
+    pieces: list[Piece] = field(default_factory=list)
+
+
+def _blocks_of(model: nn.Module, blocks: Sequence[nn.Module] | None) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Each block with the parameters it owns (a parameter of a nested block belongs to that
+    block); the model itself is the last block, owning what no other block does."""
+    chosen = list(blocks) if blocks is not None else [m for m in model.children() if any(True for _ in m.parameters())]
+    owner: dict[int, int] = {}
+    out: list[tuple[nn.Module, list[nn.Parameter]]] = []
+    for i, block in enumerate(chosen):
+        if block is model:
+            raise ConfigError("the model itself cannot be one of its blocks: give its sub-modules")
+        for p in block.parameters():
+            owner.setdefault(id(p), i)
+    for i, block in enumerate(chosen):
+        out.append((block, [p for p in block.parameters() if owner.get(id(p)) == i]))
+    rest = [p for p in model.parameters() if id(p) not in owner]
+    out.append((model, rest))
+    return [(m, ps) for m, ps in out if ps]
+
+
+class ShardedModel:
+    """One member's share of a sharded zone (see the module's docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: Layout,
+        me: str,
+        ranks: Mapping[str, int],
+        group: ProcessGroup,
+        scope: EpochScope,
+        make_optimizer: OptimizerFactory,
+        *,
+        blocks: Sequence[nn.Module] | None = None,
+        groups: Sequence[Mapping[str, Any]] | None = None,
+        values: Callable[[int, int], torch.Tensor] | None = None,
+    ) -> None:
+        """``model``: built on the CPU (its values are read where ``values`` is None, then its
+        parameters' storage is freed). ``layout``: the zone's; ``me`` its member name for
+        this process, ``ranks`` each member's rank in ``group``. ``groups``: the param
+        groups' hyperparameters, one per group, with ``"params"`` naming the parameters by
+        their names in ``model`` (default: one group of all). ``values(start, end)``: the
+        initial flat values of a range (default: read from ``model``)."""
+        if any(b.dtype.is_floating_point for b in model.buffers()):
+            raise ConfigError(
+                "a sharded zone does not shard or sum buffers yet: this model has floating-point buffers "
+                "(BatchNorm statistics?); use LayerNorm or train it unsharded"
+            )
+        self.model = model
+        self.layout = layout
+        self.me = me
+        self.ranks = dict(ranks)
+        self.group = group
+        self.scope = scope
+        self.make_optimizer = make_optimizer
+        self.blocks: list[Block] = []
+        self.params: list[nn.Parameter] = []
+        names = {id(p): n for n, p in model.named_parameters()}
+        at = 0
+        for module, params in _blocks_of(model, blocks):
+            offsets = []
+            start = at
+            for p in params:
+                offsets.append(at)
+                at += p.numel()
+                self.params.append(p)
+            self.blocks.append(Block(module, params, start, at, offsets))
+        if at != layout.numel:
+            raise ConfigError(f"the layout covers {layout.numel:,} elements but the model has {at:,} parameters")
+        self._names = [names[id(p)] for p in self.params]
+        self._spans = [(b.offsets[i], b.offsets[i] + p.numel()) for b in self.blocks for i, p in enumerate(b.params)]
+        self._group_of = self._param_groups(groups)
+        self._group_settings = [
+            {k: v for k, v in g.items() if k != "params"} for g in (groups or [{"params": self._names}])
+        ]
+        read = values if values is not None else self._read_model
+        self.holdings = [
+            self._holding(s.start, s.end, purpose, read(s.start, s.end)) for s, purpose in self._held(layout, me)
+        ]
+        self.optimizer = self._build_optimizer()
+        for p in self.params:  # the model keeps its tensors' shapes; their bytes live in the holdings
+            _free(p)
+        self._hooks: list[Any] = []
+        self._install()
+
+    # ---------------------------------------------------------------- set-up
+
+    def _param_groups(self, groups: Sequence[Mapping[str, Any]] | None) -> list[int]:
+        if groups is None:
+            return [0] * len(self.params)
+        index = {n: i for i, n in enumerate(self._names)}
+        out = [-1] * len(self.params)
+        for g, group in enumerate(groups):
+            for name in group["params"]:
+                if name not in index:
+                    raise ConfigError(f"param group {g} names {name!r}, not a parameter of the model")
+                out[index[name]] = g
+        if -1 in out:
+            raise ConfigError(
+                f"parameters in no param group: {[n for n, g in zip(self._names, out, strict=True) if g < 0][:5]}"
+            )
+        return out
+
+    @staticmethod
+    def _held(layout: Layout, me: str) -> list[tuple[Any, Purpose]]:
+        own = [(s, Purpose.PRIMARY) for s in layout.shards if s.primary == me]
+        return own + [(s, Purpose.BUDDY) for s in layout.shards if s.buddy == me]
+
+    def _read_model(self, start: int, end: int) -> torch.Tensor:
+        out = torch.empty(end - start, dtype=torch.float32)
+        for i, (lo, hi) in enumerate(self._spans):
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                out[a - start : b - start] = self.params[i].detach().reshape(-1)[a - lo : b - lo]
+        return out
+
+    def _holding(self, start: int, end: int, purpose: Purpose, flat: torch.Tensor) -> Holding:
+        h = Holding(start, end, purpose)
+        for i, (lo, hi) in enumerate(self._spans):
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                h.pieces.append(Piece(i, a, b, flat[a - start : b - start].clone()))
+        return h
+
+    def _pieces(self) -> Iterator[Piece]:
+        for h in self.holdings:
+            yield from h.pieces
+
+    def _build_optimizer(self) -> Optimizer:
+        by_group: list[list[torch.Tensor]] = [[] for _ in self._group_settings]
+        for piece in self._pieces():
+            by_group[self._group_of[piece.param]].append(piece.tensor)
+        groups = [dict(s, params=ps) for s, ps in zip(self._group_settings, by_group, strict=True) if ps]
+        if not groups:  # a member holding nothing (a spare) still steps in time with the others
+            groups = [dict(self._group_settings[0], params=[torch.zeros(0)])]
+        return self.make_optimizer(groups)
+
+    def _install(self) -> None:
+        for block in self.blocks:
+            self._hooks.append(block.module.register_forward_pre_hook(self._before_forward(block)))
+            self._hooks.append(block.module.register_forward_hook(self._after_forward(block)))
+            for p in block.params:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulated(block)))  # type: ignore[no-untyped-call]
+
+    def close(self) -> None:
+        """Remove the hooks (the model is left with freed parameters)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    # ---------------------------------------------------------------- the step
+
+    def _before_forward(self, block: Block) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._gather(block)
+            block.waiting = sum(1 for p in block.params if p.requires_grad)
+
+        return hook
+
+    def _after_forward(self, block: Block) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if torch.is_grad_enabled() and block.waiting:
+                armed = False
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(lambda grad: self._before_backward(block, grad))  # type: ignore[no-untyped-call]
+                        armed = True
+                if armed:
+                    self._release(block)
+                    return output
+            self._release(block)
+            return output
+
+        return hook
+
+    def _before_backward(self, block: Block, grad: torch.Tensor) -> torch.Tensor:
+        self._gather(block)
+        return grad
+
+    def _accumulated(self, block: Block) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            block.waiting -= 1
+            if block.waiting == 0:
+                self._reduce(block)
+
+        return hook
+
+    def _gather(self, block: Block) -> None:
+        """The block's parameters from their primaries, into the block's own tensors."""
+        if block.gathered:
+            return
+        pieces = [(s.primary, max(s.start, block.start), min(s.end, block.end)) for s in self.layout.shards]
+        pieces = [(who, a, b) for who, a, b in pieces if a < b]
+        longest = max(b - a for _, a, b in pieces)
+        mine = torch.zeros(longest)
+        for who, a, b in pieces:
+            if who == self.me:
+                mine[: b - a] = self._values(a, b)
+        size = self.group.size()
+        outputs = [[torch.empty(longest) for _ in range(size)]]
+        wait_all([self.group.allgather(outputs, [mine])], self.scope, f"gathering block {self._name(block)}")
+        flat = torch.empty(block.end - block.start)
+        for who, a, b in pieces:
+            flat[a - block.start : b - block.start] = outputs[0][self.ranks[who]][: b - a]
+        for p, off in zip(block.params, block.offsets, strict=True):
+            _fill(p, flat[off - block.start : off - block.start + p.numel()])
+        block.gathered = True
+
+    def _release(self, block: Block) -> None:
+        for p in block.params:
+            _free(p)
+        block.gathered = False
+
+    def _reduce(self, block: Block) -> None:
+        """The block's gradient summed over the zone; each member keeps what it holds."""
+        flat = torch.zeros(block.end - block.start)
+        for p, off in zip(block.params, block.offsets, strict=True):
+            if p.grad is not None:
+                flat[off - block.start : off - block.start + p.numel()] = p.grad.reshape(-1)
+            p.grad = None
+        self._release(block)
+        wait_all([self.group.allreduce([flat])], self.scope, f"summing block {self._name(block)}'s gradient")
+        for piece in self._pieces():
+            a, b = max(piece.start, block.start), min(piece.end, block.end)
+            if a < b:
+                if piece.tensor.grad is None:
+                    piece.tensor.grad = torch.zeros_like(piece.tensor)
+                piece.tensor.grad[a - piece.start : b - piece.start] += flat[a - block.start : b - block.start]
+
+    def finish_backward(self) -> None:
+        """After the last backward of a step: a block whose gradients did not all arrive
+        (parameters unused this step) is summed now, in block order on every member."""
+        for block in self.blocks:
+            if block.waiting > 0:
+                block.waiting = 0
+                self._reduce(block)
+
+    def abandon(self) -> None:
+        """The step in flight is not applied (a peer failed): the gradients summed so far are
+        dropped and every block's storage freed, so the step can be retried from the start."""
+        for block in self.blocks:
+            block.waiting = 0
+            for p in block.params:
+                p.grad = None
+            self._release(block)
+        for piece in self._pieces():
+            piece.tensor.grad = None
+
+    def step(self) -> None:
+        """The optimizer on everything this member holds; gradients cleared."""
+        for piece in self._pieces():
+            if piece.tensor.grad is None:
+                piece.tensor.grad = torch.zeros_like(piece.tensor)
+        self.optimizer.step()
+        for piece in self._pieces():
+            piece.tensor.grad = None
+
+    # ---------------------------------------------------------------- state
+
+    def _values(self, start: int, end: int) -> torch.Tensor:
+        """Flat parameter values of ``[start, end)``, which this member must hold."""
+        values: torch.Tensor = self.export(start, end)["values"]
+        return values
+
+    def export(self, start: int, end: int) -> dict[str, Any]:
+        """The values and optimizer state of ``[start, end)`` as flat tensors (what a
+        re-shard sends); raises `TransferError` where this member holds only part of it."""
+        values = torch.full((end - start,), float("nan"))
+        state: dict[str, Any] = {}
+        covered = 0
+        for h in self.holdings:
+            for piece in h.pieces:
+                a, b = max(piece.start, start), min(piece.end, end)
+                if a >= b:
+                    continue
+                values[a - start : b - start] = piece.tensor.detach()[a - piece.start : b - piece.start]
+                covered += b - a
+                for key, value in self.optimizer.state.get(piece.tensor, {}).items():
+                    if _per_element(value, piece.tensor):
+                        flat = state.setdefault(key, torch.full((end - start,), float("nan")))
+                        flat[a - start : b - start] = value[a - piece.start : b - piece.start]
+                    else:
+                        state.setdefault(key, value.clone() if isinstance(value, torch.Tensor) else value)
+        if covered != end - start:
+            raise TransferError(f"{self.me} holds {covered:,} of the {end - start:,} elements of [{start}, {end})")
+        return {"values": values, "state": state}
+
+    def digest(self, start: int, end: int) -> str:
+        """A digest of the values and optimizer state of ``[start, end)`` (a primary's and its
+        buddy's must be equal after every committed step)."""
+        part = self.export(start, end)
+        h = xxhash.xxh3_128()
+        h.update(part["values"].numpy().tobytes())
+        for key in sorted(part["state"]):
+            value = part["state"][key]
+            h.update(key.encode())
+            h.update(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
+        return h.hexdigest()
+
+    def digests(self) -> dict[tuple[int, int], str]:
+        """Each held range's digest."""
+        return {(h.start, h.end): self.digest(h.start, h.end) for h in self.holdings}
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter, gathered (for a test or a final save on a member that can hold it)."""
+        names = {id(p): n for p, n in zip(self.params, self._names, strict=True)}
+        out = {}
+        for block in self.blocks:
+            self._gather(block)
+            for p in block.params:
+                out[names[id(p)]] = p.detach().clone()
+            self._release(block)
+        return out
+
+    def _name(self, block: Block) -> str:
+        return type(block.module).__name__
+
+    # ---------------------------------------------------------------- re-shard
+
+    def reshard(self, plan: Plan, me: str, ranks: Mapping[str, int], group: ProcessGroup, scope: EpochScope) -> None:
+        """Move to ``plan.new`` on the survivors' ``group``: send what the plan asks of this
+        member, receive what it lacks, rebuild its holdings and optimizer. Ranges both of
+        whose holders died (``plan.missing``) raise `TransferError` naming them (the caller
+        fetches them from another zone or the checkpoint).
+
+        Raises:
+            TransferError: missing ranges, or a transfer that failed.
+        """
+        if plan.missing:
+            lost = ", ".join(f"[{x.start}, {x.end})" for x in plan.missing)
+            raise TransferError(f"ranges {lost} lost both holders: they must come from another zone or a checkpoint")
+        elements, scalars = self._state_layout()
+        stepped = self._stepped()
+        names = ["values", *elements, "scalars"]
+        sends, receives = [], []
+        incoming: list[tuple[int, int, dict[str, torch.Tensor]]] = []
+        for tag, t in enumerate(plan.transfers):
+            n = t.end - t.start
+            if t.source == me:
+                part = self.export(t.start, t.end)
+                st = part["state"]
+                tensors = [part["values"], *(_as_flat(st.get(k), n) for k in elements)]
+                tensors.append(torch.tensor([float(st[k]) if stepped else 0.0 for k in scalars], dtype=torch.float64))
+                for i, x in enumerate(tensors):
+                    sends.append(group.send([x.contiguous()], ranks[t.destination], tag * 16 + i))
+            if t.destination == me:
+                bufs = {k: torch.empty(n) for k in ["values", *elements]}
+                bufs["scalars"] = torch.empty(len(scalars), dtype=torch.float64)
+                for i, k in enumerate(names):
+                    receives.append(group.recv([bufs[k]], ranks[t.source], tag * 16 + i))
+                incoming.append((t.start, t.end, bufs))
+        self.abandon()
+        wait_all(sends + receives, scope, "re-sharding the zone's state")
+        counts: dict[str, Any] = {}
+        if stepped:
+            counts = self._scalars()
+        elif incoming and float(incoming[0][2]["scalars"].abs().sum()) > 0:
+            counts = {
+                k: torch.tensor(float(v)) for k, v in zip(scalars, incoming[0][2]["scalars"].tolist(), strict=True)
+            }
+        has_state = bool(counts)
+        rebuilt = []
+        for s, purpose in self._held(plan.new, me):
+            flat = torch.empty(s.end - s.start)
+            state = {k: torch.empty(s.end - s.start) for k in elements}
+            for a, b, bufs in incoming:
+                lo, hi = max(a, s.start), min(b, s.end)
+                if lo < hi:
+                    flat[lo - s.start : hi - s.start] = bufs["values"][lo - a : hi - a]
+                    for k in elements:
+                        state[k][lo - s.start : hi - s.start] = bufs[k][lo - a : hi - a]
+            for h in self.holdings:
+                lo, hi = max(h.start, s.start), min(h.end, s.end)
+                if lo < hi:
+                    part = self.export(lo, hi)
+                    flat[lo - s.start : hi - s.start] = part["values"]
+                    for k in elements:
+                        state[k][lo - s.start : hi - s.start] = _as_flat(part["state"].get(k), hi - lo)
+            rebuilt.append((self._holding(s.start, s.end, purpose, flat), state))
+        self.holdings = [h for h, _ in rebuilt]
+        self.optimizer = self._build_optimizer()
+        if has_state:
+            for h, state in rebuilt:
+                for piece in h.pieces:
+                    entry: dict[str, Any] = {k: v.clone() for k, v in counts.items()}
+                    for k in elements:
+                        entry[k] = state[k][piece.start - h.start : piece.end - h.start].clone()
+                    self.optimizer.state[piece.tensor] = entry
+        self.layout, self.me, self.ranks, self.group, self.scope = plan.new, me, dict(ranks), group, scope
+
+    def _state_layout(self) -> tuple[list[str], list[str]]:
+        """The optimizer's state keys, per element (Adam's moments) and shared (its step
+        count), found by stepping a fresh one on a probe: every member finds the same,
+        whatever it holds (a spare holds nothing to look at)."""
+        probe = torch.zeros(2, requires_grad=False)
+        probe.grad = torch.ones(2)
+        opt = self.make_optimizer([dict(self._group_settings[0], params=[probe])])
+        opt.step()
+        state = opt.state[probe]
+        elements = sorted(k for k, v in state.items() if _per_element(v, probe))
+        scalars = sorted(k for k, v in state.items() if not _per_element(v, probe))
+        return elements, scalars
+
+    def _stepped(self) -> bool:
+        return any(self.optimizer.state.get(p.tensor) for p in self._pieces())
+
+    def _scalars(self) -> dict[str, Any]:
+        """Optimizer state shared by every element (Adam's step count), from any piece."""
+        for piece in self._pieces():
+            entry = self.optimizer.state.get(piece.tensor)
+            if entry:
+                return {
+                    k: (v.clone() if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
+                    for k, v in entry.items()
+                    if not _per_element(v, piece.tensor)
+                }
+        return {}
+
+
+def _per_element(value: Any, like: torch.Tensor) -> bool:
+    """State with one value per parameter element (Adam's moments), not shared (its step)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == like.shape
+
+
+def _as_flat(value: Any, n: int) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) and value.numel() == n else torch.zeros(n)
+
+
+def _tensors(output: Any) -> Iterator[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (list, tuple)):
+        yield from itertools.chain.from_iterable(_tensors(x) for x in output)
+    elif isinstance(output, Mapping):
+        yield from itertools.chain.from_iterable(_tensors(x) for x in output.values())
+
+
+def _free(p: torch.Tensor) -> None:
+    """Free a parameter's bytes, keeping its shape (and the tensors autograd saved of it)."""
+    p.untyped_storage().resize_(0)
+
+
+def _fill(p: torch.Tensor, values: torch.Tensor) -> None:
+    """Give a freed parameter its bytes back, with ``values``; its version counter is left as
+    it was, so the tensors autograd saved of it in forward stay valid for backward."""
+    p.untyped_storage().resize_(p.numel() * p.element_size())
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):  # type: ignore[attr-defined]
+        p.copy_(values.view_as(p))

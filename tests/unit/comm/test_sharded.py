@@ -1,0 +1,213 @@
+"""The sharded zone's data plane on in-memory groups (ranks as threads): training equals
+one process with the whole batch, each range's buddy copy stays bit-identical to its
+primary, and a member's death is repaired from the copies on the survivors' next group."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from unbroken.comm.fake import FakeWorld
+from unbroken.comm.group import EpochScope
+from unbroken.comm.sharded import ShardedModel
+from unbroken.errors import CollectiveFailed, TransferError
+from unbroken.state.shards import layout_for, plan
+
+pytestmark = pytest.mark.timeout(60)
+
+B, STEPS = 24, 6
+WEIGHTS = {"a": 4, "b": 2, "c": 2, "d": 1}
+"""Memory offered: a's range is four times d's."""
+
+_g = torch.Generator().manual_seed(5)
+X = torch.randn(STEPS * B, 8, generator=_g)
+Y = torch.randint(0, 5, (STEPS * B,), generator=_g)
+
+
+class Tiny(nn.Module):
+    """Three blocks and a parameter of the model's own (gathered with the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.LayerNorm(16))
+        self.head = nn.Linear(16, 5)
+        self.scale = nn.Parameter(torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(torch.tanh(self.embed(x))) * self.scale)
+
+
+def groups_of(model: nn.Module) -> list[dict[str, Any]]:
+    """Weight decay on matrices only, as real jobs do (two param groups)."""
+    decay = [n for n, p in model.named_parameters() if p.dim() > 1]
+    rest = [n for n, p in model.named_parameters() if p.dim() <= 1]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=0.01)
+
+
+def reference(steps: int) -> dict[str, torch.Tensor]:
+    model = Tiny()
+    named = dict(model.named_parameters())
+    opt = adamw([dict(g, params=[named[n] for n in g["params"]]) for g in groups_of(model)])
+    for s in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(X[s * B : (s + 1) * B]), Y[s * B : (s + 1) * B]).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def scope() -> EpochScope:
+    return EpochScope(threading.Event(), lambda: None, 10.0)
+
+
+def train(zone: ShardedModel, model: nn.Module, step: int, slices: dict[str, tuple[int, int]], me: str) -> None:
+    lo, hi = slices[me]
+    x, y = X[step * B + lo : step * B + hi], Y[step * B + lo : step * B + hi]
+    if hi > lo:
+        (F.cross_entropy(model(x), y) * ((hi - lo) / B)).backward()
+    zone.finish_backward()
+    zone.step()
+
+
+def even(members: list[str]) -> dict[str, tuple[int, int]]:
+    cuts = [B * i // len(members) for i in range(len(members) + 1)]
+    return {m: (cuts[i], cuts[i + 1]) for i, m in enumerate(members)}
+
+
+def run(members: list[str], fn: Callable[[str], Any]) -> dict[str, Any]:
+    """``fn(member)`` on a thread per member; what each returned or raised."""
+    out: dict[str, Any] = {}
+
+    def target(m: str) -> None:
+        try:
+            out[m] = fn(m)
+        except BaseException as exc:  # reported to the test
+            out[m] = exc
+
+    threads = [threading.Thread(target=target, args=(m,), name=m) for m in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def start(members: list[str]) -> tuple[dict[str, ShardedModel], dict[str, nn.Module], FakeWorld]:
+    numel = sum(p.numel() for p in Tiny().parameters())
+    layout = layout_for(numel, {m: WEIGHTS[m] for m in members})
+    world = FakeWorld(len(members))
+    ranks = {m: i for i, m in enumerate(members)}
+    models = {m: Tiny() for m in members}
+    zones = {
+        m: ShardedModel(
+            models[m],
+            layout,
+            m,
+            ranks,
+            world.group(ranks[m]),
+            scope(),
+            adamw,
+            blocks=[models[m].embed, models[m].body, models[m].head],
+            groups=groups_of(models[m]),
+        )
+        for m in members
+    }
+    return zones, models, world
+
+
+def buddies_agree(zones: dict[str, ShardedModel]) -> None:
+    layout = next(iter(zones.values())).layout
+    for s in layout.shards:
+        assert s.buddy is not None
+        assert zones[s.primary].digest(s.start, s.end) == zones[s.buddy].digest(s.start, s.end), s
+
+
+def assert_matches(zones: dict[str, ShardedModel], want: dict[str, torch.Tensor]) -> None:
+    got = run(list(zones), lambda m: zones[m].full_state())
+    for m, state in got.items():
+        assert not isinstance(state, BaseException), state
+        for name, value in want.items():
+            assert torch.allclose(state[name], value, atol=2e-6), (m, name, (state[name] - value).abs().max())
+
+
+def test_a_sharded_zone_with_uneven_ranges_trains_as_one_process_and_buddies_stay_bit_identical() -> None:
+    members = list(WEIGHTS)
+    zones, models, _ = start(members)
+    sizes = {m: sum(h.end - h.start for h in zones[m].holdings) for m in members}
+    numel = zones["a"].layout.numel
+    assert sizes["a"] > 2 * sizes["d"] and all(s < numel for s in sizes.values()), sizes
+    slices = even(members)
+    for step in range(STEPS):
+        out = run(members, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+        assert not any(isinstance(v, BaseException) for v in out.values()), out
+        buddies_agree(zones)
+    assert all(p.untyped_storage().nbytes() == 0 for p in models["a"].parameters()), "nothing full stays held"
+    assert_matches(zones, reference(STEPS))
+
+
+def test_a_member_killed_mid_step_is_repaired_from_the_buddies_and_training_matches_one_process() -> None:
+    members = list(WEIGHTS)
+    zones, models, world = start(members)
+    slices = even(members)
+    for step in range(2):
+        run(members, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+
+    def doomed(m: str) -> None:
+        if m == "c":
+            world.kill(2)  # dies before its part of step 2's first gather
+            raise SystemExit
+        train(zones[m], models[m], 2, slices, m)
+
+    out = run(members, doomed)
+    assert all(isinstance(out[m], CollectiveFailed) for m in ("a", "b", "d")), out
+    survivors = ["a", "b", "d"]
+    p = plan(zones["a"].layout, lost={"c"})
+    assert not p.missing
+    new_world = FakeWorld(3)
+    ranks = {m: i for i, m in enumerate(survivors)}
+    done = run(survivors, lambda m: zones[m].reshard(p, m, ranks, new_world.group(ranks[m]), scope()))
+    assert not any(isinstance(v, BaseException) for v in done.values()), done
+    live = {m: zones[m] for m in survivors}
+    buddies_agree(live)
+    slices = even(survivors)
+    for step in range(2, STEPS):  # step 2 retried with the same samples
+        out = run(survivors, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+        assert not any(isinstance(v, BaseException) for v in out.values()), out
+        buddies_agree(live)
+    assert_matches(live, reference(STEPS))
+
+
+def test_both_holders_of_a_range_lost_is_named_not_guessed() -> None:
+    members = list(WEIGHTS)
+    zones, _, _ = start(members)
+    layout = zones["a"].layout
+    shard = next(s for s in layout.shards if s.primary == "b")
+    assert shard.buddy is not None
+    p = plan(layout, lost={"b", shard.buddy})
+    rest = [m for m in members if m not in {"b", shard.buddy}]
+    world = FakeWorld(len(rest))
+    ranks = {m: i for i, m in enumerate(rest)}
+    out = run(rest, lambda m: zones[m].reshard(p, m, ranks, world.group(ranks[m]), scope()))
+    for m in rest:
+        assert isinstance(out[m], TransferError) and "lost both holders" in str(out[m]), out[m]
+
+
+def test_a_model_whose_forward_changes_float_buffers_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    numel = sum(p.numel() for p in model.parameters())
+    with pytest.raises(Exception, match="buffers"):
+        ShardedModel(
+            copy.deepcopy(model), layout_for(numel, {"a": 1}), "a", {"a": 0}, FakeWorld(1).group(0), scope(), adamw
+        )
