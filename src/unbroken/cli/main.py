@@ -23,6 +23,7 @@ from typing import Any
 
 from unbroken.cli.observe import add_parsers as add_observe_parsers
 from unbroken.cli.restore import add_parser as add_restore_parser
+from unbroken.cli.verify import add_parser as add_verify_parser
 from unbroken.config import (
     DEFAULT_ETCD_PREFIX,
     ENV_COORDINATOR,
@@ -578,6 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.set_defaults(func=_chaos)
     add_observe_parsers(sub, fmt)
     add_restore_parser(sub, fmt)
+    add_verify_parser(sub, fmt)
     return p
 
 
@@ -588,8 +590,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, job_args = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     parser = build_parser()
     args = parser.parse_args(argv)
-    if job_args and args.command not in ("node", "run"):
-        parser.error(f"only `unbroken node` and `unbroken run` take job arguments after --, not {args.command}")
+    if job_args and args.command not in ("node", "run", "verify"):
+        parser.error(f"only `unbroken node`, `run` and `verify` take job arguments after --, not {args.command}")
     args.job_args = job_args
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
