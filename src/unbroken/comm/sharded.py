@@ -46,7 +46,7 @@ import torch
 import xxhash
 from torch import nn
 
-from unbroken.comm.group import EpochScope, ProcessGroup, wait_all
+from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable, wait_all
 from unbroken.errors import ConfigError, TransferError
 from unbroken.state.shards import Layout, Plan, Purpose
 
@@ -412,11 +412,17 @@ class ShardedModel:
 
     # ---------------------------------------------------------------- re-shard
 
-    def reshard(self, plan: Plan, me: str, ranks: Mapping[str, int], group: ProcessGroup, scope: EpochScope) -> None:
+    def reshard(
+        self, plan: Plan, me: str, ranks: Mapping[str, int], group: ProcessGroup, scope: EpochScope
+    ) -> ProcessGroup:
         """Move to ``plan.new`` on the survivors' ``group``: send what the plan asks of this
         member, receive what it lacks, rebuild its holdings and optimizer. Ranges both of
         whose holders died (``plan.missing``) raise `TransferError` naming them (the caller
         fetches them from another zone or the checkpoint).
+
+        Returns the group used until now: the caller keeps it referenced until its
+        collectives have timed out (a `Graveyard`): destroying a group with a collective
+        still pending waits for that collective's timeout (30 s on the thread that dropped it).
 
         Raises:
             TransferError: missing ranges, or a transfer that failed.
@@ -445,7 +451,8 @@ class ShardedModel:
                     receives.append(group.recv([bufs[k]], ranks[t.source], tag * 16 + i))
                 incoming.append((t.start, t.end, bufs))
         self.abandon()
-        wait_all(sends + receives, scope, "re-sharding the zone's state")
+        works = sends + receives  # gloo's point-to-point works have no future: waited on a thread
+        run_abortable(lambda: [w.wait() for w in works], scope, "re-sharding the zone's state")
         counts: dict[str, Any] = {}
         if stepped:
             counts = self._scalars()
@@ -481,7 +488,9 @@ class ShardedModel:
                     for k in elements:
                         entry[k] = state[k][piece.start - h.start : piece.end - h.start].clone()
                     self.optimizer.state[piece.tensor] = entry
+        old = self.group
         self.layout, self.me, self.ranks, self.group, self.scope = plan.new, me, dict(ranks), group, scope
+        return old
 
     def _state_layout(self) -> tuple[list[str], list[str]]:
         """The optimizer's state keys, per element (Adam's moments) and shared (its step
