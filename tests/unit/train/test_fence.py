@@ -64,6 +64,7 @@ def test_a_resume_after_a_lapse_during_the_step_says_the_epoch_is_abandoned() ->
     p.group = g  # type: ignore[assignment]
     node = SimpleNamespace(
         group=g, client=client, protocol=p, state=SimpleNamespace(step=168), name="n1", _fingerprint=[],
+        _job_identity="j", _job_spec="{}",
         job=SimpleNamespace(name="j", identity=lambda: "j", batch_size=8, num_steps=300, evaluate=None),
         config=SimpleNamespace(weight=1.0, role="auto", zone=""), records=SimpleNamespace(restored_epoch=None),
         capabilities=lambda: Capabilities(),
