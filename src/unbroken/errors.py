@@ -10,6 +10,7 @@
      ├── EtcdUnavailable               no member of the etcd cluster answered (or no majority)
      ├── JoinRefused                   the coordinator refused this node (names the reason)
      ├── JobHalted                     the group stopped the job on a failure it cannot train past
+     ├── NotFinal                      the job finished without this node: its state is not the model
      ├── ProtocolError                 a control message was malformed or too large
      ├── EpochAborted                  the current epoch ended under us; form the next one
      │    └── Expelled                 the coordinator expelled this node (lease lost)
@@ -87,6 +88,20 @@ class JobHalted(UnbrokenError):
     """The group stopped the job: a failure training cannot go past (every member that
     computed a step refused for it, a divergence back after a repair, a rollback past its
     bound, no member left to train). The message names it; nothing is committed after it."""
+
+
+class NotFinal(UnbrokenError):
+    """The job finished while this node was not part of it (joining, benched, cut off): the
+    state it holds is not the group's last committed one, so it must not pass for the model
+    (the nodes that finished hold it: their ``--final-state``)."""
+
+    def __init__(self, step: int) -> None:
+        """``step``: the step of the state this node holds."""
+        super().__init__(
+            f"the job finished without this node: it holds the state of step {step}, not the group's final "
+            "model (that is on the nodes that finished: their --final-state, or a checkpoint)"
+        )
+        self.step = step
 
 
 class ProtocolError(UnbrokenError):

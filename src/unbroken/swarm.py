@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from unbroken.config import ENV_COORDINATOR, NodeConfig, environment_coordinators, parse_address
 from unbroken.control.auth import load_token
-from unbroken.errors import ConfigError
+from unbroken.errors import ConfigError, NotFinal
 from unbroken.job import Job
 from unbroken.train.data import LoaderOrder, PassOrder
 from unbroken.train.hooks import Faults
@@ -297,6 +297,8 @@ class Swarm:
                     sl = self._next
             except StopIteration as stop:
                 self.result = stop.value
+                if self.result is not None and self.result.outcome == "job-finished":
+                    raise NotFinal(self.result.step) from None
             finally:
                 steps.close()  # a step left in flight by an exception undoes itself
                 for hook in hooks:

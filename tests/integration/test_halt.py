@@ -3,6 +3,8 @@ with a non-zero exit; it is never a loop that looks like training (promise 9).""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from integration.helpers import events_of
@@ -52,3 +54,23 @@ def test_the_last_member_quarantined_stops_the_job_instead_of_waiting_forever(ma
     assert "no member is left to train" in err and "quarantined" in err, err[-3000:]
     assert events_of(c, "quarantine") and events_of(c, "halted")
     assert max(commits(c)) == NAN_AT
+
+
+def test_a_node_the_job_finished_without_exits_non_zero_saying_its_model_is_not_the_final_one(make_cluster):
+    """A node frozen while the others train to the end holds an older state when it wakes:
+    it must not exit 0 as if it held the model (promise 9; it used to exit 0, outcome
+    job-finished). A node that comes after the end is refused (exit 2), as before."""
+    c = make_cluster(env={"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "20"}, min_nodes=2)
+    c.start_coordinator()
+    c.start_node("a")
+    b = c.start_node("b")
+    c.wait_step(10, timeout=90)
+    b.signal(signal.SIGSTOP)
+    try:
+        assert c.wait_exit(["a"], timeout=120) == {"a": 0}, c.diagnostics()
+    finally:
+        b.signal(signal.SIGCONT)
+    assert b.wait(timeout=60) == 3, b.stderr()[-3000:]
+    assert "not the group's final model" in b.stderr(), b.stderr()[-3000:]
+    late = c.start_node("late")
+    assert late.wait(timeout=60) == 2 and "already finished" in late.stderr(), late.stderr()[-3000:]

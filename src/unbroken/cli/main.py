@@ -37,7 +37,7 @@ from unbroken.config import (
 )
 from unbroken.control.auth import ENV_TOKEN, load_token
 from unbroken.control.etcd import parse_endpoints
-from unbroken.errors import ConfigError, UnbrokenError
+from unbroken.errors import ConfigError, NotFinal, UnbrokenError
 from unbroken.specs import (
     AUDIT_EVERY,
     BUCKET_MB,
@@ -221,6 +221,9 @@ def _node(args: argparse.Namespace) -> int:
         f"(digest {result.digest[:16]}, {result.epochs} epochs)",
         file=sys.stderr,
     )
+    if result.outcome == "job-finished":  # promise 9: no exit 0 with a model older than the group's
+        print(f"unbroken node: error: {NotFinal(result.step)}", file=sys.stderr)
+        return _exit_now(3)
     return _exit_now(0)
 
 
