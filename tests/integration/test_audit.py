@@ -32,6 +32,8 @@ def test_a_flipped_bit_is_found_named_and_repaired(make_cluster):
     audits = events_of(c, "audit")
     assert len(audits) == 1 and audits[0]["node"] == "c", audits
     assert "step 30" in audits[0]["reason"] and "differs from the majority" in audits[0]["reason"]
+    # ...and names where: the tensor the bit was flipped in, and on whom.
+    assert "it differs in model " in audits[0]["reason"] and "(on c#" in audits[0]["reason"], audits[0]
     # Repaired: c received the majority's state, then trained on with it.
     kinds = [e["kind"] for e in bad.entries()]
     assert "sync" in kinds[kinds.index("refused") :], kinds

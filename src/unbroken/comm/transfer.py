@@ -228,6 +228,13 @@ def gather_digests(
     return [(s, d) for s, d in _gather(pg, size, [step, digest_prefix(digest)], scope, what)]
 
 
+def gather_values(
+    pg: ProcessGroup, size: int, values: list[int], scope: EpochScope, what: str
+) -> list[tuple[int, ...]]:
+    """Every rank's ``values`` (int64, the same count on each), in rank order."""
+    return _gather(pg, size, values, scope, what)
+
+
 def _gather(pg: ProcessGroup, size: int, values: list[int], scope: EpochScope, what: str) -> list[tuple[int, ...]]:
     mine = torch.tensor(values, dtype=torch.int64)
     gathered = [torch.zeros(len(values), dtype=torch.int64) for _ in range(size)]

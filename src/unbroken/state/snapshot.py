@@ -228,6 +228,35 @@ def snapshot_digest(snap: dict[str, Any], optimizer_in_digest: bool = True) -> s
     return h.hexdigest()
 
 
+def part_digests(snap: dict[str, Any], optimizer_in_digest: bool = True) -> list[tuple[str, int]]:
+    """What `snapshot_digest` covers, part by part (63 bits each), in an order every replica
+    of the same job shares: the step and cursor, each model tensor, each param group's
+    hyperparameters and the optimizer's state, the outer optimizer, the scheduler, each extra
+    state. Where two replicas' digests differ, these say where (an audit names it)."""
+    parts: list[tuple[str, Any]] = [("step", snap["step"]), ("cursor", snap["cursor"])]
+    parts += [(f"model {k}", v) for k, v in snap["model"].items()]
+    if optimizer_in_digest:
+        opt = snap["optimizer"]
+        optimizers = opt.items() if "param_groups" not in opt else [("", opt)]
+        for name, o in optimizers:
+            label = f"optimizer {name}".rstrip()
+            for i, group in enumerate(o.get("param_groups", [])):
+                settings = {k: v for k, v in group.items() if k != "params"}
+                parts.append((f"{label} param group {i} hyperparameters", settings))
+            parts.append((f"{label} state (moments, step counts)", o.get("state", {})))
+    for part in ("outer", "scheduler"):
+        if part in snap:
+            parts.append((part, snap[part]))
+    for k, v in sorted(snap.get("extra", {}).items(), key=lambda kv: str(kv[0])):
+        parts.append((f"extra {k}", v))
+    out = []
+    for name, value in parts:
+        h = xxhash.xxh3_64()
+        _hash_tree(h, value)
+        out.append((name, h.intdigest() >> 1))
+    return out
+
+
 def digest_prefix(digest: str) -> int:
     """The first 63 bits of a digest, to compare digests inside an int64 collective."""
     return int(digest[:16], 16) >> 1

@@ -12,13 +12,15 @@ fetches that state from a member that holds it instead of offering its own."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from unbroken.comm.group import EpochGroup
-from unbroken.comm.transfer import gather_digests
-from unbroken.errors import AuditMismatch
+from unbroken.comm.transfer import gather_digests, gather_values
+from unbroken.errors import AuditMismatch, CollectiveFailed
 from unbroken.events import Entry
 from unbroken.state import layout
+from unbroken.state.snapshot import part_digests
 from unbroken.train.sync import Standing, audit
 
 if TYPE_CHECKING:
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+PARTS_NAMED = 6
+"""Parts of the state an audit's verdict names where replicas differ (then a count)."""
 MAX_TIES = 3
 """Rollbacks for a step whose states differ without a majority, before the audits take the
 difference for the members' arithmetic and let the sync phase settle it."""
@@ -184,7 +188,34 @@ class Audits:
             return
         rank, why = verdict
         who = f"{g.members[rank]}'s state " if rank >= 0 else ""
-        self.failed(g, rank, f"audit at step {node.state.step}: {who}{why}")
+        where = self._where_states_differ(g)
+        self.failed(g, rank, f"audit at step {node.state.step}: {who}{why}{where}")
+
+    def _where_states_differ(self, g: EpochGroup) -> str:
+        """Which parts of the state differ, on which members (every member of the audit
+        calls this after the same verdict: one more small all-gather); empty if that fails."""
+        node = self.node
+        assert g.pg is not None
+        parts = part_digests(node.state.tree(), node.state.optimizer_in_digest)
+        scope = node.scope(during_step=True)
+        try:
+            counts = gather_values(g.pg, g.size, [len(parts)], scope, "audit: the state's parts")
+            width = max(c[0] for c in counts)
+            mine = [d for _, d in parts] + [-1] * (width - len(parts))
+            rows = gather_values(g.pg, g.size, mine, scope, "audit: the state's parts")
+        except CollectiveFailed:
+            return ""
+        found = []
+        for i, (name, _) in enumerate(parts):
+            column = [row[i] for row in rows]
+            usual = Counter(column).most_common(1)[0][0]
+            odd = [g.members[r] for r, d in enumerate(column) if d != usual]
+            if odd:
+                found.append(f"{name} (on {', '.join(odd)})")
+        if not found:
+            return ""
+        more = f" and {len(found) - PARTS_NAMED} more" if len(found) > PARTS_NAMED else ""
+        return f"; it differs in {'; '.join(found[:PARTS_NAMED])}{more}"
 
     def failed(self, g: EpochGroup, rank: int, message: str, below_top: bool = False) -> NoReturn:
         """A verdict against ``rank`` (-1: nobody can be named): back to the audited state

@@ -132,6 +132,15 @@ def test_an_audit_where_no_state_has_a_majority_takes_every_member_back(monkeypa
     from unbroken.train import audits as module
 
     g = SimpleNamespace(rank=0, epoch=6, size=2, members=["n", "x"], pg=object())
+
+    def parts(pg: Any, size: int, values: list[int], *_: Any) -> list[tuple[int, ...]]:
+        """x's state differs from n's in its third part (the first model tensor)."""
+        theirs = list(values)
+        if len(values) > 2:
+            theirs[2] += 1
+        return [tuple(values), tuple(theirs)]
+
+    monkeypatch.setattr(module, "gather_values", parts)
     for reports, goes_back in (([(30, 1), (30, 2)], True), ([(30, 1), (30, 1)], False)):
         monkeypatch.setattr(module, "gather_digests", lambda *_, reports=reports: reports)
         audits, state, _ = ordered_back_to(-1, held=20, at=30)
@@ -140,6 +149,7 @@ def test_an_audit_where_no_state_has_a_majority_takes_every_member_back(monkeypa
             with pytest.raises(AuditMismatch) as exc:
                 audits.check(g)  # type: ignore[arg-type]
             assert exc.value.rank == -1 and "no state has a majority" in str(exc.value)
+            assert "; it differs in model " in str(exc.value) and "(on x)" in str(exc.value), str(exc.value)
             assert state.step == 20 and not audits.behind, "both go back: nobody can be named"
         else:
             audits.check(g)  # type: ignore[arg-type]
