@@ -211,3 +211,32 @@ def test_a_model_whose_forward_changes_float_buffers_is_refused() -> None:
         ShardedModel(
             copy.deepcopy(model), layout_for(numel, {"a": 1}), "a", {"a": 0}, FakeWorld(1).group(0), scope(), adamw
         )
+
+
+def test_a_joiner_receives_only_its_new_ranges_and_training_goes_on_as_one_process() -> None:
+    first = ["a", "b", "c"]
+    zones, models, _ = start(first)
+    slices = even(first)
+    for step in range(2):
+        run(first, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+    p = plan(zones["a"].layout, joining={"d": WEIGHTS["d"]})
+    sent_to_d = sum(t.size for t in p.transfers if t.destination == "d")
+    assert sent_to_d == sum(e - s for s, e in p.new.held("d")), "the joiner is sent its new ranges, nothing more"
+    members = [*first, "d"]
+    world = FakeWorld(4)
+    ranks = {m: i for i, m in enumerate(members)}
+    models["d"] = Tiny()
+    zones["d"] = ShardedModel(  # holds nothing of the old layout: everything it will hold comes in the re-shard
+        models["d"], zones["a"].layout, "d", ranks, world.group(3), scope(), adamw,
+        blocks=[models["d"].embed, models["d"].body, models["d"].head], groups=groups_of(models["d"]),
+    )  # fmt: skip
+    assert zones["d"].holdings == []
+    done = run(members, lambda m: zones[m].reshard(p, m, ranks, world.group(ranks[m]), scope()))
+    assert not any(isinstance(v, BaseException) for v in done.values()), done
+    buddies_agree(zones)
+    slices = even(members)
+    for step in range(2, STEPS):
+        out = run(members, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+        assert not any(isinstance(v, BaseException) for v in out.values()), out
+        buddies_agree(zones)
+    assert_matches(zones, reference(STEPS))
