@@ -492,6 +492,14 @@ class ShardedModel:
         self.layout, self.me, self.ranks, self.group, self.scope = plan.new, me, dict(ranks), group, scope
         return old
 
+    def regroup(self, ranks: Mapping[str, int], group: ProcessGroup, scope: EpochScope) -> ProcessGroup:
+        """Go on with the same layout on another group (after a re-shard whose group still
+        held the members that left gracefully to send their ranges). Returns the group left,
+        for the caller to keep referenced as `reshard`'s."""
+        old = self.group
+        self.ranks, self.group, self.scope = dict(ranks), group, scope
+        return old
+
     def _state_layout(self) -> tuple[list[str], list[str]]:
         """The optimizer's state keys, per element (Adam's moments) and shared (its step
         count), found by stepping a fresh one on a probe: every member finds the same,

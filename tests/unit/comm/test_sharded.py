@@ -240,3 +240,30 @@ def test_a_joiner_receives_only_its_new_ranges_and_training_goes_on_as_one_proce
         assert not any(isinstance(v, BaseException) for v in out.values()), out
         buddies_agree(zones)
     assert_matches(zones, reference(STEPS))
+
+
+def test_a_graceful_leaver_sends_its_ranges_before_it_goes() -> None:
+    members = list(WEIGHTS)
+    zones, models, _ = start(members)
+    slices = even(members)
+    for step in range(2):
+        run(members, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+    p = plan(zones["a"].layout, leaving={"b"})
+    assert any(t.source == "b" for t in p.transfers), "the leaver's ranges come from it while it is still here"
+    transfer = FakeWorld(4)  # the leaver is in the group of the re-shard, not in the next one
+    ranks = {m: i for i, m in enumerate(members)}
+    done = run(members, lambda m: zones[m].reshard(p, m, ranks, transfer.group(ranks[m]), scope()))
+    assert not any(isinstance(v, BaseException) for v in done.values()), done
+    assert zones["b"].holdings == []
+    stay = ["a", "c", "d"]
+    world = FakeWorld(3)
+    ranks = {m: i for i, m in enumerate(stay)}
+    for m in stay:
+        zones[m].regroup(ranks, world.group(ranks[m]), scope())
+    live = {m: zones[m] for m in stay}
+    buddies_agree(live)
+    slices = even(stay)
+    for step in range(2, STEPS):
+        out = run(stay, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+        assert not any(isinstance(v, BaseException) for v in out.values()), out
+    assert_matches(live, reference(STEPS))
