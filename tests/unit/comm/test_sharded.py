@@ -267,3 +267,49 @@ def test_a_graceful_leaver_sends_its_ranges_before_it_goes() -> None:
         out = run(stay, lambda m, s=step: train(zones[m], models[m], s, slices, m))
         assert not any(isinstance(v, BaseException) for v in out.values()), out
     assert_matches(live, reference(STEPS))
+
+
+def test_a_frozen_member_is_left_at_the_abort_and_the_others_go_on_without_it() -> None:
+    """A member that stops answering (SIGSTOP) holds no collective forever: the waits end at
+    the epoch's abort (what the leader's urgent order does once its lease lapsed), and the
+    others re-shard without it from the copies."""
+    from unbroken.errors import EpochAborted
+
+    members = list(WEIGHTS)
+    zones, models, world = start(members)
+    slices = even(members)
+    for step in range(2):
+        run(members, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+    lease = threading.Event()
+
+    def lapsed() -> EpochAborted | None:
+        return EpochAborted("c's lease lapsed") if lease.is_set() else None
+
+    for m in ("a", "b", "d"):
+        zones[m].scope = EpochScope(threading.Event(), lapsed, 10.0)
+    thawed = threading.Event()
+
+    def step_with_c_frozen(m: str) -> None:
+        if m == "c":
+            thawed.wait(30)  # frozen: never joins step 2's collectives
+            return
+        train(zones[m], models[m], 2, slices, m)
+
+    threading.Timer(0.5, lease.set).start()
+    out = run(["a", "b", "d"], step_with_c_frozen)
+    assert all(isinstance(out[m], EpochAborted) for m in ("a", "b", "d")), out
+    thawed.set()
+    world.kill(2)
+    survivors = ["a", "b", "d"]
+    p = plan(zones["a"].layout, lost={"c"})
+    new_world = FakeWorld(3)
+    ranks = {m: i for i, m in enumerate(survivors)}
+    done = run(survivors, lambda m: zones[m].reshard(p, m, ranks, new_world.group(ranks[m]), scope()))
+    assert not any(isinstance(v, BaseException) for v in done.values()), done
+    live = {m: zones[m] for m in survivors}
+    slices = even(survivors)
+    for step in range(2, STEPS):
+        out = run(survivors, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+        assert not any(isinstance(v, BaseException) for v in out.values()), out
+    buddies_agree(live)
+    assert_matches(live, reference(STEPS))
