@@ -244,7 +244,7 @@ class Liar(threading.Thread):
         asyncio.run(self._run())
 
     async def _run(self) -> None:
-        model, _ = self.job.build()
+        model, optimizer = self.job.build()
         async with aiohttp.ClientSession() as http:
             for i, lie in enumerate(self.lies):
                 member_id = f"liar#{i}"
@@ -256,7 +256,7 @@ class Liar(threading.Thread):
                     await ws.send_str(m.encode(m.Knock(member_id=member_id, nonce=nonce, proof=proof)))
                     seal = auth.Seal(TOKEN, challenge.nonce, nonce, member_id, sending="up")
                     hello = m.Hello(
-                        job=self.job.name, job_identity=self.job.identity(), fingerprint=fingerprint(model),
+                        job=self.job.name, job_identity=self.job.identity(optimizer), fingerprint=fingerprint(model),
                         member_id=member_id, name=f"liar{i}", batch_size=self.job.batch_size,
                         steps=self.job.num_steps,
                     )  # fmt: skip

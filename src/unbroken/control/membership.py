@@ -952,8 +952,9 @@ class Membership:
                 f"or unreachable on the data plane), the last: {reason}"
             )
             d.events.append(self._event(now, Kind.QUARANTINE, c.member_id, f"{said}; out of training"))
-            if all(x.quarantined for x in self.members.values()):  # told by the halt, not expelled
-                return d.merge(self.halt(now, f"no member is left to train: {said}", step))
+            # Told to stop. Even the last member: its sessions' peers may be reconnecting, and
+            # a group with no member waits for nodes (a job whose data is at fault halts when
+            # a second member is refused for the same step, above).
             d.quarantine[c.member_id] = said
         self._want_epoch(now, urgent=True, reason=why, delay=0.0)
         return d
