@@ -460,37 +460,62 @@ class ShardedModel:
             counts = {
                 k: torch.tensor(float(v)) for k, v in zip(scalars, incoming[0][2]["scalars"].tolist(), strict=True)
             }
-        has_state = bool(counts)
+        for h in self.holdings:  # what it keeps of its own: taken as a piece like any other
+            part = self.export(h.start, h.end)
+            kept = {"values": part["values"], **{k: _as_flat(part["state"].get(k), h.end - h.start) for k in elements}}
+            incoming.append((h.start, h.end, kept))
+        self.load(plan.new, me, incoming, counts)
+        old = self.group
+        self.layout, self.me, self.ranks, self.group, self.scope = plan.new, me, dict(ranks), group, scope
+        return old
+
+    def load(
+        self,
+        layout: Layout,
+        me: str,
+        pieces: Sequence[tuple[int, int, Mapping[str, torch.Tensor]]],
+        counts: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Hold what ``layout`` gives ``me``, from ``pieces`` (``(start, end, {"values": ...,
+        moment: ...})`` covering it: received, read from files, or kept) and the optimizer's
+        shared state ``counts`` (its step count; empty before the first step).
+
+        Raises:
+            TransferError: the pieces leave part of a held range uncovered.
+        """
+        elements, _ = self._state_layout()
         rebuilt = []
-        for s, purpose in self._held(plan.new, me):
-            flat = torch.empty(s.end - s.start)
+        for s, purpose in self._held(layout, me):
+            flat = torch.full((s.end - s.start,), float("nan"))
             state = {k: torch.empty(s.end - s.start) for k in elements}
-            for a, b, bufs in incoming:
+            covered = 0
+            for a, b, bufs in pieces:
                 lo, hi = max(a, s.start), min(b, s.end)
                 if lo < hi:
                     flat[lo - s.start : hi - s.start] = bufs["values"][lo - a : hi - a]
                     for k in elements:
                         state[k][lo - s.start : hi - s.start] = bufs[k][lo - a : hi - a]
-            for h in self.holdings:
-                lo, hi = max(h.start, s.start), min(h.end, s.end)
-                if lo < hi:
-                    part = self.export(lo, hi)
-                    flat[lo - s.start : hi - s.start] = part["values"]
-                    for k in elements:
-                        state[k][lo - s.start : hi - s.start] = _as_flat(part["state"].get(k), hi - lo)
+                    covered += hi - lo
+            if covered < s.end - s.start:
+                raise TransferError(
+                    f"{me}: only {covered:,} of the {s.end - s.start:,} elements of [{s.start}, {s.end})"
+                )
             rebuilt.append((self._holding(s.start, s.end, purpose, flat), state))
         self.holdings = [h for h, _ in rebuilt]
         self.optimizer = self._build_optimizer()
-        if has_state:
+        if counts:
             for h, state in rebuilt:
                 for piece in h.pieces:
                     entry: dict[str, Any] = {k: v.clone() for k, v in counts.items()}
                     for k in elements:
                         entry[k] = state[k][piece.start - h.start : piece.end - h.start].clone()
                     self.optimizer.state[piece.tensor] = entry
-        old = self.group
-        self.layout, self.me, self.ranks, self.group, self.scope = plan.new, me, dict(ranks), group, scope
-        return old
+        self.layout, self.me = layout, me
+
+    def counts(self) -> dict[str, torch.Tensor]:
+        """The optimizer's state shared by every element (its step count; empty before the
+        first step), as `load` takes it."""
+        return self._scalars() if self._stepped() else {}
 
     def regroup(self, ranks: Mapping[str, int], group: ProcessGroup, scope: EpochScope) -> ProcessGroup:
         """Go on with the same layout on another group (after a re-shard whose group still

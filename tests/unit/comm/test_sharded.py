@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -313,3 +314,38 @@ def test_a_frozen_member_is_left_at_the_abort_and_the_others_go_on_without_it() 
         assert not any(isinstance(v, BaseException) for v in out.values()), out
     buddies_agree(live)
     assert_matches(live, reference(STEPS))
+
+
+def test_each_member_writes_its_range_and_a_restore_reshards_to_another_number_of_members(tmp_path: Path) -> None:
+    from unbroken.comm.shard_files import restore_shards, save_shard
+
+    members = list(WEIGHTS)
+    zones, models, _ = start(members)
+    slices = even(members)
+    for step in range(3):
+        run(members, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+    written = [save_shard(zones[m], tmp_path, 3) for m in members]
+    assert all(p is not None for p in written) and len(set(written)) == 4
+    stay = ["x", "y", "z"]  # three new processes, other memory: another layout
+    numel = zones["a"].layout.numel
+    layout = layout_for(numel, {"x": 1, "y": 3, "z": 2})
+    world = FakeWorld(3)
+    ranks = {m: i for i, m in enumerate(stay)}
+    fresh = {m: Tiny() for m in stay}
+    again = {
+        m: ShardedModel(
+            fresh[m], layout, m, ranks, world.group(ranks[m]), scope(), adamw,
+            blocks=[fresh[m].embed, fresh[m].body, fresh[m].head], groups=groups_of(fresh[m]),
+        )
+        for m in stay
+    }  # fmt: skip
+    assert {restore_shards(again[m], tmp_path, layout, m) for m in stay} == {3}
+    buddies_agree(again)
+    slices = even(stay)
+    for step in range(3, STEPS):
+        out = run(stay, lambda m, s=step: train(again[m], fresh[m], s, slices, m))
+        assert not any(isinstance(v, BaseException) for v in out.values()), out
+    assert_matches(again, reference(STEPS))
+    written[1].unlink()  # type: ignore[union-attr]
+    with pytest.raises(TransferError, match="no step's shard files"):
+        restore_shards(again["x"], tmp_path, layout, "x")
