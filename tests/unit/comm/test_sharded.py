@@ -19,7 +19,7 @@ from unbroken.comm.fake import FakeWorld
 from unbroken.comm.group import EpochScope
 from unbroken.comm.sharded import ShardedModel
 from unbroken.errors import CollectiveFailed, TransferError
-from unbroken.state.shards import layout_for, plan
+from unbroken.state.shards import Plan, layout_for, plan
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -135,6 +135,22 @@ def buddies_agree(zones: dict[str, ShardedModel]) -> None:
         assert zones[s.primary].digest(s.start, s.end) == zones[s.buddy].digest(s.start, s.end), s
 
 
+def train_steps(zones: dict[str, ShardedModel], models: dict[str, nn.Module], members: list[str], steps: range) -> None:
+    """``steps`` on ``members``, the batch split evenly; every buddy copy checked after each."""
+    slices = even(members)
+    live = {m: zones[m] for m in members}
+    for step in steps:
+        out = run(members, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+        assert not any(isinstance(v, BaseException) for v in out.values()), out
+        buddies_agree(live)
+
+
+def reshard_all(zones: dict[str, ShardedModel], p: Plan, members: list[str], world: FakeWorld) -> dict[str, Any]:
+    """``p`` carried out by ``members`` (ranks in that order) on ``world``: what each returned or raised."""
+    ranks = {m: i for i, m in enumerate(members)}
+    return run(members, lambda m: zones[m].reshard(p, m, ranks, world.group(ranks[m]), scope()))
+
+
 def assert_matches(zones: dict[str, ShardedModel], want: dict[str, torch.Tensor]) -> None:
     got = run(list(zones), lambda m: zones[m].full_state())
     for m, state in got.items():
@@ -149,11 +165,7 @@ def test_a_sharded_zone_with_uneven_ranges_trains_as_one_process_and_buddies_sta
     sizes = {m: sum(h.end - h.start for h in zones[m].holdings) for m in members}
     numel = zones["a"].layout.numel
     assert sizes["a"] > 2 * sizes["d"] and all(s < numel for s in sizes.values()), sizes
-    slices = even(members)
-    for step in range(STEPS):
-        out = run(members, lambda m, s=step: train(zones[m], models[m], s, slices, m))
-        assert not any(isinstance(v, BaseException) for v in out.values()), out
-        buddies_agree(zones)
+    train_steps(zones, models, members, range(STEPS))
     assert all(p.untyped_storage().nbytes() == 0 for p in models["a"].parameters()), "nothing full stays held"
     assert_matches(zones, reference(STEPS))
 
@@ -161,32 +173,24 @@ def test_a_sharded_zone_with_uneven_ranges_trains_as_one_process_and_buddies_sta
 def test_a_member_killed_mid_step_is_repaired_from_the_buddies_and_training_matches_one_process() -> None:
     members = list(WEIGHTS)
     zones, models, world = start(members)
-    slices = even(members)
-    for step in range(2):
-        run(members, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+    train_steps(zones, models, members, range(2))
 
     def doomed(m: str) -> None:
         if m == "c":
             world.kill(2)  # dies before its part of step 2's first gather
             raise SystemExit
-        train(zones[m], models[m], 2, slices, m)
+        train(zones[m], models[m], 2, even(members), m)
 
     out = run(members, doomed)
     assert all(isinstance(out[m], CollectiveFailed) for m in ("a", "b", "d")), out
     survivors = ["a", "b", "d"]
     p = plan(zones["a"].layout, lost={"c"})
     assert not p.missing
-    new_world = FakeWorld(3)
-    ranks = {m: i for i, m in enumerate(survivors)}
-    done = run(survivors, lambda m: zones[m].reshard(p, m, ranks, new_world.group(ranks[m]), scope()))
+    done = reshard_all(zones, p, survivors, FakeWorld(3))
     assert not any(isinstance(v, BaseException) for v in done.values()), done
     live = {m: zones[m] for m in survivors}
     buddies_agree(live)
-    slices = even(survivors)
-    for step in range(2, STEPS):  # step 2 retried with the same samples
-        out = run(survivors, lambda m, s=step: train(zones[m], models[m], s, slices, m))
-        assert not any(isinstance(v, BaseException) for v in out.values()), out
-        buddies_agree(live)
+    train_steps(zones, models, survivors, range(2, STEPS))
     assert_matches(live, reference(STEPS))
 
 
@@ -198,9 +202,7 @@ def test_both_holders_of_a_range_lost_is_named_not_guessed() -> None:
     assert shard.buddy is not None
     p = plan(layout, lost={"b", shard.buddy})
     rest = [m for m in members if m not in {"b", shard.buddy}]
-    world = FakeWorld(len(rest))
-    ranks = {m: i for i, m in enumerate(rest)}
-    out = run(rest, lambda m: zones[m].reshard(p, m, ranks, world.group(ranks[m]), scope()))
+    out = reshard_all(zones, p, rest, FakeWorld(len(rest)))
     for m in rest:
         assert isinstance(out[m], TransferError) and "lost both holders" in str(out[m]), out[m]
 
@@ -217,9 +219,7 @@ def test_a_model_whose_forward_changes_float_buffers_is_refused() -> None:
 def test_a_joiner_receives_only_its_new_ranges_and_training_goes_on_as_one_process() -> None:
     first = ["a", "b", "c"]
     zones, models, _ = start(first)
-    slices = even(first)
-    for step in range(2):
-        run(first, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+    train_steps(zones, models, first, range(2))
     p = plan(zones["a"].layout, joining={"d": WEIGHTS["d"]})
     sent_to_d = sum(t.size for t in p.transfers if t.destination == "d")
     assert sent_to_d == sum(e - s for s, e in p.new.held("d")), "the joiner is sent its new ranges, nothing more"
@@ -235,20 +235,14 @@ def test_a_joiner_receives_only_its_new_ranges_and_training_goes_on_as_one_proce
     done = run(members, lambda m: zones[m].reshard(p, m, ranks, world.group(ranks[m]), scope()))
     assert not any(isinstance(v, BaseException) for v in done.values()), done
     buddies_agree(zones)
-    slices = even(members)
-    for step in range(2, STEPS):
-        out = run(members, lambda m, s=step: train(zones[m], models[m], s, slices, m))
-        assert not any(isinstance(v, BaseException) for v in out.values()), out
-        buddies_agree(zones)
+    train_steps(zones, models, members, range(2, STEPS))
     assert_matches(zones, reference(STEPS))
 
 
 def test_a_graceful_leaver_sends_its_ranges_before_it_goes() -> None:
     members = list(WEIGHTS)
     zones, models, _ = start(members)
-    slices = even(members)
-    for step in range(2):
-        run(members, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+    train_steps(zones, models, members, range(2))
     p = plan(zones["a"].layout, leaving={"b"})
     assert any(t.source == "b" for t in p.transfers), "the leaver's ranges come from it while it is still here"
     transfer = FakeWorld(4)  # the leaver is in the group of the re-shard, not in the next one
@@ -263,10 +257,7 @@ def test_a_graceful_leaver_sends_its_ranges_before_it_goes() -> None:
         zones[m].regroup(ranks, world.group(ranks[m]), scope())
     live = {m: zones[m] for m in stay}
     buddies_agree(live)
-    slices = even(stay)
-    for step in range(2, STEPS):
-        out = run(stay, lambda m, s=step: train(zones[m], models[m], s, slices, m))
-        assert not any(isinstance(v, BaseException) for v in out.values()), out
+    train_steps(zones, models, stay, range(2, STEPS))
     assert_matches(live, reference(STEPS))
 
 
@@ -278,9 +269,7 @@ def test_a_frozen_member_is_left_at_the_abort_and_the_others_go_on_without_it() 
 
     members = list(WEIGHTS)
     zones, models, world = start(members)
-    slices = even(members)
-    for step in range(2):
-        run(members, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+    train_steps(zones, models, members, range(2))
     lease = threading.Event()
 
     def lapsed() -> EpochAborted | None:
@@ -294,7 +283,7 @@ def test_a_frozen_member_is_left_at_the_abort_and_the_others_go_on_without_it() 
         if m == "c":
             thawed.wait(30)  # frozen: never joins step 2's collectives
             return
-        train(zones[m], models[m], 2, slices, m)
+        train(zones[m], models[m], 2, even(members), m)
 
     threading.Timer(0.5, lease.set).start()
     out = run(["a", "b", "d"], step_with_c_frozen)
@@ -303,15 +292,10 @@ def test_a_frozen_member_is_left_at_the_abort_and_the_others_go_on_without_it() 
     world.kill(2)
     survivors = ["a", "b", "d"]
     p = plan(zones["a"].layout, lost={"c"})
-    new_world = FakeWorld(3)
-    ranks = {m: i for i, m in enumerate(survivors)}
-    done = run(survivors, lambda m: zones[m].reshard(p, m, ranks, new_world.group(ranks[m]), scope()))
+    done = reshard_all(zones, p, survivors, FakeWorld(3))
     assert not any(isinstance(v, BaseException) for v in done.values()), done
     live = {m: zones[m] for m in survivors}
-    slices = even(survivors)
-    for step in range(2, STEPS):
-        out = run(survivors, lambda m, s=step: train(zones[m], models[m], s, slices, m))
-        assert not any(isinstance(v, BaseException) for v in out.values()), out
+    train_steps(zones, models, survivors, range(2, STEPS))
     buddies_agree(live)
     assert_matches(live, reference(STEPS))
 
@@ -321,9 +305,7 @@ def test_each_member_writes_its_range_and_a_restore_reshards_to_another_number_o
 
     members = list(WEIGHTS)
     zones, models, _ = start(members)
-    slices = even(members)
-    for step in range(3):
-        run(members, lambda m, s=step: train(zones[m], models[m], s, slices, m))
+    train_steps(zones, models, members, range(3))
     written = [save_shard(zones[m], tmp_path, 3) for m in members]
     assert all(p is not None for p in written) and len(set(written)) == 4
     stay = ["x", "y", "z"]  # three new processes, other memory: another layout
