@@ -49,6 +49,12 @@ class Kind(StrEnum):
     SUSPECT = "suspect"
     """A step's sum did not add up and nobody can say whose part lied."""
     BAD_GRADIENT = "bad-gradient"
+    CHECK = "check"
+    """A recomputed slice differed from its trainer's commitment (awaiting another member's
+    confirmation), was not confirmed, or could not be compared bit for bit."""
+    BAD_WORK = "bad-work"
+    """Two members recomputed a trainer's slices and found them differing from its
+    commitments: it is benched (`unbroken.control.checks`)."""
     AUDIT = "audit"
     ABSENT = "absent"
     UNREACHABLE = "unreachable"
@@ -101,6 +107,8 @@ class Entry(StrEnum):
     """A contribution this node refused (a bad gradient, a failed audit, a doubtful sum)."""
     AUDIT = "audit"
     VALIDATION = "validation"
+    CHECK = "check"
+    """A trainer's slice this node recomputed (`unbroken.train.checks`): its digest, or why not."""
     LINKS = "links"
     CANDIDATE = "candidate"
     CHECKPOINT_FAILED = "checkpoint-failed"
@@ -116,6 +124,7 @@ ANOMALIES = frozenset({Kind.STRAGGLER, Kind.LOSS_NAN, Kind.LOSS_SPIKE, Kind.THRO
 ALARMS = ANOMALIES | {
     Kind.FAILURE,
     Kind.BAD_GRADIENT,
+    Kind.BAD_WORK,
     Kind.ABSENT,
     Kind.UNREACHABLE,
     Kind.SUSPECT,

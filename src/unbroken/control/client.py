@@ -150,6 +150,8 @@ class ControlClient:
         self.on_check: Callable[[m.Check], None] | None = None
         """Called (on the control thread) when a new leader asks which members of this node's
         last epoch left nothing listening at their data-plane addresses."""
+        self.on_verify: Callable[[m.Verify], None] | None = None
+        """Called (on the control thread) when the leader asks to check a trainer's work."""
         self.on_welcome: Callable[[m.Welcome, bool], None] | None = None
         """Called (on the control thread) after each welcome, with whether it came from
         another coordinator incarnation than the last one."""
@@ -635,7 +637,7 @@ class ControlClient:
                     # its own on the same site.
                     self.rtt_s = min(self._rtts) if len(self._rtts) >= RTT_SAMPLES else 0.0
                 return
-            fenced = (m.EpochOrder, m.Command, m.Expel, m.Finished, m.Met, m.Probe, m.Check)
+            fenced = (m.EpochOrder, m.Command, m.Expel, m.Finished, m.Met, m.Probe, m.Check, m.Verify)
             if isinstance(msg, fenced) and msg.term < self.term:
                 log.warning("refusing a %s of term %d (have seen term %d): fenced", msg.type, msg.term, self.term)
                 return
@@ -667,6 +669,10 @@ class ControlClient:
         if isinstance(msg, m.Check):
             if self.on_check is not None:
                 self.on_check(msg)
+            return
+        if isinstance(msg, m.Verify):
+            if self.on_verify is not None:
+                self.on_verify(msg)
             return
         self.wake.set()
 

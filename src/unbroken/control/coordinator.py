@@ -545,6 +545,8 @@ class Coordinator(ThreadedService):
             if msg.first_in_epoch:
                 self._close_recoveries(msg.epoch, msg.step, msg.wall_time)
             self._observe(mid, msg)
+            if msg.commitments:
+                self._apply(ms.committed(mid, msg.commitments, now))
         elif isinstance(msg, m.Report):
             if (mem := ms.members.get(mid)) is not None and msg.kind in (Kind.CHECKPOINT_OK, Kind.CHECKPOINT_FAILED):
                 mem.checkpoint_error = msg.reason if msg.kind is Kind.CHECKPOINT_FAILED else None
@@ -575,6 +577,8 @@ class Coordinator(ThreadedService):
                 send_all(self._sessions, {o: finished for o in self._sessions if o not in ms.final_digests})
         elif isinstance(msg, m.Validation):
             self._apply(ms.validation(mid, msg.step, msg.metrics, msg.seconds, now))
+        elif isinstance(msg, m.Checked):
+            self._apply(ms.checked(mid, msg, now))
         elif isinstance(msg, m.Vanished):
             self._apply(ms.vanished(mid, msg.epoch, msg.members, now))
         elif isinstance(msg, m.Links):
@@ -698,6 +702,9 @@ class Coordinator(ThreadedService):
             send_all(self._sessions, dict.fromkeys(self._sessions, halted))
         if d.orders:
             send_all(self._sessions, self._compact(d.orders))
+        for mid, verify in d.verify.items():
+            if (session := self._sessions.get(mid)) is not None:
+                session.send(verify.model_copy(update={"term": self.term}))
 
     def _compact(self, orders: dict[str, m.EpochOrder]) -> dict[str, m.EpochOrder]:
         """Orders as sent (`orders.compact`): a member whose session got the previous order

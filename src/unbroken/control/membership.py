@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.config import MembershipConfig
+from unbroken.control.checks import Candidate, Checks, Finding, Outcome, Verdict, confirmer
 from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
 from unbroken.control.hearsay import PERIOD_S as HEARSAY_PERIOD_S
 from unbroken.control.hearsay import Hearsay, Report
@@ -44,12 +45,15 @@ from unbroken.control.messages import (
     OUTAGE_TRUST_LEASES,
     REFUSALS_KEPT,
     Capabilities,
+    Checked,
+    Commitment,
     EpochOrder,
     Hello,
     PolicyMsg,
     Refusal,
     Resume,
     TensorSpec,
+    Verify,
 )
 from unbroken.events import Event, Kind
 from unbroken.sched.balance import Plan, Preference, Profile, Role, adopt, plan, rebalance
@@ -156,7 +160,7 @@ class Member:
     """Why its last checkpoint failed (None: it did not, or it writes none)."""
     zone: str = ""
     flags: int = 0
-    """Times its gradient was refused."""
+    """Its offences (`Membership._offence`): gradients refused, work found wrong..."""
     benched_until: float = 0.0
     excluded_until: float = 0.0
     """Out of every epoch until then (it never joined an epoch's data plane)."""
@@ -211,9 +215,12 @@ class Decision:
     """Members told not to come back (their sessions closed), with why."""
     halt: str | None = None
     """The job stops here with this error (`Membership.halt`): every member is told."""
+    verify: dict[str, Verify] = field(default_factory=dict)
+    """Members asked to check a trainer's work (`Membership.checked`)."""
 
     def merge(self, other: Decision) -> Decision:
         self.orders.update(other.orders)
+        self.verify.update(other.verify)
         self.expel.update(other.expel)
         self.events.extend(other.events)
         self.quarantine.update(other.quarantine)
@@ -391,6 +398,8 @@ class Membership:
         nothing listening at its data-plane address there (`vanished`)."""
         self._resumes: dict[str, Resume] = {}
         self._next_expiry_scan = now
+        self.checks = Checks(self._confirmer, self._name)
+        """The trainers' commitments and the findings of the members checking them."""
 
     @property
     def epoch_members(self) -> list[str]:
@@ -732,6 +741,51 @@ class Membership:
         )
         return d
 
+    def committed(self, member_id: str, commitments: Sequence[Commitment], now: float) -> Decision:
+        """A trainer's commitments to its slices (`Progress.commitments`, `control.checks`)."""
+        if member_id not in self.members:
+            return Decision()
+        return self._check_outcomes(self.checks.committed(member_id, commitments, now), now)
+
+    def checked(self, member_id: str, check: Checked, now: float) -> Decision:
+        """A member's recomputation of a trainer's slice (`control.checks`): compared with
+        the trainer's commitment; a first finding against it has another member check it
+        again (`Decision.verify`), a second member's benches it (`Kind.BAD_WORK`)."""
+        m = self.members.get(member_id)
+        if m is None or m.quarantined or check.trainer == member_id:
+            return Decision()
+        t = self.members.get(check.trainer)
+        arithmetic = t.caps.arithmetic if t is not None and t.caps.arithmetic else None
+        return self._check_outcomes(self.checks.checked(Finding(member_id, check, now), arithmetic), now)
+
+    def _check_outcomes(self, outcomes: list[Outcome], now: float) -> Decision:
+        d = Decision()
+        for o in outcomes:
+            t = self.members.get(o.trainer)
+            if o.verdict is Verdict.MATCH or t is None:
+                continue
+            if o.verdict is Verdict.CONFIRMED:
+                why = f"wrong work from {t.name}"
+                d.merge(self._offence(t, self.epoch, o.reason, now, Kind.BAD_WORK, why, keep_checking=True))
+                continue
+            if o.confirmer is not None:
+                again = f"another member found {t.name}'s work differing from its commitment: {o.reason}"
+                d.verify[o.confirmer] = Verify(epoch=self.epoch, trainer=o.trainer, step=self.step, reason=again)
+            d.events.append(self._event(now, Kind.CHECK, o.trainer, f"{t.name}: {o.reason}"))
+        return d
+
+    def _confirmer(self, trainer: str, accusers: Collection[str]) -> str | None:
+        """Who checks ``trainer`` again (`control.checks.confirmer`), in the epoch in force."""
+        t = self.members.get(trainer)
+        if t is None or len(self.shares) != len(self.epoch_members):
+            return None
+        candidates = [
+            Candidate(mid, c.role.value, share, c.caps.arithmetic)
+            for mid, share in zip(self.epoch_members, self.shares, strict=True)
+            if (c := self.members.get(mid)) is not None and c.role is not None and not c.flags
+        ]
+        return confirmer(candidates, trainer, accusers, t.caps.arithmetic)
+
     def fault(
         self,
         member_id: str,
@@ -916,11 +970,21 @@ class Membership:
         return self._offence(c, epoch, reason, now, kind, f"{c.name}: {OFFENCES[kind]}")
 
     def _offence(
-        self, c: Member, epoch: int, reason: str, now: float, kind: Kind, why: str, step: int = -1
+        self,
+        c: Member,
+        epoch: int,
+        reason: str,
+        now: float,
+        kind: Kind,
+        why: str,
+        step: int = -1,
+        keep_checking: bool = False,
     ) -> Decision:
         """Bench ``c`` for an offence in ``epoch`` (counted once per epoch) and re-form;
         quarantine it after `QUARANTINE_AFTER`. A bad gradient at ``step`` that another
-        member was refused for too is the step's samples, not a node: the job halts."""
+        member was refused for too is the step's samples, not a node: the job halts.
+        ``keep_checking``: the offence says nothing of a sum that did not add up (wrong work,
+        `checked`): the steps checked row by row since (if any) stay so."""
         d = Decision()
         if (epoch, c.member_id) in self._refused:
             return d
@@ -941,15 +1005,16 @@ class Membership:
                     step,
                 )
         self._release(self._hearsay.borne_out({epoch}, now, by=c.member_id), now)
-        self._checking_from = None  # found: the next epoch goes back to the job's rule
+        if not keep_checking:
+            self._checking_from = None  # found: the next epoch goes back to the job's rule
         c.flags += 1
         c.benched_until = now + BENCH_S
         d.events.append(self._event(now, kind, c.member_id, f"{c.name} (offence {c.flags}): {reason}"))
         if c.flags >= QUARANTINE_AFTER and not c.quarantined:
             c.quarantined = True
             said = (
-                f"{c.name} quarantined after {c.flags} offences (refused gradients, failed audits, absent from "
-                f"or unreachable on the data plane), the last: {reason}"
+                f"{c.name} quarantined after {c.flags} offences (refused gradients, wrong work, failed audits, "
+                f"absent from or unreachable on the data plane), the last: {reason}"
             )
             d.events.append(self._event(now, Kind.QUARANTINE, c.member_id, f"{said}; out of training"))
             # Told to stop. Even the last member: its sessions' peers may be reconnecting, and
@@ -1040,6 +1105,7 @@ class Membership:
             return d  # the job has not started: wait for enough nodes
         if not self._started and all(m.preference is Preference.VALIDATOR for m in self.members.values()):
             return d  # ...and for one that may train: a validator never does (`--role validator`)
+        d.merge(self._check_outcomes(self.checks.expire(now), now))
         for mid in self._hearsay.due(now):
             why = f"reported {HEARSAY_LIMIT} failed collectives within {HEARSAY_PERIOD_S:g} s that nothing bore out"
             d.merge(self.absent(mid, self.epoch, why, now, kind=Kind.UNFOUNDED))

@@ -35,9 +35,11 @@ from unbroken.specs import (
     Policy,
 )
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 Name = Annotated[str, Field(min_length=1, max_length=256)]
+COMMITMENTS_MAX = 512
+"""Commitments one progress report carries (a node keeps no more unsent)."""
 Count = Annotated[int, Field(ge=0, le=2**53)]
 EpochNo = Annotated[int, Field(ge=0, le=2**31)]
 """Epoch numbers stay far below any overflow, whatever a hostile hello claims."""
@@ -51,7 +53,7 @@ class _Msg(BaseModel):
     # NaN and infinities are refused at the boundary: no peer puts them into the state or
     # the JSON the dashboard reads (nodes send non-finite figures as flagged sentinels).
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-    v: Literal[2] = 2
+    v: Literal[3] = 3
 
 
 class TensorSpec(BaseModel):
@@ -110,6 +112,10 @@ class Capabilities(BaseModel):
     """Round-trip time to the coordinator (heartbeat to acknowledgement), smoothed."""
     throttle: Annotated[float, Field(gt=0, le=1)] = 1.0
     """Emulated speed factor (testing aid; 1 = full speed)."""
+    arithmetic: Annotated[str, Field(max_length=256)] = ""
+    """What its gradients' bits depend on besides the data (device kind, kernels, threads,
+    torch build: `unbroken.train.checks.arithmetic`): a validator whose own differs cannot
+    recompute its slices bit for bit, so its checks of this node are not compared."""
 
 
 KNOCK_BYTES = 2048
@@ -201,6 +207,21 @@ class StepPoint(BaseModel):
     wall_time: float = 0.0
 
 
+Digest = Annotated[str, Field(max_length=32)]
+
+
+class Commitment(BaseModel):
+    """A trainer's word on its slice of a committed step (`unbroken.train.checks`): the
+    digest of the gradient it contributed and of the slice's positions, and the micro-batch
+    size it computed it in. Made before it could know whether that step will be checked."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    epoch: EpochNo
+    step: Count
+    digest: Digest
+    microbatch: Count
+
+
 class Progress(_Msg):
     type: Literal["progress"] = "progress"
     epoch: EpochNo
@@ -222,6 +243,8 @@ class Progress(_Msg):
     """The group's rank 0: every step it committed since its last report (others: empty)."""
     seq: Count = 0
     """Like a heartbeat's: acknowledged, and keeps the lease (0: not counted as one)."""
+    commitments: Annotated[list[Commitment], Field(max_length=COMMITMENTS_MAX)] = []
+    """A trainer's commitments to its slices of the steps committed since its last report."""
 
 
 def _kind_of(allowed: frozenset[Kind]) -> BeforeValidator:
@@ -256,6 +279,27 @@ class Validation(_Msg):
     step: Count
     metrics: Annotated[dict[Annotated[str, Field(max_length=128)], float], Field(max_length=64)]
     seconds: Seconds
+
+
+class Checked(_Msg):
+    """A member's recomputation of a trainer's slice of a committed step (`unbroken.train.checks`):
+    its digest, to compare with the trainer's `Commitment`, or why it was not computed."""
+
+    type: Literal["checked"] = "checked"
+    epoch: EpochNo
+    step: Count
+    """The step whose slice was recomputed (as `Commitment.step`)."""
+    trainer: Name
+    digest: Digest = ""
+    """Empty when ``skipped``."""
+    microbatch: Count = 0
+    arithmetic: Annotated[str, Field(max_length=256)] = ""
+    """The checker's (`Capabilities.arithmetic` of the CPU it recomputed on)."""
+    ordered: bool = False
+    """The leader asked for it (`Verify`): a confirmation."""
+    skipped: Annotated[str, Field(max_length=500)] = ""
+    """Why nothing was recomputed (the check cannot be bit-exact there, or its order lapsed)."""
+    seconds: Seconds = 0.0
 
 
 class Fault(_Msg):
@@ -518,6 +562,19 @@ class Probe(_Msg):
     port: Annotated[int, Field(ge=1, le=65535)]
 
 
+class Verify(_Msg):
+    """Recompute ``trainer``'s slice of a step of this member's, the first from ``step`` in
+    which it trains, and report it (`Checked` with ``ordered``): another member's check found
+    its work differing from its commitment, and one member's word alone names nobody."""
+
+    type: Literal["verify"] = "verify"
+    epoch: EpochNo
+    term: Term = 0
+    trainer: Name
+    step: Count
+    reason: Annotated[str, Field(max_length=2000)] = ""
+
+
 CHECKED_MAX = 64
 """Members one `Check` names (a new leader asks about those of the epoch it found that are
 not back; past this many, the rest wait out the outage fence)."""
@@ -545,11 +602,11 @@ class Vanished(_Msg):
 
 
 NodeMessage = Annotated[
-    Hello | Heartbeat | Progress | Fault | Leave | Done | Validation | Report | Meet | Links | Vanished,
+    Hello | Heartbeat | Progress | Fault | Leave | Done | Validation | Report | Meet | Links | Vanished | Checked,
     Field(discriminator="type"),
 ]
 CoordinatorMessage = Annotated[
-    Challenge | Welcome | Refused | Ack | EpochOrder | Expel | Finished | Command | Met | Probe | Check,
+    Challenge | Welcome | Refused | Ack | EpochOrder | Expel | Finished | Command | Met | Probe | Check | Verify,
     Field(discriminator="type"),
 ]
 

@@ -413,8 +413,8 @@ class Relay(ThreadedService):
                     msg = msg.model_copy(update={"seq": 0})  # its liveness goes up in the batch's list
                     if msg.first_in_epoch or msg.recent:
                         self._tell(member.member_id, msg, len(raw.data), urgent=False)  # recoveries, curves
-                    else:
-                        self._latest[member.member_id] = (msg, len(raw.data))
+                    else:  # the latest stands for those before, carrying their commitments too
+                        self._latest[member.member_id] = self._coalesced(member.member_id, msg, len(raw.data))
                 elif not isinstance(msg, m.Heartbeat):
                     self._tell(member.member_id, msg, len(raw.data), urgent=True)
         except ProtocolError as exc:
@@ -435,6 +435,15 @@ class Relay(ThreadedService):
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(ws.close(), timeout=1.0)
         return ws
+
+    def _coalesced(self, mid: str, msg: m.Progress, size: int) -> tuple[m.Progress, int]:
+        """``msg`` in place of the member's report not sent up yet: the latest figures, with
+        the commitments of both (`m.Commitment`: each is checked against, none may be lost)."""
+        before = self._latest.get(mid)
+        if before is None or not before[0].commitments:
+            return msg, size
+        kept = [*before[0].commitments, *msg.commitments][-m.COMMITMENTS_MAX :]
+        return msg.model_copy(update={"commitments": kept}), size + before[1]
 
     async def _forward_hello(self, hello: m.Hello, size: int) -> m.CoordinatorMessage:
         """The leader's answer to a node's hello (a refusal when the token is wrong or no

@@ -10,7 +10,8 @@ split by the operators' weights when that predicts a step within `REBALANCE_MARG
 it: then the difference is noise). A node whose presence
 lengthens the predicted step more than it adds (a one-sample share takes longer than the
 step of the others, or its rounding leaves it nothing) gets another role instead:
-``validator`` (evaluates committed state) or ``standby`` (keeps a warm replica). Every
+``validator`` (evaluates committed state, and checks the trainers' work by recomputing
+sampled slices: `unbroken.train.checks`) or ``standby`` (keeps a warm replica). Every
 member, whatever its role, takes part in the step's all-reduce and applies the committed
 step, so a standby holds the current state and can be promoted to trainer without a
 transfer.
@@ -66,7 +67,7 @@ class Preference(str, enum.Enum):
     STANDBY = "standby"
     """A hot spare: stays out of training until a trainer fails or leaves."""
     VALIDATOR = "validator"
-    """Never trains; evaluates committed state."""
+    """Never trains; evaluates committed state and checks the trainers' work."""
 
 
 @dataclass(frozen=True)
@@ -273,7 +274,7 @@ def plan(
         if p.max_microbatch < 0:
             reasons[i] = "not even one sample fits in its memory"
         elif p.benched:
-            reasons[i] = "benched: its gradient was refused"
+            reasons[i] = "benched: its gradient was refused, or its work found wrong"
         elif p.preference is Preference.VALIDATOR:
             reasons[i] = "asked to validate (--role validator)"
         elif p.preference is Preference.STANDBY and i not in promoted:
@@ -331,11 +332,16 @@ def plan(
         shares[i] = 1
         heapq.heapreplace(donors, (-shares[donor], donor))
         heapq.heappush(donors, (-1, i))
-    # The validator place goes to a node that asked for it, else to the first that can evaluate.
+    # Validators: the nodes that asked for it, else one: the first that can evaluate, else
+    # the first that can check the trainers' work (one sample's gradient fits in its memory)
+    # and was not asked to stand by. Never one benched: its findings would be worth nothing.
     training = {i for i in trainers if shares[i] > 0}
-    able = [i for i, p in enumerate(ps) if p.evaluates and i not in training]
-    asked = [i for i in able if ps[i].preference is Preference.VALIDATOR]
-    validator = (asked or able or [-1])[0]
+    able = [i for i, p in enumerate(ps) if i not in training and not p.benched]
+    asked = {
+        i for i in able if ps[i].preference is Preference.VALIDATOR and (ps[i].evaluates or ps[i].max_microbatch >= 0)
+    }
+    checkers = [i for i in able if ps[i].preference is Preference.AUTO and ps[i].max_microbatch >= 0]
+    validators = asked or set(([i for i in able if ps[i].evaluates] or checkers)[:1])
     roles = []
     chosen = set(trainers)
     for i, p in enumerate(ps):
@@ -343,7 +349,7 @@ def plan(
             roles.append(Role.TRAINER)
             if not reasons[i]:
                 reasons[i] = f"{shares[i]} of {batch_size} samples, predicted {p.time_for(shares[i]) * 1e3:.1f} ms"
-        elif i == validator:
+        elif i in validators:
             roles.append(Role.VALIDATOR)
         else:
             roles.append(Role.STANDBY)

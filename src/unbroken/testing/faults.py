@@ -25,14 +25,15 @@ SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTER
 HANG = "hang"
 """Not a signal: the step loop blocks forever while the rest of the process (its control
 session, its heartbeats) stays alive — a stuck data read or a hung kernel."""
-CORRUPT = {"nan": float("nan"), "spike": 1e6, "flip": -10.0}
+CORRUPT = {"nan": float("nan"), "spike": 1e6, "flip": -10.0, "shrink": 0.9}
 """Not signals: the node's gradient of that step is poisoned (``nan``: every element NaN;
 ``spike``: multiplied by a million) after its backward pass — a faulty device or a bad
 batch. ``flip`` multiplies it by -10 at that step *and every later one*: a persistently
-wrong node that stays inside the guard's range (robust aggregation's case). Use PHASE ``grad``,
-or ``outer`` (``nan``, ``spike``) for the pseudo-gradient a DiLoCo zone leader sends after
-inner step STEP."""
-PERSISTENT = ("flip",)
+wrong node that stays inside the guard's range (robust aggregation's case); ``shrink`` by
+0.9 from that step on: wrong by too little for any check of the sum or of the norms (only
+recomputing its slice shows it: `unbroken.train.checks`). Use PHASE ``grad``, or ``outer``
+(``nan``, ``spike``) for the pseudo-gradient a DiLoCo zone leader sends after inner step STEP."""
+PERSISTENT = ("flip", "shrink")
 # LIES (`unbroken.train.hooks`, where the node carries them out): a member that lies from
 # step STEP on (``…@grad:STEP``), as a compromised node would; ``hide-nan@outer:STEP`` and
 # ``hide-spike@outer:STEP``: a DiLoCo zone leader whose every pseudo-gradient after inner
@@ -52,7 +53,12 @@ UNREACHABLE = "unreachable"
 """``unreachable@build:EPOCH``: from epoch EPOCH on, the data-plane address in this node's
 rendezvous entries is one where connections hang (`dropping_sockets`), as a firewall that
 drops inbound TCP or a NAT would make it: the entries arrive, the builds cannot connect."""
-PHASES = ("compute", "allreduce", "exchange", "grad", "outer", "commit", "resync", "build")
+SHIFT = "shift"
+"""``shift@data:STEP``: from step STEP on, this node's data loader reads the samples of its
+slice of the *next* step (a loader off by one batch, a wrong shard), while it reports the
+slice it was given: its gradient looks as good as anyone's, and only recomputing its slice
+shows it is not (`unbroken.train.checks`)."""
+PHASES = ("compute", "allreduce", "exchange", "grad", "outer", "commit", "resync", "build", "data")
 """``resync``'s number counts chunks, not steps: ``kill@resync:3`` kills a node right after
 it sent its third chunk of state to a peer that is catching up (a donor dying mid-transfer)."""
 
@@ -75,11 +81,13 @@ def parse_faults(spec: str) -> list[Fault]:
             or (sig in LIES and (phase == "grad" or (phase == "outer" and sig != "forge-slot")))
             or (sig in (BITFLIP, FALSE_ALARM) and phase == "commit")
             or (sig in (MUTE, UNREACHABLE) and phase == "build")
+            or (sig == SHIFT and phase == "data")
         )
         if not known or phase not in PHASES or not (step.isascii() and step.isdigit()):
             raise ConfigError(
                 f"fault {part!r} is not SIGNAL@PHASE:STEP with SIGNAL in {sorted([*SIGNALS, HANG])} "
-                f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP / nan@outer:STEP / spike@outer:STEP / "
+                f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP / shrink@grad:STEP / nan@outer:STEP / "
+                f"spike@outer:STEP / shift@data:STEP / "
                 f"bitflip@commit:STEP / "
                 f"mute@build:EPOCH / "
                 f"false-alarm@commit:STEP / unreachable@build:EPOCH / "
@@ -169,6 +177,10 @@ class FaultPlan:
                 self._record(Entry.FAULT, {"signal": BITFLIP, "phase": "commit", "step": step, "pid": os.getpid()})
                 return True
         return False
+
+    def wrong_samples(self, step: int) -> bool:
+        """True from the step of a ``shift`` fault on (`SHIFT`)."""
+        return self._from(SHIFT, step, phase="data")
 
     def maybe_fire(self, phase: str, step: int) -> None:
         for f in self._pending:

@@ -137,6 +137,7 @@ class MemoryControl:
         self.on_met: Callable[[m.Met], None] | None = None
         self.on_probe: Callable[[m.Probe], None] | None = None
         self.on_check: Callable[[m.Check], None] | None = None
+        self.on_verify: Callable[[m.Verify], None] | None = None
         self.on_welcome: Callable[[m.Welcome, bool], None] | None = None
 
     def start(self) -> m.Welcome:
@@ -249,17 +250,31 @@ class MemoryJob:
 
     # ---------------------------------------------------------------- the leader's part
 
-    def order(self, members: Sequence[str], *, urgent: bool = False, reason: str = "ordered by the test") -> int:
-        """Order the next epoch: ``members`` in rank order, equal shares, all trainers."""
-        B, n = self.job.batch_size, len(members)
-        shares = [B // n + (1 if r < B % n else 0) for r in range(n)]
+    def order(
+        self,
+        members: Sequence[str],
+        *,
+        urgent: bool = False,
+        reason: str = "ordered by the test",
+        roles: Mapping[str, str] | None = None,
+        microbatch: int = 0,
+    ) -> int:
+        """Order the next epoch: ``members`` in rank order, equal shares, all trainers but
+        those ``roles`` names (a validator or standby, without a share); ``microbatch``:
+        the micro-batch size of every trainer (0: a slice's whole share, memory allowing)."""
+        B = self.job.batch_size
+        kinds = [(roles or {}).get(name, "trainer") for name in members]
+        k = kinds.count("trainer")
+        split = iter([B // k + (1 if r < B % k else 0) for r in range(k)])
+        shares = [next(split) if kind == "trainer" else 0 for kind in kinds]
         zones = [self.zones.get(name, "") for name in members]
         ring = list(dict.fromkeys(zones)) if any(zones) else []
         with self._lock:
             epoch = len(self._orders) + 1
             order = m.EpochOrder(
                 epoch=epoch, members=list(members), shares=shares, urgent=urgent, reason=reason,
-                roles=["trainer"] * n, zones=zones if any(zones) else [], ring=ring, policy=self.policy,
+                roles=kinds, zones=zones if any(zones) else [], ring=ring, policy=self.policy,  # type: ignore[arg-type]
+                microbatches=[min(microbatch, s) for s in shares] if microbatch else [],
             )  # fmt: skip
             self._orders.append(order)
         for node in self.nodes.values():

@@ -67,9 +67,10 @@ class JobCompute:
         total = 0.0
         start = time.perf_counter()
         n_micro = 0
+        reads = sl.indices if sl.reads is None else sl.reads
         for first in range(0, sl.share, mb):
             client.touch()
-            chunk = sl.indices[first : first + mb]
+            chunk = reads[first : first + mb]
             batch = node.replica.to_device(job.collate(job.samples(chunk)))
             t_mb = time.perf_counter()
             loss = job.microbatch_loss(model, batch)

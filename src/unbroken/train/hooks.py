@@ -66,6 +66,10 @@ class Faults(Protocol):
     def bitflip(self, step: int) -> bool:
         """Whether a bit of this node's state flips (`flip_bit`) right after committing ``step``."""
 
+    def wrong_samples(self, step: int) -> bool:
+        """Whether this node's data loader reads other samples than its slice's at ``step``
+        (the next step's: a loader off by a batch), while it reports its own slice's."""
+
 
 class NoFaults:
     """A node without injected faults: the default."""
@@ -97,6 +101,9 @@ class NoFaults:
     def bitflip(self, step: int) -> bool:
         return False
 
+    def wrong_samples(self, step: int) -> bool:
+        return False
+
 
 class Control(Protocol):
     """What a node needs of the control plane: `unbroken.control.client.ControlClient`
@@ -124,6 +131,7 @@ class Control(Protocol):
     on_met: Callable[[m.Met], None] | None
     on_probe: Callable[[m.Probe], None] | None
     on_check: Callable[[m.Check], None] | None
+    on_verify: Callable[[m.Verify], None] | None
     on_welcome: Callable[[m.Welcome, bool], None] | None
 
     def start(self) -> m.Welcome:

@@ -31,6 +31,7 @@ import torch
 from unbroken.control import messages as m
 from unbroken.errors import JobFailed
 from unbroken.job import Job
+from unbroken.train.commitment import arithmetic
 from unbroken.train.device import (
     Calibration,
     ComputeReplica,
@@ -183,4 +184,5 @@ class Meter:
             comm_s=min(self.last_comm_s, 1e6),
             rtt_s=min(rtt_s, 1e6),
             throttle=self.throttle.factor(step),
+            arithmetic=arithmetic(self.replica.device),
         )

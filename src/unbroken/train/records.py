@@ -55,6 +55,8 @@ class Records:
         """The step of the last checkpoint this node started to write."""
         self._recent: list[m.StepPoint] = []
         """Steps committed since the last progress report (rank 0 sends them: the curves)."""
+        self._commitments: list[m.Commitment] = []
+        """This trainer's commitments since the last progress report (`train.checks`)."""
         self._last_progress = 0.0
         self._last_progress_log = time.monotonic()
         self._file = open(config.commit_log, "a", encoding="utf-8") if config.commit_log else None  # noqa: SIM115
@@ -92,6 +94,11 @@ class Records:
             entry["digest"] = digest
         self.log(Entry.COMMIT, entry)
 
+    def committed_to(self, commitment: m.Commitment) -> None:
+        """A commitment to a slice of a step just committed: it goes with the next report."""
+        self._commitments.append(commitment)
+        del self._commitments[: -m.COMMITMENTS_MAX]
+
     def progress(self, g: EpochGroup, step: int, loss: float, sps: float) -> None:
         node = self.node
         now = time.monotonic()
@@ -121,11 +128,13 @@ class Records:
                 bytes_intra=node.wire.intra,
                 bytes_inter=node.wire.inter,
                 capabilities=node.capabilities(),
+                commitments=self._commitments,
             )
         )
         self.first_in_epoch = False
         self._last_progress = now
         self._recent = []
+        self._commitments = []
 
     # ---------------------------------------------------------------- checkpoints
 

@@ -56,6 +56,7 @@ from unbroken.specs import Mode
 from unbroken.state.snapshot import TrainState, fingerprint
 from unbroken.train.audits import Audits
 from unbroken.train.candidate import Candidate
+from unbroken.train.checks import Checker
 from unbroken.train.compute import JobCompute
 from unbroken.train.device import Calibration, ComputeReplica, resolve_device
 from unbroken.train.diloco import DiLoCo
@@ -159,6 +160,8 @@ class Node:
         self.epochs = Epochs(self, groups)
         self.state.node_local = self.epochs.codec
         self.audits = Audits(self)
+        self.checker = Checker(self)
+        """Checks of the trainers' work this node makes (`train.checks`)."""
         self.group: EpochGroup | None = None
         self.protocol: StepProtocol | None = None
         """The step protocol of the current epoch."""
@@ -181,6 +184,7 @@ class Node:
         self.client.on_met = self.epochs.met
         self.client.on_probe = self.epochs.probe
         self.client.on_check = self.epochs.check
+        self.client.on_verify = self.checker.ordered
         self.client.on_welcome = self.epochs.welcomed
 
     def _connect(self) -> ControlClient:
@@ -440,7 +444,9 @@ class Node:
             flat = self._step_buffer(g.size)
         else:  # DiLoCo's rounds keep exchanges in flight across steps: each epoch has a flat of its own
             self._flat = flat = None
-        self.protocol = StepProtocol(self, g, reducer, flat=flat)
+        # Trainers commit to their slices where a validator can check them (`train.checks`).
+        commit = sync and not self.own_loop and "validator" in g.roles
+        self.protocol = StepProtocol(self, g, reducer, flat=flat, commit=commit)
         self.records.log(Entry.EPOCH, {"epoch": order.epoch, "term": order.term, "step": self.state.step})
         self.records.first_in_epoch = True
         self._epochs_formed += 1
@@ -519,6 +525,7 @@ class Node:
             if p.leaving_alone():
                 return
             sl = p.open()
+            self.checker.before(g, sl)
             try:
                 loss = yield sl
                 p.check()
@@ -534,6 +541,7 @@ class Node:
                 raise
             p.apply(sl, overflow=overflow)
             p.commit(sl, tally.loss, overflow=overflow)
+            self.checker.after(g, sl)
             self.audits.committed_epoch, self.audits.checkpoint_epoch = g.epoch, -1
             if self.faults.bitflip(self.state.step):
                 self.records.settle()

@@ -1,17 +1,20 @@
-"""Work for members without a share of the batch: validation and speed probes.
+"""Work for members without a share of the batch: validation, checks and speed probes.
 
 A validator or standby takes part in every step's all-reduce (so it holds the committed
 state) but computes no gradient. Its idle compute runs here, on a thread of its own with a
-model copy, so the step loop never waits for it:
+model copy, so the step loop never waits for it, one piece of work at a time (each seeds
+or draws from torch's generator as it needs), in this order:
 
 - validation: evaluate the job's held-out metric on the state committed at step s and
   report it (the coordinator turns it into an event and the dashboard's curve);
+- checks: recompute a trainer's slice of a committed step (`train.checks`);
 - probes: time a few forward/backward passes, so the plan learns when a slow node has
   become fast enough to train again.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import threading
@@ -29,7 +32,7 @@ log = logging.getLogger(__name__)
 PROBE_EVERY_S = 1.0
 
 
-def _copy(model: torch.nn.Module, job: Job) -> torch.nn.Module:
+def copy_model(model: torch.nn.Module, job: Job) -> torch.nn.Module:
     """A copy of ``model``; the job's model afresh where it cannot be copied (a module
     holding something `copy.deepcopy` refuses)."""
     try:
@@ -64,11 +67,12 @@ class Sidecar:
         # thread. A copy of the node's own model draws nothing and costs a memory copy
         # (building a 50M-param one took about 0.5 s); the CPU copy only where there is a
         # metric to evaluate with it.
-        self._models = {"probe": _copy(model, job).to(device)}
+        self._models = {"probe": copy_model(model, job).to(device)}
         if job.evaluate is not None:
-            self._models["cpu"] = _copy(model, job).to("cpu")
+            self._models["cpu"] = copy_model(model, job).to("cpu")
         self._cond = threading.Condition()
         self._work: tuple[int, dict[str, Any]] | None = None
+        self._checks: collections.deque[Callable[[], None]] = collections.deque()
         self._probing = False
         self._closed = False
         self._busy = False
@@ -79,7 +83,7 @@ class Sidecar:
     @property
     def idle(self) -> bool:
         with self._cond:
-            return not self._busy and self._work is None
+            return not self._busy and self._work is None and not self._checks
 
     def set_probing(self, on: bool, wait_s: float = 30.0) -> None:
         """Start or stop probing; stopping waits for a probe in flight (it draws random numbers)."""
@@ -94,6 +98,12 @@ class Sidecar:
             self._work = (step, state)
             self._cond.notify()
 
+    def submit_check(self, check: Callable[[], None]) -> None:
+        """Queue a check (`train.checks`): after any validation due, before probes."""
+        with self._cond:
+            self._checks.append(check)
+            self._cond.notify()
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -105,17 +115,23 @@ class Sidecar:
         while True:
             with self._cond:
                 while (
-                    not self._closed and self._work is None and not (self._probing and time.monotonic() >= next_probe)
+                    not self._closed
+                    and self._work is None
+                    and not self._checks
+                    and not (self._probing and time.monotonic() >= next_probe)
                 ):
                     timeout = max(next_probe - time.monotonic(), 0.01) if self._probing else None
                     self._cond.wait(timeout)
                 if self._closed:
                     return
                 work, self._work = self._work, None
+                check = self._checks.popleft() if work is None and self._checks else None
                 self._busy = True
             try:
                 if work is not None:
                     self._validate(*work)
+                elif check is not None:
+                    check()
                 elif self._probing:
                     start = time.monotonic()
                     with self._cond:

@@ -7,7 +7,8 @@ user's own loop (`unbroken.swarm`) all drive it the same way::
     prepare     buffers remembered, gradients cleared, the step's seed: right before compute
     (compute)   forward and backward, by whoever drives: the loss is scaled by m/B; the last
                 backward posts the gradient's buckets as they fill (`train.buckets`)
-    contribute  flat = [gradient, buffer deltas | vote=1, samples=m, switch, loss, overflow | a norm per member]
+    contribute  flat = [gradient, buffer deltas | vote=1, samples=m, switch, loss, overflow | a norm per member];
+                where the epoch has a validator, a commitment to the gradient (`train.checks`)
     reduce      the rest of flat summed right after the buckets (abortable): the vote travels
                 with the gradient, and nothing commits unless every piece arrived
     verify      votes == members, samples == B, and the guard on the norms (`train.guard`)
@@ -46,6 +47,7 @@ from unbroken.events import Entry
 from unbroken.job import StepInfo
 from unbroken.sched.shares import offsets
 from unbroken.train.buckets import Buckets, layout
+from unbroken.train.commitment import GradientDigest
 from unbroken.train.guard import judge
 from unbroken.train.hooks import LIES
 
@@ -75,6 +77,9 @@ class Slice:
     started: float = field(default_factory=time.monotonic)
     before: list[torch.Tensor] = field(default_factory=list)
     """The buffers at `StepProtocol.prepare`: what a failed step puts back."""
+    reads: list[int] | None = None
+    """Positions the data loader reads instead of ``indices``: a testing fault's
+    (``shift@data``, `unbroken.testing.faults`), reported as ``indices`` all the same."""
 
     @property
     def share(self) -> int:
@@ -108,10 +113,12 @@ class StepProtocol:
         reducer: Reducer,
         *,
         flat: torch.Tensor | None = None,
+        commit: bool = False,
     ) -> None:
         """``flat``: the flat tensor to use, of `flat_length` (the node keeps one from epoch
         to epoch: a fresh one of 200 MB, for a 50M model, took 1.4 s at every member on each
-        epoch change on a busy machine); zeros of its own otherwise."""
+        epoch change on a busy machine); zeros of its own otherwise. ``commit``: commit to
+        each slice's gradient (`train.checks`: the epoch has a validator to check them)."""
         self.node = node
         self.group = group
         self.reducer = reducer
@@ -142,6 +149,10 @@ class StepProtocol:
         self._lie: str | None = None
         self._lapses = node.client.lapses
         """The control session's lapses when the step (or the epoch) opened (`fence`)."""
+        self.witness = GradientDigest([q.numel() for q in node.replica.params]) if commit else None
+        """Digests of this member's gradient as its pieces go out (`train.commitment`)."""
+        self.commitment: m.Commitment | None = None
+        """This member's commitment to its slice of the step in flight (sent after its commit)."""
 
     # ---------------------------------------------------------------- before compute
 
@@ -172,7 +183,10 @@ class StepProtocol:
             self._lapses = node.client.lapses
         step = node.state.step
         node.faults.maybe_fire("compute", step)
-        return Slice(step, node.data.indices(step, self.offset, self.share), node.job.batch_size)
+        sl = Slice(step, node.data.indices(step, self.offset, self.share), node.job.batch_size)
+        if self.share and node.faults.wrong_samples(step):  # a loader off by a batch: the next step's samples
+            sl.reads = node.data.indices(step + 1, self.offset, self.share)
+        return sl
 
     def prepare(self, sl: Slice) -> None:
         """Right before computing ``sl``: the buffers are remembered, the gradients cleared,
@@ -184,6 +198,8 @@ class StepProtocol:
         node.replica.pull()
         for p in node.replica.params:
             p.grad = None
+        if not sl.indices and not node.own_loop:
+            return  # nothing to draw noise for; a validator's sidecar seeds its own checks
         seed = slice_seed(node.job.seed, sl.step, self.offset)
         if node.replica.device.type == "cpu":
             torch.default_generator.manual_seed(seed)  # what `torch.manual_seed` seeds on a CPU, 100x cheaper
@@ -213,6 +229,10 @@ class StepProtocol:
         if self._step != sl.step:  # a loop that did not `prepare` (a member with no samples)
             self._start_gradient(sl.step)
         self.buckets.complete()
+        if self.witness is not None and sl.indices:
+            mb = min(int(log.get("microbatch") or sl.share), sl.share)
+            digest = self.witness.commitment(sl.indices)
+            self.commitment = m.Commitment(epoch=g.epoch, step=sl.step, digest=digest, microbatch=mb)
         write_deltas(flat, node.compressed_numel, node.compute_buffers, sl.before, weight, members)
         slots = [1.0, float(sl.share), 1.0 if switch else 0.0, loss, 1.0 if self._overflow else 0.0]
         flat[node.numel : at] = torch.tensor(slots)
@@ -231,6 +251,9 @@ class StepProtocol:
             self._poison, self._lie = faults.corruption(step), faults.lie(step)
         self._step, self._overflow, self._squares = step, False, 0.0
         self.buckets.reset()
+        self.commitment = None
+        if self.witness is not None:
+            self.witness.reset()
 
     def _prepare(self, grad: torch.Tensor) -> None:
         """A piece of this member's gradient (the whole, or a bucket in posting order) as it
@@ -248,6 +271,8 @@ class StepProtocol:
         self._squares += float(torch.linalg.vector_norm(grad)) ** 2
         if self._lie is not None and self._lie != "forge-slot":
             grad *= LIES[self._lie]
+        if self.witness is not None:  # what goes out, as it goes out (the sum overwrites it)
+            self.witness.add(int(grad.storage_offset() - self.flat.storage_offset()), grad)
 
     def backward(self) -> contextlib.AbstractContextManager[None]:
         """Around the backward that completes this step's gradient (the last micro-batch's):
@@ -401,6 +426,8 @@ class StepProtocol:
         step, every = node.state.step, node.config.digest_every
         digest = node.state.digest() if every and step % every == 0 else None
         node.records.commit(g, step, loss, node.wire, digest, **({"overflow": True} if overflow else {}))
+        if self.commitment is not None and self.commitment.step == sl.step:
+            node.records.committed_to(self.commitment)  # sent with the progress report below
         node.records.progress(g, step, loss, node.job.batch_size / max(time.monotonic() - sl.started, 1e-9))
         node.records.maybe_checkpoint(g)
         if node.faults.false_alarm(node.state.step, g.epoch):

@@ -142,7 +142,7 @@ def test_a_node_that_fits_not_one_sample_does_not_train() -> None:
     assert role.member == "b" and "memory" in role.reason
 
 
-@pytest.mark.parametrize(("evaluates", "role"), [(True, "validator"), (False, "standby")])
+@pytest.mark.parametrize(("evaluates", "role"), [(True, "validator"), (False, "validator")])
 def test_a_far_slower_node_gets_no_share_and_another_role(evaluates: bool, role: str) -> None:
     ms, d = form({"a": FAST, "b": FAST, "slow": 100 * FAST}, batch_size=30, evaluates=evaluates)
     order = only_order(d)

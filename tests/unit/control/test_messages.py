@@ -121,7 +121,7 @@ def test_non_object_json_is_refused(data: str) -> None:
         m.parse_node_message(data)
 
 
-@pytest.mark.parametrize("version", [1, 3, 0, "2"])
+@pytest.mark.parametrize("version", [m.PROTOCOL_VERSION - 1, m.PROTOCOL_VERSION + 1, 0, str(m.PROTOCOL_VERSION)])
 def test_unknown_protocol_version_is_refused_naming_the_version(version: object) -> None:
     with pytest.raises(ProtocolError, match="protocol version") as err:
         m.parse_node_message(heartbeat(v=version))

@@ -35,7 +35,8 @@ def assert_consistent(p: Plan, batch_size: int, n: int) -> None:
         assert (role is Role.TRAINER) == (share > 0)
         assert 0 <= mb <= share
         assert (mb > 0) == (share > 0)
-    assert sum(r is Role.VALIDATOR for r in p.roles) <= 1
+    # Validators: the nodes that asked for it (not checked here: `test_property_plan_is_consistent`)
+    # or one.
     assert all(p.reasons), p.reasons
     assert p.trainers() == [i for i, r in enumerate(p.roles) if r is Role.TRAINER]
 
@@ -216,7 +217,7 @@ def test_unmeasured_node_weight_means_a_larger_share_as_when_none_is_measured() 
 def test_a_node_100x_faster_gets_almost_all_of_a_small_batch() -> None:
     p = plan(64, [node("a", 0.0001), node("b", 0.01), node("c", 0.01)])
     assert p.shares == (64, 0, 0)
-    assert p.roles == (T, S, S)
+    assert p.roles == (T, V, S), "one checks the trainer's work (it has memory for a sample)"
     assert p.step_s == pytest.approx(0.0064)
     # One sample takes b or c 10 ms, longer than a's whole step: they would only lengthen it.
     assert p.reasons[1] == p.reasons[2] == "predicted step 6.4 ms without it; one sample takes it 10.0 ms"
@@ -230,8 +231,9 @@ def test_a_node_100x_faster_gets_its_proportion_of_a_large_batch() -> None:
     assert p.step_s == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize(("evaluates", "role"), [(True, V), (False, S)])
+@pytest.mark.parametrize(("evaluates", "role"), [(True, V), (False, V)])
 def test_a_node_100x_slower_is_demoted(evaluates: bool, role: Role) -> None:
+    # A validator whether or not the job can evaluate: it checks the trainers' work anyway.
     p = plan(64, [node("a", 0.01), node("b", 0.01), node("c", 1.0, evaluates=evaluates)])
     assert p.shares == (32, 32, 0)
     assert p.roles == (T, T, role)
@@ -404,8 +406,21 @@ def test_one_node_trains_when_nobody_may(preference: Preference) -> None:
     profiles = [node("a", 0.02, preference=preference), node("b", 0.01, preference=preference)]
     p = plan(10, profiles)
     assert p.shares == (0, 10)
-    assert p.roles == (S, T)
+    assert p.roles == (V if preference is Preference.VALIDATOR else S, T)
     assert p.reasons[1] == "the only node able to train"
+
+
+def test_validators_are_those_asked_or_one_that_can_evaluate_or_check() -> None:
+    asked = [node(x, 1.0, preference=Preference.VALIDATOR) for x in "bc"]
+    p = plan(12, [node("a", 0.01), *asked, node("d", 1.0)])
+    assert p.roles == (T, V, V, S), "every node that asked, and no other"
+    p = plan(12, [node("a", 0.01), node("b", 1.0), node("c", 1.0, evaluates=True)])
+    assert p.roles == (T, S, V), "one that evaluates before one that only checks"
+    memoryless = node("b", 1.0, max_microbatch=-1, preference=Preference.VALIDATOR)
+    p = plan(12, [node("a", 0.01), memoryless, node("c", 1.0, preference=Preference.STANDBY)])
+    assert p.roles == (T, S, S), "nothing to check with, and a hot spare stands by"
+    p = plan(12, [node("a", 0.01), node("b", 1.0, benched=True), node("c", 1.0, benched=True, evaluates=True)])
+    assert p.roles == (T, S, S), "a benched node checks nobody's work"
 
 
 def test_one_node_trains_when_only_validators_and_memoryless_nodes_remain() -> None:
@@ -535,6 +550,10 @@ def test_property_plan_is_consistent(batch: int, profiles: list[Profile], balanc
         assert len(p.trainers()) == 1
     if any(q.max_microbatch >= 0 for q in profiles):
         assert all(profiles[i].max_microbatch >= 0 for i in p.trainers())
+    validators = [i for i, r in enumerate(p.roles) if r is Role.VALIDATOR]
+    assert len([i for i in validators if profiles[i].preference is not Preference.VALIDATOR]) <= 1
+    assert not any(profiles[i].benched for i in validators)
+    assert all(profiles[i].evaluates or profiles[i].max_microbatch >= 0 for i in validators)
     for i, q in enumerate(profiles):
         if q.max_microbatch > 0:
             assert p.microbatches[i] <= q.max_microbatch

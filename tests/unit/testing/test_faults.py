@@ -119,6 +119,17 @@ def test_a_flip_poisons_its_step_and_every_later_one() -> None:
     assert len(recorded) == 1 and recorded[0]["signal"] == "flip"
 
 
+def test_a_shrink_and_a_shifted_loader_hold_from_their_step_on() -> None:
+    recorded: list[dict[str, object]] = []
+    plan = FaultPlan(parse_faults("shrink@grad:3,shift@data:4"), into(recorded))
+    assert [plan.corruption(s) for s in range(6)] == [None, None, None, 0.9, 0.9, 0.9]
+    assert [plan.wrong_samples(s) for s in range(7)] == [False] * 4 + [True] * 3
+    assert [(r["signal"], r["phase"], r["step"]) for r in recorded] == [("shrink", "grad", 3), ("shift", "data", 4)]
+    for bad in ("shrink@outer:3", "shift@grad:3", "shift@data:x"):
+        with pytest.raises(ConfigError):
+            parse_faults(bad)
+
+
 def test_an_outer_lie_holds_from_its_step_on_and_only_for_pseudo_gradients() -> None:
     recorded: list[dict[str, Any]] = []
     plan = FaultPlan(parse_faults("hide-nan@outer:19"), into(recorded))

@@ -220,8 +220,8 @@ def test_the_step_flat_is_kept_across_graceful_epoch_changes_and_let_go_after_a_
     seen: list[tuple[str, int, int]] = []
     real, real_buffer = StepProtocol.__init__, runtime.Node._step_buffer
 
-    def init(self: StepProtocol, node: Any, group: Any, reducer: Any, *, flat: Any = None) -> None:
-        real(self, node, group, reducer, flat=flat)
+    def init(self: StepProtocol, node: Any, group: Any, reducer: Any, *, flat: Any = None, **kw: Any) -> None:
+        real(self, node, group, reducer, flat=flat, **kw)
         seen.append((node.name, group.epoch, self.flat.untyped_storage().data_ptr()))
 
     built: dict[str, int] = {}
