@@ -249,6 +249,22 @@ def report(
         return median(r[key] for r in cost[setup])
 
     base, standby = med("trainers", "step_s"), med("+ standby", "step_s")
+    if args.repeats:
+        cost_table(args, cost, med, base, standby, commit_s)
+    else:
+        print(f"(no cost runs) committing, measured here: {1e6 * commit_s:.0f} us a step")
+    if args.detect_repeats:
+        detection_table(args, detect)
+
+
+def cost_table(
+    args: argparse.Namespace,
+    cost: dict[str, list[dict[str, Any]]],
+    med: Any,
+    base: float | None,
+    standby: float | None,
+    commit_s: float,
+) -> None:
     rows = []
     for setup in SETUPS:
         t = med(setup, "step_s")
@@ -280,6 +296,9 @@ def report(
             "'events': check or bad-work events (an honest group: none)."
         ),
     )
+
+
+def detection_table(args: argparse.Namespace, detect: dict[str, list[dict[str, Any]]]) -> None:
     rows = []
     for fault in FAULTS:
         rs = detect[fault]
