@@ -206,6 +206,14 @@ class Swarm:
                 "differ, a retried step would count twice); pass it, swarm.replicate(model, opt, sched), and "
                 "remove sched.step() from the loop (swarm.step() steps it on every replica at each commit)"
             )
+        if (at := getattr(scheduler, "last_epoch", 0)) != 0:
+            raise ConfigError(
+                f"the scheduler is at step {at} before the job's first step (resumed from a checkpoint of your "
+                "own?): unbroken counts the job's steps itself, from 0 for a new job, and resumes its own runs "
+                "from their checkpoints (--checkpoint-dir). To start from weights of your own, load the model "
+                "and optimizer before swarm.replicate() and give it a scheduler at step 0 (shift its schedule "
+                "by your step if it must go on where it was)"
+            )
         order: PassOrder | None = None
         dataset = data
         if isinstance(data, DataLoader):

@@ -60,3 +60,14 @@ def test_a_scheduler_left_out_of_replicate_is_refused_before_joining() -> None:
     with pytest.raises(ConfigError, match=r"initial_lr.*swarm\.replicate\(model, opt, sched\)"):
         next(iter(swarm.batches(data)))
     assert sched.last_epoch == 0
+
+
+def test_a_scheduler_resumed_from_a_checkpoint_of_ones_own_is_refused_naming_the_ways() -> None:
+    swarm = unbroken.join("127.0.0.1:9", job="j", batch_size=4, steps=2)
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+    sched.load_state_dict({**sched.state_dict(), "last_epoch": 120})
+    swarm.replicate(model, opt, sched)
+    with pytest.raises(ConfigError, match=r"at step 120 before the job's first step.*--checkpoint-dir"):
+        next(iter(swarm.batches(TensorDataset(torch.zeros(8, 1)))))
