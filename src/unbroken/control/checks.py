@@ -113,9 +113,10 @@ class Checks:
         a member's name for the outcomes' reasons (by id)."""
         self._pick = pick
         self._name = name
-        self._commitments: dict[tuple[int, int, str], Commitment] = {}
-        self._newest = 0
-        self._waiting: list[Finding] = []
+        self._commitments: dict[int, dict[tuple[int, str], Commitment]] = {}
+        """Step → (epoch, trainer) → its commitment: whole steps are dropped as the group moves on."""
+        self._waiting: dict[tuple[int, int, str], list[Finding]] = {}
+        """(epoch, step, trainer) → the findings waiting for that commitment."""
         self._accused: dict[str, dict[str, Finding]] = {}
         """Trainer → the members whose findings against it stand, with the finding."""
         self._asked: dict[str, tuple[str, str, float]] = {}
@@ -130,24 +131,27 @@ class Checks:
         self.compared = 0
         self.mismatches = 0
 
-    def committed(self, member: str, commitments: Iterable[Commitment], now: float) -> list[Outcome]:
-        """A trainer's commitments; the findings that waited for them are compared."""
-        for c in commitments:
-            self._commitments[(c.epoch, c.step, member)] = c
-            self._newest = max(self._newest, c.step)
-        if len(self._commitments) > 4 * KEPT_STEPS:
-            floor = self._newest - KEPT_STEPS
-            self._commitments = {k: v for k, v in self._commitments.items() if k[1] >= floor}
+    def committed(self, member: str, commitments: Iterable[Commitment], step: int) -> list[Outcome]:
+        """A trainer's commitments; the findings that waited for them are compared. ``step``:
+        the group's step as the leader knows it, not as any member says: a commitment past it
+        or more than `KEPT_STEPS` behind is dropped, and so are steps the group left behind
+        (one trainer's claim of a far step must not prune the others', nor grow the record)."""
+        floor = step - KEPT_STEPS
+        for old in [s for s in self._commitments if s < floor]:
+            del self._commitments[old]
+        if self._results and min(k[1] for k in self._results) < floor:
             self._results = {k: v for k, v in self._results.items() if k[1] >= floor}
         out: list[Outcome] = []
-        waiting, self._waiting = self._waiting, []
-        for f in waiting:
-            found = self._commitments.get((f.check.epoch, f.check.step, f.check.trainer))
-            if found is None:
-                self._waiting.append(f)
-            else:
-                out += self._compare(f, found)
+        for c in commitments:
+            if not floor <= c.step <= step + 1:
+                continue
+            self._commitments.setdefault(c.step, {})[(c.epoch, member)] = c
+            for f in self._waiting.pop((c.epoch, c.step, member), []):
+                out += self._compare(f, c)
         return out
+
+    def _commitment(self, check: Checked) -> Commitment | None:
+        return self._commitments.get(check.step, {}).get((check.epoch, check.trainer))
 
     def checked(self, finding: Finding, arithmetic: str | None) -> list[Outcome]:
         """A member's finding; ``arithmetic``: the trainer's (None: not known)."""
@@ -157,29 +161,35 @@ class Checks:
             asked = self._asked.get(check.trainer)
             if check.ordered and asked is not None and asked[0] == f.checker:
                 del self._asked[check.trainer]
+                self._accused.get(check.trainer, {}).pop(asked[1], None)  # unconfirmed: it stands no more
+                self._unfounded.setdefault(asked[1], deque(maxlen=UNFOUNDED_LIMIT)).append(f.at)
                 why = f"{n(f.checker)}, asked to confirm {n(asked[1])}'s finding, could not check it"
                 out.append(self._outcome(Verdict.UNCONFIRMED, f, why))
             return out
         if arithmetic is not None and arithmetic != check.arithmetic:
             why = f"it computes with {arithmetic!r}, {n(f.checker)} with {check.arithmetic!r}: not bit for bit"
             return self._not_compared(f, why)
-        c = self._commitments.get((check.epoch, check.step, check.trainer))
+        c = self._commitment(check)
         if c is None:
-            self._waiting.append(f)
+            self._waiting.setdefault((check.epoch, check.step, check.trainer), []).append(f)
             return []
         return self._compare(f, c)
 
     def expire(self, now: float) -> list[Outcome]:
         """Findings whose commitment never came, and orders never answered."""
         out: list[Outcome] = []
-        late = [f for f in self._waiting if now - f.at > WAIT_S]
-        self._waiting = [f for f in self._waiting if now - f.at <= WAIT_S]
+        late = [f for fs in self._waiting.values() for f in fs if now - f.at > WAIT_S]
+        self._waiting = {
+            k: kept for k, fs in self._waiting.items() if (kept := [f for f in fs if now - f.at <= WAIT_S])
+        }
         for f in late:
             out += self._not_compared(f, f"no commitment of its slice of step {f.check.step} came", now)
         n = self._name
         for trainer, (asked, accuser, since) in list(self._asked.items()):
             if now - since > ORDER_WAIT_S:
                 del self._asked[trainer]
+                self._accused.get(trainer, {}).pop(accuser, None)  # unconfirmed: it stands no more
+                self._unfounded.setdefault(accuser, deque(maxlen=UNFOUNDED_LIMIT)).append(now)
                 reason = f"{n(asked)}, asked to confirm {n(accuser)}'s finding, did not answer in {ORDER_WAIT_S:g} s"
                 out.append(Outcome(Verdict.UNCONFIRMED, trainer, -1, reason))
         for trainer, found in list(self._accused.items()):
@@ -221,6 +231,10 @@ class Checks:
             why = f"{n(f.checker)} found its slice of step {check.step} as committed: {n(accuser)}'s finding is alone"
             return [self._outcome(Verdict.UNCONFIRMED, f, why, accusers=(accuser,))]
         self.mismatches += 1
+        what = f"{n(f.checker)}'s recomputation of its slice of step {check.step} differs from its commitment"
+        if self._ignored(f.checker, f.at):  # its findings went unconfirmed: it confirms nothing either
+            why = f"{what}; not followed up: {UNFOUNDED_LIMIT} of {n(f.checker)}'s findings went unconfirmed lately"
+            return [self._outcome(Verdict.MISMATCH, f, why)]
         found = self._accused.setdefault(trainer, {})
         found.setdefault(f.checker, f)
         accusers = tuple(sorted(found))
@@ -231,12 +245,8 @@ class Checks:
             steps = ", ".join(f"{n(who)} at step {found[who].check.step}" for who in accusers)
             why = f"its slices recomputed by two members differ from its commitments ({steps})"
             return [self._outcome(Verdict.CONFIRMED, f, why, accusers=accusers)]
-        what = f"{n(f.checker)}'s recomputation of its slice of step {check.step} differs from its commitment"
         if asked is not None:
             return [self._outcome(Verdict.MISMATCH, f, f"{what}; {n(asked[0])} was asked to check it again")]
-        if self._ignored(f.checker, f.at):
-            why = f"{what}; not followed up: {UNFOUNDED_LIMIT} of {n(f.checker)}'s findings went unconfirmed lately"
-            return [self._outcome(Verdict.MISMATCH, f, why)]
         picked = self._pick(trainer, accusers)
         if picked is None:
             why = f"{what}; no other member computes like it to confirm"

@@ -745,14 +745,21 @@ class Membership:
         """A trainer's commitments to its slices (`Progress.commitments`, `control.checks`)."""
         if member_id not in self.members:
             return Decision()
-        return self._check_outcomes(self.checks.committed(member_id, commitments, now), now)
+        # Of the epoch in force or the one before (reports cross an epoch change), no other:
+        # a member's word about other epochs would only fill the record.
+        kept = [c for c in commitments if self.epoch - 1 <= c.epoch <= self.epoch]
+        return self._check_outcomes(self.checks.committed(member_id, kept, self.step), now)
 
     def checked(self, member_id: str, check: Checked, now: float) -> Decision:
         """A member's recomputation of a trainer's slice (`control.checks`): compared with
         the trainer's commitment; a first finding against it has another member check it
         again (`Decision.verify`), a second member's benches it (`Kind.BAD_WORK`)."""
         m = self.members.get(member_id)
-        if m is None or m.quarantined or check.trainer == member_id:
+        if m is None or m.quarantined or m.flags or check.trainer == member_id:
+            return Decision()
+        # Only a validator's finding, or one a member was asked for, counts: a trainer or a
+        # standby saying so unasked is one more voice an attacker could add.
+        if m.role is not Role.VALIDATOR and not check.ordered:
             return Decision()
         t = self.members.get(check.trainer)
         arithmetic = t.caps.arithmetic if t is not None and t.caps.arithmetic else None

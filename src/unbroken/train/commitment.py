@@ -50,6 +50,20 @@ class GradientDigest:
 
 
 @functools.cache
+def _cpu_model() -> str:
+    """The CPU's vendor and model, not only its instruction set: BLAS libraries pick other
+    kernels (other summation orders) for Intel and AMD chips that report the same AVX level."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{platform.machine()} {line.split(':', 1)[1].strip()}"[:120]
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}".strip()[:120]
+
+
+@functools.cache
 def _build() -> str:
     """torch's build configuration (compilers, BLAS, CPU kernels built in), in short."""
     return hashlib.blake2b(torch.__config__.show().encode(), digest_size=4).hexdigest()
@@ -64,6 +78,6 @@ def arithmetic(device: torch.device) -> str:
     build = f"torch {torch.__version__} ({_build()})"
     if device.type == "cpu":
         capability = torch.backends.cpu.get_cpu_capability()
-        return f"cpu {platform.machine()} {capability}, {torch.get_num_threads()} threads, {build}"
+        return f"cpu {_cpu_model()} {capability}, {torch.get_num_threads()} threads, {build}"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return f"{device.type} {name}, {build}"

@@ -49,8 +49,9 @@ class Leader:
     def pick(self, trainer: str, accusers: Collection[str]) -> str | None:
         return next((c for c in self.confirmers if c != trainer and c not in accusers), None)
 
-    def commit(self, *steps: int, digest: str = GOOD, at: float = 0.0) -> list[Outcome]:
-        return self.checks.committed("t", [commitment(s, digest) for s in steps], at)
+    def commit(self, *steps: int, digest: str = GOOD) -> list[Outcome]:
+        """The trainer's commitments, the group at the newest of these steps."""
+        return self.checks.committed("t", [commitment(s, digest) for s in steps], max(steps))
 
     def check(self, f: Finding) -> list[Outcome]:
         return self.checks.checked(f, CPU)
@@ -83,12 +84,12 @@ def test_one_members_finding_names_nobody_and_asks_another_member_to_check_again
     # What was found of the epoch it was named in is what it was named (and benched) for.
     lead.commit(6)
     assert lead.check(finding("v", 6, BAD, at=3.0)) == []
-    lead.checks.committed("t", [commitment(7, epoch=2)], 4.0)
+    lead.checks.committed("t", [commitment(7, epoch=2)], 7)
     (anew,) = lead.check(finding("v", 7, BAD, at=4.0, epoch=2))
     assert anew.verdict is Verdict.MISMATCH and anew.confirmer == "c", "a later epoch's: found anew"
 
 
-def test_any_second_member_confirms_not_only_the_one_asked() -> None:
+def test_any_second_validator_confirms_not_only_the_one_asked() -> None:
     lead = Leader()
     lead.commit(3, 4)
     lead.check(finding("v", 3, BAD))
@@ -117,8 +118,9 @@ def test_a_member_whose_findings_go_unconfirmed_is_not_followed_up() -> None:
         assert lead.check(finding("c", then, GOOD, at=k, ordered=True))[0].verdict is Verdict.UNCONFIRMED
     (ignored,) = lead.check(finding("liar", steps[-2], BAD, at=10.0))
     assert ignored.verdict is Verdict.MISMATCH and ignored.confirmer is None and "not followed up" in ignored.reason
-    # Its finding still stands: another member's own finding confirms it.
-    assert lead.check(finding("w", steps[-1], BAD, at=11.0))[0].verdict is Verdict.CONFIRMED
+    # Nor does it stand against the trainer: another member's finding alone names nobody.
+    (other,) = lead.check(finding("w", steps[-1], BAD, at=11.0))
+    assert other.verdict is Verdict.MISMATCH and other.confirmer == "c"
 
 
 def test_members_that_disagree_on_the_same_slice_name_nobody() -> None:
@@ -134,7 +136,7 @@ def test_members_that_disagree_on_the_same_slice_name_nobody() -> None:
 def test_a_finding_waits_for_its_commitment_then_is_compared() -> None:
     lead = Leader()
     assert lead.check(finding("v", 7, GOOD, at=1.0)) == []
-    assert verdicts(lead.commit(7, at=1.5)) == [Verdict.MATCH]
+    assert verdicts(lead.commit(7)) == [Verdict.MATCH]
     assert lead.check(finding("v", 8, GOOD, at=2.0)) == []
     (late,) = lead.checks.expire(2.0 + WAIT_S + 0.1)
     assert late.verdict is Verdict.NOT_COMPARED and "no commitment" in late.reason
@@ -215,6 +217,8 @@ def test_membership_benches_a_trainer_two_members_found_wrong_and_asks_before() 
     order = next(iter(ms.tick(JOIN_SETTLE_S).orders.values()))
     assert order.roles == ["trainer", "trainer", "trainer", "validator"]
     epoch = order.epoch
+    for mid in ("a", "b", "t", "v"):
+        ms.heartbeat(mid, 4, 1.0)
     ms.committed("t", [commitment(s, epoch=epoch) for s in (3, 4)], 1.0)
     d = ms.checked("v", Checked(epoch=epoch, step=3, trainer="t", digest=BAD, microbatch=10, arithmetic=CPU), 1.0)
     (asked,) = d.verify.items()
@@ -231,3 +235,18 @@ def test_membership_benches_a_trainer_two_members_found_wrong_and_asks_before() 
     assert ms.members["t"].benched_until == pytest.approx(2.0 + BENCH_S)
     following = next(iter(ms.tick(2.1).orders.values()))
     assert following.shares[following.members.index("t")] == 0, "benched: no share"
+
+
+def test_one_trainers_claim_of_a_far_step_prunes_nothing_and_the_record_stays_bounded() -> None:
+    """A commitment past the group's step (a liar's 2**53) is dropped, not taken as the newest
+    step: the others' are kept; and the record keeps only `KEPT_STEPS` behind the group's."""
+    from unbroken.control.checks import KEPT_STEPS
+
+    lead = Leader()
+    lead.commit(3)
+    lead.checks.committed("liar", [commitment(2**53)], 3)
+    assert verdicts(lead.check(finding("v", 3))) == [Verdict.MATCH], "t's commitment of step 3 is still there"
+    for step in range(4, 4 + 3 * KEPT_STEPS):
+        lead.checks.committed("t", [commitment(step), commitment(step, epoch=2)], step)
+    kept = sum(len(v) for v in lead.checks._commitments.values())
+    assert kept <= 2 * (KEPT_STEPS + 2), kept

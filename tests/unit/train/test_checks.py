@@ -85,6 +85,7 @@ class CheckingJob(MemoryJob):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.checks = Checks(self._pick)
+        self.step = 0
         self.outcomes: list[Outcome] = []
         self._leader = threading.Lock()
 
@@ -93,7 +94,8 @@ class CheckingJob(MemoryJob):
         now = time.monotonic()
         with self._leader:
             if isinstance(msg, m.Progress) and msg.commitments:
-                out = self.checks.committed(member, msg.commitments, now)
+                self.step = max(self.step, msg.step)  # the group's step, as the coordinator tracks it
+                out = self.checks.committed(member, msg.commitments, self.step)
             elif isinstance(msg, m.Checked):
                 out = self.checks.checked(Finding(member, msg, now), None)
             else:
