@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 CHANCE = 0.5
 """An idle validator checks the next step with this chance: no trainer can tell from when a
 check would have ended which step the next one recomputes."""
+VALIDATIONS_PER_CHECK = 2
+"""Where the job evaluates, a validator's routine check comes after this many validations."""
 ORDER_WAIT_S = 60.0
 """How long an order to check a trainer waits for a step in which it trains here."""
 CPU = torch.device("cpu")
@@ -171,7 +173,12 @@ class Checker:
         node = self.node
         roles = g.roles or ["trainer"] * g.size
         planned = self._due_orders(g, sl, roles)
-        routine = g.role == "validator" and node.sidecar is not None and node.sidecar.idle and not self._routine
+        sidecar = node.sidecar
+        routine = g.role == "validator" and sidecar is not None and sidecar.idle and not self._routine
+        # A job that evaluates asked for that work too: a slow validator's check can take
+        # seconds (a trainer's whole slice), so checks wait for validations in between.
+        if routine and node.job.evaluate is not None and sidecar is not None:
+            routine = sidecar.validations_since_check >= VALIDATIONS_PER_CHECK
         if routine and self.rng.random() < CHANCE:
             r = choose(roles, g.shares, g.rank, self.rng)
             if r is not None and all(g.members[r] != p for p, _ in planned):

@@ -77,6 +77,8 @@ class Sidecar:
         self._closed = False
         self._busy = False
         self._in_probe = False
+        self.validations_since_check = 0
+        """Validations done since the last check (`train.checks` takes turns with them)."""
         self._thread = threading.Thread(target=self._run, name=f"sidecar-{name}", daemon=True)
         self._thread.start()
 
@@ -130,8 +132,10 @@ class Sidecar:
             try:
                 if work is not None:
                     self._validate(*work)
+                    self.validations_since_check += 1
                 elif check is not None:
                     check()
+                    self.validations_since_check = 0
                 elif self._probing:
                     start = time.monotonic()
                     with self._cond:
