@@ -354,12 +354,13 @@ class ShardedModel:
 
     def _values(self, start: int, end: int) -> torch.Tensor:
         """Flat parameter values of ``[start, end)``, which this member must hold."""
-        values: torch.Tensor = self.export(start, end)["values"]
+        values: torch.Tensor = self.export(start, end, with_state=False)["values"]
         return values
 
-    def export(self, start: int, end: int) -> dict[str, Any]:
+    def export(self, start: int, end: int, *, with_state: bool = True) -> dict[str, Any]:
         """The values and optimizer state of ``[start, end)`` as flat tensors (what a
-        re-shard sends); raises `TransferError` where this member holds only part of it."""
+        re-shard sends; ``with_state`` False: the values alone, as every gather reads them);
+        raises `TransferError` where this member holds only part of it."""
         values = torch.full((end - start,), float("nan"))
         state: dict[str, Any] = {}
         covered = 0
@@ -370,6 +371,8 @@ class ShardedModel:
                     continue
                 values[a - start : b - start] = piece.tensor.detach()[a - piece.start : b - piece.start]
                 covered += b - a
+                if not with_state:
+                    continue
                 for key, value in self.optimizer.state.get(piece.tensor, {}).items():
                     if _per_element(value, piece.tensor):
                         flat = state.setdefault(key, torch.full((end - start,), float("nan")))
