@@ -19,7 +19,7 @@ from unbroken.comm.fake import FakeWorld
 from unbroken.comm.group import EpochScope
 from unbroken.comm.sharded import ShardedModel
 from unbroken.errors import CollectiveFailed, TransferError
-from unbroken.state.shards import Plan, layout_for, plan
+from unbroken.state.shards import Layout, Plan, layout_for, plan
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,26 +105,21 @@ def run(members: list[str], fn: Callable[[str], Any]) -> dict[str, Any]:
     return out
 
 
+def member(model: Tiny, layout: Layout, me: str, ranks: dict[str, int], world: FakeWorld) -> ShardedModel:
+    """``me``'s share of the zone, blocks and param groups as every test has them."""
+    return ShardedModel(
+        model, layout, me, ranks, world.group(ranks[me]), scope(), adamw,
+        blocks=[model.embed, model.body, model.head], groups=groups_of(model),
+    )  # fmt: skip
+
+
 def start(members: list[str]) -> tuple[dict[str, ShardedModel], dict[str, nn.Module], FakeWorld]:
     numel = sum(p.numel() for p in Tiny().parameters())
     layout = layout_for(numel, {m: WEIGHTS[m] for m in members})
     world = FakeWorld(len(members))
     ranks = {m: i for i, m in enumerate(members)}
     models = {m: Tiny() for m in members}
-    zones = {
-        m: ShardedModel(
-            models[m],
-            layout,
-            m,
-            ranks,
-            world.group(ranks[m]),
-            scope(),
-            adamw,
-            blocks=[models[m].embed, models[m].body, models[m].head],
-            groups=groups_of(models[m]),
-        )
-        for m in members
-    }
+    zones = {m: member(models[m], layout, m, ranks, world) for m in members}
     return zones, models, world
 
 
@@ -227,10 +222,8 @@ def test_a_joiner_receives_only_its_new_ranges_and_training_goes_on_as_one_proce
     world = FakeWorld(4)
     ranks = {m: i for i, m in enumerate(members)}
     models["d"] = Tiny()
-    zones["d"] = ShardedModel(  # holds nothing of the old layout: everything it will hold comes in the re-shard
-        models["d"], zones["a"].layout, "d", ranks, world.group(3), scope(), adamw,
-        blocks=[models["d"].embed, models["d"].body, models["d"].head], groups=groups_of(models["d"]),
-    )  # fmt: skip
+    # It holds nothing of the old layout: everything it will hold comes in the re-shard.
+    zones["d"] = member(models["d"], zones["a"].layout, "d", ranks, world)
     assert zones["d"].holdings == []
     done = run(members, lambda m: zones[m].reshard(p, m, ranks, world.group(ranks[m]), scope()))
     assert not any(isinstance(v, BaseException) for v in done.values()), done
@@ -314,13 +307,7 @@ def test_each_member_writes_its_range_and_a_restore_reshards_to_another_number_o
     world = FakeWorld(3)
     ranks = {m: i for i, m in enumerate(stay)}
     fresh = {m: Tiny() for m in stay}
-    again = {
-        m: ShardedModel(
-            fresh[m], layout, m, ranks, world.group(ranks[m]), scope(), adamw,
-            blocks=[fresh[m].embed, fresh[m].body, fresh[m].head], groups=groups_of(fresh[m]),
-        )
-        for m in stay
-    }  # fmt: skip
+    again = {m: member(fresh[m], layout, m, ranks, world) for m in stay}
     assert {restore_shards(again[m], tmp_path, layout, m) for m in stay} == {3}
     buddies_agree(again)
     slices = even(stay)
