@@ -35,7 +35,7 @@ from unbroken.specs import CodecSpec, DiLoCoPolicy, Policy
 
 if TYPE_CHECKING:
     from unbroken.control.coordinator import Coordinator
-    from unbroken.job import Job, load_job
+    from unbroken.job import Job, Sharding, load_job
     from unbroken.swarm import Swarm, join
     from unbroken.train.data import LoaderOrder
     from unbroken.train.runtime import Node, NodeResult, run_node
@@ -45,6 +45,7 @@ _LAZY = {
     "Coordinator": "unbroken.control.coordinator",
     "Job": "unbroken.job",
     "load_job": "unbroken.job",
+    "Sharding": "unbroken.job",
     "join": "unbroken.swarm",
     "Swarm": "unbroken.swarm",
     "LoaderOrder": "unbroken.train.data",
@@ -91,6 +92,7 @@ __all__ = [
     "Policy",
     "ProtocolError",
     "ServiceConfig",
+    "Sharding",
     "Slice",
     "StepProtocol",
     "Suspicion",

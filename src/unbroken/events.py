@@ -96,6 +96,8 @@ class Entry(StrEnum):
     SYNC = "sync"
     """State received from peers (a join, or a node that fell behind)."""
     INNER_SYNC = "inner-sync"
+    RESHARD = "reshard"
+    """A sharded zone's ranges given anew (`unbroken.train.sharding`): why, and what moved."""
     RESTORE = "restore"
     """State restored: from a checkpoint, or back to the last audit after a failed one."""
     FINAL = "final"

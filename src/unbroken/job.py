@@ -98,6 +98,26 @@ class StepInfo:
     """Members of the epoch."""
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """How a job's state is sharded over the members of a zone (`Job.shard`): each member
+    holds a contiguous range of the flat parameters, sized by the memory it offers
+    (``--memory-limit``), with its gradient and optimizer state, plus a second copy of
+    another member's range (`unbroken.state.shards`); a block's parameters are gathered just
+    before its forward and its backward, and freed after (`unbroken.comm.sharded`)."""
+
+    blocks: Callable[[nn.Module], Sequence[nn.Module]] | None = None
+    """The modules gathered as one, in the order the model calls them (``lambda model:
+    model.layers``): one gather each, so the largest is what a member holds at once beyond
+    its range. Default: the model's children that have parameters."""
+    align: int = 1
+    """Range boundaries fall on multiples of this many elements."""
+
+    def __post_init__(self) -> None:
+        if self.align < 1:
+            raise ConfigError(f"Sharding.align = {self.align} must be at least 1")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Job:
     """One training job: every node of a group runs the same `Job`.
@@ -167,6 +187,10 @@ class Job:
     dataset indices, the same on every call and every node (``LoaderOrder(loader)`` reads a
     DataLoader's, sampler, generator and ``drop_last`` included). Default: a permutation
     seeded by `seed` per pass. Its first pass is part of `identity`."""
+    shard: Sharding | None = None
+    """Shard the state over the members instead of replicating it (`Sharding`): a model
+    whose parameters, gradients and optimizer state exceed one node's memory trains on
+    several (``unbroken node --shard`` sets it on a job that does not)."""
     args: tuple[str, ...] = field(default=(), compare=False)
     """The job's command-line arguments (``unbroken node job.py:make -- --lr 3e-4`` calls
     ``make(["--lr", "3e-4"])``); part of `identity`, so nodes given others are refused."""
@@ -250,6 +274,8 @@ class Job:
             spec["loss_scale"] = dataclasses.asdict(self.loss_scale)
         if self.args:
             spec["args"] = list(self.args)
+        if self.shard is not None:
+            spec["shard"] = {"align": self.shard.align}
         if optimizer is not None:
             spec["optimizer"] = hyperparameters(optimizer)
         return spec

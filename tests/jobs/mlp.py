@@ -8,7 +8,8 @@ and ``UB_TEST_NAME`` make a mismatching model or another job, for refusal tests;
 ``UB_TEST_BATCHNORM=1`` adds a BatchNorm layer (running statistics are buffers);
 ``UB_TEST_NAN_AT=STEP`` puts NaN in every sample of that step (whoever computes it);
 ``UB_TEST_BACKBONE=W`` puts a frozen backbone of width W in front (a fine-tune: only the
-head trains, and every node builds the same backbone from the seed).
+head trains, and every node builds the same backbone from the seed). ``UB_TEST_SHARD=1``
+shards the state over the members (`Job.shard`), a block per layer.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset, default_collate
 
-from unbroken import Job
+from unbroken import Job, Sharding
 from unbroken.train.data import DataPlan
 
 _g = torch.Generator().manual_seed(1)
@@ -92,6 +93,7 @@ def make(steps: int | None = None, delay_ms: float | None = None) -> Job:
         num_steps=steps,
         seed=7,
         evaluate=evaluate if os.environ.get("UB_TEST_EVAL") == "1" else None,
+        shard=Sharding(blocks=lambda model: list(model.net)) if os.environ.get("UB_TEST_SHARD") == "1" else None,
     )
 
 

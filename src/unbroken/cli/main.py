@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -208,13 +209,15 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
 
 
 def _node(args: argparse.Namespace) -> int:
-    from unbroken.job import load_job
+    from unbroken.job import Sharding, load_job
     from unbroken.testing.faults import FaultPlan, parse_faults
     from unbroken.train.runtime import run_node
 
     config = _node_config(args)
     faults = FaultPlan(parse_faults(args.fault or ""))
     job = load_job(args.job, args.job_args)
+    if args.shard and job.shard is None:
+        job = dataclasses.replace(job, shard=Sharding())
     result = run_node(job, config, faults)
     print(
         f"{config.display_name}: {result.outcome} at step {result.step} "
@@ -533,6 +536,12 @@ def build_parser() -> argparse.ArgumentParser:
         "job",
         help="the job: path/to/file.py:ATTR or package.module:ATTR; its own arguments follow -- "
         "(ATTR(argv) is called with them: `unbroken node job.py:make -- --lr 3e-4`)",
+    )
+    n.add_argument(
+        "--shard",
+        action="store_true",
+        help="shard the job's state over the zone's members, each holding a range sized by its --memory-limit "
+        "(Job.shard; every node of the job must say it)",
     )
     _node_options(n)
     n.set_defaults(func=_node)

@@ -60,18 +60,21 @@ def complete_steps(directory: Path, numel: int) -> list[int]:
     return sorted(out, reverse=True)
 
 
-def restore_shards(zone: ShardedModel, directory: Path, layout: Layout, me: str) -> int:
-    """Load what ``layout`` gives ``me`` from the newest complete step in ``directory``;
-    returns that step.
+def restore_shards(zone: ShardedModel, directory: Path, layout: Layout, me: str, step: int | None = None) -> int:
+    """Load what ``layout`` gives ``me`` from the newest complete step in ``directory`` (or
+    from ``step``); returns that step.
 
     Raises:
-        TransferError: no step's files cover the whole state, or a file does not say what
-            its name does.
+        TransferError: no step's files cover the whole state (``step``'s, where given), or a
+            file does not say what its name does.
     """
     steps = complete_steps(directory, layout.numel)
+    if step is not None:
+        steps = [s for s in steps if s == step]
     if not steps:
+        which = "no step's" if step is None else f"step {step}'s"
         raise TransferError(
-            f"no step's shard files in {directory} cover all {layout.numel:,} elements: gather every "
+            f"{which} shard files in {directory} do not cover all {layout.numel:,} elements: gather every "
             "member's shard-*.pt of one step into it"
         )
     step = steps[0]
@@ -94,5 +97,6 @@ def restore_shards(zone: ShardedModel, directory: Path, layout: Layout, me: str)
         flat = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
         counts |= {k: torch.as_tensor(v) for k, v in state.items() if k not in flat}
         pieces.append((start, end, {"values": data["values"], **flat}))
-    zone.load(layout, me, pieces, counts)
+    stepped = any(len(bufs) > 1 for _, _, bufs in pieces)  # moments saved: the optimizer had stepped
+    zone.load(layout, me, pieces, counts if stepped else None)
     return step

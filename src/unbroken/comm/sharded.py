@@ -171,7 +171,12 @@ class ShardedModel:
         self.holdings = [
             self._holding(s.start, s.end, purpose, read(s.start, s.end)) for s, purpose in self._held(layout, me)
         ]
+        self._built: list[int] = []
+        """The param group each group of `optimizer` was built from (empty ones are left out)."""
         self.optimizer = self._build_optimizer()
+        self.squares = 0.0
+        """The sum of squares of this member's own gradient, block by block as it goes out
+        to be summed, since `take_squares` (its norm slot of the step: `train.guard`)."""
         for p in self.params:  # the model keeps its tensors' shapes; their bytes live in the holdings
             _free(p)
         self._hooks: list[Any] = []
@@ -224,10 +229,26 @@ class ShardedModel:
         by_group: list[list[torch.Tensor]] = [[] for _ in self._group_settings]
         for piece in self._pieces():
             by_group[self._group_of[piece.param]].append(piece.tensor)
-        groups = [dict(s, params=ps) for s, ps in zip(self._group_settings, by_group, strict=True) if ps]
+        self._built = [g for g, ps in enumerate(by_group) if ps]
+        groups = [dict(self._group_settings[g], params=by_group[g]) for g in self._built]
         if not groups:  # a member holding nothing (a spare) still steps in time with the others
+            self._built = [0]
             groups = [dict(self._group_settings[0], params=[torch.zeros(0)])]
         return self.make_optimizer(groups)
+
+    def set_hyperparameters(self, groups: Sequence[Mapping[str, Any]]) -> None:
+        """Each param group's settings (learning rate, ...) as ``groups`` has them now, one
+        per group in the order given at construction (a scheduler moved them)."""
+        if len(groups) != len(self._group_settings):
+            raise ConfigError(f"{len(groups)} param groups given, the zone has {len(self._group_settings)}")
+        self._group_settings = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        for built, group in zip(self._built, self.optimizer.param_groups, strict=True):
+            group.update(self._group_settings[built])
+
+    def take_squares(self) -> float:
+        """`squares` since the last call; starts the count again."""
+        out, self.squares = self.squares, 0.0
+        return out
 
     def _install(self) -> None:
         for block in self.blocks:
@@ -314,6 +335,7 @@ class ShardedModel:
                 flat[off - block.start : off - block.start + p.numel()] = p.grad.reshape(-1)
             p.grad = None
         self._release(block)
+        self.squares += float(torch.linalg.vector_norm(flat)) ** 2
         wait_all([self.group.allreduce([flat])], self.scope, f"summing block {self._name(block)}'s gradient")
         for piece in self._pieces():
             a, b = max(piece.start, block.start), min(piece.end, block.end)
@@ -340,6 +362,14 @@ class ShardedModel:
             self._release(block)
         for piece in self._pieces():
             piece.tensor.grad = None
+        self.squares = 0.0
+
+    def forget(self) -> None:
+        """Drop what this member holds (its copies are stale: it missed a commit the others
+        made); a `reshard` then gives it its ranges anew from their live holders."""
+        self.abandon()
+        self.holdings = []
+        self.optimizer = self._build_optimizer()
 
     def step(self) -> None:
         """The optimizer on everything this member holds; gradients cleared."""
@@ -410,6 +440,10 @@ class ShardedModel:
             self._release(block)
         return out
 
+    def spans(self) -> list[tuple[str, list[int]]]:
+        """Each parameter's name and shape, in the flat space's order."""
+        return [(n, list(p.shape)) for n, p in zip(self._names, self.params, strict=True)]
+
     def _name(self, block: Block) -> str:
         return type(block.module).__name__
 
@@ -444,25 +478,26 @@ class ShardedModel:
                 part = self.export(t.start, t.end)
                 st = part["state"]
                 tensors = [part["values"], *(_as_flat(st.get(k), n) for k in elements)]
-                tensors.append(torch.tensor([float(st[k]) if stepped else 0.0 for k in scalars], dtype=torch.float64))
+                # First whether the optimizer has stepped (SGD's momentum has no count to say so).
+                flags = [1.0 if stepped else 0.0, *(float(st[k]) if stepped else 0.0 for k in scalars)]
+                tensors.append(torch.tensor(flags, dtype=torch.float64))
                 for i, x in enumerate(tensors):
                     sends.append(group.send([x.contiguous()], ranks[t.destination], tag * 16 + i))
             if t.destination == me:
                 bufs = {k: torch.empty(n) for k in ["values", *elements]}
-                bufs["scalars"] = torch.empty(len(scalars), dtype=torch.float64)
+                bufs["scalars"] = torch.empty(1 + len(scalars), dtype=torch.float64)
                 for i, k in enumerate(names):
                     receives.append(group.recv([bufs[k]], ranks[t.source], tag * 16 + i))
                 incoming.append((t.start, t.end, bufs))
         self.abandon()
         works = sends + receives  # gloo's point-to-point works have no future: waited on a thread
         run_abortable(lambda: [w.wait() for w in works], scope, "re-sharding the zone's state")
-        counts: dict[str, Any] = {}
+        counts: dict[str, Any] | None = None
         if stepped:
             counts = self._scalars()
-        elif incoming and float(incoming[0][2]["scalars"].abs().sum()) > 0:
-            counts = {
-                k: torch.tensor(float(v)) for k, v in zip(scalars, incoming[0][2]["scalars"].tolist(), strict=True)
-            }
+        elif incoming and float(incoming[0][2]["scalars"][0]) > 0:
+            values = incoming[0][2]["scalars"].tolist()[1:]
+            counts = {k: torch.tensor(float(v)) for k, v in zip(scalars, values, strict=True)}
         for h in self.holdings:  # what it keeps of its own: taken as a piece like any other
             part = self.export(h.start, h.end)
             kept = {"values": part["values"], **{k: _as_flat(part["state"].get(k), h.end - h.start) for k in elements}}
@@ -477,11 +512,12 @@ class ShardedModel:
         layout: Layout,
         me: str,
         pieces: Sequence[tuple[int, int, Mapping[str, torch.Tensor]]],
-        counts: Mapping[str, torch.Tensor],
+        counts: Mapping[str, torch.Tensor] | None,
     ) -> None:
         """Hold what ``layout`` gives ``me``, from ``pieces`` (``(start, end, {"values": ...,
         moment: ...})`` covering it: received, read from files, or kept) and the optimizer's
-        shared state ``counts`` (its step count; empty before the first step).
+        shared state ``counts`` (its step count; empty for an optimizer without one, as SGD;
+        None before the first step: no optimizer state at all).
 
         Raises:
             TransferError: the pieces leave part of a held range uncovered.
@@ -506,7 +542,7 @@ class ShardedModel:
             rebuilt.append((self._holding(s.start, s.end, purpose, flat), state))
         self.holdings = [h for h, _ in rebuilt]
         self.optimizer = self._build_optimizer()
-        if counts:
+        if counts is not None:
             for h, state in rebuilt:
                 for piece in h.pieces:
                     entry: dict[str, Any] = {k: v.clone() for k, v in counts.items()}
@@ -515,10 +551,10 @@ class ShardedModel:
                     self.optimizer.state[piece.tensor] = entry
         self.layout, self.me = layout, me
 
-    def counts(self) -> dict[str, torch.Tensor]:
-        """The optimizer's state shared by every element (its step count; empty before the
-        first step), as `load` takes it."""
-        return self._scalars() if self._stepped() else {}
+    def counts(self) -> dict[str, torch.Tensor] | None:
+        """The optimizer's state shared by every element (its step count), as `load` takes
+        it: None before the first step."""
+        return self._scalars() if self._stepped() else None
 
     def regroup(self, ranks: Mapping[str, int], group: ProcessGroup, scope: EpochScope) -> ProcessGroup:
         """Go on with the same layout on another group (after a re-shard whose group still

@@ -34,6 +34,9 @@ class JobCompute:
         again: the gradient is the same whatever the micro-batch size."""
         node = self.node
         meter = node.meter
+        if node.zone is not None:
+            protocol.prepare(sl)
+            return self._sharded(protocol, sl)
         while True:
             mb = protocol.group.microbatch or meter.mb_cap or sl.share or 1
             if meter.oom_cap:
@@ -81,6 +84,39 @@ class JobCompute:
             n_micro += 1
         if sl.indices:
             node.meter.observe(sl.share, n_micro, time.perf_counter() - start)
+        else:
+            node.meter.last_compute_s = 0.0
+        return total
+
+    def _sharded(self, protocol: StepProtocol, sl: Slice) -> float:
+        """A sharded zone's slice: every member makes as many passes as the member that
+        makes the most (each pass gathers every block and sums its gradient over the zone, in
+        the same order on every member); a pass with no samples of this member's computes
+        the step's first sample at weight zero."""
+        node = self.node
+        job, client, g = node.job, node.client, protocol.group
+        model = node.replica.model
+        model.train()
+        B = job.batch_size
+        sizes = [g.microbatches[r] if g.microbatches and g.microbatches[r] else s for r, s in enumerate(g.shares)]
+        passes = max([-(-s // mb) for s, mb in zip(g.shares, sizes, strict=True) if s] or [1])
+        mb = sizes[g.rank] or 1
+        reads = sl.indices if sl.reads is None else sl.reads
+        self.used_mb = mb if sl.indices else 0
+        total = 0.0
+        start = time.perf_counter()
+        for k in range(passes):
+            client.touch()
+            chunk = reads[k * mb : (k + 1) * mb]
+            weight = len(chunk) / B
+            batch = job.collate(job.samples(chunk or node.data.indices(sl.step, 0, 1)))
+            t_mb = time.perf_counter()
+            loss = job.microbatch_loss(model, batch)
+            (loss * weight).backward()  # type: ignore[no-untyped-call]
+            total += float(loss.detach()) * weight
+            node.throttle.stretch(time.perf_counter() - t_mb, sl.step, client.touch)
+        if sl.indices:
+            node.meter.observe(sl.share, passes, time.perf_counter() - start)
         else:
             node.meter.last_compute_s = 0.0
         return total

@@ -8,6 +8,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unbroken.comm.group import EpochGroup
@@ -151,6 +152,8 @@ class Records:
                 # After a commit the optimizer's state exists: the checkpoint's layout.
                 self.checkpointer.prepare(self.checkpoint_tree(), self.fragments[0] if self.fragments else None)
             return
+        if node.zone is not None and node.config.checkpoint_dir is not None:
+            node.zone.save(Path(node.config.checkpoint_dir), step)  # every member its primary range
         failure = self.checkpointer.failure
         if failure is not None and failure != self._checkpoint_failure:
             self.report(Kind.CHECKPOINT_FAILED, failure)

@@ -39,6 +39,7 @@ from unbroken.errors import (
     AuditMismatch,
     BadContribution,
     CollectiveFailed,
+    ConfigError,
     CoordinatorUnreachable,
     EpochAborted,
     Expelled,
@@ -67,6 +68,7 @@ from unbroken.train.memory import keep_freed_memory
 from unbroken.train.records import Records
 from unbroken.train.scale import KEY as SCALE_KEY
 from unbroken.train.scale import ScaleState
+from unbroken.train.sharding import ShardedZone
 from unbroken.train.sidecar import Sidecar
 from unbroken.train.step import Slice, StepProtocol, flat_length
 from unbroken.train.throttle import parse_throttle
@@ -120,27 +122,40 @@ class Node:
         self.wake = threading.Event()
         keep_freed_memory()  # with UNBROKEN_MALLOC=kept
         model, optimizer = job.build()
+        self.zone = ShardedZone(job, model, optimizer, config.memory_limit) if job.shard is not None else None
+        """This node's part of a sharded zone (`train.sharding`); None: it holds the whole state."""
         scheduler, extra = job.build_scheduler(optimizer), job.build_state(model)
         self.scale = ScaleState(job.loss_scale) if job.loss_scale is not None else None
         """The group's float16 loss scale (`train.scale`), replicated with the extra state."""
         if self.scale is not None:
             extra[SCALE_KEY] = self.scale
-        self.state = TrainState(model, optimizer, scheduler=scheduler, extra=extra)
+        held = model if self.zone is None else self.zone.shell
+        self.state = TrainState(held, optimizer, scheduler=scheduler, extra=extra)
         # The optimizer as the job's code built it, before any state is loaded into it: a
         # node whose code sets another learning rate is refused as another job.
         self._job_identity = job.identity(optimizer)
         self._job_spec = json.dumps(job.identity_spec(optimizer), sort_keys=True)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        # A sharded zone's gradients are summed block by block in backward: none in the flat.
+        self.params = [p for p in model.parameters() if p.requires_grad] if self.zone is None else []
         # Buffers a forward pass updates (BatchNorm statistics) travel in the same
         # all-reduce as the gradients, so replicas stay bit-identical between syncs.
         self.buffers = [b for b in model.buffers() if b.dtype.is_floating_point or b.dtype == torch.int64]
+        if self.zone is not None:
+            self.buffers = []
         self.own_loop = own_loop
         self.device = next(model.parameters()).device if own_loop else resolve_device(config.device)
+        if self.zone is not None and self.device.type != "cpu":
+            raise ConfigError(
+                f"a sharded zone computes on the CPU for now, not {self.device}: run it with --device cpu, "
+                "or train unsharded on the accelerator"
+            )
         self.replica = ComputeReplica(model, self.device, separate=False if own_loop else None)
-        self.compute_buffers = list(self.replica.buffers())
+        self.compute_buffers = list(self.replica.buffers()) if self.zone is None else []
         self.throttle = parse_throttle(config.throttle)
         self.meter = Meter(job, self.replica, self.throttle, self.name)
-        if own_loop:  # a median node until its steps are timed: there is no loss to measure with
+        if own_loop or self.zone is not None:
+            # A median node until its steps are timed: there is no loss to measure with (own
+            # loop), or the model is the zone's, gathered block by block in a step (sharded).
             self.meter.calibration = Calibration(0.0, 0.0, 1, 0)
         self.compute = JobCompute(self)
         self.numel = sum(p.numel() for p in self.params) + sum(b.numel() for b in self.buffers)
@@ -222,7 +237,7 @@ class Node:
             ConfigError: the job asks for what the group's policy cannot do (``Job.loss_scale``
                 in DiLoCo mode, ``--outer-overlap`` with buffers).
         """
-        with self.session(calibrate=self.compute.calibrate):
+        with self.session(calibrate=self.compute.calibrate if self.zone is None else None):
             steps = self.steps()
             try:
                 sl = next(steps)
@@ -430,6 +445,8 @@ class Node:
 
     def _abandon(self) -> None:
         self._flat = None  # a collective of the abandoned epoch may still write into it
+        if self.zone is not None:
+            self.zone.abandon()
         if self.group is not None:
             for pg in [self.group.pg, *self.group.extra_pgs]:
                 self.graveyard.bury(pg)
@@ -440,12 +457,18 @@ class Node:
         g, reducer = self.epochs.form(order)
         policy = order.policy.parsed()
         sync = policy.mode is Mode.SYNC
+        if self.zone is not None and (not sync or reducer.zones.multi):
+            raise ConfigError(
+                "a sharded job trains in one zone in sync mode for now: this group's policy is "
+                f"{policy.mode.value} over {len(reducer.zones.names)} zone(s); "
+                "run it without --zone and --mode diloco, or unsharded"
+            )
         if sync:
             flat = self._step_buffer(g.size)
         else:  # DiLoCo's rounds keep exchanges in flight across steps: each epoch has a flat of its own
             self._flat = flat = None
         # Trainers commit to their slices where a validator can check them (`train.checks`).
-        commit = sync and not self.own_loop and "validator" in g.roles
+        commit = sync and not self.own_loop and self.zone is None and "validator" in g.roles
         self.protocol = StepProtocol(self, g, reducer, flat=flat, commit=commit)
         self.records.log(Entry.EPOCH, {"epoch": order.epoch, "term": order.term, "step": self.state.step})
         self.records.first_in_epoch = True
@@ -455,7 +478,7 @@ class Node:
             self.name, order.epoch, g.rank, g.size, g.role, g.shares[g.rank], self.job.batch_size, g.built_in_s * 1e3,
         )  # fmt: skip
         self._set_role(g.role)
-        self.audits.every = policy.audit_every if sync else 0
+        self.audits.every = policy.audit_every if sync and self.zone is None else 0
         self.records.fragments = policy.fragments
         if policy.mode is Mode.DILOCO and self.diloco is None:
             self.diloco = DiLoCo(self, order)
@@ -497,6 +520,10 @@ class Node:
         else:
             self.applied_step = -1  # the state is a peer's now
         self.audits.synced(g.epoch, received=r.role == "receiver", fetched=r.fetched)
+        if self.zone is not None:
+            left = self.zone.sync(self, g, self.state.step)
+            if left is not None:
+                self.graveyard.bury(left)
         if self.diloco is not None:
             self.diloco.sync_zone(received=r.role == "receiver")
         if r.role in ("source", "donor"):
@@ -543,7 +570,7 @@ class Node:
             p.commit(sl, tally.loss, overflow=overflow)
             self.checker.after(g, sl)
             self.audits.committed_epoch, self.audits.checkpoint_epoch = g.epoch, -1
-            if self.faults.bitflip(self.state.step):
+            if self.faults.bitflip(self.state.step) and self.zone is None:
                 self.records.settle()
                 flip_bit(self.params[0])
             if self.audits.due(self.state.step):
@@ -558,7 +585,7 @@ class Node:
     def _set_role(self, role: str) -> None:
         """Trainers compute; other members probe their speed and, as validators, evaluate
         (not in a user's own loop: there is no loss to probe with; its share is just 0)."""
-        if role == "trainer" or self.own_loop:
+        if role == "trainer" or self.own_loop or self.zone is not None:
             if self.sidecar is not None:
                 self.sidecar.set_probing(False)
             return
@@ -605,13 +632,19 @@ class Node:
     def _finish(self, digest: str | None = None) -> NodeResult:
         digest = digest or self.state.digest()
         metrics: dict[str, float] = {}
-        if self.job.evaluate is not None and (self.group is None or self.group.rank == 0):
+        if self.job.evaluate is not None and self.zone is None and (self.group is None or self.group.rank == 0):
             self.state.model.eval()
             with torch.no_grad():
                 metrics = self.job.evaluate(self.state.model)
+        entry: dict[str, object] = {"step": self.state.step, "digest": digest}
         if self.config.final_state is not None:
-            torch.save(self.state.capture(), self.config.final_state)
-        self.records.log(Entry.FINAL, {"step": self.state.step, "digest": digest})
+            final = self.state.capture()
+            if self.zone is not None and self.zone.engine is not None:
+                final["shard"] = self.zone.final(self.client.member_id)
+            torch.save(final, self.config.final_state)
+        if self.zone is not None and self.zone.engine is not None:
+            entry["ranges"] = self.zone.digests()  # a primary's and its buddy's must be equal
+        self.records.log(Entry.FINAL, entry)
         # Sent before the session closes: `client.close` queues behind it.
         self.client.send(m.Done(step=self.state.step, digest=digest, metrics=finite(metrics)))
         self._abandon()

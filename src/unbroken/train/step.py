@@ -134,10 +134,11 @@ class StepProtocol:
         # early: no first hop (robust rules, alone in a zone), or an accelerator, where a
         # hook's copy to the CPU would stop the device at every parameter.
         early = reducer.bucket_bytes and reducer.first_hop is not None and node.replica.device.type == "cpu"
+        params = node.replica.params if node.zone is None else []  # a sharded zone sums its blocks in backward
         self.buckets = Buckets(
-            node.replica.params,
+            params,
             self.flat,
-            layout([q.numel() for q in node.replica.params], reducer.bucket_bytes if early else sys.maxsize),
+            layout([q.numel() for q in params], reducer.bucket_bytes if early else sys.maxsize),
             post=lambda piece: reducer.first_hop.allreduce([piece]),
             prepare=self._prepare,
         )
@@ -208,6 +209,8 @@ class StepProtocol:
 
     def undo(self, sl: Slice) -> None:
         """The step is not applied: what its forward passes did to the buffers is undone."""
+        if self.node.zone is not None:
+            self.node.zone.abandon()
         if not sl.before:
             return
         with torch.no_grad():
@@ -229,6 +232,8 @@ class StepProtocol:
         if self._step != sl.step:  # a loop that did not `prepare` (a member with no samples)
             self._start_gradient(sl.step)
         self.buckets.complete()
+        if node.zone is not None:  # its gradient went out block by block in backward
+            self._squares = node.zone.finish_backward() ** 2
         if self.witness is not None and sl.indices:
             mb = min(int(log.get("microbatch") or sl.share), sl.share)
             digest = self.witness.commitment(sl.indices)
@@ -394,6 +399,12 @@ class StepProtocol:
         which a member's scaled gradient ``overflow``-ed updates no parameter (`train.scale`)."""
         node, flat = self.node, self.flat
         node.records.settle()
+        if node.zone is not None:  # the summed gradient is in the held ranges already
+            if not overflow:
+                node.zone.apply()
+            if node.state.scheduler is not None:
+                node.state.scheduler.step()
+            return
         off = 0
         for p in node.params:
             n = p.numel()
@@ -422,6 +433,8 @@ class StepProtocol:
         node, g = self.node, self.group
         node.advance(sl.step + 1, loss)
         node.applied_step = sl.step
+        if node.zone is not None:
+            node.zone.committed(sl.step + 1)
         after_step(node, g, loss)
         step, every = node.state.step, node.config.digest_every
         digest = node.state.digest() if every and step % every == 0 else None

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from unbroken.comm.fake import FakeWorld
 from unbroken.comm.group import EpochScope
-from unbroken.comm.sharded import ShardedModel
+from unbroken.comm.sharded import OptimizerFactory, ShardedModel
 from unbroken.errors import CollectiveFailed, TransferError
 from unbroken.state.shards import Layout, Plan, layout_for, plan
 
@@ -58,10 +58,15 @@ def adamw(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=0.01)
 
 
-def reference(steps: int) -> dict[str, torch.Tensor]:
+def momentum(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """Moments without a step count: whether it stepped shows in its state alone."""
+    return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+
+
+def reference(steps: int, make: OptimizerFactory = adamw) -> dict[str, torch.Tensor]:
     model = Tiny()
     named = dict(model.named_parameters())
-    opt = adamw([dict(g, params=[named[n] for n in g["params"]]) for g in groups_of(model)])
+    opt = make([dict(g, params=[named[n] for n in g["params"]]) for g in groups_of(model)])
     for s in range(steps):
         opt.zero_grad()
         F.cross_entropy(model(X[s * B : (s + 1) * B]), Y[s * B : (s + 1) * B]).backward()
@@ -105,21 +110,25 @@ def run(members: list[str], fn: Callable[[str], Any]) -> dict[str, Any]:
     return out
 
 
-def member(model: Tiny, layout: Layout, me: str, ranks: dict[str, int], world: FakeWorld) -> ShardedModel:
+def member(
+    model: Tiny, layout: Layout, me: str, ranks: dict[str, int], world: FakeWorld, make: OptimizerFactory = adamw
+) -> ShardedModel:
     """``me``'s share of the zone, blocks and param groups as every test has them."""
     return ShardedModel(
-        model, layout, me, ranks, world.group(ranks[me]), scope(), adamw,
+        model, layout, me, ranks, world.group(ranks[me]), scope(), make,
         blocks=[model.embed, model.body, model.head], groups=groups_of(model),
     )  # fmt: skip
 
 
-def start(members: list[str]) -> tuple[dict[str, ShardedModel], dict[str, nn.Module], FakeWorld]:
+def start(
+    members: list[str], make: OptimizerFactory = adamw
+) -> tuple[dict[str, ShardedModel], dict[str, nn.Module], FakeWorld]:
     numel = sum(p.numel() for p in Tiny().parameters())
     layout = layout_for(numel, {m: WEIGHTS[m] for m in members})
     world = FakeWorld(len(members))
     ranks = {m: i for i, m in enumerate(members)}
     models = {m: Tiny() for m in members}
-    zones = {m: member(models[m], layout, m, ranks, world) for m in members}
+    zones = {m: member(models[m], layout, m, ranks, world, make) for m in members}
     return zones, models, world
 
 
@@ -165,9 +174,12 @@ def test_a_sharded_zone_with_uneven_ranges_trains_as_one_process_and_buddies_sta
     assert_matches(zones, reference(STEPS))
 
 
-def test_a_member_killed_mid_step_is_repaired_from_the_buddies_and_training_matches_one_process() -> None:
+@pytest.mark.parametrize("make", [adamw, momentum], ids=["adamw", "sgd-momentum"])
+def test_a_member_killed_mid_step_is_repaired_from_the_buddies_and_training_matches_one_process(
+    make: OptimizerFactory,
+) -> None:
     members = list(WEIGHTS)
-    zones, models, world = start(members)
+    zones, models, world = start(members, make)
     train_steps(zones, models, members, range(2))
 
     def doomed(m: str) -> None:
@@ -186,7 +198,7 @@ def test_a_member_killed_mid_step_is_repaired_from_the_buddies_and_training_matc
     live = {m: zones[m] for m in survivors}
     buddies_agree(live)
     train_steps(zones, models, survivors, range(2, STEPS))
-    assert_matches(live, reference(STEPS))
+    assert_matches(live, reference(STEPS, make))
 
 
 def test_both_holders_of_a_range_lost_is_named_not_guessed() -> None:

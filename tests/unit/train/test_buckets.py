@@ -146,7 +146,8 @@ def test_a_fault_of_one_step_spoils_every_bucket_of_it_and_the_norm_counts_what_
     sent: list[torch.Tensor] = []
     pg = SimpleNamespace(allreduce=lambda tensors: sent.append(tensors[0].clone()))
     node = SimpleNamespace(
-        numel=numel, compressed_numel=numel, scale=None, faults=FaultPlan(parse_faults(fault), lambda _k, _f: None),
+        numel=numel, compressed_numel=numel, scale=None, zone=None,
+        faults=FaultPlan(parse_faults(fault), lambda _k, _f: None),
         replica=SimpleNamespace(params=params, device=torch.device("cpu")),
         scope=lambda **_kw: EpochScope(threading.Event(), lambda: None, 10.0), client=SimpleNamespace(lapses=0),
     )  # fmt: skip

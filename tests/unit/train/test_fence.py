@@ -23,7 +23,7 @@ from unbroken.train.step import StepProtocol
 def protocol(client: SimpleNamespace) -> StepProtocol:
     params = [torch.nn.Parameter(torch.zeros(3))]
     node = SimpleNamespace(
-        numel=3, compressed_numel=3, scale=None, name="n1", client=client, state=SimpleNamespace(step=168),
+        numel=3, compressed_numel=3, scale=None, zone=None, name="n1", client=client, state=SimpleNamespace(step=168),
         replica=SimpleNamespace(params=params, device=torch.device("cpu")),
         scope=lambda **_kw: EpochScope(threading.Event(), lambda: None, 5.0),
         where=lambda: Where(1, 169, 0),

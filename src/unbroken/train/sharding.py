@@ -1,0 +1,380 @@
+"""A sharded zone in the node runtime: the members hold ranges of the state, not all of it.
+
+With `Job.shard` set, the node's replicated state (`TrainState`) keeps what every member
+holds alike: the step, the data cursor, the scheduler, the job's extra state and the param
+groups' hyperparameters (the optimizer as the job built it, never stepped). The parameters,
+their gradients and the optimizer's moments live in the zone's ranges (`ShardedModel`):
+each member its primary range and the ranges it is buddy for. An epoch's sync phase::
+
+    sync_state   the small replicated state, as an unsharded job's whole state: a member
+                 behind the group's step receives it from one at it
+    report       every member says (all-gather) the layout it holds ranges of, the epoch
+                 that layout was made in, the step its ranges are at, and the memory it offers
+    decide       the layout held at the newest (step, epoch) is the old one (`decide`, the
+                 same on every member); its members that hold it at that step keep their
+                 ranges, the others (dead, behind, or new) are lost and joining
+    re-shard     the plan of `unbroken.state.shards` moves what each member lacks from a live
+                 holder (`ShardedModel.reshard`); nothing moves when the members are the same
+
+A step is the unsharded one with the gradient out of the step's flat tensor: backward sums
+each block's gradient over the zone as it completes (`ShardedModel`), and the flat
+all-reduce carries the votes, sample counts, losses and each member's norm of its own
+gradient (the guard judges them as before). A member without samples this step computes
+one sample at weight zero, so that it joins the zone's gathers and sums in the same order.
+Apply steps the optimizer on the held ranges; a step not applied drops its sums (`abandon`).
+
+Not yet here: zones exchanging with each other (one zone per job), DiLoCo, audits and work
+checks (validators), a job's ``before_update`` (clipping needs the norm over every range),
+loss scaling, accelerators. Ranges that lost both holders while others live stop the job with
+the ranges named (a restart reads them from the checkpoint's shard files: every member
+writes its primary range there at each checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from unbroken.comm.group import EpochGroup, EpochScope, ProcessGroup, wait_all
+from unbroken.comm.shard_files import restore_shards, save_shard
+from unbroken.comm.sharded import ShardedModel
+from unbroken.errors import ConfigError, JobHalted, TransferError
+from unbroken.events import Entry
+from unbroken.job import Job, Optimizers, Sharding
+from unbroken.state.shards import Layout, Plan, Shard, layout_for, plan
+
+if TYPE_CHECKING:
+    from unbroken.train.runtime import Node
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+STALE = "~stale"
+"""Appended to a member's name in the old layout where its copies are stale (it missed a
+commit): the plan sees that member as lost, and the same member, by its own name, as joining."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a member says of its ranges at a sync phase."""
+
+    weight: int
+    """The memory it offers, in MiB (`Layout.weights`)."""
+    layout: Layout | None = None
+    """The layout it holds ranges of (None: it holds none yet)."""
+    epoch: int = -1
+    """The epoch that layout was made in."""
+    step: int = -1
+    """The committed step its ranges are at."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How a sync phase gives every member its ranges."""
+
+    fresh: Layout | None = None
+    """No member holds ranges: this layout, each member's from its own model (step 0)."""
+    plan: Plan | None = None
+    """Otherwise: the re-shard from the ranges held (no transfers where nothing changed)."""
+    keep: frozenset[str] = frozenset()
+    """Members whose ranges are current: the others' copies, if any, are dropped (behind the
+    group, of another layout, or of a member expelled and back under a new name)."""
+    restore: bool = False
+    """The ``fresh`` layout's ranges come from the shard files of a checkpoint (step > 0)."""
+
+    @property
+    def unchanged(self) -> bool:
+        p = self.plan
+        return p is not None and not p.transfers and not p.lost and not p.joining and p.new == p.old
+
+
+def decide(reports: Mapping[str, Report], step: int, numel: int, align: int) -> Decision:
+    """The same decision on every member from the same reports (``reports`` in rank order).
+
+    Raises:
+        JobHalted: ranges no member holds at ``step`` (both holders lost, or the group ahead
+            of every member's ranges): the job must restart from a checkpoint.
+    """
+    held = {m: r for m, r in reports.items() if r.layout is not None}
+    weights = {m: r.weight for m, r in reports.items()}
+    if not held:  # a new job, or one restarted from its checkpoint
+        return Decision(fresh=layout_for(numel, weights, align=align), restore=step > 0)
+    newest = max((r.step, r.epoch) for r in held.values())
+    old = next(r.layout for r in held.values() if (r.step, r.epoch) == newest)
+    assert old is not None
+    valid = {m for m, r in held.items() if (r.step, r.epoch) == newest and r.layout == old and m in old.members}
+    if newest[0] != step:
+        raise JobHalted(
+            f"the group is at step {step} but the newest ranges any member holds are of step {newest[0]}: "
+            "restart the job from its last checkpoint"
+        )
+    stale = frozenset(m for m in reports if m in old.members and m not in valid)
+    renamed = _renamed(old, {m: m + STALE for m in stale})
+    lost = [m for m in renamed.members if m not in valid]
+    joining = {m: weights[m] for m in reports if m not in valid}
+    p = plan(renamed, lost=lost, joining=joining)
+    if p.missing:
+        ranges = ", ".join(f"[{x.start:,}, {x.end:,})" for x in p.missing)
+        raise JobHalted(
+            f"ranges {ranges} of the state lost both their holders at step {step} "
+            f"({', '.join(sorted(m.removesuffix(STALE) for m in lost))}): restart the job from its last checkpoint"
+        )
+    return Decision(plan=p, keep=frozenset(valid))
+
+
+def _renamed(layout: Layout, names: Mapping[str, str]) -> Layout:
+    if not names:
+        return layout
+
+    def name(m: str | None) -> str | None:
+        return None if m is None else names.get(m, m)
+
+    shards = tuple(Shard(s.start, s.end, names.get(s.primary, s.primary), name(s.buddy)) for s in layout.shards)
+    return replace(layout, members=tuple(names.get(m, m) for m in layout.members), shards=shards)
+
+
+def encode(report: Report) -> bytes:
+    lay = report.layout
+    body: dict[str, Any] = {"weight": report.weight, "epoch": report.epoch, "step": report.step}
+    if lay is not None:
+        body["layout"] = {
+            "numel": lay.numel,
+            "align": lay.align,
+            "members": list(lay.members),
+            "weights": list(lay.weights),
+            "shards": [[s.start, s.end, s.primary, s.buddy] for s in lay.shards],
+        }
+    return json.dumps(body, sort_keys=True).encode()
+
+
+def decode(data: bytes) -> Report:
+    body = json.loads(data)
+    lay = body.get("layout")
+    layout = None
+    if lay is not None:
+        shards = tuple(Shard(int(a), int(b), str(p), None if q is None else str(q)) for a, b, p, q in lay["shards"])
+        layout = Layout(
+            int(lay["numel"]), int(lay["align"]), tuple(lay["members"]), tuple(int(w) for w in lay["weights"]), shards
+        )
+    return Report(int(body["weight"]), layout, int(body["epoch"]), int(body["step"]))
+
+
+def exchange(pg: ProcessGroup, mine: bytes, scope: EpochScope) -> list[bytes]:
+    """Every member's ``mine``, in rank order (two all-gathers: the lengths, then the bytes)."""
+    size = pg.size()
+    length = torch.tensor([len(mine)], dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    wait_all([pg.allgather([lengths], [length])], scope, "exchanging the zone's layouts")
+    longest = max(int(x) for x in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(size)]
+    wait_all([pg.allgather([out], [padded])], scope, "exchanging the zone's layouts")
+    return [bytes(t[: int(n)].tolist()) for t, n in zip(out, lengths, strict=True)]
+
+
+def memory_weight(limit_bytes: int) -> int:
+    """The memory a node offers, in MiB: its ``--memory-limit``, else the machine's."""
+    if limit_bytes > 0:
+        return max(1, limit_bytes // MIB)
+    return max(1, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // MIB)
+
+
+class ShardedZone:
+    """This node's part of a sharded zone (see the module's docstring)."""
+
+    def __init__(self, job: Job, model: nn.Module, optimizer: Any, memory_limit: int) -> None:
+        """``model`` and ``optimizer`` as the job built them (the model's values are this
+        member's initial ranges at step 0; its parameters' storage is freed once sharded)."""
+        sharding = job.shard
+        assert sharding is not None
+        if isinstance(optimizer, Optimizers):
+            raise ConfigError("a sharded job takes one optimizer, not several by name: give Job.optimizer one")
+        for what, value in (("before_update", job.before_update), ("loss_scale", job.loss_scale)):
+            if value is not None:
+                raise ConfigError(
+                    f"a sharded job cannot take Job.{what} yet (it needs the gradient's norm over every range): "
+                    "leave it out, or train unsharded"
+                )
+        if any(b.dtype.is_floating_point for b in model.buffers()):
+            raise ConfigError(
+                "a sharded zone does not shard or sum buffers yet: this model has floating-point buffers "
+                "(BatchNorm statistics?); use LayerNorm or train it unsharded"
+            )
+        self.sharding: Sharding = sharding
+        self.model = model
+        self.optimizer = optimizer
+        """The optimizer as the job built it: its param groups' settings are replicated state
+        (a scheduler moves them); the zone's own optimizer steps the ranges."""
+        self.weight = memory_weight(memory_limit)
+        self.numel = sum(p.numel() for p in model.parameters())
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.groups = [
+            {"params": [names[id(p)] for p in g["params"]], **{k: v for k, v in g.items() if k != "params"}}
+            for g in optimizer.param_groups
+        ]
+        if any(not p.requires_grad for p in model.parameters()):
+            raise ConfigError("a sharded job trains every parameter: frozen ones are not sharded yet")
+        self.shell = nn.Module()
+        """What the replicated state holds as its model: nothing (the values are in the ranges)."""
+        self.engine: ShardedModel | None = None
+        self.epoch = -1
+        """The epoch the layout held was made in."""
+        self.step = -1
+        """The committed step the held ranges are at."""
+
+    def make_optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        opt: torch.optim.Optimizer = type(self.optimizer)(groups, **self.optimizer.defaults)
+        return opt
+
+    def report(self) -> Report:
+        if self.engine is None:
+            return Report(self.weight)
+        return Report(self.weight, self.engine.layout, self.epoch, self.step)
+
+    def sync(self, node: Node, g: EpochGroup, step: int) -> ProcessGroup | None:
+        """Give this member the ranges of epoch ``g`` at committed ``step`` (after the
+        replicated state's sync); returns the group the ranges were held on until now, for the
+        caller to keep referenced (`Graveyard`), or None."""
+        assert g.pg is not None
+        scope = node.scope(during_step=False)
+        me = node.client.member_id
+        ranks = {m: i for i, m in enumerate(g.members)}
+        reports = dict(zip(g.members, [decode(b) for b in exchange(g.pg, encode(self.report()), scope)], strict=True))
+        decision = decide(reports, step, self.numel, self.sharding.align)
+        left: ProcessGroup | None = None
+        if decision.fresh is not None:
+            if self.engine is not None:
+                self.engine.close()
+            self.engine = self._build(decision.fresh, me, ranks, g.pg, scope)
+            what = f"layout of {len(decision.fresh.shards)} ranges made, each from its own model"
+            if decision.restore:
+                self._restore(node, decision.fresh, me, step)
+                what = f"layout of {len(decision.fresh.shards)} ranges made, read from the checkpoint of step {step}"
+        else:
+            p = decision.plan
+            assert p is not None
+            if self.engine is None:
+                self.engine = self._build(p.old, me, ranks, g.pg, scope)
+            elif me not in decision.keep:
+                self.engine.forget()
+            if decision.unchanged:
+                left = self.engine.regroup(ranks, g.pg, scope)
+                what = ""
+            else:
+                left = self.engine.reshard(p, me, ranks, g.pg, scope)
+                what = p.reason
+        self.epoch, self.step = g.epoch, step
+        self.engine.scope = node.scope(during_step=True)
+        if what:
+            held = sum(e - s for s, e in self.engine.layout.held(me))
+            node.records.log(Entry.RESHARD, {"epoch": g.epoch, "step": step, "reason": what, "held": held})
+            log.info("%s: sharded zone at step %d: %s; holds %s elements", node.name, step, what, f"{held:,}")
+        return left if left is not g.pg else None
+
+    def _restore(self, node: Node, layout: Layout, me: str, step: int) -> None:
+        directory = node.config.checkpoint_dir
+        if directory is None:
+            raise JobHalted(
+                f"the group resumes at step {step} but no member holds the state's ranges and this node has no "
+                "--checkpoint-dir to read them from: give every node the checkpoint directory"
+            )
+        try:
+            restore_shards(self.ready, Path(directory), layout, me, step=step)
+        except TransferError as exc:
+            raise JobHalted(f"the group resumes at step {step}, but its ranges cannot be read: {exc}") from exc
+
+    def save(self, directory: Path, step: int) -> None:
+        """This member's primary range at ``step`` into ``directory`` (with a checkpoint)."""
+        save_shard(self.ready, directory, step)
+
+    def _build(
+        self, layout: Layout, me: str, ranks: Mapping[str, int], pg: ProcessGroup, scope: EpochScope
+    ) -> ShardedModel:
+        blocks = self.sharding.blocks(self.model) if self.sharding.blocks is not None else None
+        return ShardedModel(
+            self.model, layout, me, ranks, pg, scope, self.make_optimizer, blocks=blocks, groups=self.groups
+        )
+
+    # ---------------------------------------------------------------- the step
+
+    @property
+    def ready(self) -> ShardedModel:
+        assert self.engine is not None, "the sharded zone's ranges are given at the sync phase"
+        return self.engine
+
+    def finish_backward(self) -> float:
+        """After this step's last backward: every block summed; this member's gradient norm."""
+        engine = self.ready
+        engine.finish_backward()
+        return math.sqrt(engine.take_squares())
+
+    def apply(self) -> None:
+        """The optimizer on the held ranges, with the param groups' settings of now."""
+        engine = self.ready
+        engine.set_hyperparameters(self.optimizer.param_groups)
+        engine.step()
+
+    def abandon(self) -> None:
+        if self.engine is not None:
+            self.engine.abandon()
+
+    def committed(self, step: int) -> None:
+        self.step = step
+
+    # ---------------------------------------------------------------- what a finished node keeps
+
+    def digests(self) -> dict[str, str]:
+        """Each held range's digest by ``"start-end"``: a primary's equals its buddy's."""
+        return {f"{a}-{b}": d for (a, b), d in self.ready.digests().items()}
+
+    def final(self, me: str) -> dict[str, Any]:
+        """This member's primary range (values) and where it lies: the parts of the finished
+        model that `assemble` puts together from every member's."""
+        engine = self.ready
+        shard = engine.layout.primary(me)
+        spans = engine.spans()
+        if shard is None:
+            return {"spans": spans, "numel": self.numel}
+        values = engine.export(shard.start, shard.end, with_state=False)["values"]
+        return {"spans": spans, "numel": self.numel, "start": shard.start, "end": shard.end, "values": values}
+
+
+def assemble(parts: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """The finished model's parameters by name, from the `ShardedZone.final` of members whose
+    primaries cover the flat space.
+
+    Raises:
+        ValueError: the parts leave elements uncovered.
+    """
+    if not parts:
+        raise ValueError("no parts to assemble")
+    numel = int(parts[0]["numel"])
+    flat = torch.full((numel,), float("nan"))
+    covered = torch.zeros(numel, dtype=torch.bool)
+    for part in parts:
+        if "values" in part:
+            flat[part["start"] : part["end"]] = part["values"]
+            covered[part["start"] : part["end"]] = True
+    if not bool(covered.all()):
+        raise ValueError(f"the parts cover {int(covered.sum()):,} of {numel:,} elements")
+    out, at = {}, 0
+    for name, shape in parts[0]["spans"]:
+        n = int(torch.Size(shape).numel())
+        out[name] = flat[at : at + n].view(shape).clone()
+        at += n
+    return out
+
+
+def assemble_files(paths: Sequence[Path]) -> dict[str, torch.Tensor]:
+    """`assemble` of the ``"shard"`` part of finished nodes' ``--final-state`` files."""
+    return assemble([torch.load(p, weights_only=True)["shard"] for p in paths])

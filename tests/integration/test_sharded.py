@@ -1,0 +1,140 @@
+"""A sharded zone of real node processes under kill, freeze, join and leave (`Job.shard`).
+
+Each test checks the promises on the commit logs, that every range's two holders finished
+with the same bytes, and that the model put together from the finished members' primary
+ranges is the single-process run's (up to float summation order).
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import pytest
+
+from integration.helpers import ATOL, events_of, fired, job_for
+from unbroken.testing import LocalCluster, check_promises, reference_state
+from unbroken.train.sharding import assemble_files
+
+pytestmark = pytest.mark.timeout(180)
+
+ENV = {"UB_TEST_STEPS": "40", "UB_TEST_DELAY_MS": "20", "UB_TEST_SHARD": "1"}
+
+
+def start(make_cluster: Any, env: dict[str, str], n: int, node_args: tuple[str, ...] = (), **kw: Any) -> LocalCluster:
+    c: LocalCluster = make_cluster(env=env, min_nodes=n, node_args=["--digest-every", "1", *node_args], **kw)
+    c.start_coordinator()
+    return c
+
+
+def reshards(c: LocalCluster) -> list[dict[str, Any]]:
+    return [e for node in c.nodes.values() for e in node.entries() if e["kind"] == "reshard"]
+
+
+def assert_sharded(c: LocalCluster, env: dict[str, str], finishers: int) -> None:
+    job = job_for(env)
+    report = check_promises({name: n.entries() for name, n in c.nodes.items()}, job, finishers=finishers)
+    assert report.ok, "\n".join(report.problems) + "\n" + c.diagnostics()
+    finals = [e for n in c.nodes.values() for e in n.entries() if e["kind"] == "final"]
+    held: dict[str, set[str]] = {}
+    for e in finals:
+        for span, digest in e["ranges"].items():
+            held.setdefault(span, set()).add(digest)
+    assert held and all(len(d) == 1 for d in held.values()), f"a range's holders differ: {held}"
+    paths = [n.final_state for n in c.nodes.values() if n.final_state.exists()]
+    got = assemble_files(paths)
+    for name, want in reference_state(job).items():
+        diff = (got[name] - want).abs().max().item()
+        assert diff <= ATOL, f"{name} differs from the single-process reference by {diff:.2e} (> {ATOL})"
+
+
+def test_a_sharded_zone_trains_as_one_process_and_survives_a_sigkill(make_cluster: Any) -> None:
+    c = start(make_cluster, ENV, 4)
+    victim = None
+    for i in range(1, 5):
+        node = c.start_node(f"n{i}", fault="kill@allreduce:15" if i == 2 else "")
+        victim = node if i == 2 else victim
+    codes = c.wait_exit(timeout=120)
+    assert victim is not None and fired(victim, "kill"), c.diagnostics()
+    assert codes == {"n1": 0, "n2": -signal.SIGKILL, "n3": 0, "n4": 0}, c.diagnostics()
+    assert_sharded(c, ENV, finishers=3)
+    lost = [e for e in reshards(c) if "lost" in e["reason"]]
+    assert {e["node"] for e in lost} == {"n1", "n3", "n4"}, reshards(c)
+    fault_t = next(e["t"] for e in victim.entries() if e["kind"] == "fault")
+    first = min(
+        e["t"] for n in c.nodes.values() for e in n.entries() if e["kind"] == "commit" and e["t"] > fault_t
+    )  # fmt: skip
+    assert first - fault_t < 5.0, first - fault_t  # measured ~0.5 s; the bench reports it
+
+
+def test_a_frozen_member_is_left_behind_then_rejoins_for_a_new_range(make_cluster: Any) -> None:
+    env = ENV | {"UB_TEST_STEPS": "150"}
+    c = start(make_cluster, env, 3)
+    c.start_node("n1")
+    frozen = c.start_node("n2", fault="stop@allreduce:12")
+    c.start_node("n3")
+    c.wait_for(lambda: any("n2" in e["reason"] for e in events_of(c, "failure")), 60, "n2 expelled")
+    frozen.signal(signal.SIGCONT)
+    codes = c.wait_exit(timeout=150)
+    assert fired(frozen, "stop")
+    assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
+    kinds = [e["kind"] for e in frozen.entries()]
+    assert "expelled" in kinds, c.diagnostics()
+    after = [e for e in frozen.entries()[kinds.index("expelled") :] if e["kind"] == "reshard"]
+    assert after and "joining" in after[0]["reason"], after  # a new member: its old copies are stale
+    assert_sharded(c, env, finishers=3)
+
+
+def test_a_joiner_gets_its_ranges_and_a_leaver_goes_without_loss(make_cluster: Any) -> None:
+    env = ENV | {"UB_TEST_STEPS": "120"}
+    c = start(make_cluster, env, 3)
+    for i in (1, 2, 3):
+        c.start_node(f"n{i}")
+    c.wait_step(20, timeout=90)
+    c.start_node("n4")
+    c.wait_for(lambda: any("joining" in e["reason"] for e in reshards(c)), 60, "n4 sharded in")
+    c.nodes["n1"].signal(signal.SIGTERM)
+    codes = c.wait_exit(timeout=150)
+    assert codes == {"n1": 0, "n2": 0, "n3": 0, "n4": 0}, c.diagnostics()
+    assert any(e["kind"] == "left" for e in c.nodes["n1"].entries()), c.diagnostics()
+    joined = [e for e in reshards(c) if e["node"] == "n4"]
+    assert joined and "joining" in joined[0]["reason"], joined
+    assert_sharded(c, env, finishers=3)
+
+
+def test_a_restart_of_every_member_reads_the_ranges_from_the_checkpoint(make_cluster: Any, tmp_path: Any) -> None:
+    env = ENV | {"UB_TEST_STEPS": "60"}
+    ck = tmp_path / "ck"
+    args = ("--checkpoint-dir", str(ck), "--checkpoint-every", "10")
+    c = start(make_cluster, env, 3, node_args=args)
+    for i in (1, 2, 3):
+        c.start_node(f"n{i}")
+    c.wait_step(25, timeout=90)
+    for node in c.nodes.values():
+        node.kill()
+    c.wait_exit(timeout=30)
+    assert sorted(ck.glob("shard-*.pt")), "every member writes its range at a checkpoint"
+    c2 = start(make_cluster, env, 3, node_args=args)
+    for i in (1, 2, 3):
+        c2.start_node(f"m{i}")
+    codes = c2.wait_exit(timeout=120)
+    assert codes == {"m1": 0, "m2": 0, "m3": 0}, c2.diagnostics()
+    restored = [e for e in reshards(c2) if "checkpoint" in e["reason"]]
+    assert restored, reshards(c2)
+    job = job_for(env)
+    paths = [n.final_state for n in c2.nodes.values()]
+    got = assemble_files(paths)
+    for name, want in reference_state(job).items():
+        assert (got[name] - want).abs().max().item() <= ATOL, name
+
+
+def test_the_shard_flag_must_agree_and_its_refusal_names_it(make_cluster: Any) -> None:
+    env = {k: v for k, v in ENV.items() if k != "UB_TEST_SHARD"} | {"UB_TEST_STEPS": "200"}
+    c = start(make_cluster, env, 1)
+    c.start_node("n1", extra=["--shard"])
+    c.wait_step(3, timeout=60)
+    plain = c.start_node("n2")
+    assert plain.wait(timeout=60) != 0
+    assert "shard" in plain.stderr(), plain.stderr()[-2000:]
+    c.nodes["n1"].signal(signal.SIGTERM)
+    c.wait_exit(["n1"], timeout=60)
