@@ -2,6 +2,9 @@
 examples/own_loop.py`` shows every line that changed). On each machine:
 
     unbroken run examples/own_loop.py --coordinator HOST:29400 -- --steps 200
+
+With ``-- --shard`` each node holds a range of the model and its optimizer state instead of
+the whole (`unbroken.Sharding`; the clipping moves into it: no node holds the whole gradient).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--out", help="save the final model and the losses here")
+    parser.add_argument("--shard", action="store_true", help="shard the state over the nodes")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -91,14 +95,16 @@ def main(argv: list[str] | None = None) -> None:
     model = TinyLM(delay_s=args.delay_ms / 1000)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(10, args.steps))
-    model, opt, sched = swarm.replicate(model, opt, sched)
+    shard = unbroken.Sharding(clip_norm=1.0) if args.shard else False
+    model, opt, sched = swarm.replicate(model, opt, sched, shard=shard)
+    clip = None if args.shard else lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     losses: list[float] = []
-    for x, y in swarm.batches(loader, before_update=lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)):
+    for x, y in swarm.batches(loader, before_update=clip):
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         swarm.backward(loss)
         if swarm.step():
             log(losses, loss.item())
-    if args.out:
+    if args.out and not args.shard:  # sharded: each node's range is in its --final-state
         torch.save({"model": model.state_dict(), "losses": losses}, args.out)
 
 

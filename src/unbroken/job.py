@@ -112,10 +112,16 @@ class Sharding:
     its range. Default: the model's children that have parameters."""
     align: int = 1
     """Range boundaries fall on multiples of this many elements."""
+    clip_norm: float | None = None
+    """Clip the step's gradient to this global norm, as ``clip_grad_norm_(model.parameters(),
+    clip_norm)`` does on the whole (its norm summed over every member's ranges): a sharded
+    job's ``before_update`` cannot, no member holding the whole gradient."""
 
     def __post_init__(self) -> None:
         if self.align < 1:
             raise ConfigError(f"Sharding.align = {self.align} must be at least 1")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ConfigError(f"Sharding.clip_norm = {self.clip_norm} must be a positive number")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,7 +281,7 @@ class Job:
         if self.args:
             spec["args"] = list(self.args)
         if self.shard is not None:
-            spec["shard"] = {"align": self.shard.align}
+            spec["shard"] = {"align": self.shard.align, "clip_norm": self.shard.clip_norm}
         if optimizer is not None:
             spec["optimizer"] = hyperparameters(optimizer)
         return spec

@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate
 from unbroken.config import ENV_COORDINATOR, NodeConfig, environment_coordinators, parse_address
 from unbroken.control.auth import load_token
 from unbroken.errors import ConfigError, NotFinal
-from unbroken.job import Job
+from unbroken.job import Job, Sharding
 from unbroken.train.data import LoaderOrder, PassOrder
 from unbroken.train.hooks import Faults
 from unbroken.train.runtime import Node, NodeResult, Steps
@@ -160,6 +160,7 @@ class Swarm:
         self.result: NodeResult | None = None
         """How this node's run ended (once `batches` is exhausted)."""
         self._replicated: tuple[nn.Module, Any, Any, dict[str, Any]] | None = None
+        self._shard: Sharding | None = None
         self._steps: Steps | None = None
         self._current: Slice | None = None
         self._next: Slice | None = None
@@ -174,18 +175,29 @@ class Swarm:
     # ---------------------------------------------------------------- set-up
 
     @overload
-    def replicate(self, model: M, optimizer: Opt) -> tuple[M, Opt]: ...
+    def replicate(self, model: M, optimizer: Opt, *, shard: bool | Sharding = False) -> tuple[M, Opt]: ...
     @overload
-    def replicate(self, model: M, optimizer: Opt, scheduler: S, **state: Any) -> tuple[M, Opt, S]: ...
+    def replicate(
+        self, model: M, optimizer: Opt, scheduler: S, *, shard: bool | Sharding = False, **state: Any
+    ) -> tuple[M, Opt, S]: ...
 
-    def replicate(self, model: Any, optimizer: Any, scheduler: Any = None, **state: Any) -> tuple[Any, ...]:
+    def replicate(
+        self, model: Any, optimizer: Any, scheduler: Any = None, *, shard: bool | Sharding = False, **state: Any
+    ) -> tuple[Any, ...]:
         """Register the replicated state: the model, its optimizer (or a dict of several),
         the scheduler, and any more by name (``ema=EMA(model)``: each with ``state_dict``
         and ``load_state_dict``). Digested, sent to joiners, checkpointed; a joiner's are
-        overwritten by the group's when it joins. Returns them, for ``model, opt = ...``."""
+        overwritten by the group's when it joins. Returns them, for ``model, opt = ...``.
+
+        ``shard``: hold a range of the model's parameters and optimizer state instead of the
+        whole (`Sharding`; True: a block per child module). The model's parameters are then
+        gathered for its forward and backward only: run the model inside the loop's batches,
+        the same way on every node (a forward elsewhere gathers from every member), and keep
+        the finished model with ``--final-state`` (each node writes its range there)."""
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Swarm.replicate: the model must be a torch.nn.Module, not a {type(model).__name__}")
         self._replicated = (model, optimizer, scheduler, state)
+        self._shard = Sharding() if shard is True else shard or None
         return (model, optimizer) if scheduler is None and not state else (model, optimizer, scheduler)
 
     def _job(
@@ -243,6 +255,7 @@ class Swarm:
             loss_scale=loss_scale,
             before_update=_ignoring_arguments(before_update) if before_update is not None else None,
             after_step=_ignoring_arguments(after_step) if after_step is not None else None,
+            shard=self._shard,
             args=self.args,
         )
 
@@ -283,7 +296,7 @@ class Swarm:
         node = Node(job, config, self.faults, own_loop=True)
         torch.random.set_rng_state(rng)
         self.node = node
-        hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in node.params]  # type: ignore[no-untyped-call]
+        hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in node.replica.params]  # type: ignore[no-untyped-call]
         with node.session():
             self._steps = steps = node.steps()
             try:
@@ -292,10 +305,12 @@ class Swarm:
                     protocol = node.protocol
                     assert protocol is not None
                     protocol.prepare(sl)
-                    if not sl.indices:  # none of this step's samples are mine: a vote all the same
+                    if not sl.indices and node.zone is None:  # none of this step's samples are mine: a vote
                         sl = steps.send(0.0)
                         continue
-                    batch = job.collate(job.samples(sl.indices))
+                    # A sharded member without samples runs the step's first at weight zero: every
+                    # member's forward and backward gather and sum the zone's blocks in step.
+                    batch = job.collate(job.samples(sl.indices or node.data.indices(sl.step, 0, 1)))
                     self._current, self._next, self._loss = sl, None, 0.0
                     self._backwards = self._stray = 0
                     self._computing_since = time.perf_counter()
@@ -323,6 +338,11 @@ class Swarm:
         if sl is None:
             raise ConfigError("swarm.backward(loss) is for the batch swarm.batches() just gave")
         assert self.node is not None
+        if self._backwards and self.node.zone is not None:
+            raise ConfigError(
+                "a sharded zone takes one swarm.backward(loss) per batch: every member sums the zone's blocks "
+                "once per step, in step with the others"
+            )
         self._in_backward = True
         try:
             (loss * (sl.weight * self.node.loss_scale)).backward()  # type: ignore[no-untyped-call]

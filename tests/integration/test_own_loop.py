@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from integration.helpers import EXAMPLES, events_of, kill_and_join, load_example
 from unbroken.testing import check_promises
 from unbroken.train.data import DataPlan, LoaderOrder
+from unbroken.train.sharding import assemble_files
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -77,6 +78,36 @@ def test_the_ported_plain_loop_survives_a_kill_and_a_join_and_matches_the_plain_
         assert got["scheduler"]["last_epoch"] == STEPS, "the scheduler stepped once per committed step"
 
 
+def test_the_same_loop_sharded_survives_a_kill_and_a_join_and_matches_the_plain_script(make_cluster, tmp_path):
+    plain = load_example("plain_loop")
+    out = tmp_path / "plain.pt"
+    steps = 120
+    subprocess.run(
+        [sys.executable, str(EXAMPLES / "plain_loop.py"), "--steps", str(steps), "--out", str(out)],
+        check=True,
+        timeout=120,
+    )
+    reference = torch.load(out, weights_only=False)
+    args = ["--steps", str(steps), "--delay-ms", "60", "--shard"]
+    c = make_cluster(job=str(EXAMPLES / "own_loop.py"), min_nodes=3, node_args=["--digest-every", "1"])
+    _, joiner = kill_and_join(c, args)
+    reshards = [e for e in joiner.entries() if e["kind"] == "reshard"]
+    assert reshards and "joining" in reshards[0]["reason"], "the joiner got its ranges"
+
+    logged = {e["step"]: e["loss"] for n in c.nodes.values() for e in n.entries() if e["kind"] == "commit"}
+    for step in range(1, EARLY_STEPS + 1):
+        assert logged[step] == pytest.approx(reference["losses"][step - 1], rel=EARLY_RTOL), f"step {step}"
+    finals = [e for n in c.nodes.values() for e in n.entries() if e["kind"] == "final"]
+    spans: dict[str, set[str]] = {}
+    for e in finals:
+        for span, digest in e["ranges"].items():
+            spans.setdefault(span, set()).add(digest)
+    assert len(finals) == 3 and all(len(d) == 1 for d in spans.values()), spans
+    model = assemble_files([c.nodes[name].final_state for name in ("n1", "n3", "n4")])
+    mine, theirs = _heldout_loss(plain, model), _heldout_loss(plain, reference["model"])
+    assert abs(mine - theirs) <= HELDOUT_RTOL * theirs, f"held-out loss {mine:.4f} vs {theirs:.4f}"
+
+
 def test_own_loop_mistakes_are_named(make_cluster, tmp_path):
     """A loop that also steps the scheduler, an unseeded shuffling DataLoader, a plain
     ``loss.backward()``, a step with no backward, a scheduler left out of `replicate`: the
@@ -92,8 +123,8 @@ def test_own_loop_mistakes_are_named(make_cluster, tmp_path):
         "call swarm.backward(loss) instead": ("swarm.backward(loss)", "loss.backward()"),
         "swarm.step() without swarm.backward(loss)": ("swarm.backward(loss)", "pass"),
         "pass it, swarm.replicate(model, opt, sched)": (
-            "model, opt, sched = swarm.replicate(model, opt, sched)",
-            "model, opt = swarm.replicate(model, opt)",
+            "model, opt, sched = swarm.replicate(model, opt, sched, shard=shard)",
+            "model, opt = swarm.replicate(model, opt, shard=shard)",
         ),
     }
     for i, (fix, (text, mistake)) in enumerate(mistakes.items()):

@@ -29,9 +29,9 @@ What this engine takes from the same design: the per-block gather, the freeing o
 between uses, and the version counters left alone while a block's storage is refilled (the
 tensors autograd saved stay valid).
 
-Not yet here: buffers (BatchNorm statistics) are not sharded or summed (a model with
-buffers that forward passes change is refused), parameters shared between blocks, and
-devices other than the CPU.
+Not yet here: buffers are kept whole on every member, never summed (a model with running
+statistics, BatchNorm's, is refused; `train.sharding` checks at each step that no buffer
+changed), parameters shared between blocks, and devices other than the CPU.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import xxhash
 from torch import nn
 
 from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable, wait_all
-from unbroken.errors import ConfigError, TransferError
+from unbroken.errors import CollectiveFailed, ConfigError, EpochAborted, TransferError
 from unbroken.state.shards import Layout, Plan, Purpose
 
 log = logging.getLogger(__name__)
@@ -135,10 +135,10 @@ class ShardedModel:
         groups' hyperparameters, one per group, with ``"params"`` naming the parameters by
         their names in ``model`` (default: one group of all). ``values(start, end)``: the
         initial flat values of a range (default: read from ``model``)."""
-        if any(b.dtype.is_floating_point for b in model.buffers()):
+        if tracking := [n for n, mod in model.named_modules() if getattr(mod, "track_running_stats", False)]:
             raise ConfigError(
-                "a sharded zone does not shard or sum buffers yet: this model has floating-point buffers "
-                "(BatchNorm statistics?); use LayerNorm or train it unsharded"
+                f"a sharded zone does not sum buffers that forward passes change yet: {tracking[0]!r} keeps "
+                "running statistics (BatchNorm); use LayerNorm or train it unsharded"
             )
         self.model = model
         self.layout = layout
@@ -174,6 +174,11 @@ class ShardedModel:
         self._built: list[int] = []
         """The param group each group of `optimizer` was built from (empty ones are left out)."""
         self.optimizer = self._build_optimizer()
+        self.defer = False
+        """A failed collective is not raised inside forward or backward but kept in `failure`
+        and raised by `finish_backward` (a user's own loop runs them: what they raise would end
+        the script); the rest of the step runs on zeros, and is not applied."""
+        self.failure: CollectiveFailed | EpochAborted | None = None
         self.squares = 0.0
         """The sum of squares of this member's own gradient, block by block as it goes out
         to be summed, since `take_squares` (its norm slot of the step: `train.guard`)."""
@@ -313,8 +318,9 @@ class ShardedModel:
             if who == self.me:
                 mine[: b - a] = self._values(a, b)
         size = self.group.size()
-        outputs = [[torch.empty(longest) for _ in range(size)]]
-        wait_all([self.group.allgather(outputs, [mine])], self.scope, f"gathering block {self._name(block)}")
+        outputs = [[torch.zeros(longest) for _ in range(size)]]
+        if self.failure is None:
+            self._wait(self.group.allgather(outputs, [mine]), f"gathering block {self._name(block)}")
         flat = torch.empty(block.end - block.start)
         for who, a, b in pieces:
             flat[a - block.start : b - block.start] = outputs[0][self.ranks[who]][: b - a]
@@ -336,7 +342,10 @@ class ShardedModel:
             p.grad = None
         self._release(block)
         self.squares += float(torch.linalg.vector_norm(flat)) ** 2
-        wait_all([self.group.allreduce([flat])], self.scope, f"summing block {self._name(block)}'s gradient")
+        if self.failure is None:
+            self._wait(self.group.allreduce([flat]), f"summing block {self._name(block)}'s gradient")
+        if self.failure is not None:
+            return
         for piece in self._pieces():
             a, b = max(piece.start, block.start), min(piece.end, block.end)
             if a < b:
@@ -344,13 +353,27 @@ class ShardedModel:
                     piece.tensor.grad = torch.zeros_like(piece.tensor)
                 piece.tensor.grad[a - piece.start : b - piece.start] += flat[a - block.start : b - block.start]
 
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            wait_all([work], self.scope, what)
+        except (CollectiveFailed, EpochAborted) as exc:
+            if not self.defer:
+                raise
+            self.failure = exc
+
     def finish_backward(self) -> None:
         """After the last backward of a step: a block whose gradients did not all arrive
-        (parameters unused this step) is summed now, in block order on every member."""
+        (parameters unused this step) is summed now, in block order on every member.
+
+        Raises:
+            CollectiveFailed, EpochAborted: a collective of the step failed (deferred to here
+                with `defer`)."""
         for block in self.blocks:
             if block.waiting > 0:
                 block.waiting = 0
                 self._reduce(block)
+        if self.failure is not None:
+            raise self.failure
 
     def abandon(self) -> None:
         """The step in flight is not applied (a peer failed): the gradients summed so far are
@@ -363,6 +386,7 @@ class ShardedModel:
         for piece in self._pieces():
             piece.tensor.grad = None
         self.squares = 0.0
+        self.failure = None
 
     def forget(self) -> None:
         """Drop what this member holds (its copies are stale: it missed a commit the others
@@ -370,6 +394,22 @@ class ShardedModel:
         self.abandon()
         self.holdings = []
         self.optimizer = self._build_optimizer()
+
+    def primary_squares(self) -> float:
+        """The sum of squares of the summed gradient over this member's primary range (each
+        element counted once over the zone: its buddy copies are left out)."""
+        total = 0.0
+        for h in self.holdings:
+            if h.purpose is Purpose.PRIMARY:
+                for piece in h.pieces:
+                    if piece.tensor.grad is not None:
+                        total += float(torch.linalg.vector_norm(piece.tensor.grad)) ** 2
+        return total
+
+    def scale_gradients(self, factor: float) -> None:
+        for piece in self._pieces():
+            if piece.tensor.grad is not None:
+                piece.tensor.grad.mul_(factor)
 
     def step(self) -> None:
         """The optimizer on everything this member holds; gradients cleared."""

@@ -143,6 +143,8 @@ class Node:
         if self.zone is not None:
             self.buffers = []
         self.own_loop = own_loop
+        if self.zone is not None:
+            self.zone.defer = own_loop
         self.device = next(model.parameters()).device if own_loop else resolve_device(config.device)
         if self.zone is not None and self.device.type != "cpu":
             raise ConfigError(

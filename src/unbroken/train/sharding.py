@@ -24,14 +24,15 @@ one sample at weight zero, so that it joins the zone's gathers and sums in the s
 Apply steps the optimizer on the held ranges; a step not applied drops its sums (`abandon`).
 
 Not yet here: zones exchanging with each other (one zone per job), DiLoCo, audits and work
-checks (validators), a job's ``before_update`` (clipping needs the norm over every range),
-loss scaling, accelerators. Ranges that lost both holders while others live stop the job with
+checks (validators), a job's ``before_update`` (no member holds the whole gradient; clipping
+is `Sharding.clip_norm`), loss scaling, accelerators. Ranges that lost both holders while others live stop the job with
 the ranges named (a restart reads them from the checkpoint's shard files: every member
 writes its primary range there at each checkpoint).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -202,14 +203,9 @@ class ShardedZone:
         for what, value in (("before_update", job.before_update), ("loss_scale", job.loss_scale)):
             if value is not None:
                 raise ConfigError(
-                    f"a sharded job cannot take Job.{what} yet (it needs the gradient's norm over every range): "
-                    "leave it out, or train unsharded"
+                    f"a sharded job cannot take Job.{what} yet (no member holds the whole gradient): clip with "
+                    "Sharding(clip_norm=...), or train unsharded"
                 )
-        if any(b.dtype.is_floating_point for b in model.buffers()):
-            raise ConfigError(
-                "a sharded zone does not shard or sum buffers yet: this model has floating-point buffers "
-                "(BatchNorm statistics?); use LayerNorm or train it unsharded"
-            )
         self.sharding: Sharding = sharding
         self.model = model
         self.optimizer = optimizer
@@ -224,16 +220,28 @@ class ShardedZone:
         ]
         if any(not p.requires_grad for p in model.parameters()):
             raise ConfigError("a sharded job trains every parameter: frozen ones are not sharded yet")
+        self.buffers = [(n, b, b.detach().clone()) for n, b in model.named_buffers() if b.dtype.is_floating_point]
+        """Every member keeps the buffers whole, as built (an attention mask): none may change."""
         self.shell = nn.Module()
         """What the replicated state holds as its model: nothing (the values are in the ranges)."""
         self.engine: ShardedModel | None = None
+        self.defer = False
+        """A user's own loop runs forward and backward: their failures wait for the step
+        (`ShardedModel.defer`)."""
+        self._clip = 1.0
+        """What the step's summed gradient is multiplied by (`Sharding.clip_norm`)."""
         self.epoch = -1
         """The epoch the layout held was made in."""
         self.step = -1
         """The committed step the held ranges are at."""
 
     def make_optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        opt: torch.optim.Optimizer = type(self.optimizer)(groups, **self.optimizer.defaults)
+        """The job's optimizer class over the held ranges, with its settings (those of its
+        defaults its constructor takes: AdamW keeps one of Adam's it does not)."""
+        kind = type(self.optimizer)
+        takes = inspect.signature(kind).parameters
+        settings = {k: v for k, v in self.optimizer.defaults.items() if k in takes}
+        opt: torch.optim.Optimizer = kind(groups, **settings)
         return opt
 
     def report(self) -> Report:
@@ -301,9 +309,11 @@ class ShardedZone:
         self, layout: Layout, me: str, ranks: Mapping[str, int], pg: ProcessGroup, scope: EpochScope
     ) -> ShardedModel:
         blocks = self.sharding.blocks(self.model) if self.sharding.blocks is not None else None
-        return ShardedModel(
+        engine = ShardedModel(
             self.model, layout, me, ranks, pg, scope, self.make_optimizer, blocks=blocks, groups=self.groups
         )
+        engine.defer = self.defer
+        return engine
 
     # ---------------------------------------------------------------- the step
 
@@ -313,15 +323,32 @@ class ShardedZone:
         return self.engine
 
     def finish_backward(self) -> float:
-        """After this step's last backward: every block summed; this member's gradient norm."""
+        """After this step's last backward: every block summed, and with `Sharding.clip_norm`
+        the summed gradient's norm over the zone (one more all-reduce, before the vote: a
+        failure there retries the step); this member's own gradient norm."""
         engine = self.ready
         engine.finish_backward()
-        return math.sqrt(engine.take_squares())
+        own = math.sqrt(engine.take_squares())
+        self._clip = 1.0
+        if self.sharding.clip_norm is not None:
+            total = torch.tensor([engine.primary_squares()], dtype=torch.float64)
+            wait_all([engine.group.allreduce([total])], engine.scope, "summing the gradient's norm over the zone")
+            norm = math.sqrt(float(total))
+            self._clip = min(1.0, self.sharding.clip_norm / (norm + 1e-6))  # clip_grad_norm_'s rule
+        return own
 
     def apply(self) -> None:
         """The optimizer on the held ranges, with the param groups' settings of now."""
         engine = self.ready
+        for name, now, built in self.buffers:  # the same on every member: they stop together
+            if not torch.equal(now, built):
+                raise ConfigError(
+                    f"the model's forward changed its buffer {name!r}: a sharded zone keeps buffers as built and "
+                    "does not sum them; keep it constant, or train unsharded"
+                )
         engine.set_hyperparameters(self.optimizer.param_groups)
+        if self._clip < 1.0:
+            engine.scale_gradients(self._clip)
         engine.step()
 
     def abandon(self) -> None:
@@ -342,16 +369,17 @@ class ShardedZone:
         model that `assemble` puts together from every member's."""
         engine = self.ready
         shard = engine.layout.primary(me)
-        spans = engine.spans()
+        buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}  # whole on every member
+        out: dict[str, Any] = {"spans": engine.spans(), "numel": self.numel, "buffers": buffers}
         if shard is None:
-            return {"spans": spans, "numel": self.numel}
+            return out
         values = engine.export(shard.start, shard.end, with_state=False)["values"]
-        return {"spans": spans, "numel": self.numel, "start": shard.start, "end": shard.end, "values": values}
+        return out | {"start": shard.start, "end": shard.end, "values": values}
 
 
 def assemble(parts: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-    """The finished model's parameters by name, from the `ShardedZone.final` of members whose
-    primaries cover the flat space.
+    """The finished model's state dict (parameters, buffers) from the `ShardedZone.final` of
+    members whose primaries cover the flat space.
 
     Raises:
         ValueError: the parts leave elements uncovered.
@@ -372,7 +400,7 @@ def assemble(parts: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         n = int(torch.Size(shape).numel())
         out[name] = flat[at : at + n].view(shape).clone()
         at += n
-    return out
+    return out | dict(parts[0].get("buffers", {}))
 
 
 def assemble_files(paths: Sequence[Path]) -> dict[str, torch.Tensor]:
