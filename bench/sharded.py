@@ -21,8 +21,11 @@ Printed: the steady step (median after ``--warmup``) of each and their ratio, ea
 peak RSS and the training state it holds against the whole state (parameters, gradients and
 Adam's two moments: 16 bytes a parameter), the time from the kill to the survivors' next
 committed step, steps lost, and whether the final model equals one process trained on the
-whole batch (max abs difference). The last line is one JSON object with these figures.
-This version keeps shards on the CPU: ``--device cuda`` is refused (no NCCL path yet).
+whole batch (max abs difference). Then the same model through the whole runtime, real node
+processes with a kill and a join (`bench/sharded_nodes.py`; ``--no-nodes`` skips it): the
+kill, the promises and ``steps_lost`` of the last line are that run's (the engine-level ones
+under ``engine``). The last line is one JSON object with these figures. This version keeps
+shards on the CPU: ``--device cuda`` is refused (no NCCL path yet).
 """
 
 from __future__ import annotations
@@ -49,25 +52,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-VOCAB, CONTEXT = 256, 32
-
-
-class Model(nn.Module):
-    def __init__(self, dim: int, layers: int) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(VOCAB, dim)
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
-            for _ in range(layers)
-        )
-        self.head = nn.Linear(dim, VOCAB)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
+import sharded_nodes
+from sharded_nodes import CONTEXT, VOCAB, Model
 
 
 def batch(step: int, lo: int, hi: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,6 +279,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--short", action="store_true", help="4 nodes, 20 steps, one repeat")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--node-steps", type=int, default=40, help="steps of the run through real nodes")
+    parser.add_argument("--join-step", type=int, default=22, help="step at which a node joins that run")
+    parser.add_argument("--no-nodes", action="store_true", help="skip the run through real nodes")
     args = parser.parse_args()
     if args.device != "cpu":
         sys.exit("bench/sharded.py: this version keeps shards on the CPU (gloo); --device cuda has no NCCL path yet")
@@ -359,25 +348,52 @@ def main() -> None:
             else "did not report",
         ),
     ]
+    engine = {
+        "kill_to_next_commit_s": round(kill_to_commit, 4),
+        "steps_lost": args.steps - committed,
+        "promises_kept": max(kill_diff, diff) <= 2 * order_only + 1e-6 and committed == args.steps,
+        "max_abs_diff_vs_one_process": {"ours": diff, "ours_with_kill": kill_diff, "float_order": order_only},
+    }
+    figures: dict[str, Any] = {
+        "state_over_node_budget": round(state_bytes / (16 * max(held)), 3),
+        "nodes": args.nodes,
+        **engine,
+        "step_vs_fsdp2": round(ours_med / theirs_med, 3),
+        "peak_rss_mb": {"ours": round(max(rss_ours)), "fsdp2": round(max(rss_theirs))},
+        "held_bytes_largest": held_bytes,
+        "fsdp2_on_kill": "raised" if died else "no report",
+    }
+    if not args.no_nodes:
+        print("sharded nodes: the reference run ...", file=sys.stderr, flush=True)
+        n = argparse.Namespace(
+            nodes=args.nodes, steps=args.node_steps, kill_step=args.kill_step, join_step=args.join_step,
+            dim=args.dim, layers=args.layers, batch=args.batch, timeout=args.timeout,
+        )  # fmt: skip
+        node_ref, node_order = sharded_nodes.reference_model(sharded_nodes.job(sharded_nodes.job_args(n)), n.nodes)
+        print("sharded nodes: the zone ...", file=sys.stderr, flush=True)
+        r = sharded_nodes.run(n, node_ref, node_order)
+        join_ratio = r["join_s"] / r["cold_start_s"]
+        peaks, held_mb = r["peak_rss_mb"], r["held_state_mb_largest"]
+        rows += [
+            ("real nodes: SIGKILL -> next commit", f"{r['kill_to_next_commit_s']:.3f} s"),
+            ("real nodes: promises (commit logs), buddies agree", f"{not r['promises']}, {r['buddies_agree']}"),
+            ("real nodes: final model vs one process", f"{r['max_abs_diff']:.2e} (float order {node_order:.2e})"),
+            ("real nodes: join spawn -> first commit / cold start", f"{r['join_s']:.2f} / {r['cold_start_s']:.2f} s"),
+            ("real nodes: peak RSS per node", ", ".join(f"{k} {v:.0f} MB" for k, v in sorted(peaks.items()))),
+            ("real nodes: state held by the largest holder / whole", f"{held_mb:.1f} / {r['whole_state_mb']:.1f} MB"),
+        ]  # fmt: skip
+        figures |= {
+            "kill_to_next_commit_s": round(r["kill_to_next_commit_s"], 4),
+            "steps_lost": args.node_steps - r["steps_committed"],
+            "promises_kept": bool(r["promises_kept"] and engine["promises_kept"]),
+            "join_over_cold_start": round(join_ratio, 3),
+            "nodes_run": {k: v for k, v in r.items() if k != "codes"},
+            "engine": engine,
+        }
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
-    print(
-        json.dumps(
-            {
-                "state_over_node_budget": round(state_bytes / (16 * max(held)), 3),
-                "nodes": args.nodes,
-                "kill_to_next_commit_s": round(kill_to_commit, 4),
-                "steps_lost": args.steps - committed,
-                "promises_kept": max(kill_diff, diff) <= 2 * order_only + 1e-6 and committed == args.steps,
-                "max_abs_diff_vs_one_process": {"ours": diff, "ours_with_kill": kill_diff, "float_order": order_only},
-                "step_vs_fsdp2": round(ours_med / theirs_med, 3),
-                "peak_rss_mb": {"ours": round(max(rss_ours)), "fsdp2": round(max(rss_theirs))},
-                "held_bytes_largest": held_bytes,
-                "fsdp2_on_kill": "raised" if died else "no report",
-            }
-        )
-    )
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

@@ -375,16 +375,19 @@ class ShardedModel:
         if self.failure is not None:
             raise self.failure
 
-    def abandon(self) -> None:
-        """The step in flight is not applied (a peer failed): the gradients summed so far are
-        dropped and every block's storage freed, so the step can be retried from the start."""
+    def abandon(self, *, keep_sums: bool = False) -> None:
+        """The step in flight is not applied (a peer failed): every block's storage is freed
+        and the gradients summed so far dropped, so the step can be retried from the start;
+        ``keep_sums``: the held ranges' summed gradients are kept (complete: the step may
+        have committed elsewhere, and `step` then applies it late)."""
         for block in self.blocks:
             block.waiting = 0
             for p in block.params:
                 p.grad = None
             self._release(block)
-        for piece in self._pieces():
-            piece.tensor.grad = None
+        if not keep_sums:
+            for piece in self._pieces():
+                piece.tensor.grad = None
         self.squares = 0.0
         self.failure = None
 

@@ -448,7 +448,7 @@ class Node:
     def _abandon(self) -> None:
         self._flat = None  # a collective of the abandoned epoch may still write into it
         if self.zone is not None:
-            self.zone.abandon()
+            self.zone.abandon(self.state.step)
         if self.group is not None:
             for pg in [self.group.pg, *self.group.extra_pgs]:
                 self.graveyard.bury(pg)

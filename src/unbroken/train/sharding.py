@@ -76,6 +76,9 @@ class Report:
     """The epoch that layout was made in."""
     step: int = -1
     """The committed step its ranges are at."""
+    summed: int = -1
+    """The step whose summed gradient it holds complete, not applied (its commit failed
+    here): where that step committed elsewhere, it applies it late (`Decision.late`)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,9 @@ class Decision:
     group, of another layout, or of a member expelled and back under a new name)."""
     restore: bool = False
     """The ``fresh`` layout's ranges come from the shard files of a checkpoint (step > 0)."""
+    late: frozenset[str] = frozenset()
+    """Members one step behind that hold that step's summed gradient: they apply it now (a
+    step is applied by all or none: others committed it while their commit failed)."""
 
     @property
     def unchanged(self) -> bool:
@@ -113,6 +119,12 @@ def decide(reports: Mapping[str, Report], step: int, numel: int, align: int) -> 
     old = next(r.layout for r in held.values() if (r.step, r.epoch) == newest)
     assert old is not None
     valid = {m for m, r in held.items() if (r.step, r.epoch) == newest and r.layout == old and m in old.members}
+    late = {
+        m
+        for m, r in held.items()
+        if r.layout == old and m in old.members and r.epoch == newest[1] and r.summed == r.step == newest[0] - 1
+    }
+    valid |= late
     if newest[0] != step:
         raise JobHalted(
             f"the group is at step {step} but the newest ranges any member holds are of step {newest[0]}: "
@@ -129,7 +141,7 @@ def decide(reports: Mapping[str, Report], step: int, numel: int, align: int) -> 
             f"ranges {ranges} of the state lost both their holders at step {step} "
             f"({', '.join(sorted(m.removesuffix(STALE) for m in lost))}): restart the job from its last checkpoint"
         )
-    return Decision(plan=p, keep=frozenset(valid))
+    return Decision(plan=p, keep=frozenset(valid), late=frozenset(late))
 
 
 def _renamed(layout: Layout, names: Mapping[str, str]) -> Layout:
@@ -145,7 +157,12 @@ def _renamed(layout: Layout, names: Mapping[str, str]) -> Layout:
 
 def encode(report: Report) -> bytes:
     lay = report.layout
-    body: dict[str, Any] = {"weight": report.weight, "epoch": report.epoch, "step": report.step}
+    body: dict[str, Any] = {
+        "weight": report.weight,
+        "epoch": report.epoch,
+        "step": report.step,
+        "summed": report.summed,
+    }
     if lay is not None:
         body["layout"] = {
             "numel": lay.numel,
@@ -166,7 +183,7 @@ def decode(data: bytes) -> Report:
         layout = Layout(
             int(lay["numel"]), int(lay["align"]), tuple(lay["members"]), tuple(int(w) for w in lay["weights"]), shards
         )
-    return Report(int(body["weight"]), layout, int(body["epoch"]), int(body["step"]))
+    return Report(int(body["weight"]), layout, int(body["epoch"]), int(body["step"]), int(body["summed"]))
 
 
 def exchange(pg: ProcessGroup, mine: bytes, scope: EpochScope) -> list[bytes]:
@@ -230,6 +247,11 @@ class ShardedZone:
         (`ShardedModel.defer`)."""
         self._clip = 1.0
         """What the step's summed gradient is multiplied by (`Sharding.clip_norm`)."""
+        self._summed = -1
+        """The step whose gradient the held ranges hold summed over the zone, complete."""
+        self.pending: tuple[int, list[dict[str, Any]], float] | None = None
+        """A step not applied here whose sum is complete: (step, its param groups' settings,
+        its clip factor), applied late if the group committed it (`Decision.late`)."""
         self.epoch = -1
         """The epoch the layout held was made in."""
         self.step = -1
@@ -247,7 +269,8 @@ class ShardedZone:
     def report(self) -> Report:
         if self.engine is None:
             return Report(self.weight)
-        return Report(self.weight, self.engine.layout, self.epoch, self.step)
+        summed = self.pending[0] if self.pending is not None else -1
+        return Report(self.weight, self.engine.layout, self.epoch, self.step, summed)
 
     def sync(self, node: Node, g: EpochGroup, step: int) -> ProcessGroup | None:
         """Give this member the ranges of epoch ``g`` at committed ``step`` (after the
@@ -273,15 +296,20 @@ class ShardedZone:
             assert p is not None
             if self.engine is None:
                 self.engine = self._build(p.old, me, ranks, g.pg, scope)
+            elif me in decision.late:
+                self._apply_late(node, step)
             elif me not in decision.keep:
                 self.engine.forget()
+            elif self.pending is not None:  # the step it summed did not commit: retried from the start
+                self.engine.abandon()
+            self.pending = None
             if decision.unchanged:
                 left = self.engine.regroup(ranks, g.pg, scope)
                 what = ""
             else:
                 left = self.engine.reshard(p, me, ranks, g.pg, scope)
                 what = p.reason
-        self.epoch, self.step = g.epoch, step
+        self.epoch, self.step, self.pending = g.epoch, step, None
         self.engine.scope = node.scope(during_step=True)
         if what:
             held = sum(e - s for s, e in self.engine.layout.held(me))
@@ -322,7 +350,7 @@ class ShardedZone:
         assert self.engine is not None, "the sharded zone's ranges are given at the sync phase"
         return self.engine
 
-    def finish_backward(self) -> float:
+    def finish_backward(self, step: int) -> float:
         """After this step's last backward: every block summed, and with `Sharding.clip_norm`
         the summed gradient's norm over the zone (one more all-reduce, before the vote: a
         failure there retries the step); this member's own gradient norm."""
@@ -335,25 +363,44 @@ class ShardedZone:
             wait_all([engine.group.allreduce([total])], engine.scope, "summing the gradient's norm over the zone")
             norm = math.sqrt(float(total))
             self._clip = min(1.0, self.sharding.clip_norm / (norm + 1e-6))  # clip_grad_norm_'s rule
+        self._summed = step
         return own
 
     def apply(self) -> None:
         """The optimizer on the held ranges, with the param groups' settings of now."""
-        engine = self.ready
         for name, now, built in self.buffers:  # the same on every member: they stop together
             if not torch.equal(now, built):
                 raise ConfigError(
                     f"the model's forward changed its buffer {name!r}: a sharded zone keeps buffers as built and "
                     "does not sum them; keep it constant, or train unsharded"
                 )
-        engine.set_hyperparameters(self.optimizer.param_groups)
-        if self._clip < 1.0:
-            engine.scale_gradients(self._clip)
-        engine.step()
+        self._step(self.optimizer.param_groups, self._clip)
 
-    def abandon(self) -> None:
-        if self.engine is not None:
-            self.engine.abandon()
+    def _step(self, groups: list[dict[str, Any]], clip: float) -> None:
+        engine = self.ready
+        engine.set_hyperparameters(groups)
+        if clip < 1.0:
+            engine.scale_gradients(clip)
+        engine.step()
+        self._summed, self.pending = -1, None
+
+    def _apply_late(self, node: Node, step: int) -> None:
+        assert self.pending is not None
+        self._step(self.pending[1], self.pending[2])
+        node.records.log(Entry.RESHARD, {"epoch": self.epoch, "step": step, "reason": f"applied step {step - 1} late"})
+        log.info("%s: applied step %d late: the group committed it while its commit failed here", node.name, step - 1)
+
+    def abandon(self, step: int) -> None:
+        """Step ``step`` is not applied here. Where its sum is complete, it is kept: the group
+        may have committed it (a commit failed here, not everywhere), and `sync` applies it."""
+        if self.engine is None:
+            return
+        complete = self._summed == step and self.engine.failure is None
+        if complete:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            self.pending = (step, groups, self._clip)
+        self.engine.abandon(keep_sums=complete)
+        self._summed = -1
 
     def committed(self, step: int) -> None:
         self.step = step

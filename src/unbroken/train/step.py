@@ -210,7 +210,7 @@ class StepProtocol:
     def undo(self, sl: Slice) -> None:
         """The step is not applied: what its forward passes did to the buffers is undone."""
         if self.node.zone is not None:
-            self.node.zone.abandon()
+            self.node.zone.abandon(sl.step)
         if not sl.before:
             return
         with torch.no_grad():
@@ -233,7 +233,7 @@ class StepProtocol:
             self._start_gradient(sl.step)
         self.buckets.complete()
         if node.zone is not None:  # its gradient went out block by block in backward
-            self._squares = node.zone.finish_backward() ** 2
+            self._squares = node.zone.finish_backward(sl.step) ** 2
         if self.witness is not None and sl.indices:
             mb = min(int(log.get("microbatch") or sl.share), sl.share)
             digest = self.witness.commitment(sl.indices)

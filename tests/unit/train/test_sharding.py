@@ -81,3 +81,18 @@ def test_the_finished_model_is_assembled_from_primaries_and_a_gap_is_refused() -
     assert torch.equal(got["w"], torch.arange(6.0).view(2, 3)) and torch.equal(got["b"], torch.tensor([6.0, 7.0]))
     with pytest.raises(ValueError, match="cover 5 of 8"):
         assemble(parts[:1])
+
+
+def test_a_member_whose_commit_failed_where_the_others_committed_applies_the_step_late() -> None:
+    # The step's sums are complete on every member; c's vote failed (a frozen peer's expulsion
+    # ended its epoch) while a, b and d committed: c holds the only other copy of some ranges.
+    reports = held("a", "b", "d", step=13, epoch=1) | {"c": Report(4, OLD, 1, 12, summed=12)}
+    d = decide(reports, 13, NUMEL, 1)
+    assert d.late == {"c"} and "c" in d.keep and d.unchanged
+
+
+def test_a_member_behind_without_the_sum_is_stale_and_one_with_a_sum_of_another_step_too() -> None:
+    for summed in (-1, 11):
+        reports = held("a", "b", "d", step=13, epoch=1) | {"c": Report(4, OLD, 1, 12, summed=summed)}
+        d = decide(reports, 13, NUMEL, 1)
+        assert not d.late and "c" not in d.keep

@@ -1,0 +1,232 @@
+"""A sharded zone of real node processes (`unbroken node --shard`): kill, join, memory, promises.
+
+    python bench/sharded_nodes.py                 # 4 nodes, about 2 minutes on 2 cores
+    python bench/sharded_nodes.py --steps 60 --dim 384
+
+`bench/sharded.py` runs this after its engine-level comparison with FSDP2 (``--short`` too)
+and merges the figures into its last line. Here the whole runtime runs: a coordinator and
+``--nodes`` node processes on loopback (gloo, OMP_NUM_THREADS=1), the transformer of
+`bench/sharded.py` as a `Job` with ``Sharding`` (a block per layer), AdamW, B = ``--batch``:
+
+- a kill: node n2 SIGKILLs itself in the all-reduce of step ``--kill-step``; measured from
+  the fault line in its log to the survivors' next commit (the epoch change, the layout
+  exchange, the re-shard from the buddy copies and the retried step);
+- a join: at step ``--join-step`` a new node is spawned; measured from the spawn to its first
+  commit (start-up, the group's step boundary, its ranges sent by their holders, one step);
+  against the same node cold-starting a 1-node sharded job on a fresh coordinator, spawned
+  while the zone trains (the same load on this machine);
+- the promises (`unbroken.testing.check_promises` on every node's commit log), every range's
+  two holders ending with the same digest, and the model put together from the finished
+  nodes' ranges against one process trained on the whole batch;
+- each node's peak RSS (``VmHWM``, sampled while it runs) and the state it holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+from unbroken import Job, Sharding
+
+VOCAB, CONTEXT = 256, 32
+
+
+class Model(nn.Module):
+    """A small pre-norm transformer without float buffers (what a sharded zone takes)."""
+
+    def __init__(self, dim: int, layers: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    tokens = batch[0]
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def job(argv: list[str]) -> Job:
+    """``--steps N --dim D --layers L --batch B``: the sharded transformer job (every node the same)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--batch", type=int, default=16)
+    a = p.parse_args(argv)
+    tokens = torch.randint(0, VOCAB, (4096, CONTEXT + 1), generator=torch.Generator().manual_seed(1))
+    return Job(
+        name="sharded-bench",
+        model=lambda: Model(a.dim, a.layers),
+        optimizer=lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3),
+        dataset=TensorDataset(tokens),
+        step=_loss,
+        batch_size=a.batch,
+        num_steps=a.steps,
+        shard=Sharding(blocks=lambda model: [model.embed, *model.layers, model.head]),
+        args=tuple(argv),
+    )
+
+
+class PeakMemory:
+    """Each process's ``VmHWM`` (peak RSS), sampled on a thread until `stop`."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = dict(pids)
+        self.peak: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
+        self._thread.start()
+
+    def add(self, name: str, pid: int) -> None:
+        self.pids[name] = pid
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            for name, pid in list(self.pids.items()):
+                try:
+                    text = Path(f"/proc/{pid}/status").read_text()
+                except OSError:
+                    continue
+                kb = next((int(line.split()[1]) for line in text.splitlines() if line.startswith("VmHWM")), 0)
+                self.peak[name] = max(self.peak.get(name, 0.0), kb / 1024)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join(2)
+        return self.peak
+
+
+def _first_commit(node: Any) -> float | None:
+    return next((e["t"] for e in node.entries() if e["kind"] == "commit"), None)
+
+
+def cold_start(root: Path, job_ref: str, args: list[str], timeout: float) -> float:
+    """Spawn -> first commit of one node alone in a fresh sharded job."""
+    from common import wait_until
+    from unbroken.testing import LocalCluster
+
+    with LocalCluster(job_ref, root / "cold", min_nodes=1) as c:
+        c.start_coordinator()
+        t0 = time.time()
+        node = c.start_node("cold", extra=["--shard"], job_args=args)
+        t = wait_until(lambda: _first_commit(node), timeout, "the cold node's first commit")
+        return float(t) - t0
+
+
+def run(a: argparse.Namespace, reference: dict[str, torch.Tensor], float_order: float) -> dict[str, Any]:
+    """The zone's run with a kill and a join; the figures, by name."""
+    from common import wait_until
+    from unbroken.testing import LocalCluster, check_promises
+    from unbroken.train.sharding import assemble_files
+
+    ref = f"{Path(__file__).resolve()}:job"
+    args = job_args(a)
+    with (
+        tempfile.TemporaryDirectory(prefix="ub-sharded-") as tmp,
+        LocalCluster(ref, Path(tmp) / "zone", min_nodes=a.nodes, node_args=["--digest-every", "1"]) as c,
+    ):
+        root = Path(tmp)
+        c.start_coordinator()
+        for i in range(1, a.nodes + 1):
+            fault = f"kill@allreduce:{a.kill_step}" if i == 2 else ""
+            c.start_node(f"n{i}", fault=fault, job_args=args)
+        peak = PeakMemory({name: n.proc.pid for name, n in c.nodes.items()})
+        c.wait_step(a.join_step, timeout=a.timeout)
+        print("sharded nodes: the join ...", file=sys.stderr, flush=True)
+        t0 = time.time()
+        joiner = c.start_node("joiner", job_args=args)
+        peak.add("joiner", joiner.proc.pid)
+        joined = wait_until(lambda: _first_commit(joiner), a.timeout, "the joiner's first commit") - t0
+        print("sharded nodes: a cold start beside it ...", file=sys.stderr, flush=True)
+        cold = cold_start(root, ref, args, a.timeout)
+        codes = c.wait_exit(timeout=a.timeout)
+        peaks = peak.stop()
+        logs = {name: n.entries() for name, n in c.nodes.items()}
+        victim = logs["n2"]
+        fault_t = next((e["t"] for e in victim if e["kind"] == "fault"), None)
+        after = [e["t"] for entries in logs.values() for e in entries if e["kind"] == "commit"]
+        kill_to_commit = min(t for t in after if fault_t is not None and t > fault_t) - fault_t if fault_t else None
+        job_ = job(args)
+        report = check_promises(logs, job_, finishers=a.nodes)
+        finals = [e for entries in logs.values() for e in entries if e["kind"] == "final"]
+        digests: dict[str, set[str]] = {}
+        for e in finals:
+            for span, d in e.get("ranges", {}).items():
+                digests.setdefault(span, set()).add(d)
+        held = max((sum(int(b) - int(x) for x, b in (s.split("-") for s in e["ranges"])) for e in finals), default=0)
+        model = assemble_files([n.final_state for n in c.nodes.values() if n.final_state.exists()])
+        diff = max(float((model[k] - v).abs().max()) for k, v in reference.items())
+        numel = sum(v.numel() for v in reference.values())
+        kept = report.ok and all(len(d) == 1 for d in digests.values()) and diff <= 10 * float_order + 1e-5
+        return {
+            "codes": codes,
+            "kill_to_next_commit_s": kill_to_commit,
+            "promises": report.problems[:5],
+            "buddies_agree": all(len(d) == 1 for d in digests.values()),
+            "max_abs_diff": diff,
+            "promises_kept": kept,
+            "join_s": joined,
+            "cold_start_s": cold,
+            "peak_rss_mb": peaks,
+            "held_state_mb_largest": 16 * held / 2**20,
+            "whole_state_mb": 16 * numel / 2**20,
+            "steps_committed": len({e["step"] for entries in logs.values() for e in entries if e["kind"] == "commit"}),
+        }
+
+
+def reference_model(j: Job, parts: int) -> tuple[dict[str, torch.Tensor], float]:
+    """One process trained on the whole batch, and how far summing each step's gradient in
+    ``parts`` slices moves it (float order alone: what the zone may differ by)."""
+    from unbroken.testing.promises import reference_tree
+
+    whole: dict[str, torch.Tensor] = reference_tree(j)["model"]
+    sliced = reference_tree(j, parts=parts)["model"]
+    return whole, max(float((v - sliced[k]).abs().max()) for k, v in whole.items())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--kill-step", type=int, default=12)
+    p.add_argument("--join-step", type=int, default=22)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=240.0)
+    a = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    reference, float_order = reference_model(job(job_args(a)), a.nodes)
+    print(json.dumps(run(a, reference, float_order)))
+
+
+def job_args(a: argparse.Namespace) -> list[str]:
+    return ["--steps", str(a.steps), "--dim", str(a.dim), "--layers", str(a.layers), "--batch", str(a.batch)]
+
+
+if __name__ == "__main__":
+    main()
