@@ -123,12 +123,26 @@ def ours(rank: int, n: int, port: int, args: argparse.Namespace, q: Any, victim:
         layout = layout_for(numel, dict(zip(members, weights, strict=True)))
         epoch = 0
 
-        def abort() -> EpochAborted | None:
+        aborted = {"epoch": -1}
+
+        def watch() -> None:
             # What the coordinator's urgent order does for a node: the first survivor to see a
-            # collective fail tells the others, who leave whatever collective they wait in.
-            return EpochAborted("a peer failed") if store.check([f"abort/{epoch}"]) else None
+            # collective fail tells the others, who leave whatever collective they wait in. A
+            # thread watches the store, as a node's control thread its session: a wait checks a
+            # flag (asking the store at every check cost 28 ms a step).
+            watcher = TCPStore("127.0.0.1", port, n, False, timeout=timedelta(seconds=60))
+            while True:
+                e = epoch
+                if aborted["epoch"] != e and watcher.check([f"abort/{e}"]):
+                    aborted["epoch"] = e
+                    scope.wake.set()
+                time.sleep(0.02)
+
+        def abort() -> EpochAborted | None:
+            return EpochAborted("a peer failed") if aborted["epoch"] == epoch else None
 
         scope = EpochScope(threading.Event(), abort, 30.0)
+        threading.Thread(target=watch, name="abort-watch", daemon=True).start()
         ranks = {m: i for i, m in enumerate(members)}
         zone = ShardedModel(
             model, layout, me, ranks, gloo(store, "e0/", rank, n), scope, adamw,

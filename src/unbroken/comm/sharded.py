@@ -70,6 +70,9 @@ class Block:
     gathered: bool = False
     waiting: int = 0
     """Gradients of this backward still to come before the block's sum."""
+    fetch: tuple[Any, list[list[torch.Tensor]], list[tuple[str, int, int]]] | None = None
+    """Its gather, posted ahead of its use (work, outputs, pieces): `ShardedModel._gather`
+    waits for it."""
 
 
 @dataclass
@@ -179,6 +182,8 @@ class ShardedModel:
         and raised by `finish_backward` (a user's own loop runs them: what they raise would end
         the script); the rest of the step runs on zeros, and is not applied."""
         self.failure: CollectiveFailed | EpochAborted | None = None
+        self._sums: list[tuple[Any, torch.Tensor, Block]] = []
+        """Blocks' gradient sums in flight, oldest first."""
         self.squares = 0.0
         """The sum of squares of this member's own gradient, block by block as it goes out
         to be summed, since `take_squares` (its norm slot of the step: `train.guard`)."""
@@ -275,8 +280,20 @@ class ShardedModel:
         def hook(module: nn.Module, args: Any) -> None:
             self._gather(block)
             block.waiting = sum(1 for p in block.params if p.requires_grad)
+            if (ahead := self._neighbour(block, +1)) is not None:
+                self._post_gather(ahead)  # its bytes travel while this block computes
 
         return hook
+
+    def _neighbour(self, block: Block, direction: int) -> Block | None:
+        """The block forward reaches after ``block`` (+1) or before it (-1), in the order
+        given (the model itself, holding what no block does, first: its forward encloses
+        the others'). The same on every member: so are the gathers posted ahead."""
+        order = [b for b in self.blocks if b.module is self.model] + [
+            b for b in self.blocks if b.module is not self.model
+        ]
+        at = order.index(block) + direction
+        return order[at] if 0 <= at < len(order) else None
 
     def _after_forward(self, block: Block) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
@@ -296,6 +313,8 @@ class ShardedModel:
 
     def _before_backward(self, block: Block, grad: torch.Tensor) -> torch.Tensor:
         self._gather(block)
+        if (ahead := self._neighbour(block, -1)) is not None and ahead.waiting:
+            self._post_gather(ahead)
         return grad
 
     def _accumulated(self, block: Block) -> Callable[[torch.Tensor], None]:
@@ -306,21 +325,34 @@ class ShardedModel:
 
         return hook
 
-    def _gather(self, block: Block) -> None:
-        """The block's parameters from their primaries, into the block's own tensors."""
-        if block.gathered:
+    def _post_gather(self, block: Block) -> None:
+        """Post the block's all-gather (from every primary of its span), not waiting for it."""
+        if block.gathered or block.fetch is not None or self.failure is not None:
             return
         pieces = [(s.primary, max(s.start, block.start), min(s.end, block.end)) for s in self.layout.shards]
         pieces = [(who, a, b) for who, a, b in pieces if a < b]
         longest = max(b - a for _, a, b in pieces)
-        mine = torch.zeros(longest)
+        mine = torch.empty(longest)  # only what a receiver reads of it is written: its own pieces
         for who, a, b in pieces:
             if who == self.me:
                 mine[: b - a] = self._values(a, b)
-        size = self.group.size()
-        outputs = [[torch.zeros(longest) for _ in range(size)]]
-        if self.failure is None:
-            self._wait(self.group.allgather(outputs, [mine]), f"gathering block {self._name(block)}")
+        outputs = [[torch.empty(longest) for _ in range(self.group.size())]]
+        block.fetch = (self.group.allgather(outputs, [mine]), outputs, pieces)
+
+    def _gather(self, block: Block) -> None:
+        """The block's parameters from their primaries, into the block's own tensors."""
+        if block.gathered:
+            return
+        self._post_gather(block)
+        fetch, block.fetch = block.fetch, None
+        if fetch is not None:
+            self._wait(fetch[0], f"gathering block {self._name(block)}")
+        if fetch is None or self.failure is not None:  # failed (`defer`): zeros, the step is not applied
+            for p in block.params:
+                _fill(p, torch.zeros(p.numel()))
+            block.gathered = True
+            return
+        _, outputs, pieces = fetch
         flat = torch.empty(block.end - block.start)
         for who, a, b in pieces:
             flat[a - block.start : b - block.start] = outputs[0][self.ranks[who]][: b - a]
@@ -342,9 +374,18 @@ class ShardedModel:
             p.grad = None
         self._release(block)
         self.squares += float(torch.linalg.vector_norm(flat)) ** 2
-        if self.failure is None:
-            self._wait(self.group.allreduce([flat]), f"summing block {self._name(block)}'s gradient")
         if self.failure is not None:
+            return
+        # Summed while backward goes on; two sums in flight at most (each a block's gradient).
+        self._sums.append((self.group.allreduce([flat]), flat, block))
+        while len(self._sums) > 2:
+            self._complete_sum()
+
+    def _complete_sum(self) -> None:
+        work, flat, block = self._sums.pop(0)
+        self._wait(work, f"summing block {self._name(block)}'s gradient")
+        if self.failure is not None:
+            self._sums.clear()
             return
         for piece in self._pieces():
             a, b = max(piece.start, block.start), min(piece.end, block.end)
@@ -372,6 +413,8 @@ class ShardedModel:
             if block.waiting > 0:
                 block.waiting = 0
                 self._reduce(block)
+        while self._sums:
+            self._complete_sum()
         if self.failure is not None:
             raise self.failure
 
@@ -382,9 +425,11 @@ class ShardedModel:
         have committed elsewhere, and `step` then applies it late)."""
         for block in self.blocks:
             block.waiting = 0
+            block.fetch = None
             for p in block.params:
                 p.grad = None
             self._release(block)
+        self._sums.clear()
         if not keep_sums:
             for piece in self._pieces():
                 piece.tensor.grad = None
@@ -422,6 +467,8 @@ class ShardedModel:
         self.optimizer.step()
         for piece in self._pieces():
             piece.tensor.grad = None
+        for block in self.blocks:  # a gather posted ahead for a block this step never used: stale now
+            block.fetch = None
 
     # ---------------------------------------------------------------- state
 
