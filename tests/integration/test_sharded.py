@@ -138,3 +138,17 @@ def test_the_shard_flag_must_agree_and_its_refusal_names_it(make_cluster: Any) -
     assert "shard" in plain.stderr(), plain.stderr()[-2000:]
     c.nodes["n1"].signal(signal.SIGTERM)
     c.wait_exit(["n1"], timeout=60)
+
+
+def test_ranges_follow_memory_and_a_node_too_small_for_one_trains_holding_none(make_cluster: Any) -> None:
+    c = start(make_cluster, ENV, 3)
+    for name, memory in (("big", "4GB"), ("mid", "2GB"), ("tiny", "1MB")):
+        c.start_node(name, extra=["--memory-limit", memory])
+    codes = c.wait_exit(timeout=120)
+    assert codes == {"big": 0, "mid": 0, "tiny": 0}, c.diagnostics()
+    first = {e["node"]: e for e in reversed(reshards(c))}
+    assert first["tiny"]["held"] == 0, first  # neither a range nor a copy of one
+    assert abs(first["big"]["primary"] - 2 * first["mid"]["primary"]) <= 1, first  # 4 GB against 2 GB
+    contributed = {e["node"] for n in c.nodes.values() for e in n.entries() if e["kind"] == "contrib" and e["indices"]}
+    assert "tiny" in contributed, "it computes its share of the batch with the gathered blocks"
+    assert_sharded(c, ENV, finishers=3)

@@ -313,7 +313,9 @@ class ShardedZone:
         self.engine.scope = node.scope(during_step=True)
         if what:
             held = sum(e - s for s, e in self.engine.layout.held(me))
-            node.records.log(Entry.RESHARD, {"epoch": g.epoch, "step": step, "reason": what, "held": held})
+            own = mine.size if (mine := self.engine.layout.primary(me)) is not None else 0
+            entry = {"epoch": g.epoch, "step": step, "reason": what, "held": held, "primary": own}
+            node.records.log(Entry.RESHARD, entry)
             log.info("%s: sharded zone at step %d: %s; holds %s elements", node.name, step, what, f"{held:,}")
         return left if left is not g.pg else None
 
