@@ -152,3 +152,18 @@ def test_ranges_follow_memory_and_a_node_too_small_for_one_trains_holding_none(m
     contributed = {e["node"] for n in c.nodes.values() for e in n.entries() if e["kind"] == "contrib" and e["indices"]}
     assert "tiny" in contributed, "it computes its share of the batch with the gathered blocks"
     assert_sharded(c, ENV, finishers=3)
+
+
+def test_a_member_spoiling_its_gradient_while_declaring_its_true_norm_is_refused(make_cluster: Any) -> None:
+    # Nobody holds the whole summed gradient: its norm, summed over the zone's ranges, is held
+    # against the declared norms before the vote, as an unsharded job holds the sum's.
+    c = start(make_cluster, ENV, 3)
+    c.start_node("n1")
+    spoiler = c.start_node("n2", fault="spike@grad:10")
+    c.start_node("n3")
+    codes = c.wait_exit(timeout=120)
+    assert fired(spoiler, "spike"), c.diagnostics()
+    assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
+    refused = [e for n in c.nodes.values() for e in n.entries() if e["kind"] == "refused" and e["step"] == 10]
+    assert refused and all("exceeds the declared" in e["reason"] for e in refused), refused
+    assert_sharded(c, ENV, finishers=3)  # the step retried with the same samples: one process's model

@@ -60,6 +60,17 @@ def complete_steps(directory: Path, numel: int) -> list[int]:
     return sorted(out, reverse=True)
 
 
+def prune_shards(directory: Path, numel: int, keep: int) -> None:
+    """Delete the shard files of steps older than the ``keep`` newest complete ones."""
+    steps = complete_steps(directory, numel)
+    if len(steps) <= keep:
+        return
+    oldest = steps[keep - 1]
+    for f in directory.glob("shard-*.pt"):
+        if (m := _NAME.fullmatch(f.name)) is not None and int(m[1]) < oldest:
+            f.unlink(missing_ok=True)
+
+
 def restore_shards(zone: ShardedModel, directory: Path, layout: Layout, me: str, step: int | None = None) -> int:
     """Load what ``layout`` gives ``me`` from the newest complete step in ``directory`` (or
     from ``step``); returns that step.

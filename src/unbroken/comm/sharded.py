@@ -182,6 +182,8 @@ class ShardedModel:
         and raised by `finish_backward` (a user's own loop runs them: what they raise would end
         the script); the rest of the step runs on zeros, and is not applied."""
         self.failure: CollectiveFailed | EpochAborted | None = None
+        self.spoil: float | None = None
+        """What this member's gradient is multiplied by as it goes out (fault injection)."""
         self._sums: list[tuple[Any, torch.Tensor, Block]] = []
         """Blocks' gradient sums in flight, oldest first."""
         self.squares = 0.0
@@ -374,6 +376,8 @@ class ShardedModel:
             p.grad = None
         self._release(block)
         self.squares += float(torch.linalg.vector_norm(flat)) ** 2
+        if self.spoil is not None:  # a hostile or broken member (`testing.faults`): its norm was the true one
+            flat.mul_(self.spoil)
         if self.failure is not None:
             return
         # Summed while backward goes on; two sums in flight at most (each a block's gradient).
@@ -699,6 +703,24 @@ def _tensors(output: Any) -> Iterator[torch.Tensor]:
         yield from itertools.chain.from_iterable(_tensors(x) for x in output)
     elif isinstance(output, Mapping):
         yield from itertools.chain.from_iterable(_tensors(x) for x in output.values())
+
+
+def restore_storage(model: nn.Module) -> None:
+    """Give a sharded model's freed parameters their bytes back (their values are garbage)."""
+    for p in model.parameters():
+        if p.untyped_storage().nbytes() == 0:
+            p.untyped_storage().resize_(p.numel() * p.element_size())
+
+
+def broadcast_model(model: nn.Module, group: ProcessGroup, root: int, scope: EpochScope) -> None:
+    """Every member's ``model`` parameters become ``root``'s (before a new zone's ranges are
+    read from it), one parameter at a time: nothing larger than the largest is allocated."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            if not flat.is_contiguous():
+                raise ConfigError(f"parameter {name} is not contiguous: a sharded zone needs contiguous parameters")
+            wait_all([group.broadcast(flat, root)], scope, f"agreeing on the initial {name}")
 
 
 def _free(p: torch.Tensor) -> None:

@@ -68,14 +68,21 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return snap
 
 
-def load_newest(directory: Path) -> tuple[Path, dict[str, Any], list[str]] | None:
+def load_newest(
+    directory: Path, usable: Callable[[int], str | None] | None = None
+) -> tuple[Path, dict[str, Any], list[str]] | None:
     """The newest checkpoint in ``directory`` that loads, and why each newer one did not
-    (truncated, garbage, not a state); None when none loads."""
+    (truncated, garbage, not a state; ``usable(step)``: why a step cannot be used, if it
+    cannot, as a sharded job's whose shard files of that step are incomplete); None when
+    none loads."""
     if not directory.is_dir():
         return None
     found = sorted((int(mt.group(1)), p) for p in directory.iterdir() if (mt := _NAME.match(p.name)))
     bad: list[str] = []
-    for _, path in reversed(found):
+    for step, path in reversed(found):
+        if usable is not None and (why := usable(step)) is not None:
+            bad.append(f"{path} cannot be used ({why})")
+            continue
         try:
             snap = load_checkpoint(path)
             if not isinstance(snap, dict) or not {"step", "cursor", "model"} <= snap.keys():

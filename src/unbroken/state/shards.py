@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -383,6 +384,60 @@ def plan(
     if lacking:
         warnings.append(f"{lacking:,} elements lost both holders: from another zone, else the last checkpoint")
     return Plan(old, new, lost_set, leaving_set, tuple(joining), _merged(transfers), tuple(missing), tuple(warnings))
+
+
+def replan(
+    base: Layout, holders: Mapping[str, Ranges], weights: Mapping[str, int], *, budgets: Mapping[str, int] | None = None
+) -> Plan:
+    """Re-shard to the members of ``weights`` from what each live member holds now.
+
+    ``holders``: each live member's current ranges, whatever layout they came from (a
+    re-shard cut short by a death leaves some members on the new layout and some on the old
+    one, at the same step: all of their ranges are current). ``base``: the newest layout held,
+    whose ring order the new one keeps (members of ``weights`` not in it follow, in the
+    mapping's order). A destination is sent only what it does not hold, each element once,
+    from the least loaded live holder; elements no live member holds are ``missing``.
+    `plan` is the same for a zone whose members all hold one layout.
+
+    Raises:
+        ConfigError: no member with memory, or no fit (`layout_for`).
+    """
+    order = [m for m in base.members if m in weights] + [m for m in weights if m not in base.members]
+    new = layout_for(base.numel, {m: weights[m] for m in order}, align=base.align, budgets=budgets)
+    held = {h: _union(r) for h, r in holders.items()}
+    points = sorted({x for r in held.values() for s, e in r for x in (s, e)})
+    pieces, lacking = [], []
+    for m in new.members:
+        own = [(p, Purpose.PRIMARY)] if (p := new.primary(m)) else []
+        for shard, purpose in own + [(s, Purpose.BUDDY) for s in new.buddy_for(m)]:
+            for lo, hi in _minus(((shard.start, shard.end),), held.get(m, ())):
+                cuts = [lo, *(x for x in points if lo < x < hi), hi]  # one set of holders per segment
+                for a, b in itertools.pairwise(cuts):
+                    sources = [h for h, r in held.items() if h != m and not _minus(((a, b),), r)]
+                    if sources:
+                        pieces.append((b - a, a, b, m, purpose, sources))
+                    else:
+                        lacking.append((a, b, m))
+    load: dict[str, int] = {}
+    transfers = []
+    for size, a, b, m, purpose, sources in sorted(pieces, key=lambda p: (-p[0], p[1], p[3])):
+        src = min(sources, key=lambda h: load.get(h, 0))
+        load[src] = load.get(src, 0) + size
+        transfers.append(Transfer(src, m, a, b, purpose))
+    missing: list[Missing] = []
+    for a, b, m in sorted(lacking):
+        if missing and (missing[-1].start, missing[-1].end) == (a, b):
+            missing[-1] = dataclasses.replace(missing[-1], to=(*missing[-1].to, m))
+        else:
+            missing.append(Missing(a, b, (m,)))
+    lost = frozenset(m for m in base.members if m not in holders)
+    joining = tuple(m for m in order if m not in base.members)
+    warnings = []
+    if alone := sorted(s.primary for s in new.shards if s.buddy is None):
+        warnings.append(f"no buddy for the ranges of {alone} (no other member): a loss now needs another zone")
+    if lost_elements := sum(e - s for s, e in _union((x.start, x.end) for x in missing)):
+        warnings.append(f"{lost_elements:,} elements lost every holder: from another zone, else the last checkpoint")
+    return Plan(base, new, lost, frozenset(), joining, _merged(transfers), tuple(missing), tuple(warnings))
 
 
 def simulate(plan: Plan) -> dict[str, Ranges]:

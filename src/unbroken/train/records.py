@@ -153,7 +153,7 @@ class Records:
                 self.checkpointer.prepare(self.checkpoint_tree(), self.fragments[0] if self.fragments else None)
             return
         if node.zone is not None and node.config.checkpoint_dir is not None:
-            node.zone.save(Path(node.config.checkpoint_dir), step)  # every member its primary range
+            self.save_shard(step)
         failure = self.checkpointer.failure
         if failure is not None and failure != self._checkpoint_failure:
             self.report(Kind.CHECKPOINT_FAILED, failure)
@@ -212,8 +212,21 @@ class Records:
         if self.checkpointer is not None:
             self.checkpointer.wait_captured()
 
+    def save_shard(self, step: int) -> None:
+        """A sharded member's primary range at ``step`` (every member writes its own, with
+        each checkpoint); a failure is reported, and training goes on."""
+        node = self.node
+        assert node.zone is not None and node.config.checkpoint_dir is not None
+        try:
+            node.zone.save(Path(node.config.checkpoint_dir), step)
+        except OSError as exc:
+            self.report(Kind.CHECKPOINT_FAILED, f"the range of step {step} could not be written: {exc}")
+
     def save_last(self) -> None:
         """The last member is going: keep what it committed since the last checkpoint."""
+        node = self.node
+        if node.zone is not None and node.config.checkpoint_dir is not None and node.zone.engine is not None:
+            self.save_shard(node.state.step)  # (the last member holds every range)
         if self.checkpointer is not None:
             self.checkpointer.close()
             self.checkpointer.save_async(self.checkpoint_tree())
@@ -232,7 +245,7 @@ class Records:
         if directory is None:
             return
         identity = node.job.identity()
-        newest = load_newest(directory)
+        newest = load_newest(directory, node.zone.restorable(Path(directory)) if node.zone is not None else None)
         for why in newest[2] if newest else []:
             self.note(Kind.CHECKPOINT_FAILED, f"{why}: using an older one")
         if newest is not None and newest[1].get("job", identity) != identity:

@@ -37,8 +37,8 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,12 +46,13 @@ import torch
 from torch import nn
 
 from unbroken.comm.group import EpochGroup, EpochScope, ProcessGroup, wait_all
-from unbroken.comm.shard_files import restore_shards, save_shard
-from unbroken.comm.sharded import ShardedModel
+from unbroken.comm.shard_files import complete_steps, prune_shards, restore_shards, save_shard
+from unbroken.comm.sharded import ShardedModel, broadcast_model, restore_storage
 from unbroken.errors import ConfigError, JobHalted, TransferError
 from unbroken.events import Entry
 from unbroken.job import Job, Optimizers, Sharding
-from unbroken.state.shards import Layout, Plan, Shard, layout_for, plan
+from unbroken.state.checkpoint import KEEP
+from unbroken.state.shards import Layout, Plan, Ranges, Shard, layout_for, replan
 
 if TYPE_CHECKING:
     from unbroken.train.runtime import Node
@@ -59,9 +60,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
-STALE = "~stale"
-"""Appended to a member's name in the old layout where its copies are stale (it missed a
-commit): the plan sees that member as lost, and the same member, by its own name, as joining."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +77,8 @@ class Report:
     summed: int = -1
     """The step whose summed gradient it holds complete, not applied (its commit failed
     here): where that step committed elsewhere, it applies it late (`Decision.late`)."""
+    held: Ranges = ()
+    """The ranges it holds now (those of ``layout`` unless a re-shard was cut short)."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,10 @@ class Decision:
     """How a sync phase gives every member its ranges."""
 
     fresh: Layout | None = None
-    """No member holds ranges: this layout, each member's from its own model (step 0)."""
+    """No member holds ranges: this layout, from the model as `source` built it (step 0)."""
+    source: str = ""
+    """The member whose model every member's ranges start from (a new job's: its rank 0's,
+    so that an own loop's unseeded init is one model, not a mix)."""
     plan: Plan | None = None
     """Otherwise: the re-shard from the ranges held (no transfers where nothing changed)."""
     keep: frozenset[str] = frozenset()
@@ -98,61 +101,56 @@ class Decision:
     """Members one step behind that hold that step's summed gradient: they apply it now (a
     step is applied by all or none: others committed it while their commit failed)."""
 
-    @property
-    def unchanged(self) -> bool:
-        p = self.plan
-        return p is not None and not p.transfers and not p.lost and not p.joining and p.new == p.old
+    unchanged: bool = False
+    """Every member holds what the new layout gives it, on that layout: nothing moves."""
 
 
 def decide(reports: Mapping[str, Report], step: int, numel: int, align: int) -> Decision:
     """The same decision on every member from the same reports (``reports`` in rank order).
 
+    Every range a member holds at the group's ``step`` is current, whatever layout it came
+    from (a re-shard cut short leaves members on two layouts at one step); so is the range of
+    a member one step behind that holds that step's complete sum from the attempt that
+    committed it (it applies it: `Decision.late`). The newest layout's ring order is kept.
+
     Raises:
-        JobHalted: ranges no member holds at ``step`` (both holders lost, or the group ahead
-            of every member's ranges): the job must restart from a checkpoint.
+        JobHalted: elements no member holds at ``step`` (every holder lost, or the group
+            ahead of every member's ranges): the job must restart from a checkpoint.
     """
-    held = {m: r for m, r in reports.items() if r.layout is not None}
     weights = {m: r.weight for m, r in reports.items()}
+    held = {m: r for m, r in reports.items() if r.layout is not None and r.held}
     if not held:  # a new job, or one restarted from its checkpoint
-        return Decision(fresh=layout_for(numel, weights, align=align), restore=step > 0)
+        fresh = layout_for(numel, weights, align=align)
+        if step > 0:
+            return Decision(fresh=fresh, restore=True)
+        intact = [m for m, r in reports.items() if r.epoch < 0]  # never sharded: its model is whole
+        if not intact:
+            raise JobHalted("every member that held the new job's ranges was lost before its first step: restart it")
+        return Decision(fresh=fresh, source=intact[0])
     newest = max((r.step, r.epoch) for r in held.values())
-    old = next(r.layout for r in held.values() if (r.step, r.epoch) == newest)
-    assert old is not None
-    valid = {m for m, r in held.items() if (r.step, r.epoch) == newest and r.layout == old and m in old.members}
-    late = {
-        m
-        for m, r in held.items()
-        if r.layout == old and m in old.members and r.epoch == newest[1] and r.summed == r.step == newest[0] - 1
-    }
-    valid |= late
     if newest[0] != step:
         raise JobHalted(
             f"the group is at step {step} but the newest ranges any member holds are of step {newest[0]}: "
             "restart the job from its last checkpoint"
         )
-    stale = frozenset(m for m in reports if m in old.members and m not in valid)
-    renamed = _renamed(old, {m: m + STALE for m in stale})
-    lost = [m for m in renamed.members if m not in valid]
-    joining = {m: weights[m] for m in reports if m not in valid}
-    p = plan(renamed, lost=lost, joining=joining)
+    base = next(r.layout for r in held.values() if (r.step, r.epoch) == newest)
+    assert base is not None
+    late = {m for m, r in held.items() if r.epoch == newest[1] and r.summed == r.step == step - 1}
+    sources = {m: r.held for m, r in held.items() if r.step == step or m in late}
+    p = replan(base, sources, weights)
     if p.missing:
         ranges = ", ".join(f"[{x.start:,}, {x.end:,})" for x in p.missing)
+        gone = sorted(m for m in base.members if m not in sources)
         raise JobHalted(
-            f"ranges {ranges} of the state lost both their holders at step {step} "
-            f"({', '.join(sorted(m.removesuffix(STALE) for m in lost))}): restart the job from its last checkpoint"
+            f"ranges {ranges} of the state lost every holder at step {step} ({', '.join(gone)}): "
+            "restart the job from its last checkpoint"
         )
-    return Decision(plan=p, keep=frozenset(valid), late=frozenset(late))
-
-
-def _renamed(layout: Layout, names: Mapping[str, str]) -> Layout:
-    if not names:
-        return layout
-
-    def name(m: str | None) -> str | None:
-        return None if m is None else names.get(m, m)
-
-    shards = tuple(Shard(s.start, s.end, names.get(s.primary, s.primary), name(s.buddy)) for s in layout.shards)
-    return replace(layout, members=tuple(names.get(m, m) for m in layout.members), shards=shards)
+    unchanged = (
+        not p.transfers
+        and all(r.layout == p.new for r in reports.values())
+        and all(tuple(sorted(sources.get(m, ()))) == p.new.held(m) for m in p.new.members)
+    )
+    return Decision(plan=p, keep=frozenset(sources), late=frozenset(late), unchanged=unchanged)
 
 
 def encode(report: Report) -> bytes:
@@ -162,6 +160,7 @@ def encode(report: Report) -> bytes:
         "epoch": report.epoch,
         "step": report.step,
         "summed": report.summed,
+        "held": [list(r) for r in report.held],
     }
     if lay is not None:
         body["layout"] = {
@@ -183,7 +182,8 @@ def decode(data: bytes) -> Report:
         layout = Layout(
             int(lay["numel"]), int(lay["align"]), tuple(lay["members"]), tuple(int(w) for w in lay["weights"]), shards
         )
-    return Report(int(body["weight"]), layout, int(body["epoch"]), int(body["step"]), int(body["summed"]))
+    held = tuple((int(a), int(b)) for a, b in body["held"])
+    return Report(int(body["weight"]), layout, int(body["epoch"]), int(body["step"]), int(body["summed"]), held)
 
 
 def exchange(pg: ProcessGroup, mine: bytes, scope: EpochScope) -> list[bytes]:
@@ -217,11 +217,21 @@ class ShardedZone:
         assert sharding is not None
         if isinstance(optimizer, Optimizers):
             raise ConfigError("a sharded job takes one optimizer, not several by name: give Job.optimizer one")
-        for what, value in (("before_update", job.before_update), ("loss_scale", job.loss_scale)):
-            if value is not None:
+        for what, given in (
+            ("before_update", job.before_update is not None),
+            ("loss_scale", job.loss_scale is not None),
+        ):
+            if given:
                 raise ConfigError(
                     f"a sharded job cannot take Job.{what} yet (no member holds the whole gradient): clip with "
                     "Sharding(clip_norm=...), or train unsharded"
+                )
+        for what, given in (("evaluate", job.evaluate is not None), ("after_step", job.after_step is not None)):
+            if given:
+                raise ConfigError(
+                    f"a sharded job cannot take Job.{what} yet (no member holds the whole model between steps): "
+                    "evaluate the finished model (each node's --final-state range, put together by "
+                    "unbroken.train.sharding.assemble_files), or train unsharded"
                 )
         self.sharding: Sharding = sharding
         self.model = model
@@ -239,6 +249,7 @@ class ShardedZone:
             raise ConfigError("a sharded job trains every parameter: frozen ones are not sharded yet")
         self.buffers = [(n, b, b.detach().clone()) for n, b in model.named_buffers() if b.dtype.is_floating_point]
         """Every member keeps the buffers whole, as built (an attention mask): none may change."""
+        self._refuse_shape_dependent()
         self.shell = nn.Module()
         """What the replicated state holds as its model: nothing (the values are in the ranges)."""
         self.engine: ShardedModel | None = None
@@ -247,6 +258,9 @@ class ShardedZone:
         (`ShardedModel.defer`)."""
         self._clip = 1.0
         """What the step's summed gradient is multiplied by (`Sharding.clip_norm`)."""
+        self.total_norm = 0.0
+        """The norm of the step's gradient summed over the zone (every range counted once):
+        what `StepProtocol.check_sum` holds against the members' declared norms."""
         self._summed = -1
         """The step whose gradient the held ranges hold summed over the zone, complete."""
         self.pending: tuple[int, list[dict[str, Any]], float] | None = None
@@ -266,11 +280,38 @@ class ShardedZone:
         opt: torch.optim.Optimizer = kind(groups, **settings)
         return opt
 
+    def _refuse_shape_dependent(self) -> None:
+        """The zone steps flat pieces of the parameters: an optimizer whose update depends on a
+        parameter's shape or on the whole of it (Adafactor's factored moments, LAMB's trust
+        ratio, Muon) would train another model. Probed: three steps of a 2-D parameter, whole
+        against flattened and cut in two, must agree."""
+        g = torch.Generator().manual_seed(0)
+        start = torch.randn(6, 5, generator=g)
+        grads = [torch.randn(6, 5, generator=g) for _ in range(3)]
+        whole = nn.Parameter(start.clone())
+        a, b = nn.Parameter(start.reshape(-1)[:13].clone()), nn.Parameter(start.reshape(-1)[13:].clone())
+        settings = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        one, two = (
+            self.make_optimizer([dict(settings, params=[whole])]),
+            self.make_optimizer([dict(settings, params=[a, b])]),
+        )
+        for grad in grads:
+            whole.grad, a.grad, b.grad = grad.clone(), grad.reshape(-1)[:13].clone(), grad.reshape(-1)[13:].clone()
+            one.step()
+            two.step()
+        if not torch.allclose(whole.detach().reshape(-1), torch.cat([a.detach(), b.detach()]), rtol=1e-5, atol=1e-7):
+            raise ConfigError(
+                f"{type(self.optimizer).__name__} updates a parameter by its shape or as a whole: a sharded zone "
+                "steps flat pieces of the parameters, so it would train another model. Use an element-wise "
+                "optimizer (SGD, Adam, AdamW, RMSprop, ...) or train unsharded"
+            )
+
     def report(self) -> Report:
         if self.engine is None:
             return Report(self.weight)
         summed = self.pending[0] if self.pending is not None else -1
-        return Report(self.weight, self.engine.layout, self.epoch, self.step, summed)
+        held = tuple(sorted((h.start, h.end) for h in self.engine.holdings))
+        return Report(self.weight, self.engine.layout, self.epoch, self.step, summed, held)
 
     def sync(self, node: Node, g: EpochGroup, step: int) -> ProcessGroup | None:
         """Give this member the ranges of epoch ``g`` at committed ``step`` (after the
@@ -283,11 +324,15 @@ class ShardedZone:
         reports = dict(zip(g.members, [decode(b) for b in exchange(g.pg, encode(self.report()), scope)], strict=True))
         decision = decide(reports, step, self.numel, self.sharding.align)
         left: ProcessGroup | None = None
+        late = ""
         if decision.fresh is not None:
             if self.engine is not None:
                 self.engine.close()
+                restore_storage(self.model)
+            if not decision.restore:
+                broadcast_model(self.model, g.pg, ranks[decision.source], scope)
             self.engine = self._build(decision.fresh, me, ranks, g.pg, scope)
-            what = f"layout of {len(decision.fresh.shards)} ranges made, each from its own model"
+            what = f"layout of {len(decision.fresh.shards)} ranges made, from {decision.source}'s model"
             if decision.restore:
                 self._restore(node, decision.fresh, me, step)
                 what = f"layout of {len(decision.fresh.shards)} ranges made, read from the checkpoint of step {step}"
@@ -298,6 +343,8 @@ class ShardedZone:
                 self.engine = self._build(p.old, me, ranks, g.pg, scope)
             elif me in decision.late:
                 self._apply_late(node, step)
+                self.step = step  # its ranges are the group's step now, whatever the re-shard does
+                late = f"applied step {step - 1} late (the group committed it; its vote failed here)"
             elif me not in decision.keep:
                 self.engine.forget()
             elif self.pending is not None:  # the step it summed did not commit: retried from the start
@@ -311,6 +358,7 @@ class ShardedZone:
                 what = p.reason
         self.epoch, self.step, self.pending = g.epoch, step, None
         self.engine.scope = node.scope(during_step=True)
+        what = "; ".join(x for x in (late, what) if x)
         if what:
             held = sum(e - s for s, e in self.engine.layout.held(me))
             own = mine.size if (mine := self.engine.layout.primary(me)) is not None else 0
@@ -332,8 +380,20 @@ class ShardedZone:
             raise JobHalted(f"the group resumes at step {step}, but its ranges cannot be read: {exc}") from exc
 
     def save(self, directory: Path, step: int) -> None:
-        """This member's primary range at ``step`` into ``directory`` (with a checkpoint)."""
+        """This member's primary range at ``step`` into ``directory`` (with a checkpoint); the
+        files of steps older than the `KEEP` newest complete ones go (every member's: those
+        steps are superseded).
+
+        Raises:
+            OSError: the file could not be written."""
         save_shard(self.ready, directory, step)
+        prune_shards(directory, self.numel, KEEP)
+
+    def restorable(self, directory: Path) -> Callable[[int], str | None]:
+        """Why the replicated checkpoint of a step cannot be used (its ranges' files are not
+        all there), for `load_newest`."""
+        complete = set(complete_steps(directory, self.numel))
+        return lambda step: None if step in complete else "the shard files of its step do not cover the state"
 
     def _build(
         self, layout: Layout, me: str, ranks: Mapping[str, int], pg: ProcessGroup, scope: EpochScope
@@ -353,18 +413,18 @@ class ShardedZone:
         return self.engine
 
     def finish_backward(self, step: int) -> float:
-        """After this step's last backward: every block summed, and with `Sharding.clip_norm`
-        the summed gradient's norm over the zone (one more all-reduce, before the vote: a
-        failure there retries the step); this member's own gradient norm."""
+        """After this step's last backward: every block summed, and the summed gradient's norm
+        over the zone (`total_norm`: one more all-reduce, before the vote, so a failure there
+        retries the step); this member's own gradient norm."""
         engine = self.ready
         engine.finish_backward()
         own = math.sqrt(engine.take_squares())
+        total = torch.tensor([engine.primary_squares()], dtype=torch.float64)
+        wait_all([engine.group.allreduce([total])], engine.scope, "summing the gradient's norm over the zone")
+        self.total_norm = math.sqrt(float(total))
         self._clip = 1.0
         if self.sharding.clip_norm is not None:
-            total = torch.tensor([engine.primary_squares()], dtype=torch.float64)
-            wait_all([engine.group.allreduce([total])], engine.scope, "summing the gradient's norm over the zone")
-            norm = math.sqrt(float(total))
-            self._clip = min(1.0, self.sharding.clip_norm / (norm + 1e-6))  # clip_grad_norm_'s rule
+            self._clip = min(1.0, self.sharding.clip_norm / (self.total_norm + 1e-6))  # clip_grad_norm_'s rule
         self._summed = step
         return own
 
@@ -389,13 +449,15 @@ class ShardedZone:
     def _apply_late(self, node: Node, step: int) -> None:
         assert self.pending is not None
         self._step(self.pending[1], self.pending[2])
-        node.records.log(Entry.RESHARD, {"epoch": self.epoch, "step": step, "reason": f"applied step {step - 1} late"})
         log.info("%s: applied step %d late: the group committed it while its commit failed here", node.name, step - 1)
 
     def abandon(self, step: int) -> None:
         """Step ``step`` is not applied here. Where its sum is complete, it is kept: the group
         may have committed it (a commit failed here, not everywhere), and `sync` applies it."""
         if self.engine is None:
+            return
+        if self.pending is not None and self.pending[0] == step:  # abandoned again (the epoch, after the step)
+            self.engine.abandon(keep_sums=True)
             return
         complete = self._summed == step and self.engine.failure is None
         if complete:
@@ -419,7 +481,7 @@ class ShardedZone:
         engine = self.ready
         shard = engine.layout.primary(me)
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}  # whole on every member
-        out: dict[str, Any] = {"spans": engine.spans(), "numel": self.numel, "buffers": buffers}
+        out: dict[str, Any] = {"spans": engine.spans(), "numel": self.numel, "buffers": buffers, "step": self.step}
         if shard is None:
             return out
         values = engine.export(shard.start, shard.end, with_state=False)["values"]
@@ -436,6 +498,8 @@ def assemble(parts: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     if not parts:
         raise ValueError("no parts to assemble")
     numel = int(parts[0]["numel"])
+    if len({(int(p["numel"]), p.get("step")) for p in parts}) > 1:
+        raise ValueError(f"the parts are of different steps or models: {[(p['numel'], p.get('step')) for p in parts]}")
     flat = torch.full((numel,), float("nan"))
     covered = torch.zeros(numel, dtype=torch.bool)
     for part in parts:

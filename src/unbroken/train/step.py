@@ -254,6 +254,10 @@ class StepProtocol:
         faults = self.node.faults
         if step != self._step:  # a fault fires once a step, whatever the buckets and retries
             self._poison, self._lie = faults.corruption(step), faults.lie(step)
+            zone = self.node.zone
+            if zone is not None and zone.engine is not None:  # its blocks' sums go out in backward
+                lie = LIES[self._lie] if self._lie is not None and self._lie != "forge-slot" else None
+                zone.engine.spoil = self._poison if self._poison is not None else lie
         self._step, self._overflow, self._squares = step, False, 0.0
         self.buckets.reset()
         self.commitment = None
@@ -342,7 +346,9 @@ class StepProtocol:
         grad = self.flat[: node.compressed_numel]
         lossy = self.reducer.codec is not None and self.reducer.zones.multi and node.codec_spec != "none"
         total = float(torch.linalg.vector_norm(grad).item())  # finite: so is every element
-        if not math.isfinite(total) and not all_finite(grad):
+        if node.zone is not None:  # the gradient is in the zone's ranges: its norm summed over them
+            total = node.zone.total_norm
+        if not math.isfinite(total) and (node.zone is not None or not all_finite(grad)):
             says = "no norm slot says whose" if verdict is None else f"rank {verdict[0]}'s norm slot says {verdict[1]}"
             raise Suspicion(f"{what}: the summed {noun} is not finite; {says} (not proven on a sum)")
         if verdict is not None:

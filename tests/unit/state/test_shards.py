@@ -22,6 +22,7 @@ from unbroken.state.shards import (
     holdings,
     layout_for,
     plan,
+    replan,
     simulate,
 )
 
@@ -329,3 +330,39 @@ def test_bytes_moved_on_one_loss_stay_within_the_bound() -> None:
         assert b <= holdings(old)[victim] - (old.primary(victim) or Shard(0, 0, victim, None)).size
         assert r == 0 or not same, "equal members keep their live buddies"
         assert held_lost <= p.moved <= 2 * d + b + r
+
+
+def test_a_plan_from_what_members_hold_now_moves_what_the_layout_plan_moves() -> None:
+    """`replan` (sources: each live member's current ranges, whatever layout) gives the layout
+    and the elements sent that `plan` gives where every member holds one layout."""
+    rng = random.Random(41)
+    compared = 0
+    for _ in range(400):
+        old, changes = scenario(rng)
+        lost, leaving = set(changes["lost"]), set(changes["leaving"])  # type: ignore[call-overload]
+        if leaving:
+            continue  # a graceful leaver is a source in `plan`, gone in `replan`
+        try:
+            p = plan(old, **changes)  # type: ignore[arg-type]
+        except ConfigError:
+            continue
+        holders = {m: old.held(m) for m in old.members if m not in lost}
+        weights = {m: old.weight(m) for m in old.members if m not in lost} | dict(changes["joining"])  # type: ignore[call-overload]
+        r = replan(old, holders, weights)
+        assert r.new == p.new
+        assert sorted((t.destination, t.start, t.end) for t in _pieces(r)) == sorted(
+            (t.destination, t.start, t.end) for t in _pieces(p)
+        )
+        assert bool(r.missing) == bool(p.missing)
+        if not r.missing:
+            check(r)
+        compared += 1
+    assert compared > 150
+
+
+def _pieces(p: Plan) -> list[Transfer]:
+    """The transfers cut to single elements' destinations (merging may differ by source)."""
+    out = []
+    for t in p.transfers:
+        out += [Transfer(t.source, t.destination, i, i + 1, t.purpose) for i in range(t.start, t.end)]
+    return out
