@@ -482,6 +482,11 @@ def simulate(plan: Plan) -> dict[str, Ranges]:
     return {m: new.held(m) for m in new.members}
 
 
+def union(ranges: Iterable[tuple[int, int]]) -> Ranges:
+    """The ranges merged: sorted, adjacent and overlapping ones as one (`Layout.held`'s form)."""
+    return _union(ranges)
+
+
 def _union(ranges: Iterable[tuple[int, int]]) -> Ranges:
     out: list[tuple[int, int]] = []
     for s, e in sorted(r for r in ranges if r[0] < r[1]):

@@ -52,7 +52,7 @@ from unbroken.errors import ConfigError, JobHalted, TransferError
 from unbroken.events import Entry
 from unbroken.job import Job, Optimizers, Sharding
 from unbroken.state.checkpoint import KEEP
-from unbroken.state.shards import Layout, Plan, Ranges, Shard, layout_for, replan
+from unbroken.state.shards import Layout, Plan, Ranges, Shard, layout_for, replan, union
 
 if TYPE_CHECKING:
     from unbroken.train.runtime import Node
@@ -79,6 +79,9 @@ class Report:
     here): where that step committed elsewhere, it applies it late (`Decision.late`)."""
     held: Ranges = ()
     """The ranges it holds now (those of ``layout`` unless a re-shard was cut short)."""
+    digests: tuple[str, ...] = ()
+    """Each held range's digest (values and optimizer state), parallel to ``held``: a range's
+    two holders at one step must agree."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,7 @@ def decide(reports: Mapping[str, Report], step: int, numel: int, align: int) -> 
     assert base is not None
     late = {m for m, r in held.items() if r.epoch == newest[1] and r.summed == r.step == step - 1}
     sources = {m: r.held for m, r in held.items() if r.step == step or m in late}
+    _check_copies({m: r for m, r in held.items() if r.step == step})
     p = replan(base, sources, weights)
     if p.missing:
         ranges = ", ".join(f"[{x.start:,}, {x.end:,})" for x in p.missing)
@@ -148,9 +152,30 @@ def decide(reports: Mapping[str, Report], step: int, numel: int, align: int) -> 
     unchanged = (
         not p.transfers
         and all(r.layout == p.new for r in reports.values())
-        and all(tuple(sorted(sources.get(m, ()))) == p.new.held(m) for m in p.new.members)
+        and all(union(sources.get(m, ())) == p.new.held(m) for m in p.new.members)
     )
     return Decision(plan=p, keep=frozenset(sources), late=frozenset(late), unchanged=unchanged)
+
+
+def _check_copies(current: Mapping[str, Report]) -> None:
+    """Two members holding one range at one step hold the same bytes, or the job stops.
+
+    Raises:
+        JobHalted: naming the range, its holders and their digests (a copy was corrupted, or
+            stepped differently: with two copies, which one is right cannot be told).
+    """
+    seen: dict[tuple[int, int], tuple[str, str]] = {}
+    for m, r in current.items():
+        for span, digest in zip(r.held, r.digests, strict=True):
+            if span not in seen:
+                seen[span] = (m, digest)
+            elif seen[span][1] != digest:
+                other, theirs = seen[span]
+                raise JobHalted(
+                    f"range [{span[0]:,}, {span[1]:,}) differs between its holders {other} ({theirs[:12]}) and {m} "
+                    f"({digest[:12]}) at step {r.step}: one copy was corrupted and which cannot be told; restart "
+                    "the job from its last checkpoint"
+                )
 
 
 def encode(report: Report) -> bytes:
@@ -161,6 +186,7 @@ def encode(report: Report) -> bytes:
         "step": report.step,
         "summed": report.summed,
         "held": [list(r) for r in report.held],
+        "digests": list(report.digests),
     }
     if lay is not None:
         body["layout"] = {
@@ -183,7 +209,12 @@ def decode(data: bytes) -> Report:
             int(lay["numel"]), int(lay["align"]), tuple(lay["members"]), tuple(int(w) for w in lay["weights"]), shards
         )
     held = tuple((int(a), int(b)) for a, b in body["held"])
-    return Report(int(body["weight"]), layout, int(body["epoch"]), int(body["step"]), int(body["summed"]), held)
+    digests = tuple(str(d) for d in body["digests"])
+    if len(digests) != len(held):
+        raise TransferError(f"a member's report gives {len(digests)} digests for {len(held)} ranges")
+    return Report(
+        int(body["weight"]), layout, int(body["epoch"]), int(body["step"]), int(body["summed"]), held, digests
+    )
 
 
 def exchange(pg: ProcessGroup, mine: bytes, scope: EpochScope) -> list[bytes]:
@@ -310,8 +341,10 @@ class ShardedZone:
         if self.engine is None:
             return Report(self.weight)
         summed = self.pending[0] if self.pending is not None else -1
-        held = tuple(sorted((h.start, h.end) for h in self.engine.holdings))
-        return Report(self.weight, self.engine.layout, self.epoch, self.step, summed, held)
+        holdings = sorted(self.engine.holdings, key=lambda h: (h.start, h.end))
+        held = tuple((h.start, h.end) for h in holdings)
+        digests = tuple(self.engine.digest(h.start, h.end) for h in holdings)
+        return Report(self.weight, self.engine.layout, self.epoch, self.step, summed, held, digests)
 
     def sync(self, node: Node, g: EpochGroup, step: int) -> ProcessGroup | None:
         """Give this member the ranges of epoch ``g`` at committed ``step`` (after the

@@ -23,7 +23,19 @@ OLD = layout_for(NUMEL, {"a": 4, "b": 4, "c": 4, "d": 4})
 
 
 def held(*members: str, step: int = 10, epoch: int = 3, layout: Layout = OLD) -> dict[str, Report]:
-    return {m: Report(4, layout, epoch, step, held=layout.held(m)) for m in members}
+    return {
+        m: Report(4, layout, epoch, step, held=_ranges(layout, m), digests=_digests(_ranges(layout, m)))
+        for m in members
+    }
+
+
+def _ranges(layout: Layout, member: str) -> tuple[tuple[int, int], ...]:
+    """What a member reports holding: each range it holds, primary or copy, apart."""
+    return tuple(sorted((s.start, s.end) for s in layout.shards if member in (s.primary, s.buddy)))
+
+
+def _digests(ranges: tuple[tuple[int, int], ...]) -> tuple[str, ...]:
+    return tuple(f"d{a}-{b}" for a, b in ranges)  # the same bytes wherever a range is held
 
 
 def test_a_new_zone_lays_out_its_ranges_by_memory_from_one_members_model() -> None:
@@ -46,7 +58,9 @@ def test_a_lost_member_is_repaired_from_its_buddies() -> None:
 
 
 def test_a_member_behind_the_group_drops_its_copies_and_gets_its_ranges_anew() -> None:
-    reports = held("a", "b", "c") | {"d": Report(4, OLD, 3, 9, held=OLD.held("d"))}  # it missed step 10's commit
+    reports = held("a", "b", "c") | {
+        "d": Report(4, OLD, 3, 9, held=_ranges(OLD, "d"), digests=_digests(_ranges(OLD, "d")))
+    }  # it missed step 10's commit
     d = decide(reports, 10, NUMEL, 1)
     assert d.plan is not None and "d" not in d.keep and not d.late
     assert all(t.source != "d" for t in d.plan.transfers), "nothing is read from stale copies"
@@ -79,7 +93,7 @@ def test_ranges_older_than_the_group_stop_the_job() -> None:
 
 
 def test_a_report_survives_the_wire() -> None:
-    for report in (Report(7), Report(4, OLD, 3, 10, 9, OLD.held("b"))):
+    for report in (Report(7), Report(4, OLD, 3, 10, 9, _ranges(OLD, "b"), _digests(_ranges(OLD, "b")))):
         assert decode(encode(report)) == report
 
 
@@ -98,7 +112,9 @@ def test_the_finished_model_is_assembled_from_primaries_and_a_gap_is_refused() -
 def test_a_member_whose_commit_failed_where_the_others_committed_applies_the_step_late() -> None:
     # The step's sums are complete on every member; c's vote failed (a frozen peer's expulsion
     # ended its epoch) while a, b and d committed: c holds the only other copy of some ranges.
-    reports = held("a", "b", "d", step=13, epoch=1) | {"c": Report(4, OLD, 1, 12, summed=12, held=OLD.held("c"))}
+    reports = held("a", "b", "d", step=13, epoch=1) | {
+        "c": Report(4, OLD, 1, 12, summed=12, held=_ranges(OLD, "c"), digests=_digests(_ranges(OLD, "c")))
+    }
     d = decide(reports, 13, NUMEL, 1)
     assert d.late == {"c"} and "c" in d.keep and d.unchanged
 
@@ -106,7 +122,7 @@ def test_a_member_whose_commit_failed_where_the_others_committed_applies_the_ste
 def test_a_member_behind_without_the_sum_is_stale_and_one_with_a_sum_of_another_step_too() -> None:
     for summed in (-1, 11):
         reports = held("a", "b", "d", step=13, epoch=1) | {
-            "c": Report(4, OLD, 1, 12, summed=summed, held=OLD.held("c"))
+            "c": Report(4, OLD, 1, 12, summed=summed, held=_ranges(OLD, "c"), digests=_digests(_ranges(OLD, "c")))
         }
         d = decide(reports, 13, NUMEL, 1)
         assert not d.late and "c" not in d.keep
@@ -183,3 +199,11 @@ def test_parts_of_different_steps_are_not_assembled() -> None:
     ]
     with pytest.raises(ValueError, match="different steps"):
         assemble(parts)
+
+
+def test_a_range_whose_two_holders_differ_stops_the_job_naming_both() -> None:
+    reports = held("a", "b", "c", "d")
+    b = reports["b"]
+    reports["b"] = Report(4, OLD, 3, 10, held=b.held, digests=("bad", *b.digests[1:]))
+    with pytest.raises(JobHalted, match=r"differs between its holders a .* and b .*bad.* step 10"):
+        decide(reports, 10, NUMEL, 1)
