@@ -167,3 +167,24 @@ def test_a_member_spoiling_its_gradient_while_declaring_its_true_norm_is_refused
     refused = [e for n in c.nodes.values() for e in n.entries() if e["kind"] == "refused" and e["step"] == 10]
     assert refused and all("exceeds the declared" in e["reason"] for e in refused), refused
     assert_sharded(c, ENV, finishers=3)  # the step retried with the same samples: one process's model
+
+
+def test_two_zones_each_hold_a_replica_and_a_zone_that_lost_both_holders_takes_them_from_the_other(
+    make_cluster: Any,
+) -> None:
+    # Zone A (a1, a2, a3) and zone B (b1, b2) each shard a whole replica; the gradient is summed
+    # in each zone, then over the zones. a2 and a3 die in the same step: some of A's ranges lost
+    # both their holders in A, and come from B's holders of the same elements.
+    env = ENV | {"UB_TEST_STEPS": "60"}
+    c = start(make_cluster, env, 5)
+    for name in ("a1", "a2", "a3", "b1", "b2"):
+        fault = "kill@allreduce:20" if name in ("a2", "a3") else ""
+        c.start_node(name, extra=["--zone", name[0].upper()], fault=fault)
+    codes = c.wait_exit(timeout=150)
+    assert codes == {"a1": 0, "a2": -signal.SIGKILL, "a3": -signal.SIGKILL, "b1": 0, "b2": 0}, c.diagnostics()
+    first = {e["node"]: e for e in reversed(reshards(c))}
+    assert first["a1"]["held"] < first["b1"]["held"], first  # 2/3 of the state each in A, all of it in B
+    after = [e for e in reshards(c) if e["node"] == "a1" and e["step"] >= 20]
+    assert after and "lost" in after[0]["reason"], reshards(c)
+    assert after[-1]["held"] == after[-1]["primary"] > 0, "alone in its zone: the whole replica, no buddy"
+    assert_sharded(c, env, finishers=3)

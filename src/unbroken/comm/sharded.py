@@ -447,6 +447,30 @@ class ShardedModel:
         self.holdings = []
         self.optimizer = self._build_optimizer()
 
+    def cross_sum(self, group: ProcessGroup, chunk: int = 1 << 22) -> None:
+        """Each held element's gradient summed over the zones (after this zone's sum): every
+        member of ``group`` (all the zones' members) puts in its primary range, so each zone
+        gives every element once; ``chunk`` elements at a time, the most held beyond the ranges.
+
+        Raises:
+            CollectiveFailed, EpochAborted: the sum failed or was abandoned."""
+        numel = self.layout.numel
+        primaries = [piece for h in self.holdings if h.purpose is Purpose.PRIMARY for piece in h.pieces]
+        for lo in range(0, numel, chunk):
+            hi = min(numel, lo + chunk)
+            buf = torch.zeros(hi - lo)
+            for piece in primaries:
+                a, b = max(piece.start, lo), min(piece.end, hi)
+                if a < b and piece.tensor.grad is not None:
+                    buf[a - lo : b - lo] = piece.tensor.grad[a - piece.start : b - piece.start]
+            wait_all([group.allreduce([buf])], self.scope, "summing the gradient over the zones")
+            for piece in self._pieces():
+                a, b = max(piece.start, lo), min(piece.end, hi)
+                if a < b:
+                    if piece.tensor.grad is None:
+                        piece.tensor.grad = torch.zeros_like(piece.tensor)
+                    piece.tensor.grad[a - piece.start : b - piece.start] = buf[a - lo : b - lo]
+
     def primary_squares(self) -> float:
         """The sum of squares of the summed gradient over this member's primary range (each
         element counted once over the zone: its buddy copies are left out)."""

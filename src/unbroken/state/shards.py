@@ -387,7 +387,12 @@ def plan(
 
 
 def replan(
-    base: Layout, holders: Mapping[str, Ranges], weights: Mapping[str, int], *, budgets: Mapping[str, int] | None = None
+    base: Layout,
+    holders: Mapping[str, Ranges],
+    weights: Mapping[str, int],
+    *,
+    outside: Mapping[str, Ranges] | None = None,
+    budgets: Mapping[str, int] | None = None,
 ) -> Plan:
     """Re-shard to the members of ``weights`` from what each live member holds now.
 
@@ -396,7 +401,8 @@ def replan(
     one, at the same step: all of their ranges are current). ``base``: the newest layout held,
     whose ring order the new one keeps (members of ``weights`` not in it follow, in the
     mapping's order). A destination is sent only what it does not hold, each element once,
-    from the least loaded live holder; elements no live member holds are ``missing``.
+    from the least loaded live holder; elements no live member holds come from ``outside``
+    (another zone's members: what each holds of the same state), else they are ``missing``.
     `plan` is the same for a zone whose members all hold one layout.
 
     Raises:
@@ -405,7 +411,8 @@ def replan(
     order = [m for m in base.members if m in weights] + [m for m in weights if m not in base.members]
     new = layout_for(base.numel, {m: weights[m] for m in order}, align=base.align, budgets=budgets)
     held = {h: _union(r) for h, r in holders.items()}
-    points = sorted({x for r in held.values() for s, e in r for x in (s, e)})
+    far = {h: _union(r) for h, r in (outside or {}).items()}
+    points = sorted({x for r in [*held.values(), *far.values()] for s, e in r for x in (s, e)})
     pieces, lacking = [], []
     for m in new.members:
         own = [(p, Purpose.PRIMARY)] if (p := new.primary(m)) else []
@@ -414,6 +421,7 @@ def replan(
                 cuts = [lo, *(x for x in points if lo < x < hi), hi]  # one set of holders per segment
                 for a, b in itertools.pairwise(cuts):
                     sources = [h for h, r in held.items() if h != m and not _minus(((a, b),), r)]
+                    sources = sources or [h for h, r in far.items() if not _minus(((a, b),), r)]
                     if sources:
                         pieces.append((b - a, a, b, m, purpose, sources))
                     else:

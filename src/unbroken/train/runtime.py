@@ -459,11 +459,10 @@ class Node:
         g, reducer = self.epochs.form(order)
         policy = order.policy.parsed()
         sync = policy.mode is Mode.SYNC
-        if self.zone is not None and (not sync or reducer.zones.multi):
+        if self.zone is not None and not sync:
             raise ConfigError(
-                "a sharded job trains in one zone in sync mode for now: this group's policy is "
-                f"{policy.mode.value} over {len(reducer.zones.names)} zone(s); "
-                "run it without --zone and --mode diloco, or unsharded"
+                f"a sharded job trains in sync mode for now: this group's policy is {policy.mode.value}; "
+                "run it without --mode diloco, or unsharded"
             )
         if sync:
             flat = self._step_buffer(g.size)
@@ -523,8 +522,8 @@ class Node:
             self.applied_step = -1  # the state is a peer's now
         self.audits.synced(g.epoch, received=r.role == "receiver", fetched=r.fetched)
         if self.zone is not None:
-            left = self.zone.sync(self, g, self.state.step)
-            if left is not None:
+            assert self.protocol is not None
+            for left in self.zone.sync(self, g, self.state.step, self.protocol.reducer):
                 self.graveyard.bury(left)
         if self.diloco is not None:
             self.diloco.sync_zone(received=r.role == "receiver")

@@ -23,11 +23,17 @@ gradient (the guard judges them as before). A member without samples this step c
 one sample at weight zero, so that it joins the zone's gathers and sums in the same order.
 Apply steps the optimizer on the held ranges; a step not applied drops its sums (`abandon`).
 
-Not yet here: zones exchanging with each other (one zone per job), DiLoCo, audits and work
-checks (validators), a job's ``before_update`` (no member holds the whole gradient; clipping
-is `Sharding.clip_norm`), loss scaling, accelerators. Ranges that lost both holders while others live stop the job with
-the ranges named (a restart reads them from the checkpoint's shard files: every member
-writes its primary range there at each checkpoint).
+Several zones (``--zone``): each zone holds a whole replica, sharded over its members by its
+own layout; the gradient is summed in the zone as above, then over every member of the job
+in chunks, each zone putting in its primaries (`ShardedModel.cross_sum`); a zone takes what
+none of its members holds from another zone's (the epoch's group carries those transfers).
+
+Not yet here: the zones' sum through their leaders with a codec, and DiLoCo (refused);
+audits and work checks (validators), a job's ``before_update`` (no member holds the whole
+gradient; clipping is `Sharding.clip_norm`), loss scaling, accelerators. Ranges that lost
+every holder in every zone while others live stop the job with the ranges named (a restart
+reads them from the checkpoint's shard files: every member writes its primary range there
+at each checkpoint).
 """
 
 from __future__ import annotations
@@ -38,13 +44,14 @@ import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from unbroken.comm.fake import FakeWorld
 from unbroken.comm.group import EpochGroup, EpochScope, ProcessGroup, wait_all
 from unbroken.comm.shard_files import complete_steps, prune_shards, restore_shards, save_shard
 from unbroken.comm.sharded import ShardedModel, broadcast_model, restore_storage
@@ -55,6 +62,7 @@ from unbroken.state.checkpoint import KEEP
 from unbroken.state.shards import Layout, Plan, Ranges, Shard, layout_for, replan, union
 
 if TYPE_CHECKING:
+    from unbroken.comm.reduce import Reducer
     from unbroken.train.runtime import Node
 
 log = logging.getLogger(__name__)
@@ -108,13 +116,18 @@ class Decision:
     """Every member holds what the new layout gives it, on that layout: nothing moves."""
 
 
-def decide(reports: Mapping[str, Report], step: int, numel: int, align: int) -> Decision:
-    """The same decision on every member from the same reports (``reports`` in rank order).
+def decide(
+    reports: Mapping[str, Report], step: int, numel: int, align: int, outside: Mapping[str, Report] | None = None
+) -> Decision:
+    """The same decision on every member from the same reports (``reports``: the zone's
+    members', in rank order; ``outside``: the other zones' members', each zone holding a
+    whole replica of the same state).
 
     Every range a member holds at the group's ``step`` is current, whatever layout it came
     from (a re-shard cut short leaves members on two layouts at one step); so is the range of
     a member one step behind that holds that step's complete sum from the attempt that
     committed it (it applies it: `Decision.late`). The newest layout's ring order is kept.
+    What no member of the zone holds comes from another zone's members, if one holds it.
 
     Raises:
         JobHalted: elements no member holds at ``step`` (every holder lost, or the group
@@ -122,31 +135,33 @@ def decide(reports: Mapping[str, Report], step: int, numel: int, align: int) -> 
     """
     weights = {m: r.weight for m, r in reports.items()}
     held = {m: r for m, r in reports.items() if r.layout is not None and r.held}
-    if not held:  # a new job, or one restarted from its checkpoint
+    far = {m: r for m, r in (outside or {}).items() if r.layout is not None and r.held and r.step == step}
+    if not held and not far:  # a new job, or one restarted from its checkpoint
         fresh = layout_for(numel, weights, align=align)
         if step > 0:
             return Decision(fresh=fresh, restore=True)
-        intact = [m for m, r in reports.items() if r.epoch < 0]  # never sharded: its model is whole
+        everyone = {**reports, **(outside or {})}
+        intact = [m for m, r in everyone.items() if r.epoch < 0]  # never sharded: its model is whole
         if not intact:
             raise JobHalted("every member that held the new job's ranges was lost before its first step: restart it")
         return Decision(fresh=fresh, source=intact[0])
-    newest = max((r.step, r.epoch) for r in held.values())
+    newest = max((r.step, r.epoch) for r in held.values()) if held else (step, -1)
     if newest[0] != step:
         raise JobHalted(
             f"the group is at step {step} but the newest ranges any member holds are of step {newest[0]}: "
             "restart the job from its last checkpoint"
         )
-    base = next(r.layout for r in held.values() if (r.step, r.epoch) == newest)
-    assert base is not None
+    found = next((r.layout for r in held.values() if (r.step, r.epoch) == newest), None)
+    base = found if found is not None else layout_for(numel, weights, align=align)  # a zone new to the job
     late = {m for m, r in held.items() if r.epoch == newest[1] and r.summed == r.step == step - 1}
     sources = {m: r.held for m, r in held.items() if r.step == step or m in late}
-    _check_copies({m: r for m, r in held.items() if r.step == step})
-    p = replan(base, sources, weights)
+    _check_copies({m: r for m, r in {**held, **far}.items() if r.step == step})
+    p = replan(base, sources, weights, outside={m: r.held for m, r in far.items()})
     if p.missing:
         ranges = ", ".join(f"[{x.start:,}, {x.end:,})" for x in p.missing)
         gone = sorted(m for m in base.members if m not in sources)
         raise JobHalted(
-            f"ranges {ranges} of the state lost every holder at step {step} ({', '.join(gone)}): "
+            f"ranges {ranges} of the state lost every holder at step {step} ({', '.join(gone)}), in every zone: "
             "restart the job from its last checkpoint"
         )
     unchanged = (
@@ -284,6 +299,9 @@ class ShardedZone:
         self.shell = nn.Module()
         """What the replicated state holds as its model: nothing (the values are in the ranges)."""
         self.engine: ShardedModel | None = None
+        self.world: ProcessGroup | None = None
+        """The epoch's group where there are several zones (each a replica): the gradient is
+        summed over it after its zone's sum; None in one zone."""
         self.defer = False
         """A user's own loop runs forward and backward: their failures wait for the step
         (`ShardedModel.defer`)."""
@@ -346,26 +364,49 @@ class ShardedZone:
         digests = tuple(self.engine.digest(h.start, h.end) for h in holdings)
         return Report(self.weight, self.engine.layout, self.epoch, self.step, summed, held, digests)
 
-    def sync(self, node: Node, g: EpochGroup, step: int) -> ProcessGroup | None:
+    def sync(self, node: Node, g: EpochGroup, step: int, reducer: Reducer) -> list[ProcessGroup]:
         """Give this member the ranges of epoch ``g`` at committed ``step`` (after the
-        replicated state's sync); returns the group the ranges were held on until now, for the
-        caller to keep referenced (`Graveyard`), or None."""
+        replicated state's sync). With several zones each holds a whole replica: a zone decides
+        its layout from its members' reports, takes from another zone what none of its own
+        holds (the transfers run on the epoch's group), and steps on its own group; the
+        gradient is then summed over the zones too (`finish_backward`). Returns the groups the
+        ranges were held on until now, for the caller to keep referenced (`Graveyard`)."""
         assert g.pg is not None
         scope = node.scope(during_step=False)
         me = node.client.member_id
-        ranks = {m: i for i, m in enumerate(g.members)}
+        world = {m: i for i, m in enumerate(g.members)}
+        zones = reducer.zones
+        zone_of = {m: zones.of_rank[i] if zones.multi else "" for i, m in enumerate(g.members)}
+        names = list(dict.fromkeys(zone_of.values()))
         reports = dict(zip(g.members, [decode(b) for b in exchange(g.pg, encode(self.report()), scope)], strict=True))
-        decision = decide(reports, step, self.numel, self.sharding.align)
-        left: ProcessGroup | None = None
+        decisions = {
+            z: decide(
+                {m: r for m, r in reports.items() if zone_of[m] == z},
+                step,
+                self.numel,
+                self.sharding.align,
+                outside={m: r for m, r in reports.items() if zone_of[m] != z},
+            )
+            for z in names
+        }
+        decision = decisions[zone_of[me]]
+        members = [m for m in g.members if zone_of[m] == zone_of[me]]
+        ranks = {m: i for i, m in enumerate(members)}
+        group: ProcessGroup = g.pg
+        if zones.multi:  # its zone's group; a member alone in its zone gathers from itself
+            group = reducer.zone_pg if reducer.zone_pg is not None else FakeWorld(1).group(0)
+        self.world = g.pg if zones.multi else None
+        left: list[ProcessGroup] = []
         late = ""
-        if decision.fresh is not None:
+        if decision.fresh is not None:  # no member of any zone holds a range
             if self.engine is not None:
                 self.engine.close()
                 restore_storage(self.model)
+            source = next(m for m in g.members if reports[m].epoch < 0) if not decision.restore else ""
             if not decision.restore:
-                broadcast_model(self.model, g.pg, ranks[decision.source], scope)
-            self.engine = self._build(decision.fresh, me, ranks, g.pg, scope)
-            what = f"layout of {len(decision.fresh.shards)} ranges made, from {decision.source}'s model"
+                broadcast_model(self.model, g.pg, world[source], scope)
+            self.engine = self._build(decision.fresh, me, ranks, group, scope)
+            what = f"layout of {len(decision.fresh.shards)} ranges made, from {source}'s model"
             if decision.restore:
                 self._restore(node, decision.fresh, me, step)
                 what = f"layout of {len(decision.fresh.shards)} ranges made, read from the checkpoint of step {step}"
@@ -373,7 +414,7 @@ class ShardedZone:
             p = decision.plan
             assert p is not None
             if self.engine is None:
-                self.engine = self._build(p.old, me, ranks, g.pg, scope)
+                self.engine = self._build(p.old, me, ranks, group, scope)
             elif me in decision.late:
                 self._apply_late(node, step)
                 self.step = step  # its ranges are the group's step now, whatever the re-shard does
@@ -383,12 +424,17 @@ class ShardedZone:
             elif self.pending is not None:  # the step it summed did not commit: retried from the start
                 self.engine.abandon()
             self.pending = None
-            if decision.unchanged:
-                left = self.engine.regroup(ranks, g.pg, scope)
+            transfers = tuple(t for z in names if (q := decisions[z].plan) is not None for t in q.transfers)
+            if decision.unchanged and all(me not in (t.source, t.destination) for t in transfers):
+                left.append(self.engine.regroup(ranks, group, scope))
                 what = ""
-            else:
-                left = self.engine.reshard(p, me, ranks, g.pg, scope)
+            else:  # every zone's transfers, in one order everywhere, on the epoch's group
+                left.append(self.engine.reshard(replace(p, transfers=transfers), me, world, g.pg, scope))
+                left.append(self.engine.regroup(ranks, group, scope))
                 what = p.reason
+                sent = sum(t.size for t in transfers if t.source == me and zone_of[t.destination] != zone_of[me])
+                if decision.unchanged:  # it only gave another zone what that zone lost
+                    what = f"sent {sent:,} elements to another zone"
         self.epoch, self.step, self.pending = g.epoch, step, None
         self.engine.scope = node.scope(during_step=True)
         what = "; ".join(x for x in (late, what) if x)
@@ -398,7 +444,8 @@ class ShardedZone:
             entry = {"epoch": g.epoch, "step": step, "reason": what, "held": held, "primary": own}
             node.records.log(Entry.RESHARD, entry)
             log.info("%s: sharded zone at step %d: %s; holds %s elements", node.name, step, what, f"{held:,}")
-        return left if left is not g.pg else None
+        current = {id(g.pg), id(group)}
+        return [x for x in left if id(x) not in current]
 
     def _restore(self, node: Node, layout: Layout, me: str, step: int) -> None:
         directory = node.config.checkpoint_dir
@@ -452,6 +499,8 @@ class ShardedZone:
         engine = self.ready
         engine.finish_backward()
         own = math.sqrt(engine.take_squares())
+        if self.world is not None:  # several zones: the sum over them too
+            engine.cross_sum(self.world)
         total = torch.tensor([engine.primary_squares()], dtype=torch.float64)
         wait_all([engine.group.allreduce([total])], engine.scope, "summing the gradient's norm over the zone")
         self.total_norm = math.sqrt(float(total))
