@@ -22,7 +22,8 @@ peak RSS and the training state it holds against the whole state (parameters, gr
 Adam's two moments: 16 bytes a parameter), the time from the kill to the survivors' next
 committed step, steps lost, and whether the final model equals one process trained on the
 whole batch (max abs difference). Then the same model through the whole runtime, real node
-processes with a kill and a join (`bench/sharded_nodes.py`; ``--no-nodes`` skips it): the
+processes with a kill and a join (`bench/sharded_nodes.py`; 4 nodes in one zone with
+``--short``, 2 zones of 3 nodes otherwise; ``--no-nodes`` skips it): the
 kill, the promises and ``steps_lost`` of the last line are that run's (the engine-level ones
 under ``engine``). The last line is one JSON object with these figures. This version keeps
 shards on the CPU: ``--device cuda`` is refused (no NCCL path yet).
@@ -379,9 +380,11 @@ def main() -> None:
     }
     if not args.no_nodes:
         print("sharded nodes: the reference run ...", file=sys.stderr, flush=True)
+        zones = 1 if args.short else 2  # the full run: 2 zones of 3 nodes, each zone a sharded replica
         n = argparse.Namespace(
-            nodes=args.nodes, steps=args.node_steps, kill_step=args.kill_step, join_step=args.join_step,
-            dim=args.dim, layers=args.layers, batch=args.batch, timeout=args.timeout,
+            nodes=args.nodes if args.short else 6, steps=args.node_steps, kill_step=args.kill_step,
+            join_step=args.join_step, dim=args.dim, layers=args.layers, batch=args.batch, timeout=args.timeout,
+            zones=zones,
         )  # fmt: skip
         node_ref, node_order = sharded_nodes.reference_model(sharded_nodes.job(sharded_nodes.job_args(n)), n.nodes)
         print("sharded nodes: the zone ...", file=sys.stderr, flush=True)
@@ -401,6 +404,7 @@ def main() -> None:
             "steps_lost": args.node_steps - r["steps_committed"],
             "promises_kept": bool(r["promises_kept"] and engine["promises_kept"]),
             "join_over_cold_start": round(join_ratio, 3),
+            "nodes_run_layout": f"{n.nodes} nodes in {zones} zone(s)",
             "nodes_run": {k: v for k, v in r.items() if k != "codes"},
             "engine": engine,
         }

@@ -8,6 +8,8 @@ and merges the figures into its last line. Here the whole runtime runs: a coordi
 ``--nodes`` node processes on loopback (gloo, OMP_NUM_THREADS=1), the transformer of
 `bench/sharded.py` as a `Job` with ``Sharding`` (a block per layer), AdamW, B = ``--batch``:
 
+- with ``--zones Z`` the nodes are split into Z zones, each a sharded replica (the full run of
+  `bench/sharded.py`: 2 zones of 3 nodes);
 - a kill: node n2 SIGKILLs itself in the all-reduce of step ``--kill-step``; measured from
   the fault line in its log to the survivors' next commit (the epoch change, the layout
   exchange, the re-shard from the buddy copies and the retried step);
@@ -151,14 +153,16 @@ def run(a: argparse.Namespace, reference: dict[str, torch.Tensor], float_order: 
     ):
         root = Path(tmp)
         c.start_coordinator()
+        zones = getattr(a, "zones", 1)
         for i in range(1, a.nodes + 1):
             fault = f"kill@allreduce:{a.kill_step}" if i == 2 else ""
-            c.start_node(f"n{i}", fault=fault, job_args=args)
+            where = ["--zone", f"z{(i - 1) * zones // a.nodes}"] if zones > 1 else []
+            c.start_node(f"n{i}", fault=fault, extra=where, job_args=args)
         peak = PeakMemory({name: n.proc.pid for name, n in c.nodes.items()})
         c.wait_step(a.join_step, timeout=a.timeout)
         print("sharded nodes: the join ...", file=sys.stderr, flush=True)
         t0 = time.time()
-        joiner = c.start_node("joiner", job_args=args)
+        joiner = c.start_node("joiner", extra=["--zone", "z0"] if zones > 1 else [], job_args=args)
         peak.add("joiner", joiner.proc.pid)
         joined = wait_until(lambda: _first_commit(joiner), a.timeout, "the joiner's first commit") - t0
         print("sharded nodes: a cold start beside it ...", file=sys.stderr, flush=True)
@@ -218,6 +222,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--timeout", type=float, default=240.0)
+    p.add_argument("--zones", type=int, default=1, help="zones the nodes are split into (each a sharded replica)")
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     reference, float_order = reference_model(job(job_args(a)), a.nodes)

@@ -188,3 +188,19 @@ def test_two_zones_each_hold_a_replica_and_a_zone_that_lost_both_holders_takes_t
     assert after and "lost" in after[0]["reason"], reshards(c)
     assert after[-1]["held"] == after[-1]["primary"] > 0, "alone in its zone: the whole replica, no buddy"
     assert_sharded(c, env, finishers=3)
+
+
+def test_a_member_whose_commit_failed_after_the_vote_applies_the_step_late_from_its_sums(make_cluster: Any) -> None:
+    # n2's commit fence fails at step 12 after the vote went through everywhere: n1 and n3
+    # commit it, n2 does not. Its ranges' other copies moved on; it holds step 12's complete
+    # sums and applies them in the next sync (a step is applied by all or by none).
+    c = start(make_cluster, ENV, 3)
+    c.start_node("n1")
+    lapsed = c.start_node("n2", fault="lapse@commit:12")
+    c.start_node("n3")
+    codes = c.wait_exit(timeout=120)
+    assert fired(lapsed, "lapse"), c.diagnostics()
+    assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
+    late = [e for e in lapsed.entries() if e["kind"] == "reshard" and "late" in e["reason"]]
+    assert late and late[0]["step"] == 13, [e for e in lapsed.entries() if e["kind"] == "reshard"]
+    assert_sharded(c, ENV, finishers=3)

@@ -49,6 +49,11 @@ FALSE_ALARM = "false-alarm"
 """``false-alarm@commit:STEP``: from step STEP on, once in every epoch, right after a
 commit, this node reports that a collective failed when none did (it trains honestly
 otherwise): a broken node, or a hostile one holding the token."""
+LAPSE = "lapse"
+"""``lapse@commit:STEP``: this node's commit fence fails at STEP after the step's vote went
+through everywhere (its lease lapsed, as for a node paused past it): the others commit the
+step, it does not, and it reports the epoch failed. What a sharded member then does with the
+sums it holds is the test (`unbroken.train.sharding`: it applies the step late)."""
 UNREACHABLE = "unreachable"
 """``unreachable@build:EPOCH``: from epoch EPOCH on, the data-plane address in this node's
 rendezvous entries is one where connections hang (`dropping_sockets`), as a firewall that
@@ -79,7 +84,7 @@ def parse_faults(spec: str) -> list[Fault]:
             ((sig in SIGNALS or sig == HANG) and phase != "outer")
             or (sig in CORRUPT and (phase == "grad" or (phase == "outer" and sig not in PERSISTENT)))
             or (sig in LIES and (phase == "grad" or (phase == "outer" and sig != "forge-slot")))
-            or (sig in (BITFLIP, FALSE_ALARM) and phase == "commit")
+            or (sig in (BITFLIP, FALSE_ALARM, LAPSE) and phase == "commit")
             or (sig in (MUTE, UNREACHABLE) and phase == "build")
             or (sig == SHIFT and phase == "data")
         )
@@ -171,10 +176,17 @@ class FaultPlan:
 
     def bitflip(self, step: int) -> bool:
         """True (once) when a bit of this node's state should flip after committing ``step``."""
+        return self._once(BITFLIP, step)
+
+    def lapse(self, step: int) -> bool:
+        """True (once) when this node's commit fence of ``step`` must fail (`LAPSE`)."""
+        return self._once(LAPSE, step)
+
+    def _once(self, signal: str, step: int, phase: str = "commit") -> bool:
         for f in self._pending:
-            if f.signal == BITFLIP and f.step == step:
+            if f.signal == signal and f.step == step:
                 self._pending.remove(f)
-                self._record(Entry.FAULT, {"signal": BITFLIP, "phase": "commit", "step": step, "pid": os.getpid()})
+                self._record(Entry.FAULT, {"signal": signal, "phase": phase, "step": step, "pid": os.getpid()})
                 return True
         return False
 

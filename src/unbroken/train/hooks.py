@@ -66,6 +66,9 @@ class Faults(Protocol):
     def bitflip(self, step: int) -> bool:
         """Whether a bit of this node's state flips (`flip_bit`) right after committing ``step``."""
 
+    def lapse(self, step: int) -> bool:
+        """Whether this node's commit fence of ``step`` fails after the vote went through."""
+
     def wrong_samples(self, step: int) -> bool:
         """Whether this node's data loader reads other samples than its slice's at ``step``
         (the next step's: a loader off by a batch), while it reports its own slice's."""
@@ -99,6 +102,9 @@ class NoFaults:
         return False
 
     def bitflip(self, step: int) -> bool:
+        return False
+
+    def lapse(self, step: int) -> bool:
         return False
 
     def wrong_samples(self, step: int) -> bool:

@@ -386,7 +386,10 @@ class StepProtocol:
         recovering, may even welcome it back into this one before it learns of the newer),
         and a later session's lease proves nothing of this epoch. The step is retried in
         the next one, whose sync brings whatever the group committed."""
-        client = self.node.client
+        node, client = self.node, self.node.client
+        if node.faults.lapse(node.state.step):  # injected (`testing.faults`): told, as a lapse is
+            client.send(m.Fault(epoch=self.group.epoch, reason=f"commit fence of step {node.state.step}: lease lapsed"))
+            raise EpochAborted(f"the lease lapsed before step {node.state.step} committed here", where=node.where())
         if not client.commit_allowed():
             log.warning("%s: lease not confirmed before commit; waiting for the coordinator", self.node.name)
             wait_until(client.commit_allowed, self.scope, "commit fence")
