@@ -16,6 +16,7 @@ from unbroken.comm.reduce import Reducer
 from unbroken.control.messages import Capabilities
 from unbroken.errors import EpochAborted, Where
 from unbroken.sched.zones import Zones
+from unbroken.train.hooks import NoFaults
 from unbroken.train.runtime import Node
 from unbroken.train.step import StepProtocol
 
@@ -24,6 +25,7 @@ def protocol(client: SimpleNamespace) -> StepProtocol:
     params = [torch.nn.Parameter(torch.zeros(3))]
     node = SimpleNamespace(
         numel=3, compressed_numel=3, scale=None, zone=None, name="n1", client=client, state=SimpleNamespace(step=168),
+        faults=NoFaults(),
         replica=SimpleNamespace(params=params, device=torch.device("cpu")),
         scope=lambda **_kw: EpochScope(threading.Event(), lambda: None, 5.0),
         where=lambda: Where(1, 169, 0),
