@@ -14,6 +14,7 @@ import pytest
 
 from integration.helpers import ATOL, events_of, fired, job_for
 from unbroken.testing import LocalCluster, check_promises, reference_state
+from unbroken.testing.cluster import NodeProcess
 from unbroken.train.sharding import assemble_files
 
 pytestmark = pytest.mark.timeout(180)
@@ -29,6 +30,18 @@ def start(make_cluster: Any, env: dict[str, str], n: int, node_args: tuple[str, 
 
 def reshards(c: LocalCluster) -> list[dict[str, Any]]:
     return [e for node in c.nodes.values() for e in node.entries() if e["kind"] == "reshard"]
+
+
+def three_with(make_cluster: Any, fault: str) -> tuple[LocalCluster, NodeProcess]:
+    """Three nodes to the end of the job, n2 with ``fault`` (which must fire); the cluster and n2."""
+    c = start(make_cluster, ENV, 3)
+    c.start_node("n1")
+    faulty = c.start_node("n2", fault=fault)
+    c.start_node("n3")
+    codes = c.wait_exit(timeout=120)
+    assert fired(faulty, fault.partition("@")[0]), c.diagnostics()
+    assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
+    return c, faulty
 
 
 def assert_sharded(c: LocalCluster, env: dict[str, str], finishers: int) -> None:
@@ -157,13 +170,7 @@ def test_ranges_follow_memory_and_a_node_too_small_for_one_trains_holding_none(m
 def test_a_member_spoiling_its_gradient_while_declaring_its_true_norm_is_refused(make_cluster: Any) -> None:
     # Nobody holds the whole summed gradient: its norm, summed over the zone's ranges, is held
     # against the declared norms before the vote, as an unsharded job holds the sum's.
-    c = start(make_cluster, ENV, 3)
-    c.start_node("n1")
-    spoiler = c.start_node("n2", fault="spike@grad:10")
-    c.start_node("n3")
-    codes = c.wait_exit(timeout=120)
-    assert fired(spoiler, "spike"), c.diagnostics()
-    assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
+    c, _ = three_with(make_cluster, "spike@grad:10")
     refused = [e for n in c.nodes.values() for e in n.entries() if e["kind"] == "refused" and e["step"] == 10]
     assert refused and all("exceeds the declared" in e["reason"] for e in refused), refused
     assert_sharded(c, ENV, finishers=3)  # the step retried with the same samples: one process's model
@@ -194,13 +201,7 @@ def test_a_member_whose_commit_failed_after_the_vote_applies_the_step_late_from_
     # n2's commit fence fails at step 12 after the vote went through everywhere: n1 and n3
     # commit it, n2 does not. Its ranges' other copies moved on; it holds step 12's complete
     # sums and applies them in the next sync (a step is applied by all or by none).
-    c = start(make_cluster, ENV, 3)
-    c.start_node("n1")
-    lapsed = c.start_node("n2", fault="lapse@commit:12")
-    c.start_node("n3")
-    codes = c.wait_exit(timeout=120)
-    assert fired(lapsed, "lapse"), c.diagnostics()
-    assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
+    c, lapsed = three_with(make_cluster, "lapse@commit:12")
     late = [e for e in lapsed.entries() if e["kind"] == "reshard" and "late" in e["reason"]]
     assert late and late[0]["step"] == 13, [e for e in lapsed.entries() if e["kind"] == "reshard"]
     assert_sharded(c, ENV, finishers=3)
