@@ -8,9 +8,12 @@ ranges is the single-process run's (up to float summation order).
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from typing import Any
 
 import pytest
+import torch
 
 from integration.helpers import ATOL, events_of, fired, job_for
 from unbroken.testing import LocalCluster, check_promises, reference_state
@@ -44,7 +47,9 @@ def three_with(make_cluster: Any, fault: str) -> tuple[LocalCluster, NodeProcess
     return c, faulty
 
 
-def assert_sharded(c: LocalCluster, env: dict[str, str], finishers: int) -> None:
+def assert_sharded(c: LocalCluster, env: dict[str, str], finishers: int, cli: bool = False) -> None:
+    """The promises, every range's holders equal, and the finished model one process's
+    (put together by ``unbroken assemble`` where ``cli``)."""
     job = job_for(env)
     report = check_promises({name: n.entries() for name, n in c.nodes.items()}, job, finishers=finishers)
     assert report.ok, "\n".join(report.problems) + "\n" + c.diagnostics()
@@ -55,7 +60,15 @@ def assert_sharded(c: LocalCluster, env: dict[str, str], finishers: int) -> None
             held.setdefault(span, set()).add(digest)
     assert held and all(len(d) == 1 for d in held.values()), f"a range's holders differ: {held}"
     paths = [n.final_state for n in c.nodes.values() if n.final_state.exists()]
-    got = assemble_files(paths)
+    if cli:
+        out = c.workdir / "model.pt"
+        done = subprocess.run(
+            [sys.executable, "-m", "unbroken", "assemble", str(out), *map(str, paths)], capture_output=True, text=True
+        )
+        assert done.returncode == 0 and out.exists(), done.stderr
+        got = torch.load(out, weights_only=True)
+    else:
+        got = assemble_files(paths)
     for name, want in reference_state(job).items():
         diff = (got[name] - want).abs().max().item()
         assert diff <= ATOL, f"{name} differs from the single-process reference by {diff:.2e} (> {ATOL})"
@@ -70,7 +83,13 @@ def test_a_sharded_zone_trains_as_one_process_and_survives_a_sigkill(make_cluste
     codes = c.wait_exit(timeout=120)
     assert victim is not None and fired(victim, "kill"), c.diagnostics()
     assert codes == {"n1": 0, "n2": -signal.SIGKILL, "n3": 0, "n4": 0}, c.diagnostics()
-    assert_sharded(c, ENV, finishers=3)
+    assert_sharded(c, ENV, finishers=3, cli=True)
+    one = subprocess.run(
+        [sys.executable, "-m", "unbroken", "assemble", str(c.workdir / "x.pt"), str(c.nodes["n1"].final_state)],
+        capture_output=True,
+        text=True,
+    )
+    assert one.returncode != 0 and "cover" in one.stderr and "every finished node" in one.stderr, one.stderr
     lost = [e for e in reshards(c) if "lost" in e["reason"]]
     assert {e["node"] for e in lost} == {"n1", "n3", "n4"}, reshards(c)
     fault_t = next(e["t"] for e in victim.entries() if e["kind"] == "fault")

@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from unbroken.cli.assemble import add_parser as add_assemble_parser
 from unbroken.cli.observe import add_parsers as add_observe_parsers
 from unbroken.cli.restore import add_parser as add_restore_parser
 from unbroken.cli.verify import add_parser as add_verify_parser
@@ -591,6 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.set_defaults(func=_chaos)
     add_observe_parsers(sub, fmt)
     add_restore_parser(sub, fmt)
+    add_assemble_parser(sub, fmt)
     add_verify_parser(sub, fmt)
     return p
 

@@ -276,8 +276,8 @@ class ShardedZone:
             if given:
                 raise ConfigError(
                     f"a sharded job cannot take Job.{what} yet (no member holds the whole model between steps): "
-                    "evaluate the finished model (each node's --final-state range, put together by "
-                    "unbroken.train.sharding.assemble_files), or train unsharded"
+                    "evaluate the finished model (its nodes' --final-state files, put together by "
+                    "`unbroken assemble model.pt FILES...`), or train unsharded"
                 )
         self.sharding: Sharding = sharding
         self.model = model
