@@ -36,16 +36,25 @@ changed), parameters shared between blocks, and devices other than the CPU.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import xxhash
 from torch import nn
 
+from unbroken.comm.blocks import (
+    Block,
+    Holding,
+    Piece,
+    as_flat,
+    blocks_of,
+    fill,
+    free,
+    per_element,
+    tensors_of,
+)
 from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable, wait_all
 from unbroken.errors import CollectiveFailed, ConfigError, EpochAborted, TransferError
 from unbroken.state.shards import Layout, Plan, Purpose
@@ -55,64 +64,6 @@ log = logging.getLogger(__name__)
 Optimizer = torch.optim.Optimizer
 OptimizerFactory = Callable[[list[dict[str, Any]]], Optimizer]
 """Builds the optimizer over param groups (``[{"params": [...], "lr": ...}, ...]``)."""
-
-
-@dataclass
-class Block:
-    """Modules whose parameters are gathered together, and their span of the flat space."""
-
-    module: nn.Module
-    params: list[nn.Parameter]
-    start: int
-    end: int
-    offsets: list[int]
-    """Each parameter's start in the flat space."""
-    gathered: bool = False
-    waiting: int = 0
-    """Gradients of this backward still to come before the block's sum."""
-    fetch: tuple[Any, list[list[torch.Tensor]], list[tuple[str, int, int]]] | None = None
-    """Its gather, posted ahead of its use (work, outputs, pieces): `ShardedModel._gather`
-    waits for it."""
-
-
-@dataclass
-class Piece:
-    """The part of one parameter inside a held range: a tensor the optimizer steps."""
-
-    param: int
-    """Index of the parameter (in flat order)."""
-    start: int
-    end: int
-    """Its span in the flat space."""
-    tensor: torch.Tensor
-
-
-@dataclass
-class Holding:
-    """A range this member holds, primary or buddy copy, in pieces (one per parameter)."""
-
-    start: int
-    end: int
-    purpose: Purpose
-    pieces: list[Piece] = field(default_factory=list)
-
-
-def _blocks_of(model: nn.Module, blocks: Sequence[nn.Module] | None) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """Each block with the parameters it owns (a parameter of a nested block belongs to that
-    block); the model itself is the last block, owning what no other block does."""
-    chosen = list(blocks) if blocks is not None else [m for m in model.children() if any(True for _ in m.parameters())]
-    owner: dict[int, int] = {}
-    out: list[tuple[nn.Module, list[nn.Parameter]]] = []
-    for i, block in enumerate(chosen):
-        if block is model:
-            raise ConfigError("the model itself cannot be one of its blocks: give its sub-modules")
-        for p in block.parameters():
-            owner.setdefault(id(p), i)
-    for i, block in enumerate(chosen):
-        out.append((block, [p for p in block.parameters() if owner.get(id(p)) == i]))
-    rest = [p for p in model.parameters() if id(p) not in owner]
-    out.append((model, rest))
-    return [(m, ps) for m, ps in out if ps]
 
 
 class ShardedModel:
@@ -154,7 +105,7 @@ class ShardedModel:
         self.params: list[nn.Parameter] = []
         names = {id(p): n for n, p in model.named_parameters()}
         at = 0
-        for module, params in _blocks_of(model, blocks):
+        for module, params in blocks_of(model, blocks):
             offsets = []
             start = at
             for p in params:
@@ -190,7 +141,7 @@ class ShardedModel:
         """The sum of squares of this member's own gradient, block by block as it goes out
         to be summed, since `take_squares` (its norm slot of the step: `train.guard`)."""
         for p in self.params:  # the model keeps its tensors' shapes; their bytes live in the holdings
-            _free(p)
+            free(p)
         self._hooks: list[Any] = []
         self._install()
 
@@ -301,7 +252,7 @@ class ShardedModel:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if torch.is_grad_enabled() and block.waiting:
                 armed = False
-                for t in _tensors(output):
+                for t in tensors_of(output):
                     if t.requires_grad:
                         t.register_hook(lambda grad: self._before_backward(block, grad))  # type: ignore[no-untyped-call]
                         armed = True
@@ -351,7 +302,7 @@ class ShardedModel:
             self._wait(fetch[0], f"gathering block {self._name(block)}")
         if fetch is None or self.failure is not None:  # failed (`defer`): zeros, the step is not applied
             for p in block.params:
-                _fill(p, torch.zeros(p.numel()))
+                fill(p, torch.zeros(p.numel()))
             block.gathered = True
             return
         _, outputs, pieces = fetch
@@ -359,12 +310,12 @@ class ShardedModel:
         for who, a, b in pieces:
             flat[a - block.start : b - block.start] = outputs[0][self.ranks[who]][: b - a]
         for p, off in zip(block.params, block.offsets, strict=True):
-            _fill(p, flat[off - block.start : off - block.start + p.numel()])
+            fill(p, flat[off - block.start : off - block.start + p.numel()])
         block.gathered = True
 
     def _release(self, block: Block) -> None:
         for p in block.params:
-            _free(p)
+            free(p)
         block.gathered = False
 
     def _reduce(self, block: Block) -> None:
@@ -522,7 +473,7 @@ class ShardedModel:
                 if not with_state:
                     continue
                 for key, value in self.optimizer.state.get(piece.tensor, {}).items():
-                    if _per_element(value, piece.tensor):
+                    if per_element(value, piece.tensor):
                         flat = state.setdefault(key, torch.full((end - start,), float("nan")))
                         flat[a - start : b - start] = value[a - piece.start : b - piece.start]
                     else:
@@ -595,7 +546,7 @@ class ShardedModel:
             if t.source == me:
                 part = self.export(t.start, t.end)
                 st = part["state"]
-                tensors = [part["values"], *(_as_flat(st.get(k), n) for k in elements)]
+                tensors = [part["values"], *(as_flat(st.get(k), n) for k in elements)]
                 # First whether the optimizer has stepped (SGD's momentum has no count to say so).
                 flags = [1.0 if stepped else 0.0, *(float(st[k]) if stepped else 0.0 for k in scalars)]
                 tensors.append(torch.tensor(flags, dtype=torch.float64))
@@ -618,7 +569,7 @@ class ShardedModel:
             counts = {k: torch.tensor(float(v)) for k, v in zip(scalars, values, strict=True)}
         for h in self.holdings:  # what it keeps of its own: taken as a piece like any other
             part = self.export(h.start, h.end)
-            kept = {"values": part["values"], **{k: _as_flat(part["state"].get(k), h.end - h.start) for k in elements}}
+            kept = {"values": part["values"], **{k: as_flat(part["state"].get(k), h.end - h.start) for k in elements}}
             incoming.append((h.start, h.end, kept))
         self.load(plan.new, me, incoming, counts)
         old = self.group
@@ -691,8 +642,8 @@ class ShardedModel:
         opt = self.make_optimizer([dict(self._group_settings[0], params=[probe])])
         opt.step()
         state = opt.state[probe]
-        elements = sorted(k for k, v in state.items() if _per_element(v, probe))
-        scalars = sorted(k for k, v in state.items() if not _per_element(v, probe))
+        elements = sorted(k for k, v in state.items() if per_element(v, probe))
+        scalars = sorted(k for k, v in state.items() if not per_element(v, probe))
         return elements, scalars
 
     def _stepped(self) -> bool:
@@ -706,55 +657,6 @@ class ShardedModel:
                 return {
                     k: (v.clone() if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
                     for k, v in entry.items()
-                    if not _per_element(v, piece.tensor)
+                    if not per_element(v, piece.tensor)
                 }
         return {}
-
-
-def _per_element(value: Any, like: torch.Tensor) -> bool:
-    """State with one value per parameter element (Adam's moments), not shared (its step)."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == like.shape
-
-
-def _as_flat(value: Any, n: int) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) and value.numel() == n else torch.zeros(n)
-
-
-def _tensors(output: Any) -> Iterator[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, (list, tuple)):
-        yield from itertools.chain.from_iterable(_tensors(x) for x in output)
-    elif isinstance(output, Mapping):
-        yield from itertools.chain.from_iterable(_tensors(x) for x in output.values())
-
-
-def restore_storage(model: nn.Module) -> None:
-    """Give a sharded model's freed parameters their bytes back (their values are garbage)."""
-    for p in model.parameters():
-        if p.untyped_storage().nbytes() == 0:
-            p.untyped_storage().resize_(p.numel() * p.element_size())
-
-
-def broadcast_model(model: nn.Module, group: ProcessGroup, root: int, scope: EpochScope) -> None:
-    """Every member's ``model`` parameters become ``root``'s (before a new zone's ranges are
-    read from it), one parameter at a time: nothing larger than the largest is allocated."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            flat = p.detach().reshape(-1)
-            if not flat.is_contiguous():
-                raise ConfigError(f"parameter {name} is not contiguous: a sharded zone needs contiguous parameters")
-            wait_all([group.broadcast(flat, root)], scope, f"agreeing on the initial {name}")
-
-
-def _free(p: torch.Tensor) -> None:
-    """Free a parameter's bytes, keeping its shape (and the tensors autograd saved of it)."""
-    p.untyped_storage().resize_(0)
-
-
-def _fill(p: torch.Tensor, values: torch.Tensor) -> None:
-    """Give a freed parameter its bytes back, with ``values``; its version counter is left as
-    it was, so the tensors autograd saved of it in forward stay valid for backward."""
-    p.untyped_storage().resize_(p.numel() * p.element_size())
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):  # type: ignore[attr-defined]
-        p.copy_(values.view_as(p))

@@ -51,10 +51,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from unbroken.comm.blocks import broadcast_model, restore_storage
 from unbroken.comm.fake import FakeWorld
 from unbroken.comm.group import EpochGroup, EpochScope, ProcessGroup, wait_all
 from unbroken.comm.shard_files import complete_steps, prune_shards, restore_shards, save_shard
-from unbroken.comm.sharded import ShardedModel, broadcast_model, restore_storage
+from unbroken.comm.sharded import ShardedModel
 from unbroken.errors import ConfigError, JobHalted, TransferError
 from unbroken.events import Entry
 from unbroken.job import Job, Optimizers, Sharding
