@@ -1,11 +1,14 @@
-"""``unbroken assemble``: the finished model of a sharded job, from its nodes' final states.
+"""``unbroken assemble``: the model of a sharded job, from its nodes' final states or its
+shard checkpoint files.
 
     unbroken assemble model.pt n1.final.pt n2.final.pt n3.final.pt
+    unbroken assemble model.pt ckpt/shard-000000400-*.pt
 
-Each node of a sharded job (`unbroken.Sharding`) writes its primary range into its
-``--final-state`` file; together the finished nodes' ranges cover the model. This puts them
-together into one plain state dict (``model.load_state_dict(torch.load("model.pt"))``),
-after checking that the files are of one step of one model and cover every element.
+Each node of a sharded job (`unbroken.Sharding`) writes the ranges it holds into its
+``--final-state`` file, and its primary range into ``shard-STEP-START-END.pt`` at each
+checkpoint. This puts ranges that cover the model together into one plain state dict
+(``model.load_state_dict(torch.load("model.pt"))``), after checking that they are of one
+step of one model and cover every element.
 """
 
 from __future__ import annotations
@@ -28,16 +31,21 @@ def _assemble(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise ConfigError(f"unbroken assemble: {path} is not a file: give the nodes' --final-state files")
         state = torch.load(path, weights_only=True)
-        if not isinstance(state, dict) or "shard" not in state:
+        if isinstance(state, dict) and "shard" in state:
+            parts.append(state["shard"])
+        elif isinstance(state, dict) and {"values", "spans", "start", "end"} <= state.keys():
+            parts.append(state)  # a shard checkpoint file (shard-STEP-START-END.pt)
+        else:
             raise ConfigError(
-                f"unbroken assemble: {path} holds no range of a sharded job (a replicated job's final state "
-                "is the whole model already: load its 'model')"
+                f"{path} is neither a sharded node's --final-state nor a shard checkpoint file (shard-*.pt); "
+                "a replicated job's final state is the whole model already: load its 'model'"
             )
-        parts.append(state["shard"])
     try:
         model = assemble(parts)
     except ValueError as exc:
-        raise ConfigError(f"unbroken assemble: {exc}: give every finished node's --final-state file") from None
+        raise ConfigError(
+            f"{exc}: give the --final-state files of the nodes that finished, or every shard-STEP-*.pt of one step"
+        ) from None
     out = Path(args.out)
     tmp = out.with_name(out.name + ".tmp")
     torch.save(model, tmp)

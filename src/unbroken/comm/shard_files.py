@@ -36,7 +36,9 @@ def save_shard(zone: ShardedModel, directory: Path, step: int) -> Path | None:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"shard-{step:09d}-{shard.start:012d}-{shard.end:012d}.pt"
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    payload = {"step": step, "numel": zone.layout.numel, "start": shard.start, "end": shard.end}
+    payload: dict[str, Any] = {"step": step, "numel": zone.layout.numel, "start": shard.start, "end": shard.end}
+    # What `unbroken assemble` needs to make a model of the files of one step.
+    payload |= {"spans": zone.spans(), "buffers": {n: b.detach().clone() for n, b in zone.model.named_buffers()}}
     torch.save(payload | {"values": part["values"], "state": part["state"]}, tmp)
     os.replace(tmp, path)
     return path

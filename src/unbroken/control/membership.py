@@ -424,6 +424,8 @@ class Membership:
         if self.job is not None and (hello.job != self.job or hello.job_identity != self.job_identity):
             differs = job_differences(self.job_spec, hello.job_spec)
             said = f"; it differs in {'; '.join(differs)} (the group's vs this node's)" if differs else ""
+            if any(d.startswith("shard") for d in differs):
+                said += "; a sharded job's nodes all shard: start every node with --shard (or give the Job shard=)"
             d.refuse = (
                 f"this coordinator runs job {self.job!r} ({self.job_identity}); this node runs "
                 f"{hello.job!r} ({hello.job_identity}){said}: start a separate coordinator per job (with etcd: "

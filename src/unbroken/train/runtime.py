@@ -641,7 +641,7 @@ class Node:
         if self.config.final_state is not None:
             final = self.state.capture()
             if self.zone is not None and self.zone.engine is not None:
-                final["shard"] = self.zone.final(self.client.member_id)
+                final["shard"] = self.zone.final()
             torch.save(final, self.config.final_state)
         if self.zone is not None and self.zone.engine is not None:
             entry["ranges"] = self.zone.digests()  # a primary's and its buddy's must be equal

@@ -520,6 +520,9 @@ class ShardedZone:
                     "does not sum them; keep it constant, or train unsharded"
                 )
         self._step(self.optimizer.param_groups, self._clip)
+        # The job's scheduler asks its optimizer whether it stepped before it (torch warns
+        # otherwise): it did, range by range, through the zone's own optimizer.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _step(self, groups: list[dict[str, Any]], clip: float) -> None:
         engine = self.ready
@@ -558,17 +561,16 @@ class ShardedZone:
         """Each held range's digest by ``"start-end"``: a primary's equals its buddy's."""
         return {f"{a}-{b}": d for (a, b), d in self.ready.digests().items()}
 
-    def final(self, me: str) -> dict[str, Any]:
-        """This member's primary range (values) and where it lies: the parts of the finished
-        model that `assemble` puts together from every member's."""
+    def final(self) -> dict[str, Any]:
+        """The ranges this member holds (values) and where they lie: the parts of the finished
+        model that `assemble` puts together from the members'."""
         engine = self.ready
-        shard = engine.layout.primary(me)
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}  # whole on every member
         out: dict[str, Any] = {"spans": engine.spans(), "numel": self.numel, "buffers": buffers, "step": self.step}
-        if shard is None:
-            return out
-        values = engine.export(shard.start, shard.end, with_state=False)["values"]
-        return out | {"start": shard.start, "end": shard.end, "values": values}
+        # Every range it holds, its copies too: any finished nodes whose ranges cover the
+        # model will do (after a death, one survivor may hold it all).
+        pieces = [(h.start, h.end, engine.export(h.start, h.end, with_state=False)["values"]) for h in engine.holdings]
+        return out | {"pieces": pieces}
 
 
 def assemble(parts: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
@@ -582,13 +584,15 @@ def assemble(parts: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         raise ValueError("no parts to assemble")
     numel = int(parts[0]["numel"])
     if len({(int(p["numel"]), p.get("step")) for p in parts}) > 1:
-        raise ValueError(f"the parts are of different steps or models: {[(p['numel'], p.get('step')) for p in parts]}")
+        seen = ", ".join(f"step {p.get('step')} of a {int(p['numel']):,}-element model" for p in parts)
+        raise ValueError(f"the parts are of different steps or models ({seen})")
     flat = torch.full((numel,), float("nan"))
     covered = torch.zeros(numel, dtype=torch.bool)
     for part in parts:
-        if "values" in part:
-            flat[part["start"] : part["end"]] = part["values"]
-            covered[part["start"] : part["end"]] = True
+        pieces = part.get("pieces") or ([(part["start"], part["end"], part["values"])] if "values" in part else [])
+        for start, end, values in pieces:
+            flat[start:end] = values
+            covered[start:end] = True
     if not bool(covered.all()):
         raise ValueError(f"the parts cover {int(covered.sum()):,} of {numel:,} elements")
     out, at = {}, 0
