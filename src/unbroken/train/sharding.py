@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
+_WHERE = " (nodes run with --checkpoint-dir write one; without, from the start)"
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def decide(
     if newest[0] != step:
         raise JobHalted(
             f"the group is at step {step} but the newest ranges any member holds are of step {newest[0]}: "
-            "restart the job from its last checkpoint"
+            f"restart the job from its last checkpoint{_WHERE}"
         )
     found = next((r.layout for r in held.values() if (r.step, r.epoch) == newest), None)
     base = found if found is not None else layout_for(numel, weights, align=align)  # a zone new to the job
@@ -163,7 +164,7 @@ def decide(
         gone = sorted(m for m in base.members if m not in sources)
         raise JobHalted(
             f"ranges {ranges} of the state lost every holder at step {step} ({', '.join(gone)}), in every zone: "
-            "restart the job from its last checkpoint"
+            f"restart the job from its last checkpoint{_WHERE}"
         )
     unchanged = (
         not p.transfers
@@ -190,7 +191,7 @@ def _check_copies(current: Mapping[str, Report]) -> None:
                 raise JobHalted(
                     f"range [{span[0]:,}, {span[1]:,}) differs between its holders {other} ({theirs[:12]}) and {m} "
                     f"({digest[:12]}) at step {r.step}: one copy was corrupted and which cannot be told; restart "
-                    "the job from its last checkpoint"
+                    f"the job from its last checkpoint{_WHERE}"
                 )
 
 
@@ -294,6 +295,11 @@ class ShardedZone:
         ]
         if any(not p.requires_grad for p in model.parameters()):
             raise ConfigError("a sharded job trains every parameter: frozen ones are not sharded yet")
+        if tracking := [n for n, mod in model.named_modules() if getattr(mod, "track_running_stats", False)]:
+            raise ConfigError(  # said before joining, not at the first sync phase
+                f"a sharded zone does not sum buffers that forward passes change yet: {tracking[0]!r} keeps "
+                "running statistics (BatchNorm); use LayerNorm or train it unsharded"
+            )
         self.buffers = [(n, b, b.detach().clone()) for n, b in model.named_buffers() if b.dtype.is_floating_point]
         """Every member keeps the buffers whole, as built (an attention mask): none may change."""
         self._refuse_shape_dependent()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -207,3 +208,9 @@ def test_a_range_whose_two_holders_differ_stops_the_job_naming_both() -> None:
     reports["b"] = Report(4, OLD, 3, 10, held=b.held, digests=("bad", *b.digests[1:]))
     with pytest.raises(JobHalted, match=r"differs between its holders a .* and b .*bad.* step 10"):
         decide(reports, 10, NUMEL, 1)
+
+
+def test_a_model_with_running_statistics_is_refused_before_it_joins() -> None:
+    job = dataclasses.replace(_job(), model=lambda: nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)))
+    with pytest.raises(ConfigError, match="'1' keeps running statistics"):
+        _zone(job)
