@@ -77,6 +77,19 @@ def blocks_of(model: nn.Module, blocks: Sequence[nn.Module] | None) -> list[tupl
     return [(m, ps) for m, ps in out if ps]
 
 
+def refuse_running_statistics(model: nn.Module) -> None:
+    """A sharded zone keeps buffers whole on every member and never sums them: a module that
+    changes its own in forward (BatchNorm's running statistics) is refused.
+
+    Raises:
+        ConfigError: naming the first such module."""
+    if tracking := [n for n, mod in model.named_modules() if getattr(mod, "track_running_stats", False)]:
+        raise ConfigError(
+            f"a sharded zone does not sum buffers that forward passes change yet: {tracking[0]!r} keeps "
+            "running statistics (BatchNorm); use LayerNorm or train it unsharded"
+        )
+
+
 def per_element(value: Any, like: torch.Tensor) -> bool:
     """State with one value per parameter element (Adam's moments), not shared (its step)."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == like.shape

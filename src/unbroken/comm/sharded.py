@@ -53,6 +53,7 @@ from unbroken.comm.blocks import (
     fill,
     free,
     per_element,
+    refuse_running_statistics,
     tensors_of,
 )
 from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable, wait_all
@@ -89,11 +90,7 @@ class ShardedModel:
         groups' hyperparameters, one per group, with ``"params"`` naming the parameters by
         their names in ``model`` (default: one group of all). ``values(start, end)``: the
         initial flat values of a range (default: read from ``model``)."""
-        if tracking := [n for n, mod in model.named_modules() if getattr(mod, "track_running_stats", False)]:
-            raise ConfigError(
-                f"a sharded zone does not sum buffers that forward passes change yet: {tracking[0]!r} keeps "
-                "running statistics (BatchNorm); use LayerNorm or train it unsharded"
-            )
+        refuse_running_statistics(model)
         self.model = model
         self.layout = layout
         self.me = me
@@ -116,6 +113,10 @@ class ShardedModel:
         if at != layout.numel:
             raise ConfigError(f"the layout covers {layout.numel:,} elements but the model has {at:,} parameters")
         self._names = [names[id(p)] for p in self.params]
+        # The order forward reaches the blocks in (the model itself, holding what no block
+        # does, first: its forward encloses the others'), the same on every member: so are
+        # the gathers posted ahead of use (`_neighbour`).
+        self._order = [b for b in self.blocks if b.module is model] + [b for b in self.blocks if b.module is not model]
         self._spans = [(b.offsets[i], b.offsets[i] + p.numel()) for b in self.blocks for i, p in enumerate(b.params)]
         self._group_of = self._param_groups(groups)
         self._group_settings = [
@@ -239,14 +240,9 @@ class ShardedModel:
         return hook
 
     def _neighbour(self, block: Block, direction: int) -> Block | None:
-        """The block forward reaches after ``block`` (+1) or before it (-1), in the order
-        given (the model itself, holding what no block does, first: its forward encloses
-        the others'). The same on every member: so are the gathers posted ahead."""
-        order = [b for b in self.blocks if b.module is self.model] + [
-            b for b in self.blocks if b.module is not self.model
-        ]
-        at = order.index(block) + direction
-        return order[at] if 0 <= at < len(order) else None
+        """The block forward reaches after ``block`` (+1) or before it (-1) (`_order`)."""
+        at = self._order.index(block) + direction
+        return self._order[at] if 0 <= at < len(self._order) else None
 
     def _after_forward(self, block: Block) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:

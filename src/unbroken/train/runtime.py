@@ -122,7 +122,7 @@ class Node:
         self.wake = threading.Event()
         keep_freed_memory()  # with UNBROKEN_MALLOC=kept
         model, optimizer = job.build()
-        self.zone = ShardedZone(job, model, optimizer, config.memory_limit) if job.shard is not None else None
+        self.zone = ShardedZone(job, model, optimizer, config.memory_limit, defer=own_loop) if job.shard else None
         """This node's part of a sharded zone (`train.sharding`); None: it holds the whole state."""
         scheduler, extra = job.build_scheduler(optimizer), job.build_state(model)
         self.scale = ScaleState(job.loss_scale) if job.loss_scale is not None else None
@@ -139,12 +139,10 @@ class Node:
         self.params = [p for p in model.parameters() if p.requires_grad] if self.zone is None else []
         # Buffers a forward pass updates (BatchNorm statistics) travel in the same
         # all-reduce as the gradients, so replicas stay bit-identical between syncs.
+        # A sharded zone keeps buffers as built (`train.sharding`): none in the flat.
         self.buffers = [b for b in model.buffers() if b.dtype.is_floating_point or b.dtype == torch.int64]
-        if self.zone is not None:
-            self.buffers = []
+        self.buffers = self.buffers if self.zone is None else []
         self.own_loop = own_loop
-        if self.zone is not None:
-            self.zone.defer = own_loop
         self.device = next(model.parameters()).device if own_loop else resolve_device(config.device)
         if self.zone is not None and self.device.type != "cpu":
             raise ConfigError(

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from unbroken.comm.blocks import broadcast_model, restore_storage
+from unbroken.comm.blocks import broadcast_model, refuse_running_statistics, restore_storage
 from unbroken.comm.fake import FakeWorld
 from unbroken.comm.group import EpochGroup, EpochScope, ProcessGroup, wait_all
 from unbroken.comm.shard_files import complete_steps, prune_shards, restore_shards, save_shard
@@ -101,8 +101,8 @@ class Decision:
     fresh: Layout | None = None
     """No member holds ranges: this layout, from the model as `source` built it (step 0)."""
     source: str = ""
-    """The member whose model every member's ranges start from (a new job's: its rank 0's,
-    so that an own loop's unseeded init is one model, not a mix)."""
+    """The member whose model every member's ranges start from, in every zone (so that an own
+    loop's unseeded init is one model, not a mix)."""
     plan: Plan | None = None
     """Otherwise: the re-shard from the ranges held (no transfers where nothing changed)."""
     keep: frozenset[str] = frozenset()
@@ -143,7 +143,8 @@ def decide(
         if step > 0:
             return Decision(fresh=fresh, restore=True)
         everyone = {**reports, **(outside or {})}
-        intact = [m for m, r in everyone.items() if r.epoch < 0]  # never sharded: its model is whole
+        # Never sharded: its model is whole. By name: every zone picks the same one.
+        intact = sorted(m for m, r in everyone.items() if r.epoch < 0)
         if not intact:
             raise JobHalted("every member that held the new job's ranges was lost before its first step: restart it")
         return Decision(fresh=fresh, source=intact[0])
@@ -258,9 +259,10 @@ def memory_weight(limit_bytes: int) -> int:
 class ShardedZone:
     """This node's part of a sharded zone (see the module's docstring)."""
 
-    def __init__(self, job: Job, model: nn.Module, optimizer: Any, memory_limit: int) -> None:
+    def __init__(self, job: Job, model: nn.Module, optimizer: Any, memory_limit: int, *, defer: bool = False) -> None:
         """``model`` and ``optimizer`` as the job built them (the model's values are this
-        member's initial ranges at step 0; its parameters' storage is freed once sharded)."""
+        member's initial ranges at step 0; its parameters' storage is freed once sharded).
+        ``defer``: a user's own loop runs forward and backward (`ShardedModel.defer`)."""
         sharding = job.shard
         assert sharding is not None
         if isinstance(optimizer, Optimizers):
@@ -295,11 +297,7 @@ class ShardedZone:
         ]
         if any(not p.requires_grad for p in model.parameters()):
             raise ConfigError("a sharded job trains every parameter: frozen ones are not sharded yet")
-        if tracking := [n for n, mod in model.named_modules() if getattr(mod, "track_running_stats", False)]:
-            raise ConfigError(  # said before joining, not at the first sync phase
-                f"a sharded zone does not sum buffers that forward passes change yet: {tracking[0]!r} keeps "
-                "running statistics (BatchNorm); use LayerNorm or train it unsharded"
-            )
+        refuse_running_statistics(model)  # said before joining, not at the first sync phase
         self.buffers = [(n, b, b.detach().clone()) for n, b in model.named_buffers() if b.dtype.is_floating_point]
         """Every member keeps the buffers whole, as built (an attention mask): none may change."""
         self._refuse_shape_dependent()
@@ -309,7 +307,7 @@ class ShardedZone:
         self.world: ProcessGroup | None = None
         """The epoch's group where there are several zones (each a replica): the gradient is
         summed over it after its zone's sum; None in one zone."""
-        self.defer = False
+        self.defer = defer
         """A user's own loop runs forward and backward: their failures wait for the step
         (`ShardedModel.defer`)."""
         self._clip = 1.0
@@ -409,14 +407,15 @@ class ShardedZone:
             if self.engine is not None:
                 self.engine.close()
                 restore_storage(self.model)
-            source = next(m for m in g.members if reports[m].epoch < 0) if not decision.restore else ""
             if not decision.restore:
-                broadcast_model(self.model, g.pg, world[source], scope)
+                broadcast_model(self.model, g.pg, world[decision.source], scope)
             self.engine = self._build(decision.fresh, me, ranks, group, scope)
-            what = f"layout of {len(decision.fresh.shards)} ranges made, from {source}'s model"
             if decision.restore:
                 self._restore(node, decision.fresh, me, step)
-                what = f"layout of {len(decision.fresh.shards)} ranges made, read from the checkpoint of step {step}"
+            origin = (
+                f"read from the checkpoint of step {step}" if decision.restore else f"from {decision.source}'s model"
+            )
+            what = f"layout of {len(decision.fresh.shards)} ranges made, {origin}"
         else:
             p = decision.plan
             assert p is not None
@@ -439,8 +438,8 @@ class ShardedZone:
                 left.append(self.engine.reshard(replace(p, transfers=transfers), me, world, g.pg, scope))
                 left.append(self.engine.regroup(ranks, group, scope))
                 what = p.reason
-                sent = sum(t.size for t in transfers if t.source == me and zone_of[t.destination] != zone_of[me])
                 if decision.unchanged:  # it only gave another zone what that zone lost
+                    sent = sum(t.size for t in transfers if t.source == me)
                     what = f"sent {sent:,} elements to another zone"
         self.epoch, self.step, self.pending = g.epoch, step, None
         self.engine.scope = node.scope(during_step=True)

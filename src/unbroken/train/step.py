@@ -345,9 +345,9 @@ class StepProtocol:
             return
         grad = self.flat[: node.compressed_numel]
         lossy = self.reducer.codec is not None and self.reducer.zones.multi and node.codec_spec != "none"
-        total = float(torch.linalg.vector_norm(grad).item())  # finite: so is every element
-        if node.zone is not None:  # the gradient is in the zone's ranges: its norm summed over them
-            total = node.zone.total_norm
+        # Finite: so is every element. A sharded zone's gradient is in its ranges: the norm
+        # summed over them.
+        total = node.zone.total_norm if node.zone is not None else float(torch.linalg.vector_norm(grad).item())
         if not math.isfinite(total) and (node.zone is not None or not all_finite(grad)):
             says = "no norm slot says whose" if verdict is None else f"rank {verdict[0]}'s norm slot says {verdict[1]}"
             raise Suspicion(f"{what}: the summed {noun} is not finite; {says} (not proven on a sum)")
