@@ -129,6 +129,25 @@ class JobCompute:
             self.probe_model(), model_bytes, node.config.memory_limit, node.config.max_microbatch, node.state.step
         )
 
+    def measure_again(self) -> None:
+        """Between two steps: a trainer whose steps disagree with its calibration measures
+        again (`Meter.wants_probe`), on a copy, with random numbers of its own."""
+        node = self.node
+        if node.own_loop or node.zone is not None or not node.meter.wants_probe():
+            return
+        devices = [node.device] if node.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            try:
+                cal = node.meter.probe(self.probe_model(), node.state.step)
+            except OutOfMemory as exc:
+                log.info("%s: could not measure compute speed again: %s", node.name, exc)
+                return
+        node.meter.probed(cal)
+        log.info(
+            "%s: its steps disagreed with its calibration; measured again: %.3f ms/sample + %.3f ms/micro-batch",
+            node.name, cal.per_sample_s * 1e3, cal.overhead_s * 1e3,
+        )  # fmt: skip
+
     def probe_model(self) -> torch.nn.Module:
         """A copy of the model on the compute device, for timing passes that must not touch the state."""
         node = self.node

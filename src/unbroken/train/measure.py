@@ -8,9 +8,13 @@ its fixed and per-sample costs apart, both are scaled by it (a calibration that 
 starting together on one machine slowed is put right by the first steps, with no pass of
 its own); where its small passes could not (bound by the fixed cost), its fixed cost is a
 bound and the steps say the per-sample cost. So a few slow steps are ignored and a lasting
-change shows within five. The factors' spread is reported with it, so the plan can tell a
-difference between nodes from noise. A member without a share keeps its figures fresh with
-probes from its sidecar thread.
+change shows within five. Steps of one share cannot tell fixed from per-sample cost, though:
+where they disagree with the calibration by more than `RESHAPE_FACTOR`, the disturbance
+was not even (one pass slowed, the other not) and its proportion is suspect too, so the
+trainer measures again between two steps (`Meter.wants_probe`); a node given one sample by
+a calibration a hundred times off would otherwise keep its one sample. The factors' spread
+is reported with it, so the plan can tell a difference between nodes from noise. A member
+without a share keeps its figures fresh with probes from its sidecar thread.
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ CALIBRATION_SAMPLES = 8
 RECENT_STEPS = 9
 """Steps whose median speed factor the reported cost model follows: a process descheduled
 for a few steps of a few milliseconds moves it little, a lasting slowdown shows within five."""
+RESHAPE_FACTOR = 2.0
+RESHAPE_EVERY_S = 10.0
+"""At most one measurement again per this many seconds (a speed that comes and goes by more
+than `RESHAPE_FACTOR` costs a probe no more often)."""
 
 
 def relative_error(values: Sequence[float], median: float) -> float:
@@ -82,6 +90,7 @@ class Meter:
         self.noise = 0.0
         """Relative standard error of the step time the reported cost model gives (0: fewer than 3 steps)."""
         self._recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
+        self._shaped_at = time.monotonic()
         self._lock = threading.Lock()
 
     def calibrate(self, model: torch.nn.Module, model_bytes: int, memory_limit: int, user_cap: int, step: int) -> None:
@@ -100,6 +109,7 @@ class Meter:
                     f"cannot train: {type(exc).__name__}: {exc}\n{where}"
                 ) from exc
         self.shape = self.calibration
+        self._shaped_at = time.monotonic()
         info = describe(self.replica.device)
         fraction = 0.9 if self.replica.device.type == "cuda" else 0.5
         budget = memory_limit or int(info.memory_available * fraction)
@@ -165,7 +175,18 @@ class Meter:
         with self._lock:
             self.calibration = self.shape = cal
             self._recent.clear()
+            self._shaped_at = time.monotonic()
             self.measurements += 1
+
+    def wants_probe(self, now: float | None = None) -> bool:
+        """A full window of steps says the shape is off by more than `RESHAPE_FACTOR`."""
+        with self._lock:
+            if len(self._recent) < RECENT_STEPS or self.shape is None or self.shape.per_sample_s <= 0:
+                return False
+            if (time.monotonic() if now is None else now) - self._shaped_at < RESHAPE_EVERY_S:
+                return False
+            factor = statistics.median(self._recent)
+            return not 1 / RESHAPE_FACTOR <= factor <= RESHAPE_FACTOR
 
     def capabilities(self, rtt_s: float, step: int) -> m.Capabilities:
         info = describe(self.replica.device)

@@ -569,6 +569,8 @@ class Node:
             p.commit(sl, tally.loss, overflow=overflow)
             self.checker.after(g, sl)
             self.audits.committed_epoch, self.audits.checkpoint_epoch = g.epoch, -1
+            if sl.indices:
+                self.compute.measure_again()
             if self.faults.bitflip(self.state.step) and self.zone is None:
                 self.records.settle()
                 flip_bit(self.params[0])

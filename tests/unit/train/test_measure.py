@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from typing import Any
 
 import pytest
@@ -108,3 +109,30 @@ def test_a_step_of_no_measurable_time_is_left_out() -> None:
     m.observe(10, 1, 0.0)
     m.observe(10, 1, 0.5)
     assert m.calibration is not None and m.calibration.per_sample_s == pytest.approx(0.05)
+
+
+def test_steps_far_from_a_calibration_ask_for_it_again_and_one_share_could_not_put_it_right() -> None:
+    # Both of its k-sample passes slowed at start-up: all cost per sample, 100 times too much.
+    # Its share of one sample is then what the fixed cost makes it, and the steps only scale
+    # that: 64 samples are still predicted at 64 times one, never the truth.
+    m = meter(Calibration(0.1, 0.0, 100, 7))
+    truth = 0.002 + 0.00005  # a fixed 2 ms, 0.05 ms a sample
+    start = 1000.0
+    m._shaped_at = start
+    for _ in range(RECENT_STEPS - 1):
+        m.observe(1, 1, truth)
+    assert not m.wants_probe(now=start + 60), "a window not full yet"
+    m.observe(1, 1, truth)
+    cal = m.calibration
+    assert cal is not None and cal.overhead_s * 1 + 64 * cal.per_sample_s == pytest.approx(64 * truth)
+    assert not m.wants_probe(now=start + 1), "measured again at most every few seconds"
+    assert m.wants_probe(now=start + 60)
+    m.probed(Calibration(0.00005, 0.002, 100, 7))
+    for _ in range(RECENT_STEPS):
+        m.observe(1, 1, truth)
+    assert not m.wants_probe(now=time.monotonic() + 60)
+    # ...and a calibration off by less (everything 1.8x slower) is only scaled by the steps.
+    even = meter(Calibration(0.018, 0.36, 100, 7))
+    for _ in range(RECENT_STEPS):
+        even.observe(12, 1, 0.2 + 12 * 0.01)
+    assert not even.wants_probe(now=time.monotonic() + 60)
