@@ -16,7 +16,8 @@ and merges the figures into its last line. Here the whole runtime runs: a coordi
 - a join: at step ``--join-step`` a new node is spawned; measured from the spawn to its first
   commit (start-up, the group's step boundary, its ranges sent by their holders, one step);
   against the same node cold-starting a 1-node sharded job on a fresh coordinator, spawned
-  while the zone trains (the same load on this machine);
+  at the same moment as the joiner (both start under the zone's load; a cold start after the
+  zone finished had the machine to itself and made joins look twice as slow);
 - the promises (`unbroken.testing.check_promises` on every node's commit log), every range's
   two holders ending with the same digest, and the model put together from the finished
   nodes' ranges against one process trained on the whole batch;
@@ -32,6 +33,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -126,17 +129,22 @@ def _first_commit(node: Any) -> float | None:
     return next((e["t"] for e in node.entries() if e["kind"] == "commit"), None)
 
 
-def cold_start(root: Path, job_ref: str, args: list[str], timeout: float) -> float:
-    """Spawn -> first commit of one node alone in a fresh sharded job."""
+def cold_start(root: Path, job_ref: str, args: list[str], timeout: float) -> tuple[Any, Callable[[], float]]:
+    """One node alone in a fresh sharded job: its coordinator started now; the second value
+    spawns the node and returns spawn -> first commit (called beside the joiner's spawn, so
+    both start under the same load). The first value is the cluster, for the caller to close."""
     from common import wait_until
     from unbroken.testing import LocalCluster
 
-    with LocalCluster(job_ref, root / "cold", min_nodes=1) as c:
-        c.start_coordinator()
+    c = LocalCluster(job_ref, root / "cold", min_nodes=1)
+    c.start_coordinator()
+
+    def spawn() -> float:
         t0 = time.time()
         node = c.start_node("cold", extra=["--shard"], job_args=args)
-        t = wait_until(lambda: _first_commit(node), timeout, "the cold node's first commit")
-        return float(t) - t0
+        return float(wait_until(lambda: _first_commit(node), timeout, "the cold node's first commit")) - t0
+
+    return c, spawn
 
 
 def run(a: argparse.Namespace, reference: dict[str, torch.Tensor], float_order: float) -> dict[str, Any]:
@@ -159,14 +167,16 @@ def run(a: argparse.Namespace, reference: dict[str, torch.Tensor], float_order: 
             where = ["--zone", f"z{(i - 1) * zones // a.nodes}"] if zones > 1 else []
             c.start_node(f"n{i}", fault=fault, extra=where, job_args=args)
         peak = PeakMemory({name: n.proc.pid for name, n in c.nodes.items()})
+        cold_cluster, spawn_cold = cold_start(root, ref, args, a.timeout)
         c.wait_step(a.join_step, timeout=a.timeout)
-        print("sharded nodes: the join ...", file=sys.stderr, flush=True)
-        t0 = time.time()
-        joiner = c.start_node("joiner", extra=["--zone", "z0"] if zones > 1 else [], job_args=args)
-        peak.add("joiner", joiner.proc.pid)
-        joined = wait_until(lambda: _first_commit(joiner), a.timeout, "the joiner's first commit") - t0
-        print("sharded nodes: a cold start beside it ...", file=sys.stderr, flush=True)
-        cold = cold_start(root, ref, args, a.timeout)
+        print("sharded nodes: the join, and a cold start beside it ...", file=sys.stderr, flush=True)
+        with cold_cluster, ThreadPoolExecutor(1) as pool:
+            cold_run = pool.submit(spawn_cold)
+            t0 = time.time()
+            joiner = c.start_node("joiner", extra=["--zone", "z0"] if zones > 1 else [], job_args=args)
+            peak.add("joiner", joiner.proc.pid)
+            joined = wait_until(lambda: _first_commit(joiner), a.timeout, "the joiner's first commit") - t0
+            cold = cold_run.result()
         codes = c.wait_exit(timeout=a.timeout)
         peaks = peak.stop()
         logs = {name: n.entries() for name, n in c.nodes.items()}
