@@ -20,6 +20,7 @@
      │    ├── Suspicion                a step's sum did not add up, and cannot say whose part lied
      │    └── Unreachable              a group build failed: a peer's data-plane address is unreachable
      └── TransferError                 a state transfer was corrupt or incomplete
+          └── BadRequest               a receiver asked for state that does not exist
 """
 
 from __future__ import annotations
@@ -170,3 +171,12 @@ class AuditMismatch(BadContribution):
 
 class TransferError(UnbrokenError):
     """A peer-to-peer state transfer failed a checksum or ended early."""
+
+
+class BadRequest(TransferError):
+    """A receiver asked a donor for more chunks than the state has, or for chunks it does not
+    have: no honest node does, so the donor names it (``rank``) rather than retry forever."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(reason)
+        self.rank = rank

@@ -59,6 +59,9 @@ class Kind(StrEnum):
     ABSENT = "absent"
     UNREACHABLE = "unreachable"
     UNFOUNDED = "unfounded"
+    BAD_REQUEST = "bad-request"
+    """Most of the epoch's other members refused what a receiver asked of them in a state
+    transfer (chunks the state does not have): it is kept out of the epochs."""
     QUARANTINE = "quarantine"
     HALTED = "halted"
     """The job stopped on a failure it cannot train past (`Membership.halt`)."""
@@ -129,6 +132,7 @@ ALARMS = ANOMALIES | {
     Kind.BAD_WORK,
     Kind.ABSENT,
     Kind.UNREACHABLE,
+    Kind.BAD_REQUEST,
     Kind.SUSPECT,
     Kind.QUARANTINE,
     Kind.REFUSED,

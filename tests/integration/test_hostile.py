@@ -478,3 +478,26 @@ def test_a_checkpoint_directory_removed_mid_run_is_an_event_and_a_flag(make_clus
     assert not flagged(), flagged()
     assert c.wait_exit(timeout=150) == {"a": 0, "b": 0}, c.diagnostics()
     assert_promises(c, env, finishers=2)
+
+
+def test_a_joiner_asking_for_state_that_does_not_exist_is_named_and_kept_out(make_cluster):
+    """A joiner tells each donor it wants 2^40 chunks of the state: the donors refuse, name
+    it, and it is kept out of the epochs; the group trains on instead of forming epoch after
+    epoch around it (on main before this: 350 epochs in 60 s, nothing committed, nobody named)."""
+    env = {"UB_TEST_STEPS": "1200", "UB_TEST_DELAY_MS": "20"}
+    c = make_cluster(env=env, min_nodes=3)
+    c.start_coordinator()
+    for name in ("a", "b", "c"):
+        c.start_node(name)
+    c.wait_step(5)
+    greedy = c.start_node("greedy", fault="greedy@build:0")
+    c.wait_for(lambda: events_of(c, "bad-request"), 60, "the greedy joiner named")
+    named = events_of(c, "bad-request")
+    assert all("greedy" in e["reason"] and "chunks of a state of" in e["reason"] for e in named), named
+    assert c.wait_exit(["a", "b", "c"], timeout=150) == {"a": 0, "b": 0, "c": 0}, c.diagnostics()
+    assert fired(greedy, "greedy")
+    greedy.kill()
+    del c.nodes["greedy"]
+    assert_promises(c, env, finishers=3)
+    epochs = events_of(c, "epoch")
+    assert len(epochs) <= 12, [e["reason"] for e in epochs]

@@ -73,6 +73,7 @@ OFFENCES = {
     Kind.ABSENT: "never joined the data plane",
     Kind.UNREACHABLE: "its data plane is unreachable",
     Kind.UNFOUNDED: "its reports of failed collectives are borne out by nothing",
+    Kind.BAD_REQUEST: "it asked its donors for state that does not exist",
 }
 """What keeps a member out of the epochs (`Membership.absent`), for the epoch's reason."""
 PROBE_WAIT_S = 2.0
@@ -868,10 +869,18 @@ class Membership:
                         # they reach it, the epoch is formed again with everyone.
                         self._want_epoch(now, urgent=True, reason=f"{m.name} reports: {reason}", delay=PROBE_WAIT_S)
                 return d
-            if agreed and c is not None:
+            if kind is Kind.BAD_REQUEST and c is not None:
+                # What a receiver asked of its donors is on their wires alone: most of the
+                # others (one of a pair) say so, or the epoch is formed again without a verdict.
+                if len(accusers - {c.member_id}) >= (len(seen) - 1) // 2 + 1:
+                    return self.absent(c.member_id, epoch, reason, now, kind=Kind.BAD_REQUEST)
+                if len(accusers) > 1 or not current:
+                    return d
+                reason = f"{reason} (names {c.name}; kept out only when most of the others agree)"
+            elif agreed and c is not None:
                 what = "bad gradient" if kind is Kind.BAD_GRADIENT else "failed audit"
                 return self._offence(c, epoch, reason, now, kind, f"{what} from {c.name}", step)
-            if agreed and self._checking_from is None:
+            if agreed and c is None and self._checking_from is None:
                 # A contribution lied, and only the gathered rows can say whose: check each.
                 self._checking_from = self.step
                 then = (
@@ -1073,8 +1082,11 @@ class Membership:
             if digest == self.final_digest:
                 self.final_metrics.update(metrics)
             return d
-        trainers = [mid for mid in self._epoch_members if (x := self.members.get(mid)) and x.role is Role.TRAINER]
-        agree = [mid for mid, dg in self.final_digests.items() if dg == digest]
+        # Only the epoch's trainers vote, each once, whether or not its session is still open
+        # (a finisher's closes): members outside the epoch, however many sessions one
+        # token holder opens, or trainers that already left, cannot make a majority.
+        trainers = self._epoch_trainers()
+        agree = [mid for mid in trainers if self.final_digests.get(mid) == digest]
         if len(agree) < len(trainers) // 2 + 1:
             return d
         self.finished = True
@@ -1085,6 +1097,14 @@ class Membership:
             self._event(now, Kind.FINISHED, member_id, f"final step {step} reached ({len(agree)} agree on the state)")
         )
         return d
+
+    def _epoch_trainers(self) -> list[str]:
+        """The trainers of the epoch in force, by the plan it was formed with (every member where
+        the job plans no shares)."""
+        roles = self.plan.roles if self.plan is not None else ()
+        if len(roles) != len(self._epoch_members):
+            return list(self._epoch_members)
+        return [mid for mid, role in zip(self._epoch_members, roles, strict=True) if role is Role.TRAINER]
 
     def beyond(self, step: int) -> str | None:
         """Why ``step``, as a member reported it, cannot be true (past the job's last step)."""

@@ -258,7 +258,7 @@ def _kind_of(allowed: frozenset[Kind]) -> BeforeValidator:
     return BeforeValidator(check)
 
 
-FAULTS = frozenset({Kind.BAD_GRADIENT, Kind.AUDIT, Kind.SUSPECT, Kind.UNREACHABLE})
+FAULTS = frozenset({Kind.BAD_GRADIENT, Kind.AUDIT, Kind.SUSPECT, Kind.UNREACHABLE, Kind.BAD_REQUEST})
 """What a `Fault` may name."""
 
 
@@ -314,7 +314,8 @@ class Fault(_Msg):
     """Why the culprit was refused: its gradient, or its state failed the consistency audit;
     ``suspect`` (no culprit): the step's sum did not add up, and nobody can say whose part lied;
     ``unreachable``: this member could not connect to the culprit's data-plane address (the
-    culprit is this member itself when it reaches almost none of its peers)."""
+    culprit is this member itself when it reaches almost none of its peers); ``bad-request``:
+    the culprit asked this member, its donor, for chunks the state does not have."""
     zone_only: bool = False
     """Only the culprit's zone saw the evidence (a DiLoCo inner step): its majority decides."""
     group: Annotated[str, Field(max_length=64)] = ""

@@ -58,6 +58,10 @@ UNREACHABLE = "unreachable"
 """``unreachable@build:EPOCH``: from epoch EPOCH on, the data-plane address in this node's
 rendezvous entries is one where connections hang (`dropping_sockets`), as a firewall that
 drops inbound TCP or a NAT would make it: the entries arrive, the builds cannot connect."""
+GREEDY = "greedy"
+"""``greedy@build:EPOCH``: from epoch EPOCH on, whenever this node receives state it tells
+every donor it wants `GREEDY_CHUNKS` chunks (a hostile joiner's request, past any state's size)."""
+GREEDY_CHUNKS = 2**40
 SHIFT = "shift"
 """``shift@data:STEP``: from step STEP on, this node's data loader reads the samples of its
 slice of the *next* step (a loader off by one batch, a wrong shard), while it reports the
@@ -85,7 +89,7 @@ def parse_faults(spec: str) -> list[Fault]:
             or (sig in CORRUPT and (phase == "grad" or (phase == "outer" and sig not in PERSISTENT)))
             or (sig in LIES and (phase == "grad" or (phase == "outer" and sig != "forge-slot")))
             or (sig in (BITFLIP, FALSE_ALARM, LAPSE) and phase == "commit")
-            or (sig in (MUTE, UNREACHABLE) and phase == "build")
+            or (sig in (MUTE, UNREACHABLE, GREEDY) and phase == "build")
             or (sig == SHIFT and phase == "data")
         )
         if not known or phase not in PHASES or not (step.isascii() and step.isdigit()):
@@ -94,7 +98,7 @@ def parse_faults(spec: str) -> list[Fault]:
                 f"(or nan@grad:STEP / spike@grad:STEP / flip@grad:STEP / shrink@grad:STEP / nan@outer:STEP / "
                 f"spike@outer:STEP / shift@data:STEP / "
                 f"bitflip@commit:STEP / "
-                f"mute@build:EPOCH / "
+                f"mute@build:EPOCH / greedy@build:EPOCH / "
                 f"false-alarm@commit:STEP / unreachable@build:EPOCH / "
                 f"hide-nan@grad:STEP / hide-spike@grad:STEP / forge-slot@grad:STEP / "
                 f"hide-nan@outer:STEP / hide-spike@outer:STEP) "
@@ -159,6 +163,10 @@ class FaultPlan:
     def unreachable(self, epoch: int) -> bool:
         """True when this node's rendezvous entries for ``epoch`` must give an unreachable address."""
         return self._from(UNREACHABLE, epoch)
+
+    def greedy(self, epoch: int) -> int:
+        """How many chunks this node tells each donor it wants in ``epoch`` (0: the truth)."""
+        return GREEDY_CHUNKS if self._from(GREEDY, epoch) else 0
 
     def dropping_port(self, host: str) -> int:
         """A port on ``host`` where connections hang (kept for the life of the process)."""

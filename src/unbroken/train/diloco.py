@@ -50,7 +50,7 @@ from torch import nn
 from unbroken.comm.group import EpochGroup
 from unbroken.comm.reduce import Posted
 from unbroken.comm.transfer import sync_state
-from unbroken.errors import BadContribution, ConfigError
+from unbroken.errors import BadContribution, BadRequest, ConfigError
 from unbroken.events import Entry, Kind
 from unbroken.job import AnyOptimizer
 from unbroken.state.snapshot import tree_digest
@@ -129,7 +129,10 @@ class DiLoCo:
         pg = reducer.zone_pg if reducer.zones.multi else g.pg
         if pg is not None and len(ranks) > 1:
             inner = _InnerState(node.state.optimizer, self.inner_step if self.inner_zone == mine else -1)
-            r = sync_state(pg, ranks.index(g.rank), len(ranks), inner, node.scope(during_step=False))
+            try:
+                r = sync_state(pg, ranks.index(g.rank), len(ranks), inner, node.scope(during_step=False))
+            except BadRequest as exc:  # named by its rank in the zone: the epoch's is reported
+                raise BadRequest(ranks[exc.rank], str(exc)) from exc
             if r.role == "receiver":
                 zone = mine or "default"
                 log.info("%s: took zone %s's inner optimizer state (%.1f MB)", node.name, zone, r.megabytes)

@@ -57,6 +57,10 @@ class Faults(Protocol):
     def unreachable(self, epoch: int) -> bool:
         """Whether this node's rendezvous entries for ``epoch`` must give an unreachable address."""
 
+    def greedy(self, epoch: int) -> int:
+        """How many chunks this node tells each donor it wants when it receives state in
+        ``epoch`` (0: the chunks it wants)."""
+
     def dropping_port(self, host: str) -> int:
         """A port on ``host`` where connections hang."""
 
@@ -94,6 +98,9 @@ class NoFaults:
 
     def unreachable(self, epoch: int) -> bool:
         return False
+
+    def greedy(self, epoch: int) -> int:
+        return 0
 
     def dropping_port(self, host: str) -> int:
         raise RuntimeError("no unreachable-address fault was injected")

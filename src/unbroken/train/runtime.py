@@ -38,6 +38,7 @@ from unbroken.control.client import ControlClient
 from unbroken.errors import (
     AuditMismatch,
     BadContribution,
+    BadRequest,
     CollectiveFailed,
     ConfigError,
     CoordinatorUnreachable,
@@ -382,8 +383,9 @@ class Node:
 
     def _refused(self, order: m.EpochOrder, exc: CollectiveFailed | TransferError) -> None:
         """Tell the leader why this epoch failed here (and whom the data blames, if anyone)."""
-        culprit = order.members[exc.rank] if isinstance(exc, BadContribution) and exc.rank >= 0 else None
-        kind = Kind.BAD_GRADIENT
+        rank = exc.rank if isinstance(exc, (BadContribution, BadRequest)) else -1
+        culprit = order.members[rank] if 0 <= rank < len(order.members) else None
+        kind = Kind.BAD_REQUEST if isinstance(exc, BadRequest) else Kind.BAD_GRADIENT
         if isinstance(exc, (AuditMismatch, Suspicion)):
             kind = Kind.AUDIT if isinstance(exc, AuditMismatch) else Kind.SUSPECT
         self.records.log(Entry.REFUSED, {"step": self.state.step, "culprit": culprit, "reason": str(exc)})
@@ -506,7 +508,7 @@ class Node:
             g.pg, g.rank, g.size, self.state, self.scope(during_step=False), partial=self._partial,
             on_sent=functools.partial(self.faults.maybe_fire, "resync"), max_donors=self.config.max_donors,
             incremental=not self.config.full_resync, keep=self.audits.every > 0 and self.audits.audited is None,
-            standing=self.audits.standing(), refused=self.audits.missed_verdict,
+            standing=self.audits.standing(), refused=self.audits.missed_verdict, claim=self.faults.greedy(g.epoch),
         )  # fmt: skip
         if r.role == "diverged":
             who = f"{g.members[r.culprit]}'s " if r.culprit >= 0 else ""

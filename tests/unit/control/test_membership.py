@@ -323,6 +323,27 @@ def test_in_an_epoch_of_two_one_word_against_another_benches_nobody() -> None:
     assert only_order(ms.tick(t + PROBE_WAIT_S)).members == ["a", "b"]
 
 
+def test_a_receiver_most_of_its_donors_refused_is_kept_out_and_one_donor_alone_keeps_nobody_out() -> None:
+    ms = formed(["a", "b", "c", "j"])
+    t = 0.5
+    keep_alive(ms, t)
+    why = "rank 3 asked for 1,099,511,627,776 chunks of a state of 12"
+    d = ms.fault("a", 1, why, t, culprit="j", kind=Kind.BAD_REQUEST)
+    assert [e.kind for e in d.events] == ["fault"] and "kept out only when most" in d.events[0].reason
+    d = ms.fault("b", 1, why, t, culprit="j", kind=Kind.BAD_REQUEST)
+    assert [e.kind for e in d.events] == ["bad-request"] and d.events[0].reason.startswith("node-j (offence 1): rank 3")
+    keep_alive(ms, t + 0.1)
+    order = only_order(ms.tick(t + 0.1))
+    assert order.members == ["a", "b", "c"] and ms.members["j"].excluded_until > t + 1
+    # One donor of many says so: no verdict, and the epoch forms again with everyone.
+    ms = formed(["a", "b", "c", "j"])
+    keep_alive(ms, t)
+    ms.fault("a", 1, why, t, culprit="j", kind=Kind.BAD_REQUEST)
+    ms.fault("j", 1, "names itself", t, culprit="j", kind=Kind.BAD_REQUEST)
+    keep_alive(ms, t + 5)
+    assert only_order(ms.tick(t + 5)).members == ["a", "b", "c", "j"]
+
+
 def test_an_unreachable_report_cannot_narrow_its_witnesses_to_a_zone() -> None:
     ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     zones = {"a": "z1", "b": "z1", "f": "z1", "g": "z1", "c": "z2", "d": "z2", "e": "z2"}
@@ -576,6 +597,25 @@ def test_one_members_done_finishes_nothing() -> None:
     ms.done("b", 40, "true", {}, 0.8)
     assert ms.finished and ms.final_digest == "true" and ms.final_metrics == {"val_loss": 1.0}
     assert ms.beyond(40) is None and "past the job's last step 40" in (ms.beyond(2**53) or "")
+
+
+def test_done_from_members_outside_the_epoch_finishes_nothing() -> None:
+    # One token holder, two sessions, the same made-up digest at the last step: two of them
+    # are a majority of three trainers only if they are counted; they are not trainers.
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
+    for mid in ("a", "b", "c"):
+        ms.admit(hello(mid, steps=40), 0.0)
+    ms.tick(JOIN_SETTLE_S)
+    for mid in ("x", "y"):
+        assert ms.admit(hello(mid, steps=40), 0.5).refuse is None
+        ms.done(mid, 40, "forged", {}, 0.6)
+    assert not ms.finished
+    ms.done("a", 40, "true", {}, 0.7)
+    ms.session_closed("a", 0.7)  # a finisher's session ends: it still counts, once
+    ms.done("a", 40, "true", {}, 0.7)
+    assert not ms.finished
+    ms.done("b", 40, "true", {}, 0.8)
+    assert ms.finished and ms.final_digest == "true"
 
 
 def test_a_finisher_leaving_before_the_others_report_is_no_failure() -> None:
