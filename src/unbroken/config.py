@@ -63,6 +63,9 @@ class ServiceConfig:
     """Where to append the event log as JSON lines (none: keep it in memory only)."""
     token: str | None = field(default=None, repr=False)
     """The job's secret: nodes must prove they hold it to join (none: anyone may join)."""
+    allowed_keys: Path | None = None
+    """Only nodes (and relays) whose public key this file lists may join, one member per key
+    (`unbroken.control.identity`; none: any key, as the token admits)."""
     tls_cert: Path | None = None
     """Serve the control plane over TLS with this certificate chain (PEM)..."""
     tls_key: Path | None = None
@@ -203,6 +206,9 @@ class NodeConfig:
     """Address peers use to reach this node's gloo endpoint (default: this host's name)."""
     token: str | None = field(default=None, repr=False)
     """The job's secret, proven to the coordinator (which proves it back) without sending it."""
+    key_file: Path | None = None
+    """This node's identity: an Ed25519 key (`unbroken keygen`), made there if missing (none:
+    a key of its own for the process, which a job admitting listed keys refuses)."""
     tls_ca: Path | None = None
     """Connect to the coordinator over TLS, trusting this CA bundle (PEM) for its certificate."""
 

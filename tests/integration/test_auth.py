@@ -13,7 +13,7 @@ from aiohttp import web
 
 from integration.helpers import assert_promises, events_of
 from unbroken import Coordinator, CoordinatorConfig, MembershipConfig, ServiceConfig
-from unbroken.control import auth
+from unbroken.control import auth, identity
 from unbroken.control import messages as m
 
 pytestmark = pytest.mark.timeout(180)
@@ -49,12 +49,11 @@ async def _handshake(
         challenge = m.parse_coordinator_message((await ws.receive()).data)
         assert isinstance(challenge, m.Challenge) and challenge.auth
         if knock is None:
-            nonce = auth.new_nonce()
-            proof = auth.node_proof(token or "", challenge.nonce, nonce, "m1#1")
-            knock = m.Knock(member_id="m1#1", nonce=nonce, proof=proof)
+            key = identity.ephemeral()
+            knock = identity.knock(identity.member_id("m1", key), challenge.nonce, token, key)
         seal = auth.Seal(token or "", challenge.nonce, knock.nonce, knock.member_id, sending="up")
         await ws.send_str(m.encode(knock))
-        hello = m.Hello(job="j", job_identity="i", fingerprint=[], member_id="m1#1", name="n", batch_size=4)
+        hello = m.Hello(job="j", job_identity="i", fingerprint=[], member_id=knock.member_id, name="n", batch_size=4)
         await ws.send_str(seal.seal(m.encode(hello)))
         text = (await ws.receive()).data
         answer = m.parse_coordinator_message(text if text.startswith("{") else seal.open(text))

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from unbroken import Coordinator, CoordinatorConfig, MembershipConfig, ServiceConfig
-from unbroken.control import auth
+from unbroken.control import auth, identity
 from unbroken.control import messages as m
 from unbroken.events import Kind
 
@@ -43,7 +43,8 @@ class Member(threading.Thread):
 
     def __init__(self, url: str, name: str) -> None:
         super().__init__(name=f"member-{name}", daemon=True)
-        self.url, self.member_id = url, f"{name}#1"
+        self.key = identity.ephemeral()
+        self.url, self.member_id = url, identity.member_id(name, self.key)
         self.stop = threading.Event()
         self.welcomed = threading.Event()
 
@@ -54,10 +55,9 @@ class Member(threading.Thread):
         async with aiohttp.ClientSession() as http, http.ws_connect(self.url) as ws:
             challenge = m.parse_coordinator_message((await ws.receive()).data)
             assert isinstance(challenge, m.Challenge)
-            nonce = auth.new_nonce()
-            proof = auth.node_proof(TOKEN, challenge.nonce, nonce, self.member_id)
-            await ws.send_str(m.encode(m.Knock(member_id=self.member_id, nonce=nonce, proof=proof)))
-            seal = auth.Seal(TOKEN, challenge.nonce, nonce, self.member_id, sending="up")
+            knock = identity.knock(self.member_id, challenge.nonce, TOKEN, self.key)
+            await ws.send_str(m.encode(knock))
+            seal = auth.Seal(TOKEN, challenge.nonce, knock.nonce, self.member_id, sending="up")
             hello = m.Hello(
                 job="j", job_identity="i", fingerprint=[], member_id=self.member_id, name=self.member_id, batch_size=8
             )  # fmt: skip

@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -27,7 +29,7 @@ import torch
 
 from integration.helpers import assert_promises, events_of, fired, gloo_entry, job_for
 from unbroken.comm.reach import reach, unreachable_fault
-from unbroken.control import auth
+from unbroken.control import auth, identity
 from unbroken.control import messages as m
 from unbroken.control.client import ControlClient
 from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
@@ -239,6 +241,8 @@ class Liar(threading.Thread):
         super().__init__(name="liar", daemon=True)
         self.url, self.job, self.lies = url, job, lies
         self.answers: list[str] = []
+        self.key = identity.ephemeral()
+        self.ids = [identity.member_id("liar", self.key) for _ in lies]
 
     def run(self) -> None:
         asyncio.run(self._run())
@@ -247,14 +251,13 @@ class Liar(threading.Thread):
         model, optimizer = self.job.build()
         async with aiohttp.ClientSession() as http:
             for i, lie in enumerate(self.lies):
-                member_id = f"liar#{i}"
+                member_id = self.ids[i]
                 async with http.ws_connect(self.url) as ws:
                     challenge = m.parse_coordinator_message((await ws.receive(timeout=10)).data)
                     assert isinstance(challenge, m.Challenge)
-                    nonce = auth.new_nonce()
-                    proof = auth.node_proof(TOKEN, challenge.nonce, nonce, member_id)
-                    await ws.send_str(m.encode(m.Knock(member_id=member_id, nonce=nonce, proof=proof)))
-                    seal = auth.Seal(TOKEN, challenge.nonce, nonce, member_id, sending="up")
+                    knock = identity.knock(member_id, challenge.nonce, TOKEN, self.key)
+                    await ws.send_str(m.encode(knock))
+                    seal = auth.Seal(TOKEN, challenge.nonce, knock.nonce, member_id, sending="up")
                     hello = m.Hello(
                         job=self.job.name, job_identity=self.job.identity(optimizer), fingerprint=fingerprint(model),
                         member_id=member_id, name=f"liar{i}", batch_size=self.job.batch_size,
@@ -276,7 +279,7 @@ def test_a_members_lies_about_its_progress_and_the_end_are_not_taken(make_cluste
     """Done at step 0, a NaN loss and a step of 2^53 from a member holding the token: the
     job does not end early, the state stays valid JSON with true figures, the liar's
     sessions end, and the honest group's final model is the reference's."""
-    env = {"UB_TEST_STEPS": "80", "UB_TEST_DELAY_MS": "30"}
+    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "30"}  # the liar gets in before the end
     c = make_cluster(env=env, min_nodes=2)
     c.start_coordinator(extra=["--token", TOKEN, "--build-deadline", "2"])
     for name in ("a", "b"):
@@ -295,15 +298,15 @@ def test_a_members_lies_about_its_progress_and_the_end_are_not_taken(make_cluste
     with urllib.request.urlopen(f"http://{c.address[0]}:{c.address[1]}/api/state", timeout=5) as r:
         state = json.loads(r.read(), parse_constant=lambda name: pytest.fail(f"/api/state holds {name}"))
     assert not state["finished"], "one member's done does not end the job"
-    assert state["step"] <= 80, state["step"]
+    assert state["step"] <= 400, state["step"]
     assert c.wait_exit(timeout=150) == {"a": 0, "b": 0}, c.diagnostics()
     assert_promises(c, env, finishers=2)
     refused = [e["reason"] for e in events_of(c, "refused") if "done at step 0" in e["reason"]]
     assert refused, events_of(c, "refused")
     dropped = [e["reason"] for e in events_of(c, "protocol")]
-    assert {e["member"] for e in events_of(c, "protocol")} == {"liar#1", "liar#2"}, dropped
+    assert {e["member"] for e in events_of(c, "protocol")} == set(liar.ids[1:]), dropped
     assert any("finite" in r or "nan" in r.lower() for r in dropped), dropped
-    assert any("past the job's last step 80" in r for r in dropped), dropped
+    assert any("past the job's last step 400" in r for r in dropped), dropped
 
 
 def _foreign_checkpoint(directory: Path, job, step: int, identity: str) -> None:
@@ -501,3 +504,101 @@ def test_a_joiner_asking_for_state_that_does_not_exist_is_named_and_kept_out(mak
     assert_promises(c, env, finishers=3)
     epochs = events_of(c, "epoch")
     assert len(epochs) <= 12, [e["reason"] for e in epochs]
+
+
+async def _hello_as(url: str, member_id: str, job, key) -> m.CoordinatorMessage:
+    """A token holder's session saying hello as ``member_id`` with its own key: the answer."""
+    model, optimizer = job.build()
+    async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
+        challenge = m.parse_coordinator_message((await ws.receive(timeout=10)).data)
+        assert isinstance(challenge, m.Challenge)
+        knock = identity.knock(member_id, challenge.nonce, TOKEN, key)
+        await ws.send_str(m.encode(knock))
+        seal = auth.Seal(TOKEN, challenge.nonce, knock.nonce, member_id, sending="up")
+        hello = m.Hello(
+            job=job.name, job_identity=job.identity(optimizer), fingerprint=fingerprint(model), member_id=member_id,
+            name="impostor", batch_size=job.batch_size, steps=job.num_steps,
+        )  # fmt: skip
+        await ws.send_str(seal.seal(m.encode(hello)))
+        text = (await ws.receive(timeout=10)).data
+        return m.parse_coordinator_message(text if text.startswith("{") else seal.open(text))
+
+
+def test_a_token_holder_cannot_take_another_members_place(make_cluster):
+    """With the job token and a key of its own, a session says hello as a member in training
+    (its id read from /api/state): refused before that member's session is touched; the
+    member trains on (on main before: the hello replaced its session, and its place)."""
+    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20"}
+    c = make_cluster(env=env, min_nodes=2)
+    c.start_coordinator(extra=["--token", TOKEN])
+    for name in ("a", "b"):
+        c.start_node(name, extra=["--token", TOKEN])
+    c.wait_step(5)
+    b_id = next(x["id"] for x in c.state()["members"] if x["name"] == "b")
+    url = f"http://{c.address[0]}:{c.address[1]}/ws"
+    for _ in range(3):
+        answer = asyncio.run(_hello_as(url, b_id, job_for(env), identity.ephemeral()))
+        assert isinstance(answer, m.Refused) and "not made from its node key" in answer.reason, answer
+    assert b_id in [x["id"] for x in c.state()["members"]]
+    assert c.wait_exit(timeout=150) == {"a": 0, "b": 0}, c.diagnostics()
+    assert not events_of(c, "failure") and not events_of(c, "quarantine")
+    assert_promises(c, env, finishers=2)
+
+
+def test_only_the_listed_keys_join_and_each_key_is_one_member(make_cluster, tmp_path):
+    """``--allowed-keys``: two nodes with listed keys train; a node with a key of its own is
+    refused with a message naming its key and the fix; a second process with a listed key
+    already in the job is refused too; an entry added while the job runs admits its node."""
+    env = {"UB_TEST_STEPS": "500", "UB_TEST_DELAY_MS": "20"}
+    keys = {}
+    lines = []
+    for name in ("a", "b", "late"):
+        keys[name] = tmp_path / f"{name}.key"
+        out = subprocess.run(
+            [sys.executable, "-m", "unbroken", "keygen", str(keys[name])], capture_output=True, text=True, check=True
+        )
+        lines.append(out.stdout)
+    allowed = tmp_path / "allowed"
+    allowed.write_text("".join(lines[:2]))
+    c = make_cluster(env=env, min_nodes=2)
+    c.start_coordinator(extra=["--allowed-keys", str(allowed)])
+    for name in ("a", "b"):
+        c.start_node(name, extra=["--key", str(keys[name])])
+    c.wait_step(5)
+    stranger = c.start_node("stranger")
+    again = c.start_node("again", extra=["--key", str(keys["a"])])
+    assert stranger.wait(timeout=60) == 2 and again.wait(timeout=60) == 2
+    assert "is not among the job's allowed keys" in stranger.stderr() and "--allowed-keys" not in again.stderr()
+    assert "one member per key" in again.stderr(), again.stderr()
+    with allowed.open("a") as f:
+        f.write(lines[2])
+    late = c.start_node("late", extra=["--key", str(keys["late"])])
+    c.wait_for(lambda: "late" in [x["name"] for x in c.state()["members"]], 60, "the newly listed node joined")
+    assert c.wait_exit(["a", "b", "late"], timeout=150) == {"a": 0, "b": 0, "late": 0}, c.diagnostics()
+    assert late.entries()
+    for name in ("stranger", "again"):
+        del c.nodes[name]
+    assert_promises(c, env, finishers=3)
+
+
+def test_two_sessions_of_one_token_holder_cannot_end_the_job(make_cluster):
+    """Two sessions, each saying done at the job's last step with the same made-up digest:
+    they are not the epoch's trainers, so they are no majority of them; the job trains to
+    its end (on main before: it finished at step 4262 of 200,000, the nodes exiting 0)."""
+    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "30"}
+    c = make_cluster(env=env, min_nodes=2)
+    c.start_coordinator(extra=["--token", TOKEN])
+    for name in ("a", "b"):
+        c.start_node(name, extra=["--token", TOKEN])
+    c.wait_step(5)
+    done = m.encode(m.Done(step=400, digest="f" * 16))
+    liar = Liar(f"http://{c.address[0]}:{c.address[1]}/ws", job_for(env), [done, done])
+    liar.start()
+    liar.join(60)
+    assert len(liar.answers) == 2, liar.answers
+    state = c.state()
+    assert not state["finished"] and state["step"] < 400, state["step"]
+    assert c.wait_exit(timeout=150) == {"a": 0, "b": 0}, c.diagnostics()
+    assert_promises(c, env, finishers=2)
+    finished = events_of(c, "finished")
+    assert [e["node"] for e in finished] in (["a"], ["b"]), finished

@@ -37,6 +37,7 @@ from unbroken.config import (
     ServiceConfig,
     parse_address,
 )
+from unbroken.control import identity
 from unbroken.control.auth import ENV_TOKEN, load_token
 from unbroken.control.etcd import parse_endpoints
 from unbroken.errors import ConfigError, NotFinal, UnbrokenError
@@ -74,6 +75,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             advertise=args.advertise or "",
             event_log=Path(args.event_log) if args.event_log else None,
             token=load_token(args.token, args.token_file),
+            allowed_keys=Path(args.allowed_keys) if args.allowed_keys else None,
             tls_cert=Path(args.tls_cert) if args.tls_cert else None,
             tls_key=Path(args.tls_key) if args.tls_key else None,
             etcd=_etcd(args),
@@ -135,6 +137,7 @@ def _relay(args: argparse.Namespace) -> int:
         token=load_token(args.token, args.token_file),
         etcd=list(_etcd(args)),
         etcd_prefix=args.etcd_prefix,
+        key=identity.load_or_create(Path(args.key)) if args.key else None,
     )
     if not config.coordinators and not config.etcd:
         raise ConfigError("a relay needs the job's coordinator: --coordinator HOST:PORT[,...] or --etcd URL,...")
@@ -172,6 +175,19 @@ async def _exit_with_parent(coord: Any) -> None:
     coord.stop_nowait()
 
 
+def _keygen(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    key = identity.create(path)
+    public = identity.public_text(key)
+    print(f"{public}  {args.name or path.stem}")
+    print(
+        f"# wrote {path} (id {identity.key_id(public)}); add the line above to the coordinator's --allowed-keys "
+        f"file and start the node with --key {path}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _node_config(args: argparse.Namespace) -> NodeConfig:
     etcd = _etcd(args)
     addresses = args.coordinator or ([] if etcd else os.environ.get(ENV_COORDINATOR, "").split(","))
@@ -202,6 +218,7 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
         throttle=args.throttle or "",
         zone=args.zone or "",
         token=load_token(args.token, args.token_file),
+        key_file=Path(args.key) if args.key else None,
         tls_ca=Path(args.tls_ca) if args.tls_ca else None,
         link_latency_ms=args.link_latency_ms,
         link_mbit=args.link_mbit[0],
@@ -429,6 +446,11 @@ def _node_options(n: argparse.ArgumentParser) -> None:
     n.add_argument("--final-state", help="save the final state here")
     n.add_argument("--gloo-host", help="address peers use for this node's data plane")
     _token_args(n)
+    n.add_argument(
+        "--key", metavar="FILE",
+        help="this node's identity key (made there if missing; `unbroken keygen` prints its public line for "
+        "the coordinator's --allowed-keys); default: a key for this process alone",
+    )  # fmt: skip
     n.add_argument("--tls-ca", help="connect over TLS, trusting this CA bundle (PEM) for the coordinator")
     n.add_argument("--fault", help="testing aid: SIGNAL@PHASE:STEP[,...], e.g. kill@allreduce:12")
 
@@ -511,6 +533,11 @@ def build_parser() -> argparse.ArgumentParser:
         "end (compute never waits for the slow links)",
     )
     _token_args(c)
+    c.add_argument(
+        "--allowed-keys", metavar="FILE",
+        help="admit only nodes and relays whose public key this file lists (one a line, as `unbroken keygen` "
+        "prints them; read again when it changes), one member per key",
+    )  # fmt: skip
     c.add_argument("--tls-cert", help="serve the control plane over TLS: certificate chain (PEM)")
     c.add_argument("--tls-key", help="...and its private key (PEM)")
     _etcd_args(c)
@@ -530,7 +557,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--zone", help="the zone this relay serves (shown on the dashboard)")
     _etcd_args(r)
     _token_args(r)
+    r.add_argument("--key", metavar="FILE", help="the relay's identity key (as a node's --key)")
     r.set_defaults(func=_relay)
+
+    k = sub.add_parser(
+        "keygen",
+        help="make a node's (or relay's) identity key; prints the line a coordinator's --allowed-keys takes",
+        formatter_class=fmt,
+    )
+    k.add_argument("file", help="where to write the private key (mode 0600; never over an existing file)")
+    k.add_argument("--name", help="the name written after the public key (default: the file's stem)")
+    k.set_defaults(func=_keygen)
 
     n = sub.add_parser("node", help="run one training node", formatter_class=fmt)
     n.add_argument(

@@ -47,15 +47,15 @@ import logging
 import ssl
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 
 import aiohttp
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel
 
 from unbroken.config import parse_address
-from unbroken.control import auth
+from unbroken.control import auth, identity
 from unbroken.control import messages as m
 from unbroken.control.election import epoch_key, find_leader
 from unbroken.control.etcd import Etcd, View
@@ -94,7 +94,10 @@ class ControlClient:
         etcd: Sequence[str] = (),
         etcd_prefix: str = "",
         relays: Sequence[tuple[str, int]] = (),
+        key: Ed25519PrivateKey | None = None,
     ) -> None:
+        self._key = key or identity.ephemeral()
+        """This node's identity (`unbroken.control.identity`): its own for the process without ``--key``."""
         self._ssl = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
         self.addresses = list(addresses)
         self.relays = list(relays)
@@ -170,7 +173,7 @@ class ControlClient:
         self._stall_reported = False
 
     def _new_member_id(self) -> str:
-        return f"{self.name}#{uuid.uuid4().hex[:8]}"
+        return identity.member_id(self.name, self._key)
 
     # ---------------------------------------------------------------- step-loop API
 
@@ -414,11 +417,11 @@ class ControlClient:
                     f"at {host}:{port} does not ask for a token but this node has one: refusing to train "
                     "under it (wrong address, or a coordinator started without --token?)"
                 )
-            nonce = auth.new_nonce()
-            proof = auth.node_proof(self._token, challenge.nonce, nonce, self.member_id) if self._token else ""
+            knock = identity.knock(self.member_id, challenge.nonce, self._token, self._key)
+            nonce = knock.nonce
             hello_sent = time.monotonic()
             seal = auth.seal(self._token, challenge.nonce, nonce, self.member_id, sending="up")
-            await ws.send_str(m.encode(m.Knock(member_id=self.member_id, nonce=nonce, proof=proof)))
+            await ws.send_str(m.encode(knock))
             await ws.send_str(auth.sealed(seal, m.encode(self._hello(self.member_id))))
             msg = await self._answer(ws, seal)
             if isinstance(msg, m.Refused) and msg.standby:

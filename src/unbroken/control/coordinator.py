@@ -34,7 +34,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from unbroken.config import CoordinatorConfig
-from unbroken.control import auth
+from unbroken.control import auth, identity
 from unbroken.control import messages as m
 from unbroken.control.meeting import Rendezvous
 from unbroken.control.membership import Decision, Membership
@@ -88,6 +88,8 @@ class Coordinator(ThreadedService):
         self.config = config or CoordinatorConfig()
         self.coordinator_id = uuid.uuid4().hex[:12]
         self.token = self.config.service.token
+        keys = self.config.service.allowed_keys
+        self.allowed = identity.Allowed(keys) if keys is not None else None
         self.membership = self._new_membership()
         self.office = Office(
             self.config.service,
@@ -324,7 +326,9 @@ class Coordinator(ThreadedService):
         try:
             challenge, first = await greet(ws, self.token is not None)
             knock = m.parse_knock(first)
-            why = self._check_token(knock, challenge)
+            why = self._check_token(knock, challenge) or self.check_key(
+                knock.key, knock.signature, challenge, knock.nonce, knock.member_id
+            )
             if why is not None:
                 self._refusal(peer, f"{knock.member_id} from {peer}: {why}")
                 await ws.send_str(m.encode(m.Refused(reason=why)))  # unsealed: the node holds another key
@@ -339,7 +343,8 @@ class Coordinator(ThreadedService):
             hello, _ = await read_hello(ws, knock, limit, seal)
             term = self.term  # the session belongs to this term (an election may come while it waited)
             proof = auth.coordinator_proof(self.token, challenge, knock.nonce, knock.member_id) if self.token else ""
-            joined = self._join(hello, peer, lambda: Session(ws, hello.member_id, self.office.settled, seal), proof)
+            session_of = lambda: Session(ws, hello.member_id, self.office.settled, seal)  # noqa: E731
+            joined = self._join(hello, peer, session_of, proof, knock.key)
             if isinstance(joined, m.Refused):
                 await ws.send_str(auth.sealed(seal, m.encode(joined)))
                 await ws.close()
@@ -380,19 +385,26 @@ class Coordinator(ThreadedService):
         peer: str,
         open_session: Callable[[], Sender],
         proof: str,
+        key: str,
     ) -> Sender | m.Refused:
-        """Admit a proven member's hello: its new session, welcomed, or the refusal to send."""
+        """Admit a proven member's hello (``key``: the public key its knock was signed with):
+        its new session, welcomed, or the refusal to send."""
         mid = hello.member_id
+        ms = self.membership
+        if (why := ms.unbound(mid, key, one_per_key=self.allowed is not None)) is not None:
+            # Before its session is touched: a hello as another member must not end that one's.
+            log.warning("refused %s from %s: %s", hello.name, peer, why)
+            self._refusal(peer, f"{hello.name}: {why}")
+            return m.Refused(reason=why)
         old = self._sessions.pop(mid, None)
         if old is not None:
             old.close()  # the node reconnected before its old session ended here: it replaces it
         back = old is not None or mid in self._detached
         self._detached.discard(mid)
         now = time.monotonic()
-        ms = self.membership
         training = ms.recovering_until is None and any(mid in ms.members for mid in ms.epoch_members)
         group_step = ms.step if training else 0  # 0: no group trains (a cold start)
-        decision = self.membership.admit(hello, now, reconnect=back)
+        decision = self.membership.admit(hello, now, reconnect=back, key=key)
         if decision.refuse is not None:
             log.warning("refused %s from %s: %s", hello.name, peer, decision.refuse)
             self._refusal(peer, f"{hello.name}: {decision.refuse}")
@@ -457,8 +469,21 @@ class Coordinator(ThreadedService):
                 if said.member != msg.member_id:
                     raise ProtocolError(f"relay {link.relay_id} forwarded {msg.member_id}'s hello as {said.member}'s")
                 # The relay checked the node's token proof (it holds the token); it proves
-                # itself to the node with its own challenge.
-                joined = self._join(msg, link.relay_id, partial(link.member, msg.member_id), "")
+                # itself to the node with its own challenge. The node's key signed the
+                # relay's challenge: checked here again, so no relay speaks for a key it
+                # never saw sign.
+                ident = msg.identity
+                why = (
+                    self.check_key(ident.key, ident.signature, ident.challenge, ident.nonce, msg.member_id)
+                    if ident is not None
+                    else f"relay {link.relay_id} forwarded {msg.member_id}'s hello without its signed knock"
+                )
+                if why is not None:
+                    self._refusal(link.relay_id, f"{msg.member_id} through relay {link.relay_id}: {why}")
+                    link.session.send_text(m.down_text([msg.member_id], m.encode(m.Refused(reason=why))))
+                    continue
+                assert ident is not None
+                joined = self._join(msg, link.relay_id, partial(link.member, msg.member_id), "", ident.key)
                 if isinstance(joined, m.Refused):
                     link.session.send_text(m.down_text([msg.member_id], m.encode(joined)))
             elif isinstance(session, RelayedMember) and session.link is link:
@@ -504,6 +529,23 @@ class Coordinator(ThreadedService):
 
     async def _relay(self, request: web.Request) -> web.StreamResponse:
         return await serve_relay(self, request)
+
+    def check_key(self, key: str, signature: str, challenge: str, nonce: str, member_id: str) -> str | None:
+        """Why a node's (or relay's) knock does not prove its key (`unbroken.control.identity`),
+        or its id is not made from that key, or the key is not one the job admits, or None."""
+        if not key:
+            return "this node sends no node key: run the same unbroken version on every node and coordinator"
+        if (why := identity.verify(key, signature, challenge, nonce, member_id)) is not None:
+            return why
+        if not identity.owns(key, member_id):
+            return f"member id {member_id!r} is not made from its node key: no node may speak as another member"
+        if self.allowed is not None and not self.allowed.admits(key):
+            return (
+                f"its node key {key} (id {identity.key_id(key)}) is not among the job's allowed keys "
+                f"({self.allowed.path}): add the line `unbroken keygen` printed for it, or start it with "
+                "--key set to an admitted key"
+            )
+        return None
 
     def _check_token(self, knock: m.Knock, challenge: str) -> str | None:
         """Why this knock may not go on to its hello (wrong, missing or replayed proof), or None."""

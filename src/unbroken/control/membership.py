@@ -147,6 +147,8 @@ class Member:
     last_seen: float
     host: str = ""
     pid: int = 0
+    key: str = ""
+    """The public key its member id is bound to (`unbroken.control.identity`)."""
     state: MemberState = MemberState.JOINING
     step: int = 0
     loss: float | None = None
@@ -418,7 +420,26 @@ class Membership:
 
     # ----------------------------------------------------------------- joins and leaves
 
-    def admit(self, hello: Hello, now: float, reconnect: bool = False) -> Decision:
+    def unbound(self, member_id: str, key: str, one_per_key: bool = False) -> str | None:
+        """Why a hello as ``member_id`` signed by ``key`` may not stand for it: the member id
+        is bound to another key (a token holder speaking as another member), or, with
+        ``one_per_key`` (a job admitting listed keys), the key is another member's now."""
+        m = self.members.get(member_id)
+        if m is not None and m.key and m.key != key:
+            return (
+                f"member id {member_id!r} belongs to another node's key: a node cannot take another member's "
+                "place (a restarted node joins under a new member id)"
+            )
+        if one_per_key and m is None:
+            other = next((x for x in self.members.values() if x.key == key), None)
+            if other is not None:
+                return (
+                    f"its key is {other.name}'s ({other.member_id}), in the job now: one member per key (give "
+                    "each node its own, `unbroken keygen`; a node that died is let go within a lease)"
+                )
+        return None
+
+    def admit(self, hello: Hello, now: float, reconnect: bool = False, key: str = "") -> Decision:
         """Check a hello; on success the node becomes a joining member. ``reconnect``: the
         member's previous session was still open and has been replaced (it stays as it was)."""
         d = Decision()
@@ -481,6 +502,7 @@ class Membership:
             last_seen=now,
             host=hello.host,
             pid=hello.pid,
+            key=key,
             step=step,
             caps=hello.capabilities,
             preference=Preference(hello.role),
@@ -1082,12 +1104,13 @@ class Membership:
             if digest == self.final_digest:
                 self.final_metrics.update(metrics)
             return d
-        # Only the epoch's trainers vote, each once, whether or not its session is still open
-        # (a finisher's closes): members outside the epoch, however many sessions one
-        # token holder opens, or trainers that already left, cannot make a majority.
-        trainers = self._epoch_trainers()
-        agree = [mid for mid in trainers if self.final_digests.get(mid) == digest]
-        if len(agree) < len(trainers) // 2 + 1:
+        # Only the epoch's members vote (each applied every step: whatever its role, it holds
+        # the state), each once, whether or not its session is still open (a finisher's
+        # closes): sessions outside the epoch, however many one token holder opens, cannot make
+        # a majority, and neither can one member the plan made the only trainer.
+        voters = self._epoch_members
+        agree = [mid for mid in voters if self.final_digests.get(mid) == digest]
+        if len(agree) < len(voters) // 2 + 1:
             return d
         self.finished = True
         self.final_digest = digest
@@ -1097,14 +1120,6 @@ class Membership:
             self._event(now, Kind.FINISHED, member_id, f"final step {step} reached ({len(agree)} agree on the state)")
         )
         return d
-
-    def _epoch_trainers(self) -> list[str]:
-        """The trainers of the epoch in force, by the plan it was formed with (every member where
-        the job plans no shares)."""
-        roles = self.plan.roles if self.plan is not None else ()
-        if len(roles) != len(self._epoch_members):
-            return list(self._epoch_members)
-        return [mid for mid, role in zip(self._epoch_members, roles, strict=True) if role is Role.TRAINER]
 
     def beyond(self, step: int) -> str | None:
         """Why ``step``, as a member reported it, cannot be true (past the job's last step)."""

@@ -38,6 +38,9 @@ from unbroken.specs import (
 PROTOCOL_VERSION = 3
 
 Name = Annotated[str, Field(min_length=1, max_length=256)]
+PublicKey = Annotated[str, Field(max_length=64)]
+"""A node's public key as `unbroken.control.identity.public_text` writes it."""
+Signature = Annotated[str, Field(max_length=128)]
 COMMITMENTS_MAX = 512
 """Commitments one progress report carries (a node keeps no more unsent)."""
 Count = Annotated[int, Field(ge=0, le=2**53)]
@@ -132,6 +135,20 @@ class Knock(_Msg):
     """The node's half of the challenge-response (see `unbroken.control.auth`)."""
     proof: Annotated[str, Field(max_length=64)] = ""
     """HMAC of the coordinator's challenge and ``nonce`` under the job token ("" without one)."""
+    key: PublicKey = ""
+    """The node's public key (`unbroken.control.identity`): its member id is bound to it."""
+    signature: Signature = ""
+    """The key's signature of the challenge, ``nonce``, the member id and ``key``."""
+
+
+class Identity(BaseModel):
+    """A node's signed knock, as the relay it knocked at checked it: the leader checks it again."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    key: PublicKey
+    signature: Signature
+    challenge: Annotated[str, Field(max_length=64)]
+    nonce: Annotated[str, Field(max_length=64)]
 
 
 class Hello(_Msg):
@@ -153,6 +170,8 @@ class Hello(_Msg):
     host: Annotated[str, Field(max_length=256)] = ""
     pid: Count = 0
     resume: Resume | None = None
+    identity: Identity | None = None
+    """Set by a relay alone: the knock it took (the leader has a direct node's own)."""
     last_epoch: EpochNo = 0
     restored_epoch: EpochNo | None = None
     """The epoch of the checkpoint the node cold-started from (None: it did not): the
@@ -628,6 +647,9 @@ class RelayHello(_Msg):
     zone: Annotated[str, Field(max_length=128)] = ""
     nonce: Annotated[str, Field(max_length=64)] = ""
     proof: Annotated[str, Field(max_length=64)] = ""
+    key: PublicKey = ""
+    """The relay's public key: its id is made from it, as a member's (`Knock.key`)."""
+    signature: Signature = ""
 
 
 class RelayWelcome(_Msg):

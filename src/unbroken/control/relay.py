@@ -32,15 +32,15 @@ import contextlib
 import logging
 import socket
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import WSMsgType, web
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from unbroken.config import parse_address
-from unbroken.control import auth
+from unbroken.control import auth, identity
 from unbroken.control import messages as m
 from unbroken.control.election import find_leader
 from unbroken.control.etcd import Etcd
@@ -70,8 +70,11 @@ class RelayConfig:
     etcd: list[str] = field(default_factory=list)
     etcd_prefix: str = "/unbroken/job"
     relay_id: str = ""
+    """The relay's name (default: the host's); its id adds its key's (`identity.member_id`)."""
     max_message_bytes: int = 1 << 20
     """The largest message a node may send."""
+    key: Ed25519PrivateKey | None = None
+    """The relay's identity (`unbroken.control.identity`; None: one of its own for the process)."""
 
 
 def _chunks(said: list[tuple[m.Said, int]], limit: int) -> list[list[m.Said]]:
@@ -125,7 +128,8 @@ class Relay(ThreadedService):
     def __init__(self, config: RelayConfig) -> None:
         super().__init__()
         self.config = config
-        self.relay_id = config.relay_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        self.key = config.key or identity.ephemeral()
+        self.relay_id = identity.member_id(config.relay_id or socket.gethostname(), self.key)
         self.address: tuple[str, int] = (config.host, config.port)
         self.leader: tuple[str, int] | None = None
         """The leader this relay is linked to (None: none now)."""
@@ -237,7 +241,11 @@ class Relay(ThreadedService):
             token = self.config.token
             nonce = auth.new_nonce()
             proof = auth.node_proof(token, challenge.nonce, nonce, self.relay_id) if token else ""
-            hello = m.RelayHello(relay_id=self.relay_id, zone=self.config.zone, nonce=nonce, proof=proof)
+            signature = identity.sign(self.key, challenge.nonce, nonce, self.relay_id)
+            hello = m.RelayHello(
+                relay_id=self.relay_id, zone=self.config.zone, nonce=nonce, proof=proof,
+                key=identity.public_text(self.key), signature=signature,
+            )  # fmt: skip
             await ws.send_str(m.encode(hello))
             seal = auth.seal(token, challenge.nonce, nonce, self.relay_id, sending="up")
             answer = _answer(await _text(ws), seal)
@@ -385,6 +393,8 @@ class Relay(ThreadedService):
             ticket.done()
             seal = auth.seal(self.config.token, challenge, knock.nonce, knock.member_id, sending="down")
             hello, size = await read_hello(ws, knock, limit, seal)
+            signed = m.Identity(key=knock.key, signature=knock.signature, challenge=challenge, nonce=knock.nonce)
+            hello = hello.model_copy(update={"identity": signed})  # the leader checks the node's key
             answer = await self._forward_hello(hello, size)
             if not isinstance(answer, m.Welcome):
                 await ws.send_str(auth.sealed(seal, m.encode(answer)))

@@ -287,7 +287,7 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
             raise ProtocolError(f"the first message of a relay must be its hello, got {hello.type!r}")
         why = auth.unproven(
             coord.token, challenge, hello.nonce, hello.relay_id, hello.proof, who="relay", checker="coordinator"
-        )
+        ) or coord.check_key(hello.key, hello.signature, challenge, hello.nonce, hello.relay_id)
         if why is not None:
             await ws.send_str(m.encode(m.Refused(reason=why)))  # unsealed: the relay holds another key
             return ws

@@ -121,12 +121,15 @@ class Plan:
 
 
 def _filled(profiles: Sequence[Profile]) -> list[Profile]:
-    """Unmeasured nodes are assumed as fast as the median measured one, scaled by weight."""
-    known = sorted(p.per_sample_s * p.weight for p in profiles if p.per_sample_s > 0)
+    """Unmeasured nodes are assumed as fast as the median measured one, scaled by weight, its
+    fixed cost too: a newcomer taken for free of it would look many times faster than every
+    measured node, and take the whole batch from them."""
+    known = sorted((p for p in profiles if p.per_sample_s > 0), key=lambda p: p.per_sample_s * p.weight)
     if not known:
         return [_replace_speed(p, 1.0 / p.weight, 0.0) for p in profiles]
     median = known[len(known) // 2]
-    return [p if p.per_sample_s > 0 else _replace_speed(p, median / p.weight, 0.0) for p in profiles]
+    per_sample = median.per_sample_s * median.weight
+    return [p if p.per_sample_s > 0 else _replace_speed(p, per_sample / p.weight, median.overhead_s) for p in profiles]
 
 
 def _replace_speed(p: Profile, per_sample_s: float, overhead_s: float) -> Profile:

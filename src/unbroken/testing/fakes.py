@@ -25,13 +25,14 @@ import random
 import re
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from unbroken.control import identity
 from unbroken.control import messages as m
 from unbroken.errors import ProtocolError
 
@@ -50,6 +51,7 @@ class FakeNode:
     source: int = 0
     """Index of the loopback address it connects from (`FakeNodes` ``sources``)."""
     member_id: str = ""
+    key: Ed25519PrivateKey = field(default_factory=identity.ephemeral)
     welcomed: bool = False
     welcomed_at: float = 0.0
     expelled: str | None = None
@@ -253,7 +255,7 @@ class FakeNodes:
         attempt = 0
         while not node.killed:
             if not node.member_id or node.expelled is not None:
-                node.member_id, node.expelled = f"{node.name}#{uuid.uuid4().hex[:8]}", None
+                node.member_id, node.expelled = identity.member_id(node.name, node.key), None
             order = [self.addresses[node.first], *self.fallback]
             host, port = order[attempt % len(order)]
             try:
@@ -290,7 +292,7 @@ class FakeNodes:
                 name=node.name,
                 batch_size=self.batch_size,
             )
-            await ws.send_str(m.encode(m.Knock(member_id=node.member_id)))
+            await ws.send_str(m.encode(identity.knock(node.member_id, challenge.nonce, None, node.key)))
             await ws.send_str(m.encode(hello))
             welcome = m.parse_coordinator_message((await ws.receive(timeout=30)).data)
             if not isinstance(welcome, m.Welcome):

@@ -33,6 +33,7 @@ from unbroken.comm.group import EpochGroup, EpochScope, Graveyard
 from unbroken.comm.reduce import LinkEmulation, Wire
 from unbroken.comm.transfer import Partial, sync_state
 from unbroken.config import NodeConfig
+from unbroken.control import identity
 from unbroken.control import messages as m
 from unbroken.control.client import ControlClient
 from unbroken.errors import (
@@ -213,6 +214,7 @@ class Node:
             wake=self.wake,
             stall_timeout_s=config.stall_timeout_s,
             token=config.token,
+            key=identity.load_or_create(config.key_file) if config.key_file else None,
             tls_ca=str(config.tls_ca) if config.tls_ca else None,
             etcd=config.etcd,
             etcd_prefix=config.etcd_prefix,

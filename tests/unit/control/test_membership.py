@@ -618,6 +618,18 @@ def test_done_from_members_outside_the_epoch_finishes_nothing() -> None:
     assert ms.finished and ms.final_digest == "true"
 
 
+def test_the_only_trainer_of_an_epoch_cannot_end_the_job_alone() -> None:
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
+    for mid in ("a", "b", "c"):
+        ms.admit(hello(mid, steps=40, role="validator" if mid != "a" else "auto"), 0.0)
+    ms.tick(JOIN_SETTLE_S)
+    assert ms.plan is not None and [r.value for r in ms.plan.roles] == ["trainer", "validator", "validator"]
+    ms.done("a", 40, "forged", {}, 0.5)
+    assert not ms.finished, "the validators applied every step too: they vote"
+    ms.done("b", 40, "forged", {}, 0.6)
+    assert ms.finished
+
+
 def test_a_finisher_leaving_before_the_others_report_is_no_failure() -> None:
     ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     for mid in ("a", "b"):

@@ -89,6 +89,15 @@ def test_equal_nodes_split_evenly_and_all_train() -> None:
     assert_consistent(p, 12, 3)
 
 
+def test_an_unmeasured_newcomer_is_taken_for_the_median_node_fixed_cost_and_all() -> None:
+    # Two measured nodes whose step is mostly a fixed 29 ms; a newcomer that reported nothing
+    # (a hostile session, or a node whose calibration ran out of memory). Taken for free of the
+    # fixed cost it looked ten times faster: the plan made it the only trainer.
+    measured = [node("a", 0.00013, overhead_s=0.029), node("b", 0.00013, overhead_s=0.029)]
+    p = plan(12, [*measured, node("new", 0.0, settled=False)])
+    assert p.roles == (T, T, T) and p.shares == (4, 4, 4), p
+
+
 def test_shares_are_proportional_to_throughput() -> None:
     # Throughputs 100, 50, 25 samples/s: shares 4:2:1 and equal predicted times.
     p = plan(70, [node("a", 0.01), node("b", 0.02), node("c", 0.04)])
