@@ -40,6 +40,8 @@ from unbroken.config import (
 from unbroken.control.auth import ENV_TOKEN, load_token
 from unbroken.control.etcd import parse_endpoints
 from unbroken.errors import ConfigError, NotFinal, UnbrokenError
+from unbroken.observe.printable import Formatter as PrintableFormatter
+from unbroken.observe.printable import printable
 from unbroken.specs import (
     AUDIT_EVERY,
     BUCKET_MB,
@@ -607,10 +609,9 @@ def main(argv: list[str] | None = None) -> int:
     if job_args and args.command not in ("node", "run", "verify"):
         parser.error(f"only `unbroken node`, `run` and `verify` take job arguments after --, not {args.command}")
     args.job_args = job_args
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     if args.command in ("coordinator", "node", "run"):
         # Long-running services: show joins, epochs, failures and progress as they happen.
         logging.getLogger("unbroken").setLevel(logging.INFO)
@@ -618,5 +619,5 @@ def main(argv: list[str] | None = None) -> int:
         code: int = args.func(args)
         return code
     except UnbrokenError as exc:
-        print(f"unbroken {args.command}: error: {exc}", file=sys.stderr)
+        print(f"unbroken {args.command}: error: {printable(str(exc), keep=chr(10))}", file=sys.stderr)
         return 2
