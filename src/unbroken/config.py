@@ -224,6 +224,12 @@ class NodeConfig:
             raise ConfigError(f"NodeConfig.weight = {self.weight!r} must be greater than 0 and at most 1e9")
         if len(self.display_name) > 200:
             raise ConfigError(f"NodeConfig.name is {len(self.display_name)} characters long; at most 200 are allowed")
+        if not self.display_name.isprintable():
+            bad = next(c for c in self.display_name if not c.isprintable())
+            raise ConfigError(
+                f"NodeConfig.name {self.display_name!r} holds the unprintable character {bad!r}: "
+                "give a name of printable characters (it is shown in terminals and logs)"
+            )
         check_range("NodeConfig", "max_microbatch", self.max_microbatch, 0)
         check_range("NodeConfig", "checkpoint_every", self.checkpoint_every, 0)
         check_range("NodeConfig", "max_donors", self.max_donors, 0, 100_000)
