@@ -81,6 +81,8 @@ def _coordinator(args: argparse.Namespace) -> int:
             etcd=_etcd(args),
             etcd_prefix=args.etcd_prefix,
             etcd_ttl_s=args.etcd_ttl,
+            open_control=args.open_control,
+            allow_hosts=tuple(args.allow_host or ()),
         ),
         membership=MembershipConfig(
             lease_s=args.lease,
@@ -515,6 +517,16 @@ def build_parser() -> argparse.ArgumentParser:
     _token_args(c)
     c.add_argument("--tls-cert", help="serve the control plane over TLS: certificate chain (PEM)")
     c.add_argument("--tls-key", help="...and its private key (PEM)")
+    c.add_argument(
+        "--open-control", action="store_true",
+        help="a job without a token: take the operator actions (the dashboard's drain and kill) from this "
+        "machine all the same (without it, such a job takes none; with a token they need it)",
+    )  # fmt: skip
+    c.add_argument(
+        "--allow-host", action="append", metavar="NAME",
+        help="a name besides this machine's own (and its addresses) that browsers reach the coordinator by, "
+        "and that pages acting on it may come from: a DNS alias, a reverse proxy (repeatable)",
+    )  # fmt: skip
     _etcd_args(c)
     c.add_argument("--etcd-ttl", type=int, default=1, help="seconds of the leader's etcd lease (failover time)")
     c.add_argument("--advertise", help="HOST[:PORT] nodes reach this coordinator at (default: --host and the port)")

@@ -40,7 +40,7 @@ import aiohttp
 from aiohttp import WSMsgType, web
 
 from unbroken.config import parse_address
-from unbroken.control import auth
+from unbroken.control import auth, browsers
 from unbroken.control import messages as m
 from unbroken.control.election import find_leader
 from unbroken.control.etcd import Etcd
@@ -159,7 +159,8 @@ class Relay(ThreadedService):
     async def serve(self) -> None:
         stopping = self._begin()
         self._urgent = asyncio.Event()
-        app = web.Application(client_max_size=self.config.max_message_bytes)
+        names = await browsers.names_of(self.config.host)  # a page of another site opens no session here
+        app = web.Application(client_max_size=self.config.max_message_bytes, middlewares=[browsers.guard(names)])
         app.router.add_get("/ws", self._downstream)
         app.router.add_get("/api/state", self._state)
         app.router.add_get("/healthz", self._health)
