@@ -19,7 +19,6 @@ import urllib.request
 from typing import Any
 
 import aiohttp
-import pytest
 
 from unbroken.control import messages as m
 from unbroken.testing.fakes import FINGERPRINT as FAKE_FINGERPRINT
@@ -163,8 +162,10 @@ def test_escape_sequences_of_a_member_never_reach_the_operators_terminal(make_cl
     host, port = c.start_coordinator()
     url = f"http://{host}:{port}/ws"
 
+    where = f"{host}:{port}"
+    name = f"ev{ESCAPES}il"
     node = subprocess.run(
-        [sys.executable, "-m", "unbroken", "node", c.job, "--coordinator", f"{host}:{port}", "--name", f"ev{ESCAPES}il"],
+        [sys.executable, "-m", "unbroken", "node", c.job, "--coordinator", where, "--name", name],
         capture_output=True,
         timeout=120,
     )

@@ -45,6 +45,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+FQDN_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,13 @@ def _bare(name: str) -> str:
 
 async def names_of(host: str, advertise: str = "", allowed: Iterable[str] = ()) -> Names:
     """The names of a service bound to ``host``, advertised as ``advertise`` (HOST[:PORT]).
-    The FQDN is looked up on a worker thread: a slow resolver must not hold the loop."""
-    fqdn = await asyncio.to_thread(socket.getfqdn)
+    The FQDN is looked up on a worker thread, for `FQDN_TIMEOUT_S` at most: a broken
+    resolver must not hold the service's start (a name left out costs only ``--allow-host``
+    to a browser that uses it)."""
+    try:
+        fqdn = await asyncio.wait_for(asyncio.to_thread(socket.getfqdn), FQDN_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        fqdn = ""
     own = {socket.gethostname(), fqdn, host, urlsplit("//" + advertise).hostname or ""} - {""}
     return Names(frozenset(_bare(n) for n in own), frozenset(_bare(n) for n in allowed))
 
