@@ -7,6 +7,7 @@ wrong and what range is allowed. Environment variables are read here and in `cli
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,10 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+HOST_NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*\.?$")
+"""A DNS name as ``--allow-host`` takes it: no scheme, no port, no wildcard."""
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """Where and how a coordinator serves: its address, who may talk to it, its election."""
@@ -78,9 +83,26 @@ class ServiceConfig:
     etcd_ttl_s: int = 1
     """The leader's etcd lease: a leader that cannot renew it for this long stops leading
     and a standby takes over (etcd may raise it to its own minimum)."""
+    open_control: bool = False
+    """Without a token: allow the operator actions (drain, kill) from this machine all the
+    same (by default a job without a token takes none: anything on the machine could ask)."""
+    allow_hosts: tuple[str, ...] = ()
+    """Names besides this machine's own that browsers may reach the coordinator by, and that
+    pages acting on it may come from (a DNS alias, a reverse proxy's name: `control.browsers`)."""
 
     def __post_init__(self) -> None:
         _check_etcd("ServiceConfig", self.etcd, self.etcd_prefix, self.etcd_ttl_s)
+        if self.open_control and self.token:
+            raise ConfigError(
+                "ServiceConfig.open_control (--open-control) is for a job without a token: with one, "
+                "operator actions need it (Authorization: Bearer <token>)"
+            )
+        for name in self.allow_hosts:
+            if not HOST_NAME.fullmatch(name.lower()):
+                raise ConfigError(
+                    f"ServiceConfig.allow_hosts (--allow-host): {name!r} is not a host name: give one like "
+                    "dash.example.org (no scheme, no port, no wildcard)"
+                )
         if self.advertise and (len(self.advertise) > 256 or any(c.isspace() for c in self.advertise)):
             raise ConfigError(f"ServiceConfig.advertise = {self.advertise!r}: give HOST or HOST:PORT")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -230,6 +252,12 @@ class NodeConfig:
             raise ConfigError(f"NodeConfig.weight = {self.weight!r} must be greater than 0 and at most 1e9")
         if len(self.display_name) > 200:
             raise ConfigError(f"NodeConfig.name is {len(self.display_name)} characters long; at most 200 are allowed")
+        if not self.display_name.isprintable():
+            bad = next(c for c in self.display_name if not c.isprintable())
+            raise ConfigError(
+                f"NodeConfig.name {self.display_name!r} holds the unprintable character {bad!r}: "
+                "give a name of printable characters (it is shown in terminals and logs)"
+            )
         check_range("NodeConfig", "max_microbatch", self.max_microbatch, 0)
         check_range("NodeConfig", "checkpoint_every", self.checkpoint_every, 0)
         check_range("NodeConfig", "max_donors", self.max_donors, 0, 100_000)

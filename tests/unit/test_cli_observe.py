@@ -70,3 +70,28 @@ def test_status_follows_a_standby_to_the_leader(monkeypatch) -> None:
     monkeypatch.setattr(api, "_get", lambda path: answers[api.base + path])
     assert api.get("/api/state")["members"] == [{"name": "n"}]
     assert api.base == "http://c1:1"
+
+
+HOSTILE = "ev\x1b]0;owned\x07il\x1b[2J[/]x"
+"""A member name with a terminal title change, a screen clear and a closing tag of rich
+markup that opens nothing (rich raised on it: `unbroken status` crashed)."""
+
+
+def test_status_shows_what_nodes_chose_escaped_never_obeyed() -> None:
+    import io
+
+    out = io.StringIO()
+    state = {**STATE, "job": "j\x1b[31m", "members": [{**STATE["members"][0], "name": HOSTILE,
+             "capabilities": {"device": "cpu", "device_name": "gpu\x9b2J"}}]}  # fmt: skip
+    events = [Recorded(1, 0.0, Kind.LEAVE, HOSTILE, "x#1", 3, 100, f"{HOSTILE} leaves: bye\x1b[A\rforged line")]
+    Console(file=out, width=400, color_system=None).print(status_view(state, HISTORY, events))
+    text = out.getvalue()
+    assert not any(c in text for c in "\x1b\x07\x9b\r"), repr(text)
+    assert "ev\\x1b]0;owned\\x07il\\x1b[2J[/]x" in text  # the name, escaped and whole
+    assert "j\\x1b[31m" in text and "gpu\\x9b2J" in text and "bye\\x1b[A\\rforged line" in text
+
+
+def test_an_event_line_escapes_the_nodes_name_and_reason() -> None:
+    line = event_line(Recorded(1, 0.0, Kind.LEAVE, HOSTILE, "x#1", 3, 100, "bye\x1b[A\nforged line"))
+    assert line.isprintable(), repr(line)
+    assert "ev\\x1b]0;owned" in line and line.endswith("bye\\x1b[A\\nforged line")

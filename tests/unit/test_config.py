@@ -110,6 +110,12 @@ def test_checkpoint_every_needs_a_directory(tmp_path: Path) -> None:
     assert NodeConfig(coordinators=ADDR, checkpoint_every=10, checkpoint_dir=tmp_path).checkpoint_every == 10
 
 
+def test_a_node_name_must_be_printable_and_the_error_shows_it_escaped() -> None:
+    with pytest.raises(ConfigError, match=r"NodeConfig\.name 'ev\\x1b\[31mil' holds the unprintable character '\\x1b'"):
+        NodeConfig(coordinators=ADDR, name="ev\x1b[31mil")
+    assert NodeConfig(coordinators=ADDR, name="gpu été 東京").display_name == "gpu été 東京"
+
+
 def test_display_name_defaults_to_host_and_pid() -> None:
     assert NodeConfig(coordinators=ADDR, name="gpu-box").display_name == "gpu-box"
     assert "-" in NodeConfig(coordinators=ADDR).display_name

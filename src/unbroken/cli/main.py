@@ -41,6 +41,8 @@ from unbroken.control import identity
 from unbroken.control.auth import ENV_TOKEN, load_token
 from unbroken.control.etcd import parse_endpoints
 from unbroken.errors import ConfigError, NotFinal, UnbrokenError
+from unbroken.observe.printable import Formatter as PrintableFormatter
+from unbroken.observe.printable import printable
 from unbroken.specs import (
     AUDIT_EVERY,
     BUCKET_MB,
@@ -81,6 +83,8 @@ def _coordinator(args: argparse.Namespace) -> int:
             etcd=_etcd(args),
             etcd_prefix=args.etcd_prefix,
             etcd_ttl_s=args.etcd_ttl,
+            open_control=args.open_control,
+            allow_hosts=tuple(args.allow_host or ()),
         ),
         membership=MembershipConfig(
             lease_s=args.lease,
@@ -540,6 +544,16 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     c.add_argument("--tls-cert", help="serve the control plane over TLS: certificate chain (PEM)")
     c.add_argument("--tls-key", help="...and its private key (PEM)")
+    c.add_argument(
+        "--open-control", action="store_true",
+        help="a job without a token: take the operator actions (the dashboard's drain and kill) from this "
+        "machine all the same (without it, such a job takes none; with a token they need it)",
+    )  # fmt: skip
+    c.add_argument(
+        "--allow-host", action="append", metavar="NAME",
+        help="a name besides this machine's own (and its addresses) that browsers reach the coordinator by, "
+        "and that pages acting on it may come from: a DNS alias, a reverse proxy (repeatable)",
+    )  # fmt: skip
     _etcd_args(c)
     c.add_argument("--etcd-ttl", type=int, default=1, help="seconds of the leader's etcd lease (failover time)")
     c.add_argument("--advertise", help="HOST[:PORT] nodes reach this coordinator at (default: --host and the port)")
@@ -644,10 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     if job_args and args.command not in ("node", "run", "verify"):
         parser.error(f"only `unbroken node`, `run` and `verify` take job arguments after --, not {args.command}")
     args.job_args = job_args
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     if args.command in ("coordinator", "node", "run"):
         # Long-running services: show joins, epochs, failures and progress as they happen.
         logging.getLogger("unbroken").setLevel(logging.INFO)
@@ -655,5 +668,5 @@ def main(argv: list[str] | None = None) -> int:
         code: int = args.func(args)
         return code
     except UnbrokenError as exc:
-        print(f"unbroken {args.command}: error: {exc}", file=sys.stderr)
+        print(f"unbroken {args.command}: error: {printable(str(exc), keep=chr(10))}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ from rich.text import Text
 from unbroken.config import ENV_COORDINATOR, parse_address
 from unbroken.errors import ConfigError, CoordinatorUnreachable
 from unbroken.events import ALARMS, Kind, Recorded
+from unbroken.observe.printable import printable
 
 
 class Api:
@@ -87,8 +88,20 @@ def _leadership(lead: dict[str, Any]) -> list[tuple[str, str] | str]:
     if lead.get("role") in (None, "single"):
         return []
     standbys = ", ".join(lead.get("standbys") or []) or "none"
-    return [("  leader ", "bold"), f"{lead.get('leader') or 'none (election)'} term {lead.get('term', 0)}",
-            ("  standbys ", "bold"), standbys]  # fmt: skip
+    return [("  leader ", "bold"), _said(f"{lead.get('leader') or 'none (election)'} term {lead.get('term', 0)}"),
+            ("  standbys ", "bold"), _said(standbys)]  # fmt: skip
+
+
+def _said(value: object) -> str:
+    """A figure or a name from the API, as plain text: what a node chose (its name, its
+    device's name, a reason) may hold escape sequences, shown escaped, never obeyed."""
+    return printable(str(value))
+
+
+def _cell(value: object) -> Text:
+    # A Text, not a str: rich would read a name like "[blink]x" or "[/]" as markup (and
+    # raise on the second), and would let ESC through.
+    return Text(_said(value))
 
 
 def status_view(state: dict[str, Any], history: dict[str, Any], events: list[Recorded]) -> Group:
@@ -98,11 +111,11 @@ def status_view(state: dict[str, Any], history: dict[str, Any], events: list[Rec
     last = points[-1] if points else {}
     loss = last.get("loss")
     head = Text.assemble(
-        ("job ", "bold"), str(state.get("job") or "?"),
+        ("job ", "bold"), _said(state.get("job") or "?"),
         ("  step ", "bold"), str(state.get("step", 0)),
         ("  epoch ", "bold"), str(state.get("epoch", 0)),
         *_leadership(state.get("leadership") or {}),
-        ("  mode ", "bold"), str(plan.get("mode", "sync")),
+        ("  mode ", "bold"), _said(plan.get("mode", "sync")),
         ("  loss ", "bold"), f"{loss:.4f}" if isinstance(loss, float) else "-",
         ("  steps/s ", "bold"), f"{history.get('step_rate', 0.0):.2f}",
         ("  samples/s ", "bold"), f"{last.get('samples_per_s', 0.0):.0f}",
@@ -117,14 +130,14 @@ def status_view(state: dict[str, Any], history: dict[str, Any], events: list[Rec
         rate = mem.get("share", 0) / compute if compute else 0.0
         used, total = caps.get("memory_used", 0), caps.get("memory_total", 0)
         members.add_row(
-            str(mem.get("name")),
-            str(mem.get("state")),
-            str(mem.get("role") or "-"),
-            str(mem.get("zone") or "default"),
-            str(mem.get("share", 0)),
+            _cell(mem.get("name")),
+            _cell(mem.get("state")),
+            _cell(mem.get("role") or "-"),
+            _cell(mem.get("zone") or "default"),
+            _cell(mem.get("share", 0)),
             f"{rate:.0f}",
-            str(mem.get("step", 0)),
-            str(caps.get("device_name") or caps.get("device") or "-"),
+            _cell(mem.get("step", 0)),
+            _cell(caps.get("device_name") or caps.get("device") or "-"),
             f"{used / 2**30:.1f}/{total / 2**30:.1f} GiB" if total else "-",
         )
     log = Table(title="recent events", title_justify="left", show_edge=False)
@@ -134,9 +147,9 @@ def status_view(state: dict[str, Any], history: dict[str, Any], events: list[Rec
         log.add_row(
             time.strftime("%H:%M:%S", time.localtime(e.time)),
             Text(e.kind.value, style="bold red" if e.kind in ALARMS else ""),
-            e.node or "-",
+            _cell(e.node or "-"),
             str(e.step),
-            e.reason[:100],
+            _cell(e.reason[:100]),
         )
     return Group(head, members, log)
 
@@ -169,7 +182,8 @@ def _status(args: argparse.Namespace) -> int:
 
 def event_line(e: Recorded) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time))
-    return f"{when}  {e.kind.value:<20} {e.node or '-':<12} epoch {e.epoch} step {e.step}  {e.reason}"
+    node = printable(e.node or "-")
+    return f"{when}  {e.kind.value:<20} {node:<12} epoch {e.epoch} step {e.step}  {printable(e.reason)}"
 
 
 def _events(args: argparse.Namespace) -> int:

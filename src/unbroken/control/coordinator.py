@@ -34,7 +34,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from unbroken.config import CoordinatorConfig
-from unbroken.control import auth, identity
+from unbroken.control import auth, browsers, identity
 from unbroken.control import messages as m
 from unbroken.control.meeting import Rendezvous
 from unbroken.control.membership import Decision, Membership
@@ -135,7 +135,9 @@ class Coordinator(ThreadedService):
     async def serve(self) -> None:
         """Serve until `stop` is called (or the task is cancelled)."""
         stopping = self._begin()
-        app = web.Application(client_max_size=self.config.service.max_message_bytes)
+        service = self.config.service
+        names = await browsers.names_of(service.host, service.advertise, service.allow_hosts)
+        app = web.Application(client_max_size=service.max_message_bytes, middlewares=[browsers.guard(names)])
         app.router.add_get("/api/state", self._state)
         app.router.add_get("/healthz", self._health)
         app.router.add_get("/ws", self._ws)
@@ -143,7 +145,6 @@ class Coordinator(ThreadedService):
         add_routes(app, self)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
         await self._runner.setup()
-        service = self.config.service
         ssl_context = None
         if service.tls_cert is not None and service.tls_key is not None:
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

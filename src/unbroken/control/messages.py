@@ -10,6 +10,7 @@ import json
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -41,6 +42,22 @@ Name = Annotated[str, Field(min_length=1, max_length=256)]
 PublicKey = Annotated[str, Field(max_length=64)]
 """A node's public key as `unbroken.control.identity.public_text` writes it."""
 Signature = Annotated[str, Field(max_length=128)]
+
+
+def _printable(text: str) -> str:
+    if not text.isprintable():
+        bad = next(c for c in text if not c.isprintable())
+        raise ValueError(
+            f"holds the unprintable character {bad!r}: a node's name is shown in terminals and logs, "
+            "give one of printable characters"
+        )
+    return text
+
+
+NodeName = Annotated[Name, AfterValidator(_printable)]
+"""A name a node chooses for itself (and its id, which starts with it): printable text, so
+that no escape sequence of its own reaches an operator's terminal (`observe.printable`
+escapes any other peer text on the way out)."""
 COMMITMENTS_MAX = 512
 """Commitments one progress report carries (a node keeps no more unsent)."""
 Count = Annotated[int, Field(ge=0, le=2**53)]
@@ -130,7 +147,7 @@ class Knock(_Msg):
     before anything else it sends is read. Its hello follows."""
 
     type: Literal["knock"] = "knock"
-    member_id: Name
+    member_id: NodeName
     nonce: Annotated[str, Field(max_length=64)] = ""
     """The node's half of the challenge-response (see `unbroken.control.auth`)."""
     proof: Annotated[str, Field(max_length=64)] = ""
@@ -160,8 +177,8 @@ class Hello(_Msg):
     job_spec: Annotated[str, Field(max_length=65_536)] = ""
     """What ``job_identity`` hashes, as JSON (`Job.identity_spec`): a refusal names what differs."""
     fingerprint: Annotated[list[TensorSpec], Field(max_length=100_000)]
-    member_id: Name
-    name: Name
+    member_id: NodeName
+    name: NodeName
     batch_size: Annotated[int, Field(ge=1, le=2**31)]
     steps: Count = 0
     """The job's last step (0: not said); no member reports a step beyond it."""

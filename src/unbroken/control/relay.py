@@ -40,7 +40,7 @@ from aiohttp import WSMsgType, web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from unbroken.config import parse_address
-from unbroken.control import auth, identity
+from unbroken.control import auth, browsers, identity
 from unbroken.control import messages as m
 from unbroken.control.election import find_leader
 from unbroken.control.etcd import Etcd
@@ -163,7 +163,8 @@ class Relay(ThreadedService):
     async def serve(self) -> None:
         stopping = self._begin()
         self._urgent = asyncio.Event()
-        app = web.Application(client_max_size=self.config.max_message_bytes)
+        names = await browsers.names_of(self.config.host)  # a page of another site opens no session here
+        app = web.Application(client_max_size=self.config.max_message_bytes, middlewares=[browsers.guard(names)])
         app.router.add_get("/ws", self._downstream)
         app.router.add_get("/api/state", self._state)
         app.router.add_get("/healthz", self._health)

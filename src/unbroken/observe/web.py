@@ -6,9 +6,11 @@
 - ``GET /api/history?since_step=S&nodes=0``: loss and throughput per committed step, and
   each node's recent rates (left out with ``nodes=0``: the dashboard's polls need only the steps);
 - ``GET /metrics``: Prometheus text format;
-- ``POST /api/nodes/{name}/drain`` and ``.../kill``: operator actions. With a job token they
-  need ``Authorization: Bearer <token>`` (send it over TLS: ``--tls-cert``); without one,
-  only clients on this machine (loopback) may act.
+- ``POST /api/nodes/{name}/drain`` and ``.../kill``: operator actions (`control_refusal`).
+  With a job token they need ``Authorization: Bearer <token>`` (send it over TLS:
+  ``--tls-cert``). A job without a token takes none, unless the coordinator was started with
+  ``--open-control``: then clients on this machine (loopback) may act. Pages of other sites
+  may not, whatever the token (`unbroken.control.browsers` checks ``Origin`` and ``Host``).
 """
 
 from __future__ import annotations
@@ -92,7 +94,10 @@ class _Pages:
         name, action = request.match_info["name"], request.match_info["action"]
         if action not in ACTIONS:
             raise web.HTTPNotFound(text=f"unknown action {action!r}: use one of {list(ACTIONS)}")
-        refusal = self._refuse(request)
+        service = self.c.config.service
+        refusal = control_refusal(
+            self.c.token, service.open_control, request.remote, request.headers.get("Authorization", "")
+        )
         if refusal is not None:
             raise web.HTTPForbidden(text=refusal)
         done = self.c.command(name, action, f"{action} requested by an operator from {request.remote}")
@@ -100,13 +105,22 @@ class _Pages:
             raise web.HTTPNotFound(text=f"no connected node is named {name!r}")
         return web.json_response({"ok": True, "node": name, "action": action})
 
-    def _refuse(self, request: web.Request) -> str | None:
-        token = self.c.token
-        if token is None:
-            if request.remote in ("127.0.0.1", "::1"):
-                return None
-            return "this job has no token: operator actions are only taken from the coordinator's machine"
-        given = request.headers.get("Authorization", "")
-        if given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), token.encode()):
+
+def control_refusal(token: str | None, open_control: bool, remote: str | None, authorization: str) -> str | None:
+    """Why an operator action from ``remote``, sent with this ``Authorization`` header, is
+    refused (None: it is taken)."""
+    if token is not None:
+        if authorization.startswith("Bearer ") and hmac.compare_digest(authorization[7:].encode(), token.encode()):
             return None
         return "operator actions need the job's token: send 'Authorization: Bearer <token>'"
+    if not open_control:
+        # Anything that can send a request from this machine (any local user, any page a
+        # browser here shows) could otherwise drain or kill the job's nodes.
+        return (
+            "this job has no token, so operator actions are off: start the coordinator with --token-file FILE "
+            "(and send 'Authorization: Bearer <token>'), or with --open-control to take them from this machine "
+            "without one"
+        )
+    if remote in ("127.0.0.1", "::1"):
+        return None
+    return "this job has no token: operator actions (--open-control) are only taken from the coordinator's machine"

@@ -201,6 +201,18 @@ def test_hello_field_ranges_are_enforced() -> None:
             m.parse_node_message(json.dumps({**base, field: bad}))
 
 
+def test_a_node_name_with_an_escape_sequence_is_refused_at_its_knock_and_hello() -> None:
+    # A name is shown in terminals and logs: an ESC in it would drive the operator's terminal.
+    base = json.loads(m.encode(NODE_MESSAGES[1]))
+    for field, bad in [("name", "ev\x1b[2Jil"), ("member_id", "ev\x9bil#1"), ("name", "a\u202eb")]:
+        with pytest.raises(ProtocolError, match=f"hello.{field}: .*unprintable character") as err:
+            m.parse_node_message(json.dumps({**base, field: bad}))
+        assert str(err.value).isprintable(), str(err.value)  # the refusal shows it escaped
+    with pytest.raises(ProtocolError, match=r"at member_id: .*unprintable character '\\x1b'"):
+        m.parse_knock(m.encode(m.Knock(member_id="ok#1")).replace("ok#1", "o\\u001bk#1"))
+    assert m.parse_node_message(json.dumps({**base, "name": "gpu-0 été 東京"})).name == "gpu-0 été 東京"  # type: ignore[union-attr]
+
+
 def test_deeply_nested_json_is_refused_with_a_protocol_error() -> None:
     # 200 kB, well under the limit, but nested deeper than the JSON decoder can recurse.
     with pytest.raises(ProtocolError):
