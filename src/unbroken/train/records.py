@@ -337,7 +337,11 @@ class Records:
             )
         directory = self.node.config.checkpoint_dir
         assert directory is not None
-        names = [p.name for p in directory.iterdir() if p.name.startswith(("ckpt-", "frag-")) and p.is_file()]
+        names = [  # not another writer's temporary file: its rename would fail
+            p.name
+            for p in directory.iterdir()
+            if p.name.startswith(("ckpt-", "frag-")) and not p.name.endswith(".tmp") and p.is_file()
+        ]
         self.note(Kind.CHECKPOINT_FAILED, f"{why}; {how}; the corrupt files are {self._set_aside(why, names)}")
 
     def _set_aside(self, why: str, names: list[str] | None = None) -> str:
