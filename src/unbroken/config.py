@@ -206,6 +206,10 @@ class NodeConfig:
     """Directory for asynchronous checkpoints (none: no checkpoints)."""
     checkpoint_every: int = 0
     """Write a checkpoint every this many committed steps (0: never)."""
+    start_fresh: bool = False
+    """Train from step 0 where ``checkpoint_dir`` holds checkpoints and every one is corrupt
+    (they are set aside); without it such a node stops with an error that names each file,
+    unless it joins a group that trains (the state then comes from the group)."""
     max_donors: int = 0
     """Peers this node fetches state from at once when it is behind (0: every peer holding it)."""
     full_resync: bool = False

@@ -207,6 +207,7 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
         max_microbatch=args.max_microbatch,
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
         checkpoint_every=args.checkpoint_every,
+        start_fresh=args.start_fresh,
         max_donors=args.max_donors,
         full_resync=args.full_resync,
         connect_timeout_s=args.connect_timeout,
@@ -436,6 +437,11 @@ def _node_options(n: argparse.ArgumentParser) -> None:
     n.add_argument("--throttle", help="testing aid: emulate a slower device, e.g. 0.25 or 1,40:0.25,80:1")
     n.add_argument("--checkpoint-dir", help="directory for asynchronous checkpoints")
     n.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N committed steps")
+    n.add_argument(
+        "--start-fresh",
+        action="store_true",
+        help="train from step 0 where every checkpoint in --checkpoint-dir is corrupt (they are set aside)",
+    )
     n.add_argument("--connect-timeout", type=float, default=15.0, help="seconds to wait for the coordinator")
     n.add_argument(
         "--max-donors", type=int, default=0, help="peers to fetch state from at once when behind (0: all holding it)"

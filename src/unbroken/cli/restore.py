@@ -4,7 +4,9 @@
 
 Reads every fragment and manifest in the ``--from`` directories (the nodes' own disks,
 copied or mounted), checks each fragment's checksum, rebuilds the newest step that K good
-fragments allow (or ``--step``), and writes it as a plain checkpoint into ``--to``. Nodes
+fragments allow (or ``--step``), and writes it as a plain checkpoint into ``--to``. A
+manifest or fragment that is not what it should be is named on stderr and skipped; older
+steps are tried. Nodes
 started with ``--checkpoint-dir`` pointing there resume from it, however many they are.
 """
 
@@ -20,6 +22,7 @@ def _restore(args: argparse.Namespace) -> int:
     import torch
 
     from unbroken.state.checkpoint import checkpoint_path
+    from unbroken.state.directio import Temp
     from unbroken.state.fragments import rebuild
 
     sources = [Path(d) for d in args.source]
@@ -28,10 +31,16 @@ def _restore(args: argparse.Namespace) -> int:
         print(f"unbroken restore: {note}", file=sys.stderr)
     out = Path(args.to)
     out.mkdir(parents=True, exist_ok=True)
+    out = out.resolve()
     path = checkpoint_path(out, manifest.step)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(snap, tmp)
-    tmp.replace(path)
+    temp = Temp(out, path.name)  # nothing planted in --to can take the bytes elsewhere
+    try:
+        with open(temp.fd, "wb", closefd=False) as f:
+            torch.save(snap, f)
+        temp.commit()
+    except BaseException:
+        temp.discard()
+        raise
     print(
         f"restored step {manifest.step} from {manifest.k} of {manifest.k + manifest.m} fragments "
         f"(digest {manifest.digest[:16]}) into {path}"

@@ -13,7 +13,6 @@ job whose members wrote on their own disks into one directory is the caller's pa
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 
 from unbroken.comm.sharded import ShardedModel
 from unbroken.errors import TransferError
+from unbroken.state.directio import Temp
 from unbroken.state.shards import Layout
 
 _NAME = re.compile(r"shard-(\d{9})-(\d{12})-(\d{12})\.pt")
@@ -35,12 +35,19 @@ def save_shard(zone: ShardedModel, directory: Path, step: int) -> Path | None:
     part = zone.export(shard.start, shard.end)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"shard-{step:09d}-{shard.start:012d}-{shard.end:012d}.pt"
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     payload: dict[str, Any] = {"step": step, "numel": zone.layout.numel, "start": shard.start, "end": shard.end}
     # What `unbroken assemble` needs to make a model of the files of one step.
     payload |= {"spans": zone.spans(), "buffers": {n: b.detach().clone() for n, b in zone.model.named_buffers()}}
-    torch.save(payload | {"values": part["values"], "state": part["state"]}, tmp)
-    os.replace(tmp, path)
+    # Resolved here (the operator may name the directory through a link); no link planted
+    # in the directory redirects the write.
+    temp = Temp(directory.resolve(), path.name)
+    try:
+        with open(temp.fd, "wb", closefd=False) as f:
+            torch.save(payload | {"values": part["values"], "state": part["state"]}, f)
+        temp.commit()
+    except BaseException:
+        temp.discard()
+        raise
     return path
 
 

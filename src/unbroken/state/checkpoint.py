@@ -4,24 +4,30 @@ The step loop only copies the state, at the step boundary, into buffers the chec
 keeps from one checkpoint to the next (a memcpy: no allocation and no page faults on the
 step, which cost 6x the copy for a 400 MB state); serialising and writing run on a
 background thread, at a lower CPU priority than training, into a temporary file
-(``ckpt-<step>.pt.<pid>@<writer>.tmp``: a checkpointer started later on the same machine
-removes it if its writer died), fsynced, then renamed, so a file named ``ckpt-<step>.pt`` is always
-complete. If the previous write is still running, the new checkpoint is skipped rather than
-blocking the step (its buffers are still being written from; the node reports it), and the
-running write is hurried back to the step loop's priority: on a machine whose cores
-training keeps busy, an idle-priority write would otherwise never end, and every later
-checkpoint would be skipped with it.
+(``ckpt-<step>.pt.<pid>-<random>@<writer>.tmp``: a checkpointer started later on the same
+machine removes it if its writer died), fsynced, then renamed, so a file named
+``ckpt-<step>.pt`` is always complete. If the previous write is still running, the new
+checkpoint is skipped rather than blocking the step (its buffers are still being written
+from; the node reports it), and the running write is hurried back to the step loop's
+priority: on a machine whose cores training keeps busy, an idle-priority write would
+otherwise never end, and every later checkpoint would be skipped with it.
 
 The file is what ``torch.save`` writes (``torch.load`` reads it), but where no core stood
 free since the last checkpoint its tensor bytes go straight from those buffers to the disk
 (`unbroken.state.directio`). So the buffers are laid out as the file wants them: one
 page-aligned region per dtype (one storage each: ``torch.save`` keeps one storage per
 record), each record's bytes at a page-aligned offset of the file.
+
+Whoever can write into the directory cannot make a node write or read a file outside it:
+files are created (``O_EXCL|O_NOFOLLOW``), renamed and removed relative to the directory's
+descriptor (`directio.Temp`), and read without following links. Pruning keeps the newest
+checkpoints that load, and sets corrupt ones aside rather than counting them (`_prune`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -55,59 +61,89 @@ def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"ckpt-{step:09d}.pt"
 
 
+def _checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """The checkpoint files of ``directory`` by step, oldest first."""
+    return sorted((int(mt.group(1)), p) for p in directory.iterdir() if (mt := _NAME.match(p.name)))
+
+
 def latest_checkpoint(directory: Path) -> Path | None:
     """The complete checkpoint with the highest step, or None."""
     if not directory.is_dir():
         return None
-    found = sorted((int(mt.group(1)), p) for p in directory.iterdir() if (mt := _NAME.match(p.name)))
+    found = _checkpoints(directory)
     return found[-1][1] if found else None
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    snap: dict[str, Any] = torch.load(path, weights_only=True)
+def load_checkpoint(path: Path, map_location: str | None = None) -> dict[str, Any]:
+    """The state in ``path`` (not followed where it is a symbolic link: `directio.open_read`)."""
+    with directio.open_read(path) as f:
+        snap: dict[str, Any] = torch.load(f, map_location=map_location, weights_only=True)
     return snap
 
 
-def load_newest(
-    directory: Path, usable: Callable[[int], str | None] | None = None
-) -> tuple[Path, dict[str, Any], list[str]] | None:
-    """The newest checkpoint in ``directory`` that loads, and why each newer one did not
-    (truncated, garbage, not a state; ``usable(step)``: why a step cannot be used, if it
-    cannot, as a sharded job's whose shard files of that step are incomplete); None when
-    none loads."""
-    if not directory.is_dir():
-        return None
-    found = sorted((int(mt.group(1)), p) for p in directory.iterdir() if (mt := _NAME.match(p.name)))
-    bad: list[str] = []
-    for step, path in reversed(found):
-        if usable is not None and (why := usable(step)) is not None:
-            bad.append(f"{path} cannot be used ({why})")
-            continue
-        try:
-            snap = load_checkpoint(path)
-            if not isinstance(snap, dict) or not {"step", "cursor", "model"} <= snap.keys():
-                raise ValueError("it holds no training state")
-            return path, snap, bad
-        except Exception as exc:  # torch.load raises whatever the unpickler met
-            bad.append(f"{path} cannot be used ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+def unusable(path: Path, map_location: str | None = None) -> str | None:
+    """Why the checkpoint ``path`` cannot be used (it does not load, or holds no training
+    state), or None; on the meta device only its pickle is read (a truncated or garbage
+    file fails there too)."""
+    try:
+        snap = load_checkpoint(path, map_location)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link: not followed, a checkpoint is read from its directory itself"
+        return f"{type(exc).__name__}: {exc.strerror or exc}"
+    except Exception as exc:  # torch.load raises whatever the unpickler met
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else 'unreadable'}"
+    if not isinstance(snap, dict) or not {"step", "cursor", "model"} <= snap.keys():
+        return "ValueError: it holds no training state"
     return None
 
 
-def set_aside(directory: Path, why: str) -> Path:
-    """Move the checkpoints of ``directory`` into a new subdirectory (another run's: kept,
-    but out of the way of this run's, which `Checkpointer` prunes by step)."""
-    stamp = f"set-aside-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    aside = directory / stamp
-    n = 0
-    while aside.exists():
-        n += 1
-        aside = directory / f"{stamp}-{n}"
-    aside.mkdir()
-    for p in directory.iterdir():
-        if _NAME.match(p.name):
-            p.rename(aside / p.name)
-    (aside / "WHY.txt").write_text(why + "\n", encoding="utf-8")
-    return aside
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """What `load_newest` found in a checkpoint directory."""
+
+    path: Path | None = None
+    """The newest checkpoint that loads (None: none does)."""
+    snap: dict[str, Any] | None = None
+    """Its state."""
+    bad: tuple[str, ...] = ()
+    """Why each newer one could not be used."""
+    refused: int = 0
+    """How many of those ``usable`` refused (whole, but not usable now); the others are corrupt."""
+
+    @property
+    def all_corrupt(self) -> bool:
+        """Checkpoints are there, and none loads."""
+        return self.path is None and bool(self.bad) and not self.refused
+
+
+def load_newest(directory: Path, usable: Callable[[int], str | None] | None = None) -> Found:
+    """The newest checkpoint in ``directory`` that loads, and why each newer one did not
+    (truncated, garbage, not a state, a link; ``usable(step)``: why a step cannot be used,
+    if it cannot, as a sharded job's whose shard files of that step are incomplete)."""
+    if not directory.is_dir():
+        return Found()
+    bad: list[str] = []
+    refused = 0
+    for step, path in reversed(_checkpoints(directory)):
+        if usable is not None and (why := usable(step)) is not None:
+            bad.append(f"{path} cannot be used ({why})")
+            refused += 1
+            continue
+        why = unusable(path)
+        if why is None:
+            return Found(path, load_checkpoint(path), tuple(bad), refused)
+        bad.append(f"{path} cannot be used ({why})")
+    return Found(bad=tuple(bad), refused=refused)
+
+
+def set_aside(directory: Path, why: str, names: list[str] | None = None) -> Path:
+    """Move the checkpoints of ``directory`` (or only ``names``) into a new subdirectory
+    (another run's, or corrupt ones: kept, but out of the way of this run's, which
+    `Checkpointer` prunes by step)."""
+    if names is None:
+        names = [p.name for _, p in _checkpoints(directory)]
+    return directio.move_aside(directory, names, why)
 
 
 class Checkpointer:
@@ -117,15 +153,16 @@ class Checkpointer:
         self.directory = directory
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            probe = directory / f".probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
+            # Resolved once: a link the operator named the directory by is followed now,
+            # and a link put in the directory's place later redirects nothing (`directio.Temp`).
+            self._dir = directory.resolve()
+            directio.Temp(self._dir, ".probe").discard()
         except OSError as exc:
             raise ConfigError(
                 f"checkpoint directory {directory} cannot be written ({exc.strerror or exc}): give a writable "
                 "--checkpoint-dir, or none"
             ) from None
-        for stale in directio.remove_stale(directory):
+        for stale in directio.remove_stale(self._dir):
             log.info("removed %s: its writer was stopped before it was complete", stale)
         self.failure: str | None = None
         """Why the last write failed (None after a write that succeeded)."""
@@ -143,6 +180,8 @@ class Checkpointer:
         self._captured: threading.Event | None = None
         """Set once the last capture holds its own copy of every tensor."""
         self.written: list[tuple[int, float]] = []
+        self.set_aside: list[Path] = []
+        """Where `_prune` moved the corrupt checkpoints it found among the newest."""
         self.skipped = 0
         self.staged_s: list[float] = []
         """How long each capture held the step up (the copies not left to the writer)."""
@@ -313,7 +352,7 @@ class Checkpointer:
         start, cpu = time.monotonic(), time.thread_time()
         try:
             direct = self._direct(True)
-            write_fragments(self.directory, packed, k, m, mine, snapshot_digest(snap, in_digest), direct)
+            write_fragments(self._dir, packed, k, m, mine, snapshot_digest(snap, in_digest), direct)
             self._write_cpu_s = time.thread_time() - cpu
             self.written.append((int(snap["step"]), time.monotonic() - start))
             self.failure = None
@@ -323,21 +362,25 @@ class Checkpointer:
 
     def _write(self, snap: dict[str, Any]) -> None:
         step = int(snap["step"])
-        final = checkpoint_path(self.directory, step)
-        tmp = directio.temp_path(final)
         self._writer = _Priority.lower()
         start = time.monotonic()
         try:
-            durable = self._save(snap, tmp)
+            temp = directio.Temp(self._dir, checkpoint_path(self._dir, step).name)
+        except OSError as exc:  # the directory is gone, or a link now: this checkpoint is lost
+            self._synced()
+            self._failed(step, None, exc)
+            return
+        try:
+            durable = self._save(snap, temp)
         except Exception as exc:  # a disk's error or torch's: this checkpoint is lost, the job is not
             self._synced()
-            self._failed(step, tmp, exc)
+            self._failed(step, temp, exc)
             return
         # The last checkpoint's bytes reach the disk first (at most one fsync in flight: a
         # disk slower than the checkpoints keeps this writer busy, and the next is skipped).
         self._synced()
         if durable:
-            self._finish(step, tmp, final, start)
+            self._finish(step, temp, start)
             return
 
         writer = self._writer
@@ -348,17 +391,13 @@ class Checkpointer:
                 self._syncing = _Priority(threading.get_native_id(), writer.policy, writer.nice)
             cpu = time.thread_time()
             try:
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                os.fsync(temp.fd)
             except OSError as exc:
-                self._failed(step, tmp, exc)
+                self._failed(step, temp, exc)
                 return
             finally:
                 self._sync_cpu_s = time.thread_time() - cpu
-            self._finish(step, tmp, final, start)
+            self._finish(step, temp, start)
 
         # The buffers are free once the page cache holds their bytes: the next checkpoint
         # may copy into them while these reach the disk (seconds where the disk is slow).
@@ -370,11 +409,11 @@ class Checkpointer:
         if self._syncer is not None:
             self._syncer.join()
 
-    def _finish(self, step: int, tmp: Path, final: Path, start: float) -> None:
+    def _finish(self, step: int, temp: directio.Temp, start: float) -> None:
         try:
-            os.replace(tmp, final)
+            temp.commit(sync=False)  # fsynced already
         except OSError as exc:
-            self._failed(step, tmp, exc)
+            self._failed(step, temp, exc)
             return
         self.written.append((step, time.monotonic() - start))
         log.debug(
@@ -384,11 +423,11 @@ class Checkpointer:
         self.failure = None
         self._prune()
 
-    def _failed(self, step: int, tmp: Path, exc: BaseException) -> None:
+    def _failed(self, step: int, temp: directio.Temp | None, exc: BaseException) -> None:
         log.error("checkpoint of step %d failed: %s", step, exc)
         self.failure = f"checkpoint of step {step} could not be written to {self.directory}: {exc}"
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        if temp is not None:
+            temp.discard()
 
     def _direct(self, possible: bool) -> bool:
         """Whether this write goes past the page cache (where ``possible``): where no core
@@ -402,21 +441,22 @@ class Checkpointer:
         self.direct.append(direct)
         return direct
 
-    def _save(self, snap: dict[str, Any], path: Path) -> bool:
-        """``torch.save(snap)`` into ``path``: the tensor bytes written directly from the
+    def _save(self, snap: dict[str, Any], temp: directio.Temp) -> bool:
+        """``torch.save(snap)`` into ``temp``: the tensor bytes written directly from the
         arena where this torch and the file system allow it, and the file fsynced then (True);
         through the page cache otherwise, not yet fsynced (False)."""
         arena = self._arena
         cpu = time.thread_time()
         direct = self._direct(_DIRECT_SAVE and isinstance(arena, _Arena) and arena.holds(snap))
-        with open(path, "wb") as f:
+        with os.fdopen(temp.fd, "w+b", closefd=False) as f:
             if direct:
                 assert isinstance(arena, _Arena), "a direct write is one the arena allows (`_direct`)"
                 with _aligned_records(), torch.serialization.skip_data():
                     torch.save(snap, f)  # the pickle and the zip's records, with holes for the bytes
                 f.flush()
-                arena.write(path, _record_offsets(path, snap))
-                os.fsync(f.fileno())
+                f.seek(0)
+                arena.write(temp.fd, _record_offsets(f, snap))
+                os.fsync(temp.fd)
             else:
                 torch.save(snap, f)
                 f.flush()
@@ -424,9 +464,33 @@ class Checkpointer:
         return direct
 
     def _prune(self) -> None:
-        found = sorted((int(mt.group(1)), p) for p in self.directory.iterdir() if (mt := _NAME.match(p.name)))
-        for _, p in found[:-KEEP]:
-            p.unlink(missing_ok=True)
+        """Keep the `KEEP` newest checkpoints that load (this writer's own, or whole when
+        read back: `unusable` on the meta device, the pickle only), and delete older ones. A
+        corrupt one among the newest is neither counted nor deleted: it is set aside (a
+        subdirectory, with why), so it can never push a good checkpoint out, nor hide the
+        good ones at the next start, and the operator still has its bytes to look at (a file
+        this torch cannot read may be another version's)."""
+        mine = {step for step, _ in self.written}
+        kept = 0
+        corrupt: list[tuple[Path, str]] = []
+        for step, p in reversed(_checkpoints(self._dir)):
+            if kept >= KEEP:
+                p.unlink(missing_ok=True)
+                continue
+            why = None if step in mine else unusable(p, map_location="meta")
+            if why is None:
+                kept += 1
+            else:
+                corrupt.append((p, why))
+        if corrupt:
+            why = "; ".join(f"{p.name} cannot be used ({w})" for p, w in corrupt)
+            try:
+                aside = set_aside(self._dir, f"corrupt checkpoints: {why}", [p.name for p, _ in corrupt])
+            except OSError as exc:
+                log.warning("%s: could not be set aside (%s); left in place, not counted", why, exc)
+                return
+            self.set_aside.append(aside)
+            log.warning("%s: moved to %s", why, aside)
 
     def close(self, timeout: float = 60.0) -> None:
         end = time.monotonic() + timeout
@@ -465,14 +529,15 @@ def _aligned_records() -> Any:
         config.save.storage_alignment = old
 
 
-def _record_offsets(path: Path, snap: dict[str, Any]) -> list[int]:
+def _record_offsets(f: Any, snap: dict[str, Any]) -> list[int]:
     """Where each tensor's storage (in `layout.split` order) starts in the file ``torch.save``
-    wrote: read back from its pickle alone (tensors on the meta device are not read)."""
-    meta = torch.load(path, map_location="meta", weights_only=True)
+    wrote (``f``, open at its start): read back from its pickle alone (tensors on the meta
+    device are not read)."""
+    meta = torch.load(f, map_location="meta", weights_only=True)
     _, tensors = layout.split(meta, as_they_are=True)
     offsets = [t.untyped_storage()._checkpoint_offset for t in tensors]
     if len(offsets) != len(layout.split(snap)[1]) or None in offsets:
-        raise OSError(errno.EIO, f"{path} does not hold the tensors just saved")
+        raise OSError(errno.EIO, "the file just saved does not hold its tensors")
     return [int(at) for at in offsets if at is not None]
 
 
@@ -520,19 +585,19 @@ class _Arena:
         mine = {v.data_ptr() for v in self.views}
         return all(t.data_ptr() in mine for t in layout.split(snap)[1])
 
-    def write(self, path: Path, offsets: list[int]) -> None:
-        """Each region's bytes at its record's offset in ``path`` (direct I/O, or through the
-        page cache where the file system refuses it: tmpfs)."""
+    def write(self, fd: int, offsets: list[int]) -> None:
+        """Each region's bytes at its record's offset in the file ``fd`` (direct I/O, or
+        through the page cache where the file system refuses it: tmpfs)."""
         start_of: dict[int, int] = {}
         for view, offset in zip(self.views, offsets, strict=True):
             start_of.setdefault(view.untyped_storage().data_ptr(), offset)
         memory = memoryview(self._map)
-        with directio.opened(path) as fd:
-            for base, n, region in self.regions:
-                at = start_of[region.untyped_storage().data_ptr()]
-                if at % PAGE:
-                    raise OSError(errno.EINVAL, f"a record at offset {at} is not page-aligned")
-                directio.pwrite_all(fd, memory[base : base + n], at)
+        directio.go_direct(fd)
+        for base, n, region in self.regions:
+            at = start_of[region.untyped_storage().data_ptr()]
+            if at % PAGE:
+                raise OSError(errno.EINVAL, f"a record at offset {at} is not page-aligned")
+            directio.pwrite_all(fd, memory[base : base + n], at)
 
 
 class _Priority:

@@ -23,10 +23,12 @@ import logging
 import mmap
 import os
 import re
+import secrets
 import socket
+import stat
 import time
-from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 log = logging.getLogger(__name__)
 
@@ -62,23 +64,6 @@ def aligned(view: memoryview) -> bool:
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) % PAGE == 0
 
 
-@contextlib.contextmanager
-def opened(path: Path, create: bool = False) -> Iterator[int]:
-    """``path`` open for writing (``create``: created or truncated), direct where the file
-    system allows it."""
-    flags = os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if create else 0)
-    try:
-        fd = os.open(path, flags | O_DIRECT, 0o644)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL or not O_DIRECT:
-            raise
-        fd = os.open(path, flags, 0o644)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     """All of ``view`` at ``offset``; a direct descriptor the file system turns down after
     all (or that took part of a call) goes on through the page cache."""
@@ -108,7 +93,29 @@ def _through_page_cache(fd: int) -> bool:
     return True
 
 
-_TEMP = re.compile(r"^(?:ckpt-\d{9}\.pt|frag-\d{9}\.(?:\d{3}|json))\.(?P<pid>\d{1,10})@(?P<writer>[\w.-]+)\.tmp$")
+def go_direct(fd: int) -> bool:
+    """Turn direct I/O on for ``fd`` (a file already created: a create with ``O_DIRECT`` on
+    a file system that refuses it fails after making the file); False where the file
+    system or the system has none."""
+    import fcntl
+
+    if not O_DIRECT:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        return False
+    return True
+
+
+_TEMP = re.compile(
+    r"^(?:ckpt-\d{9}\.pt|frag-\d{9}\.(?:\d{3}|json)|shard-\d{9}-\d{12}-\d{12}\.pt)"
+    r"\.(?P<pid>\d{1,10})(?:-[0-9a-f]{16})?@(?P<writer>[\w.-]+)\.tmp$"
+)
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 @functools.cache
@@ -127,21 +134,133 @@ def _writer() -> str:
 def temp_path(final: Path) -> Path:
     """Where ``final`` is written before it is renamed into place: named by the writing
     process and where it runs (`_writer`), so that `remove_stale` can tell a dead writer's
-    file from a live one's in a directory other machines or containers share."""
-    return final.with_name(f"{final.name}.{os.getpid()}@{_writer()}.tmp")
+    file from a live one's in a directory other machines or containers share, and by a
+    random token, so that no one can put a link there ahead of the writer."""
+    return final.with_name(f"{final.name}.{os.getpid()}-{secrets.token_hex(8)}@{_writer()}.tmp")
+
+
+def open_directory(path: Path) -> int:
+    """A descriptor of the directory ``path``, refused where ``path`` is a symbolic link (a
+    link put in place of a checkpoint directory redirects no write: a directory the operator
+    named through a link is resolved once, when the writer starts)."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW | CLOEXEC)
+
+
+class Temp:
+    """A new file in ``directory`` under a temporary name (`temp_path`), renamed to ``final``
+    once complete (`commit`) or removed (`discard`). The file is created with ``O_EXCL`` and
+    ``O_NOFOLLOW``, and created, renamed and removed relative to the directory's descriptor:
+    a link or file planted at the temporary or final name, or a directory swapped for a link
+    meanwhile, never sends the bytes anywhere else (a planted link at ``final`` is replaced,
+    not followed).
+
+    Raises:
+        OSError: the directory cannot be opened (gone, a link, not a directory) or written.
+    """
+
+    def __init__(self, directory: Path, final: str) -> None:
+        self.directory, self.final = directory, final
+        self.dir_fd = open_directory(directory)
+        self.fd = -1
+        try:
+            for _ in range(8):
+                self.name = temp_path(directory / final).name
+                try:
+                    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC
+                    self.fd = os.open(self.name, flags, 0o644, dir_fd=self.dir_fd)
+                    break
+                except FileExistsError:
+                    continue  # something at a name no one could predict: take another
+            else:
+                raise FileExistsError(errno.EEXIST, f"no free temporary name for {final} in {directory}")
+        except BaseException:
+            os.close(self.dir_fd)
+            raise
+
+    @property
+    def path(self) -> Path:
+        return self.directory / self.name
+
+    def commit(self, sync: bool = True) -> None:
+        """Rename the file to its final name (fsynced first where ``sync``); removed instead
+        where that fails (and the error raised). Closes it."""
+        try:
+            if sync:
+                os.fsync(self.fd)
+            os.replace(self.name, self.final, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        except BaseException:
+            self.discard()
+            raise
+        self.close()
+
+    def discard(self) -> None:
+        """Remove the file (the name in this directory: a link put there is removed, not
+        what it points to) and close it."""
+        if self.dir_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.unlink(self.name, dir_fd=self.dir_fd)
+        self.close()
+
+    def close(self) -> None:
+        for fd in (self.fd, self.dir_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.dir_fd = -1
+
+
+def open_read(path: Path) -> BinaryIO:
+    """``path`` open for reading, refused (``ELOOP``) where it is a symbolic link: a
+    checkpoint is read from its directory, not from wherever a link planted there points."""
+    return open(path, "rb", opener=lambda p, flags: os.open(p, flags | NOFOLLOW | CLOEXEC))
+
+
+def read_file(path: Path, limit: int) -> bytes:
+    """The bytes of ``path`` (not followed where it is a link: `open_read`), refused where
+    there are more than ``limit``."""
+    with open_read(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise OSError(errno.EFBIG, f"{size:,} bytes, more than the {limit:,} expected")
+        return f.read(limit + 1)
+
+
+def move_aside(directory: Path, names: list[str], why: str, label: str = "set-aside") -> Path:
+    """Move ``names`` (files of ``directory``) into a new subdirectory of it, with a
+    ``WHY.txt`` that says ``why``; returns the subdirectory. Renames never follow a link:
+    a link is moved as a link."""
+    stamp = f"{label}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    aside = directory / stamp
+    n = 0
+    while True:
+        try:
+            aside.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+            aside = directory / f"{stamp}-{n}"
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):  # pruned meanwhile by another writer
+            os.rename(directory / name, aside / name)
+    fd = os.open(aside / "WHY.txt", os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(why + "\n")
+    return aside
 
 
 def remove_stale(directory: Path) -> list[Path]:
     """Remove the temporary files (`temp_path`) whose writer ran here (this machine, this
     process-id namespace) and runs no more (a node killed mid-write leaves hundreds of MB
-    behind); returns them. Others' files are left alone: whether their writer lives cannot
-    be told from here. A file that cannot be removed is left with a warning."""
+    behind), and links planted under such names (the link, not what it points to); returns
+    them. Others' files are left alone: whether their writer lives cannot be told from here.
+    A file that cannot be removed is left with a warning."""
     removed = []
     for p in directory.iterdir():
         mt = _TEMP.match(p.name)
-        if mt is None or mt.group("writer") != _writer() or _alive(int(mt.group("pid"))) or not p.is_file():
+        if mt is None or mt.group("writer") != _writer() or _alive(int(mt.group("pid"))):
             continue
         try:
+            if stat.S_ISDIR(p.lstat().st_mode):
+                continue
             p.unlink()
         except FileNotFoundError:
             continue
@@ -163,18 +282,18 @@ def _alive(pid: int) -> bool:
 
 
 def write_file(path: Path, data: bytes | memoryview, direct: bool = True) -> None:
-    """``path`` holding exactly ``data``, fsynced: by direct I/O where ``direct`` and ``data``
-    is `aligned`."""
+    """``path`` holding exactly ``data``, fsynced, written whole under a temporary name and
+    renamed into place (`Temp`): by direct I/O where ``direct`` and ``data`` is `aligned`."""
     view = memoryview(data)
-    if direct and aligned(view):
-        with opened(path, create=True) as fd:
-            pwrite_all(fd, view, 0)
-            os.fsync(fd)
-        return
-    with open(path, "wb") as f:
-        f.write(view)
-        f.flush()
-        os.fsync(f.fileno())
+    temp = Temp(path.parent, path.name)
+    try:
+        if direct and aligned(view):
+            go_direct(temp.fd)
+        pwrite_all(temp.fd, view, 0)
+    except BaseException:
+        temp.discard()
+        raise
+    temp.commit()
 
 
 FREE = 0.75

@@ -6,7 +6,10 @@ fragments (index i goes to the node of rank i mod n). Any k of the k+m fragments
 the state, so the job survives losing the disks of m nodes. A manifest beside every
 fragment lists the checksum (xxh3-128: bit rot, not forgery, is what it is for; whoever can
 write a disk can rewrite its manifest too) of each fragment and of the whole: a corrupt or truncated
-fragment is detected and the state rebuilt from the others.
+fragment is detected and the state rebuilt from the others. A manifest is checked field by
+field before it is believed (`read_manifest`): one that is not a manifest, or describes a
+code zfec cannot decode or fragments unlike the files present, is skipped with a note, as a
+corrupt checkpoint is, and older ones are tried.
 
 The bytes must be identical on every node, so the state is packed here deterministically
 (a JSON header describing the tree, then each tensor's bytes in tree order at aligned
@@ -22,12 +25,11 @@ number of nodes started with ``--checkpoint-dir /shared/ckpt`` resume from.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import errno
 import hashlib
 import itertools
 import json
-import os
 import re
 import struct
 from collections.abc import Iterable, Sequence
@@ -56,6 +58,11 @@ KEEP = 3
 HASH = "xxh3-128"
 """The checksum of new manifests: 20x faster than SHA-256 on a state of hundreds of MB."""
 SHARED_ONLY = ("rng", "local")
+MAX_FRAGMENTS = 256
+"""k + m at most: zfec's Reed-Solomon code is over GF(2^8)."""
+MANIFEST_MAX = 1 << 20
+"""Bytes a manifest may have (256 checksums and a few fields take under 40 kB)."""
+HASHES = ("xxh3-128", "sha256")
 """What a fragment leaves out of a state: each process's own random streams, node-local state."""
 
 
@@ -240,61 +247,173 @@ def write_fragments(
     )
     directory.mkdir(parents=True, exist_ok=True)
     for i in mine:
-        _atomic(directory / f"frag-{manifest.step:09d}.{i:03d}", blocks[i], direct)
-    _atomic(directory / f"frag-{manifest.step:09d}.json", json.dumps(manifest.__dict__).encode())
+        directio.write_file(directory / f"frag-{manifest.step:09d}.{i:03d}", blocks[i], direct)
+    directio.write_file(directory / f"frag-{manifest.step:09d}.json", json.dumps(manifest.__dict__).encode(), False)
     _prune(directory)
     return manifest
 
 
+class NotRebuilt(TransferError):
+    """No state can be rebuilt from the fragments found; ``notes`` says what was wrong with
+    each, and ``corrupt`` whether everything found was corrupt (a manifest that is not one, a
+    fragment that fails its checksum), not merely short of fragments (a node's own disk
+    holds only its fragments: the others are on their disks)."""
+
+    def __init__(self, notes: list[str], corrupt: bool) -> None:
+        super().__init__("no checkpoint can be rebuilt: " + ("; ".join(notes) or "no fragments found"))
+        self.notes, self.corrupt = notes, corrupt
+
+
+def _count(raw: dict[str, Any], name: str, least: int, most: int | None = None) -> int:
+    value = raw.get(name)
+    if type(value) is not int:  # bool is an int to isinstance
+        raise ValueError(f"{name} is {type(value).__name__} {value!r:.40}, not an integer")
+    if value < least or (most is not None and value > most):
+        raise ValueError(f"{name} = {value} is out of range [{least}, {'...' if most is None else most}]")
+    return value
+
+
+def _text(raw: dict[str, Any], name: str) -> str:
+    value = raw.get(name)
+    if not isinstance(value, str) or len(value) > 256:
+        raise ValueError(f"{name} is {type(value).__name__} {value!r:.40}, not a checksum")
+    return value
+
+
+def read_manifest(path: Path) -> Manifest:
+    """The manifest in ``path`` (``frag-<step>.json``), every field checked: the step of its
+    name, 1 <= k, 0 <= m, k + m <= 256 (zfec's limit), a checksum for each fragment, a
+    known checksum algorithm, nothing else.
+
+    Raises:
+        ValueError: it is not such a manifest (the message says why).
+        OSError: it cannot be read (a link: not followed).
+    """
+    mt = _MANIFEST.match(path.name)
+    if mt is None:
+        raise ValueError("not named frag-<step>.json")
+    raw = json.loads(directio.read_file(path, MANIFEST_MAX))
+    if not isinstance(raw, dict):
+        raise ValueError(f"a JSON {type(raw).__name__}, not an object")
+    if "sha256" in raw:  # written before the checksum became xxh3
+        raw["checksum"], raw["hash"] = raw.pop("sha256"), "sha256"
+    fields = {f.name for f in dataclasses.fields(Manifest)}
+    if unknown := sorted(set(raw) - fields):
+        raise ValueError(f"unknown fields {', '.join(map(str, unknown))[:200]}")
+    if missing := sorted(fields - set(raw) - {"hash"}):
+        raise ValueError(f"missing {', '.join(missing)}")
+    step = _count(raw, "step", 0)
+    if step != int(mt.group(1)):
+        raise ValueError(f"it describes step {step}, its name step {int(mt.group(1))}")
+    k = _count(raw, "k", 1, MAX_FRAGMENTS)
+    m = _count(raw, "m", 0, MAX_FRAGMENTS - k)
+    size = _count(raw, "size", 0)
+    hash_ = raw.get("hash", "sha256")
+    if hash_ not in HASHES:
+        raise ValueError(f"hash {hash_!r:.40} is none of {', '.join(HASHES)}")
+    fragments = raw["fragments"]
+    if not isinstance(fragments, list) or len(fragments) != k + m:
+        raise ValueError(f"fragments is not a list of k + m = {k + m} checksums")
+    if not all(isinstance(c, str) and len(c) <= 256 for c in fragments):
+        raise ValueError("fragments holds something other than checksums")
+    return Manifest(
+        step=step,
+        k=k,
+        m=m,
+        size=size,
+        checksum=_text(raw, "checksum"),
+        fragments=tuple(fragments),
+        digest=_text(raw, "digest"),
+        hash=hash_,
+    )
+
+
+def _block_bytes(man: Manifest) -> tuple[int, int]:
+    """The fewest and most bytes one fragment of ``man`` has: its share of the state, padded
+    at most to whole pages (`Packed`; the first packed form padded to k only)."""
+    least = -(-man.size // man.k)
+    return least, directio.pages(least)
+
+
 def rebuild(directories: Iterable[Path], step: int | None = None) -> tuple[dict[str, Any], Manifest, list[str]]:
     """The newest state (or ``step``) that k good fragments in ``directories`` rebuild, its
-    manifest, and what was wrong on the way (corrupt or missing fragments)."""
+    manifest, and what was wrong on the way (invalid manifests, corrupt or missing fragments).
+
+    Raises:
+        NotRebuilt: no state can be rebuilt (its notes say why, step by step).
+    """
     manifests: dict[int, list[Manifest]] = {}
     found: dict[int, dict[int, list[Path]]] = {}
+    notes: list[str] = []
+    corrupt = short = 0
     for d in directories:
         if not d.is_dir():
             continue
-        for p in d.iterdir():
-            mt = _MANIFEST.match(p.name)
-            if mt:
+        for p in sorted(d.iterdir()):
+            if _MANIFEST.match(p.name):
                 try:
-                    raw = json.loads(p.read_text())
-                    if "sha256" in raw:  # written before the checksum became xxh3
-                        raw["checksum"], raw["hash"] = raw.pop("sha256"), "sha256"
-                    man = Manifest(**{**raw, "fragments": tuple(raw["fragments"])})
-                    if len(man.fragments) != man.k + man.m:
-                        raise ValueError("a checksum for each fragment")
-                    manifests.setdefault(int(mt.group(1)), []).append(man)
-                except (OSError, ValueError, TypeError):
+                    man = read_manifest(p)
+                except (OSError, ValueError) as exc:
+                    notes.append(f"{p}: not a valid fragment manifest ({_why(exc)}), ignored")
+                    corrupt += 1
                     continue
-            elif p.name.startswith("frag-") and p.suffix[1:].isdigit():
+                manifests.setdefault(man.step, []).append(man)
+            elif p.name.startswith("frag-") and p.suffix[1:].isdigit() and p.name[5:14].isdigit():
                 s, i = int(p.name[5:14]), int(p.suffix[1:])
                 found.setdefault(s, {}).setdefault(i, []).append(p)
-    notes: list[str] = []
     candidates = [(at, man) for at in sorted(manifests, reverse=True) for man in _agreed(manifests[at])]
     for s, man in candidates:
         if step is not None and s != step:
             continue
+        least, most = _block_bytes(man)
         good: dict[int, bytes] = {}
+        bad_here = 0
         for i, paths in sorted(found.get(s, {}).items()):
             for p in paths:
                 if i >= len(man.fragments) or not man.fragments[i]:
                     notes.append(f"{p}: no manifest found lists its checksum, ignored")
                     continue
-                data = p.read_bytes()
-                if _checksum(man.hash, data) == man.fragments[i]:
+                try:
+                    data = directio.read_file(p, most)
+                except OSError as exc:
+                    notes.append(f"{p}: cannot be read ({_why(exc)}), ignored")
+                    bad_here += 1
+                    continue
+                if not least <= len(data) <= most:
+                    notes.append(f"{p}: {len(data):,} bytes, not the {least:,} to {most:,} its manifest says, ignored")
+                    bad_here += 1
+                elif _checksum(man.hash, data) == man.fragments[i]:
+                    if good and len(data) != len(next(iter(good.values()))):
+                        notes.append(f"{p}: not as long as the other fragments of step {s}, ignored")
+                        bad_here += 1
+                        continue
                     good[i] = data
                     break
-                notes.append(f"{p}: checksum mismatch (corrupt), ignored")
+                else:
+                    notes.append(f"{p}: checksum mismatch (corrupt), ignored")
+                    bad_here += 1
         if len(good) < man.k:
             notes.append(f"step {s}: {len(good)} good fragments of {man.k + man.m}, {man.k} needed")
+            # Corrupt where the corrupt ones would have made up k; short of fragments
+            # otherwise (a node's own disk holds its fragments only: the others are elsewhere).
+            corrupt, short = (corrupt + 1, short) if len(good) + bad_here >= man.k else (corrupt, short + 1)
             continue
-        blob = decode(good, man.k, man.m, man.size)
-        if _checksum(man.hash, blob) != man.checksum:
-            notes.append(f"step {s}: rebuilt state fails its checksum")
-            continue
-        return unpack(blob), man, notes
-    raise TransferError("no checkpoint can be rebuilt: " + ("; ".join(notes) or "no fragments found"))
+        try:
+            blob = decode(good, man.k, man.m, man.size)
+            if _checksum(man.hash, blob) != man.checksum:
+                raise TransferError("the rebuilt state fails its checksum")
+            return unpack(blob), man, notes
+        except Exception as exc:  # zfec's, json's or torch's error on bytes a manifest vouched for
+            notes.append(f"step {s}: cannot be rebuilt ({_why(exc)})")
+            corrupt += 1
+    raise NotRebuilt(notes, corrupt=corrupt > 0 and short == 0)
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno == errno.ELOOP:
+        return "a symbolic link: not followed"
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else 'no detail'}"
 
 
 def _agreed(found: list[Manifest]) -> list[Manifest]:
@@ -319,19 +438,19 @@ def _checksum(algo: str, data: bytes | bytearray | memoryview) -> str:
     raise TransferError(f"unknown checksum {algo!r} in a fragment manifest")
 
 
-def _atomic(path: Path, data: bytes | memoryview, direct: bool = False) -> None:
-    tmp = directio.temp_path(path)
-    try:
-        directio.write_file(tmp, data, direct)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):  # the write's own error is the one to report
-            tmp.unlink(missing_ok=True)
-        raise
-
-
 def _prune(directory: Path) -> None:
-    steps = sorted({int(mt.group(1)) for p in directory.iterdir() if (mt := _MANIFEST.match(p.name))})
-    for s in steps[:-KEEP]:
+    """Delete the fragment sets older than the `KEEP` newest whose manifest is valid: a
+    manifest that is not one is not counted, so it never pushes out a good set (it is left
+    in place with its fragments: `rebuild` skips it, with a note that names it)."""
+    valid = []
+    for p in directory.iterdir():
+        if (mt := _MANIFEST.match(p.name)) is None:
+            continue
+        try:
+            read_manifest(p)
+        except (OSError, ValueError):
+            continue
+        valid.append(int(mt.group(1)))
+    for s in sorted(set(valid))[:-KEEP]:
         for p in directory.glob(f"frag-{s:09d}.*"):
             p.unlink(missing_ok=True)

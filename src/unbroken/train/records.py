@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 from unbroken.comm.group import EpochGroup
 from unbroken.comm.reduce import Wire
 from unbroken.control import messages as m
-from unbroken.errors import TransferError
+from unbroken.errors import ConfigError
 from unbroken.events import Entry, Kind
 from unbroken.state import layout
 from unbroken.state.checkpoint import Checkpointer, Later, load_newest, set_aside
-from unbroken.state.fragments import rebuild
+from unbroken.state.fragments import NotRebuilt, rebuild
 
 if TYPE_CHECKING:
     from unbroken.train.runtime import Node
@@ -48,6 +48,9 @@ class Records:
         self.first_in_epoch = True
         self._fresh: dict[str, Any] | None = None
         """The state as built, while a restored checkpoint may still prove another run's."""
+        self._corrupt: str | None = None
+        """Why no checkpoint of the directory could be used, where every one is corrupt:
+        settled once the node knows whether a group trains (`joined`)."""
         self._notes: list[tuple[Kind, str]] = []
         """Events for the job's log from before this node joined (sent once it has)."""
         self._checkpoint_failure: str | None = None
@@ -245,8 +248,9 @@ class Records:
         if directory is None:
             return
         identity = node.job.identity()
-        newest = load_newest(directory, node.zone.restorable(Path(directory)) if node.zone is not None else None)
-        for why in newest[2] if newest else []:
+        found = load_newest(directory, node.zone.restorable(Path(directory)) if node.zone is not None else None)
+        newest = (found.path, found.snap) if found.path is not None and found.snap is not None else None
+        for why in found.bad if newest else []:
             self.note(Kind.CHECKPOINT_FAILED, f"{why}: using an older one")
         if newest is not None and newest[1].get("job", identity) != identity:
             aside = self._set_aside(f"checkpoints of job {newest[1]['job']}, not of {identity}")
@@ -260,12 +264,21 @@ class Records:
             # Fragments in this directory (a shared one, or one `unbroken restore` did not
             # merge yet) rebuild the state when K of them are there.
             try:
-                snap, manifest, _ = rebuild([directory])
-            except TransferError:
+                snap, manifest, notes = rebuild([directory])
+            except NotRebuilt as exc:
+                log.info("%s: %s", node.name, exc)
+                # Corrupt, or none there, on both sides, and something corrupt: the job's
+                # state is lost here, and starting over must be the operator's choice.
+                plain = found.all_corrupt or not found.bad
+                if (found.all_corrupt or exc.corrupt) and plain and (exc.corrupt or not exc.notes):
+                    bad = "; ".join([*found.bad, *exc.notes])
+                    self._corrupt = f"every checkpoint in --checkpoint-dir {directory} is corrupt: {bad}"
                 return
+            for why in notes:
+                self.note(Kind.CHECKPOINT_FAILED, why)
             path = directory / f"frag-{manifest.step:09d}.json"
         else:
-            path, snap, _ = newest
+            path, snap = newest
         self._fresh = node.state.capture()  # until the group says this checkpoint is not ahead of it
         node.state.restore(snap)
         self.restored_epoch = int(snap.get("epoch", 0))
@@ -280,6 +293,8 @@ class Records:
         welcome = node.client.welcome
         if welcome is None:
             return
+        if self._corrupt is not None:
+            self._settle_corrupt(welcome.group_step)
         if self._fresh is not None:
             if welcome.group_step and node.state.step > welcome.group_step and node.config.checkpoint_dir:
                 ahead = node.state.step
@@ -298,11 +313,43 @@ class Records:
             self.report(kind, reason)
         self._notes.clear()
 
-    def _set_aside(self, why: str) -> str:
-        """Move the checkpoint directory's checkpoints out of this run's way; where they went."""
+    def _settle_corrupt(self, group_step: int) -> None:
+        """Every checkpoint in the directory is corrupt: this node joins a group that trains
+        (its state comes from there), or trains from step 0 where the operator said so
+        (``--start-fresh``); either way the corrupt files are set aside, so that they neither
+        stop the next start nor outrank this run's checkpoints. Otherwise it stops: a job
+        silently started over would lose every step it had.
+
+        Raises:
+            ConfigError: no group trains and ``--start-fresh`` was not given.
+        """
+        why, self._corrupt = self._corrupt, None
+        assert why is not None
+        if group_step:
+            how = f"this node joins with the group's state (step {group_step})"
+        elif self.node.config.start_fresh:
+            how = "--start-fresh: this node trains from step 0"
+        else:
+            raise ConfigError(
+                f"{why}. Not starting over from step 0 without being told: put a good checkpoint there (a copy, or "
+                "`unbroken restore` of the nodes' fragments), or start this node with --start-fresh to train from "
+                "step 0 (the corrupt files are then set aside)"
+            )
+        directory = self.node.config.checkpoint_dir
+        assert directory is not None
+        names = [  # not another writer's temporary file: its rename would fail
+            p.name
+            for p in directory.iterdir()
+            if p.name.startswith(("ckpt-", "frag-")) and not p.name.endswith(".tmp") and p.is_file()
+        ]
+        self.note(Kind.CHECKPOINT_FAILED, f"{why}; {how}; the corrupt files are {self._set_aside(why, names)}")
+
+    def _set_aside(self, why: str, names: list[str] | None = None) -> str:
+        """Move the checkpoint directory's checkpoints (or ``names``) out of this run's way;
+        where they went."""
         directory = self.node.config.checkpoint_dir
         assert directory is not None
         try:
-            return f"moved to {set_aside(directory, why)}"
+            return f"moved to {set_aside(directory, why, names)}"
         except OSError as exc:
             return f"left in place: they could not be moved ({exc.strerror or exc})"

@@ -420,19 +420,24 @@ def test_a_core_is_free_only_over_a_second_or_more_and_the_writers_own_copying_c
 
 
 def test_a_file_system_without_direct_io_gets_the_same_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = os.open
+    import fcntl
 
-    def refusing(path: Any, flags: int, *args: Any) -> int:  # as tmpfs before Linux 6.6 does
-        if flags & directio.O_DIRECT:
+    real = fcntl.fcntl
+    refused: list[int] = []
+
+    def refusing(fd: int, cmd: int, arg: int = 0) -> Any:  # as tmpfs before Linux 6.6 does
+        if cmd == fcntl.F_SETFL and arg & directio.O_DIRECT:
+            refused.append(fd)
             raise OSError(22, os.strerror(22))
-        return real(path, flags, *args)
+        return real(fd, cmd, arg)
 
-    monkeypatch.setattr(directio.os, "open", refusing)
+    monkeypatch.setattr(fcntl, "fcntl", refusing)
     c = Checkpointer(tmp_path)
     c._idle = Cores(free=False)
     assert c.save_async(mixed(3))
     c.close()
     assert c.failure is None and same(load_checkpoint(checkpoint_path(tmp_path, 3)), mixed(3))
+    assert refused or not ck._DIRECT_SAVE, "the write asked for direct I/O and was refused"
 
 
 def test_an_error_that_is_not_the_disks_is_a_failure_too_and_leaves_no_file(
@@ -469,12 +474,10 @@ def test_the_newest_checkpoint_that_loads_is_used_and_the_bad_ones_are_named(tmp
     checkpoint_path(tmp_path, 40).write_bytes(b"garbage, not a checkpoint")
     torch.save({"weights": torch.zeros(2)}, checkpoint_path(tmp_path, 50))  # loads, holds no state
     found = ck.load_newest(tmp_path)
-    assert found is not None
-    path, back, bad = found
-    assert path == good and back["step"] == 20
-    assert [b.split(" cannot")[0] for b in bad] == [str(checkpoint_path(tmp_path, s)) for s in (50, 40, 30)]
-    assert "no training state" in bad[0]
-    assert ck.load_newest(tmp_path / "nope") is None
+    assert found.path == good and found.snap is not None and found.snap["step"] == 20
+    assert [b.split(" cannot")[0] for b in found.bad] == [str(checkpoint_path(tmp_path, s)) for s in (50, 40, 30)]
+    assert "no training state" in found.bad[0] and not found.all_corrupt
+    assert ck.load_newest(tmp_path / "nope") == ck.Found()
 
 
 def test_an_unwritable_checkpoint_directory_is_a_clear_error(tmp_path: Path) -> None:
@@ -499,7 +502,7 @@ def test_set_aside_moves_only_checkpoints_and_says_why(tmp_path: Path) -> None:
     torch.save(snap(5), checkpoint_path(tmp_path, 5))
     (tmp_path / "notes.txt").write_text("mine")
     aside = ck.set_aside(tmp_path, "another run's")
-    assert ck.load_newest(tmp_path) is None and (tmp_path / "notes.txt").exists()
+    assert ck.load_newest(tmp_path) == ck.Found() and (tmp_path / "notes.txt").exists()
     assert (aside / "ckpt-000000005.pt").exists() and "another run's" in (aside / "WHY.txt").read_text()
 
 
@@ -659,3 +662,103 @@ def test_a_node_that_writes_no_more_checkpoints_gives_its_buffers_back(tmp_path:
     c.save_async(mixed(1))  # lays them out again
     c.close()
     assert c.has_buffers and same(load_checkpoint(checkpoint_path(tmp_path, 1)), mixed(1))
+
+
+# ---------------------------------------------------------------- hostile directories
+
+
+def test_a_link_planted_at_the_temporary_or_final_name_writes_nothing_outside(tmp_path: Path) -> None:
+    ckpts, outside = tmp_path / "ckpts", tmp_path / "outside"
+    ckpts.mkdir()
+    outside.mkdir()
+    victims = {name: outside / name for name in ("a", "b", "c")}
+    for p in victims.values():
+        p.write_bytes(b"precious " + p.name.encode())
+    writer = directio.temp_path(ckpts / "x").name.split("@", 1)[1]
+    final = checkpoint_path(ckpts, 7)
+    # The name a writer of this process used to take, the name of a temporary its writer
+    # died with, and the final name: all links to files outside.
+    (ckpts / f"{final.name}.{os.getpid()}@{writer}").symlink_to(victims["a"])
+    (ckpts / f"{final.name}.999999999@{writer}").symlink_to(victims["b"])
+    final.symlink_to(victims["c"])
+    c = Checkpointer(ckpts)
+    assert c.save_async(snap(7))
+    c.close()
+    assert c.failure is None
+    assert {n: p.read_bytes() for n, p in victims.items()} == {n: b"precious " + n.encode() for n in victims}
+    assert not final.is_symlink() and load_checkpoint(final)["step"] == 7
+    # The dead writer's link is gone (the link itself), the live name is not this writer's.
+    assert not (ckpts / f"{final.name}.999999999@{writer}").is_symlink() and victims["b"].exists()
+
+
+def test_a_directory_swapped_for_a_link_is_a_failure_not_a_write_elsewhere(tmp_path: Path) -> None:
+    ckpts, outside = tmp_path / "ckpts", tmp_path / "outside"
+    c = Checkpointer(ckpts)
+    assert c.save_async(snap(1))
+    c.close()
+    ckpts.rename(tmp_path / "moved")
+    outside.mkdir()
+    ckpts.symlink_to(outside)
+    assert c.save_async(snap(2))
+    c.close()
+    assert c.failure is not None and "step 2 could not be written" in c.failure
+    assert list(outside.iterdir()) == []
+
+
+def test_a_directory_named_through_a_link_by_the_operator_is_written(tmp_path: Path) -> None:
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "ckpts").symlink_to(tmp_path / "disk")
+    c = Checkpointer(tmp_path / "ckpts")
+    assert c.save_async(snap(4))
+    c.close()
+    assert c.failure is None and load_checkpoint(checkpoint_path(tmp_path / "disk", 4))["step"] == 4
+
+
+def test_a_checkpoint_that_is_a_link_is_not_read(tmp_path: Path) -> None:
+    torch.save(snap(5), checkpoint_path(tmp_path, 5))
+    (tmp_path / "elsewhere").mkdir()
+    torch.save(snap(9), tmp_path / "elsewhere" / "state.pt")
+    checkpoint_path(tmp_path, 9).symlink_to(tmp_path / "elsewhere" / "state.pt")
+    found = ck.load_newest(tmp_path)
+    assert found.path == checkpoint_path(tmp_path, 5)
+    assert len(found.bad) == 1 and "ckpt-000000009.pt" in found.bad[0] and "symbolic link" in found.bad[0]
+
+
+def test_every_checkpoint_corrupt_is_told_apart_from_none_and_from_refused(tmp_path: Path) -> None:
+    checkpoint_path(tmp_path, 30).write_bytes(b"garbage")
+    checkpoint_path(tmp_path, 40).write_bytes(b"PK\x03\x04 truncated")
+    found = ck.load_newest(tmp_path)
+    assert found.path is None and found.all_corrupt and len(found.bad) == 2
+    assert not ck.load_newest(tmp_path, usable=lambda step: "its shard files are not all there").all_corrupt
+    assert not ck.load_newest(tmp_path / "empty").all_corrupt
+
+
+def test_pruning_keeps_the_newest_good_checkpoints_and_sets_corrupt_newer_ones_aside(tmp_path: Path) -> None:
+    torch.save(snap(100), checkpoint_path(tmp_path, 100))
+    checkpoint_path(tmp_path, 100).write_bytes(checkpoint_path(tmp_path, 100).read_bytes()[:200])  # truncated
+    checkpoint_path(tmp_path, 90).write_bytes(b"not a checkpoint")
+    corrupt = {s: checkpoint_path(tmp_path, s).read_bytes() for s in (90, 100)}
+    c = Checkpointer(tmp_path)
+    for step in (10, 20, 30, 40):
+        assert c.save_async(snap(step))
+        c.close()
+    names = sorted(p.name for p in tmp_path.glob("ckpt-*.pt"))
+    assert names == [checkpoint_path(tmp_path, s).name for s in (20, 30, 40)]
+    assert ck.load_newest(tmp_path).path == checkpoint_path(tmp_path, 40)
+    # Not deleted: set aside, bytes intact, with why.
+    assert len(c.set_aside) == 1
+    aside = c.set_aside[0]
+    assert {s: (aside / checkpoint_path(tmp_path, s).name).read_bytes() for s in (90, 100)} == corrupt
+    assert "ckpt-000000090.pt cannot be used" in (aside / "WHY.txt").read_text()
+
+
+def test_pruning_counts_a_good_checkpoint_another_writer_left(tmp_path: Path) -> None:
+    torch.save(snap(50), checkpoint_path(tmp_path, 50))  # another node's, in a shared directory
+    c = Checkpointer(tmp_path)
+    for step in (10, 20, 30):
+        assert c.save_async(snap(step))
+        c.close()
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == [
+        checkpoint_path(tmp_path, s).name for s in (20, 30, 50)
+    ]
+    assert c.set_aside == []

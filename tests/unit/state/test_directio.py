@@ -48,7 +48,7 @@ def test_unaligned_bytes_go_through_the_page_cache(tmp_path: Path, monkeypatch: 
     calls = spy(monkeypatch)
     data = os.urandom(3 * directio.PAGE + 7)
     directio.write_file(tmp_path / "f", data)
-    assert (tmp_path / "f").read_bytes() == data and calls == []
+    assert (tmp_path / "f").read_bytes() == data and calls and not any(direct for direct, _ in calls)
     directio.write_file(tmp_path / "f", b"shorter")  # replaces, not overlays
     assert (tmp_path / "f").read_bytes() == b"shorter"
 

@@ -225,13 +225,13 @@ def test_a_fragment_write_that_fails_leaves_no_partial_file(tmp_path: Path, monk
     from unbroken.state import directio
 
     state = trained_state()
-    real = directio.write_file
+    real = directio.pwrite_all
 
-    def full_disk(path: Path, data: bytes | memoryview, direct: bool = True) -> None:
-        real(path, bytes(data)[:10], direct)
+    def full_disk(fd: int, view: memoryview, offset: int) -> None:
+        real(fd, view[:10], offset)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(directio, "write_file", full_disk)
+    monkeypatch.setattr(directio, "pwrite_all", full_disk)
     with pytest.raises(OSError, match="No space"):
         write_fragments(tmp_path, state.capture(), 1, 1, [0, 1], state.digest())
     assert list(tmp_path.iterdir()) == []
@@ -260,3 +260,113 @@ def test_a_manifest_of_sha256s_written_before_xxh3_still_rebuilds(tmp_path: Path
     path.write_text(json.dumps(raw))
     tree, manifest, notes = rebuild([tmp_path])
     assert manifest.hash == "sha256" and not notes and tree["step"] == 3
+
+
+# ---------------------------------------------------------------- manifests not to be believed
+
+
+def two_sets(directory: Path) -> None:
+    """Whole fragment sets (k=1, m=1: each fragment is the state) of steps 3 and 6."""
+    state = trained_state()
+    for step in (3, 6):
+        state.step = step
+        write_fragments(directory, state.capture(), 1, 1, [0, 1], state.digest())
+
+
+BAD_MANIFESTS: dict[str, Any] = {
+    "k=0": lambda raw: raw | {"k": 0, "m": 2},
+    "k=1 m=300": lambda raw: raw | {"m": 300, "fragments": raw["fragments"] + [""] * 299},
+    "missing size": lambda raw: {key: v for key, v in raw.items() if key != "size"},
+    "k a string": lambda raw: raw | {"k": "1"},
+    "k a bool": lambda raw: raw | {"k": True},
+    "a checksum a number": lambda raw: raw | {"fragments": [1, raw["fragments"][1]]},
+    "another step than its name": lambda raw: raw | {"step": 3},
+    "an unknown hash": lambda raw: raw | {"hash": "md5"},
+    "an unknown field": lambda raw: raw | {"exec": "rm -rf"},
+    "not an object": lambda raw: [raw],
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_MANIFESTS))
+def test_an_invalid_newest_manifest_is_skipped_with_a_note_and_the_older_set_rebuilt(tmp_path: Path, bad: str) -> None:
+    import json
+
+    two_sets(tmp_path)
+    newest = tmp_path / "frag-000000006.json"
+    newest.write_text(json.dumps(BAD_MANIFESTS[bad](json.loads(newest.read_text()))))
+    tree, manifest, notes = rebuild([tmp_path])
+    assert manifest.step == 3 and tree["step"] == 3
+    assert any(str(newest) in n for n in notes) or any("step 6" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("bad", ["k=0", "k=1 m=300", "missing size", "k a string"])
+def test_unbroken_restore_skips_an_invalid_manifest_and_restores_the_older_step(
+    tmp_path: Path, bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from unbroken.cli.main import main
+    from unbroken.state.checkpoint import checkpoint_path, load_checkpoint
+
+    two_sets(tmp_path / "disk")
+    newest = tmp_path / "disk" / "frag-000000006.json"
+    newest.write_text(json.dumps(BAD_MANIFESTS[bad](json.loads(newest.read_text()))))
+    assert main(["restore", "--from", str(tmp_path / "disk"), "--to", str(tmp_path / "out")]) == 0
+    assert load_checkpoint(checkpoint_path(tmp_path / "out", 3))["step"] == 3
+    assert f"{newest}: not a valid fragment manifest" in capsys.readouterr().err
+
+
+def test_unbroken_restore_of_only_invalid_manifests_is_an_error_that_names_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from unbroken.cli.main import main
+
+    two_sets(tmp_path / "disk")
+    for p in (tmp_path / "disk").glob("frag-*.json"):
+        p.write_text(json.dumps(json.loads(p.read_text()) | {"k": 0}))
+    assert main(["restore", "--from", str(tmp_path / "disk"), "--to", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "unbroken restore: error: no checkpoint can be rebuilt" in err and "frag-000000003.json" in err
+    assert "k = 0 is out of range" in err
+
+
+def test_every_manifest_corrupt_is_told_apart_from_fragments_on_other_disks(tmp_path: Path) -> None:
+    import json
+
+    from unbroken.state.fragments import NotRebuilt
+
+    two_sets(tmp_path / "a")
+    for p in (tmp_path / "a").glob("frag-*.json"):
+        p.write_text("{")
+    with pytest.raises(NotRebuilt) as corrupt:
+        rebuild([tmp_path / "a"])
+    assert corrupt.value.corrupt
+    disks, _, _ = spread(tmp_path, 3, 2)
+    with pytest.raises(NotRebuilt) as short:
+        rebuild(disks[:1])  # one node's own disk: its fragment alone
+    assert not short.value.corrupt
+    raw = json.loads((disks[0] / "frag-000000003.json").read_text())
+    assert raw["k"] == 3
+
+
+def test_a_fragment_that_is_a_link_is_not_read(tmp_path: Path) -> None:
+    two_sets(tmp_path / "d")
+    for p in (tmp_path / "d").glob("frag-000000006.00*"):
+        p.rename(tmp_path / p.name)
+        p.symlink_to(tmp_path / p.name)
+    _, manifest, notes = rebuild([tmp_path / "d"])
+    assert manifest.step == 3 and any("symbolic link" in n for n in notes)
+
+
+def test_pruning_fragments_never_counts_an_invalid_manifest(tmp_path: Path) -> None:
+    (tmp_path / "frag-000000900.json").write_text('{"k": 0}')
+    state = trained_state()
+    for step in (10, 20, 30, 40):
+        state.step = step
+        write_fragments(tmp_path, state.capture(), 1, 1, [0, 1], state.digest())
+    valid = sorted(p.name for p in tmp_path.glob("frag-0000000*.json"))
+    assert valid == [f"frag-0000000{s}.json" for s in (20, 30, 40)]
+    _, manifest, _ = rebuild([tmp_path])
+    assert manifest.step == 40
