@@ -10,6 +10,8 @@ Each run starts a real coordinator (with a job token) and three real nodes of
 * ``none``: nothing (the baseline);
 * ``flood``: 12 connections sending 1 MB first messages and 4 sending knocks with a wrong
   token proof, as fast as they are answered (anyone who reaches the port can);
+* ``slowloris``: 1,000 connections from another loopback address (127.0.0.2), each
+  trickling an HTTP request it never finishes, reopened as they are cut (200 a second);
 * ``absent``: a fourth member that heartbeats but never joins the data plane
   (``mute@build:0``), with ``--build-deadline 2``;
 * ``walled``: a fourth member whose rendezvous entries give an address that refuses every
@@ -43,10 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ProgressLine, fmt, print_command, print_table
 from unbroken.testing.cluster import LocalCluster
-from unbroken.testing.hostile import Flood
+from unbroken.testing.hostile import Flood, Slowloris
 
 TOKEN = "bench-hostile-token-0123456789"
-ATTACKS = ("none", "flood", "absent", "walled", "alarm", "liar")
+ATTACKS = ("none", "flood", "slowloris", "absent", "walled", "alarm", "liar")
 JOB = str(Path(__file__).resolve().parent / "jobs.py") + ":small"
 ENV = {"UB_BENCH_STEPS": "100000", "UB_BENCH_DELAY_MS": "20"}
 
@@ -59,10 +61,14 @@ def one(attack: str, duration: float) -> dict[str, Any]:
         healthy = [c.start_node(n, extra=token) for n in ("a", "b", "c")]
         c.wait_step(20, timeout=120)
         start = time.time()
-        flood = None
+        flood: Flood | None = None
+        slow: Slowloris | None = None
         if attack == "flood":
             flood = Flood(f"http://{c.address[0]}:{c.address[1]}/ws")
             flood.start()
+        elif attack == "slowloris":
+            slow = Slowloris(*c.address, connections=1000)
+            slow.start()
         elif attack == "absent":
             c.start_node("mute", extra=token, fault="mute@build:0")
         elif attack == "walled":
@@ -75,6 +81,9 @@ def one(attack: str, duration: float) -> dict[str, Any]:
         end = time.time()
         if flood is not None:
             flood.stop()
+        held_s = slow.longest_held_s() if slow is not None else None
+        if slow is not None:
+            slow.stop()
         state = c.state()
         commits = sorted(e["t"] for e in healthy[0].entries() if e["kind"] == "commit" and start <= e["t"] <= end)
         marks = [start, *commits, end]
@@ -86,6 +95,7 @@ def one(attack: str, duration: float) -> dict[str, Any]:
             "expelled": len(expelled),
             "finite": finite,
             "sent": dict(flood.sent) if flood is not None else {},
+            "slowloris": (slow.opened, held_s) if slow is not None else None,
             "named": sorted(
                 {
                     e["kind"]
@@ -94,6 +104,15 @@ def one(attack: str, duration: float) -> dict[str, Any]:
                 }
             ),
         }
+
+
+def _sent(run: dict[str, Any]) -> str:
+    if run["sent"]:
+        return f"{run['sent'].get('big', 0)} × 1 MB, {run['sent'].get('knock', 0)} knocks"
+    if run["slowloris"]:
+        opened, held_s = run["slowloris"]
+        return f"{opened} half-sent requests, each held ≤ {held_s:.1f} s"
+    return "-"
 
 
 def main() -> None:
@@ -115,7 +134,6 @@ def main() -> None:
     rows = []
     for attack, rs in runs.items():
         rate = statistics.median(r["rate"] for r in rs)
-        sent = rs[-1]["sent"]
         rows.append(
             [
                 attack,
@@ -125,7 +143,7 @@ def main() -> None:
                 max(r["expelled"] for r in rs),
                 "yes" if all(r["finite"] for r in rs) else "NO",
                 ", ".join(rs[-1]["named"]) or "-",
-                f"{sent.get('big', 0)} × 1 MB, {sent.get('knock', 0)} knocks" if sent else "-",
+                _sent(rs[-1]),
             ]
         )
     print_table(

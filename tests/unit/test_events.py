@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
+from unbroken import events
 from unbroken.control import messages as m
-from unbroken.errors import ProtocolError
+from unbroken.errors import ConfigError, ProtocolError
 from unbroken.events import ALARMS, ANOMALIES, REPORTED, Entry, Event, EventLog, Kind, Recorded, read_log
 
 
@@ -65,3 +69,40 @@ def test_every_anomaly_is_an_alarm_and_kinds_are_unique() -> None:
     # An enum member with another's value would be an alias of it, merging two kinds.
     assert len(Kind.__members__) == len(Kind) and len(Entry.__members__) == len(Entry)
     assert f"{Kind.LOSS_SPIKE}" == str(Kind.LOSS_SPIKE) == "loss-spike" and json.dumps([Entry.SYNC]) == '["sync"]'
+
+
+def test_a_failing_write_never_fails_emit_and_the_lines_wait_for_the_next(tmp_path, monkeypatch) -> None:
+    log = EventLog(tmp_path / "events.jsonl")
+    real = os.write
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    for kind in (Kind.JOIN, Kind.EPOCH):
+        log.emit(event(kind), "a")  # a decision's events: no exception out of here
+    health = log.health()
+    assert health["write_failures"] == 2 and health["unwritten_bytes"] > 0
+    assert "No space left on device" in health["last_error"]
+    monkeypatch.setattr(os, "write", real)
+    log.emit(event(Kind.FAILURE), "a")
+    assert [r.seq for r in read_log(tmp_path / "events.jsonl")] == [1, 2, 3]
+    assert log.health()["unwritten_bytes"] == 0
+    log.close()
+
+
+def test_a_device_that_is_always_full_keeps_the_newest_events_within_the_bound(monkeypatch) -> None:
+    monkeypatch.setattr(events, "UNWRITTEN_MAX", 1000)
+    log = EventLog(Path("/dev/full"))
+    for _ in range(100):
+        log.emit(event(Kind.JOIN), "a")
+    health = log.health()
+    assert health["write_failures"] == 100 and health["dropped_bytes"] > 0
+    assert 0 < health["unwritten_bytes"] <= 1000
+    assert len(log) == 100 and log.counts[Kind.JOIN] == 100  # memory, counts and /api/state keep all
+    log.close()
+
+
+def test_an_event_log_that_cannot_be_opened_is_named_at_start(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"cannot write the event log .*missing.*give --event-log a writable file"):
+        EventLog(tmp_path / "missing" / "events.jsonl")

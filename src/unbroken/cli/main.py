@@ -232,11 +232,13 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
 
 
 def _node(args: argparse.Namespace) -> int:
+    from unbroken.control.outsiders import raise_open_files_limit
     from unbroken.job import Sharding, load_job
     from unbroken.testing.faults import FaultPlan, parse_faults
     from unbroken.train.runtime import run_node
 
     config = _node_config(args)
+    raise_open_files_limit()  # its state server and data plane take connections from peers
     faults = FaultPlan(parse_faults(args.fault or ""))
     job = load_job(args.job, args.job_args)
     if args.shard and job.shard is None:

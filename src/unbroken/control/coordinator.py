@@ -40,9 +40,9 @@ from unbroken.control.meeting import Rendezvous
 from unbroken.control.membership import Decision, Membership
 from unbroken.control.office import Office
 from unbroken.control.orders import compact
+from unbroken.control.outsiders import listen
 from unbroken.control.service import ThreadedService
 from unbroken.control.sessions import (
-    HELLO_TIMEOUT_S,
     Doorman,
     RelayedMember,
     RelayLink,
@@ -59,7 +59,7 @@ from unbroken.errors import ProtocolError
 from unbroken.events import ALARMS, Event, EventLog, Kind
 from unbroken.observe.anomaly import Anomaly, Detector
 from unbroken.observe.history import History
-from unbroken.observe.quiet import Quiet, Say
+from unbroken.observe.quiet import Hush, Quiet, Say
 from unbroken.observe.web import add_routes
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class Coordinator(ThreadedService):
         self._meet_flush: asyncio.Handle | None = None
         self.doorman = Doorman()
         self.quiet = Quiet()
+        self._hush = Hush()
         self._runner: web.AppRunner | None = None
         self.address: tuple[str, int] = (self.config.service.host, self.config.service.port)
         self._prompted = False
@@ -137,30 +138,21 @@ class Coordinator(ThreadedService):
         stopping = self._begin()
         service = self.config.service
         names = await browsers.names_of(service.host, service.advertise, service.allow_hosts)
-        app = web.Application(client_max_size=service.max_message_bytes, middlewares=[browsers.guard(names)])
+        app = web.Application(
+            client_max_size=service.max_message_bytes, middlewares=[self.guard.middleware, browsers.guard(names)]
+        )
         app.router.add_get("/api/state", self._state)
         app.router.add_get("/healthz", self._health)
         app.router.add_get("/ws", self._ws)
         app.router.add_get("/relay", self._relay)
         add_routes(app, self)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
-        await self._runner.setup()
         ssl_context = None
         if service.tls_cert is not None and service.tls_key is not None:
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_context.load_cert_chain(service.tls_cert, service.tls_key)
-        site = web.TCPSite(
-            self._runner,
-            service.host,
-            service.port,
-            reuse_address=True,
-            ssl_context=ssl_context,
-        )
-        await site.start()
+        self._runner, port = await listen(app, self.guard, service.host, service.port, ssl_context)
         self.membership.listening(time.monotonic())  # a node's evidence (refusals) ended only now
-        sockets = getattr(site._server, "sockets", None) or []
-        if sockets:
-            self.address = (self.config.service.host, sockets[0].getsockname()[1])
+        self.address = (service.host, port)
         log.info("coordinator %s on %s:%d", self.coordinator_id, *self.address)
         ticker = asyncio.create_task(self._tick_forever(), name="coordinator-tick")
         try:
@@ -173,6 +165,7 @@ class Coordinator(ThreadedService):
             for s in list(self._sessions.values()):
                 s.close()
             await self._runner.cleanup()
+            self.events.close()
 
     # ---------------------------------------------------------------- leadership
 
@@ -301,6 +294,8 @@ class Coordinator(ThreadedService):
             "final_digests": ms.final_digests,
             "final_metrics": ms.final_metrics,
             "loop_lag_s": round(self.loop_lag_s, 3),
+            "event_log": self.events.health(),
+            "outsiders": self.guard.state(),
             "relays": [
                 {
                     "relay_id": r.relay_id,
@@ -341,6 +336,7 @@ class Coordinator(ThreadedService):
                 await ws.close()
                 return ws
             ticket.done()
+            self.guard.prove(request)
             hello, _ = await read_hello(ws, knock, limit, seal)
             term = self.term  # the session belongs to this term (an election may come while it waited)
             proof = auth.coordinator_proof(self.token, challenge, knock.nonce, knock.member_id) if self.token else ""
@@ -369,7 +365,7 @@ class Coordinator(ThreadedService):
             else:
                 self._record(Event(time.monotonic(), Kind.PROTOCOL, session.member_id, ms.epoch, ms.step, reason))
         except (TimeoutError, asyncio.TimeoutError):
-            log.warning("session from %s sent no hello within %s s", peer, HELLO_TIMEOUT_S)
+            log.warning("session from %s sent no knock or hello in time", peer)
         finally:
             ticket.done()
             if session is not None:
@@ -708,7 +704,7 @@ class Coordinator(ThreadedService):
                     self._ask_who_vanished(now)
                 self._apply(self.membership.tick(now, expire=not late))
             except Exception:  # a bug here must not stop the service
-                log.exception("coordinator tick failed")
+                self._complain("coordinator tick failed")
 
     def _apply(self, d: Decision) -> None:
         """Deliver a decision, then let the clock act on it at once (a failure's epoch now):
@@ -727,9 +723,15 @@ class Coordinator(ThreadedService):
             self._deliver(self.membership.tick(time.monotonic(), expire=False))
 
     def _deliver(self, d: Decision) -> None:
-        for ev in d.events:
-            self._record(ev)
+        # The decision goes out before its events are recorded: recording them may fail (the
+        # event log cannot fail, but an anomaly's detector can), and a decision lost there
+        # once left a group committing nothing for 140 s.
         self.office.submit(d)
+        for ev in d.events:
+            try:
+                self._record(ev)
+            except Exception:  # the decision stands; its record is what is lost
+                self._complain("recording an event failed")
 
     def _send_decision(self, d: Decision) -> None:
         expel = {mid: (reason, False) for mid, reason in d.expel.items()}
@@ -821,6 +823,13 @@ class Coordinator(ThreadedService):
             self._open_failures.append({"cause": ev.reason, "detected_at": rec.time, "epoch": ev.epoch})
             if rec.node is not None:
                 self._anomalies(self.anomalies.failure(rec.node, ev.time, ev.reason))
+
+    def _complain(self, what: str) -> None:
+        """Log the exception being handled, once per ``what`` and `Hush` interval (a failure
+        met at every tick once wrote tracebacks by the hundred megabytes)."""
+        counted = self._hush.allow(what, time.monotonic())
+        if counted is not None:
+            log.exception("%s%s", what, f" ({counted} more times since it was last logged)" if counted else "")
 
     def _close_recoveries(self, epoch: int, step: int, wall_time: float) -> None:
         still_open = []

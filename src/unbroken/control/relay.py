@@ -45,6 +45,7 @@ from unbroken.control import messages as m
 from unbroken.control.election import find_leader
 from unbroken.control.etcd import Etcd
 from unbroken.control.office import Gate
+from unbroken.control.outsiders import listen
 from unbroken.control.service import ThreadedService
 from unbroken.control.sessions import HELLO_TIMEOUT_S, Doorman, Session, greet, parse_off_loop, read_hello, turn_away
 from unbroken.errors import ConfigError, EtcdUnavailable, ProtocolError
@@ -164,17 +165,14 @@ class Relay(ThreadedService):
         stopping = self._begin()
         self._urgent = asyncio.Event()
         names = await browsers.names_of(self.config.host)  # a page of another site opens no session here
-        app = web.Application(client_max_size=self.config.max_message_bytes, middlewares=[browsers.guard(names)])
+        app = web.Application(
+            client_max_size=self.config.max_message_bytes, middlewares=[self.guard.middleware, browsers.guard(names)]
+        )
         app.router.add_get("/ws", self._downstream)
         app.router.add_get("/api/state", self._state)
         app.router.add_get("/healthz", self._health)
-        runner = web.AppRunner(app, handle_signals=False, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.port, reuse_address=True)
-        await site.start()
-        sockets = getattr(site._server, "sockets", None) or []
-        if sockets:
-            self.address = (self.config.host, sockets[0].getsockname()[1])
+        runner, port = await listen(app, self.guard, self.config.host, self.config.port)
+        self.address = (self.config.host, port)
         log.info("relay %s on %s:%d (zone %r)", self.relay_id, *self.address, self.config.zone)
         upstream = asyncio.create_task(self._upstream_forever(), name="relay-upstream")
         self._listening()
@@ -197,6 +195,7 @@ class Relay(ThreadedService):
             "members": sorted(self._members),
             "batches_sent": self.batches_sent,
             "messages_down": self.messages_down,
+            "outsiders": self.guard.state(),
         }
 
     async def _state(self, request: web.Request) -> web.Response:
@@ -392,6 +391,7 @@ class Relay(ThreadedService):
                 await ws.send_str(m.encode(m.Refused(reason=why)))
                 return ws
             ticket.done()
+            self.guard.prove(request)
             seal = auth.seal(self.config.token, challenge, knock.nonce, knock.member_id, sending="down")
             hello, size = await read_hello(ws, knock, limit, seal)
             signed = m.Identity(key=knock.key, signature=knock.signature, challenge=challenge, nonce=knock.nonce)

@@ -7,6 +7,8 @@ or from Python::
     service.stop()
 
 ``serve`` calls `_begin` first and `_listening` once it listens, then waits for `_stopping`.
+`_begin` raises the process's limit of open files (`outsiders.raise_open_files_limit`) and
+hushes the event loop's and aiohttp's per-connection errors (`observe.quiet.Hush`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import abc
 import asyncio
 import threading
 from typing import TypeVar
+
+from unbroken.control.outsiders import Guard, raise_open_files_limit
+from unbroken.observe.quiet import hush_library_logs
 
 _S = TypeVar("_S", bound="ThreadedService")
 
@@ -28,6 +33,8 @@ class ThreadedService(abc.ABC):
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._startup_error: BaseException | None = None
+        self.guard = Guard(name=self.name)
+        """The leash of connections that have not proven the job token (`outsiders`)."""
 
     @abc.abstractmethod
     async def serve(self) -> None:
@@ -37,6 +44,8 @@ class ThreadedService(abc.ABC):
         """Bind the service to the running loop; returns the event `stop` sets."""
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
+        hush_library_logs()
+        self.guard.fit(raise_open_files_limit())
         return self._stopping
 
     def _listening(self) -> None:

@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HELLO_TIMEOUT_S = 10.0
+FIRST_MESSAGE_S = 5.0
+"""A session's first message (a knock, a relay's hello) must come within this long of its
+challenge: an honest peer answers at once, and until it does it is an outsider's
+(`outsiders`); a busy 2-core machine's longest loop stalls (about a second) fit several times."""
 PREAUTH_PER_ADDRESS = 16
 """Sessions of one address read at a time before they proved the job token (`Doorman`)."""
 QUEUED = 4
@@ -204,9 +208,9 @@ async def turn_away(ws: web.WebSocketResponse) -> None:
         await asyncio.wait_for(ws.close(code=1013, message=b"too many unauthenticated sessions"), timeout=1.0)
 
 
-async def receive_text(ws: web.WebSocketResponse, what: str) -> str:
-    """The session's next message, as text (within `HELLO_TIMEOUT_S`)."""
-    msg = await asyncio.wait_for(ws.receive(), timeout=HELLO_TIMEOUT_S)
+async def receive_text(ws: web.WebSocketResponse, what: str, timeout: float = HELLO_TIMEOUT_S) -> str:
+    """The session's next message, as text (within ``timeout``)."""
+    msg = await asyncio.wait_for(ws.receive(), timeout=timeout)
     if msg.type == WSMsgType.ERROR:
         raise ProtocolError(f"session error before its {what}: {ws.exception()}")
     if msg.type != WSMsgType.TEXT:
@@ -219,7 +223,7 @@ async def greet(ws: web.WebSocketResponse, asks_token: bool) -> tuple[str, str]:
     relay's hello, as text), which is refused unread above `messages.KNOCK_BYTES`."""
     challenge = auth.new_nonce()
     await ws.send_str(m.encode(m.Challenge(nonce=challenge, auth=asks_token)))
-    first = await receive_text(ws, "first message")
+    first = await receive_text(ws, "first message", FIRST_MESSAGE_S)
     if len(first) > m.KNOCK_BYTES:
         raise ProtocolError(
             f"first message of {len(first)} bytes before authentication (at most {m.KNOCK_BYTES}): "
@@ -296,6 +300,7 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
             await ws.send_str(auth.sealed(seal, m.encode(coord.office.standby_refusal())))
             return ws
         ticket.done()
+        coord.guard.prove(request)
         term = coord.term
         link = RelayLink(ws, hello.relay_id, hello.zone, coord.office.settled, seal)
         coord.relay_joined(link)
@@ -324,7 +329,7 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
     except ProtocolError as exc:
         log.warning("dropping relay session from %s: %s", peer, exc)
     except (TimeoutError, asyncio.TimeoutError):
-        log.warning("relay session from %s sent no hello within %s s", peer, HELLO_TIMEOUT_S)
+        log.warning("relay session from %s sent no hello within %s s", peer, FIRST_MESSAGE_S)
     finally:
         ticket.done()
         if link is not None:
