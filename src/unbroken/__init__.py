@@ -14,6 +14,7 @@ from unbroken.config import CoordinatorConfig, MembershipConfig, NodeConfig, Ser
 from unbroken.errors import (
     AuditMismatch,
     BadContribution,
+    BadRequest,
     CollectiveFailed,
     ConfigError,
     CoordinatorUnreachable,
@@ -68,6 +69,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AuditMismatch",
     "BadContribution",
+    "BadRequest",
     "CodecSpec",
     "CollectiveFailed",
     "ConfigError",
