@@ -137,21 +137,23 @@ def check_tls(endpoints: Sequence[str], tls: EtcdTLS | None) -> None:
         )
 
 
-_TLS_REFUSED = (
-    "etcd refused this client's TLS handshake: give --etcd-cert and --etcd-key (a client certificate "
-    "signed by the CA etcd trusts, its --trusted-ca-file) and --etcd-cacert (the CA of etcd's own certificate)"
+_CLIENT_CERT = (
+    "etcd refused this client's TLS handshake: give --etcd-cert and --etcd-key, a client certificate "
+    "signed by the CA etcd trusts (its --trusted-ca-file), and --etcd-cacert"
 )
+_SERVER_CERT = "etcd's certificate is not trusted: give --etcd-cacert, the CA that signed it"
+_PLAIN_TO_TLS = "if etcd serves TLS, write its endpoints as https://... with --etcd-cacert/--etcd-cert/--etcd-key"
 
 
-def _explained(endpoint: str, exc: BaseException) -> str:
-    """One endpoint's failure, with the fix when it is about TLS."""
-    text = f"{endpoint}: {type(exc).__name__} {exc}".strip()
-    lowered = str(exc).lower()
-    if isinstance(exc, (ssl.SSLError, aiohttp.ClientSSLError)) or "ssl" in lowered or "certificate" in lowered:
-        return f"{text} ({_TLS_REFUSED})"
-    if isinstance(exc, aiohttp.ServerDisconnectedError) and endpoint.startswith("https://"):
-        return f"{text} (closed during TLS: {_TLS_REFUSED})"
-    return text
+def _hint(endpoint: str, exc: BaseException) -> str:
+    """The fix for one endpoint's failure, when it is about TLS ("" when it is not)."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return _SERVER_CERT
+    if isinstance(exc, (ssl.SSLError, aiohttp.ClientSSLError)) or "SSL" in str(exc):
+        return _CLIENT_CERT
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return _CLIENT_CERT if endpoint.startswith("https://") else _PLAIN_TO_TLS
+    return ""
 
 
 class Etcd:
@@ -191,6 +193,7 @@ class Etcd:
             self._http = aiohttp.ClientSession()
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         errors = []
+        hints: dict[str, None] = {}
         n = len(self.endpoints)
         for i in range(n):
             index = (self._preferred + i) % n
@@ -200,7 +203,8 @@ class Etcd:
                     if r.status == 400 and url.startswith("http://"):
                         text = await r.text()
                         if "HTTPS" in text:
-                            errors.append(f"{self.endpoints[index]}: it serves TLS: write it as https://...")
+                            errors.append(f"{self.endpoints[index]}: it serves TLS")
+                            hints[_PLAIN_TO_TLS] = None
                             continue
                     data = await r.json(content_type=None)
                     if r.status != 200:
@@ -212,11 +216,10 @@ class Etcd:
                         raise EtcdUnavailable(f"etcd at {self.endpoints[index]} answered {data!r} to {path}")
                     return data
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
-                errors.append(_explained(self.endpoints[index], exc))
-        raise EtcdUnavailable(
-            f"no etcd member answered {path} ({'; '.join(errors)}); check --etcd and that a majority "
-            "of the etcd cluster is up"
-        )
+                errors.append(f"{self.endpoints[index]}: {type(exc).__name__} {exc}".strip())
+                hints[_hint(self.endpoints[index], exc)] = None
+        fix = "; ".join(h for h in hints if h) or "check --etcd and that a majority of the etcd cluster is up"
+        raise EtcdUnavailable(f"no etcd member answered {path} ({'; '.join(errors)}): {fix}")
 
     async def views(self) -> list[View]:
         """Each member's own view of the cluster, asked of all at once (a status is served
