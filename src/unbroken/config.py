@@ -10,10 +10,14 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from unbroken.errors import ConfigError
 from unbroken.specs import ROLES, Policy, check_range
 from unbroken.train.throttle import parse_throttle
+
+if TYPE_CHECKING:
+    from unbroken.control.etcd import EtcdTLS
 
 ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
 ENV_ETCD = "UNBROKEN_ETCD"
@@ -22,10 +26,10 @@ READY_PREFIX = "UNBROKEN_COORDINATOR_READY"
 DEFAULT_ETCD_PREFIX = "/unbroken/job"
 
 
-def _check_etcd(owner: str, endpoints: tuple[str, ...], prefix: str, ttl_s: int) -> None:
-    from unbroken.control.etcd import parse_endpoints
+def _check_etcd(owner: str, endpoints: tuple[str, ...], prefix: str, ttl_s: int, tls: EtcdTLS | None) -> None:
+    from unbroken.control.etcd import check_tls, parse_endpoints
 
-    parse_endpoints(endpoints)
+    check_tls(parse_endpoints(endpoints), tls)
     if not prefix.startswith("/") or len(prefix) > 200 or any(c.isspace() for c in prefix):
         raise ConfigError(
             f"{owner}.etcd_prefix = {prefix!r}: use a path such as /unbroken/myjob (one per job; "
@@ -83,6 +87,8 @@ class ServiceConfig:
     etcd_ttl_s: int = 1
     """The leader's etcd lease: a leader that cannot renew it for this long stops leading
     and a standby takes over (etcd may raise it to its own minimum)."""
+    etcd_tls: EtcdTLS | None = None
+    """Certificates for an etcd that serves TLS and may require client certificates."""
     open_control: bool = False
     """Without a token: allow the operator actions (drain, kill) from this machine all the
     same (by default a job without a token takes none: anything on the machine could ask)."""
@@ -91,7 +97,7 @@ class ServiceConfig:
     pages acting on it may come from (a DNS alias, a reverse proxy's name: `control.browsers`)."""
 
     def __post_init__(self) -> None:
-        _check_etcd("ServiceConfig", self.etcd, self.etcd_prefix, self.etcd_ttl_s)
+        _check_etcd("ServiceConfig", self.etcd, self.etcd_prefix, self.etcd_ttl_s, self.etcd_tls)
         if self.open_control and self.token:
             raise ConfigError(
                 "ServiceConfig.open_control (--open-control) is for a job without a token: with one, "
@@ -169,6 +175,8 @@ class NodeConfig:
     sees one session per relay, not one per node (`unbroken.control.relay`)."""
     etcd_prefix: str = DEFAULT_ETCD_PREFIX
     """The job's prefix in etcd (the coordinators' ``--etcd-prefix``)."""
+    etcd_tls: EtcdTLS | None = None
+    """Certificates for an etcd that serves TLS (the coordinators' ``--etcd-cacert`` and so on)."""
     coordinate: bool = False
     """Also be a coordinator candidate (needs ``etcd``): when elected, this node runs the
     job's coordinator in a child process beside its training."""
@@ -244,7 +252,7 @@ class NodeConfig:
                 f"NodeConfig.coordinators is empty: pass --coordinator HOST:PORT (or set {ENV_COORDINATOR}), "
                 f"or --etcd URL,... (or set {ENV_ETCD}) to find the job's leader"
             )
-        _check_etcd("NodeConfig", self.etcd, self.etcd_prefix, 1)
+        _check_etcd("NodeConfig", self.etcd, self.etcd_prefix, 1, self.etcd_tls)
         if self.coordinate and not self.etcd:
             raise ConfigError("NodeConfig.coordinate needs etcd (--etcd URL,...): candidates are elected there")
         if self.coordinate and self.tls_ca is not None:

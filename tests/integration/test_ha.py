@@ -174,7 +174,7 @@ def test_nodes_coordinate_themselves_and_survive_the_leading_nodes_death(make_cl
 
         async def ask():
             async with Etcd(etcd.endpoints) as e:
-                return await find_leader(e, "/unbroken/job")
+                return await find_leader(e, "/unbroken/job", None)
 
         found = asyncio.run(ask())
         if found is None:

@@ -39,7 +39,7 @@ from unbroken.config import (
 )
 from unbroken.control import identity
 from unbroken.control.auth import ENV_TOKEN, load_token
-from unbroken.control.etcd import parse_endpoints
+from unbroken.control.etcd import EtcdTLS, check_tls, parse_endpoints
 from unbroken.errors import ConfigError, NotFinal, UnbrokenError
 from unbroken.observe.printable import Formatter as PrintableFormatter
 from unbroken.observe.printable import printable
@@ -83,6 +83,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             etcd=_etcd(args),
             etcd_prefix=args.etcd_prefix,
             etcd_ttl_s=args.etcd_ttl,
+            etcd_tls=_etcd_tls(args),
             open_control=args.open_control,
             allow_hosts=tuple(args.allow_host or ()),
         ),
@@ -141,8 +142,10 @@ def _relay(args: argparse.Namespace) -> int:
         token=load_token(args.token, args.token_file),
         etcd=list(_etcd(args)),
         etcd_prefix=args.etcd_prefix,
+        etcd_tls=_etcd_tls(args),
         key=identity.load_or_create(Path(args.key)) if args.key else None,
     )
+    check_tls(config.etcd, config.etcd_tls)
     if not config.coordinators and not config.etcd:
         raise ConfigError("a relay needs the job's coordinator: --coordinator HOST:PORT[,...] or --etcd URL,...")
     relay = Relay(config)
@@ -199,6 +202,7 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
         coordinators=tuple(parse_address(p) for a in addresses for p in a.split(",") if p),
         etcd=etcd,
         etcd_prefix=args.etcd_prefix,
+        etcd_tls=_etcd_tls(args),
         relays=tuple(parse_address(p) for a in args.relay or [] for p in a.split(",") if p),
         coordinate=args.coordinate,
         coordinator_args=tuple(shlex.split(args.coordinator_args or "")),
@@ -295,6 +299,14 @@ def _etcd(args: argparse.Namespace) -> tuple[str, ...]:
     return parse_endpoints(",".join(args.etcd or []) or os.environ.get(ENV_ETCD, ""))
 
 
+def _etcd_tls(args: argparse.Namespace) -> EtcdTLS | None:
+    files = (args.etcd_cacert, args.etcd_cert, args.etcd_key)
+    if not any(files):
+        return None
+    cacert, cert, key = (Path(f) if f else None for f in files)
+    return EtcdTLS(cacert=cacert, cert=cert, key=key)
+
+
 def _etcd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--etcd",
@@ -302,6 +314,11 @@ def _etcd_args(p: argparse.ArgumentParser) -> None:
         help=f"etcd client URLs, comma-separated (repeatable; default ${ENV_ETCD}): the job's leader is elected there",
     )
     p.add_argument("--etcd-prefix", default=DEFAULT_ETCD_PREFIX, help="the job's place in etcd (one per job)")
+    p.add_argument("--etcd-cacert", metavar="FILE", help="the CA of the etcd members' certificates (https:// etcd)")
+    p.add_argument(
+        "--etcd-cert", metavar="FILE", help="this client's certificate (PEM), for an etcd with --client-cert-auth"
+    )
+    p.add_argument("--etcd-key", metavar="FILE", help="the private key of --etcd-cert (PEM)")
 
 
 def _token_args(p: argparse.ArgumentParser) -> None:

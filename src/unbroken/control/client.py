@@ -55,10 +55,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel
 
 from unbroken.config import parse_address
-from unbroken.control import auth, identity
+from unbroken.control import auth, identity, records
 from unbroken.control import messages as m
-from unbroken.control.election import epoch_key, find_leader
-from unbroken.control.etcd import Etcd, View
+from unbroken.control.election import epoch_key, find_leader, leader_key
+from unbroken.control.etcd import Etcd, EtcdTLS, View
 from unbroken.control.orders import complete
 from unbroken.errors import ConfigError, CoordinatorUnreachable, EtcdUnavailable, JoinRefused, ProtocolError
 
@@ -93,6 +93,7 @@ class ControlClient:
         tls_ca: str | None = None,
         etcd: Sequence[str] = (),
         etcd_prefix: str = "",
+        etcd_tls: EtcdTLS | None = None,
         relays: Sequence[tuple[str, int]] = (),
         key: Ed25519PrivateKey | None = None,
     ) -> None:
@@ -107,6 +108,7 @@ class ControlClient:
         """An address whose session went silent: tried after the others."""
         self.etcd_endpoints = list(etcd)
         self.etcd_prefix = etcd_prefix
+        self.etcd_tls = etcd_tls
         self.term = 0
         """The highest leader term this node has seen (sessions and orders of older ones are refused)."""
         self._etcd: Etcd | None = None
@@ -258,11 +260,11 @@ class ControlClient:
     async def _main(self, run_id: int) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
-        etcd = Etcd(self.etcd_endpoints, timeout_s=0.5) if self.etcd_endpoints else None
+        etcd = Etcd(self.etcd_endpoints, timeout_s=0.5, tls=self.etcd_tls) if self.etcd_endpoints else None
         self._etcd = etcd
         self._outage_began = asyncio.Event()
         # Its own client: its requests get shorter deadlines than the session's lookups.
-        asking = Etcd(self.etcd_endpoints) if self.etcd_endpoints else None
+        asking = Etcd(self.etcd_endpoints, tls=self.etcd_tls) if self.etcd_endpoints else None
         vouch = asyncio.create_task(self._vouch_forever(asking, self._outage_began))
         try:
             await self._connect_forever(run_id, etcd)
@@ -276,12 +278,17 @@ class ControlClient:
     async def _connect_forever(self, run_id: int, etcd: Etcd | None) -> None:
         deadline = time.monotonic() + self.connect_timeout_s
         last_error = "no attempt"
+        given = {*self.addresses, *self.relays}
         async with aiohttp.ClientSession() as http:
             while not self._stale(run_id):
                 candidates = await self._candidates(etcd)
                 if self._shunned in candidates:
                     candidates = [a for a in candidates if a != self._shunned] + [self._shunned]
                 tried: set[tuple[str, int]] = set()
+                # A refusal at an address this node was not given (etcd or a standby named
+                # it, and etcd may be written by others): final only if no address of the
+                # round admits this node.
+                hearsay: JoinRefused | None = None
                 while candidates:
                     host, port = candidates.pop(0)
                     if (host, port) in tried:
@@ -296,6 +303,10 @@ class ControlClient:
                             if exc.leader:
                                 candidates.insert(0, parse_address(exc.leader))
                     except JoinRefused as exc:
+                        if not self._first.is_set() and (host, port) not in given and set(candidates) - tried:
+                            log.warning("%s; trying the other coordinators", exc)
+                            hearsay = hearsay or exc
+                            continue
                         if not self._first.is_set():
                             self._first_error = exc
                             self._first.set()
@@ -313,6 +324,10 @@ class ControlClient:
                         last_error = f"{type(exc).__name__}: {exc}"
                     if self._stale(run_id) or self.expelled is not None:
                         return
+                if hearsay is not None and not self._first.is_set():
+                    self._first_error = hearsay
+                    self._first.set()
+                    return
                 if not self._first.is_set() and time.monotonic() > deadline:
                     self._first_error = CoordinatorUnreachable(self._unreachable_message(last_error))
                     self._first.set()
@@ -326,19 +341,14 @@ class ControlClient:
         if etcd is None:
             return self.relays + out
         try:
-            found = await find_leader(etcd, self.etcd_prefix)
+            found = await find_leader(etcd, self.etcd_prefix, self._token)
         except EtcdUnavailable as exc:
             self._why_no_leader = str(exc)
             return self.relays + out
         if found is None:
-            self._why_no_leader = f"etcd has no leader under {self.etcd_prefix!r}"
+            self._why_no_leader = f"etcd has no leader under {self.etcd_prefix!r} that may be followed"
             return self.relays + out
-        record, _ = found
-        try:
-            leader = parse_address(str(record.get("address", "")))
-        except ConfigError:
-            self._why_no_leader = f"the leader record under {self.etcd_prefix!r} has no usable address: {record}"
-            return self.relays + out
+        leader = parse_address(str(found[0]["address"]))  # checked by `records.leader_problem`
         self._why_no_leader = ""
         return [*self.relays, leader, *(a for a in out if a != leader)]
 
@@ -533,10 +543,12 @@ class ControlClient:
         if self._etcd is None:
             return False
         try:
-            found = await find_leader(self._etcd, self.etcd_prefix)
+            kv = await self._etcd.get(leader_key(self.etcd_prefix))
         except EtcdUnavailable:
             return False  # cut off from etcd too: nothing is known; the lease decides
-        return found is None or found[1] != self.term
+        if kv is not None and records.leader(kv, self._token) is None:
+            return False  # a record nobody may follow says nothing of the leader: the lease decides
+        return kv is None or kv.create_revision != self.term
 
     @property
     def _outage_trust_s(self) -> float:
@@ -586,18 +598,19 @@ class ControlClient:
             except EtcdUnavailable:
                 return False
         try:
-            found = await find_leader(etcd, self.etcd_prefix)
+            held = await etcd.get(leader_key(self.etcd_prefix))
             published = await etcd.get(epoch_key(self.etcd_prefix))
         except EtcdUnavailable:
             return False
         newest = self.latest_order()
-        epoch = published.json().get("epoch", 0) if published is not None else 0
-        if not isinstance(epoch, int) or epoch > (newest.epoch if newest else 0):
-            return False  # an epoch this node has not had (or a record it cannot read)
-        if found is None:
+        # A record that may not be believed hides what was there: no evidence either way.
+        epoch_record = records.epoch(published, self._token) if published is not None else {"epoch": 0}
+        if epoch_record is None or epoch_record["epoch"] > (newest.epoch if newest else 0):
+            return False  # an epoch this node has not had (or a record it cannot believe)
+        if held is None:
             return True
-        record, term = found
-        if term != self.term:
+        record = records.leader(held, self._token)
+        if record is None or held.create_revision != self.term:
             return False
         try:  # the leader of this node's term: still there unless its address refuses connections
             host, port = parse_address(str(record.get("address", "")))

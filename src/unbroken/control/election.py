@@ -18,6 +18,14 @@ after we *sent* it, so "valid until" is never later than the real expiry: by the
 standby can win, this leader has stopped issuing orders. Its epoch records are also
 written in a transaction guarded by its term (`record_epoch`), so a deposed leader that
 has not yet noticed cannot publish an epoch either. Nodes refuse orders of an older term.
+
+The leader key is acted on only once its record passes `records.leader_problem` (sealed
+with the job token, under the lease it names). A key that fails (overwritten by a hand
+that is not a coordinator's, or left without a lease, which would never expire) is
+vacant to the standbys once it has stayed so for a lease: they delete it, if nobody wrote
+it since they read it, and campaign. A live leader repairs its key within a renewal, well
+inside that time, so a forgery costs no election while the leader lives, and cannot
+keep one from happening once it is gone.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from unbroken.control import records
 from unbroken.control.etcd import Etcd, KeyValue
 from unbroken.errors import EtcdUnavailable
 
@@ -77,8 +86,12 @@ class Leadership:
         on_elected: Callable[[int], None],
         on_deposed: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
+        token: str | None = None,
     ) -> None:
+        """``token``: the job's, which seals what this candidate writes and checks what it reads
+        (`unbroken.control.records`)."""
         self.etcd = etcd
+        self.token = token
         self.prefix = prefix
         self.ttl_s = ttl_s
         self._record = record
@@ -99,6 +112,10 @@ class Leadership:
         """Every coordinator standing for this job, as last listed in etcd (this one included)."""
         self.name = ""
         """This candidate's key under ``<prefix>/candidates/`` (set by `run`)."""
+        self._value = b""
+        """The leader record this candidate wrote for its term, as written (to repair it)."""
+        self._vacant_since: float | None = None
+        """Since when the leader key has held a record nobody may follow (None: it does not)."""
         self._resigning = False
         self._retrying = False
         self._revoking: asyncio.Task[None] | None = None
@@ -155,15 +172,18 @@ class Leadership:
         current = await self.etcd.get(self.key)
         if current is not None:
             self._saw(current)
-            return
+            if self.leader is not None or not await self._clear(current):
+                return
         sent = self.clock()
         lease = await self.etcd.grant(self.ttl_s)
-        won, holder = await self.etcd.create(self.key, json.dumps(self._record()).encode(), lease)
+        value = records.seal(self.token, self.key, {**self._record(), "lease": str(lease)})
+        won, holder = await self.etcd.create(self.key, value, lease)
         if not won or holder is None:
             await self._revoke(lease)
             if holder is not None:
                 self._saw(holder)
             return
+        self._value = value
         self.lease, self.term, self.role = lease, holder.create_revision, Role.LEADING
         self.valid_until = sent + self.ttl_s - MARGIN_S
         self._saw(holder)
@@ -187,9 +207,41 @@ class Leadership:
         self.valid_until = max(self.valid_until, sent + ttl - MARGIN_S)
         if not self.leading():
             self.depose("the lease was renewed too late")
+            return
+        await self._keep_key()
+
+    async def _keep_key(self) -> None:
+        """Put this leader's record back if someone overwrote it (a standby would clear a key
+        it cannot follow after a lease); step down if the key is gone or another's."""
+        kv = await self.etcd.get(self.key)
+        if self.role is not Role.LEADING:
+            return
+        if kv is None or kv.create_revision != self.term:
+            self.depose("the leader key was deleted or replaced in etcd")
+            return
+        if kv.value == self._value and kv.lease == self.lease:
+            return
+        records.warn_ignored(kv, "is not the record this leader wrote: writing it back")
+        if not await self.etcd.put_if_held(self.key, self.term, self.key, self._value, self.lease):
+            self.depose("the leader key was replaced in etcd")
 
     def _saw(self, kv: KeyValue) -> None:
-        self.leader, self.leader_term = kv.json(), kv.create_revision
+        self.leader, self.leader_term = records.leader(kv, self.token), kv.create_revision
+        if self.leader is not None:
+            self._vacant_since = None
+        elif self._vacant_since is None:
+            self._vacant_since = self.clock()
+
+    async def _clear(self, kv: KeyValue) -> bool:
+        """Delete a leader key nobody may follow once it has stayed so for a lease (its leader,
+        if alive, had time to write it back); True once it is gone."""
+        if self._vacant_since is None or self.clock() - self._vacant_since < self.ttl_s:
+            return False
+        if not await self.etcd.delete_if_unchanged(self.key, kv.mod_revision):
+            return False  # written since it was read: looked at again on the next poll
+        log.warning("deleted the leader key of %s: it %s", self.prefix, records.leader_problem(kv, self.token))
+        self._vacant_since = None
+        return True
 
     def depose(self, reason: str) -> None:
         """Step down now: the lease lapsed, or a fenced write failed (another leader exists)."""
@@ -219,14 +271,17 @@ class Leadership:
 
     async def record_epoch(self, record: dict[str, Any], term: int) -> bool:
         """Publish the epoch about to be ordered, only while ``term`` still leads."""
-        return await self.etcd.put_if_held(self.key, term, epoch_key(self.prefix), json.dumps(record).encode())
+        key = epoch_key(self.prefix)
+        return await self.etcd.put_if_held(self.key, term, key, records.seal(self.token, key, record))
 
     async def last_epoch(self) -> dict[str, Any] | None:
-        kv = await self.etcd.get(epoch_key(self.prefix))
-        return kv.json() if kv is not None else None
+        """The newest epoch published, when its record may be believed (`records.epoch_problem`)."""
+        return records.epoch(await self.etcd.get(epoch_key(self.prefix)), self.token)
 
 
-async def find_leader(etcd: Etcd, prefix: str) -> tuple[dict[str, Any], int] | None:
-    """The current leader's record and term, or None while nobody leads."""
+async def find_leader(etcd: Etcd, prefix: str, token: str | None) -> tuple[dict[str, Any], int] | None:
+    """The current leader's record and term, or None while nobody leads or its key's record
+    may not be followed (warned of: `records.leader_problem`)."""
     kv = await etcd.get(leader_key(prefix))
-    return (kv.json(), kv.create_revision) if kv is not None else None
+    record = records.leader(kv, token)
+    return (record, kv.create_revision) if record is not None and kv is not None else None

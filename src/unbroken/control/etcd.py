@@ -17,13 +17,15 @@ import base64
 import enum
 import json
 import logging
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from unbroken.errors import EtcdUnavailable
+from unbroken.errors import ConfigError, EtcdUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -85,21 +87,88 @@ def parse_endpoints(text: str | Sequence[str]) -> tuple[str, ...]:
         if "://" not in item:
             item = f"http://{item}"
         if not item.startswith(("http://", "https://")):
-            from unbroken.errors import ConfigError
-
             raise ConfigError(f"etcd endpoint {item!r} must be an http:// or https:// URL (e.g. http://10.0.0.5:2379)")
         out.append(item)
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class EtcdTLS:
+    """How to reach an etcd cluster that serves its clients over TLS (``https://`` URLs),
+    and may ask each client for a certificate (etcd's ``--client-cert-auth``)."""
+
+    cacert: Path | None = None
+    """The CA that signed the etcd members' certificates (``--etcd-cacert``; none: the system's)."""
+    cert: Path | None = None
+    """This client's certificate chain, PEM (``--etcd-cert``): what etcd's ``--trusted-ca-file`` signed..."""
+    key: Path | None = None
+    """...and its private key, PEM (``--etcd-key``)."""
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("give both --etcd-cert and --etcd-key (the client certificate and its key), or neither")
+        for flag, path in (("--etcd-cacert", self.cacert), ("--etcd-cert", self.cert), ("--etcd-key", self.key)):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{flag} {path}: no such file")
+
+    def context(self) -> ssl.SSLContext:
+        """The client's TLS context; a `ConfigError` naming the file that does not load."""
+        try:
+            ctx = ssl.create_default_context(cafile=str(self.cacert) if self.cacert else None)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(f"--etcd-cacert {self.cacert} is not a PEM CA certificate: {exc}") from None
+        if self.cert is not None:
+            try:
+                ctx.load_cert_chain(str(self.cert), str(self.key))
+            except (ssl.SSLError, OSError) as exc:
+                raise ConfigError(
+                    f"--etcd-cert {self.cert} and --etcd-key {self.key} are not a PEM certificate and its key: {exc}"
+                ) from None
+        return ctx
+
+
+def check_tls(endpoints: Sequence[str], tls: EtcdTLS | None) -> None:
+    """TLS options go with ``https://`` endpoints, and only with them."""
+    plain = [e for e in endpoints if e.startswith("http://")]
+    if tls is not None and plain:
+        raise ConfigError(
+            f"--etcd-cacert/--etcd-cert/--etcd-key are for an etcd that serves TLS: write its endpoints as "
+            f"https://... (not {plain[0]})"
+        )
+
+
+_CLIENT_CERT = (
+    "etcd refused this client's TLS handshake: give --etcd-cert and --etcd-key, a client certificate "
+    "signed by the CA etcd trusts (its --trusted-ca-file), and --etcd-cacert"
+)
+_SERVER_CERT = "etcd's certificate is not trusted: give --etcd-cacert, the CA that signed it"
+_PLAIN_TO_TLS = "if etcd serves TLS, write its endpoints as https://... with --etcd-cacert/--etcd-cert/--etcd-key"
+
+
+def _hint(endpoint: str, exc: BaseException) -> str:
+    """The fix for one endpoint's failure, when it is about TLS ("" when it is not)."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return _SERVER_CERT
+    if isinstance(exc, (ssl.SSLError, aiohttp.ClientSSLError)) or "SSL" in str(exc):
+        return _CLIENT_CERT
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return _CLIENT_CERT if endpoint.startswith("https://") else _PLAIN_TO_TLS
+    return ""
+
+
 class Etcd:
     """An etcd cluster reached through any of its members' client URLs."""
 
-    def __init__(self, endpoints: Sequence[str], *, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+    def __init__(
+        self, endpoints: Sequence[str], *, timeout_s: float = REQUEST_TIMEOUT_S, tls: EtcdTLS | None = None
+    ) -> None:
+        """``tls``: certificates for ``https://`` endpoints (none: the system's CAs, no client certificate)."""
         if not endpoints:
             raise ValueError("no etcd endpoints")
+        check_tls(endpoints, tls)
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
+        self._ssl: ssl.SSLContext | bool = tls.context() if tls is not None else True
         self._preferred = 0
         self._http: aiohttp.ClientSession | None = None
 
@@ -124,12 +193,19 @@ class Etcd:
             self._http = aiohttp.ClientSession()
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         errors = []
+        hints: dict[str, None] = {}
         n = len(self.endpoints)
         for i in range(n):
             index = (self._preferred + i) % n
             url = f"{self.endpoints[index]}/v3/{path}"
             try:
-                async with self._http.post(url, json=body, timeout=timeout) as r:
+                async with self._http.post(url, json=body, timeout=timeout, ssl=self._ssl) as r:
+                    if r.status == 400 and url.startswith("http://"):
+                        text = await r.text()
+                        if "HTTPS" in text:
+                            errors.append(f"{self.endpoints[index]}: it serves TLS")
+                            hints[_PLAIN_TO_TLS] = None
+                            continue
                     data = await r.json(content_type=None)
                     if r.status != 200:
                         message = data.get("message") or data.get("error") if isinstance(data, dict) else data
@@ -141,10 +217,9 @@ class Etcd:
                     return data
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
                 errors.append(f"{self.endpoints[index]}: {type(exc).__name__} {exc}".strip())
-        raise EtcdUnavailable(
-            f"no etcd member answered {path} ({'; '.join(errors)}); check --etcd and that a majority "
-            "of the etcd cluster is up"
-        )
+                hints[_hint(self.endpoints[index], exc)] = None
+        fix = "; ".join(h for h in hints if h) or "check --etcd and that a majority of the etcd cluster is up"
+        raise EtcdUnavailable(f"no etcd member answered {path} ({'; '.join(errors)}): {fix}")
 
     async def views(self) -> list[View]:
         """Each member's own view of the cluster, asked of all at once (a status is served
@@ -156,7 +231,8 @@ class Etcd:
         async def view(endpoint: str) -> View:
             assert self._http is not None
             try:
-                async with self._http.post(f"{endpoint}/v3/maintenance/status", json={}, timeout=timeout) as r:
+                url = f"{endpoint}/v3/maintenance/status"
+                async with self._http.post(url, json={}, timeout=timeout, ssl=self._ssl) as r:
                     data = await r.json(content_type=None)
             except aiohttp.ClientConnectorError as exc:
                 return View.DOWN if isinstance(exc.os_error, ConnectionRefusedError) else View.SILENT
@@ -231,15 +307,30 @@ class Etcd:
         kvs = ranges[-1].get("kvs", []) if ranges else []
         return won, (KeyValue.parse(kvs[0]) if kvs else None)
 
-    async def put_if_held(self, guard: bytes, create_revision: int, key: bytes, value: bytes) -> bool:
+    async def put_if_held(self, guard: bytes, create_revision: int, key: bytes, value: bytes, lease: int = 0) -> bool:
         """Put ``key`` only while ``guard`` still has this create revision (a leader's fenced write)."""
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            put["lease"] = str(lease)
         data = await self.call(
             "kv/txn",
             {
                 "compare": [
                     {"key": _b64(guard), "target": "CREATE", "result": "EQUAL", "create_revision": str(create_revision)}
                 ],
-                "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}],
+                "success": [{"request_put": put}],
+            },
+        )
+        return bool(data.get("succeeded"))
+
+    async def delete_if_unchanged(self, key: bytes, mod_revision: int) -> bool:
+        """Delete ``key`` only if nobody wrote it since ``mod_revision`` (it is as last read)."""
+        k = _b64(key)
+        data = await self.call(
+            "kv/txn",
+            {
+                "compare": [{"key": k, "target": "MOD", "result": "EQUAL", "mod_revision": str(mod_revision)}],
+                "success": [{"request_delete_range": {"key": k}}],
             },
         )
         return bool(data.get("succeeded"))

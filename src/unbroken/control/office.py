@@ -132,7 +132,7 @@ class Office:
         """
         if not self.config.etcd:
             return
-        self._etcd = Etcd(self.config.etcd)
+        self._etcd = Etcd(self.config.etcd, tls=self.config.etcd_tls)
         try:
             await self._etcd.status()
         except EtcdUnavailable as exc:
@@ -146,6 +146,7 @@ class Office:
             lambda: {"address": self.advertised, "coordinator_id": self.coordinator_id, "job": self._job()},
             on_elected=self._elected,
             on_deposed=self._deposed,
+            token=self.config.token,
         )
         self._tasks = [
             asyncio.create_task(self.leadership.run(), name="coordinator-election"),

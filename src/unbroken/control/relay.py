@@ -43,7 +43,7 @@ from unbroken.config import parse_address
 from unbroken.control import auth, browsers, identity
 from unbroken.control import messages as m
 from unbroken.control.election import find_leader
-from unbroken.control.etcd import Etcd
+from unbroken.control.etcd import Etcd, EtcdTLS
 from unbroken.control.office import Gate
 from unbroken.control.outsiders import listen
 from unbroken.control.service import ThreadedService
@@ -70,6 +70,8 @@ class RelayConfig:
     token: str | None = None
     etcd: list[str] = field(default_factory=list)
     etcd_prefix: str = "/unbroken/job"
+    etcd_tls: EtcdTLS | None = None
+    """Certificates for an etcd that serves TLS (``--etcd-cacert``, ``--etcd-cert``, ``--etcd-key``)."""
     relay_id: str = ""
     """The relay's name (default: the host's); its id adds its key's (`identity.member_id`)."""
     max_message_bytes: int = 1 << 20
@@ -207,7 +209,7 @@ class Relay(ThreadedService):
     # ---------------------------------------------------------------- upstream
 
     async def _upstream_forever(self) -> None:
-        etcd = Etcd(self.config.etcd, timeout_s=0.5) if self.config.etcd else None
+        etcd = Etcd(self.config.etcd, timeout_s=0.5, tls=self.config.etcd_tls) if self.config.etcd else None
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=2)) as http:
             while True:
                 for host, port in await self._candidates(etcd):
@@ -228,7 +230,7 @@ class Relay(ThreadedService):
             self._leader_hint = None
         if etcd is not None:
             with contextlib.suppress(EtcdUnavailable, ConfigError):
-                leader = await find_leader(etcd, self.config.etcd_prefix)
+                leader = await find_leader(etcd, self.config.etcd_prefix, self.config.token)
                 if leader is not None:
                     found.append(parse_address(str(leader[0].get("address", ""))))
         return list(dict.fromkeys(found + list(self.config.coordinators)))

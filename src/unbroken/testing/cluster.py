@@ -98,9 +98,12 @@ class LocalCluster:
         coordinator_args: list[str] | None = None,
         network: Network | None = None,
         etcd: list[str] | None = None,
+        etcd_args: list[str] | None = None,
         warm: bool = False,
     ) -> None:
         self.etcd = etcd
+        self.etcd_args = etcd_args or []
+        """Given with ``--etcd`` to every process (e.g. `ClusterTLS.args`: certificates)."""
         self.warm = warm and network is None
         """Nodes fork from a parent that imported torch once (`unbroken.testing.warm`) instead
         of starting cold; a node in its own namespace always starts cold."""
@@ -143,7 +146,7 @@ class LocalCluster:
             *self.coordinator_args, *(extra or []),
         ]  # fmt: skip
         if self.etcd:
-            cmd += ["--etcd", ",".join(self.etcd)]
+            cmd += ["--etcd", ",".join(self.etcd), *self.etcd_args]
         index = len(self.coordinators)
         err_path = self.workdir / ("coordinator.err" if index == 0 else f"coordinator{index}.err")
         proc, (host, port_s) = self._service(cmd, err_path, timeout, "coordinator")
@@ -160,7 +163,7 @@ class LocalCluster:
             *(["--zone", zone] if zone else []), *(extra or []),
         ]  # fmt: skip
         if self.etcd:
-            cmd += ["--etcd", ",".join(self.etcd)]
+            cmd += ["--etcd", ",".join(self.etcd), *self.etcd_args]
         err_path = self.workdir / f"relay{len(self.relays)}.err"
         proc, (host, port_s) = self._service(cmd, err_path, timeout, "relay")
         self.relays.append((proc, (host, int(port_s))))
@@ -249,7 +252,7 @@ class LocalCluster:
             sys.executable, "-m", "unbroken", "-v", verb, self.job,
             *(["--coordinator", where] if where else []),
             *(["--relay", ",".join(f"{h}:{p}" for h, p in relays)] if relays else []),
-            *(["--etcd", ",".join(self.etcd)] if self.etcd and via is None else []),
+            *(["--etcd", ",".join(self.etcd), *self.etcd_args] if self.etcd and via is None else []),
             "--name", name,
             "--commit-log", str(self.workdir / f"{name}.jsonl"),
             "--final-state", str(self.workdir / f"{name}.final.pt"),

@@ -10,6 +10,10 @@ Each member is Debian's ``etcd`` binary (package ``etcd-server``, installed by
 
 Raft timing is tuned for a LAN (50 ms heartbeat, 500 ms election) so that a 1 s lease is
 allowed; etcd refuses leases shorter than 1.5 election timeouts.
+
+With ``tls=ClusterTLS.make(dir)`` the members serve their clients over TLS and admit only
+clients with a certificate of the test CA (etcd's ``--client-cert-auth``); ``tls.client``
+is what a coordinator, node or relay is given (``--etcd-cacert/--etcd-cert/--etcd-key``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ import socket
 import subprocess
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+
+from unbroken.control.etcd import EtcdTLS
 
 HEARTBEAT_MS = 50
 ELECTION_MS = 500
@@ -52,13 +59,60 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+@dataclass(frozen=True)
+class ClusterTLS:
+    """A test CA, the members' certificate and a client's, as PEM files."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client: EtcdTLS
+
+    @staticmethod
+    def make(directory: Path, host: str = "127.0.0.1") -> ClusterTLS:
+        """Write a new CA and certificates under ``directory`` (needs the ``trustme`` package)."""
+        try:
+            import trustme
+        except ImportError:
+            raise RuntimeError("ClusterTLS needs the trustme package: pip install trustme") from None
+        directory.mkdir(parents=True, exist_ok=True)
+        ca = trustme.CA()
+        server, client = ca.issue_cert(host, "localhost"), ca.issue_cert("unbroken-client")
+        paths = {name: directory / f"{name}.pem" for name in ("ca", "server", "server-key", "client", "client-key")}
+        ca.cert_pem.write_to_path(str(paths["ca"]))
+        server.private_key_pem.write_to_path(str(paths["server-key"]))
+        client.private_key_pem.write_to_path(str(paths["client-key"]))
+        with paths["server"].open("wb") as f:
+            for blob in server.cert_chain_pems:
+                f.write(blob.bytes())
+        with paths["client"].open("wb") as f:
+            for blob in client.cert_chain_pems:
+                f.write(blob.bytes())
+        client_tls = EtcdTLS(paths["ca"], paths["client"], paths["client-key"])
+        return ClusterTLS(paths["ca"], paths["server"], paths["server-key"], client_tls)
+
+    def args(self) -> list[str]:
+        """The client flags of every ``unbroken`` command that talks to this cluster."""
+        c = self.client
+        return ["--etcd-cacert", str(c.cacert), "--etcd-cert", str(c.cert), "--etcd-key", str(c.key)]
+
+
 class EtcdCluster:
     """``size`` etcd members on loopback, started at once."""
 
-    def __init__(self, workdir: Path, size: int = 3, *, start: bool = True, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        size: int = 3,
+        *,
+        start: bool = True,
+        host: str = "127.0.0.1",
+        tls: ClusterTLS | None = None,
+    ) -> None:
         """``host``: where clients reach the members (e.g. a `netns.Network` gateway); peers
-        talk on loopback."""
+        talk on loopback. ``tls``: serve clients over TLS, to holders of a client certificate only."""
         self.host = host
+        self.tls = tls
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.size = size
@@ -70,7 +124,8 @@ class EtcdCluster:
 
     @property
     def endpoints(self) -> list[str]:
-        return [f"http://{self.host}:{p}" for p in self.client_ports]
+        scheme = "https" if self.tls is not None else "http"
+        return [f"{scheme}://{self.host}:{p}" for p in self.client_ports]
 
     def _cmd(self, i: int, state: str) -> list[str]:
         cluster = ",".join(f"e{j}=http://127.0.0.1:{p}" for j, p in enumerate(self.peer_ports))
@@ -84,7 +139,10 @@ class EtcdCluster:
             "--initial-cluster-token", f"unbroken-{self.peer_ports[0]}",
             "--heartbeat-interval", str(HEARTBEAT_MS), "--election-timeout", str(ELECTION_MS),
             "--log-level", "warn",
-        ]  # fmt: skip
+        ] + ([] if self.tls is None else [
+            "--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key),
+            "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth",
+        ])  # fmt: skip
 
     def _launch(self, i: int, state: str) -> None:
         log = open(self.workdir / f"e{i}.log", "ab")  # noqa: SIM115
@@ -104,7 +162,8 @@ class EtcdCluster:
     def healthy(self, i: int) -> bool:
         try:
             req = urllib.request.Request(f"{self.endpoints[i]}/v3/maintenance/status", data=b"{}")
-            with urllib.request.urlopen(req, timeout=1) as r:
+            context = self.tls.client.context() if self.tls is not None else None
+            with urllib.request.urlopen(req, timeout=1, context=context) as r:
                 return bool(json.load(r).get("leader"))
         except OSError:
             return False

@@ -40,6 +40,11 @@ class Candidate:
         ]  # fmt: skip
         if c.gloo_host is None:
             cmd += ["--advertise", os.uname().nodename]
+        tls = c.etcd_tls
+        for flag, path in (("--etcd-cacert", tls and tls.cacert), ("--etcd-cert", tls and tls.cert),
+                           ("--etcd-key", tls and tls.key)):  # fmt: skip
+            if path:
+                cmd += [flag, str(path)]
         return cmd
 
     def start(self) -> None:

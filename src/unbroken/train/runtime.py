@@ -218,6 +218,7 @@ class Node:
             tls_ca=str(config.tls_ca) if config.tls_ca else None,
             etcd=config.etcd,
             etcd_prefix=config.etcd_prefix,
+            etcd_tls=config.etcd_tls,
             relays=config.relays,
         )
 

@@ -76,25 +76,48 @@ class FakeEtcd:
         self.keys[key] = KeyValue(key, value, self.revision, self.revision, lease)
         return True, self.keys[key]
 
-    async def put_if_held(self, guard: bytes, create_revision: int, key: bytes, value: bytes) -> bool:
+    def _put(self, key: bytes, value: bytes, lease: int) -> None:
+        self.revision += 1
+        held = self.keys.get(key)
+        created = held.create_revision if held is not None else self.revision
+        self.keys[key] = KeyValue(key, value, created, self.revision, lease)
+
+    async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        self._check()
+        self._put(key, value, lease)
+        return self.revision
+
+    async def put_if_held(self, guard: bytes, create_revision: int, key: bytes, value: bytes, lease: int = 0) -> bool:
         self._check()
         held = self.keys.get(guard)
         if held is None or held.create_revision != create_revision:
             return False
+        self._put(key, value, lease)
+        return True
+
+    async def delete_if_unchanged(self, key: bytes, mod_revision: int) -> bool:
+        self._check()
+        held = self.keys.get(key)
+        if held is None or held.mod_revision != mod_revision:
+            return False
         self.revision += 1
-        self.keys[key] = KeyValue(key, value, self.revision, self.revision, 0)
+        del self.keys[key]
         return True
 
 
-def candidate(etcd: FakeEtcd, clock: Clock, name: str, log: list[str]) -> Leadership:
+TOKEN = "election-test-token-0123456789"
+
+
+def candidate(etcd: FakeEtcd, clock: Clock, name: str, log: list[str], token: str | None = TOKEN) -> Leadership:
     return Leadership(
         etcd,  # type: ignore[arg-type]
         "/job",
         1,
-        lambda: {"address": name},
+        lambda: {"address": f"{name}:1", "coordinator_id": name},
         on_elected=lambda term: log.append(f"{name} elected {term}"),
         on_deposed=lambda why: log.append(f"{name} deposed: {why}"),
         clock=clock,
+        token=token,
     )
 
 
@@ -115,7 +138,7 @@ def test_one_leader_the_other_stands_by_and_knows_it():
     run(b._campaign())
     assert a.role is Role.LEADING and a.leading()
     assert b.role is Role.STANDBY and not b.leading()
-    assert b.leader == {"address": "a"} and b.leader_term == a.term
+    assert b.leader == {"address": "a:1", "coordinator_id": "a", "lease": str(a.lease)} and b.leader_term == a.term
     assert log == [f"a elected {a.term}"]
 
 
@@ -167,13 +190,13 @@ def test_renewal_extends_validity_and_an_etcd_outage_past_the_lease_deposes():
 def test_epoch_records_are_fenced_by_the_term():
     clock, _log, etcd, a, b = two_candidates()
     run(a._campaign())
-    assert run(a.record_epoch({"epoch": 3}, a.term))
+    assert run(a.record_epoch({"epoch": 3, "term": a.term}, a.term))
     clock.t += 2  # a's lease lapses; b wins
     run(b._campaign())
-    assert not run(a.record_epoch({"epoch": 4}, a.term))  # a deposed leader cannot publish
-    assert run(b.record_epoch({"epoch": 4}, b.term))
-    assert json.loads(etcd.keys[b"/job/epoch"].value) == {"epoch": 4}
-    assert run(b.last_epoch()) == {"epoch": 4}
+    assert not run(a.record_epoch({"epoch": 4, "term": a.term}, a.term))  # a deposed leader cannot publish
+    assert run(b.record_epoch({"epoch": 4, "term": b.term}, b.term))
+    assert json.loads(etcd.keys[b"/job/epoch"].value)["epoch"] == 4
+    assert run(b.last_epoch()) == {"epoch": 4, "term": b.term}
 
 
 def test_resign_hands_over_at_once():
@@ -217,3 +240,69 @@ def test_a_node_refuses_expulsions_and_job_ends_of_an_older_term():
     assert client.expelled is None and client.finished is None
     client._on_message(m.Expel(reason="lease expired", term=5))
     assert client.expelled == "lease expired"
+
+
+def forge(etcd: FakeEtcd, key: bytes, record: dict[str, Any], lease: int = 0) -> None:
+    """A write by someone with access to the job's prefix but not its token."""
+    run(etcd.put(key, json.dumps(record).encode(), lease))
+
+
+def test_a_lease_less_forged_leader_key_is_cleared_by_a_standby_once_its_leader_is_gone():
+    clock, log, etcd, a, b = two_candidates()
+    run(a._campaign())
+    forge(etcd, a.key, {"address": "evil:1", "coordinator_id": "evil"})  # drops a's lease too
+    run(b._campaign())
+    assert b.leader is None and b.role is Role.STANDBY  # a record nobody may follow is not a leader
+    clock.t += 0.5
+    run(b._campaign())
+    assert b.role is Role.STANDBY  # its leader may still write it back
+    clock.t += 0.6  # a died meanwhile: nobody did
+    run(b._campaign())
+    assert b.role is Role.LEADING and b.term > a.term
+    assert log[-1] == f"b elected {b.term}"
+
+
+def test_a_live_leader_writes_its_overwritten_key_back_and_keeps_leading():
+    clock, _log, etcd, a, b = two_candidates()
+    run(a._campaign())
+    written = etcd.keys[a.key]
+    forge(etcd, a.key, {"address": "evil:1", "coordinator_id": "evil", "lease": str(a.lease)}, a.lease)
+    run(b._campaign())
+    assert b.leader is None
+    run(a._keep_key())
+    assert etcd.keys[a.key].value == written.value and etcd.keys[a.key].lease == a.lease
+    assert etcd.keys[a.key].create_revision == a.term
+    clock.t += 0.5
+    run(a._keep_key())
+    for _ in range(3):
+        run(b._campaign())
+    assert a.role is Role.LEADING and b.role is Role.STANDBY
+    assert b.leader is not None and b.leader["address"] == "a:1"
+
+
+def test_a_leader_whose_key_was_deleted_steps_down():
+    _clock, log, etcd, a, _b = two_candidates()
+    run(a._campaign())
+    del etcd.keys[a.key]
+    run(a._keep_key())
+    assert a.role is Role.STANDBY and "deleted or replaced" in log[-1]
+
+
+def test_a_forged_epoch_record_gives_a_new_leader_no_floor():
+    _clock, _log, etcd, a, _b = two_candidates()
+    run(a._campaign())
+    forge(etcd, election.epoch_key("/job"), {"epoch": 2**31, "term": a.term})
+    assert run(a.last_epoch()) is None
+    run(a.record_epoch({"epoch": 7, "term": a.term}, a.term))
+    assert run(a.last_epoch()) == {"epoch": 7, "term": a.term}
+
+
+def test_without_a_token_an_epoch_above_the_ceiling_is_still_ignored():
+    clock, log = Clock(), []
+    etcd = FakeEtcd(clock)
+    a = candidate(etcd, clock, "a", log, token=None)
+    run(a._campaign())
+    forge(etcd, election.epoch_key("/job"), {"epoch": 2**31, "term": a.term})
+    assert run(a.last_epoch()) is None
+    forge(etcd, election.epoch_key("/job"), {"epoch": 12, "term": a.term})
+    assert run(a.last_epoch()) == {"epoch": 12, "term": a.term}
