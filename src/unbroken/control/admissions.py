@@ -21,7 +21,8 @@ What honest nodes do costs them nothing or a short wait:
   member that had trained, which is no churn; one that crashed while joining is one strike,
   within what an address is allowed;
 * many nodes behind one address (a NAT, a host running several, a test on loopback) share
-  `FREE_PER_SOURCE` strikes before any of them waits, and then only wait;
+  the address's strikes: they join together at once, and after crashes while joining they
+  only wait;
 * nodes joining together, or a member leaving after it trained, strike nothing.
 
 A sustained churner settles at about one churn per `FADE_S` (where its wait equals the time
@@ -35,9 +36,11 @@ from dataclasses import dataclass
 
 FREE_PER_KEY = 1.0
 """Strikes a node key may hold before its joins wait (a node crashing while joining, once)."""
-FREE_PER_SOURCE = 3.0
-"""Strikes an address may hold before joins from it wait (several nodes behind one address)."""
-BASE_S = 1.0
+FREE_PER_SOURCE = 1.0
+"""Strikes an address may hold before joins from it wait (a churner that stays in each epoch
+until its lease nearly lapses holds the group's build that long: 3 free strikes and a first
+wait of 1 s still let one take 63 % of a 2-node job's commits)."""
+BASE_S = 2.0
 """The wait of the first strike beyond those allowed; each further strike doubles it."""
 CAP_S = 30.0
 """The longest wait (an honest node behind the churner's address waits no longer)."""
