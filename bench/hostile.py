@@ -19,11 +19,18 @@ Each run starts a real coordinator (with a job token) and three real nodes of
 * ``alarm``: a fourth member that reports a failed collective after each epoch's first
   commit when none failed (``false-alarm@commit:0``);
 * ``liar``: a fourth member holding the token that sends a NaN gradient with the norm of
-  its true one in its slot, every step (``hide-nan``).
+  its true one in its slot, every step (``hide-nan``);
+* ``insider-done``: a token holder with a key of its own whose two sessions say the job is
+  done at its last step with a made-up digest, two more every second;
+* ``impersonate``: a token holder saying hello as healthy member ``a`` (its id read from
+  ``/api/state``) with a key of its own, as fast as it is answered;
+* ``churn``: a token holder rejoining under fresh member ids and keys as fast as it can,
+  each staying 0.8 s in the epoch that takes it without joining its data plane.
 
 and prints, per attack (medians over ``--repeat``): the longest gap between two commits of
 a healthy node during the attack, commits per second during it and their ratio to the
-baseline's, healthy members expelled, and the final model's finiteness. The issue's
+baseline's, healthy members expelled, the final model's finiteness, and whether the job
+ended (it must not: it runs 100,000 steps). The issue's
 target: under each attack the longest gap stays within the build deadline chosen (≤ 5 s)
 and no healthy member is expelled.
 """
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import sys
 import tempfile
@@ -45,12 +53,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ProgressLine, fmt, print_command, print_table
 from unbroken.testing.cluster import LocalCluster
-from unbroken.testing.hostile import Flood, Slowloris
+from unbroken.testing.hostile import Churner, FalseDone, Flood, Impersonator, Slowloris, hello_for
 
 TOKEN = "bench-hostile-token-0123456789"
-ATTACKS = ("none", "flood", "slowloris", "absent", "walled", "alarm", "liar")
+ATTACKS = ("none", "flood", "slowloris", "absent", "walled", "alarm", "liar", "insider-done", "impersonate", "churn")
 JOB = str(Path(__file__).resolve().parent / "jobs.py") + ":small"
 ENV = {"UB_BENCH_STEPS": "100000", "UB_BENCH_DELAY_MS": "20"}
+INSIDERS = {"insider-done", "impersonate", "churn"}
+
+
+def _job() -> Any:
+    """The job the nodes run (`JOB` under `ENV`): an insider says its true hello."""
+    import jobs
+
+    saved = {k: os.environ.get(k) for k in ENV}
+    os.environ.update(ENV)
+    try:
+        return jobs.small()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def one(attack: str, duration: float) -> dict[str, Any]:
@@ -63,6 +88,19 @@ def one(attack: str, duration: float) -> dict[str, Any]:
         start = time.time()
         flood: Flood | None = None
         slow: Slowloris | None = None
+        insider: Churner | Impersonator | FalseDone | None = None
+        url = f"http://{c.address[0]}:{c.address[1]}/ws"
+        if attack in INSIDERS:
+            hello_of = hello_for(_job())
+            if attack == "churn":
+                insider = Churner(url, TOKEN, hello_of)
+            elif attack == "impersonate":
+                a_id = next(x["id"] for x in c.state()["members"] if x["name"] == "a")
+                insider = Impersonator(url, TOKEN, hello_of, a_id)
+            else:
+                insider = FalseDone(url, TOKEN, hello_of, step=int(ENV["UB_BENCH_STEPS"]))
+            start = time.time()  # the job is built before, not during, the attack
+            insider.start()
         if attack == "flood":
             flood = Flood(f"http://{c.address[0]}:{c.address[1]}/ws")
             flood.start()
@@ -81,6 +119,8 @@ def one(attack: str, duration: float) -> dict[str, Any]:
         end = time.time()
         if flood is not None:
             flood.stop()
+        if insider is not None:
+            insider.stop()
         held_s = slow.longest_held_s() if slow is not None else None
         if slow is not None:
             slow.stop()
@@ -96,17 +136,31 @@ def one(attack: str, duration: float) -> dict[str, Any]:
             "finite": finite,
             "sent": dict(flood.sent) if flood is not None else {},
             "slowloris": (slow.opened, held_s) if slow is not None else None,
+            "insider": _insider(insider),
+            "ended": bool(state["finished"]),
             "named": sorted(
                 {
                     e["kind"]
                     for e in state["events"]
-                    if e["kind"] in ("absent", "unreachable", "unfounded", "bad-gradient", "suspect")
+                    if e["kind"] in ("absent", "unreachable", "unfounded", "bad-gradient", "suspect", "churn")
                 }
             ),
         }
 
 
+def _insider(insider: Churner | Impersonator | FalseDone | None) -> str:
+    if isinstance(insider, Churner):
+        return f"{insider.joins} joins, {insider.entered} taken into an epoch"
+    if isinstance(insider, Impersonator):
+        return f"{sum(insider.answers.values())} hellos as a, answered {insider.answers}"
+    if isinstance(insider, FalseDone):
+        return f"{insider.said} done at the last step"
+    return ""
+
+
 def _sent(run: dict[str, Any]) -> str:
+    if run["insider"]:
+        return str(run["insider"])
     if run["sent"]:
         return f"{run['sent'].get('big', 0)} × 1 MB, {run['sent'].get('knock', 0)} knocks"
     if run["slowloris"]:
@@ -142,13 +196,14 @@ def main() -> None:
                 fmt(rate / base if base else None, "x", 2),
                 max(r["expelled"] for r in rs),
                 "yes" if all(r["finite"] for r in rs) else "NO",
+                "YES" if any(r["ended"] for r in rs) else "no",
                 ", ".join(rs[-1]["named"]) or "-",
                 _sent(rs[-1]),
             ]
         )
     print_table(
         f"3 nodes under attack, {args.duration:g} s each (medians of {args.repeat})",
-        ["attack", "longest gap", "commits", "÷ none", "healthy expelled", "finite", "events", "sent"],
+        ["attack", "longest gap", "commits", "÷ none", "healthy expelled", "finite", "ended", "events", "sent"],
         rows,
         caption="target: longest gap ≤ the build deadline (2 s here; ≤ 5 s), no healthy member expelled",
     )

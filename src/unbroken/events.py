@@ -75,6 +75,9 @@ class Kind(StrEnum):
     BAD_REQUEST = "bad-request"
     """Most of the epoch's other members refused what a receiver asked of them in a state
     transfer (chunks the state does not have): it is kept out of the epochs."""
+    CHURN = "churn"
+    """A join waits before an epoch takes it: its key or address left epochs lately before
+    they trained (`unbroken.control.admissions`)."""
     QUARANTINE = "quarantine"
     HALTED = "halted"
     """The job stopped on a failure it cannot train past (`Membership.halt`)."""
@@ -146,6 +149,7 @@ ALARMS = ANOMALIES | {
     Kind.ABSENT,
     Kind.UNREACHABLE,
     Kind.BAD_REQUEST,
+    Kind.CHURN,
     Kind.SUSPECT,
     Kind.QUARANTINE,
     Kind.REFUSED,

@@ -384,8 +384,9 @@ class Coordinator(ThreadedService):
         proof: str,
         key: str,
     ) -> Sender | m.Refused:
-        """Admit a proven member's hello (``key``: the public key its knock was signed with):
-        its new session, welcomed, or the refusal to send."""
+        """Admit a proven member's hello (``key``: the public key its knock was signed with;
+        ``peer``: its address, or its relay's id): its new session, welcomed, or the refusal
+        to send. A join whose key or address churned lately waits (`admissions`)."""
         mid = hello.member_id
         ms = self.membership
         if (why := ms.unbound(mid, key, one_per_key=self.allowed is not None)) is not None:
@@ -401,7 +402,7 @@ class Coordinator(ThreadedService):
         now = time.monotonic()
         training = ms.recovering_until is None and any(mid in ms.members for mid in ms.epoch_members)
         group_step = ms.step if training else 0  # 0: no group trains (a cold start)
-        decision = self.membership.admit(hello, now, reconnect=back, key=key)
+        decision = self.membership.admit(hello, now, reconnect=back, key=key, source=peer)
         if decision.refuse is not None:
             log.warning("refused %s from %s: %s", hello.name, peer, decision.refuse)
             self._refusal(peer, f"{hello.name}: {decision.refuse}")

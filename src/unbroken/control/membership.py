@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.config import MembershipConfig
+from unbroken.control.admissions import Admissions
 from unbroken.control.checks import Candidate, Checks, Finding, Outcome, Verdict, confirmer
 from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
 from unbroken.control.hearsay import PERIOD_S as HEARSAY_PERIOD_S
@@ -149,6 +150,11 @@ class Member:
     pid: int = 0
     key: str = ""
     """The public key its member id is bound to (`unbroken.control.identity`)."""
+    source: str = ""
+    """Where its session came from (the peer's address, or its relay)."""
+    trained: bool = False
+    """The group committed a step in an epoch it belonged to, as another member reported:
+    its exit is no churn (`unbroken.control.admissions`)."""
     state: MemberState = MemberState.JOINING
     step: int = 0
     loss: float | None = None
@@ -381,6 +387,12 @@ class Membership:
         """Epoch → its members that reported an audit verdict, each with the step it went back to."""
         self._readmit_at: float | None = None
         """When a member kept out of the epochs may come back (an epoch forms then)."""
+        self.admissions = Admissions()
+        """Strikes against keys and addresses whose members left before training, which
+        make their next joins wait (`unbroken.control.admissions`)."""
+        self._committers: set[str] = set()
+        """Members of the epoch in force that reported a commit in it (two at most: a
+        member's own report never proves that it trained)."""
         self._checking_from: int | None = None
         """Since this step every contribution is gathered and checked (a sum did not add up)."""
         self.final_digest: str | None = None
@@ -411,6 +423,10 @@ class Membership:
 
     @epoch_members.setter
     def epoch_members(self, members: list[str]) -> None:
+        for mid in self._epoch_members:
+            if (m := self.members.get(mid)) is not None and self._committers - {mid}:
+                m.trained = True
+        self._committers = set()
         self._epoch_members = list(members)
         self._ranks = {mid: rank for rank, mid in enumerate(self._epoch_members)}
 
@@ -439,9 +455,11 @@ class Membership:
                 )
         return None
 
-    def admit(self, hello: Hello, now: float, reconnect: bool = False, key: str = "") -> Decision:
+    def admit(self, hello: Hello, now: float, reconnect: bool = False, key: str = "", source: str = "") -> Decision:
         """Check a hello; on success the node becomes a joining member. ``reconnect``: the
-        member's previous session was still open and has been replaced (it stays as it was)."""
+        member's previous session was still open and has been replaced (it stays as it was).
+        ``key`` and ``source``: its node key and where its session came from; a join under
+        those that churned lately waits before an epoch takes it (`admissions`)."""
         d = Decision()
         if self.job is not None and (hello.job != self.job or hello.job_identity != self.job_identity):
             differs = job_differences(self.job_spec, hello.job_spec)
@@ -503,6 +521,7 @@ class Membership:
             host=hello.host,
             pid=hello.pid,
             key=key,
+            source=source,
             step=step,
             caps=hello.capabilities,
             preference=Preference(hello.role),
@@ -532,8 +551,32 @@ class Membership:
                 # The newest epoch cannot go on: form the next as soon as the others are back.
                 self.recovering_until = min(self.recovering_until, now + BROKEN_SETTLE_S)
             return d
+        wait = self.admissions.wait(key, source, now)
+        if wait is not None:
+            # Kept out of the epochs until then, as a benched member is: not refused (an honest
+            # node behind a churner's address only waits), and its join re-forms nothing now.
+            member = self.members[hello.member_id]
+            member.excluded_until = wait.until
+            self._readmit_at = min(self._readmit_at or wait.until, wait.until)
+            d.events.append(self._event(now, Kind.CHURN, hello.member_id, f"{hello.name}: {wait.reason}"))
+            return d
         self._want_epoch(now, urgent=False, reason=f"{hello.name} joined", delay=JOIN_SETTLE_S)
         return d
+
+    def _churned(self, m: Member, now: float) -> None:
+        """``m`` is leaving: a strike against its key and address unless it trained (the group
+        committed a step in an epoch it belonged to). A join it made that no epoch took yet
+        re-forms nothing any more."""
+        if m.trained or (self.rank_of(m.member_id) is not None and self._committers - {m.member_id}):
+            return
+        self.admissions.churned(m.key, m.source, now)
+        joined = f"{m.name} joined"
+        if self.rank_of(m.member_id) is None and joined in self._pending_reasons:
+            joining = (o for o in self.members.values() if o is not m and o.state is MemberState.JOINING)
+            if not any(o.name == m.name for o in joining):
+                del self._pending_reasons[joined]
+                if not self._pending_reasons:
+                    self._pending_due, self._pending_urgent = None, False
 
     def _left_epoch(self, hello: Hello, now: float) -> None:
         """A session replaced (or a relay's member back) says it abandoned its epoch (its
@@ -559,6 +602,7 @@ class Membership:
             return d
         d.events.append(self._event(now, Kind.LEAVE, member_id, f"{m.name} leaves: {reason}"))
         self._trace(member_id, now)
+        self._churned(m, now)
         self._vacated += m.role is Role.TRAINER
         if self.rank_of(member_id) is not None:
             m.state = MemberState.LEAVING
@@ -571,10 +615,12 @@ class Membership:
 
     def fail(self, member_id: str, now: float, cause: str) -> Decision:
         """A member is gone (session dropped, lease expired, malformed message)."""
-        m = self.members.pop(member_id, None)
+        m = self.members.get(member_id)
         d = Decision()
         if m is None:
             return d
+        self._churned(m, now)
+        del self.members[member_id]
         d.events.append(self._event(now, Kind.FAILURE, member_id, f"{m.name}: {cause}"))
         self._trace(member_id, now)
         self._vacated += m.role is Role.TRAINER
@@ -727,6 +773,8 @@ class Membership:
             m.bytes_intra, m.bytes_inter = wire
         if epoch == self.epoch and m.role is Role.TRAINER and compute_s > 0:
             m.compute_times.append(compute_s)
+        if epoch == self.epoch and len(self._committers) < 2 and member_id in self._ranks:
+            self._committers.add(member_id)
 
     def links_measured(self, member_id: str, epoch: int, rates: dict[str, float], now: float) -> Decision:
         """A zone leader's rates from the other zones (an order's ``probe_links``). Only the
@@ -1157,8 +1205,13 @@ class Membership:
             later = [m.excluded_until for m in self.members.values() if m.excluded_until > now]
             self._readmit_at = min(later) if later else None
             back = [m for m in self.members.values() if 0 < m.excluded_until <= now and m.member_id not in self._ranks]
-            if any(not m.quarantined for m in back):
-                self._want_epoch(now, urgent=False, reason="a member kept out of the data plane may try again", delay=0)
+            for m in back:
+                if m.quarantined:
+                    continue
+                # A join that waited (`admissions`) is a join; anyone else was kept out for an offence.
+                joined = m.state is MemberState.JOINING
+                why = f"{m.name} joined" if joined else "a member kept out of the data plane may try again"
+                self._want_epoch(now, urgent=False, reason=why, delay=0)
         if self._checking_from is not None and self.step >= self._checking_from + CHECKED_STEPS:
             self._checking_from = None
             self._want_epoch(now, urgent=False, reason=f"no culprit in {CHECKED_STEPS} checked steps", delay=0.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from unbroken.config import MembershipConfig
+from unbroken.control.admissions import BASE_S, FREE_PER_KEY, FREE_PER_SOURCE
 from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
 from unbroken.control.membership import (
     FAULT_GRACE_S,
@@ -1048,3 +1049,98 @@ def test_a_ring_reorder_names_only_the_ring_the_epoch_forms_with() -> None:
     second = only_order(ms.tick(t + 0.01))
     assert second.ring == ["A", "B", "D", "C"], second.ring
     assert second.reason.count("leaders' ring") == 1 and "A > B > D > C" in second.reason, second.reason
+
+
+# ---------------------------------------------------------------- admissions (churn)
+
+
+def churn_once(ms: Membership, mid: str, now: float, key: str, source: str) -> Decision:
+    """``mid`` says hello; once an epoch takes it (if one does within a settle), it drops
+    before the group commits anything with it. Returns the admission's decision."""
+    d = ms.admit(hello(mid), now, key=key, source=source)
+    assert d.refuse is None, d.refuse
+    keep_alive(ms, now + JOIN_SETTLE_S)
+    ms.tick(now + JOIN_SETTLE_S)
+    ms.session_closed(mid, now + JOIN_SETTLE_S)
+    ms.tick(now + JOIN_SETTLE_S)  # the epoch without it
+    return d
+
+
+def test_a_key_that_keeps_leaving_before_training_waits_and_then_joins() -> None:
+    ms = formed(["a", "b"])
+    t = 1.0
+    for i in range(int(FREE_PER_KEY) + 1):  # fresh member ids, one key, a fresh address each time
+        d = churn_once(ms, f"c{i}", t, "churner-key", f"10.0.0.{i}")
+        assert not [e for e in d.events if e.kind is Kind.CHURN]
+        t += 0.3  # strikes fade by a few hundredths meanwhile
+    epoch = ms.epoch
+    d = ms.admit(hello("c9"), t, key="churner-key", source="10.0.0.9")
+    held = [e for e in d.events if e.kind is Kind.CHURN]
+    assert held and "node-c9" in held[0].reason and f"waits {BASE_S:.1f} s" in held[0].reason, d.events
+    keep_alive(ms, t + JOIN_SETTLE_S)
+    assert ms.tick(t + JOIN_SETTLE_S).orders == {}, "its join re-forms nothing while it waits"
+    keep_alive(ms, t + BASE_S * 0.9)
+    assert ms.tick(t + BASE_S * 0.9).orders == {}
+    keep_alive(ms, t + BASE_S)
+    order = only_order(ms.tick(t + BASE_S))
+    assert order.members == ["a", "b", "c9"] and order.epoch == epoch + 1
+    assert order.reason == "node-c9 joined", order.reason
+    # An honest node of another key and address is not held meanwhile.
+    d = ms.admit(hello("d"), t + 1.5, key="honest-key", source="10.0.1.1")
+    assert not [e for e in d.events if e.kind is Kind.CHURN]
+
+
+def test_a_member_whose_epoch_committed_leaves_without_a_strike_but_its_own_word_proves_nothing() -> None:
+    ms = formed(["a", "b"])
+    t = 1.0
+    for i in range(5):  # the group commits with each before it leaves: no churn
+        ms.admit(hello(f"c{i}"), t, key="k", source="10.0.0.1")
+        keep_alive(ms, t + JOIN_SETTLE_S)
+        only_order(ms.tick(t + JOIN_SETTLE_S))
+        ms.progress("a", 5, 1.0, 10.0, t + 0.5, epoch=ms.epoch)
+        ms.leave(f"c{i}", t + 0.6, "done for today")
+        t += 1.0
+    d = ms.admit(hello("c9"), t, key="k", source="10.0.0.1")
+    assert not [e for e in d.events if e.kind is Kind.CHURN], d.events
+    ms.session_closed("c9", t)
+    t += 1.0
+    for i in range(int(FREE_PER_KEY) + 1):  # ...but a churner saying it committed is not believed
+        ms.admit(hello(f"e{i}"), t, key="liar", source="10.0.2.1")
+        keep_alive(ms, t + JOIN_SETTLE_S)
+        assert only_order(ms.tick(t + JOIN_SETTLE_S)).members[-1] == f"e{i}"
+        ms.progress(f"e{i}", 5, 1.0, 10.0, t + 0.5, epoch=ms.epoch)
+        ms.session_closed(f"e{i}", t + 0.6)
+        t += 0.7
+    d = ms.admit(hello("e9"), t, key="liar", source="10.0.2.1")
+    assert [e for e in d.events if e.kind is Kind.CHURN], d.events
+
+
+def test_a_join_that_drops_before_its_epoch_forms_reforms_nothing() -> None:
+    ms = formed(["a", "b"])
+    epoch = ms.epoch
+    ms.admit(hello("c"), 1.0, key="k", source="10.0.0.1")
+    ms.session_closed("c", 1.1)
+    keep_alive(ms, 1.0 + JOIN_SETTLE_S)
+    assert ms.tick(1.0 + JOIN_SETTLE_S).orders == {} and ms.epoch == epoch
+    # Another join pending under the same name still forms its epoch.
+    ms.admit(hello("d", name="twin"), 2.0, key="k1", source="10.0.0.2")
+    ms.admit(hello("e", name="twin"), 2.0, key="k2", source="10.0.0.2")
+    ms.session_closed("d", 2.1)
+    keep_alive(ms, 2.0 + JOIN_SETTLE_S)
+    assert only_order(ms.tick(2.0 + JOIN_SETTLE_S)).members == ["a", "b", "e"]
+
+
+def test_many_nodes_joining_together_from_one_address_wait_for_nothing() -> None:
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
+    ids = [f"n{i}" for i in range(16)]
+    events = []
+    for mid in ids:
+        events += ms.admit(hello(mid), 0.0, key=f"key-{mid}", source="127.0.0.1").events
+    assert not [e for e in events if e.kind is Kind.CHURN]
+    assert sorted(only_order(ms.tick(JOIN_SETTLE_S)).members) == sorted(ids)
+    # A few of them crash before training, and are restarted (new keys, the same address).
+    for mid in ids[: int(FREE_PER_SOURCE)]:
+        ms.session_closed(mid, 0.5)
+    for i in range(int(FREE_PER_SOURCE)):
+        d = ms.admit(hello(f"r{i}"), 1.0, key=f"restarted-{i}", source="127.0.0.1")
+        assert not [e for e in d.events if e.kind is Kind.CHURN], d.events
