@@ -376,6 +376,11 @@ class Membership:
         self._refused_at: dict[int, dict[str, str]] = {}
         """Step → the members whose contribution to it was refused, with why (`halt`)."""
         self.final_digests: dict[str, str] = {}
+        self._finishers_gone: dict[str, tuple[float, str]] = {}
+        """Members of the epoch that said done and left before the job finished: when, and
+        their names. Theirs is no failure once most of the epoch reached the last step too;
+        a lease without that, and it is one (a session saying done with a made-up digest,
+        taken into an epoch it never builds, had held the group for good)."""
         """Members that reported the job's last step, with their state's digest."""
         self._accusers: dict[tuple[int, str, str], set[str]] = {}
         """(epoch, culprit or "", kind) → the members that reported it."""
@@ -624,7 +629,9 @@ class Membership:
         d.events.append(self._event(now, Kind.FAILURE, member_id, f"{m.name}: {cause}"))
         self._trace(member_id, now)
         self._vacated += m.role is Role.TRAINER
-        if self.rank_of(member_id) is not None and not self.finished and member_id not in self.final_digests:
+        if self.rank_of(member_id) is not None and not self.finished and member_id in self.final_digests:
+            self._finishers_gone[member_id] = (now, m.name)
+        elif self.rank_of(member_id) is not None and not self.finished:
             self._want_epoch(now, urgent=True, reason=f"{m.name} failed ({cause})", delay=0.0)
         if self._resumes.pop(member_id, None) is not None:
             self._epoch_broke(now, f"{m.name} failed ({cause})")
@@ -651,10 +658,40 @@ class Membership:
 
     def session_closed(self, member_id: str, now: float) -> Decision:
         """The member's session ended; after ``done``, ``leave`` or the job's end that is no failure."""
-        if self.finished or member_id in self.final_digests:
+        m = self.members.get(member_id)
+        if self.finished or m is None:
             self.members.pop(member_id, None)
             return Decision()
+        if member_id in self.final_digests:
+            del self.members[member_id]
+            if self.rank_of(member_id) is not None:
+                self._finishers_gone[member_id] = (now, m.name)
+            return Decision()
         return self.fail(member_id, now, "control connection dropped")
+
+    def _finishers_check(self, now: float) -> Decision:
+        """Members that said done and left (`_finishers_gone`): borne out once most of the
+        epoch's members still here report the last step; a lease without that, and the
+        epoch forms again without them."""
+        d = Decision()
+        if self.finished:
+            self._finishers_gone.clear()
+            return d
+        reached = sum(
+            1 for mid in self._epoch_members if (x := self.members.get(mid)) is not None and x.step >= self.num_steps
+        )
+        if self.num_steps and reached >= len(self._epoch_members) // 2 + 1:
+            return d
+        for mid, (since, name) in list(self._finishers_gone.items()):
+            if now - since < self.lease_s:
+                continue
+            del self._finishers_gone[mid]
+            if self.rank_of(mid) is None:
+                continue
+            why = f"{name} said done at the last step and left, and most of the epoch never reached it"
+            d.events.append(self._event(now, Kind.FAILURE, mid, why))
+            self._want_epoch(now, urgent=True, reason=why, delay=0.0)
+        return d
 
     def number_above(self, epoch: int) -> None:
         """Epochs formed from now on are numbered above ``epoch`` (one published before)."""
@@ -1145,6 +1182,12 @@ class Membership:
                             f"last step {self.num_steps}: ignored")
             )  # fmt: skip
             return d
+        if self._epoch_members and self.rank_of(member_id) is None:
+            d.events.append(
+                self._event(now, Kind.REFUSED, member_id, f"{m.name} reports done but is no member of the epoch "
+                            f"that trains: ignored")
+            )  # fmt: skip
+            return d
         self.heartbeat(member_id, step, now)
         self.final_digests[member_id] = digest
         self._final_metrics[member_id] = metrics
@@ -1198,6 +1241,8 @@ class Membership:
         if not self._started and all(m.preference is Preference.VALIDATOR for m in self.members.values()):
             return d  # ...and for one that may train: a validator never does (`--role validator`)
         d.merge(self._check_outcomes(self.checks.expire(now), now))
+        if self._finishers_gone:
+            d.merge(self._finishers_check(now))
         for mid in self._hearsay.due(now):
             why = f"reported {HEARSAY_LIMIT} failed collectives within {HEARSAY_PERIOD_S:g} s that nothing bore out"
             d.merge(self.absent(mid, self.epoch, why, now, kind=Kind.UNFOUNDED))
@@ -1425,7 +1470,8 @@ class Membership:
             urgent = True
 
         def eligible(m: Member) -> bool:
-            return not m.quarantined and m.excluded_until <= now
+            # A member that said done trains no more: an epoch holding it would wait for it.
+            return not m.quarantined and m.excluded_until <= now and m.member_id not in self.final_digests
 
         keep = [
             m

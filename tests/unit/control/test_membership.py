@@ -631,6 +631,23 @@ def test_the_only_trainer_of_an_epoch_cannot_end_the_job_alone() -> None:
     assert ms.finished
 
 
+def test_a_member_that_says_done_and_leaves_while_the_epoch_trains_on_fails_after_a_lease() -> None:
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
+    for mid in ("a", "b", "liar"):
+        ms.admit(hello(mid, steps=40), 0.0)
+    ms.tick(JOIN_SETTLE_S)
+    t = JOIN_SETTLE_S + 0.1
+    keep_alive(ms, t, step=12)
+    ms.done("liar", 40, "forged", {}, t)
+    ms.session_closed("liar", t)
+    keep_alive(ms, t + LEASE * 0.9, step=14)
+    assert ms.tick(t + LEASE * 0.9).orders == {}, "a lease for the others to reach the last step"
+    keep_alive(ms, t + LEASE * 1.1, step=15)
+    d = ms.tick(t + LEASE * 1.1)
+    assert [e.kind for e in d.events] == ["failure", "epoch"] and "never reached it" in d.events[0].reason
+    assert only_order(d).members == ["a", "b"]
+
+
 def test_a_finisher_leaving_before_the_others_report_is_no_failure() -> None:
     ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
     for mid in ("a", "b"):
