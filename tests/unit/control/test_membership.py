@@ -15,6 +15,7 @@ from unbroken.control.membership import (
     PROBE_WAIT_S,
     Decision,
     Membership,
+    StepQuorum,
     first_mismatch,
 )
 from unbroken.control.messages import EpochOrder, Hello, Resume, TensorSpec
@@ -646,6 +647,25 @@ def test_a_member_that_says_done_and_leaves_while_the_epoch_trains_on_fails_afte
     d = ms.tick(t + LEASE * 1.1)
     assert [e.kind for e in d.events] == ["failure", "epoch"] and "never reached it" in d.events[0].reason
     assert only_order(d).members == ["a", "b"]
+
+
+def test_one_members_word_moves_the_group_step_no_more() -> None:
+    # A standby insider's heartbeat had moved the group's step from 112 to 199,999.
+    ms = formed(["a", "b", "c"])
+    keep_alive(ms, 0.5, step=112)
+    ms.heartbeat("c", 199_999, 0.6)
+    assert ms.step == 112
+    ms.heartbeat("a", 113, 0.7)
+    assert ms.step == 113, "two of three reached 113 (c says it is past it)"
+    ms.heartbeat("b", 114, 0.7)
+    assert ms.step == 114
+
+
+def test_the_step_quorum_takes_the_step_most_members_reached() -> None:
+    q = StepQuorum(5, 10)
+    assert [q.report(m, s) for m, s in (("a", 20), ("b", 15), ("c", 9), ("d", 12))] == [10, 10, 10, 12]
+    assert q.report("a", 19) == 12, "a step never goes back"
+    assert q.report("c", 30) == 15 and q.report("e", 16) == 16
 
 
 def test_a_finisher_leaving_before_the_others_report_is_no_failure() -> None:
