@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import statistics
 import sys
 import tempfile
@@ -54,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ProgressLine, fmt, print_command, print_table
 from unbroken.testing.cluster import LocalCluster
 from unbroken.testing.hostile import Churner, FalseDone, Flood, Impersonator, Slowloris, hello_for
+from unbroken.testing.promises import environment
 
 TOKEN = "bench-hostile-token-0123456789"
 ATTACKS = ("none", "flood", "slowloris", "absent", "walled", "alarm", "liar", "insider-done", "impersonate", "churn")
@@ -66,16 +66,8 @@ def _job() -> Any:
     """The job the nodes run (`JOB` under `ENV`): an insider says its true hello."""
     import jobs
 
-    saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ENV)
-    try:
+    with environment(ENV):
         return jobs.small()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def one(attack: str, duration: float) -> dict[str, Any]:

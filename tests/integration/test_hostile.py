@@ -68,6 +68,16 @@ def listening_ports(pid: int) -> set[tuple[str, int]]:
     return found
 
 
+def token_pair(make_cluster, env: dict[str, str]) -> Any:
+    """A job with the token on nodes a and b, past its fifth step."""
+    c = make_cluster(env=env, min_nodes=2)
+    c.start_coordinator(extra=["--token", TOKEN])
+    for name in ("a", "b"):
+        c.start_node(name, extra=["--token", TOKEN])
+    c.wait_step(5)
+    return c
+
+
 def commit_gaps(node) -> list[float]:
     """Seconds between consecutive commits of one node."""
     times = sorted(e["t"] for e in node.entries() if e["kind"] == "commit")
@@ -96,11 +106,7 @@ def test_the_rendezvous_is_not_on_the_network(make_cluster):
     """No port but the control service: the data plane's addresses travel on the
     authenticated sessions, and nothing listens on an interface not asked for."""
     env = {"UB_TEST_STEPS": "30", "UB_TEST_DELAY_MS": "20"}
-    c = make_cluster(env=env, min_nodes=2)
-    c.start_coordinator(extra=["--token", TOKEN])
-    for name in ("a", "b"):
-        c.start_node(name, extra=["--token", TOKEN])
-    c.wait_step(5)
+    c = token_pair(make_cluster, env)
     ports = listening_ports(c.coordinator.pid)
     assert ports == {("127.0.0.1", c.address[1])}, ports
     assert c.wait_exit(timeout=120) == {"a": 0, "b": 0}, c.diagnostics()
@@ -529,11 +535,7 @@ def test_a_token_holder_cannot_take_another_members_place(make_cluster):
     (its id read from /api/state): refused before that member's session is touched; the
     member trains on (on main before: the hello replaced its session, and its place)."""
     env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20"}
-    c = make_cluster(env=env, min_nodes=2)
-    c.start_coordinator(extra=["--token", TOKEN])
-    for name in ("a", "b"):
-        c.start_node(name, extra=["--token", TOKEN])
-    c.wait_step(5)
+    c = token_pair(make_cluster, env)
     b_id = next(x["id"] for x in c.state()["members"] if x["name"] == "b")
     url = f"http://{c.address[0]}:{c.address[1]}/ws"
     for _ in range(3):
@@ -586,11 +588,7 @@ def test_two_sessions_of_one_token_holder_cannot_end_the_job(make_cluster):
     they are not the epoch's trainers, so they are no majority of them; the job trains to
     its end (on main before: it finished at step 4262 of 200,000, the nodes exiting 0)."""
     env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "30"}
-    c = make_cluster(env=env, min_nodes=2)
-    c.start_coordinator(extra=["--token", TOKEN])
-    for name in ("a", "b"):
-        c.start_node(name, extra=["--token", TOKEN])
-    c.wait_step(5)
+    c = token_pair(make_cluster, env)
     done = m.encode(m.Done(step=400, digest="f" * 16))
     liar = Liar(f"http://{c.address[0]}:{c.address[1]}/ws", job_for(env), [done, done])
     liar.start()
