@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from unbroken.control import messages as m
+from unbroken.control import records
 from unbroken.control.client import ControlClient
 from unbroken.control.election import epoch_key, leader_key
 from unbroken.control.etcd import Etcd, View
@@ -70,7 +71,8 @@ def put_leader(endpoints: list[str], address: str) -> int:
     async def put() -> int:
         async with Etcd(endpoints) as e:
             lease = await e.grant(30)
-            won, kv = await e.create(leader_key(PREFIX), json.dumps({"address": address}).encode(), lease)
+            record = {"address": address, "coordinator_id": "the-old-leader", "lease": lease}
+            won, kv = await e.create(leader_key(PREFIX), records.seal(None, leader_key(PREFIX), record), lease)
             assert won and kv is not None
             return kv.create_revision
 
