@@ -140,8 +140,13 @@ def test_a_forged_leader_record_never_stops_a_node_given_the_real_coordinator(ma
             c.wait_step(5, timeout=60)
     assert c.wait_exit(timeout=120) == {"a": 0, "b": 0}, c.diagnostics()
     assert_promises(c, env, finishers=2)
-    said = c.nodes["a"].stderr_path.read_text(errors="replace")
-    assert "ignoring the etcd record /unbroken/job/leader" in said and "not sealed with the job token" in said
+    # Whether a node read the forged record at all depends on when it looked (the leader writes
+    # its own back at every renewal): whoever read it said so, and nobody followed it.
+    for name in ("a", "b"):
+        said = c.nodes[name].stderr_path.read_text(errors="replace")
+        assert "does not ask for a token" not in said, said
+        if "ignoring the etcd record /unbroken/job/leader" in said:
+            assert "not sealed with the job token" in said, said
 
 
 def test_a_lease_less_leader_key_does_not_stop_the_next_election(make_cluster, etcd):

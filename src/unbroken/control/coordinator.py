@@ -788,7 +788,8 @@ class Coordinator(ThreadedService):
         ms = self.membership
         by_name = {mem.name: mid for mid, mem in ms.members.items()}
         for a in found:
-            ev = Event(time.monotonic(), a.kind, by_name.get(a.member or ""), ms.epoch, ms.step, a.reason)
+            step = ms.step if a.step is None else a.step
+            ev = Event(time.monotonic(), a.kind, by_name.get(a.member or ""), ms.epoch, step, a.reason)
             self._record(ev, node=a.member)
 
     def command(self, name: str, action: str, reason: str) -> bool:

@@ -41,6 +41,8 @@ class Anomaly:
     member: str | None
     """The node's name, for node anomalies."""
     reason: str
+    step: int | None = None
+    """The committed step it was seen at (None: the group's, when it is recorded)."""
 
 
 class Detector:
@@ -57,7 +59,7 @@ class Detector:
         out: list[Anomaly] = []
         if not math.isfinite(loss):
             if self._quiet(Kind.LOSS_NAN, step):
-                out.append(Anomaly(Kind.LOSS_NAN, None, f"the loss at step {step} is {loss}"))
+                out.append(Anomaly(Kind.LOSS_NAN, None, f"the loss at step {step} is {loss}", step))
             return out
         if len(self._losses) >= WINDOW // 2:
             typical = statistics.median(self._losses)
@@ -73,6 +75,7 @@ class Detector:
                         None,
                         f"the loss jumped to {loss:.4g} at step {step}: {loss / typical:.1f}x the median "
                         f"{typical:.4g} of the last {len(self._losses)} steps",
+                        step,
                     )
                 )
         self._losses.append(loss)
@@ -102,6 +105,7 @@ class Detector:
                 None,
                 f"throughput fell to {now:.4g} samples/s over the last {RECENT} steps from {before:.4g} "
                 f"({now / before:.0%}) by step {step}{who}",
+                step,
             )
         ]
 
