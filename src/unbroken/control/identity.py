@@ -60,13 +60,13 @@ def public_text(key: Ed25519PrivateKey) -> str:
 
 
 def key_id(public: str) -> str:
-    """A short name of a public key (16 hex characters of its SHA-256), for events and logs."""
-    return hashlib.sha256(public.encode()).hexdigest()[:16]
+    """A name of a public key (32 hex characters of its SHA-256), for member ids and logs."""
+    return hashlib.sha256(public.encode()).hexdigest()[:32]
 
 
-OWNER_CHARS = 12
-"""Hex characters of the key's id a member id carries (48 bits: no key is found to match
-another's by trying keys)."""
+OWNER_CHARS = 24
+"""Hex characters of the key's id a member id carries (96 bits: no key is found to match
+another's by trying keys; 48 would be days on GPUs)."""
 
 
 def member_id(name: str, key: Ed25519PrivateKey) -> str:

@@ -44,7 +44,6 @@ from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
 from unbroken.control.hearsay import PERIOD_S as HEARSAY_PERIOD_S
 from unbroken.control.hearsay import Hearsay, Report
 from unbroken.control.messages import (
-    MAX_MEMBERS,
     OUTAGE_TRUST_LEASES,
     REFUSALS_KEPT,
     Capabilities,
@@ -414,9 +413,6 @@ class Membership:
         self._refused_at: dict[int, dict[str, str]] = {}
         """Step → the members whose contribution to it was refused, with why (`halt`)."""
         self.final_digests: dict[str, str] = {}
-        self._named_receivers: dict[str, tuple[int, int]] = {}
-        """Receivers a donor named for a request past the state (`Kind.BAD_REQUEST`): the epoch
-        and the group's step when one was last named."""
         self._finishers_gone: dict[str, tuple[float, str]] = {}
         """Members of the epoch that said done and left before the job finished: when, and
         their names. Theirs is no failure once most of the epoch reached the last step too;
@@ -1026,14 +1022,9 @@ class Membership:
             if kind is Kind.BAD_REQUEST and c is not None:
                 # What a receiver asked of its donors is on their wires alone: most of the
                 # others (one of a pair) say so, or the epoch is formed again without a verdict.
-                # A receiver may ask one donor alone, though, epoch after epoch: named again in
-                # a later epoch before the group committed anything since, it is kept out too.
-                before = self._named_receivers.get(c.member_id)
-                if len(self._named_receivers) > MAX_MEMBERS:
-                    self._named_receivers.clear()
-                self._named_receivers[c.member_id] = (epoch, self.step)
-                again = before is not None and before[0] < epoch and before[1] == self.step
-                if again or len(accusers - {c.member_id}) >= (len(seen) - 1) // 2 + 1:
+                # (A receiver that asks one donor alone escapes this; one donor's word is not
+                # enough to keep anyone out, or one liar could keep out whom it liked.)
+                if len(accusers - {c.member_id}) >= (len(seen) - 1) // 2 + 1:
                     return self.absent(c.member_id, epoch, reason, now, kind=Kind.BAD_REQUEST)
                 if len(accusers) > 1 or not current:
                     return d
@@ -1550,10 +1541,10 @@ class Membership:
         if not order:
             return d
         old = list(self.epoch_members)
-        self._formed_at_step = self.step
         self.epoch = max(self.epoch, self._epoch_floor) + 1
         self._started = True
         self.epoch_members = order
+        self._formed_at_step = self.step  # after the members: their earlier reports may raise it
         members = [self.members[m] for m in order]
         d.events.extend(self._make_plan(members, now))
         zones = self.zones_of(members)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -136,12 +138,19 @@ class JobCompute:
         if node.own_loop or node.zone is not None or not node.meter.wants_probe():
             return
         devices = [node.device] if node.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            try:
+        python_state = random.getstate()  # the job's code may draw from any generator
+        numpy = sys.modules.get("numpy")
+        numpy_state = numpy.random.get_state() if numpy is not None else None
+        try:
+            with torch.random.fork_rng(devices=devices):
                 cal = node.meter.probe(self.probe_model(), node.state.step)
-            except OutOfMemory as exc:
-                log.info("%s: could not measure compute speed again: %s", node.name, exc)
-                return
+        except OutOfMemory as exc:
+            log.info("%s: could not measure compute speed again: %s", node.name, exc)
+            return
+        finally:
+            random.setstate(python_state)
+            if numpy is not None:
+                numpy.random.set_state(numpy_state)
         node.meter.probed(cal)
         log.info(
             "%s: its steps disagreed with its calibration; measured again: %.3f ms/sample + %.3f ms/micro-batch",

@@ -55,8 +55,9 @@ RECENT_STEPS = 9
 for a few steps of a few milliseconds moves it little, a lasting slowdown shows within five."""
 RESHAPE_FACTOR = 2.0
 RESHAPE_EVERY_S = 10.0
-"""At most one measurement again per this many seconds (a speed that comes and goes by more
-than `RESHAPE_FACTOR` costs a probe no more often)."""
+"""At most one measurement again per this many seconds at first, twice as long after each
+(steps that differ from probes for good, real data against the probe's, would otherwise
+cost a probe every few seconds for ever)."""
 
 
 def relative_error(values: Sequence[float], median: float) -> float:
@@ -91,6 +92,7 @@ class Meter:
         """Relative standard error of the step time the reported cost model gives (0: fewer than 3 steps)."""
         self._recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
         self._shaped_at = time.monotonic()
+        self._reshape_every = RESHAPE_EVERY_S
         self._lock = threading.Lock()
 
     def calibrate(self, model: torch.nn.Module, model_bytes: int, memory_limit: int, user_cap: int, step: int) -> None:
@@ -183,10 +185,13 @@ class Meter:
         with self._lock:
             if len(self._recent) < RECENT_STEPS or self.shape is None or self.shape.per_sample_s <= 0:
                 return False
-            if (time.monotonic() if now is None else now) - self._shaped_at < RESHAPE_EVERY_S:
+            if (time.monotonic() if now is None else now) - self._shaped_at < self._reshape_every:
                 return False
             factor = statistics.median(self._recent)
-            return not 1 / RESHAPE_FACTOR <= factor <= RESHAPE_FACTOR
+            if 1 / RESHAPE_FACTOR <= factor <= RESHAPE_FACTOR:
+                return False
+            self._reshape_every *= 2
+            return True
 
     def capabilities(self, rtt_s: float, step: int) -> m.Capabilities:
         info = describe(self.replica.device)

@@ -127,6 +127,7 @@ def test_steps_far_from_a_calibration_ask_for_it_again_and_one_share_could_not_p
     assert cal is not None and cal.overhead_s * 1 + 64 * cal.per_sample_s == pytest.approx(64 * truth)
     assert not m.wants_probe(now=start + 1), "measured again at most every few seconds"
     assert m.wants_probe(now=start + 60)
+    assert not m.wants_probe(now=start + 15), "and less often each time (20 s now)"
     m.probed(Calibration(0.00005, 0.002, 100, 7))
     for _ in range(RECENT_STEPS):
         m.observe(1, 1, truth)
