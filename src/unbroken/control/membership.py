@@ -413,6 +413,8 @@ class Membership:
         self._refused_at: dict[int, dict[str, str]] = {}
         """Step → the members whose contribution to it was refused, with why (`halt`)."""
         self.final_digests: dict[str, str] = {}
+        self._last_epoch: list[str] = []
+        """The members of the epoch in which most members reached the job's last step."""
         self._finishers_gone: dict[str, tuple[float, str]] = {}
         """Members of the epoch that said done and left before the job finished: when, and
         their names. Theirs is no failure once most of the epoch reached the last step too;
@@ -574,7 +576,8 @@ class Membership:
             evaluates=hello.evaluates,
             zone=hello.zone,
         )
-        self.step = max(self.step, step)
+        if self.recovering_until is None or hello.resume is not None:  # a newcomer's word moves no recovery
+            self.step = max(self.step, step)
         self._epoch_floor = max(self._epoch_floor, hello.last_epoch, hello.restored_epoch or 0)
         live = hello.resume is not None or hello.last_epoch > 0 or (hello.step > 0 and hello.restored_epoch is None)
         self._started = self._started or live
@@ -718,10 +721,13 @@ class Membership:
         if self.finished:
             self._finishers_gone.clear()
             return d
-        reached = sum(
+        # Its own word counts (an honest pair's other member may be evaluating before its
+        # done), but one member here at least must have reached the last step too.
+        here = sum(
             1 for mid in self._epoch_members if (x := self.members.get(mid)) is not None and x.step >= self.num_steps
         )
-        if self.num_steps and reached >= len(self._epoch_members) // 2 + 1:
+        gone = sum(1 for mid in self._finishers_gone if self.rank_of(mid) is not None)
+        if self.num_steps and here >= 1 and here + gone >= len(self._epoch_members) // 2 + 1:
             return d
         for mid, (since, name) in list(self._finishers_gone.items()):
             if now - since < self.lease_s:
@@ -824,9 +830,12 @@ class Membership:
             m.last_seen = now
             m.step = max(m.step, step)
             if not self._epoch_members:  # no epoch yet (a start, a recovery): the claims are all there is
-                self.step = max(self.step, m.step)
+                if self.recovering_until is None or member_id in self._resumes:
+                    self.step = max(self.step, m.step)
             elif member_id in self._ranks:  # a newcomer's claim moves nothing, one member's alone neither
                 self.step = max(self.step, self._quorum.report(member_id, m.step))
+                if self.num_steps and self.step >= self.num_steps and not self._last_epoch:
+                    self._last_epoch = list(self._epoch_members)
 
     def progress(
         self,
@@ -1227,7 +1236,7 @@ class Membership:
                             f"last step {self.num_steps}: ignored")
             )  # fmt: skip
             return d
-        if self._epoch_members and self.rank_of(member_id) is None:
+        if self._epoch_members and self.rank_of(member_id) is None and member_id not in self._last_epoch:
             d.events.append(
                 self._event(now, Kind.REFUSED, member_id, f"{m.name} reports done but is no member of the epoch "
                             f"that trains: ignored")
@@ -1244,7 +1253,7 @@ class Membership:
         # the state), each once, whether or not its session is still open (a finisher's
         # closes): sessions outside the epoch, however many one token holder opens, cannot make
         # a majority, and neither can one member the plan made the only trainer.
-        voters = self._epoch_members
+        voters = self._voters()
         agree = [mid for mid in voters if self.final_digests.get(mid) == digest]
         if len(agree) < len(voters) // 2 + 1:
             return d
@@ -1256,6 +1265,18 @@ class Membership:
             self._event(now, Kind.FINISHED, member_id, f"final step {step} reached ({len(agree)} agree on the state)")
         )
         return d
+
+    def _voters(self) -> list[str]:
+        """Whose done counts: the members of the epoch in which most members reached the
+        job's last step (an epoch formed after, a member having died at the end, holds only
+        some of them), else of the epoch in force, else, for a leader recovering, of the epoch
+        its members came back from."""
+        if self._last_epoch:
+            return self._last_epoch
+        if self._epoch_members:
+            return self._epoch_members
+        found = self._found()
+        return sorted(found[1]) if found is not None else []
 
     def beyond(self, step: int) -> str | None:
         """Why ``step``, as a member reported it, cannot be true (past the job's last step)."""

@@ -1184,3 +1184,86 @@ def test_many_nodes_joining_together_from_one_address_wait_for_nothing() -> None
     for i in range(int(FREE_PER_SOURCE)):
         d = ms.admit(hello(f"r{i}"), 1.0, key=f"restarted-{i}", source="127.0.0.1")
         assert not [e for e in d.events if e.kind is Kind.CHURN], d.events
+
+
+# ---------------------------------------------------------------- finishing at the edges (review)
+
+N = 20
+
+
+def started(ids: list[str]) -> Membership:
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
+    for mid in ids:
+        assert ms.admit(hello(mid, steps=N), 0.0).refuse is None
+    ms.tick(JOIN_SETTLE_S)
+    return ms
+
+
+def test_a_pairs_member_that_evaluates_past_a_lease_before_its_done_is_no_failure() -> None:
+    ms = started(["a", "b"])
+    t = 1.0
+    keep_alive(ms, t, N)
+    ms.done("b", N, "D", {}, t)
+    ms.session_closed("b", t)
+    kinds = []
+    for k in range(1, 30):
+        ms.heartbeat("a", N, t + k * 0.1)
+        kinds += [e.kind for e in ms.tick(t + k * 0.1).events]
+    ms.done("a", N, "D", {}, t + 3.0)
+    assert Kind.FAILURE not in kinds and ms.finished
+
+
+def test_dones_said_to_a_recovering_leader_finish_the_job() -> None:
+    ms = started(["a", "b"])
+    assert ms.plan is not None
+    r = Resume(epoch=1, members=["a", "b"], step=N, shares=ms.shares, roles=[x.value for x in ms.plan.roles])
+    new = Membership(MembershipConfig(lease_s=LEASE), now=10.0)
+    new.recovering_until = 15.0
+    new.admit(hello("a", steps=N, step=N, resume=r), 10.0)
+    new.done("a", N, "D", {}, 10.1)
+    new.session_closed("a", 10.1)
+    new.admit(hello("b", steps=N, step=N, resume=r), 10.2)
+    new.done("b", N, "D", {}, 10.3)
+    assert new.finished
+
+
+def test_dones_of_the_epoch_that_reached_the_end_count_after_another_formed() -> None:
+    # a finishes and leaves, c dies, the epoch {b, j} forms; b's done and a's are most of the
+    # epoch that committed the last step.
+    ms = started(["a", "b", "c"])
+    t = 1.0
+    keep_alive(ms, t, N)
+    assert ms.admit(hello("j", steps=N), t).refuse is None
+    ms.done("a", N, "D", {}, t + 0.01)
+    ms.session_closed("a", t + 0.01)
+    ms.fail("c", t + 0.02, "killed")
+    ms.tick(t + 0.02)
+    ms.done("b", N, "D", {}, t + 0.03)
+    assert ms.finished
+
+
+def test_the_urgency_of_an_epoch_is_judged_after_its_members_are_counted() -> None:
+    ms = formed(["a", "b", "c", "d", "e"])
+    t = 0.5
+    keep_alive(ms, t, 9)
+    ms.heartbeat("a", 10, t)
+    ms.heartbeat("b", 10, t)
+    for mid in ["c", "d", "e"]:
+        ms.fail(mid, t, "killed")
+    ms.tick(t + 0.01)
+    assert ms.step == 10
+    ms.admit(hello("j"), t + 0.02)
+    keep_alive(ms, t + 0.02 + JOIN_SETTLE_S, 10)
+    assert only_order(ms.tick(t + 0.02 + JOIN_SETTLE_S)).urgent, "the new epoch committed nothing yet"
+
+
+def test_a_newcomers_step_moves_no_recovering_leader() -> None:
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=10.0)
+    ms.recovering_until = 15.0
+    r = Resume(epoch=7, members=["a", "b"], step=112, shares=[6, 6], roles=["trainer", "trainer"])
+    ms.admit(hello("a", steps=200_000, step=112, resume=r), 10.0)
+    ms.admit(hello("x", steps=200_000, step=199_999), 10.01)
+    ms.heartbeat("x", 199_999, 10.015)
+    ms.admit(hello("b", steps=200_000, step=112, resume=r), 10.02)
+    ms.tick(10.03)
+    assert ms.step == 112
