@@ -470,9 +470,12 @@ class Coordinator(ThreadedService):
                 # itself to the node with its own challenge. The node's key signed the
                 # relay's challenge: checked here again, so no relay speaks for a key it
                 # never saw sign.
+                # The challenge it signed must be one of this link's, never used: a knock seen
+                # once (on the wire, or by a relay it went through) cannot be shown again.
                 ident = msg.identity
                 why = (
-                    self.check_key(ident.key, ident.signature, ident.challenge, ident.nonce, msg.member_id)
+                    link.fresh(ident.challenge)
+                    or self.check_key(ident.key, ident.signature, ident.challenge, ident.nonce, msg.member_id)
                     if ident is not None
                     else f"relay {link.relay_id} forwarded {msg.member_id}'s hello without its signed knock"
                 )
@@ -528,12 +531,14 @@ class Coordinator(ThreadedService):
     async def _relay(self, request: web.Request) -> web.StreamResponse:
         return await serve_relay(self, request)
 
-    def check_key(self, key: str, signature: str, challenge: str, nonce: str, member_id: str) -> str | None:
+    def check_key(
+        self, key: str, signature: str, challenge: str, nonce: str, member_id: str, role: str = "node"
+    ) -> str | None:
         """Why a node's (or relay's) knock does not prove its key (`unbroken.control.identity`),
         or its id is not made from that key, or the key is not one the job admits, or None."""
         if not key:
             return "this node sends no node key: run the same unbroken version on every node and coordinator"
-        if (why := identity.verify(key, signature, challenge, nonce, member_id)) is not None:
+        if (why := identity.verify(key, signature, challenge, nonce, member_id, role)) is not None:
             return why
         if not identity.owns(key, member_id):
             return f"member id {member_id!r} is not made from its node key: no node may speak as another member"

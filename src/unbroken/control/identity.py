@@ -83,13 +83,14 @@ def owns(public: str, member_id: str) -> bool:
     return owner == key_id(public)[:OWNER_CHARS]
 
 
-def _message(challenge: str, nonce: str, member_id: str, public: str) -> bytes:
-    return "\0".join(("unbroken-identity", challenge, nonce, member_id, public)).encode()
+def _message(role: str, challenge: str, nonce: str, member_id: str, public: str) -> bytes:
+    return "\0".join(("unbroken-identity", role, challenge, nonce, member_id, public)).encode()
 
 
-def sign(key: Ed25519PrivateKey, challenge: str, nonce: str, member_id: str) -> str:
-    """The node's signature of this session's challenge, its own nonce and its member id."""
-    return _b64(key.sign(_message(challenge, nonce, member_id, public_text(key))))
+def sign(key: Ed25519PrivateKey, challenge: str, nonce: str, member_id: str, role: str = "node") -> str:
+    """The signature of this session's challenge, the signer's own nonce, its id and its
+    ``role`` (``node`` or ``relay``: a relay's signed hello is no node's knock)."""
+    return _b64(key.sign(_message(role, challenge, nonce, member_id, public_text(key))))
 
 
 def knock(member_id: str, challenge: str, token: str | None, key: Ed25519PrivateKey) -> m.Knock:
@@ -100,7 +101,7 @@ def knock(member_id: str, challenge: str, token: str | None, key: Ed25519Private
     return m.Knock(member_id=member_id, nonce=nonce, proof=proof, key=public_text(key), signature=signature)
 
 
-def verify(public: str, signature: str, challenge: str, nonce: str, member_id: str) -> str | None:
+def verify(public: str, signature: str, challenge: str, nonce: str, member_id: str, role: str = "node") -> str | None:
     """Why ``signature`` does not prove that the holder of ``public`` answered ``challenge``
     as ``member_id`` (a malformed key, or a signature by another key or of another session),
     or None."""
@@ -108,7 +109,7 @@ def verify(public: str, signature: str, challenge: str, nonce: str, member_id: s
         if not public.startswith(SCHEME) or len(public) != KEY_CHARS:
             raise ValueError("not an ed25519 key")
         pub = Ed25519PublicKey.from_public_bytes(_unb64(public[len(SCHEME) :]))
-        pub.verify(_unb64(signature), _message(challenge, nonce, member_id, public))
+        pub.verify(_unb64(signature), _message(role, challenge, nonce, member_id, public))
     except (ValueError, binascii.Error):
         return f"its node key {public[:60]!r} or its signature is malformed"
     except InvalidSignature:

@@ -675,6 +675,9 @@ class RelayWelcome(_Msg):
     term: Term = 0
     lease_s: float
     proof: Annotated[str, Field(max_length=64)] = ""
+    link: Annotated[str, Field(max_length=64)] = ""
+    """The leader's part of every challenge the relay sends its nodes (``LINK.N``, N counting
+    up): a node's signed knock is good on this link, once (`sessions.RelayLink.fresh`)."""
 
 
 class Said(BaseModel):

@@ -142,6 +142,9 @@ class Relay(ThreadedService):
         self._up: aiohttp.ClientWebSocketResponse | None = None
         self._members: dict[str, _Member] = {}
         self._hellos: dict[str, asyncio.Future[m.CoordinatorMessage]] = {}
+        self._link_nonce = ""
+        """The leader's part of the challenges sent to nodes (`m.RelayWelcome.link`)."""
+        self._challenges = 0
         self._early: dict[str, list[str]] = {}
         self.doorman = Doorman()
         """Messages for members welcomed but not yet registered (their welcome came in the same read)."""
@@ -243,7 +246,7 @@ class Relay(ThreadedService):
             token = self.config.token
             nonce = auth.new_nonce()
             proof = auth.node_proof(token, challenge.nonce, nonce, self.relay_id) if token else ""
-            signature = identity.sign(self.key, challenge.nonce, nonce, self.relay_id)
+            signature = identity.sign(self.key, challenge.nonce, nonce, self.relay_id, role="relay")
             hello = m.RelayHello(
                 relay_id=self.relay_id, zone=self.config.zone, nonce=nonce, proof=proof,
                 key=identity.public_text(self.key), signature=signature,
@@ -263,6 +266,7 @@ class Relay(ThreadedService):
             ):
                 raise ProtocolError(f"{host}:{port} could not prove it holds the job token")
             self._up, self.leader, self.term, self.lease_s = ws, (host, port), answer.term, answer.lease_s
+            self._link_nonce = answer.link
             log.info("relay %s linked to %s:%d (term %d)", self.relay_id, host, port, answer.term)
             flusher = asyncio.create_task(self._flush_forever(ws, seal))
             try:
@@ -276,7 +280,7 @@ class Relay(ThreadedService):
 
     def _unlink(self, why: str) -> None:
         """Without a leader the members' sessions end: they fall back to their next address."""
-        self._up, self.leader = None, None
+        self._up, self.leader, self._link_nonce = None, None, ""
         log.warning("relay %s: %s; ending %d member sessions", self.relay_id, why, len(self._members))
         for member in list(self._members.values()):
             member.session.close()
@@ -384,7 +388,9 @@ class Relay(ThreadedService):
             return ws
         member: _Member | None = None
         try:
-            challenge, first = await greet(ws, self.config.token is not None)
+            self._challenges += 1
+            mine = f"{self._link_nonce}.{self._challenges}" if self._link_nonce else ""  # unlinked: refused anyway
+            challenge, first = await greet(ws, self.config.token is not None, mine)
             knock = m.parse_knock(first)
             why = auth.unproven(
                 self.config.token, challenge, knock.nonce, knock.member_id, knock.proof, who="node", checker="relay"

@@ -104,6 +104,10 @@ class Session:
         self.queue.put_nowait(None)
 
 
+RELAY_CHALLENGES_KEPT = 1 << 16
+"""Challenges of a relay link remembered as used; below the older half's top, all are."""
+
+
 class RelayLink:
     """A relay's session: the members it speaks for, and when it was last heard."""
 
@@ -118,8 +122,27 @@ class RelayLink:
         self.relay_id = relay_id
         self.zone = zone
         self.session = Session(ws, f"relay:{relay_id}", gate, seal)
+        self.nonce = auth.new_nonce()
+        """This link's part of every challenge the relay sends its nodes (`fresh`)."""
+        self._used: set[int] = set()
+        self._floor = -1
         self.members: set[str] = set()
         self.heard_at = time.monotonic()
+
+    def fresh(self, challenge: str) -> str | None:
+        """Why a node's knock that the relay forwards was not answered to a challenge of this
+        link's, sent once (None: it was)."""
+        link, _, counter = challenge.partition(".")
+        if link != self.nonce or not counter.isdigit() or len(counter) > 18:
+            return f"its knock answered no challenge of relay {self.relay_id}'s link (replayed from elsewhere)"
+        n = int(counter)
+        if n <= self._floor or n in self._used:
+            return f"its knock answered a challenge of relay {self.relay_id} already used (replayed)"
+        self._used.add(n)
+        if len(self._used) > RELAY_CHALLENGES_KEPT:
+            self._floor = sorted(self._used)[len(self._used) // 2]
+            self._used = {x for x in self._used if x > self._floor}
+        return None
 
     def member(self, member_id: str) -> RelayedMember:
         self.members.add(member_id)
@@ -218,10 +241,11 @@ async def receive_text(ws: web.WebSocketResponse, what: str, timeout: float = HE
     return str(msg.data)
 
 
-async def greet(ws: web.WebSocketResponse, asks_token: bool) -> tuple[str, str]:
-    """Send a session's challenge; returns it and the peer's first message (its knock or a
-    relay's hello, as text), which is refused unread above `messages.KNOCK_BYTES`."""
-    challenge = auth.new_nonce()
+async def greet(ws: web.WebSocketResponse, asks_token: bool, challenge: str = "") -> tuple[str, str]:
+    """Send a session's challenge (``challenge``, or a fresh one); returns it and the peer's
+    first message (its knock or a relay's hello, as text), which is refused unread above
+    `messages.KNOCK_BYTES`."""
+    challenge = challenge or auth.new_nonce()
     await ws.send_str(m.encode(m.Challenge(nonce=challenge, auth=asks_token)))
     first = await receive_text(ws, "first message", FIRST_MESSAGE_S)
     if len(first) > m.KNOCK_BYTES:
@@ -291,7 +315,7 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
             raise ProtocolError(f"the first message of a relay must be its hello, got {hello.type!r}")
         why = auth.unproven(
             coord.token, challenge, hello.nonce, hello.relay_id, hello.proof, who="relay", checker="coordinator"
-        ) or coord.check_key(hello.key, hello.signature, challenge, hello.nonce, hello.relay_id)
+        ) or coord.check_key(hello.key, hello.signature, challenge, hello.nonce, hello.relay_id, role="relay")
         if why is not None:
             await ws.send_str(m.encode(m.Refused(reason=why)))  # unsealed: the relay holds another key
             return ws
@@ -312,6 +336,7 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
                 proof=auth.coordinator_proof(coord.token, challenge, hello.nonce, hello.relay_id)
                 if coord.token
                 else "",
+                link=link.nonce,
             )
         )
         log.info("relay %s (zone %r) joined from %s", hello.relay_id, hello.zone, peer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 from pathlib import Path
@@ -84,3 +85,28 @@ def test_a_member_id_bound_to_a_key_cannot_be_spoken_for_by_another() -> None:
     assert ms.unbound("a#1", ka) is None
     assert ms.unbound("c#1", ka) is None, "token mode: a key may be several members"
     assert "one member per key" in (ms.unbound("c#1", ka, one_per_key=True) or "")
+
+
+def test_a_relayed_knock_is_good_on_its_link_once_and_a_relays_signature_is_no_nodes() -> None:
+    from unittest.mock import MagicMock
+
+    from unbroken.control.sessions import RelayLink
+
+    async def links() -> None:
+        link = RelayLink(MagicMock(), "relay#1", "", MagicMock())
+        other = RelayLink(MagicMock(), "relay#2", "", MagicMock())
+        first = f"{link.nonce}.1"
+        assert link.fresh(first) is None
+        assert "already used" in (link.fresh(first) or "")
+        assert "no challenge of relay relay#2" in (other.fresh(first) or "")
+        assert "no challenge" in (link.fresh("0" * 32) or "")
+        assert "no challenge" in (link.fresh(f"{link.nonce}.x") or "")
+        for s in (link.session, other.session):
+            s.writer.cancel()
+
+    asyncio.run(links())
+    key = identity.ephemeral()
+    rid = identity.member_id("relay", key)
+    signature = identity.sign(key, "c", "n", rid, role="relay")
+    assert identity.verify(identity.public_text(key), signature, "c", "n", rid, role="relay") is None
+    assert identity.verify(identity.public_text(key), signature, "c", "n", rid) is not None
