@@ -401,7 +401,7 @@ class Coordinator(ThreadedService):
         self._detached.discard(mid)
         now = time.monotonic()
         training = ms.recovering_until is None and any(mid in ms.members for mid in ms.epoch_members)
-        group_step = ms.step if training else 0  # 0: no group trains (a cold start)
+        group_step = ms.reported_step() if training else 0  # 0: no group trains (a cold start)
         decision = self.membership.admit(hello, now, reconnect=back, key=key, source=peer)
         if decision.refuse is not None:
             log.warning("refused %s from %s: %s", hello.name, peer, decision.refuse)

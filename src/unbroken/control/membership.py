@@ -413,6 +413,7 @@ class Membership:
         self._refused_at: dict[int, dict[str, str]] = {}
         """Step → the members whose contribution to it was refused, with why (`halt`)."""
         self.final_digests: dict[str, str] = {}
+        self._quarantined_keys: set[str] = set()
         self._last_epoch: list[str] = []
         """The members of the epoch in which most members reached the job's last step."""
         self._finishers_gone: dict[str, tuple[float, str]] = {}
@@ -488,6 +489,8 @@ class Membership:
         """Why a hello as ``member_id`` signed by ``key`` may not stand for it: the member id
         is bound to another key (a token holder speaking as another member), or, with
         ``one_per_key`` (a job admitting listed keys), the key is another member's now."""
+        if key and key in self._quarantined_keys:
+            return "its key was quarantined by the group (give the node a new key only once it is fixed)"
         m = self.members.get(member_id)
         if m is not None and m.key and m.key != key:
             return (
@@ -1191,6 +1194,8 @@ class Membership:
         d.events.append(self._event(now, kind, c.member_id, f"{c.name} (offence {c.flags}): {reason}"))
         if c.flags >= QUARANTINE_AFTER and not c.quarantined:
             c.quarantined = True
+            if c.key:
+                self._quarantined_keys.add(c.key)  # its node, restarted under the same key, too
             said = (
                 f"{c.name} quarantined after {c.flags} offences (refused gradients, wrong work, failed audits, "
                 f"absent from or unreachable on the data plane), the last: {reason}"
@@ -1265,6 +1270,14 @@ class Membership:
             self._event(now, Kind.FINISHED, member_id, f"final step {step} reached ({len(agree)} agree on the state)")
         )
         return d
+
+    def reported_step(self) -> int:
+        """The second highest step the epoch's members reported (the highest where it has one
+        member): what a joiner's checkpoint is held against. The group's step (`StepQuorum`)
+        trails it by a report, and a checkpoint of the newest step must not look ahead of
+        the group; one member's word alone still moves it nothing."""
+        steps = sorted((x.step for mid in self._epoch_members if (x := self.members.get(mid))), reverse=True)
+        return max(self.step, steps[min(1, len(steps) - 1)] if steps else 0)
 
     def _voters(self) -> list[str]:
         """Whose done counts: the members of the epoch in which most members reached the

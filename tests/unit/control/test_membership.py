@@ -664,6 +664,16 @@ def test_one_members_word_moves_the_group_step_no_more() -> None:
     assert ms.step == 114
 
 
+def test_a_joiners_checkpoint_is_held_against_the_second_highest_report() -> None:
+    ms = formed(["a", "b", "c"])
+    keep_alive(ms, 0.5, step=10)
+    ms.heartbeat("a", 12, 0.6)
+    ms.heartbeat("c", 199_999, 0.6)
+    assert ms.step == 12 and ms.reported_step() == 12
+    ms.heartbeat("b", 13, 0.7)
+    assert ms.reported_step() == 13, "the group's step trails it; a checkpoint of 13 is not ahead"
+
+
 def test_the_step_quorum_takes_the_step_most_members_reached() -> None:
     q = StepQuorum(5, 10)
     assert [q.report(m, s) for m, s in (("a", 20), ("b", 15), ("c", 9), ("d", 12))] == [10, 10, 10, 12]
