@@ -573,6 +573,7 @@ class Membership:
             pid=hello.pid,
             key=key,
             source=source,
+            trained=hello.resume is not None,  # back from an epoch that trained (a leader changed)
             step=step,
             caps=hello.capabilities,
             preference=Preference(hello.role),
