@@ -576,11 +576,14 @@ def test_only_the_listed_keys_join_and_each_key_is_one_member(make_cluster, tmp_
         f.write(lines[2])
     late = c.start_node("late", extra=["--key", str(keys["late"])])
     c.wait_for(lambda: "late" in [x["name"] for x in c.state()["members"]], 60, "the newly listed node joined")
-    assert c.wait_exit(["a", "b", "late"], timeout=150) == {"a": 0, "b": 0, "late": 0}, c.diagnostics()
+    allowed.write_text(lines[0] + lines[2])  # b's key taken off: b is expelled, and not let back
+    assert c.nodes["b"].wait(timeout=60) == 2, c.diagnostics()
+    assert any("taken off the job's allowed keys" in e["reason"] for e in events_of(c, "failure")), c.diagnostics()
+    assert c.wait_exit(["a", "late"], timeout=150) == {"a": 0, "late": 0}, c.diagnostics()
     assert late.entries()
     for name in ("stranger", "again"):
         del c.nodes[name]
-    assert_promises(c, env, finishers=3)
+    assert_promises(c, env, finishers=2)
 
 
 def test_two_sessions_of_one_token_holder_cannot_end_the_job(make_cluster):

@@ -184,12 +184,12 @@ async def _exit_with_parent(coord: Any) -> None:
 
 def _keygen(args: argparse.Namespace) -> int:
     path = Path(args.file)
-    key = identity.create(path)
+    key = identity.load_or_create(path) if args.show and path.exists() else identity.create(path)
     public = identity.public_text(key)
     print(f"{public}  {args.name or path.stem}")
     print(
-        f"# wrote {path} (id {identity.key_id(public)}); add the line above to the coordinator's --allowed-keys "
-        f"file and start the node with --key {path}",
+        f"# {'read' if args.show else 'wrote'} {path} (id {identity.key_id(public)}); add the line above to the "
+        f"coordinator's --allowed-keys file and start the node with --key {path}",
         file=sys.stderr,
     )
     return 0
@@ -606,6 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k.add_argument("file", help="where to write the private key (mode 0600; never over an existing file)")
     k.add_argument("--name", help="the name written after the public key (default: the file's stem)")
+    k.add_argument("--show", action="store_true", help="print the public line of the key already in FILE")
     k.set_defaults(func=_keygen)
 
     n = sub.add_parser("node", help="run one training node", formatter_class=fmt)

@@ -90,6 +90,7 @@ class Coordinator(ThreadedService):
         self.token = self.config.service.token
         keys = self.config.service.allowed_keys
         self.allowed = identity.Allowed(keys) if keys is not None else None
+        self._keys_checked_at = 0.0
         self.membership = self._new_membership()
         self.office = Office(
             self.config.service,
@@ -501,6 +502,13 @@ class Coordinator(ThreadedService):
                 link.members.discard(gone.member)
                 self._session_ended(session)
 
+    def _check_keys(self, now: float) -> None:
+        """Once a second: members whose key was taken off ``--allowed-keys`` are expelled."""
+        if self.allowed is None or now < self._keys_checked_at + 1.0:
+            return
+        self._keys_checked_at = now
+        self._apply(self.membership.revoke(self.allowed.admits, now))
+
     def _check_relays(self, now: float) -> None:
         """A relay not heard from for half a lease (it sends ten batches a lease) is gone:
         its host died without closing the connection, or it froze, and its members' leases,
@@ -545,8 +553,9 @@ class Coordinator(ThreadedService):
         if self.allowed is not None and not self.allowed.admits(key):
             return (
                 f"its node key {key} (id {identity.key_id(key)}) is not among the job's allowed keys "
-                f"({self.allowed.path}): add the line `unbroken keygen` printed for it, or start it with "
-                "--key set to an admitted key"
+                f"({self.allowed.path}): make the node a key of its own with `unbroken keygen FILE`, add the "
+                "line it prints to that file, and start the node with --key FILE (a node without --key has "
+                "a key for its process alone)"
             )
         return None
 
@@ -706,6 +715,7 @@ class Coordinator(ThreadedService):
             try:
                 if not late:
                     self._check_relays(now)
+                    self._check_keys(now)
                     self._name_absent(now)
                     self._ask_who_vanished(now)
                 self._apply(self.membership.tick(now, expire=not late))

@@ -144,11 +144,16 @@ def create(path: Path) -> Ed25519PrivateKey:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
-        raise ConfigError(f"{path} exists: `unbroken keygen` never overwrites a key (remove it first)") from None
+        raise ConfigError(
+            f"{path} exists: `unbroken keygen` never overwrites a key (`unbroken keygen --show {path}` prints "
+            "its public line)"
+        ) from None
     except OSError as exc:
         raise ConfigError(f"cannot write the node key {path}: {exc.strerror or exc}") from None
     with os.fdopen(fd, "wb") as f:
         f.write(pem)
+    public = public_text(key)
+    log.info("made a new node key %s: %s (id %s; in no allow-list yet)", path, public, key_id(public))
     return key
 
 
@@ -186,6 +191,7 @@ class Allowed:
             self._stamp = stamp
             try:
                 self.keys = parse_allowed(self.path)
+                log.info("read %d allowed keys from %s", len(self.keys), self.path)
             except ConfigError as exc:
                 log.warning("the allowed keys were not read again (the keys read before stand): %s", exc)
         return public in self.keys

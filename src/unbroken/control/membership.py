@@ -33,7 +33,7 @@ import json
 import math
 import statistics
 from collections import deque
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -647,6 +647,17 @@ class Membership:
             self._trace(mid, now)  # its leaving bears out what the others report of the epoch
             why = f"{self.members[mid].name} left epoch {r.epoch} (its session lapsed)"
             self._want_epoch(now, urgent=True, reason=why, delay=0.0)
+
+    def revoke(self, keys: Callable[[str], bool], now: float) -> Decision:
+        """Members whose key ``keys`` no longer admits (taken off the allowed keys) are
+        expelled, as for a lapsed lease: the job goes on without them, and their rejoin is
+        refused."""
+        d = Decision()
+        for mid, m in list(self.members.items()):
+            if m.key and not keys(m.key):
+                d.expel[mid] = "its key was taken off the job's allowed keys"
+                d.merge(self.fail(mid, now, "its key was taken off the job's allowed keys"))
+        return d
 
     def leave(self, member_id: str, now: float, reason: str) -> Decision:
         m = self.members.get(member_id)

@@ -112,3 +112,15 @@ def test_a_relayed_knock_is_good_on_its_link_once_and_a_relays_signature_is_no_n
     signature = identity.sign(key, "c", "n", rid, role="relay")
     assert identity.verify(identity.public_text(key), signature, "c", "n", rid, role="relay") is None
     assert identity.verify(identity.public_text(key), signature, "c", "n", rid) is not None
+
+
+def test_members_whose_key_was_taken_off_are_expelled() -> None:
+    from unbroken.control.messages import Hello
+
+    ms = Membership(MembershipConfig(lease_s=1.0), now=0.0)
+    ka, kb = (identity.public_text(identity.ephemeral()) for _ in range(2))
+    for mid, key in (("a#1", ka), ("b#1", kb)):
+        hello = Hello(job="j", job_identity="i", fingerprint=[], member_id=mid, name=mid[0], batch_size=4)
+        assert ms.admit(hello, 0.0, key=key).refuse is None
+    d = ms.revoke(lambda key: key == ka, 1.0)
+    assert list(d.expel) == ["b#1"] and "taken off" in d.expel["b#1"] and list(ms.members) == ["a#1"]
