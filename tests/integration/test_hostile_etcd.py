@@ -124,6 +124,17 @@ def started(make_cluster, etcd, env, token: str | None, coordinators: int) -> An
     return c
 
 
+def training_under_a_leader(make_cluster, etcd, env: dict[str, str]) -> tuple[Any, int]:
+    """Two coordinators without a token and nodes a and b past step 10: the cluster and its leader."""
+    c = started(make_cluster, etcd, env, None, coordinators=2)
+    for name in ("a", "b"):
+        c.start_node(name)
+    c.wait_step(10, timeout=60)
+    old = c.leader()
+    assert old is not None
+    return c, old
+
+
 def led_by_another(c, old: int, timeout: float) -> int:
     (index,) = c.wait_for(lambda: [i for i in [c.leader()] if i is not None and i != old], timeout, "a standby to lead")
     return index
@@ -153,12 +164,7 @@ def test_a_lease_less_leader_key_does_not_stop_the_next_election(make_cluster, e
     """The leader's own record written back without its lease (no token: it cannot be told
     from the real one) would name a dead leader for ever; the standby takes over."""
     env = {"UB_TEST_STEPS": "300", "UB_TEST_DELAY_MS": "20"}
-    c = started(make_cluster, etcd, env, None, coordinators=2)
-    for name in ("a", "b"):
-        c.start_node(name)
-    c.wait_step(10, timeout=60)
-    old = c.leader()
-    assert old is not None
+    c, old = training_under_a_leader(make_cluster, etcd, env)
     key = leader_key(DEFAULT_ETCD_PREFIX)
     held = etcd_call(etcd.endpoints, lambda e: e.get(key))
     c.kill_coordinator(old)
@@ -175,12 +181,7 @@ def test_a_lease_less_leader_key_does_not_stop_the_next_election(make_cluster, e
 def test_a_forged_epoch_far_above_the_job_leaves_the_next_leader_its_epochs(make_cluster, etcd):
     """Without a token the record cannot be authenticated; its bound still holds."""
     env = {"UB_TEST_STEPS": "300", "UB_TEST_DELAY_MS": "20"}
-    c = started(make_cluster, etcd, env, None, coordinators=2)
-    for name in ("a", "b"):
-        c.start_node(name)
-    c.wait_step(10, timeout=60)
-    old = c.leader()
-    assert old is not None
+    c, old = training_under_a_leader(make_cluster, etcd, env)
     etcd_call(etcd.endpoints, lambda e: e.put(epoch_key(DEFAULT_ETCD_PREFIX), b'{"epoch": 2147483648, "term": 1}'))
     c.kill_coordinator(old)
     new = led_by_another(c, old, 20)
