@@ -109,7 +109,8 @@ def test_a_node_too_slow_to_train_validates_committed_state(make_cluster):
 
 
 def test_a_standby_replaces_a_killed_trainer_faster_than_a_cold_join(make_cluster):
-    env = {**BASE, "UB_TEST_STEPS": "260", "UB_TEST_BATCH": "30"}
+    # 700 steps: the late node's cold start took 5 s on a busy machine, and 260 had ended before it
+    env = {**BASE, "UB_TEST_STEPS": "700", "UB_TEST_BATCH": "30"}
     c = start(make_cluster, env, n=3, warm=False)  # the late node's join is timed from a cold start
     c.start_node("a")
     victim = c.start_node("b", fault="kill@allreduce:20")
