@@ -113,7 +113,7 @@ def test_every_checkpoint_corrupt_stops_a_lone_node_until_it_is_told_to_start_fr
 def test_a_node_whose_checkpoints_are_all_corrupt_joins_a_group_that_trains(make_cluster, tmp_path):
     """The group holds the state: a node with only corrupt checkpoints joins it, takes its
     state, and finishes with it (the corrupt files set aside)."""
-    env = {"UB_TEST_STEPS": "120", "UB_TEST_DELAY_MS": "20"}
+    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20"}  # b's start took 4 s on a busy machine
     ckpt = tmp_path / "ckpt"
     bad = corrupt_checkpoints(ckpt)
     c = make_cluster(env=env)
