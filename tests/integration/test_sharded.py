@@ -169,6 +169,37 @@ def test_a_restart_of_every_member_reads_the_ranges_from_the_checkpoint(make_clu
     assert all(torch.equal(from_files[k], got[k]) for k in got), "the shard files of step 60 are the finished model"
 
 
+def test_with_erasure_coded_checkpoints_a_lost_disk_loses_no_range(make_cluster: Any, tmp_path: Any) -> None:
+    """Each node checkpoints to a disk of its own, --fragments 2,1: every range lies on two
+    disks (its primary's and its buddy's). Every node killed and one disk lost: `unbroken
+    restore` from the other two puts the step together, and three new nodes finish the job
+    from it as one process would."""
+    env = ENV | {"UB_TEST_STEPS": "60"}
+    own = {f"n{i}": tmp_path / f"disk{i}" for i in (1, 2, 3)}
+    c = start(make_cluster, env, 3, coordinator_args=["--fragments", "2,1"])
+    for name, disk in own.items():
+        c.start_node(name, extra=["--checkpoint-dir", str(disk), "--checkpoint-every", "10"])
+    c.wait_for(lambda: all(len(list(d.glob("shard-000000020-*.pt"))) >= 2 for d in own.values()), 90, "step 20")
+    for node in c.nodes.values():
+        node.kill()
+    c.wait_exit(timeout=30)
+    shared = tmp_path / "shared"
+    rest = [a for d in (own["n1"], own["n3"]) for a in ("--from", str(d))]  # disk2 is gone
+    done = subprocess.run(
+        [sys.executable, "-m", "unbroken", "restore", *rest, "--to", str(shared)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    c2 = start(make_cluster, env, 3, coordinator_args=["--fragments", "2,1"])
+    for i in (1, 2, 3):
+        c2.start_node(f"m{i}", extra=["--checkpoint-dir", str(shared), "--checkpoint-every", "10"])
+    codes = c2.wait_exit(timeout=120)
+    assert codes == {"m1": 0, "m2": 0, "m3": 0}, c2.diagnostics()
+    assert [e for e in reshards(c2) if "checkpoint" in e["reason"]], reshards(c2)
+    got = assemble_files([n.final_state for n in c2.nodes.values()])
+    for name, want in reference_state(job_for(env)).items():
+        assert (got[name] - want).abs().max().item() <= ATOL, name
+
+
 def test_the_shard_flag_must_agree_and_its_refusal_names_it(make_cluster: Any) -> None:
     env = {k: v for k, v in ENV.items() if k != "UB_TEST_SHARD"} | {"UB_TEST_STEPS": "200"}
     c = start(make_cluster, env, 1)

@@ -1,54 +1,86 @@
 """Checkpoints of a sharded zone: each member writes its own range, and a restore re-shards
 to any number of members.
 
-A member writes only its primary range (values and optimizer state) to
-``shard-<step>-<start>-<end>.pt``; the buddy copies are the same bytes, written by their
-primaries. A restore looks for the newest step whose files cover the whole flat space
-and reads, for each range the new layout gives a member, the parts of the files that
-overlap it: ``n`` writers, ``m`` readers, any ``n`` and ``m``. Files are written under a
-temporary name and renamed, so a reader never sees half of one. Gathering the files of a
-job whose members wrote on their own disks into one directory is the caller's part (as
-`unbroken restore` gathers checkpoint fragments).
+A member writes its primary range (values and optimizer state) to
+``shard-<step>-<start>-<end>.pt``, with the digest of what it holds; with ``copies`` (a job
+that erasure-codes its checkpoints against lost disks, ``--fragments``) it also writes the
+ranges it is buddy for, so that every range lies on two members' disks and the loss of any
+one disk loses none (its other copy is the same bytes: the holders agree at every commit).
+A restore looks for the newest step whose files cover the whole flat space and reads, for
+each range the new layout gives a member, the parts of the files that overlap it: ``n``
+writers, ``m`` readers, any ``n`` and ``m``. Files are written under a temporary name and
+renamed, so a reader never sees half of one; a file whose bytes do not match its digest
+or its name is refused. `gather` picks a good copy of every range of one step from the
+members' own disks into one directory (``unbroken restore`` runs it).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from unbroken.comm.sharded import ShardedModel
+from unbroken.comm.sharded import ShardedModel, digest_of
 from unbroken.errors import TransferError
-from unbroken.state.directio import Temp
+from unbroken.state.directio import Temp, copy_file
 from unbroken.state.shards import Layout
 
 _NAME = re.compile(r"shard-(\d{9})-(\d{12})-(\d{12})\.pt")
 
 
-def save_shard(zone: ShardedModel, directory: Path, step: int) -> Path | None:
-    """Write this member's primary range at ``step``; None for a member without one (a spare)."""
-    shard = zone.layout.primary(zone.me)
-    if shard is None:
-        return None
-    part = zone.export(shard.start, shard.end)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"shard-{step:09d}-{shard.start:012d}-{shard.end:012d}.pt"
-    payload: dict[str, Any] = {"step": step, "numel": zone.layout.numel, "start": shard.start, "end": shard.end}
+def save_shard(zone: ShardedModel, directory: Path, step: int, *, copies: bool = False) -> list[Path]:
+    """Write this member's primary range at ``step`` (``copies``: and the ranges it is buddy
+    for); the paths written (none for a spare)."""
+    ranges = [s for s in zone.layout.shards if s.primary == zone.me or (copies and s.buddy == zone.me)]
+    if ranges:
+        directory.mkdir(parents=True, exist_ok=True)
     # What `unbroken assemble` needs to make a model of the files of one step.
-    payload |= {"spans": zone.spans(), "buffers": {n: b.detach().clone() for n, b in zone.model.named_buffers()}}
-    # Resolved here (the operator may name the directory through a link); no link planted
-    # in the directory redirects the write.
-    temp = Temp(directory.resolve(), path.name)
+    common: dict[str, Any] = {"step": step, "numel": zone.layout.numel, "spans": zone.spans()}
+    common["buffers"] = {n: b.detach().clone() for n, b in zone.model.named_buffers()}
+    written = []
+    for shard in ranges:
+        part = zone.export(shard.start, shard.end)
+        path = directory / f"shard-{step:09d}-{shard.start:012d}-{shard.end:012d}.pt"
+        payload = common | {"start": shard.start, "end": shard.end, "values": part["values"], "state": part["state"]}
+        payload["digest"] = digest_of(part["values"], part["state"])
+        # Resolved here (the operator may name the directory through a link); no link planted
+        # in the directory redirects the write. A range's two holders writing into one shared
+        # directory write the same bytes: the second rename replaces the first whole.
+        temp = Temp(directory.resolve(), path.name)
+        try:
+            with open(temp.fd, "wb", closefd=False) as f:
+                torch.save(payload, f)
+            temp.commit()
+        except BaseException:
+            temp.discard()
+            raise
+        written.append(path)
+    return written
+
+
+def read_shard(path: Path) -> dict[str, Any]:
+    """A shard file's contents, checked against its name and its digest.
+
+    Raises:
+        TransferError: unreadable, not a shard file, of another step or range than its name
+            says, or bytes that are not the ones written (bit rot, a truncated copy).
+    """
+    m = _NAME.fullmatch(path.name)
+    if m is None:
+        raise TransferError(f"{path} is not named as a shard file (shard-STEP-START-END.pt)")
     try:
-        with open(temp.fd, "wb", closefd=False) as f:
-            torch.save(payload | {"values": part["values"], "state": part["state"]}, f)
-        temp.commit()
-    except BaseException:
-        temp.discard()
-        raise
-    return path
+        data: dict[str, Any] = torch.load(path, weights_only=True)
+        said = (int(data["step"]), int(data["start"]), int(data["end"]))
+    except Exception as exc:  # torch.load raises what the bytes lead it to: all mean "not a good file"
+        raise TransferError(f"{path} cannot be read as a shard file ({type(exc).__name__}: {exc})") from exc
+    if said != (int(m[1]), int(m[2]), int(m[3])):
+        raise TransferError(f"{path} holds step {said[0]} [{said[1]}, {said[2]}), not what its name says")
+    if "digest" in data and digest_of(data["values"], data["state"]) != data["digest"]:
+        raise TransferError(f"{path}: its values and optimizer state do not match the digest written with them")
+    return data
 
 
 def complete_steps(directory: Path, numel: int) -> list[int]:
@@ -108,11 +140,9 @@ def restore_shards(zone: ShardedModel, directory: Path, layout: Layout, me: str,
         start, end = int(m[2]), int(m[3])
         if not any(max(a, start) < min(b, end) for a, b in wanted):
             continue
-        data: dict[str, Any] = torch.load(f, weights_only=True)
-        if (data["step"], data["start"], data["end"], data["numel"]) != (step, start, end, layout.numel):
-            raise TransferError(
-                f"{f} holds step {data['step']} [{data['start']}, {data['end']}), not what its name says"
-            )
+        data = read_shard(f)
+        if int(data["numel"]) != layout.numel:
+            raise TransferError(f"{f} is of a {int(data['numel']):,}-element model, not of {layout.numel:,}")
         state = data["state"]
         flat = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
         counts |= {k: torch.as_tensor(v) for k, v in state.items() if k not in flat}
@@ -120,3 +150,58 @@ def restore_shards(zone: ShardedModel, directory: Path, layout: Layout, me: str,
     stepped = any(len(bufs) > 1 for _, _, bufs in pieces)  # moments saved: the optimizer had stepped
     zone.load(layout, me, pieces, counts if stepped else None)
     return step
+
+
+def gather(directories: Iterable[Path], into: Path, step: int | None = None) -> tuple[int, list[Path], list[str]]:
+    """Copy a good copy of every range of the newest step (or ``step``) whose shard files in
+    ``directories`` cover the whole state into ``into``; that step, the files written, and
+    what was wrong on the way (a copy that failed its check, a step left uncovered).
+
+    Raises:
+        TransferError: no step is covered by good files (``step``'s, where given).
+    """
+    found: dict[int, dict[tuple[int, int], list[Path]]] = {}
+    for d in directories:
+        for f in sorted(d.glob("shard-*.pt")) if d.is_dir() else ():
+            if (m := _NAME.fullmatch(f.name)) is not None:
+                found.setdefault(int(m[1]), {}).setdefault((int(m[2]), int(m[3])), []).append(f)
+    notes: list[str] = []
+    for at in sorted(found, reverse=True):
+        if step is not None and at != step:
+            continue
+        good: dict[tuple[int, int], Path] = {}
+        numel = 0
+        for span, copies in sorted(found[at].items()):
+            for f in copies:
+                try:
+                    numel = max(numel, int(read_shard(f)["numel"]))
+                except TransferError as exc:
+                    notes.append(f"{exc}: another copy is tried")
+                    continue
+                good[span] = f
+                break
+        if not good:
+            notes.append(f"step {at}: no shard file of it can be read")
+            continue
+        if gaps := _gaps(good, numel):
+            notes.append(f"step {at}: no good copy of {', '.join(f'[{a:,}, {b:,})' for a, b in gaps)}")
+            continue
+        into.mkdir(parents=True, exist_ok=True)
+        written = [copy_file(f, into) for f in good.values()]
+        return at, written, notes
+    which = "no step" if step is None else f"step {step}"
+    raise TransferError(
+        f"{which} has good shard files covering the whole state in the directories given: " + "; ".join(notes)
+    )
+
+
+def _gaps(good: dict[tuple[int, int], Path], numel: int) -> Sequence[tuple[int, int]]:
+    """The parts of ``[0, numel)`` the ranges of ``good`` leave uncovered."""
+    out, at = [], 0
+    for start, end in sorted(good):
+        if start > at:
+            out.append((at, start))
+        at = max(at, end)
+    if at < numel:
+        out.append((at, numel))
+    return out

@@ -482,13 +482,7 @@ class ShardedModel:
         """A digest of the values and optimizer state of ``[start, end)`` (a primary's and its
         buddy's must be equal after every committed step)."""
         part = self.export(start, end)
-        h = xxhash.xxh3_128()
-        h.update(part["values"].numpy().tobytes())
-        for key in sorted(part["state"]):
-            value = part["state"][key]
-            h.update(key.encode())
-            h.update(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
-        return h.hexdigest()
+        return digest_of(part["values"], part["state"])
 
     def digests(self) -> dict[tuple[int, int], str]:
         """Each held range's digest."""
@@ -656,3 +650,15 @@ class ShardedModel:
                     if not per_element(v, piece.tensor)
                 }
         return {}
+
+
+def digest_of(values: torch.Tensor, state: Mapping[str, Any]) -> str:
+    """The digest of a range's values and optimizer state (`ShardedModel.export`'s form):
+    what its holders compare, and what a shard file is checked against when read."""
+    h = xxhash.xxh3_128()
+    h.update(values.numpy().tobytes())
+    for key in sorted(state):
+        value = state[key]
+        h.update(key.encode())
+        h.update(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
+    return h.hexdigest()

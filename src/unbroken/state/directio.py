@@ -24,6 +24,7 @@ import mmap
 import os
 import re
 import secrets
+import shutil
 import socket
 import stat
 import time
@@ -212,6 +213,24 @@ def open_read(path: Path) -> BinaryIO:
     """``path`` open for reading, refused (``ELOOP``) where it is a symbolic link: a
     checkpoint is read from its directory, not from wherever a link planted there points."""
     return open(path, "rb", opener=lambda p, flags: os.open(p, flags | NOFOLLOW | CLOEXEC))
+
+
+def copy_file(source: Path, directory: Path) -> Path:
+    """``source`` copied into ``directory`` under its own name, whole or not at all (`Temp`;
+    ``source`` not followed where it is a link: `open_read`); the copy's path. A file copied
+    onto itself is left as it is."""
+    final = directory / source.name
+    if final.resolve() == source.resolve():
+        return final
+    temp = Temp(directory.resolve(), source.name)
+    try:
+        with open_read(source) as src, open(temp.fd, "wb", closefd=False) as dst:
+            shutil.copyfileobj(src, dst)
+        temp.commit()
+    except BaseException:
+        temp.discard()
+        raise
+    return final
 
 
 def read_file(path: Path, limit: int) -> bytes:

@@ -217,11 +217,12 @@ class Records:
 
     def save_shard(self, step: int) -> None:
         """A sharded member's primary range at ``step`` (every member writes its own, with
-        each checkpoint); a failure is reported, and training goes on."""
+        each checkpoint; where checkpoints are erasure-coded against lost disks, the ranges it
+        is buddy for too); a failure is reported, and training goes on."""
         node = self.node
         assert node.zone is not None and node.config.checkpoint_dir is not None
         try:
-            node.zone.save(Path(node.config.checkpoint_dir), step)
+            node.zone.save(Path(node.config.checkpoint_dir), step, copies=self.fragments is not None)
         except OSError as exc:
             self.report(Kind.CHECKPOINT_FAILED, f"the range of step {step} could not be written: {exc}")
 

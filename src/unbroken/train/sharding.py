@@ -465,14 +465,15 @@ class ShardedZone:
         except TransferError as exc:
             raise JobHalted(f"the group resumes at step {step}, but its ranges cannot be read: {exc}") from exc
 
-    def save(self, directory: Path, step: int) -> None:
-        """This member's primary range at ``step`` into ``directory`` (with a checkpoint); the
+    def save(self, directory: Path, step: int, *, copies: bool = False) -> None:
+        """This member's primary range at ``step`` into ``directory`` (with a checkpoint;
+        ``copies``: the ranges it is buddy for too, so that each range lies on two disks); the
         files of steps older than the `KEEP` newest complete ones go (every member's: those
         steps are superseded).
 
         Raises:
             OSError: the file could not be written."""
-        save_shard(self.ready, directory, step)
+        save_shard(self.ready, directory, step, copies=copies)
         prune_shards(directory, self.numel, KEEP)
 
     def restorable(self, directory: Path) -> Callable[[int], str | None]:

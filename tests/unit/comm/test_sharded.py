@@ -311,8 +311,8 @@ def test_each_member_writes_its_range_and_a_restore_reshards_to_another_number_o
     members = list(WEIGHTS)
     zones, models, _ = start(members)
     train_steps(zones, models, members, range(3))
-    written = [save_shard(zones[m], tmp_path, 3) for m in members]
-    assert all(p is not None for p in written) and len(set(written)) == 4
+    written = [path for m in members for path in save_shard(zones[m], tmp_path, 3)]
+    assert len(set(written)) == 4, written  # its primary range alone, without copies
     stay = ["x", "y", "z"]  # three new processes, other memory: another layout
     numel = zones["a"].layout.numel
     layout = layout_for(numel, {"x": 1, "y": 3, "z": 2})
@@ -327,6 +327,6 @@ def test_each_member_writes_its_range_and_a_restore_reshards_to_another_number_o
         out = run(stay, lambda m, s=step: train(again[m], fresh[m], s, slices, m))
         assert not any(isinstance(v, BaseException) for v in out.values()), out
     assert_matches(again, reference(STEPS))
-    written[1].unlink()  # type: ignore[union-attr]
+    written[1].unlink()
     with pytest.raises(TransferError, match="no step's shard files"):
         restore_shards(again["x"], tmp_path, layout, "x")
