@@ -148,3 +148,16 @@ def test_the_api_reference_covers_each_public_name(name: str) -> None:
     by_module = home in modules and home != "unbroken" and hasattr(importlib.import_module(home), name)
     by_object = any(target.rsplit(".", 1)[-1] == name and target.startswith(f"{home}.") for target in objects)
     assert by_module or by_object, f"unbroken.{name} (from {home}) is in no `:::` directive under docs/api/"
+
+
+PATH_IN_REPO = re.compile(r"(?<![\w/.])((?:bench|examples|scripts|tests|src)/[\w./*-]*[\w*])")
+
+
+def test_every_file_of_the_repository_the_docs_name_exists() -> None:
+    missing = [
+        f"{page.relative_to(ROOT)}: {path}"
+        for page in _pages()
+        for path in PATH_IN_REPO.findall(page.read_text(encoding="utf-8"))
+        if not any(ROOT.glob(path))
+    ]
+    assert missing == [], "\n".join(missing)
