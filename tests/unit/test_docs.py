@@ -2,8 +2,8 @@
 
 The README is the front page: at most 300 lines, every relative link (and its anchor) pointing
 at something that exists. The site's pages name only `unbroken` commands and options that the
-CLI has, and the API reference covers every name of `unbroken.__all__`. Broken links inside
-the site itself fail `mkdocs build --strict` (scripts/check).
+CLI has and files the repository holds, and the API reference covers every name of
+`unbroken.__all__`. Broken links inside the site itself fail `mkdocs build --strict` (scripts/check).
 """
 
 from __future__ import annotations
