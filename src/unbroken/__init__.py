@@ -1,7 +1,7 @@
 """unbroken: training that does not stop.
 
 Train one PyTorch model on many unreliable, unequal machines; keep going while they crash,
-hang, leave and join, with no lost, repeated or diverging step. See DESIGN.md for the
+hang, leave and join, with no lost, repeated or diverging step. See docs/design.md for the
 promises and README.md for the quick start.
 """
 

@@ -32,7 +32,7 @@ def job_for(env: dict[str, str]) -> Any:
 
 
 def assert_promises(c: LocalCluster, env: dict[str, str], finishers: int, reference: bool = True) -> None:
-    """Promises of DESIGN.md §1 on every node's log, and the final model against the
+    """Promises of docs/design.md on every node's log, and the final model against the
     reference (unless ``reference`` is False: for a model whose training is so sensitive
     that float summation order alone moves it further than ``ATOL``)."""
     job = job_for(env)

@@ -1,4 +1,4 @@
-"""Real node processes, real signals; every test asserts the promises of DESIGN.md §1."""
+"""Real node processes, real signals; every test asserts the promises of docs/design.md."""
 
 from __future__ import annotations
 

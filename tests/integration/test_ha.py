@@ -1,6 +1,6 @@
 """No single point of failure: coordinators elected through a real 3-member etcd cluster.
 
-Every test asserts the promises of DESIGN.md §1 on the nodes' logs, and that what the
+Every test asserts the promises of docs/design.md on the nodes' logs, and that what the
 nodes followed came from the leader of the newest term they had seen.
 """
 

@@ -1,7 +1,7 @@
 """Hostile peers and careless use against a live job (issue: trust nothing a peer says).
 
 Each test attacks a running job of real node processes the way a probe of a live job did,
-and asserts that the job keeps committing and every promise of DESIGN.md §1 holds.
+and asserts that the job keeps committing and every promise of docs/design.md holds.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ a node's --checkpoint-dir, or whatever a crash or bit rot leaves there, must nei
 node write outside it, nor crash its start, nor start a job over silently.
 
 Each test runs real node processes against a real coordinator and asserts the promises
-(DESIGN.md §1, 6 and 9) on what they logged.
+(docs/design.md, promises 6 and 9) on what they logged.
 """
 
 from __future__ import annotations

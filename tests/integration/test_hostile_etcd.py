@@ -2,7 +2,7 @@
 
 A hostile hand with write access to the job's etcd prefix (etcd without authentication)
 forges the records the job keeps there; each test asserts that the job keeps electing,
-forming epochs and committing, with every promise of DESIGN.md §1. The last test runs a
+forming epochs and committing, with every promise of docs/design.md. The last test runs a
 job through an etcd that admits only clients with a certificate.
 """
 

@@ -3,7 +3,7 @@ first messages of megabytes, an event log that takes no writes (issue 39).
 
 An outsider is anyone who reaches the coordinator's port without the job's token. Each
 test attacks a running job of real node processes and asserts that the job loses nothing:
-it keeps committing, members join, ``/healthz`` answers, every promise of DESIGN.md §1
+it keeps committing, members join, ``/healthz`` answers, every promise of docs/design.md
 holds. The attackers connect from 127.0.0.2, another loopback address, so that the caps
 per address are theirs alone, as an outsider's would be on a network.
 """

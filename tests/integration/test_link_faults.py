@@ -1,5 +1,5 @@
 """Real link faults (root only): every node in its own network namespace, one link cut for
-two seconds, another capped at 2 Mbit/s; the promises of DESIGN.md §1 must still hold."""
+two seconds, another capped at 2 Mbit/s; the promises of docs/design.md must still hold."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Thirty-two real node processes in four zones, each zone behind its relay: five are
-killed and two join while they train, and every promise of DESIGN.md §1 holds."""
+killed and two join while they train, and every promise of docs/design.md holds."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """A small asyncio client for etcd's v3 JSON gateway (``POST /v3/...``), over aiohttp.
 
 etcd holds who leads a job, the leader's term and small epoch records; heartbeats and
-reports never go through it (DESIGN.md §2). The gateway ships with every etcd server, so
-this needs no gRPC stack: a handful of calls, each with a deadline, tried on every
-endpoint in turn until one answers (a cluster member that is down costs one connection
-refusal, not the call).
+reports never go through it (docs/design.md, the control plane). The gateway ships with
+every etcd server, so this needs no gRPC stack: a handful of calls, each with a deadline,
+tried on every endpoint in turn until one answers (a cluster member that is down costs one
+connection refusal, not the call).
 
 Keys and values are bytes on the wire as base64, as the gateway wants them; revisions and
 lease ids travel as decimal strings.

@@ -12,7 +12,7 @@ proves that a holder of the job's token wrote it, for this key of this prefix; a
 record also names the lease it was written under, so an old genuine record written back
 later (a replay) does not match the key's lease. Without a token, records cannot be
 authenticated: they are still checked for shape, lease and bounds, and etcd itself must
-keep outsiders out (``--etcd-cacert/--etcd-cert/--etcd-key``; README, etcd).
+keep outsiders out (``--etcd-cacert/--etcd-cert/--etcd-key``; docs/ops/coordinators.md).
 """
 
 from __future__ import annotations

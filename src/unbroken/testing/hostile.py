@@ -9,7 +9,7 @@ nothing to either.
 The rest are insiders: they hold the job token and keys of their own, and say the job's
 true hello (`hello_for`). `Churner` rejoins under fresh member ids as fast as it can,
 `Impersonator` says hello as a member in training, `FalseDone` has sessions say the job is
-done with a state nobody trained. Each member is itself (DESIGN.md §1, promise 8): none of
+done with a state nobody trained. Each member is itself (docs/design.md, promise 8): none of
 them may cost the honest members more than a share of their commits.
 """
 

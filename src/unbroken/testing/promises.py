@@ -1,4 +1,4 @@
-"""Check the promises of DESIGN.md §1 from the nodes' commit logs.
+"""Check the promises of docs/design.md from the nodes' commit logs.
 
 Each node appends JSON lines: ``contrib`` (its slice of a step, before the all-reduce),
 ``commit`` (after the optimizer step; ``step`` is the new committed step), ``sync`` (state

@@ -286,7 +286,7 @@ class DiLoCo:
             grad *= LIES[lie]
 
     def _check_outer(self, what: str) -> None:
-        """Refuse an outer step that a zone leader's pseudo-gradient spoiled (DESIGN.md §1,
+        """Refuse an outer step that a zone leader's pseudo-gradient spoiled (docs/design.md,
         promise 8) before anything is applied, as a step's sum is checked (`check_sum`):
         each leader's norm against its zone's samples (a zone's other members send none)."""
         p = self.node.protocol
