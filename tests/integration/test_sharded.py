@@ -174,12 +174,22 @@ def test_with_erasure_coded_checkpoints_a_lost_disk_loses_no_range(make_cluster:
     disks (its primary's and its buddy's). Every node killed and one disk lost: `unbroken
     restore` from the other two puts the step together, and three new nodes finish the job
     from it as one process would."""
-    env = ENV | {"UB_TEST_STEPS": "60"}
+    env = ENV | {"UB_TEST_STEPS": "150"}
     own = {f"n{i}": tmp_path / f"disk{i}" for i in (1, 2, 3)}
     c = start(make_cluster, env, 3, coordinator_args=["--fragments", "2,1"])
     for name, disk in own.items():
         c.start_node(name, extra=["--checkpoint-dir", str(disk), "--checkpoint-every", "10"])
-    c.wait_for(lambda: all(len(list(d.glob("shard-000000020-*.pt"))) >= 2 for d in own.values()), 90, "step 20")
+
+    def on_every_disk() -> bool:
+        """A checkpoint of all three (on a busy machine one may be out for a while): each
+        disk holds its primary range, the one it is buddy for, and its fragment."""
+        steps = [{f.name[6:15] for f in d.glob("shard-*.pt")} for d in own.values()]
+        return any(
+            all(len(list(d.glob(f"shard-{s}-*.pt"))) >= 2 and (d / f"frag-{s}.json").exists() for d in own.values())
+            for s in set.intersection(*steps)
+        )
+
+    c.wait_for(on_every_disk, 120, "a checkpoint on every disk")
     for node in c.nodes.values():
         node.kill()
     c.wait_exit(timeout=30)

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from unbroken.comm.sharded import ShardedModel, digest_of
+from unbroken.comm.reshard import digest_of
+from unbroken.comm.sharded import ShardedModel
 from unbroken.errors import TransferError
 from unbroken.state.directio import Temp, copy_file
 from unbroken.state.shards import Layout

@@ -41,14 +41,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import xxhash
 from torch import nn
 
 from unbroken.comm.blocks import (
     Block,
     Holding,
     Piece,
-    as_flat,
     blocks_of,
     fill,
     free,
@@ -56,7 +54,8 @@ from unbroken.comm.blocks import (
     refuse_running_statistics,
     tensors_of,
 )
-from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable, wait_all
+from unbroken.comm.group import EpochScope, ProcessGroup, wait_all
+from unbroken.comm.reshard import digest_of, exchange_ranges, shared_state, state_layout
 from unbroken.errors import CollectiveFailed, ConfigError, EpochAborted, TransferError
 from unbroken.state.shards import Layout, Plan, Purpose
 
@@ -523,44 +522,7 @@ class ShardedModel:
         Raises:
             TransferError: missing ranges, or a transfer that failed.
         """
-        if plan.missing:
-            lost = ", ".join(f"[{x.start}, {x.end})" for x in plan.missing)
-            raise TransferError(f"ranges {lost} lost both holders: they must come from another zone or a checkpoint")
-        elements, scalars = self._state_layout()
-        stepped = self._stepped()
-        names = ["values", *elements, "scalars"]
-        sends, receives = [], []
-        incoming: list[tuple[int, int, dict[str, torch.Tensor]]] = []
-        for tag, t in enumerate(plan.transfers):
-            n = t.end - t.start
-            if t.source == me:
-                part = self.export(t.start, t.end)
-                st = part["state"]
-                tensors = [part["values"], *(as_flat(st.get(k), n) for k in elements)]
-                # First whether the optimizer has stepped (SGD's momentum has no count to say so).
-                flags = [1.0 if stepped else 0.0, *(float(st[k]) if stepped else 0.0 for k in scalars)]
-                tensors.append(torch.tensor(flags, dtype=torch.float64))
-                for i, x in enumerate(tensors):
-                    sends.append(group.send([x.contiguous()], ranks[t.destination], tag * 16 + i))
-            if t.destination == me:
-                bufs = {k: torch.empty(n) for k in ["values", *elements]}
-                bufs["scalars"] = torch.empty(1 + len(scalars), dtype=torch.float64)
-                for i, k in enumerate(names):
-                    receives.append(group.recv([bufs[k]], ranks[t.source], tag * 16 + i))
-                incoming.append((t.start, t.end, bufs))
-        self.abandon()
-        works = sends + receives  # gloo's point-to-point works have no future: waited on a thread
-        run_abortable(lambda: [w.wait() for w in works], scope, "re-sharding the zone's state")
-        counts: dict[str, Any] | None = None
-        if stepped:
-            counts = self._scalars()
-        elif incoming and float(incoming[0][2]["scalars"][0]) > 0:
-            values = incoming[0][2]["scalars"].tolist()[1:]
-            counts = {k: torch.tensor(float(v)) for k, v in zip(scalars, values, strict=True)}
-        for h in self.holdings:  # what it keeps of its own: taken as a piece like any other
-            part = self.export(h.start, h.end)
-            kept = {"values": part["values"], **{k: as_flat(part["state"].get(k), h.end - h.start) for k in elements}}
-            incoming.append((h.start, h.end, kept))
+        incoming, counts = exchange_ranges(self, plan, me, ranks, group, scope)
         self.load(plan.new, me, incoming, counts)
         old = self.group
         self.layout, self.me, self.ranks, self.group, self.scope = plan.new, me, dict(ranks), group, scope
@@ -581,7 +543,7 @@ class ShardedModel:
         Raises:
             TransferError: the pieces leave part of a held range uncovered.
         """
-        elements, _ = self._state_layout()
+        elements, _ = self.state_layout()
         rebuilt = []
         for s, purpose in self._held(layout, me):
             flat = torch.full((s.end - s.start,), float("nan"))
@@ -610,11 +572,6 @@ class ShardedModel:
                     self.optimizer.state[piece.tensor] = entry
         self.layout, self.me = layout, me
 
-    def counts(self) -> dict[str, torch.Tensor] | None:
-        """The optimizer's state shared by every element (its step count), as `load` takes
-        it: None before the first step."""
-        return self._scalars() if self._stepped() else None
-
     def regroup(self, ranks: Mapping[str, int], group: ProcessGroup, scope: EpochScope) -> ProcessGroup:
         """Go on with the same layout on another group (after a re-shard whose group still
         held the members that left gracefully to send their ranges). Returns the group left,
@@ -623,42 +580,13 @@ class ShardedModel:
         self.ranks, self.group, self.scope = dict(ranks), group, scope
         return old
 
-    def _state_layout(self) -> tuple[list[str], list[str]]:
-        """The optimizer's state keys, per element (Adam's moments) and shared (its step
-        count), found by stepping a fresh one on a probe: every member finds the same,
-        whatever it holds (a spare holds nothing to look at)."""
-        probe = torch.zeros(2, requires_grad=False)
-        probe.grad = torch.ones(2)
-        opt = self.make_optimizer([dict(self._group_settings[0], params=[probe])])
-        opt.step()
-        state = opt.state[probe]
-        elements = sorted(k for k, v in state.items() if per_element(v, probe))
-        scalars = sorted(k for k, v in state.items() if not per_element(v, probe))
-        return elements, scalars
+    def state_layout(self) -> tuple[list[str], list[str]]:
+        """The optimizer's state keys, per element and shared (`reshard.state_layout`)."""
+        return state_layout(self.make_optimizer, self._group_settings[0])
 
-    def _stepped(self) -> bool:
+    def stepped(self) -> bool:
         return any(self.optimizer.state.get(p.tensor) for p in self._pieces())
 
-    def _scalars(self) -> dict[str, Any]:
+    def shared_state(self) -> dict[str, Any]:
         """Optimizer state shared by every element (Adam's step count), from any piece."""
-        for piece in self._pieces():
-            entry = self.optimizer.state.get(piece.tensor)
-            if entry:
-                return {
-                    k: (v.clone() if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
-                    for k, v in entry.items()
-                    if not per_element(v, piece.tensor)
-                }
-        return {}
-
-
-def digest_of(values: torch.Tensor, state: Mapping[str, Any]) -> str:
-    """The digest of a range's values and optimizer state (`ShardedModel.export`'s form):
-    what its holders compare, and what a shard file is checked against when read."""
-    h = xxhash.xxh3_128()
-    h.update(values.numpy().tobytes())
-    for key in sorted(state):
-        value = state[key]
-        h.update(key.encode())
-        h.update(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
-    return h.hexdigest()
+        return shared_state(self.optimizer, [piece.tensor for piece in self._pieces()])

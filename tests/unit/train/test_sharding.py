@@ -17,7 +17,8 @@ from unbroken.comm.group import EpochScope
 from unbroken.errors import ConfigError, JobHalted
 from unbroken.job import Job, Sharding
 from unbroken.state.shards import Layout, layout_for
-from unbroken.train.sharding import Report, ShardedZone, assemble, decide, decode, encode
+from unbroken.train.shard_reports import Report, decide, decode, encode
+from unbroken.train.sharding import ShardedZone, assemble
 
 NUMEL = 1000
 OLD = layout_for(NUMEL, {"a": 4, "b": 4, "c": 4, "d": 4})

@@ -1,0 +1,115 @@
+"""The transfers of a sharded zone's re-shard (`ShardedModel.reshard`): what this member
+sends of the ranges it holds (values, per-element optimizer state, and whether and how far
+the optimizer has stepped) and what it receives, over the survivors' group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import xxhash
+
+from unbroken.comm.blocks import as_flat, per_element
+from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable
+from unbroken.errors import TransferError
+from unbroken.state.shards import Plan
+
+if TYPE_CHECKING:
+    from unbroken.comm.sharded import ShardedModel
+
+Pieces = list[tuple[int, int, dict[str, torch.Tensor]]]
+
+
+def exchange_ranges(
+    zone: ShardedModel, plan: Plan, me: str, ranks: Mapping[str, int], group: ProcessGroup, scope: EpochScope
+) -> tuple[Pieces, dict[str, Any] | None]:
+    """Carry out ``plan``'s transfers for ``me``: the pieces it will hold (received, and
+    what it keeps of its own) and the optimizer's shared state (None: never stepped). The
+    step in flight is abandoned first (`ShardedModel.abandon`).
+
+    Raises:
+        TransferError: ranges both of whose holders died (``plan.missing``), or a transfer
+            that failed.
+    """
+    if plan.missing:
+        lost = ", ".join(f"[{x.start}, {x.end})" for x in plan.missing)
+        raise TransferError(f"ranges {lost} lost both holders: they must come from another zone or a checkpoint")
+    elements, scalars = zone.state_layout()
+    stepped = zone.stepped()
+    names = ["values", *elements, "scalars"]
+    sends, receives = [], []
+    incoming: list[tuple[int, int, dict[str, torch.Tensor]]] = []
+    for tag, t in enumerate(plan.transfers):
+        n = t.end - t.start
+        if t.source == me:
+            part = zone.export(t.start, t.end)
+            st = part["state"]
+            tensors = [part["values"], *(as_flat(st.get(k), n) for k in elements)]
+            # First whether the optimizer has stepped (SGD's momentum has no count to say so).
+            flags = [1.0 if stepped else 0.0, *(float(st[k]) if stepped else 0.0 for k in scalars)]
+            tensors.append(torch.tensor(flags, dtype=torch.float64))
+            for i, x in enumerate(tensors):
+                sends.append(group.send([x.contiguous()], ranks[t.destination], tag * 16 + i))
+        if t.destination == me:
+            bufs = {k: torch.empty(n) for k in ["values", *elements]}
+            bufs["scalars"] = torch.empty(1 + len(scalars), dtype=torch.float64)
+            for i, k in enumerate(names):
+                receives.append(group.recv([bufs[k]], ranks[t.source], tag * 16 + i))
+            incoming.append((t.start, t.end, bufs))
+    zone.abandon()
+    works = sends + receives  # gloo's point-to-point works have no future: waited on a thread
+    run_abortable(lambda: [w.wait() for w in works], scope, "re-sharding the zone's state")
+    counts: dict[str, Any] | None = None
+    if stepped:
+        counts = zone.shared_state()
+    elif incoming and float(incoming[0][2]["scalars"][0]) > 0:
+        values = incoming[0][2]["scalars"].tolist()[1:]
+        counts = {k: torch.tensor(float(v)) for k, v in zip(scalars, values, strict=True)}
+    for h in zone.holdings:  # what it keeps of its own: taken as a piece like any other
+        part = zone.export(h.start, h.end)
+        kept = {"values": part["values"], **{k: as_flat(part["state"].get(k), h.end - h.start) for k in elements}}
+        incoming.append((h.start, h.end, kept))
+    return incoming, counts
+
+
+def state_layout(
+    make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer], settings: Mapping[str, Any]
+) -> tuple[list[str], list[str]]:
+    """The optimizer's state keys, per element (Adam's moments) and shared (its step count),
+    found by stepping a fresh one with ``settings`` on a probe: every member finds the same,
+    whatever it holds (a spare holds nothing to look at)."""
+    probe = torch.zeros(2, requires_grad=False)
+    probe.grad = torch.ones(2)
+    opt = make_optimizer([dict(settings, params=[probe])])
+    opt.step()
+    state = opt.state[probe]
+    elements = sorted(k for k, v in state.items() if per_element(v, probe))
+    scalars = sorted(k for k, v in state.items() if not per_element(v, probe))
+    return elements, scalars
+
+
+def shared_state(optimizer: torch.optim.Optimizer, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """The optimizer's state shared by every element (Adam's step count), from the first of
+    ``tensors`` it holds state for; empty where it holds none."""
+    for tensor in tensors:
+        entry = optimizer.state.get(tensor)
+        if entry:
+            return {
+                k: (v.clone() if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
+                for k, v in entry.items()
+                if not per_element(v, tensor)
+            }
+    return {}
+
+
+def digest_of(values: torch.Tensor, state: Mapping[str, Any]) -> str:
+    """The digest of a range's values and optimizer state (`ShardedModel.export`'s form):
+    what its holders compare, and what a shard file is checked against when read."""
+    h = xxhash.xxh3_128()
+    h.update(values.numpy().tobytes())
+    for key in sorted(state):
+        value = state[key]
+        h.update(key.encode())
+        h.update(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
+    return h.hexdigest()
