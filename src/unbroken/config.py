@@ -119,6 +119,29 @@ class ServiceConfig:
         check_range("ServiceConfig", "port", self.port, 0, 65535)
         check_range("ServiceConfig", "max_message_bytes", self.max_message_bytes, 1024)
 
+    def security(self) -> str:
+        """Who may do what, in one line for the coordinator's start: what an operator should
+        see before exposing the port."""
+        loopback = self.host in ("127.0.0.1", "localhost", "::1")
+        if self.token:
+            who = "nodes proving the job's token"
+        elif loopback:
+            who = "anyone on this machine (no token)"
+        else:
+            who = f"ANYONE who reaches {self.host}:{self.port} (no token: give --token-file)"
+        keys = f"keys listed in {self.allowed_keys}, one member each" if self.allowed_keys else "any key"
+        wire = "TLS" if self.tls_cert else "plain TCP (readable on the way: give --tls-cert/--tls-key)"
+        if self.token:
+            acts = "with the token"
+        elif self.open_control:
+            acts = "from this machine (--open-control)"
+        else:
+            acts = "none (no token)"
+        etcd = ""
+        if self.etcd:
+            etcd = ", etcd over TLS" if self.etcd_tls else ", etcd unencrypted and unauthenticated (access-control it)"
+        return f"security: joins: {who}, {keys}; wire: {wire}; operator actions: {acts}{etcd}"
+
 
 @dataclass(frozen=True)
 class MembershipConfig:

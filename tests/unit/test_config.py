@@ -175,3 +175,14 @@ def test_a_typed_policy_checks_its_parts_as_the_flags_are(policy: Callable[[], P
 
 def test_robust_rules_without_a_value_take_their_default() -> None:
     assert Rule("clip") == Rule("clip", 2.0) and Rule("trimmed") == Rule("trimmed", 0.25)
+
+
+def test_the_security_line_says_who_may_join_and_warns_where_anyone_may(tmp_path: Path) -> None:
+    assert "anyone on this machine" in ServiceConfig().security()
+    wide = ServiceConfig(host="0.0.0.0").security()
+    assert "ANYONE who reaches 0.0.0.0:29400" in wide and "--token-file" in wide and "plain TCP" in wide
+    allowed = tmp_path / "allowed"
+    tight = ServiceConfig(host="0.0.0.0", token="s3cret", allowed_keys=allowed).security()
+    assert "token" in tight and str(allowed) in tight and "ANYONE" not in tight and "with the token" in tight
+    assert "s3cret" not in tight
+    assert "unauthenticated" in ServiceConfig(etcd=("http://127.0.0.1:2379",)).security()

@@ -112,6 +112,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         print(
             f"unbroken coordinator on {url}  (dashboard: {url}/, state: {url}/api/state)", file=sys.stderr, flush=True
         )
+        print(config.service.security(), file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, coord.stop_nowait)
@@ -184,7 +185,7 @@ async def _exit_with_parent(coord: Any) -> None:
 
 def _keygen(args: argparse.Namespace) -> int:
     path = Path(args.file)
-    key = identity.load_or_create(path) if args.show and path.exists() else identity.create(path)
+    key = identity.load_or_create(path, private=False) if args.show and path.exists() else identity.create(path)
     public = identity.public_text(key)
     print(f"{public}  {args.name or path.stem}")
     print(

@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import secrets
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,11 +118,14 @@ def verify(public: str, signature: str, challenge: str, nonce: str, member_id: s
     return None
 
 
-def load_or_create(path: Path) -> Ed25519PrivateKey:
+def load_or_create(path: Path, *, private: bool = True) -> Ed25519PrivateKey:
     """The node key in ``path``, written there first (mode 0600, never over another file)
-    where there is none."""
+    where there is none. ``private``: refused where others than its owner may read it (as
+    ssh refuses such a key: whoever reads it can join as this node)."""
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            data = f.read()
     except FileNotFoundError:
         return create(path)
     except OSError as exc:
@@ -134,6 +138,12 @@ def load_or_create(path: Path) -> Ed25519PrivateKey:
         ) from None
     if not isinstance(key, Ed25519PrivateKey):
         raise ConfigError(f"{path} holds a {type(key).__name__}, not an Ed25519 key: make one with `unbroken keygen`")
+    if private and mode & 0o077:
+        raise ConfigError(
+            f"the node key {path} may be read by others than its owner (mode {stat.S_IMODE(mode):04o}): whoever "
+            f"reads it can join as this node. Make it private with `chmod 600 {path}` (and make a new key, "
+            "taking the old one off --allowed-keys, if others may have read it)"
+        )
     return key
 
 

@@ -56,6 +56,12 @@ def test_a_key_file_is_made_once_private_and_never_overwritten(tmp_path: Path) -
     (tmp_path / "junk.key").write_text("not a key")
     with pytest.raises(ConfigError, match="is not a node key"):
         identity.load_or_create(tmp_path / "junk.key")
+    os.chmod(path, 0o644)  # copied about carelessly: whoever reads it can join as this node
+    with pytest.raises(ConfigError, match=r"mode 0644.*chmod 600"):
+        identity.load_or_create(path)
+    assert identity.public_text(identity.load_or_create(path, private=False)) == identity.public_text(made)
+    os.chmod(path, 0o600)
+    assert identity.public_text(identity.load_or_create(path)) == identity.public_text(made)
 
 
 def test_the_allow_list_names_its_bad_line_and_is_read_again_when_it_changes(tmp_path: Path) -> None:
