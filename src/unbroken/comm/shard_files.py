@@ -103,8 +103,14 @@ def complete_steps(directory: Path, numel: int) -> list[int]:
 
 
 def prune_shards(directory: Path, numel: int, keep: int) -> None:
-    """Delete the shard files of steps older than the ``keep`` newest complete ones."""
+    """Delete the shard files of steps older than the ``keep`` newest complete ones. A
+    directory where no step is complete is a member's own disk (it holds its ranges, the
+    others are on theirs): there, the files of steps older than the ``keep`` newest present."""
     steps = complete_steps(directory, numel)
+    if not steps:
+        steps = sorted(
+            {int(m[1]) for f in directory.glob("shard-*.pt") if (m := _NAME.fullmatch(f.name))}, reverse=True
+        )
     if len(steps) <= keep:
         return
     oldest = steps[keep - 1]

@@ -11,7 +11,7 @@ import torch
 
 from unbroken.cli.main import main
 from unbroken.comm.fake import FakeWorld
-from unbroken.comm.shard_files import gather, read_shard, restore_shards, save_shard
+from unbroken.comm.shard_files import complete_steps, gather, prune_shards, read_shard, restore_shards, save_shard
 from unbroken.errors import TransferError
 from unbroken.state.shards import layout_for
 from unit.comm.test_sharded import (
@@ -110,3 +110,20 @@ def test_unbroken_restore_gathers_the_shard_files_with_the_replicated_checkpoint
     code = main(["restore", *args, "--to", str(tmp_path / "other")])
     err = capsys.readouterr().err
     assert code != 0 and "step 3" in err, err
+
+
+def test_a_members_own_disk_keeps_its_newest_steps_and_a_shared_one_its_newest_complete(tmp_path: Path) -> None:
+    members = ["a", "b", "c", "d"]
+    zones, models, _ = start(members)
+    numel = zones["a"].layout.numel
+    own, shared = tmp_path / "own-a", tmp_path / "shared"
+    for step in range(1, 6):
+        train_steps(zones, models, members, range(step - 1, step))
+        save_shard(zones["a"], own, step, copies=True)
+        prune_shards(own, numel, 3)
+        for m in members if step != 5 else members[:2]:  # step 5's set is not whole yet
+            save_shard(zones[m], shared, step)
+        prune_shards(shared, numel, 3)
+    assert {f.name[6:15] for f in own.iterdir()} == {"000000003", "000000004", "000000005"}
+    assert complete_steps(shared, numel) == [4, 3, 2], "the three newest complete steps, and step 5's part"
+    assert {f.name[6:15] for f in shared.iterdir()} == {"000000002", "000000003", "000000004", "000000005"}
