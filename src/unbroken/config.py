@@ -122,9 +122,11 @@ class ServiceConfig:
     def security(self) -> str:
         """Who may do what, in one line for the coordinator's start: what an operator should
         see before exposing the port."""
-        loopback = self.host in ("127.0.0.1", "localhost", "::1")
+        loopback = self.host.rstrip(".") in ("localhost", "::1") or self.host.startswith("127.")
         if self.token:
             who = "nodes proving the job's token"
+        elif self.allowed_keys:
+            who = "the listed keys alone (no token)"
         elif loopback:
             who = "anyone on this machine (no token)"
         else:

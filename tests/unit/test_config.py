@@ -186,3 +186,5 @@ def test_the_security_line_says_who_may_join_and_warns_where_anyone_may(tmp_path
     assert "token" in tight and str(allowed) in tight and "ANYONE" not in tight and "with the token" in tight
     assert "s3cret" not in tight
     assert "unauthenticated" in ServiceConfig(etcd=("http://127.0.0.1:2379",)).security()
+    assert "listed keys alone" in ServiceConfig(host="0.0.0.0", allowed_keys=allowed).security()
+    assert "this machine" in ServiceConfig(host="127.0.1.1").security()

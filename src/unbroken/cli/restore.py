@@ -16,7 +16,9 @@ is named on stderr and skipped; older steps are tried. Nodes started with
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,17 +43,20 @@ def _restore(args: argparse.Namespace) -> int:
     for step in reversed(sharded):
         if args.step is not None and step != args.step:
             continue
+        # Gathered aside, and moved in only once the same step's replicated state is there: a
+        # step's ranges alone in --to would be taken for a checkpoint's by a later restore.
+        aside = out / f".gathering-{os.getpid()}"
         try:
-            _, files, why = gather(sources, out, step)
-        except TransferError as exc:
-            notes.append(str(exc))
-            continue
-        notes += why
-        try:
+            _, files, why = gather(sources, aside, step)
+            notes += why
             _replicated(sources, out, step)
-        except TransferError as exc:  # its shard files were gathered, its replicated state is not there
+        except TransferError as exc:
             notes.append(f"step {step}: {exc}")
+            shutil.rmtree(aside, ignore_errors=True)
             continue
+        for f in files:
+            os.replace(f, out / f.name)
+        shutil.rmtree(aside, ignore_errors=True)
         _say(notes)
         print(f"gathered {len(files)} shard files of step {step} into {out}")
         return 0

@@ -30,6 +30,7 @@ from unbroken.state.directio import Temp, copy_file
 from unbroken.state.shards import Layout
 
 _NAME = re.compile(r"shard-(\d{9})-(\d{12})-(\d{12})\.pt")
+_REPLICATED = re.compile(r"(?:ckpt-(\d{9})\.pt|frag-(\d{9})\.json)")
 
 
 def save_shard(zone: ShardedModel, directory: Path, step: int, *, copies: bool = False) -> list[Path]:
@@ -74,12 +75,14 @@ def read_shard(path: Path) -> dict[str, Any]:
         raise TransferError(f"{path} is not named as a shard file (shard-STEP-START-END.pt)")
     try:
         data: dict[str, Any] = torch.load(path, weights_only=True)
-        said = (int(data["step"]), int(data["start"]), int(data["end"]))
+        said = (int(data["step"]), int(data["start"]), int(data["end"]), int(data["numel"]))
+        # Files written before digests were have none: read as they were then, unchecked.
+        spoiled = "digest" in data and digest_of(data["values"], data["state"]) != data["digest"]
     except Exception as exc:  # torch.load raises what the bytes lead it to: all mean "not a good file"
         raise TransferError(f"{path} cannot be read as a shard file ({type(exc).__name__}: {exc})") from exc
-    if said != (int(m[1]), int(m[2]), int(m[3])):
+    if said[:3] != (int(m[1]), int(m[2]), int(m[3])) or not 0 <= said[1] < said[2] <= said[3]:
         raise TransferError(f"{path} holds step {said[0]} [{said[1]}, {said[2]}), not what its name says")
-    if "digest" in data and digest_of(data["values"], data["state"]) != data["digest"]:
+    if spoiled:
         raise TransferError(f"{path}: its values and optimizer state do not match the digest written with them")
     return data
 
@@ -102,21 +105,34 @@ def complete_steps(directory: Path, numel: int) -> list[int]:
     return sorted(out, reverse=True)
 
 
-def prune_shards(directory: Path, numel: int, keep: int) -> None:
-    """Delete the shard files of steps older than the ``keep`` newest complete ones. A
-    directory where no step is complete is a member's own disk (it holds its ranges, the
-    others are on theirs): there, the files of steps older than the ``keep`` newest present."""
+def prune_shards(directory: Path, numel: int, keep: int, own: Sequence[tuple[int, Sequence[Path]]] = ()) -> None:
+    """Delete the shard files of steps older than the ``keep`` newest complete ones, and of
+    ``own`` (the steps this member wrote, and their files) those older than its ``keep``
+    newest: a member's own disk holds its ranges alone, so no step of it is ever complete
+    there. Never the files of a step whose replicated checkpoint is in the directory (a
+    checkpoint or fragment manifest: its writing may lag, or be skipped, behind the ranges')."""
+    kept = _replicated_steps(directory)
     steps = complete_steps(directory, numel)
-    if not steps:
-        steps = sorted(
-            {int(m[1]) for f in directory.glob("shard-*.pt") if (m := _NAME.fullmatch(f.name))}, reverse=True
-        )
-    if len(steps) <= keep:
-        return
-    oldest = steps[keep - 1]
-    for f in directory.glob("shard-*.pt"):
-        if (m := _NAME.fullmatch(f.name)) is not None and int(m[1]) < oldest:
-            f.unlink(missing_ok=True)
+    if len(steps) > keep:
+        oldest = steps[keep - 1]
+        for f in directory.glob("shard-*.pt"):
+            if (m := _NAME.fullmatch(f.name)) is not None and int(m[1]) < oldest and int(m[1]) not in kept:
+                f.unlink(missing_ok=True)
+    mine = sorted({at for at, _ in own}, reverse=True)
+    if len(mine) > keep:
+        for at, paths in own:
+            if at < mine[keep - 1] and at not in kept:
+                for path in paths:
+                    path.unlink(missing_ok=True)
+
+
+def _replicated_steps(directory: Path) -> set[int]:
+    """The steps of the replicated checkpoints (whole, or fragment manifests) in ``directory``."""
+    out = set()
+    for f in directory.iterdir():
+        if (m := _REPLICATED.fullmatch(f.name)) is not None:
+            out.add(int(m[1] or m[2]))
+    return out
 
 
 def restore_shards(zone: ShardedModel, directory: Path, layout: Layout, me: str, step: int | None = None) -> int:
@@ -160,9 +176,11 @@ def restore_shards(zone: ShardedModel, directory: Path, layout: Layout, me: str,
 
 
 def gather(directories: Iterable[Path], into: Path, step: int | None = None) -> tuple[int, list[Path], list[str]]:
-    """Copy a good copy of every range of the newest step (or ``step``) whose shard files in
-    ``directories`` cover the whole state into ``into``; that step, the files written, and
-    what was wrong on the way (a copy that failed its check, a step left uncovered).
+    """Copy one good copy of every range of the newest step (or ``step``) whose shard files in
+    ``directories`` cover the whole state into ``into``, as ranges that do not overlap (a
+    step written under two layouts has two cuts); that step, the files written, and what was
+    wrong on the way (a copy that failed its check or could not be copied, a step left
+    uncovered). Each copy is checked again where it was written.
 
     Raises:
         TransferError: no step is covered by good files (``step``'s, where given).
@@ -176,25 +194,30 @@ def gather(directories: Iterable[Path], into: Path, step: int | None = None) -> 
     for at in sorted(found, reverse=True):
         if step is not None and at != step:
             continue
-        good: dict[tuple[int, int], Path] = {}
-        numel = 0
+        good: dict[tuple[int, int], list[Path]] = {}
+        sizes = set()
         for span, copies in sorted(found[at].items()):
             for f in copies:
                 try:
-                    numel = max(numel, int(read_shard(f)["numel"]))
+                    sizes.add(int(read_shard(f)["numel"]))
                 except TransferError as exc:
                     notes.append(f"{exc}: another copy is tried")
                     continue
-                good[span] = f
-                break
-        if not good:
-            notes.append(f"step {at}: no shard file of it can be read")
+                good.setdefault(span, []).append(f)
+        if len(sizes) != 1:
+            what = (
+                "no shard file of it can be read"
+                if not sizes
+                else f"its files are of models of {sorted(sizes)} elements"
+            )
+            notes.append(f"step {at}: {what}")
             continue
-        if gaps := _gaps(good, numel):
-            notes.append(f"step {at}: no good copy of {', '.join(f'[{a:,}, {b:,})' for a, b in gaps)}")
+        numel = sizes.pop()
+        written = _copy_tiling(good, numel, into, notes)
+        if written is None:
+            gaps = ", ".join(f"[{a:,}, {b:,})" for a, b in _gaps(set(good), numel)) or "ranges that meet end to end"
+            notes.append(f"step {at}: no good copy of {gaps}")
             continue
-        into.mkdir(parents=True, exist_ok=True)
-        written = [copy_file(f, into) for f in good.values()]
         return at, written, notes
     which = "no step" if step is None else f"step {step}"
     raise TransferError(
@@ -202,10 +225,61 @@ def gather(directories: Iterable[Path], into: Path, step: int | None = None) -> 
     )
 
 
-def _gaps(good: dict[tuple[int, int], Path], numel: int) -> Sequence[tuple[int, int]]:
-    """The parts of ``[0, numel)`` the ranges of ``good`` leave uncovered."""
+def _copy_tiling(
+    good: dict[tuple[int, int], list[Path]], numel: int, into: Path, notes: list[str]
+) -> list[Path] | None:
+    """Copy into ``into`` ranges of ``good`` that cover ``[0, numel)`` end to end, each from
+    the first of its copies that copies and checks well; None where no such cover is left
+    (what was written for it is removed)."""
+    spans = set(good)
+    while True:
+        cut = _cover(spans, numel)
+        if cut is None:
+            return None
+        written: list[Path] = []
+        copied: list[Path] = []
+        for span in cut:
+            done = None
+            for f in good[span]:
+                try:
+                    into.mkdir(parents=True, exist_ok=True)
+                    done = copy_file(f, into)
+                    read_shard(done)
+                    break
+                except (OSError, TransferError) as exc:
+                    notes.append(f"{f} could not be copied into {into} ({exc}): another copy is tried")
+                    done = None
+            if done is None:  # no copy of this range copies: cover the state without it
+                spans.discard(span)
+                for path in copied:
+                    path.unlink(missing_ok=True)
+                break
+            written.append(done)
+            if done.resolve() != f.resolve():  # not a source already in place: removable
+                copied.append(done)
+        else:
+            return written
+
+
+def _cover(spans: set[tuple[int, int]], numel: int) -> list[tuple[int, int]] | None:
+    """Ranges of ``spans`` that tile ``[0, numel)`` end to end (fewest pieces), or None."""
+    ways: dict[int, list[tuple[int, int]]] = {0: []}
+    frontier = [0]
+    while frontier:
+        nxt = []
+        for at in frontier:
+            for span in sorted(spans):
+                if span[0] == at and span[1] not in ways:
+                    ways[span[1]] = [*ways[at], span]
+                    nxt.append(span[1])
+        frontier = nxt
+    return ways.get(numel)
+
+
+def _gaps(spans: set[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
+    """The parts of ``[0, numel)`` no range of ``spans`` covers."""
     out, at = [], 0
-    for start, end in sorted(good):
+    for start, end in sorted(spans):
         if start > at:
             out.append((at, start))
         at = max(at, end)

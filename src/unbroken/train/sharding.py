@@ -146,6 +146,8 @@ class ShardedZone:
         """The epoch the layout held was made in."""
         self.step = -1
         """The committed step the held ranges are at."""
+        self._saved: list[tuple[int, list[Path]]] = []
+        """The checkpoint steps this member wrote shard files of, and those files (`save`)."""
 
     def make_optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """The job's optimizer class over the held ranges, with its settings (those of its
@@ -295,8 +297,9 @@ class ShardedZone:
 
         Raises:
             OSError: the file could not be written."""
-        save_shard(self.ready, directory, step, copies=copies)
-        prune_shards(directory, self.numel, KEEP)
+        self._saved.append((step, save_shard(self.ready, directory, step, copies=copies)))
+        prune_shards(directory, self.numel, KEEP, own=self._saved)
+        self._saved = [(at, paths) for at, paths in self._saved if any(p.exists() for p in paths)]
 
     def restorable(self, directory: Path) -> Callable[[int], str | None]:
         """Why the replicated checkpoint of a step cannot be used (its ranges' files are not

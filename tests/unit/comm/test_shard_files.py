@@ -4,6 +4,7 @@ disks after one of them is lost."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,7 @@ def test_with_copies_every_range_lies_on_two_disks_and_losing_one_disk_loses_not
 def test_without_copies_a_lost_disk_leaves_a_range_uncovered_and_says_which(tmp_path: Path) -> None:
     out, _ = disks(tmp_path, copies=False)
     b = next(out["b"].iterdir()).name
-    with pytest.raises(TransferError, match=r"no good copy of \["):
+    with pytest.raises(TransferError, match=r"no good copy of \[\d"):
         gather([d for m, d in out.items() if m != "b"], tmp_path / "gathered", None)
     assert b.startswith("shard-000000003-")
 
@@ -117,13 +118,47 @@ def test_a_members_own_disk_keeps_its_newest_steps_and_a_shared_one_its_newest_c
     zones, models, _ = start(members)
     numel = zones["a"].layout.numel
     own, shared = tmp_path / "own-a", tmp_path / "shared"
-    for step in range(1, 6):
+    mine: list[tuple[int, list[Path]]] = []
+    for step in range(1, 7):
         train_steps(zones, models, members, range(step - 1, step))
-        save_shard(zones["a"], own, step, copies=True)
-        prune_shards(own, numel, 3)
-        for m in members if step != 5 else members[:2]:  # step 5's set is not whole yet
+        mine.append((step, save_shard(zones["a"], own, step, copies=True)))
+        if step == 2:  # a replicated checkpoint written at step 2 and none since (skipped: a slow disk)
+            (own / "frag-000000002.json").write_text("{}")
+        prune_shards(own, numel, 3, own=mine)
+        for m in members if step != 6 else members[:2]:  # step 6's set is not whole yet
             save_shard(zones[m], shared, step)
         prune_shards(shared, numel, 3)
-    assert {f.name[6:15] for f in own.iterdir()} == {"000000003", "000000004", "000000005"}
-    assert complete_steps(shared, numel) == [4, 3, 2], "the three newest complete steps, and step 5's part"
-    assert {f.name[6:15] for f in shared.iterdir()} == {"000000002", "000000003", "000000004", "000000005"}
+    steps = {int(f.name[6:15]) for f in own.glob("shard-*.pt")}
+    assert steps == {2, 4, 5, 6}, "its three newest, and the step its replicated checkpoint is of"
+    assert complete_steps(shared, numel) == [5, 4, 3], "the three newest complete steps, and step 6's part"
+    assert {int(f.name[6:15]) for f in shared.iterdir()} == {3, 4, 5, 6}
+
+
+def test_gather_tiles_ranges_of_two_layouts_and_passes_over_a_copy_that_cannot_be_copied(tmp_path: Path) -> None:
+    out, numel = disks(tmp_path, copies=True)
+    # Step 3 also written under another layout (three members: a re-shard after a crash).
+    stay = ["x", "y", "z"]
+    layout = layout_for(numel, {"x": 1, "y": 3, "z": 2})
+    world = FakeWorld(3)
+    ranks = {m: i for i, m in enumerate(stay)}
+    again = {m: member(Tiny(), layout, m, ranks, world) for m in stay}
+    gathered = tmp_path / "gathered"
+    gather(out.values(), gathered, 3)
+    for m in stay:
+        restore_shards(again[m], gathered, layout, m)
+    other = tmp_path / "other-layout"
+    for m in stay:
+        save_shard(again[m], other, 3)
+    first = sorted(out["a"].glob("shard-*.pt"))[0]
+    for d in out.values():  # every copy of one range of the first layout is unreadable
+        if (d / first.name).exists():
+            (d / first.name).write_bytes(b"rot")
+    bad = tmp_path / "links"
+    bad.mkdir()
+    for f in sorted(other.iterdir())[:1]:  # a copy that reads well but is a link: not copied
+        (bad / f.name).symlink_to(f)
+    step, files, notes = gather([bad, *out.values(), other], tmp_path / "tiled", 3)
+    assert step == 3 and complete_steps(tmp_path / "tiled", numel) == [3], (files, notes)
+    spans = sorted((int(f.name[16:28]), int(f.name[29:41])) for f in files)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)) and spans[0][0] == 0 and spans[-1][1] == numel
+    assert any("could not be copied" in n for n in notes) and any(first.name in n for n in notes), notes
