@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import ssl
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -119,3 +120,39 @@ def test_a_relay_without_the_token_never_links_and_nodes_refuse_it(make_cluster)
     codes = c.wait_exit(timeout=90, names=["y"])
     assert codes == {"y": 0}, c.diagnostics()
     assert relay_state(impostor)["members"] == []
+
+
+def test_a_relay_serves_its_nodes_over_tls_and_links_to_a_leader_over_tls(make_cluster, tmp_path):
+    """Coordinator and relay both serve TLS; the relay links to the leader over TLS and its
+    nodes reach it over TLS alone (no address of the leader given). A relay that does not
+    trust the leader's certificate never links; a node that does not trust the relay's is
+    told it could not reach it. The job trains through the relay and keeps every promise."""
+    trustme = pytest.importorskip("trustme")  # a dev dependency: installed by scripts/setup
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert_pem, key_pem, ca_pem = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(cert_pem))
+    cert.private_key_pem.write_to_path(str(key_pem))
+    ca.cert_pem.write_to_path(str(ca_pem))
+    tls = ["--tls-cert", str(cert_pem), "--tls-key", str(key_pem)]
+    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "10"}  # long enough to see both at the relay
+    c = make_cluster(env=env, min_nodes=2, coordinator_args=["--token", TOKEN, *tls])
+    c.start_coordinator()
+    relay = c.start_relay(zone="Z", extra=["--token", TOKEN, *tls, "--tls-ca", str(ca_pem)])
+    blind = c.start_relay(zone="B", extra=["--token", TOKEN])  # plain http to a TLS leader
+    context = ssl.create_default_context(cafile=str(ca_pem))
+
+    def state(address: tuple[str, int]) -> dict:
+        with urllib.request.urlopen(f"https://{address[0]}:{address[1]}/api/state", timeout=5, context=context) as r:
+            return json.load(r)
+
+    c.wait_for(lambda: state(relay)["leader"] is not None, 30, "the relay to link to the leader over TLS")
+    for name in ("a", "b"):
+        c.start_node(name, via=[relay], extra=["--token", TOKEN, "--tls-ca", str(ca_pem)])
+    plain = c.start_node("plain", via=[relay], extra=["--token", TOKEN, "--connect-timeout", "3"])
+    assert plain.wait(60) == 2 and "could not reach a coordinator" in plain.stderr(), plain.stderr()[-2000:]
+    del c.nodes["plain"]
+    c.wait_for(lambda: len(state(relay)["members"]) == 2, 120, "both nodes through the relay")
+    assert relay_state(blind)["leader"] is None
+    assert c.wait_exit(timeout=120) == {"a": 0, "b": 0}, c.diagnostics()
+    assert_promises(c, env, finishers=2)

@@ -145,6 +145,9 @@ def _relay(args: argparse.Namespace) -> int:
         etcd_prefix=args.etcd_prefix,
         etcd_tls=_etcd_tls(args),
         key=identity.load_or_create(Path(args.key)) if args.key else None,
+        tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+        tls_key=Path(args.tls_key) if args.tls_key else None,
+        tls_ca=Path(args.tls_ca) if args.tls_ca else None,
     )
     check_tls(config.etcd, config.etcd_tls)
     if not config.coordinators and not config.etcd:
@@ -159,7 +162,8 @@ def _relay(args: argparse.Namespace) -> int:
                 await task
         host, port = relay.address
         print(f"{READY_PREFIX} {host}:{port}", flush=True)
-        print(f"unbroken relay {relay.relay_id} on {host}:{port} (state: http://{host}:{port}/api/state)",
+        scheme = "https" if config.tls_cert else "http"
+        print(f"unbroken relay {relay.relay_id} on {host}:{port} (state: {scheme}://{host}:{port}/api/state)",
               file=sys.stderr, flush=True)  # fmt: skip
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -598,6 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     _etcd_args(r)
     _token_args(r)
     r.add_argument("--key", metavar="FILE", help="the relay's identity key (as a node's --key)")
+    r.add_argument("--tls-cert", help="serve the relay's nodes over TLS: certificate chain (PEM)")
+    r.add_argument("--tls-key", help="...and its private key (PEM)")
+    r.add_argument("--tls-ca", help="link to the leader over TLS, trusting this CA bundle (PEM)")
     r.set_defaults(func=_relay)
 
     k = sub.add_parser(

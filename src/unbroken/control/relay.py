@@ -31,8 +31,10 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -78,6 +80,32 @@ class RelayConfig:
     """The largest message a node may send."""
     key: Ed25519PrivateKey | None = None
     """The relay's identity (`unbroken.control.identity`; None: one of its own for the process)."""
+    tls_cert: Path | None = None
+    """Serve the relay's nodes over TLS with this certificate chain (PEM)..."""
+    tls_key: Path | None = None
+    """...and this private key (PEM)."""
+    tls_ca: Path | None = None
+    """Link to the leader over TLS, trusting this CA bundle (PEM): the job's coordinators
+    serve TLS (``--tls-cert``)."""
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("a relay serving TLS needs both --tls-cert and --tls-key, or neither")
+        for path in (self.tls_cert, self.tls_key, self.tls_ca):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"TLS file {path} does not exist")
+
+    def server_tls(self) -> ssl.SSLContext | None:
+        """What the relay's nodes connect to: None for plain TCP."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.tls_cert, self.tls_key)
+        return context
+
+    def client_tls(self) -> ssl.SSLContext | None:
+        """How the relay dials the leader: None for plain TCP."""
+        return ssl.create_default_context(cafile=str(self.tls_ca)) if self.tls_ca is not None else None
 
 
 def _chunks(said: list[tuple[m.Said, int]], limit: int) -> list[list[m.Said]]:
@@ -176,7 +204,7 @@ class Relay(ThreadedService):
         app.router.add_get("/ws", self._downstream)
         app.router.add_get("/api/state", self._state)
         app.router.add_get("/healthz", self._health)
-        runner, port = await listen(app, self.guard, self.config.host, self.config.port)
+        runner, port = await listen(app, self.guard, self.config.host, self.config.port, self.config.server_tls())
         self.address = (self.config.host, port)
         log.info("relay %s on %s:%d (zone %r)", self.relay_id, *self.address, self.config.zone)
         upstream = asyncio.create_task(self._upstream_forever(), name="relay-upstream")
@@ -239,7 +267,9 @@ class Relay(ThreadedService):
         return list(dict.fromkeys(found + list(self.config.coordinators)))
 
     async def _link(self, http: aiohttp.ClientSession, host: str, port: int) -> None:
-        async with http.ws_connect(f"http://{host}:{port}/relay", heartbeat=None, max_msg_size=256 << 20) as ws:
+        tls = self.config.client_tls()
+        url = f"{'https' if tls else 'http'}://{host}:{port}/relay"
+        async with http.ws_connect(url, heartbeat=None, max_msg_size=256 << 20, ssl=tls if tls else True) as ws:
             challenge = m.parse_leader_message(await _text(ws))
             if not isinstance(challenge, m.Challenge):
                 raise ProtocolError(f"expected a challenge, got {challenge.type!r}")
