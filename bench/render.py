@@ -72,6 +72,20 @@ def _cumulative(times: list[float]) -> tuple[list[float], list[int]]:
     return ts, list(range(1, len(ts) + 1))
 
 
+# Legends for the benches' scenario keys.
+LABELS = {
+    "unbroken kill": "unbroken, node SIGKILL",
+    "ddp kill": "plain DDP, rank SIGKILL",
+    "unbroken stop": "unbroken, node SIGSTOP",
+    "ddp stop": "plain DDP, rank SIGSTOP",
+    "ha-kill": "etcd: leader SIGKILL",
+    "1-kill": "single coordinator: SIGKILL, restarted 1 s later",
+    "ha-kn": "etcd: leader SIGKILL, a node 0.1 s later",
+    "1-kn": "single: SIGKILL and restart, a node 0.1 s later",
+    "ha-stop": "etcd: leader SIGSTOP for 4 s",
+}
+
+
 def plot_commits_around_fault(series: dict[str, Any], path: Path, title: str, fault: str) -> bool:
     runs = {k: v for k, v in series.get("commit_times", {}).items() if isinstance(v, list) and v}
     if not runs:
@@ -80,11 +94,12 @@ def plot_commits_around_fault(series: dict[str, Any], path: Path, title: str, fa
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for name, times in runs.items():
         xs, ys = _cumulative(times)
-        ax.step(xs, ys, where="post", label=name)
+        ax.step(xs, ys, where="post", label=LABELS.get(name, name))
     ax.axvline(0.0, color="black", linestyle="--", linewidth=1)
-    ax.annotate(fault, (0.0, 1.0), xycoords=("data", "axes fraction"), ha="left", va="top", fontsize=8)
+    ax.annotate(fault, (0.0, 0.98), xycoords=("data", "axes fraction"), xytext=(3, 0), textcoords="offset points",
+                ha="left", va="top", fontsize=8)  # fmt: skip
     ax.set_xlabel("seconds from the fault")
-    ax.set_ylabel("steps committed")
+    ax.set_ylabel("steps committed in the window")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3)
