@@ -132,6 +132,7 @@ def shares_over_time(args: argparse.Namespace, run: dict[str, Any]) -> dict[str,
     """Each node's share of every committed step and the group's samples/s, for bench/render.py's plot."""
     times = run["times"]
     t0 = times[min(times)]
+    rates = step_rates(times, args.batch)
     shares: dict[str, list[int | None]] = {}
     for name, entries in run["entries"].items():
         by_step = {int(e["step"]): len(e["indices"]) for e in entries if e.get("kind") == "contrib"}
@@ -140,7 +141,7 @@ def shares_over_time(args: argparse.Namespace, run: dict[str, Any]) -> dict[str,
     return {
         "step": list(times),
         "t": [round(t - t0, 4) for t in times.values()],
-        "samples_per_s": [round(step_rates(times, args.batch).get(k, 0.0), 2) for k in times],
+        "samples_per_s": [round(r, 2) if (r := rates.get(k)) is not None else None for k in times],
         "shares": shares,
     }
 

@@ -128,16 +128,17 @@ def plot_hetero(series: dict[str, Any], path: Path) -> bool:
     t = dyn["t"]
     for name, shares in sorted(dyn["shares"].items()):
         label = name + (f" (slowed to {dyn['slow_factor']:g})" if name == dyn.get("slowed") else "")
-        top.plot(t, [s if s is not None else float("nan") for s in shares], label=label)
-    bottom.plot(t, dyn["samples_per_s"], color="gray", linewidth=1)
+        top.plot(t, [s if s is not None else float("nan") for s in shares], label=label, drawstyle="steps-post")
+    rates = [r if r is not None else float("nan") for r in dyn["samples_per_s"]]
+    bottom.plot(t, rates, color="gray", linewidth=1)
     slow_t = dict(zip(dyn["step"], t, strict=True)).get(dyn["slow_at"])
     for ax in (top, bottom):
         if slow_t is not None:
             ax.axvline(slow_t, color="black", linestyle="--", linewidth=1)
         ax.grid(alpha=0.3)
     if slow_t is not None:
-        top.annotate(f"slowed at step {dyn['slow_at']}", (slow_t, 1.0), xycoords=("data", "axes fraction"),
-                     ha="left", va="top", fontsize=8)  # fmt: skip
+        top.annotate(f"slowed at step {dyn['slow_at']}", (slow_t, 0.98), xycoords=("data", "axes fraction"),
+                     xytext=(3, 0), textcoords="offset points", ha="left", va="top", fontsize=8)  # fmt: skip
     top.set_ylabel("samples in its share")
     top.set_title("Shares over time, one of 3 nodes slowed mid-run (first repeat)", fontsize=10)
     top.legend(fontsize=8)
@@ -189,17 +190,24 @@ def plot_checkpoint_stall(series: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def _curves(data: dict[str, Any]) -> dict[str, list[Any]]:
+    """unbroken's and each baseline's goodput per rate; a baseline that did not run has a reason instead."""
+    baselines = data.get("baselines", {})
+    return {"unbroken": data["ours"], **{k: v for k, v in baselines.items() if isinstance(v, list)}}
+
+
 def plot_goodput(data: dict[str, Any], path: Path) -> bool:
     rates = data.get("rates") or []
     if not rates:
         return False
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    ax.plot(rates, data["ours"], marker="o", label="unbroken")
-    for name, values in data.get("baselines", {}).items():
-        ax.plot(rates, values, marker=".", linestyle="--", label=name)
-    ax.set_xlabel("failure rate")
-    ax.set_ylabel("goodput")
+    for name, values in _curves(data).items():
+        ys = [v if v is not None else float("nan") for v in values]
+        ax.plot(rates, ys, marker="o", linestyle="-" if name == "unbroken" else "--", label=name)
+    ax.set_xlabel("seconds between faults (more faults to the right)")
+    ax.set_ylabel("goodput (÷ its own run without faults)")
+    ax.invert_xaxis()
     ax.set_title("Goodput against failure rate", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -227,6 +235,10 @@ def md_table(columns: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(_cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(x) for x in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def _num(x: Any) -> str:
+    return "-" if x is None else f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
 def _load_line(data: dict[str, Any]) -> str:
@@ -329,10 +341,13 @@ def goodput_section(data: dict[str, Any] | None, img_dir: Path, page_dir: Path) 
         png = img_dir / "goodput.png"
         if plot_goodput(curve, png):
             out += [f"![Goodput against failure rate]({png.relative_to(page_dir).as_posix()})", ""]
-        baselines = curve.get("baselines", {})
-        columns = ["failure rate", "unbroken", *baselines]
-        rows = [[r, curve["ours"][i], *(v[i] for v in baselines.values())] for i, r in enumerate(curve["rates"])]
-        out += [md_table(columns, rows), ""]
+        curves = _curves(curve)
+        rows = [[r, *(_num(v[i]) for v in curves.values())] for i, r in enumerate(curve["rates"])]
+        out += [md_table(["seconds between faults", *curves], rows), ""]
+        for name, why in curve.get("baselines", {}).items():
+            if not isinstance(why, list):
+                out += [f"- {name}: not run ({why})"]
+        out.append("")
     for table in data.get("tables", []):
         out += [f"**{_cell(table['title'])}**", "", md_table(table["columns"], table["rows"]), ""]
     return out

@@ -78,12 +78,14 @@ def test_the_page_has_each_bench_its_plots_the_hand_measured_figures_and_says_wh
     assert "Most of a join is start-up." in text
     assert "not measured yet" in text and not (img / "goodput.png").exists()
 
-    goodput = {"rates": [0.0, 0.01, 0.1], "ours": [0.98, 0.95, 0.81], "baselines": {"torchft": [0.98, 0.9, 0.5]}}
+    goodput = {"rates": [30, 10, 5], "ours": [0.98, 0.95, 0.81],
+               "baselines": {"torchft": [0.98, 0.9, None], "torchrun": "torch.distributed.run not found"}}  # fmt: skip
     (results / "goodput.json").write_text(json.dumps(goodput))
     assert _run([*render, "--img", str(img)], {}, tmp_path).returncode == 0
     text = page.read_text()
     assert "not measured yet" not in text and (img / "goodput.png").exists()
-    assert "| failure rate | unbroken | torchft |" in text and "| 0.1 | 0.81 | 0.5 |" in text
+    assert "| seconds between faults | unbroken | torchft |" in text and "| 5 | 0.81 | - |" in text
+    assert "- torchrun: not run (torch.distributed.run not found)" in text
 
 
 def test_render_names_a_plot_directory_the_page_cannot_link_to(tmp_path: Path) -> None:
