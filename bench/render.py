@@ -316,11 +316,13 @@ def render(results: Path, page: Path, img_dir: Path) -> str:
             lines += [f"No results file yet: run `python bench/{name}.py`.", ""]
         if by_bench.get(name):
             lines += manual_section(by_bench[name])
+        lines += [n["text"] + "\n" for n in manual.get("notes", []) if n.get("bench") == name]
     if by_bench.get(None):
         lines += ["## Other measurements", "", *manual_section(by_bench[None])]
-    if manual.get("setup") or manual.get("notes"):
+    general = [n["text"] for n in manual.get("notes", []) if n.get("bench") not in names]
+    if manual.get("setup") or general:
         lines += ["## Notes on the figures measured by hand", ""]
-        for note in [manual.get("setup", "").rstrip(":"), *manual.get("notes", [])]:
+        for note in [manual.get("setup", "").rstrip(":"), *general]:
             lines += [note, ""]
     text = "\n".join(lines).rstrip() + "\n"
     page.parent.mkdir(parents=True, exist_ok=True)

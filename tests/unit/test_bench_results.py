@@ -58,7 +58,8 @@ def test_the_page_has_each_bench_its_plots_the_hand_measured_figures_and_says_wh
     script = tmp_path / "recovery.py"
     script.write_text(A_BENCH.format(bench=str(BENCH)))
     assert _run([sys.executable, str(script)], {"UB_BENCH_RESULTS": str(results)}, tmp_path).returncode == 0
-    manual = {"setup": "2 cores:", "notes": ["Most of a join is start-up."], "entries": [
+    manual = {"setup": "2 cores:", "notes": [{"bench": "recovery", "text": "DDP stops."},
+                                             {"bench": None, "text": "Most of a join is start-up."}], "entries": [
         {"what": "SIGKILL -> next commit", "unbroken": "63 ms (57–98)", "baseline": "DDP: never",
          "command": "`python bench/recovery.py`", "date": "2026-11-30", "bench": "recovery"},
         {"what": "lines an example changes", "unbroken": "+11 −8", "baseline": "—",
@@ -75,7 +76,8 @@ def test_the_page_has_each_bench_its_plots_the_hand_measured_figures_and_says_wh
     assert "![Recovery from a crash and a freeze](img/bench/recovery.png)" in text
     assert (img / "recovery.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "63 ms (57–98)" in text and "date: 2026-11-30" in text and "+11 −8" in text
-    assert "Most of a join is start-up." in text
+    assert "Most of a join is start-up." in text.split("## Notes on the figures measured by hand")[1]
+    assert "DDP stops." in text.split("## Recovery from a crash and a freeze")[1].split("\n## ")[0]
     assert "not measured yet" in text and not (img / "goodput.png").exists()
 
     goodput = {"rates": [30, 10, 5], "ours": [0.98, 0.95, 0.81],
