@@ -269,6 +269,12 @@ def bench_section(data: dict[str, Any], img_dir: Path, page_dir: Path) -> list[s
         out += [f"**{_cell(table['title'])}**", "", md_table(table["columns"], table["rows"]), ""]
         if table.get("caption"):
             out += [" ".join(table["caption"].split()), ""]
+    by_offset = data.get("series", {}).get("by_offset")
+    if name == "checkpoint_stall" and by_offset:  # printed as lines under its table
+        offsets = sorted({k for v in by_offset.values() for k in v}, key=lambda k: int(k))
+        rows = [[c, *("-" if v.get(k) is None else f"{v[k]:.2f}" for k in offsets)] for c, v in by_offset.items()]
+        out += ["**Each gap over its run's median step, by commits since the checkpoint's**", ""]
+        out += [md_table(["checkpoints", *offsets], rows), ""]
     return out
 
 
