@@ -231,9 +231,29 @@ def _cell(text: Any) -> str:
     return " ".join(str(text).split()).replace("|", "\\|") or " "
 
 
+PROSE = 40
+"""A value cell longer than this (characters) is a sentence: it moves under the table, as a note."""
+
+
 def md_table(columns: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table; a value cell holding a sentence becomes a numbered note under it.
+
+    The first column labels its row and stays whole; the others hold figures, so that a long
+    explanation a bench printed in one reads below the table with the same words.
+    """
+    notes: list[str] = []
+
+    def value(x: Any) -> str:
+        text = _cell(x)
+        if len(text) <= PROSE:
+            return text
+        notes.append(" ".join(str(x).split()))
+        return f"note {len(notes)}"
+
     lines = ["| " + " | ".join(_cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(x) for x in r) + " |" for r in rows]
+    lines += ["| " + " | ".join([_cell(r[0]), *(value(x) for x in r[1:])]) + " |" for r in rows if r]
+    if notes:
+        lines += ["", *(f"{i}. {n}" for i, n in enumerate(notes, 1))]
     return "\n".join(lines)
 
 

@@ -17,7 +17,8 @@ A_BENCH = """
 import sys
 sys.path.insert(0, {bench!r})
 from common import print_table, write_results
-print_table("Crash: 1 of 3 killed", ["measure", "unbroken", "DDP"], [["next commit", "63 ms", "never"]], caption="met")
+rows = [["next commit", "63 ms", "never"], ["steps lost", "0 lost, no gaps; in-flight step retried 2x, done 0x", "-"]]
+print_table("Crash: 1 of 3 killed", ["measure", "unbroken", "DDP"], rows, caption="met")
 write_results({{"commit_times": {{"unbroken kill": [-0.2, -0.1, 0.06, 0.1]}}}})
 """
 
@@ -35,7 +36,9 @@ def test_a_bench_writes_the_tables_it_printed_its_command_machine_and_load(tmp_p
     data = json.loads((out / "recovery.json").read_text())
     assert data["command"] == "python bench/recovery.py --repeats 2"
     assert data["tables"] == [{"title": "Crash: 1 of 3 killed", "columns": ["measure", "unbroken", "DDP"],
-                               "rows": [["next commit", "63 ms", "never"]], "caption": "met"}]  # fmt: skip
+                               "rows": [["next commit", "63 ms", "never"],
+                                        ["steps lost", "0 lost, no gaps; in-flight step retried 2x, done 0x", "-"]],
+                               "caption": "met"}]  # fmt: skip
     assert data["series"]["commit_times"]["unbroken kill"] == [-0.2, -0.1, 0.06, 0.1]
     assert data["machine"]["cores"] == os.cpu_count() and data["machine"]["memory_gb"] > 0
     assert len(data["load"]["start"]) == 3 and len(data["load"]["end"]) == 3
@@ -73,6 +76,9 @@ def test_the_page_has_each_bench_its_plots_the_hand_measured_figures_and_says_wh
     text = page.read_text()
     assert "Command: `python bench/recovery.py`" in text
     assert "| next commit | 63 ms | never |" in text
+    # a sentence is no figure: it reads under the table, with the words the bench printed
+    assert "| steps lost | note 1 | - |" in text
+    assert "\n1. 0 lost, no gaps; in-flight step retried 2x, done 0x\n" in text
     assert "![Recovery from a crash and a freeze](img/bench/recovery.png)" in text
     assert (img / "recovery.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "63 ms (57–98)" in text and "date: 2026-11-30" in text and "+11 −8" in text
