@@ -190,15 +190,18 @@ def _drive(
         sample = sample_text(model)
         console.print(f"[bold]sample[/]: {sample!r}")
         rows.append(("sample", repr(sample)))
-    report = write_report(
-        cluster.workdir / REPORT_NAME,
-        title=f"unbroken demo{' --ha' if ha else ''}: {len(names)} nodes, {num_steps} steps",
-        logs=[n.entries() for n in cluster.nodes.values()],
-        marks=_marks(cluster, killed, joined, failover),
-        members=last_members,
-        summary=rows,
-    )
-    console.print(f"[bold]report[/]: {report} (open it in a browser)")
+    try:
+        report = write_report(
+            cluster.workdir / REPORT_NAME,
+            title=f"unbroken demo{' --ha' if ha else ''}: {len(names)} nodes, {num_steps} steps",
+            logs=[n.entries() for n in cluster.nodes.values()],
+            marks=_marks(cluster, killed, joined, failover),
+            members=last_members,
+            summary=rows,
+        )
+        console.print(f"[bold]report[/]: {report} (open it in a browser)")
+    except OSError as exc:  # the run itself succeeded: say so, and why there is no report
+        console.print(f"[yellow]no report: could not write {cluster.workdir / REPORT_NAME}: {exc}[/]")
     digests = set(state["final_digests"].values())
     return 0 if state["finished"] and len(digests) == 1 else 1
 
@@ -210,7 +213,7 @@ def _marks(
     failover: tuple[float, int] | None,
 ) -> list[Mark]:
     """What the demo did to the cluster, for the report's timeline."""
-    marks = []
+    marks: list[Mark] = []
     if failover is not None:
         marks.append(Mark(failover[0], "leader-kill", f"SIGKILL leader (term {failover[1]})"))
     if killed is not None:

@@ -172,7 +172,8 @@ _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 700px; color: #222; }
 svg text { font-size: 11px; fill: #333; } svg text.title { font-size: 13px; font-weight: bold; }
 table { border-collapse: collapse; margin: 1em 0; } td, th { border: 1px solid #ccc; padding: 3px 8px; }
-td { text-align: right; white-space: pre-line; } td:first-child, #summary td { text-align: left; } th { background: #f4f4f4; }
+td { text-align: right; white-space: pre-line; } td:first-child, #summary td { text-align: left; }
+th { background: #f4f4f4; }
 """
 
 
