@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import jobs
-from common import ProgressLine, fmt, median, print_command, print_table, ratio
+from common import ProgressLine, fmt, median, print_command, print_table, ratio, write_results
 from unbroken.testing import LocalCluster
 
 
@@ -88,6 +88,9 @@ def run(args: argparse.Namespace, workdir: Path, config: str) -> dict[str, Any]:
         # Within the run: the machine's speed drifts by 10 % between runs minutes apart.
         "mean_in_run": mean / med,
         "ckpt_in_run": ckpt / med if ckpt is not None else None,
+        # for bench/render.py's plot: every measured gap, and the steps a checkpoint (audit) started at
+        "gaps": {int(s): round(g, 5) for s, g in gaps.items()},
+        "marks": sorted(int(k) for k in marks) if config != "none" else [],
     }
 
 
@@ -177,9 +180,19 @@ def main() -> None:
     )
     # Where the cost lands: the capture in the first gap, the write in the ones after it.
     print("Each gap over its run's median step, by commits since the checkpoint's (medians over repeats):")
+    by_offset: dict[str, dict[str, float | None]] = {}
     for config in configs:
         row = [[r["by_offset"][o] for r in raw[config] if o in r["by_offset"]] for o in range(args.every)]
         print(f"  {config:>9}: " + " ".join(f"+{o + 1} {median(x):.2f}" for o, x in enumerate(row) if x))
+        by_offset[config] = {f"+{o + 1}": median(x) for o, x in enumerate(row) if x}
+    write_results(
+        {
+            "every": args.every,
+            "warmup": args.warmup,
+            "by_offset": by_offset,
+            "step_times": {c: {"gaps": rs[0]["gaps"], "marks": rs[0]["marks"]} for c, rs in raw.items() if rs},
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Helpers shared by the benchmarks (not a benchmark itself): progress line, tables,
-log reading, and the plain-DDP baseline launcher (`run_ddp`).
+log reading, results as JSON (`write_results`), and the plain-DDP baseline launcher (`run_ddp`).
 
 Every child process is reaped: `DDPRun.close` (used as a context manager) SIGCONTs and
 SIGKILLs whatever is still running, and `unbroken.testing.LocalCluster.close` does the same
@@ -9,6 +9,8 @@ for coordinator and nodes.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import importlib.metadata
 import itertools
 import json
 import os
@@ -28,6 +30,16 @@ from rich.table import Table
 
 HERE = Path(__file__).resolve().parent
 NODE_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# Where `write_results` puts a bench's JSON; tests that run a bench point it elsewhere, and
+# an empty value writes nothing, so that a test run leaves the committed results as they are.
+RESULTS_ENV = "UB_BENCH_RESULTS"
+
+# Taken when a bench imports this module, i.e. as it starts: this machine is shared, and
+# the load beside a run is part of reading its figures.
+_LOAD_AT_START = os.getloadavg()
+_STARTED_AT = datetime.datetime.now(datetime.timezone.utc)
+# Every table a bench printed, in order: its results file holds the very strings it printed.
+_TABLES: list[dict[str, Any]] = []
 
 
 def console() -> Console:
@@ -81,12 +93,82 @@ def ratio(a: float | None, b: float | None, digits: int = 2) -> str:
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], caption: str = "") -> None:
+    _TABLES.append(
+        {"title": title, "columns": list(columns), "rows": [[str(x) for x in r] for r in rows], "caption": caption}
+    )
     t = Table(title=escape(title), caption=escape(caption) or None, caption_justify="left")
     for i, c in enumerate(columns):
         t.add_column(escape(c), justify="left" if i == 0 else "right", overflow="fold")
     for r in rows:
         t.add_row(*[escape(str(x)) for x in r])
     console().print(t)
+
+
+def machine() -> dict[str, Any]:
+    """Cores, memory and CPU model of this machine, and the versions that shape a figure."""
+    model, mem_kb = "", 0
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_kb = int(line.split()[1])
+                break
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = ""
+    return {
+        "cores": os.cpu_count(),
+        "memory_gb": round(mem_kb / 1024**2, 1),
+        "cpu_model": model,
+        "python": sys.version.split()[0],
+        "torch": torch_version,
+    }
+
+
+def write_results(series: dict[str, Any] | None = None, name: str | None = None) -> Path | None:
+    """Write this run's results to ``bench/results/<name>.json`` (``name``: the script's).
+
+    Holds the command line, the date, the machine and its load at start and end, every table
+    printed so far (the same strings), and ``series``: the raw figures behind the plots
+    `bench/render.py` draws. ``UB_BENCH_RESULTS`` names another directory; set empty, nothing
+    is written.
+    """
+    where = os.environ.get(RESULTS_ENV)
+    if where == "":
+        return None
+    out_dir = Path(where) if where else HERE / "results"
+    name = name or Path(sys.argv[0]).stem
+    data = {
+        "bench": name,
+        "command": "python " + " ".join(shlex.quote(a) for a in ["bench/" + Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "date": _STARTED_AT.isoformat(timespec="seconds"),
+        "duration_s": round((datetime.datetime.now(datetime.timezone.utc) - _STARTED_AT).total_seconds(), 1),
+        "machine": machine(),
+        "load": {"start": [round(x, 2) for x in _LOAD_AT_START], "end": [round(x, 2) for x in os.getloadavg()]},
+        "tables": _TABLES,
+        "series": series or {},
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(data, indent=1, default=_jsonable) + "\n")
+    print(f"results: {path}", flush=True)
+    return path
+
+
+def _jsonable(x: Any) -> Any:
+    # Figures arrive as numpy or torch scalars, tuples as dict keys are flattened by the callers.
+    if hasattr(x, "item"):
+        return x.item()
+    if isinstance(x, (set, frozenset)):
+        return sorted(x)
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"write_results: {type(x).__name__} is not JSON: pass numbers, strings, lists or dicts")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

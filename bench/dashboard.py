@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import jobs
-from common import ProgressLine, fmt, median, print_command, print_table, ratio, step_times
+from common import ProgressLine, fmt, median, print_command, print_table, ratio, step_times, write_results
 from unbroken.testing import LocalCluster
 
 COLUMNS = [
@@ -225,3 +225,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    write_results()

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import jobs
-from common import ProgressLine, fmt, median, print_command, print_table, ratio, wait_until
+from common import ProgressLine, fmt, median, print_command, print_table, ratio, wait_until, write_results
 from unbroken.testing import EtcdCluster, LocalCluster
 
 NODES = ("n1", "n2", "n3")
@@ -62,6 +62,11 @@ def _rate_ratio(c: LocalCluster, t0: float) -> float | None:
     before = sum(1 for e in commits if t0 - WINDOW_S <= e["t"] < t0)
     after = sum(1 for e in commits if t0 <= e["t"] < t0 + WINDOW_S)
     return after / before if before else None
+
+
+def _commit_times(c: LocalCluster, t0: float) -> list[float]:
+    """Each committed step's time, s from the fault, from the window before it to the one after (the plot's)."""
+    return [round(e["t"] - t0, 4) for e in _commits(c) if -WINDOW_S <= e["t"] - t0 <= WINDOW_S + 0.5]
 
 
 def _gapless(c: LocalCluster, names: tuple[str, ...]) -> bool:
@@ -141,6 +146,7 @@ def ha_kill(args: argparse.Namespace, workdir: Path, with_node: bool) -> dict[st
         time.sleep(max(0.0, t0 + WINDOW_S + 0.5 - time.time()))
         out["rate"] = _rate_ratio(c, t0)
         out["gapless"] = _gapless(c, ("n1", "n2") if with_node else NODES)
+        out["commit_times"] = _commit_times(c, t0)
         return out
 
 
@@ -164,6 +170,7 @@ def single_kill(args: argparse.Namespace, workdir: Path, with_node: bool) -> dic
         time.sleep(max(0.0, t0 + WINDOW_S + 0.5 - time.time()))
         out["rate"] = _rate_ratio(c, t0)
         out["gapless"] = _gapless(c, ("n1", "n2") if with_node else NODES)
+        out["commit_times"] = _commit_times(c, t0)
         return out
 
 
@@ -198,6 +205,7 @@ def ha_stop(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "gapless": _gapless(c, NODES),
             "stale_orders": stale,
             "stood_down": stood_down,
+            "commit_times": _commit_times(c, t0),
         }
 
 
@@ -226,7 +234,11 @@ def main() -> None:
                 progress.update(f"{key} #{r + 1}")
                 res = fn(Path(tmp) / f"{key}-{r}")
                 runs[key].append(res)
-                shown = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items())
+                shown = ", ".join(
+                    f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                    for k, v in res.items()
+                    if k != "commit_times"
+                )
                 progress.update(f"{key} #{r + 1}: {shown}", advance=1)
     progress.close()
 
@@ -260,6 +272,15 @@ def main() -> None:
         ["figure", "etcd, 2 coordinators", "single, restarted 1 s later", "ratio", "each run (etcd)"],
         rows,
         caption=f"every survivor's committed steps gapless in every run: {gapless}",
+    )
+    write_results(
+        {
+            "commit_times": {
+                "about": "each committed step's time, s from the coordinator's fault, first run of each scenario",
+                **{key: rs[0]["commit_times"] for key, rs in runs.items() if rs},
+            },
+            "runs": runs,
+        }
     )
 
 

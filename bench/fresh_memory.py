@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from common import ProgressLine, fmt, median, print_command, print_table, ratio
+from common import ProgressLine, fmt, median, print_command, print_table, ratio, write_results
 
 
 def touch(mb: int) -> tuple[float, int]:
@@ -87,3 +87,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    write_results()

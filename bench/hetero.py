@@ -77,6 +77,7 @@ from common import (
     print_table,
     ratio,
     read_jsonl,
+    write_results,
 )
 from unbroken.testing import LocalCluster
 
@@ -125,6 +126,24 @@ def shares_at(entries_by_node: dict[str, list[dict[str, Any]]], step: int) -> di
         if c:
             out[name] = len(c[-1]["indices"])
     return out
+
+
+def shares_over_time(args: argparse.Namespace, run: dict[str, Any]) -> dict[str, Any]:
+    """Each node's share of every committed step and the group's samples/s, for bench/render.py's plot."""
+    times = run["times"]
+    t0 = times[min(times)]
+    rates = step_rates(times, args.batch)
+    shares: dict[str, list[int | None]] = {}
+    for name, entries in run["entries"].items():
+        by_step = {int(e["step"]): len(e["indices"]) for e in entries if e.get("kind") == "contrib"}
+        # a "commit" line's step counts finished steps: step k's commit follows its contrib to step k - 1
+        shares[name] = [by_step.get(k - 1) for k in times]
+    return {
+        "step": list(times),
+        "t": [round(t - t0, 4) for t in times.values()],
+        "samples_per_s": [round(r, 2) if (r := rates.get(k)) is not None else None for k in times],
+        "shares": shares,
+    }
 
 
 # ------------------------------------------------------------------- runs
@@ -374,6 +393,16 @@ def main() -> None:
         report_static(args, alone, raw)
     if dynamic:
         report_dynamic(args, alone, raw)
+    series: dict[str, Any] = {"alone": {f"{f:g}": rates for f, rates in alone.items()}}
+    if raw["unbroken-static"]:
+        series["static"] = shares_over_time(args, raw["unbroken-static"][0])
+    if raw["unbroken-dynamic"]:
+        series["dynamic"] = shares_over_time(args, raw["unbroken-dynamic"][0]) | {
+            "slow_at": args.slow_at,
+            "slowed": f"n{len(args.speeds) - 1}",
+            "slow_factor": args.slow_factor,
+        }
+    write_results(series)
 
 
 def report_static(args: argparse.Namespace, alone: dict[float, list[float]], raw: dict[str, Any]) -> None:

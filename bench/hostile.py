@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ProgressLine, fmt, print_command, print_table
+from common import ProgressLine, fmt, print_command, print_table, write_results
 from unbroken.testing.cluster import LocalCluster
 from unbroken.testing.hostile import Churner, FalseDone, Flood, Impersonator, Slowloris, hello_for
 from unbroken.testing.promises import environment
@@ -203,3 +203,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    write_results()

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import jobs
-from common import ProgressLine, fmt, median, print_command, print_table, ratio, step_times
+from common import ProgressLine, fmt, median, print_command, print_table, ratio, step_times, write_results
 from unbroken.testing import LocalCluster
 
 WORKER = Path(__file__).parent / "own_loop_worker.py"
@@ -117,3 +117,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    write_results()

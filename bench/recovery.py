@@ -45,12 +45,25 @@ from common import (
     print_table,
     ratio,
     wait_until,
+    write_results,
 )
 from unbroken.testing import LocalCluster
 
 VICTIM = "n2"
 NODES = ("n1", "n2", "n3")
 DDP_VICTIM = 2
+PLOT_WINDOW_S = 3.0  # commit times kept for bench/render.py's plot: this long either side of the fault
+
+
+def _commit_times(entry_lists: list[list[dict[str, Any]]], t_f: float) -> list[float]:
+    """Each committed step once (its first commit line), as seconds from the fault."""
+    first: dict[int, float] = {}
+    for entries in entry_lists:
+        for e in entries:
+            if e.get("kind") == "commit":
+                step = int(e["step"])
+                first[step] = min(first.get(step, e["t"]), e["t"])
+    return sorted(round(t - t_f, 4) for t in first.values() if -PLOT_WINDOW_S <= t - t_f <= PLOT_WINDOW_S)
 
 
 def _first(entries: list[dict[str, Any]], kind: str, after: float = float("-inf")) -> dict[str, Any] | None:
@@ -109,6 +122,7 @@ def _measure(c: LocalCluster, victim: Any, survivors: list[Any], f: dict[str, An
         "gapless": gapless,
         "coord_recovery": float(recovery["duration_s"]),
         "reason": failure["reason"],
+        "commit_times": _commit_times([s.entries() for s in survivors], t_f),
     }
 
 
@@ -127,7 +141,12 @@ def unbroken_kill(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     try:
         victim = c.nodes[VICTIM]
         f = wait_until(lambda: _first(victim.entries(), "fault"), args.timeout, "the kill fault to fire")
-        return _measure(c, victim, [c.nodes[n] for n in NODES if n != VICTIM], f, args.timeout)
+        survivors = [c.nodes[n] for n in NODES if n != VICTIM]
+        r = _measure(c, victim, survivors, f, args.timeout)
+        # Measured; the survivors train on a moment longer only so that the plot shows them doing so.
+        time.sleep(max(0.0, float(f["t"]) + PLOT_WINDOW_S - time.time()))
+        r["commit_times"] = _commit_times([s.entries() for s in survivors], float(f["t"]))
+        return r
     finally:
         c.close()
 
@@ -159,6 +178,7 @@ def unbroken_freezes(args: argparse.Namespace, workdir: Path, progress: Progress
             victim.signal(signal.SIGCONT)
             back = wait_until(lambda t_f=t_f: _first(victim.entries(), "sync", t_f), args.timeout, "n2 back in sync")
             r["rejoin"] = back["t"] - t_cont
+            r["commit_times"] = _commit_times([s.entries() for s in survivors], t_f)
             out.append(r)
             progress.update(
                 f"unbroken stop #{k + 1}: detect {r['detect'] * 1e3:.0f} ms, next commit {r['commit'] * 1e3:.0f} ms, "
@@ -194,6 +214,7 @@ def ddp_fault(args: argparse.Namespace, workdir: Path, sig: str, timeout_s: floa
         steps = [int(e["step"]) for r in ranks for e in d.entries(r) if e["kind"] == "commit"]
         out["last_step"] = max(steps, default=0)
         out["blocked_s"] = None if out["exit"] is not None else time.time() - t_f
+        out["commit_times"] = _commit_times([d.entries(r) for r in ranks], t_f)
         return out
 
 
@@ -335,6 +356,15 @@ def main() -> None:
         caption=f"target fault -> next commit <= lease + 1 s = {args.lease + 1:.1f} s: "
         f"{'met' if s_com is not None and s_com <= args.lease + 1 else 'NOT met'}"
         + (f"; DDP survivors' error: {ds[0]['error_msg'][:110]!r}" if ds else ""),
+    )
+    write_results(
+        {
+            "commit_times": {
+                "about": "each committed step's time, s from the fault, first run of each kind",
+                **{f"{system} {sig}": rs[0]["commit_times"] for (system, sig), rs in res.items() if rs},
+            },
+            "runs": {f"{system} {sig}": rs for (system, sig), rs in res.items()},
+        }
     )
 
 

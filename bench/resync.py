@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import jobs
-from common import ProgressLine, fmt, median, print_command, print_table, ratio, wait_until
+from common import ProgressLine, fmt, median, print_command, print_table, ratio, wait_until, write_results
 from unbroken.testing import LocalCluster, netns
 
 WARMUP = 10
@@ -165,3 +165,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    write_results()

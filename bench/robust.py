@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 import jobs
-from common import ProgressLine, fmt, median, print_command, print_table, ratio
+from common import ProgressLine, fmt, median, print_command, print_table, ratio, write_results
 from unbroken.comm.reduce import VOTE_SLOTS
 from unbroken.errors import ConfigError
 from unbroken.specs import parse_rule
@@ -364,3 +364,4 @@ def report(args: argparse.Namespace, raw: dict[tuple[str, bool], list[dict[str, 
 
 if __name__ == "__main__":
     main()
+    write_results()

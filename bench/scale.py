@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ProgressLine, fmt, print_command, print_table
+from common import ProgressLine, fmt, print_command, print_table, write_results
 from unbroken.testing.cluster import LocalCluster
 from unbroken.testing.fakes import FakeNodes
 
@@ -225,3 +225,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    write_results()

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 import jobs
-from common import ProgressLine, fmt, median, print_command, print_table, ratio
+from common import ProgressLine, fmt, median, print_command, print_table, ratio, write_results
 from unbroken.testing import LocalCluster
 
 MODEL = "small"
@@ -251,6 +251,17 @@ def main() -> None:
         if tmp is not None:
             tmp.cleanup()
     report(args, raw)
+    keys = ("bytes_per_sample", "s_per_sample", "heldout", "train_tail", "payload")
+    write_results(
+        {
+            "codecs": {
+                codec: {"label": label(codec)}
+                | {k: median(r[k] for r in runs) for k in keys}
+                | {"per_repeat": [{k: r[k] for k in keys} for r in runs]}
+                for codec, runs in raw.items()
+            }
+        }
+    )
 
 
 def report(args: argparse.Namespace, raw: dict[str, list[dict[str, Any]]]) -> None:

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import jobs
-from common import DDPRun, ProgressLine, fmt, median, print_command, print_table, ratio, step_times
+from common import DDPRun, ProgressLine, fmt, median, print_command, print_table, ratio, step_times, write_results
 from unbroken.testing import LocalCluster
 
 
@@ -173,3 +173,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    write_results()

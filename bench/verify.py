@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 import jobs
-from common import ProgressLine, fmt, median, print_command, print_table, ratio
+from common import ProgressLine, fmt, median, print_command, print_table, ratio, write_results
 from unbroken.testing import LocalCluster
 from unbroken.train.commitment import GradientDigest
 
@@ -349,3 +349,4 @@ def detection_table(args: argparse.Namespace, detect: dict[str, list[dict[str, A
 
 if __name__ == "__main__":
     main()
+    write_results()

@@ -4,6 +4,7 @@ nodes with failures and joins. The full figures come from the benchmark itself."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ def test_the_short_scale_benchmark_runs_both_layouts_without_a_false_expulsion(t
         capture_output=True,
         text=True,
         timeout=280,
+        env=dict(os.environ, UB_BENCH_RESULTS=str(tmp_path / "results")),
     )
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(out.read_text())

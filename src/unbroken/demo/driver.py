@@ -3,7 +3,9 @@
 Runs the character-level model of `unbroken.demo.charlm` on text that ships with Python.
 About a third of the way in one node is SIGKILLed; two thirds of the way a new node
 starts and joins. The summary shows what was committed, how fast the group recovered,
-the held-out metric and whether every replica ended bit-identical.
+the held-out metric and whether every replica ended bit-identical; the same, with the
+loss and the commits over time (the kill and the join marked), goes to ``report.html``
+next to the logs (`unbroken.demo.report`).
 
 ``unbroken demo --ha`` runs a real 3-member etcd cluster and two coordinators instead: a
 third of the way in the leading coordinator is SIGKILLed and a node right after it; the
@@ -27,6 +29,7 @@ from rich.table import Table
 
 from unbroken.config import CoordinatorConfig, MembershipConfig, ServiceConfig
 from unbroken.control.coordinator import Coordinator
+from unbroken.demo.report import REPORT_NAME, Mark, write_report
 from unbroken.testing.cluster import LocalCluster, NodeProcess
 from unbroken.testing.etcd import EtcdCluster
 
@@ -126,6 +129,7 @@ def _drive(
     )
     task = progress.add_task("train", total=num_steps, status="waiting for nodes")
     state: dict[str, Any] = {}
+    last_members: list[dict[str, Any]] = []
     deadline = time.monotonic() + 600
     with Live(progress, console=console, refresh_per_second=8):
         while time.monotonic() < deadline:
@@ -135,6 +139,8 @@ def _drive(
                 time.sleep(0.1)
                 continue
             members = [m for m in state["members"] if m["rank"] is not None]
+            if step < num_steps:  # they leave as they finish: the report shows those of the last step
+                last_members = state["members"]
             losses = [m["loss"] for m in members if m["loss"] is not None]
             status = (
                 f"epoch {state['epoch']} | {len(members)} training: "
@@ -173,7 +179,7 @@ def _drive(
     state = coordinator_state()
     if ha:
         state = {**state, "events": cluster.events()}  # every coordinator's, not the last leader's alone
-    _summary(console, cluster, state, killed, joined, codes, num_steps, failover)
+    rows = _summary(console, cluster, state, killed, joined, codes, num_steps, failover)
     finals = [n for n in cluster.nodes.values() if n.final_state.exists()]
     if finals:
         from unbroken.demo.charlm import CharMLP
@@ -181,9 +187,45 @@ def _drive(
         model = CharMLP()
         model.load_state_dict(torch.load(finals[0].final_state, weights_only=True)["model"])
         model.eval()
-        console.print(f"[bold]sample[/]: {sample_text(model)!r}")
+        sample = sample_text(model)
+        console.print(f"[bold]sample[/]: {sample!r}")
+        rows.append(("sample", repr(sample)))
+    try:
+        report = write_report(
+            cluster.workdir / REPORT_NAME,
+            title=f"unbroken demo{' --ha' if ha else ''}: {len(names)} nodes, {num_steps} steps",
+            logs=[n.entries() for n in cluster.nodes.values()],
+            marks=_marks(cluster, killed, joined, failover),
+            members=last_members,
+            summary=rows,
+        )
+        console.print(f"[bold]report[/]: {report} (open it in a browser)")
+    except OSError as exc:  # the run itself succeeded: say so, and why there is no report
+        console.print(f"[yellow]no report: could not write {cluster.workdir / REPORT_NAME}: {exc}[/]")
     digests = set(state["final_digests"].values())
     return 0 if state["finished"] and len(digests) == 1 else 1
+
+
+def _marks(
+    cluster: LocalCluster,
+    killed: tuple[str, float] | None,
+    joined: tuple[str, float] | None,
+    failover: tuple[float, int] | None,
+) -> list[Mark]:
+    """What the demo did to the cluster, for the report's timeline."""
+    marks: list[Mark] = []
+    if failover is not None:
+        marks.append(Mark(failover[0], "leader-kill", f"SIGKILL leader (term {failover[1]})"))
+    if killed is not None:
+        marks.append(Mark(killed[1], "kill", f"SIGKILL {killed[0]}"))
+    if joined is not None:
+        name, started = joined
+        marks.append(Mark(started, "join", f"{name} started to join"))
+        # On a busy machine its start-up may outlast a short job: then it never commits.
+        first = next((float(e["t"]) for e in cluster.nodes[name].entries() if e["kind"] == "commit"), None)
+        if first is not None:
+            marks.append(Mark(first, "joined", f"{name}'s first commit"))
+    return sorted(marks, key=lambda m: m.t)
 
 
 def _summary(
@@ -195,63 +237,69 @@ def _summary(
     codes: dict[str, int],
     num_steps: int,
     failover: tuple[float, int] | None = None,
-) -> None:
+) -> list[tuple[str, str]]:
+    """Print the summary table; return its rows, for the report."""
     events = state["events"]
     table = Table(title="unbroken demo summary", show_header=False)
-    table.add_row("steps committed", f"{state['step']} / {num_steps}")
-    table.add_row("epochs (membership versions)", str(state["epoch"]))
+    rows: list[tuple[str, str]] = []
+
+    def add(figure: str, value: str) -> None:
+        rows.append((figure, value))
+        table.add_row(figure, value)
+
+    add("steps committed", f"{state['step']} / {num_steps}")
+    add("epochs (membership versions)", str(state["epoch"]))
     if failover is not None:
         t_kill, term = failover
         elected = next((e for e in events if e["kind"] == "leader" and e["time"] > t_kill), None)
         if elected is not None:
-            table.add_row(
+            add(
                 "leader SIGKILL -> a standby leads",
                 f"{elected['time'] - t_kill:.2f} s ({elected['reason']}; the killed one led term {term})",
             )
         commits = [e["t"] for n in cluster.nodes.values() for e in n.entries() if e["kind"] == "commit"]
         before = sum(1 for t in commits if t_kill - 2 <= t < t_kill) / 2
         after = sum(1 for t in commits if t_kill <= t < t_kill + 2) / 2
-        table.add_row("commits/s (all nodes) 2 s before -> after the leader's kill", f"{before:.0f} -> {after:.0f}")
+        add("commits/s (all nodes) 2 s before -> after the leader's kill", f"{before:.0f} -> {after:.0f}")
     failures = [e for e in events if e["kind"] == "failure"]
     shifts = [e for e in events if e["kind"] in ("role", "straggler") or "rebalance" in e["reason"]]
     if shifts:
-        table.add_row("plan changes for speed", "".join(f"\n  {e['reason'][:150]}" for e in shifts).lstrip("\n"))
+        add("plan changes for speed", "".join(f"\n  {e['reason'][:150]}" for e in shifts).lstrip("\n"))
     unseen = []
     if killed is not None and not any(killed[0] in e["reason"] for e in failures):
         unseen = [f"{killed[0]}: killed while no coordinator led (its peers' step failed; no event)"]
     faults = [e["reason"] for e in failures] + unseen
-    table.add_row("faults survived", str(len(faults)) + "".join(f"\n  {r}" for r in faults))
+    add("faults survived", str(len(faults)) + "".join(f"\n  {r}" for r in faults))
     if killed is not None:
         name, t_kill = killed
         failure = next((e for e in failures if name in e["reason"]), None)
         if failure is not None:
-            table.add_row("kill -> failure detected", f"{(failure['time'] - t_kill) * 1e3:.0f} ms")
+            add("kill -> failure detected", f"{(failure['time'] - t_kill) * 1e3:.0f} ms")
         # Killed while nobody led (--ha), the node's failure is no event: its epoch broke all the same.
         epochs = [int(e["epoch"]) for e in cluster.nodes[name].entries() if e["kind"] == "epoch"]
         broken = failure["epoch"] if failure is not None else max(epochs, default=0)
         survivors = [n for n in cluster.nodes.values() if n.name != name]
         firsts = [c for n in survivors if (c := _first_commit_after(n, broken)) is not None]
         if firsts:
-            table.add_row("kill -> survivors' next commit", f"{(min(firsts) - t_kill) * 1e3:.0f} ms")
+            add("kill -> survivors' next commit", f"{(min(firsts) - t_kill) * 1e3:.0f} ms")
     if joined is not None:
         name, t_start = joined
         node = cluster.nodes[name]
         sync = next((e for e in node.entries() if e["kind"] == "sync"), None)
         commit = next((e["t"] for e in node.entries() if e["kind"] == "commit"), None)
         if sync is not None:
-            table.add_row("join: state received", f"{sync['mb']:.1f} MB in {sync['seconds'] * 1e3:.0f} ms")
+            add("join: state received", f"{sync['mb']:.1f} MB in {sync['seconds'] * 1e3:.0f} ms")
         if commit is not None:
-            table.add_row(
-                "join: process start -> first commit", f"{commit - t_start:.1f} s (includes Python/torch start-up)"
-            )
+            add("join: process start -> first commit", f"{commit - t_start:.1f} s (includes Python/torch start-up)")
     for k, v in state["final_metrics"].items():
         hint = " (uniform guessing: 6.6; lower is better)" if k == "heldout_bits_per_char" else ""
-        table.add_row(k.replace("_", " "), f"{v:.3f}{hint}")
+        add(k.replace("_", " "), f"{v:.3f}{hint}")
     digests = state["final_digests"]
     agree = len(set(digests.values())) == 1
-    table.add_row(
+    add(
         "replicas bit-identical",
         f"{'yes' if agree else 'NO'} ({len(digests)} nodes, digest {next(iter(digests.values()), '')[:16]})",
     )
-    table.add_row("node exit codes", ", ".join(f"{k}={v}" for k, v in codes.items()))
+    add("node exit codes", ", ".join(f"{k}={v}" for k, v in codes.items()))
     console.print(table)
+    return rows
