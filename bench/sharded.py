@@ -54,6 +54,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import sharded_nodes
+from common import write_results
 from sharded_nodes import CONTEXT, VOCAB, Model
 
 
@@ -411,6 +412,7 @@ def main() -> None:
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
+    write_results(series={"rows": rows, "figures": figures})
     print(json.dumps(figures))
 
 
