@@ -10,9 +10,10 @@ Member life::
        └──(session drop / lease)──┴──(urgent epoch without it)────▶ gone
 
 `Membership` is a thin facade over small parts that share one `Roster` (who is in, which
-epoch, which step, the epoch wanted next): joins, leaves and leases are decided here;
-faults, offences and verdicts in `tribunal`; a restarted coordinator's wait for the group
-in `recovery`; shares, roles, zones and reviews in `planning`; the job's end in `finish`.
+epoch, which step, the epoch wanted next): joins, leaves, leases and the forming of epochs
+are decided here; what a hello must match in `gate`; faults, offences and verdicts in
+`tribunal`; a restarted coordinator's wait for the group in `recovery`; shares, roles,
+zones and reviews in `planning`; the job's end in `finish`.
 """
 
 from __future__ import annotations
