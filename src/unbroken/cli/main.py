@@ -33,14 +33,16 @@ from unbroken.config import (
     ENV_ETCD,
     READY_PREFIX,
     CoordinatorConfig,
+    EtcdTLS,
     MembershipConfig,
     NodeConfig,
     ServiceConfig,
+    check_tls,
     parse_address,
+    parse_endpoints,
 )
 from unbroken.control import identity
 from unbroken.control.auth import ENV_TOKEN, load_token
-from unbroken.control.etcd import EtcdTLS, check_tls, parse_endpoints
 from unbroken.errors import ConfigError, NotFinal, UnbrokenError
 from unbroken.observe.printable import Formatter as PrintableFormatter
 from unbroken.observe.printable import printable
