@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from unbroken.events import Event, EventLog, Kind
+from unbroken.events import Event, Kind
 from unbroken.observe.anomaly import Anomaly, Detector
+from unbroken.observe.eventlog import EventLog
 from unbroken.observe.history import History
 from unbroken.observe.quiet import Hush, Quiet, Say
 
