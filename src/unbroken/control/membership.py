@@ -361,10 +361,10 @@ class Membership:
         if m is not None:
             m.last_seen = now
             m.step = max(m.step, step)
-            if not r.epoch_members:  # no epoch yet (a start, a recovery): the claims are all there is
-                if self.recovering_until is None or member_id in self.recovery.resumes:
+            if not r.ranks:  # no epoch yet (a start, a recovery): the claims are all there is
+                if self.recovery.until is None or member_id in self.recovery.resumes:
                     r.step = max(r.step, m.step)
-            elif r.rank_of(member_id) is not None:  # a newcomer's claim moves nothing, one member's alone neither
+            elif member_id in r.ranks:  # a newcomer's claim moves nothing, one member's alone neither
                 r.reached(member_id, m.step)
                 if r.num_steps and r.step >= r.num_steps and not self.finish.last_epoch:
                     self.finish.last_epoch = list(r.epoch_members)
@@ -395,7 +395,7 @@ class Membership:
             m.bytes_intra, m.bytes_inter = wire
         if epoch == r.epoch and m.role is Role.TRAINER and compute_s > 0:
             m.compute_times.append(compute_s)
-        if epoch == r.epoch and len(r.committers) < 2 and r.rank_of(member_id) is not None:
+        if epoch == r.epoch and len(r.committers) < 2 and member_id in r.ranks:
             r.committers.add(member_id)
 
     def links_measured(self, member_id: str, epoch: int, rates: dict[str, float], now: float) -> Decision:

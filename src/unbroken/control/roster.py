@@ -218,7 +218,9 @@ class Roster:
         self.readmit_at: float | None = None
         """When a member kept out of the epochs may come back (an epoch forms then)."""
         self._epoch_members: list[str] = []
-        self._ranks: dict[str, int] = {}
+        self.ranks: dict[str, int] = {}
+        """Each member of the epoch in force by its rank (set with `epoch_members`; read on
+        every report, so a dictionary, not a call)."""
         self._quorum = StepQuorum(0, 0)
         self.committers: set[str] = set()
         """Members of the epoch in force that reported a commit in it (two at most: a
@@ -239,7 +241,7 @@ class Roster:
                 m.trained = True
         self.committers = set()
         self._epoch_members = list(members)
-        self._ranks = {mid: rank for rank, mid in enumerate(self._epoch_members)}
+        self.ranks = {mid: rank for rank, mid in enumerate(self._epoch_members)}
         self._quorum = StepQuorum(len(self._epoch_members), self.step)
         for mid in self._epoch_members:  # what the new epoch's members said before it
             if (x := self.members.get(mid)) is not None:
@@ -247,7 +249,7 @@ class Roster:
 
     def rank_of(self, member_id: str) -> int | None:
         """The member's rank in the epoch in force (None: not in it), in constant time."""
-        return self._ranks.get(member_id)
+        return self.ranks.get(member_id)
 
     def reached(self, member_id: str, step: int) -> None:
         """A member of the epoch in force reported ``step``: the group's step follows most of them."""
