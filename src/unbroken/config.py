@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from unbroken.errors import ConfigError
-from unbroken.specs import ROLES, Policy, check_range
-from unbroken.train.throttle import parse_throttle
-
-if TYPE_CHECKING:
-    from unbroken.control.etcd import EtcdTLS
+from unbroken.specs import ROLES, Policy, check_range, parse_throttle
 
 ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
 ENV_ETCD = "UNBROKEN_ETCD"
@@ -26,9 +23,67 @@ READY_PREFIX = "UNBROKEN_COORDINATOR_READY"
 DEFAULT_ETCD_PREFIX = "/unbroken/job"
 
 
-def _check_etcd(owner: str, endpoints: tuple[str, ...], prefix: str, ttl_s: int, tls: EtcdTLS | None) -> None:
-    from unbroken.control.etcd import check_tls, parse_endpoints
+def parse_endpoints(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``http://h1:2379,http://h2:2379`` (or a list) as a tuple of base URLs."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for item in (i.strip().rstrip("/") for i in items):
+        if not item:
+            continue
+        if "://" not in item:
+            item = f"http://{item}"
+        if not item.startswith(("http://", "https://")):
+            raise ConfigError(f"etcd endpoint {item!r} must be an http:// or https:// URL (e.g. http://10.0.0.5:2379)")
+        out.append(item)
+    return tuple(out)
 
+
+@dataclass(frozen=True)
+class EtcdTLS:
+    """How to reach an etcd cluster that serves its clients over TLS (``https://`` URLs),
+    and may ask each client for a certificate (etcd's ``--client-cert-auth``)."""
+
+    cacert: Path | None = None
+    """The CA that signed the etcd members' certificates (``--etcd-cacert``; none: the system's)."""
+    cert: Path | None = None
+    """This client's certificate chain, PEM (``--etcd-cert``): what etcd's ``--trusted-ca-file`` signed..."""
+    key: Path | None = None
+    """...and its private key, PEM (``--etcd-key``)."""
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("give both --etcd-cert and --etcd-key (the client certificate and its key), or neither")
+        for flag, path in (("--etcd-cacert", self.cacert), ("--etcd-cert", self.cert), ("--etcd-key", self.key)):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{flag} {path}: no such file")
+
+    def context(self) -> ssl.SSLContext:
+        """The client's TLS context; a `ConfigError` naming the file that does not load."""
+        try:
+            ctx = ssl.create_default_context(cafile=str(self.cacert) if self.cacert else None)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(f"--etcd-cacert {self.cacert} is not a PEM CA certificate: {exc}") from None
+        if self.cert is not None:
+            try:
+                ctx.load_cert_chain(str(self.cert), str(self.key))
+            except (ssl.SSLError, OSError) as exc:
+                raise ConfigError(
+                    f"--etcd-cert {self.cert} and --etcd-key {self.key} are not a PEM certificate and its key: {exc}"
+                ) from None
+        return ctx
+
+
+def check_tls(endpoints: Sequence[str], tls: EtcdTLS | None) -> None:
+    """TLS options go with ``https://`` endpoints, and only with them."""
+    plain = [e for e in endpoints if e.startswith("http://")]
+    if tls is not None and plain:
+        raise ConfigError(
+            f"--etcd-cacert/--etcd-cert/--etcd-key are for an etcd that serves TLS: write its endpoints as "
+            f"https://... (not {plain[0]})"
+        )
+
+
+def _check_etcd(owner: str, endpoints: tuple[str, ...], prefix: str, ttl_s: int, tls: EtcdTLS | None) -> None:
     check_tls(parse_endpoints(endpoints), tls)
     if not prefix.startswith("/") or len(prefix) > 200 or any(c.isspace() for c in prefix):
         raise ConfigError(

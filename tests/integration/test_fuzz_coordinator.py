@@ -134,7 +134,7 @@ def test_hostile_sessions_never_crash_the_coordinator_or_change_membership():
             assert json.load(r)["ok"]
         assert after["epoch"] == before["epoch"], "hostile sessions must not change membership"
         assert sorted(x["id"] for x in after["members"]) == sorted(x["id"] for x in before["members"])
-        assert len(coord._sessions) == 2, "every hostile session must be gone"
+        assert len(coord.sessions) == 2, "every hostile session must be gone"
         assert len(coord.events) <= 10_000
         growth = rss_bytes() - rss_start
         assert growth < 64 << 20, f"memory grew by {growth >> 20} MB over 150 hostile sessions"

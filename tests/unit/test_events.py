@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from unbroken import events
 from unbroken.control import messages as m
 from unbroken.errors import ConfigError, ProtocolError
-from unbroken.events import ALARMS, ANOMALIES, REPORTED, Entry, Event, EventLog, Kind, Recorded, read_log
+from unbroken.events import ALARMS, ANOMALIES, REPORTED, Entry, Event, Kind, Recorded, read_log
+from unbroken.observe import eventlog
+from unbroken.observe.eventlog import EventLog
 
 
 def event(kind: Kind, member: str | None = "a#1", reason: str = "why") -> Event:
@@ -92,7 +93,7 @@ def test_a_failing_write_never_fails_emit_and_the_lines_wait_for_the_next(tmp_pa
 
 
 def test_a_device_that_is_always_full_keeps_the_newest_events_within_the_bound(monkeypatch) -> None:
-    monkeypatch.setattr(events, "UNWRITTEN_MAX", 1000)
+    monkeypatch.setattr(eventlog, "UNWRITTEN_MAX", 1000)
     log = EventLog(Path("/dev/full"))
     for _ in range(100):
         log.emit(event(Kind.JOIN), "a")

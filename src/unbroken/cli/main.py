@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -23,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.cli.assemble import add_parser as add_assemble_parser
+from unbroken.cli.keygen import add_parser as add_keygen_parser
 from unbroken.cli.observe import add_parsers as add_observe_parsers
 from unbroken.cli.restore import add_parser as add_restore_parser
+from unbroken.cli.showcase import add_parsers as add_showcase_parsers
 from unbroken.cli.verify import add_parser as add_verify_parser
 from unbroken.config import (
     DEFAULT_ETCD_PREFIX,
@@ -32,14 +33,16 @@ from unbroken.config import (
     ENV_ETCD,
     READY_PREFIX,
     CoordinatorConfig,
+    EtcdTLS,
     MembershipConfig,
     NodeConfig,
     ServiceConfig,
+    check_tls,
     parse_address,
+    parse_endpoints,
 )
 from unbroken.control import identity
 from unbroken.control.auth import ENV_TOKEN, load_token
-from unbroken.control.etcd import EtcdTLS, check_tls, parse_endpoints
 from unbroken.errors import ConfigError, NotFinal, UnbrokenError
 from unbroken.observe.printable import Formatter as PrintableFormatter
 from unbroken.observe.printable import printable
@@ -185,19 +188,6 @@ async def _exit_with_parent(coord: Any) -> None:
     while os.getppid() == parent:
         await asyncio.sleep(0.05)
     coord.stop_nowait()
-
-
-def _keygen(args: argparse.Namespace) -> int:
-    path = Path(args.file)
-    key = identity.load_or_create(path, private=False) if args.show and path.exists() else identity.create(path)
-    public = identity.public_text(key)
-    print(f"{public}  {args.name or path.stem}")
-    print(
-        f"# {'read' if args.show else 'wrote'} {path} (id {identity.key_id(public)}); add the line above to the "
-        f"coordinator's --allowed-keys file and start the node with --key {path}",
-        file=sys.stderr,
-    )
-    return 0
 
 
 def _node_config(args: argparse.Namespace) -> NodeConfig:
@@ -355,67 +345,6 @@ def _link_mbit(text: str) -> tuple[float, tuple[tuple[str, float], ...]]:
     if any(not zone for zone, _ in per_zone):
         raise argparse.ArgumentTypeError(f"{text!r}: a per-zone rate needs its zone (ZONE=MBIT)")
     return default, per_zone
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from unbroken.demo.driver import run_demo
-
-    return run_demo(steps=args.steps, nodes=args.nodes, out_dir=Path(args.out) if args.out else None, ha=args.ha)
-
-
-def _chaos(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from rich.console import Console
-    from rich.table import Table
-
-    from unbroken.testing.chaos import Chaos, write_report
-
-    # SIGTERM unwinds like Ctrl-C: the nodes are reaped and the network namespaces deleted.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    console = Console(stderr=True)
-    workdir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="unbroken-chaos-"))
-    chaos = Chaos(
-        workdir,
-        duration_s=args.duration,
-        rate=args.rate,
-        nodes=args.nodes,
-        seed=args.seed,
-        links=args.links,
-        ha=args.ha,
-    )
-    ha = " with etcd (3 members) and 2 coordinators" if args.ha else ""
-    console.print(
-        f"[bold]unbroken chaos[/]: {args.nodes} nodes{ha}, faults at {args.rate}/s for {args.duration:g} s "
-        f"(seed {args.seed}); logs in {workdir}\nlink faults {chaos.links_note}"
-    )
-    with console.status("starting") as status:
-        chaos.on_progress = status.update
-        report = chaos.run()
-    summary = report.summary()
-    write_report(report, workdir / "chaos-report.json")
-    table = Table(title="chaos report", show_header=False)
-    table.add_row("faults injected", f"{summary['faults_total']}: {summary['faults']}")
-    table.add_row("link faults", summary["link_faults"])
-    rows = [(f"recovery: {kind}", st) for kind, st in summary["recovery_s"].items()]
-    rows.append(("recovery beyond coordinator downtime", summary["recovery_beyond_coordinator_down_s"]))
-    rows += [(f"next commit: {kind}", st) for kind, st in summary["next_commit_s"].items()]
-    for label, st in rows:
-        if st:
-            table.add_row(
-                label, f"median {st['median']:.2f} s, p95 {st['p95']:.2f} s, max {st['max']:.2f} s ({st['count']})"
-            )
-    table.add_row("steps committed", str(report.steps))
-    table.add_row("committed steps lost", str(summary["steps_lost"]))
-    table.add_row("replicas equal, samples exactly once", "yes" if report.promises.ok else "NO")
-    diff = summary["final_vs_reference_max_abs_diff"]
-    table.add_row("final model vs single-process", "-" if diff is None else f"max |diff| {diff:.1e}")
-    table.add_row("verdict", "[green]every promise kept[/]" if report.ok else "[red]BROKEN[/]")
-    console.print(table)
-    for problem in report.problems[:20]:
-        console.print(f"[red]broken:[/] {problem}")
-    print(json.dumps(summary))
-    return 0 if report.ok else 1
 
 
 def _node_options(n: argparse.ArgumentParser) -> None:
@@ -607,15 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tls-ca", help="link to the leader over TLS, trusting this CA bundle (PEM)")
     r.set_defaults(func=_relay)
 
-    k = sub.add_parser(
-        "keygen",
-        help="make a node's (or relay's) identity key; prints the line a coordinator's --allowed-keys takes",
-        formatter_class=fmt,
-    )
-    k.add_argument("file", help="where to write the private key (mode 0600; never over an existing file)")
-    k.add_argument("--name", help="the name written after the public key (default: the file's stem)")
-    k.add_argument("--show", action="store_true", help="print the public line of the key already in FILE")
-    k.set_defaults(func=_keygen)
+    add_keygen_parser(sub, fmt)
 
     n = sub.add_parser("node", help="run one training node", formatter_class=fmt)
     n.add_argument(
@@ -644,37 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     _node_options(u)
     u.set_defaults(func=_run)
 
-    d = sub.add_parser(
-        "demo", help="local coordinator + nodes with a kill and a join, live progress", formatter_class=fmt
-    )
-    d.add_argument("--steps", type=int, default=0, help="training steps (default: the demo job's)")
-    d.add_argument("--nodes", type=int, default=3, help="nodes to start with")
-    d.add_argument("--out", help="directory for logs and checkpoints (default: a temporary one)")
-    d.add_argument(
-        "--ha", action="store_true", help="3 etcd members and 2 coordinators; the leader is killed, then a node"
-    )
-    d.set_defaults(func=_demo)
-
-    h = sub.add_parser(
-        "chaos", help="train while injecting random faults, then check every promise", formatter_class=fmt
-    )
-    h.add_argument("--duration", type=float, default=60.0, help="seconds of fault injection")
-    h.add_argument("--rate", type=float, default=0.25, help="faults per second (random gaps)")
-    h.add_argument("--nodes", type=int, default=3, help="nodes to start with")
-    h.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
-    h.add_argument(
-        "--links",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="also cut and slow nodes' links for real, in network namespaces (root; None: where available)",
-    )
-    h.add_argument("--out", help="directory for logs and the JSON report (default: a temporary one)")
-    h.add_argument(
-        "--ha",
-        action="store_true",
-        help="a real etcd cluster and 2 coordinators: leader-kill, leader-stop and etcd-kill faults",
-    )
-    h.set_defaults(func=_chaos)
+    add_showcase_parsers(sub, fmt)
     add_observe_parsers(sub, fmt)
     add_restore_parser(sub, fmt)
     add_assemble_parser(sub, fmt)

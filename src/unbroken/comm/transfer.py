@@ -36,7 +36,7 @@ from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable, wait_wo
 from unbroken.errors import BadRequest, TransferError
 from unbroken.state import layout
 from unbroken.state.snapshot import digest_prefix
-from unbroken.train.sync import Standing, SyncPlan, diverged, floored, plan_sync
+from unbroken.state.sync import Standing, SyncPlan, diverged, floored, plan_sync
 
 CHUNK_BYTES = 1 << 20
 MAX_HEADER_BYTES = 64 << 20
@@ -268,8 +268,8 @@ def sync_state(
 ) -> SyncResult:
     """The sync phase: compare (step, digest) across the group; whoever is behind or
     different fetches the chunks it lacks of the majority's state at the highest step.
-    With ``standing`` (audits on) the comparison is an audit too (`train.sync.diverged`,
-    `train.sync.floored`), and a verdict moves nothing: role ``diverged``, which every rank
+    With ``standing`` (audits on) the comparison is an audit too (`state.sync.diverged`,
+    `state.sync.floored`), and a verdict moves nothing: role ``diverged``, which every rank
     reaches from the same reports. ``refused`` is called where this rank's state is planned
     as behind for a verdict it missed (it stays so even if the transfer that follows fails).
 

@@ -22,44 +22,37 @@ after a restart.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import ssl
 import time
 import uuid
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
-from aiohttp import WSMsgType, web
+from aiohttp import web
 
 from unbroken.config import CoordinatorConfig
-from unbroken.control import auth, browsers, identity
+from unbroken.control import browsers, identity
 from unbroken.control import messages as m
+from unbroken.control.entry import serve_node
 from unbroken.control.meeting import Rendezvous
 from unbroken.control.membership import Decision, Membership
 from unbroken.control.office import Office
 from unbroken.control.orders import compact
 from unbroken.control.outsiders import listen
+from unbroken.control.relaying import Relays
 from unbroken.control.service import ThreadedService
 from unbroken.control.sessions import (
     Doorman,
-    RelayedMember,
     RelayLink,
     Sender,
-    Session,
-    greet,
-    parse_off_loop,
-    read_hello,
     send_all,
     serve_relay,
-    turn_away,
 )
 from unbroken.errors import ProtocolError
-from unbroken.events import ALARMS, Event, EventLog, Kind
-from unbroken.observe.anomaly import Anomaly, Detector
-from unbroken.observe.history import History
-from unbroken.observe.quiet import Hush, Quiet, Say
+from unbroken.events import Event, Kind
+from unbroken.observe.board import state_json
+from unbroken.observe.chronicle import Chronicle
 from unbroken.observe.web import add_routes
 
 log = logging.getLogger(__name__)
@@ -67,15 +60,10 @@ log = logging.getLogger(__name__)
 TICK_S = 0.02
 LAG_FORGIVEN_S = 0.1
 """A tick this much later than due extends every lease by the delay (see `_tick_forever`)."""
-MAX_EVENTS = 10_000
 REPORT_S = 0.05
 """How often a training node reports progress, at least (a lease's heartbeat period, if longer)."""
 MEET_BATCH_S = 0.003
 """Rendezvous entries arriving within this long go to the members in one message."""
-SILENT_RELAY_GRACE = 3.5
-"""Leases a silent relay's members keep, from when the leader finds it silent: they leave it
-after two leases without an acknowledgement, then reconnect (50 fake members reconnecting
-at once on a busy 2-core machine outlasted a margin of one lease)."""
 
 
 class Coordinator(ThreadedService):
@@ -102,16 +90,13 @@ class Coordinator(ThreadedService):
             on_deposed=self._deposed,
             deliver=self._send_decision,
         )
-        self.events = EventLog(self.config.service.event_log, MAX_EVENTS)
+        self.chronicle = Chronicle(self.config.service.event_log, lambda: self.membership)
+        self.events = self.chronicle.events
         """The job's events (``/api/events?since=`` pages by their ``seq``)."""
-        self.history = History()
-        self.anomalies = Detector()
-        self.recoveries: list[dict[str, Any]] = []
-        self._open_failures: list[dict[str, Any]] = []
-        self._sessions: dict[str, Sender] = {}
-        self._relays: dict[str, RelayLink] = {}
-        self._detached: set[str] = set()
-        """Members whose relay's link ended: their leases run on until they are back."""
+        self.history = self.chronicle.history
+        self.recoveries = self.chronicle.recoveries
+        self.sessions: dict[str, Sender] = {}
+        self.relays = Relays(self)
         self._last_order: m.EpochOrder | None = None
         self._told: dict[str, int] = {}
         """The epoch of the last order each member's session was sent."""
@@ -119,8 +104,6 @@ class Coordinator(ThreadedService):
         """The data plane's rendezvous entries of the last epochs (`control.meeting`)."""
         self._meet_flush: asyncio.Handle | None = None
         self.doorman = Doorman()
-        self.quiet = Quiet()
-        self._hush = Hush()
         self._runner: web.AppRunner | None = None
         self.address: tuple[str, int] = (self.config.service.host, self.config.service.port)
         self._prompted = False
@@ -163,7 +146,7 @@ class Coordinator(ThreadedService):
         finally:
             await self.office.close()
             ticker.cancel()
-            for s in list(self._sessions.values()):
+            for s in list(self.sessions.values()):
                 s.close()
             await self._runner.cleanup()
             self.events.close()
@@ -184,7 +167,9 @@ class Coordinator(ThreadedService):
     def _elected(self, term: int, epoch_floor: int, verdicts: list[m.Refusal]) -> None:
         """A fresh view for the new term: the nodes hand theirs over as they reconnect; the
         audits' verdicts come from the last epoch published."""
-        self._record(Event(time.monotonic(), Kind.LEADER, None, 0, 0, f"{self.office.advertised} leads (term {term})"))
+        self.chronicle.record(
+            Event(time.monotonic(), Kind.LEADER, None, 0, 0, f"{self.office.advertised} leads (term {term})")
+        )
         self._drop_sessions()
         self.rendezvous = Rendezvous(self.config.membership.build_deadline_s)  # the new term's epochs meet anew
         self.membership = self._new_membership()
@@ -196,16 +181,15 @@ class Coordinator(ThreadedService):
         self._drop_sessions()
         self.membership = self._new_membership()
         advertised = self.office.advertised
-        self._record(Event(time.monotonic(), Kind.DEPOSED, None, 0, 0, f"{advertised} stops leading: {reason}"))
+        self.chronicle.record(
+            Event(time.monotonic(), Kind.DEPOSED, None, 0, 0, f"{advertised} stops leading: {reason}")
+        )
 
     def _drop_sessions(self) -> None:
-        for session in list(self._sessions.values()):
+        for session in list(self.sessions.values()):
             session.close()
-        for link in list(self._relays.values()):
-            link.session.close()
-        self._sessions.clear()
-        self._relays.clear()
-        self._detached.clear()
+        self.relays.close()
+        self.sessions.clear()
         self._told.clear()
         self._last_order = None
 
@@ -234,150 +218,15 @@ class Coordinator(ThreadedService):
         return asyncio.run_coroutine_threadsafe(take(), loop).result(timeout)
 
     def snapshot(self) -> dict[str, Any]:
-        ms = self.membership
-        now = time.monotonic()
-        members = []
-        zones = dict(zip(ms.members, ms.zones_of(list(ms.members.values())), strict=True))
-        for mid, mem in ms.members.items():
-            rank = ms.rank_of(mid)
-            members.append(
-                {
-                    "id": mid,
-                    "name": mem.name,
-                    "state": mem.state.value,
-                    "rank": rank,
-                    "share": ms.shares[rank] if rank is not None and rank < len(ms.shares) else 0,
-                    "weight": mem.weight,
-                    "role": mem.role.value if mem.role else None,
-                    "preference": mem.preference.value,
-                    "microbatch": ms.plan.microbatches[rank] if ms.plan and rank is not None else 0,
-                    "host": mem.host,
-                    "pid": mem.pid,
-                    "step": mem.step,
-                    "loss": mem.loss,
-                    "samples_per_s": mem.samples_per_s,
-                    "compute_s": list(mem.compute_times)[-1:] or None,
-                    "capabilities": mem.caps.model_dump(),
-                    "validation": mem.validation,
-                    "zone": zones[mid] or "default",
-                    "refused_gradients": mem.flags,
-                    "quarantined": mem.quarantined,
-                    "checkpoint_error": mem.checkpoint_error,
-                    "bytes_sent": {"intra_zone": mem.bytes_intra, "inter_zone": mem.bytes_inter},
-                    "last_seen_s": round(now - mem.last_seen, 3),
-                }
-            )
-        return {
-            "job": ms.job,
-            "coordinator_id": self.coordinator_id,
-            "leadership": self.office.state(),
-            "epoch": ms.epoch,
-            "step": ms.step,
-            "finished": ms.finished,
-            "recovering": ms.recovering_until is not None,
-            "members": members,
-            "plan": {
-                "epoch": ms.epoch,
-                "members": ms.epoch_members,
-                "shares": ms.shares,
-                "roles": [r.value for r in ms.plan.roles] if ms.plan else [],
-                "microbatches": list(ms.plan.microbatches) if ms.plan else [],
-                "predicted_step_s": ms.plan.step_s if ms.plan else None,
-                "batch_size": ms.batch_size,
-                "balance": "throughput" if ms.balance else "weights",
-                "codec": str(ms.policy.codec),
-                "aggregate": str(ms.policy.aggregate),
-                "mode": ms.policy.mode.value,
-            },
-            "events": [r.to_json() for r in self.events.last(200)],
-            "alarms": sorted(k.value for k in ALARMS),
-            "recoveries": self.recoveries,
-            "final_digests": ms.final_digests,
-            "final_metrics": ms.final_metrics,
-            "loop_lag_s": round(self.loop_lag_s, 3),
-            "event_log": self.events.health(),
-            "outsiders": self.guard.state(),
-            "relays": [
-                {
-                    "relay_id": r.relay_id,
-                    "zone": r.zone,
-                    "members": len(r.members),
-                    "heard_s": round(now - r.heard_at, 3),
-                }
-                for r in self._relays.values()
-            ],
-        }
+        """The view ``/api/state`` serves (`observe.board`), on the event loop."""
+        return state_json(self)
 
     # ---------------------------------------------------------------- sessions
 
     async def _ws(self, request: web.Request) -> web.StreamResponse:
-        limit = self.config.service.max_message_bytes
-        ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=None)
-        await ws.prepare(request)
-        peer = request.remote or "?"
-        ticket = await self.doorman.enter(peer)
-        if ticket is None:
-            await turn_away(ws)
-            return ws
-        session: Sender | None = None
-        try:
-            challenge, first = await greet(ws, self.token is not None)
-            knock = m.parse_knock(first)
-            why = self._check_token(knock, challenge) or self.check_key(
-                knock.key, knock.signature, challenge, knock.nonce, knock.member_id
-            )
-            if why is not None:
-                self._refusal(peer, f"{knock.member_id} from {peer}: {why}")
-                await ws.send_str(m.encode(m.Refused(reason=why)))  # unsealed: the node holds another key
-                await ws.close()
-                return ws
-            seal = auth.seal(self.token, challenge, knock.nonce, knock.member_id, sending="down")
-            if not self.in_office():
-                await ws.send_str(auth.sealed(seal, m.encode(self.office.standby_refusal())))
-                await ws.close()
-                return ws
-            ticket.done()
-            self.guard.prove(request)
-            hello, _ = await read_hello(ws, knock, limit, seal)
-            term = self.term  # the session belongs to this term (an election may come while it waited)
-            proof = auth.coordinator_proof(self.token, challenge, knock.nonce, knock.member_id) if self.token else ""
-            session_of = lambda: Session(ws, hello.member_id, self.office.settled, seal)  # noqa: E731
-            joined = self._join(hello, peer, session_of, proof, knock.key)
-            if isinstance(joined, m.Refused):
-                await ws.send_str(auth.sealed(seal, m.encode(joined)))
-                await ws.close()
-                return ws
-            session = joined
-            async for raw in ws:
-                if raw.type != WSMsgType.TEXT:
-                    if raw.type == WSMsgType.ERROR:
-                        raise ProtocolError(f"session error: {ws.exception()}")
-                    raise ProtocolError(f"unexpected {raw.type.name} frame")
-                if not self.in_office() or self.term != term:
-                    break  # deposed (or re-elected: a new term's view): the node reconnects
-                text = auth.opened(seal, raw.data)
-                self._dispatch(session, await parse_off_loop(m.parse_node_message, text, limit))
-        except ProtocolError as exc:
-            log.warning("dropping session from %s: %s", peer, exc)
-            ms = self.membership
-            reason = f"session from {peer} dropped: {exc}"
-            if session is None:
-                self._refusal(peer, reason, Kind.PROTOCOL)
-            else:
-                self._record(Event(time.monotonic(), Kind.PROTOCOL, session.member_id, ms.epoch, ms.step, reason))
-        except (TimeoutError, asyncio.TimeoutError):
-            log.warning("session from %s sent no knock or hello in time", peer)
-        finally:
-            ticket.done()
-            if session is not None:
-                self._session_ended(session)
-                session.close()
-            if not ws.closed:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(ws.close(), timeout=1.0)
-        return ws
+        return await serve_node(self, request)
 
-    def _join(
+    def join(
         self,
         hello: m.Hello,
         peer: str,
@@ -393,24 +242,24 @@ class Coordinator(ThreadedService):
         if (why := ms.unbound(mid, key, one_per_key=self.allowed is not None)) is not None:
             # Before its session is touched: a hello as another member must not end that one's.
             log.warning("refused %s from %s: %s", hello.name, peer, why)
-            self._refusal(peer, f"{hello.name}: {why}")
+            self.chronicle.refusal(peer, f"{hello.name}: {why}")
             return m.Refused(reason=why)
-        old = self._sessions.pop(mid, None)
+        old = self.sessions.pop(mid, None)
         if old is not None:
             old.close()  # the node reconnected before its old session ended here: it replaces it
-        back = old is not None or mid in self._detached
-        self._detached.discard(mid)
+        back = old is not None or mid in self.relays.detached
+        self.relays.detached.discard(mid)
         now = time.monotonic()
         training = ms.recovering_until is None and any(mid in ms.members for mid in ms.epoch_members)
         group_step = ms.reported_step() if training else 0  # 0: no group trains (a cold start)
         decision = self.membership.admit(hello, now, reconnect=back, key=key, source=peer)
         if decision.refuse is not None:
             log.warning("refused %s from %s: %s", hello.name, peer, decision.refuse)
-            self._refusal(peer, f"{hello.name}: {decision.refuse}")
+            self.chronicle.refusal(peer, f"{hello.name}: {decision.refuse}")
             finished = ms.finished and ms.halted is None
             return m.Refused(reason=decision.refuse, finished=finished, final_digest=ms.final_digest or "")
         session = open_session()
-        self._sessions[mid] = session
+        self.sessions[mid] = session
         self._told.pop(mid, None)  # a new session: its next order goes in full
         lease = self.config.membership.lease_s
         session.send(
@@ -436,71 +285,20 @@ class Coordinator(ThreadedService):
             session.send(m.Met(epoch=last.epoch, term=self.term, entries=entries))
         return session
 
-    def _session_ended(self, session: Sender) -> None:
+    def session_ended(self, session: Sender) -> None:
         mid = session.member_id
-        if self._sessions.get(mid) is session and self.in_office():
-            del self._sessions[mid]
+        if self.sessions.get(mid) is session and self.in_office():
+            del self.sessions[mid]
             self._told.pop(mid, None)
             self._apply(self.membership.session_closed(mid, time.monotonic()))
 
     # ---------------------------------------------------------------- relays
 
     def relay_joined(self, link: RelayLink) -> None:
-        old = self._relays.get(link.relay_id)
-        if old is not None:
-            self.relay_lost(old)
-            old.session.close()
-        self._relays[link.relay_id] = link
+        self.relays.joined(link)
 
     def relay_up(self, link: RelayLink, up: m.Up, request: web.Request) -> None:
-        """A relay's batch: its members' liveness, what they said, whose session ended (in
-        that order: a member's last words come before its session's end; a relay reports no
-        end of a session that a new one, whose hello it forwarded, replaces)."""
-        now = time.monotonic()
-        ms = self.membership
-        for mid, step in zip(up.alive, up.steps, strict=False):
-            if mid in link.members:
-                ms.heartbeat(mid, step if ms.beyond(step) is None else 0, now)  # alive, whatever it claims
-        for said in up.said:
-            session = self._sessions.get(said.member)
-            msg = said.msg
-            if isinstance(msg, m.Hello):
-                if said.member != msg.member_id:
-                    raise ProtocolError(f"relay {link.relay_id} forwarded {msg.member_id}'s hello as {said.member}'s")
-                # The relay checked the node's token proof (it holds the token); it proves
-                # itself to the node with its own challenge. The node's key signed the
-                # relay's challenge: checked here again, so no relay speaks for a key it
-                # never saw sign.
-                # The challenge it signed must be one of this link's, never used: a knock seen
-                # once (on the wire, or by a relay it went through) cannot be shown again.
-                ident = msg.identity
-                why = (
-                    link.fresh(ident.challenge)
-                    or self.check_key(ident.key, ident.signature, ident.challenge, ident.nonce, msg.member_id)
-                    if ident is not None
-                    else f"relay {link.relay_id} forwarded {msg.member_id}'s hello without its signed knock"
-                )
-                if why is not None:
-                    self._refusal(link.relay_id, f"{msg.member_id} through relay {link.relay_id}: {why}")
-                    link.session.send_text(m.down_text([msg.member_id], m.encode(m.Refused(reason=why))))
-                    continue
-                assert ident is not None
-                joined = self._join(msg, link.relay_id, partial(link.member, msg.member_id), "", ident.key)
-                if isinstance(joined, m.Refused):
-                    link.session.send_text(m.down_text([msg.member_id], m.encode(joined)))
-            elif isinstance(session, RelayedMember) and session.link is link:
-                try:
-                    self._dispatch(session, msg)
-                except ProtocolError as exc:  # that member's lie, not its relay's
-                    self._drop(session, f"sent an invalid message: {exc}")
-                except Exception as exc:  # a bug met by one member's message: not its relay's fault
-                    log.exception("message of %s through relay %s", said.member, link.relay_id)
-                    self._drop(session, f"its message could not be handled: {type(exc).__name__}: {exc}")
-        for gone in up.gone:
-            session = self._sessions.get(gone.member)
-            if isinstance(session, RelayedMember) and session.link is link:
-                link.members.discard(gone.member)
-                self._session_ended(session)
+        self.relays.up(link, up)
 
     def _check_keys(self, now: float) -> None:
         """Once a second: members whose key was taken off ``--allowed-keys`` are expelled."""
@@ -509,32 +307,8 @@ class Coordinator(ThreadedService):
         self._keys_checked_at = now
         self._apply(self.membership.revoke(self.allowed.admits, now))
 
-    def _check_relays(self, now: float) -> None:
-        """A relay not heard from for half a lease (it sends ten batches a lease) is gone:
-        its host died without closing the connection, or it froze, and its members' leases,
-        renewed by its batches alone, would lapse with it. They get `SILENT_RELAY_GRACE`
-        leases from now to come back instead (they leave a relay that stops acknowledging
-        after two). A relay merely slow is dropped too: its members only reconnect."""
-        lease = self.config.membership.lease_s
-        for link in [r for r in self._relays.values() if now - r.heard_at > lease / 2]:
-            log.warning("relay %s silent for %.2f s: its members are detached", link.relay_id, now - link.heard_at)
-            members = list(link.members)
-            self.relay_lost(link)
-            link.session.close()
-            self.membership.extend(members, now + SILENT_RELAY_GRACE * lease)
-        if self._detached:
-            self._detached &= self.membership.members.keys()
-
     def relay_lost(self, link: RelayLink) -> None:
-        """Its members are detached, not failed: they reconnect elsewhere within their lease."""
-        if self._relays.get(link.relay_id) is link:
-            del self._relays[link.relay_id]
-        for mid in link.members:
-            session = self._sessions.get(mid)
-            if isinstance(session, RelayedMember) and session.link is link:
-                del self._sessions[mid]
-                self._detached.add(mid)
-        link.members.clear()
+        self.relays.lost(link)
 
     async def _relay(self, request: web.Request) -> web.StreamResponse:
         return await serve_relay(self, request)
@@ -559,20 +333,14 @@ class Coordinator(ThreadedService):
             )
         return None
 
-    def _check_token(self, knock: m.Knock, challenge: str) -> str | None:
-        """Why this knock may not go on to its hello (wrong, missing or replayed proof), or None."""
-        return auth.unproven(
-            self.token, challenge, knock.nonce, knock.member_id, knock.proof, who="node", checker="coordinator"
-        )
-
-    def _drop(self, session: Sender, reason: str) -> None:
+    def drop(self, session: Sender, reason: str) -> None:
         """Expel a relayed member for a message no honest node sends, as a lapsed lease is
         (a direct session ends by raising `ProtocolError` out of its reader)."""
         d = self.membership.fail(session.member_id, time.monotonic(), reason)
         d.expel[session.member_id] = reason
         self._apply(d)
 
-    def _dispatch(self, session: Sender, msg: m.NodeMessage) -> None:
+    def dispatch(self, session: Sender, msg: m.NodeMessage) -> None:
         now = time.monotonic()
         mid = session.member_id
         ms = self.membership
@@ -596,15 +364,15 @@ class Coordinator(ThreadedService):
             )
             if msg.seq:
                 session.send(m.Ack(seq=msg.seq))
-            if msg.first_in_epoch:
-                self._close_recoveries(msg.epoch, msg.step, msg.wall_time)
-            self._observe(mid, msg)
+            self.chronicle.progress(mid, msg)
             if msg.commitments:
                 self._apply(ms.committed(mid, msg.commitments, now))
         elif isinstance(msg, m.Report):
             if (mem := ms.members.get(mid)) is not None and msg.kind in (Kind.CHECKPOINT_OK, Kind.CHECKPOINT_FAILED):
                 mem.checkpoint_error = msg.reason if msg.kind is Kind.CHECKPOINT_FAILED else None
-            self._record(Event(now, msg.kind, mid, ms.epoch, msg.step, f"{self._name(mid)}: {msg.reason}"))
+            self.chronicle.record(
+                Event(now, msg.kind, mid, ms.epoch, msg.step, f"{self.chronicle.name(mid)}: {msg.reason}")
+            )
         elif isinstance(msg, m.Fault):
             if msg.kind is Kind.UNREACHABLE and msg.culprit is not None and msg.culprit != mid:
                 self._ask_to_probe(msg.epoch, msg.culprit, msg.group, mid)
@@ -628,7 +396,7 @@ class Coordinator(ThreadedService):
             self._apply(ms.done(mid, msg.step, msg.digest, msg.metrics, now))
             if ms.finished and not was_finished:  # told once, not again at every later Done
                 finished = m.Finished(step=ms.step, term=self.term, digest=ms.final_digest or "")
-                send_all(self._sessions, {o: finished for o in self._sessions if o not in ms.final_digests})
+                send_all(self.sessions, {o: finished for o in self.sessions if o not in ms.final_digests})
         elif isinstance(msg, m.Validation):
             self._apply(ms.validation(mid, msg.step, msg.metrics, msg.seconds, now))
         elif isinstance(msg, m.Checked):
@@ -650,7 +418,7 @@ class Coordinator(ThreadedService):
         self._meet_flush = None
         for epoch, (members, entries) in self.rendezvous.take().items():
             met = m.Met(epoch=epoch, term=self.term, entries=entries)
-            send_all(self._sessions, {mid: met for mid in members if mid in self._sessions})
+            send_all(self.sessions, {mid: met for mid in members if mid in self.sessions})
 
     def _ask_who_vanished(self, now: float) -> None:
         """Recovering, and only the outage fence left to wait for: the members back from the
@@ -661,7 +429,7 @@ class Coordinator(ThreadedService):
             return
         self._asked_vanished.add(key)
         check = m.Check(epoch=awaited.epoch, term=self.term, members=awaited.missing[: m.CHECKED_MAX])
-        send_all(self._sessions, {mid: check for mid in awaited.back if mid in self._sessions})
+        send_all(self.sessions, {mid: check for mid in awaited.back if mid in self.sessions})
 
     def _ask_to_probe(self, epoch: int, culprit: str, group: str, accuser: str) -> None:
         """One member says it cannot connect to ``culprit``'s data plane (in ``group``): the
@@ -672,7 +440,7 @@ class Coordinator(ThreadedService):
             return
         members, host, port = asked
         probe = m.Probe(epoch=epoch, term=self.term, member=culprit, group=group, host=host, port=port)
-        send_all(self._sessions, {mid: probe for mid in members if mid in self._sessions})
+        send_all(self.sessions, {mid: probe for mid in members if mid in self.sessions})
 
     def _name_absent(self, now: float) -> None:
         """Members of the epoch that never wrote their rendezvous entries, ``--build-deadline``
@@ -704,8 +472,7 @@ class Coordinator(ThreadedService):
             late = lag > self.config.membership.lease_s / 2
             if lag > LAG_FORGIVEN_S:
                 self.membership.pause(lag)
-                for link in self._relays.values():
-                    link.heard_at += lag
+                self.relays.pause(lag)
                 self.loop_lag_s = max(self.loop_lag_s, lag)
             last = now
             if not self.leading():
@@ -714,13 +481,13 @@ class Coordinator(ThreadedService):
                 continue
             try:
                 if not late:
-                    self._check_relays(now)
+                    self.relays.check(now)
                     self._check_keys(now)
                     self._name_absent(now)
                     self._ask_who_vanished(now)
                 self._apply(self.membership.tick(now, expire=not late))
             except Exception:  # a bug here must not stop the service
-                self._complain("coordinator tick failed")
+                self.chronicle.complain("coordinator tick failed")
 
     def _apply(self, d: Decision) -> None:
         """Deliver a decision, then let the clock act on it at once (a failure's epoch now):
@@ -745,26 +512,26 @@ class Coordinator(ThreadedService):
         self.office.submit(d)
         for ev in d.events:
             try:
-                self._record(ev)
+                self.chronicle.record(ev)
             except Exception:  # the decision stands; its record is what is lost
-                self._complain("recording an event failed")
+                self.chronicle.complain("recording an event failed")
 
     def _send_decision(self, d: Decision) -> None:
         expel = {mid: (reason, False) for mid, reason in d.expel.items()}
         expel |= {mid: (reason, True) for mid, reason in d.quarantine.items()}
         for mid, (reason, final) in expel.items():
             self._told.pop(mid, None)
-            s = self._sessions.pop(mid, None)
+            s = self.sessions.pop(mid, None)
             if s is not None:
                 s.send(m.Expel(reason=reason, term=self.term, final=final))
                 s.close()
         if d.halt is not None:
             halted = m.Finished(step=self.membership.step, term=self.term, error=d.halt)
-            send_all(self._sessions, dict.fromkeys(self._sessions, halted))
+            send_all(self.sessions, dict.fromkeys(self.sessions, halted))
         if d.orders:
-            send_all(self._sessions, self._compact(d.orders))
+            send_all(self.sessions, self._compact(d.orders))
         for mid, verify in d.verify.items():
-            if (session := self._sessions.get(mid)) is not None:
+            if (session := self.sessions.get(mid)) is not None:
                 session.send(verify.model_copy(update={"term": self.term}))
 
     def _compact(self, orders: dict[str, m.EpochOrder]) -> dict[str, m.EpochOrder]:
@@ -778,89 +545,22 @@ class Coordinator(ThreadedService):
             full = compact(order)
             delta = compact(order, last) if last is not None else full
             for mid, o in orders.items():
-                if o is order and mid in self._sessions:
+                if o is order and mid in self.sessions:
                     out[mid] = delta if delta.base and self._told.get(mid) == delta.base else full
                     self._told[mid] = order.epoch
         return out
 
-    def _observe(self, mid: str, msg: m.Progress) -> None:
-        """Curves and anomalies from a progress report."""
-        ms = self.membership
-        mem = ms.members.get(mid)
-        rank = ms.rank_of(mid)
-        if mem is not None and msg.compute_s > 0 and rank is not None:
-            share = ms.shares[rank] if len(ms.shares) == len(ms.epoch_members) else 0
-            self.history.add_node(mem.name, msg.wall_time, share / msg.compute_s)
-        members = len(ms.epoch_members)
-        for p in msg.recent:
-            loss = p.loss if p.finite else float("nan")
-            if self.history.add(p.step, p.wall_time, loss, p.samples_per_s, members, msg.epoch):
-                self._anomalies(
-                    self.anomalies.loss(p.step, loss) + self.anomalies.throughput(p.step, p.samples_per_s, members)
-                )
-
-    def _anomalies(self, found: list[Anomaly]) -> None:
-        ms = self.membership
-        by_name = {mem.name: mid for mid, mem in ms.members.items()}
-        for a in found:
-            step = ms.step if a.step is None else a.step
-            ev = Event(time.monotonic(), a.kind, by_name.get(a.member or ""), ms.epoch, step, a.reason)
-            self._record(ev, node=a.member)
-
     def command(self, name: str, action: str, reason: str) -> bool:
         """Send an operator's action to the connected node called ``name`` (from the event loop)."""
-        for mid, session in self._sessions.items():
+        for mid, session in self.sessions.items():
             mem = self.membership.members.get(mid)
             if mem is not None and mem.name == name:
                 if not self.leading():
                     return False
                 session.send(m.Command(action=action, reason=reason, term=self.term))  # type: ignore[arg-type]
                 ms = self.membership
-                self._record(Event(time.monotonic(), Kind.OPERATOR, mid, ms.epoch, ms.step, f"{name}: {reason}"))
+                self.chronicle.record(
+                    Event(time.monotonic(), Kind.OPERATOR, mid, ms.epoch, ms.step, f"{name}: {reason}")
+                )
                 return True
         return False
-
-    def _refusal(self, source: str, reason: str, kind: Kind = Kind.REFUSED) -> None:
-        """Record a refused or dropped session, a few per source and window: a flood of
-        them must not push the job's own events out of the history or fill the disk."""
-        now = time.monotonic()
-        say = self.quiet.allow(source, now)
-        if say is Say.NO:
-            self.events.count(kind)
-            return
-        if say is Say.LAST:
-            reason += f" (more from {source} are counted in /metrics, not listed, for {self.quiet.window_s:g} s)"
-        self._record(Event(now, kind, None, self.membership.epoch, self.membership.step, reason))
-
-    def _record(self, ev: Event, node: str | None = None) -> None:
-        """Emit ``ev`` (``node``: the name of a member gone from the membership) and act on it."""
-        rec = self.events.emit(ev, self._name(ev.member) or node)
-        log.info("event %s: %s", ev.kind, ev.reason)
-        if ev.kind is Kind.FAILURE:
-            self._open_failures.append({"cause": ev.reason, "detected_at": rec.time, "epoch": ev.epoch})
-            if rec.node is not None:
-                self._anomalies(self.anomalies.failure(rec.node, ev.time, ev.reason))
-
-    def _complain(self, what: str) -> None:
-        """Log the exception being handled, once per ``what`` and `Hush` interval (a failure
-        met at every tick once wrote tracebacks by the hundred megabytes)."""
-        counted = self._hush.allow(what, time.monotonic())
-        if counted is not None:
-            log.exception("%s%s", what, f" ({counted} more times since it was last logged)" if counted else "")
-
-    def _close_recoveries(self, epoch: int, step: int, wall_time: float) -> None:
-        still_open = []
-        for f in self._open_failures:
-            if epoch > f["epoch"] and wall_time >= f["detected_at"]:
-                self.recoveries.append(
-                    f | {"first_commit_at": wall_time, "step": step, "duration_s": wall_time - f["detected_at"]}
-                )
-            else:
-                still_open.append(f)
-        self._open_failures = still_open
-
-    def _name(self, member_id: str | None) -> str | None:
-        if member_id is None:
-            return None
-        mem = self.membership.members.get(member_id)
-        return mem.name if mem else member_id.split("#")[0]

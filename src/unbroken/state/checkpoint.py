@@ -27,11 +27,9 @@ checkpoints that load, and sets corrupt ones aside rather than counting them (`_
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -42,108 +40,41 @@ import torch
 
 from unbroken.errors import ConfigError
 from unbroken.state import directio, layout
+from unbroken.state.ckpt_files import (
+    Found,
+    checkpoint_path,
+    checkpoint_steps,
+    latest_checkpoint,
+    load_checkpoint,
+    load_newest,
+    set_aside,
+    unusable,
+)
 from unbroken.state.directio import PAGE
 from unbroken.state.fragments import ALIGN, Packed, shared, write_fragments
 from unbroken.state.snapshot import snapshot_digest
+
+__all__ = [
+    "KEEP",
+    "Checkpointer",
+    "Found",
+    "Later",
+    "checkpoint_path",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_newest",
+    "set_aside",
+    "unusable",
+]
 
 log = logging.getLogger(__name__)
 
 Later = Callable[[torch.Tensor], bool]
 """Picks the tensors a capture may copy after the step goes on (`Checkpointer.save_async`)."""
 
-_NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 NICE = 10
 """How much lower the writer thread's CPU priority is than the step loop's (Linux)."""
 KEEP = 3
-
-
-def checkpoint_path(directory: Path, step: int) -> Path:
-    return directory / f"ckpt-{step:09d}.pt"
-
-
-def _checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """The checkpoint files of ``directory`` by step, oldest first."""
-    return sorted((int(mt.group(1)), p) for p in directory.iterdir() if (mt := _NAME.match(p.name)))
-
-
-def latest_checkpoint(directory: Path) -> Path | None:
-    """The complete checkpoint with the highest step, or None."""
-    if not directory.is_dir():
-        return None
-    found = _checkpoints(directory)
-    return found[-1][1] if found else None
-
-
-def load_checkpoint(path: Path, map_location: str | None = None) -> dict[str, Any]:
-    """The state in ``path`` (not followed where it is a symbolic link: `directio.open_read`)."""
-    with directio.open_read(path) as f:
-        snap: dict[str, Any] = torch.load(f, map_location=map_location, weights_only=True)
-    return snap
-
-
-def unusable(path: Path, map_location: str | None = None) -> str | None:
-    """Why the checkpoint ``path`` cannot be used (it does not load, or holds no training
-    state), or None; on the meta device only its pickle is read (a truncated or garbage
-    file fails there too)."""
-    try:
-        snap = load_checkpoint(path, map_location)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return "a symbolic link: not followed, a checkpoint is read from its directory itself"
-        return f"{type(exc).__name__}: {exc.strerror or exc}"
-    except Exception as exc:  # torch.load raises whatever the unpickler met
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else 'unreadable'}"
-    if not isinstance(snap, dict) or not {"step", "cursor", "model"} <= snap.keys():
-        return "ValueError: it holds no training state"
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Found:
-    """What `load_newest` found in a checkpoint directory."""
-
-    path: Path | None = None
-    """The newest checkpoint that loads (None: none does)."""
-    snap: dict[str, Any] | None = None
-    """Its state."""
-    bad: tuple[str, ...] = ()
-    """Why each newer one could not be used."""
-    refused: int = 0
-    """How many of those ``usable`` refused (whole, but not usable now); the others are corrupt."""
-
-    @property
-    def all_corrupt(self) -> bool:
-        """Checkpoints are there, and none loads."""
-        return self.path is None and bool(self.bad) and not self.refused
-
-
-def load_newest(directory: Path, usable: Callable[[int], str | None] | None = None) -> Found:
-    """The newest checkpoint in ``directory`` that loads, and why each newer one did not
-    (truncated, garbage, not a state, a link; ``usable(step)``: why a step cannot be used,
-    if it cannot, as a sharded job's whose shard files of that step are incomplete)."""
-    if not directory.is_dir():
-        return Found()
-    bad: list[str] = []
-    refused = 0
-    for step, path in reversed(_checkpoints(directory)):
-        if usable is not None and (why := usable(step)) is not None:
-            bad.append(f"{path} cannot be used ({why})")
-            refused += 1
-            continue
-        why = unusable(path)
-        if why is None:
-            return Found(path, load_checkpoint(path), tuple(bad), refused)
-        bad.append(f"{path} cannot be used ({why})")
-    return Found(bad=tuple(bad), refused=refused)
-
-
-def set_aside(directory: Path, why: str, names: list[str] | None = None) -> Path:
-    """Move the checkpoints of ``directory`` (or only ``names``) into a new subdirectory
-    (another run's, or corrupt ones: kept, but out of the way of this run's, which
-    `Checkpointer` prunes by step)."""
-    if names is None:
-        names = [p.name for _, p in _checkpoints(directory)]
-    return directio.move_aside(directory, names, why)
 
 
 class Checkpointer:
@@ -473,7 +404,7 @@ class Checkpointer:
         mine = {step for step, _ in self.written}
         kept = 0
         corrupt: list[tuple[Path, str]] = []
-        for step, p in reversed(_checkpoints(self._dir)):
+        for step, p in reversed(checkpoint_steps(self._dir)):
             if kept >= KEEP:
                 p.unlink(missing_ok=True)
                 continue

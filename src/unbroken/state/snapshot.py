@@ -17,15 +17,17 @@ import json
 import logging
 import random
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import xxhash
 from torch import nn
 
 from unbroken.control.messages import TensorSpec
-from unbroken.job import AnyOptimizer
 from unbroken.state import layout
+
+if TYPE_CHECKING:
+    from unbroken.job import AnyOptimizer
 
 log = logging.getLogger(__name__)
 

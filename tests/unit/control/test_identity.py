@@ -91,7 +91,7 @@ def test_a_member_id_bound_to_a_key_cannot_be_spoken_for_by_another() -> None:
     assert ms.unbound("a#1", ka) is None
     assert ms.unbound("c#1", ka) is None, "token mode: a key may be several members"
     assert "one member per key" in (ms.unbound("c#1", ka, one_per_key=True) or "")
-    ms._quarantined_keys.add(kb)
+    ms.tribunal.quarantined_keys.add(kb)
     assert "quarantined" in (ms.unbound("d#1", kb) or "")
 
 

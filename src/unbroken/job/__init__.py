@@ -20,10 +20,10 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from unbroken.errors import ConfigError, JobLoadError
+from unbroken.job.data import DataPlan, PassOrder, order_digest
+from unbroken.job.scale import LossScale
+from unbroken.job.stream import Stream, StreamPlan
 from unbroken.state import layout
-from unbroken.train.data import DataPlan, PassOrder, order_digest
-from unbroken.train.scale import LossScale
-from unbroken.train.stream import Stream, StreamPlan
 
 
 class Optimizers:
@@ -147,7 +147,7 @@ class Job:
     """Map-style dataset (``__len__`` and ``__getitem__``) of training samples, read in a
     seeded permutation per pass; or a `Stream` read in its own order (an IterableDataset
     through ``IterableStream``, a directory of shards through ``ShardStream``, in
-    `unbroken.train.stream`)."""
+    `unbroken.job.stream`)."""
     loss: LossFn | None = None
     """``loss(model_output, target)`` returning the *mean* over the micro-batch, for a
     collated micro-batch of ``(inputs, targets)``; or give `step`."""
@@ -187,7 +187,7 @@ class Job:
     """Dynamic loss scaling for float16 autocast (``LossScale.like(torch.amp.GradScaler())``):
     the loss is scaled before backward, gradients unscaled before the all-reduce, and a step
     in which any member's gradient overflowed is committed without an optimizer update,
-    on every replica, as GradScaler skips it (`unbroken.train.scale`)."""
+    on every replica, as GradScaler skips it (`unbroken.job.scale`)."""
     order: PassOrder | None = None
     """The order a map-style dataset is read in, pass by pass: ``order(k)`` is pass k's
     dataset indices, the same on every call and every node (``LoaderOrder(loader)`` reads a

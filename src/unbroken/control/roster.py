@@ -1,0 +1,296 @@
+"""The roster: who is in, which epoch, which step — the state every part of `Membership`
+shares (`unbroken.control.membership`), with the one majority rule they all count by.
+
+The parts (`tribunal`, `recovery`, `planning`, `finish`) each own their own state and read
+and write this one; none of them keeps a copy of it. An epoch any part wants is asked for
+here (`Roster.want_epoch`) and formed by the facade when due, with every reason given.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from unbroken.control.messages import Capabilities, EpochOrder, Verify
+from unbroken.events import Event, Kind
+from unbroken.sched.balance import Preference, Profile, Role
+
+JOIN_SETTLE_S = 0.25
+"""Joins that arrive this close together share one epoch change."""
+REASONS_SHOWN = 8
+"""An epoch's reason names this many causes, then counts the rest."""
+WINDOW = 8
+"""Recent step times kept per member for straggler detection."""
+SETTLED_AFTER = 3
+"""Steps or probes a node must have measured before the plan moves it out of training."""
+WANDER_REVIEWS = 120
+"""A member's speeds noted at this many plan reviews (half a minute for a small group) say
+how far its speed strays by itself: a machine's processes sharing its cores make identical
+nodes look 2-3 times apart for a second or more, each in turn, and shares that follow that
+only move back and forth. Its spread (robust: a lasting change of level moves it only once it
+fills half the window) counts as noise of its speed when a rebalance is judged (not in the
+plan itself: truly unequal nodes keep shares by their speeds)."""
+WANDER_KNOWN_AFTER = 8
+"""Reviews before a member's wander counts (none until then: a node that is slow from the
+start is moved at once)."""
+WANDER_EVERY = 4
+"""Its wander is computed again every this many reviews (a spread of 120 values moves little)."""
+
+
+def majority(n: int) -> int:
+    """Most of ``n`` voters: more than half. Every vote of the membership counts by it."""
+    return n // 2 + 1
+
+
+def most_others(group: int, *, never_alone: bool) -> int:
+    """How many of a member's fellows in a group of ``group`` (it included) must say so
+    before their word about it counts: most of the others and, ``never_alone``, never one
+    alone (in a group of two, one word against another). The one rule by which members are
+    kept out on their fellows' word (`tribunal.Tribunal.fault`, `recovery.Recovery.vanished`)."""
+    need = majority(group - 1)
+    return max(2, need) if never_alone else need
+
+
+class MemberState(str, enum.Enum):
+    JOINING = "joining"
+    ACTIVE = "active"
+    LEAVING = "leaving"
+
+
+class StepQuorum:
+    """The highest step most of an epoch's members reported reaching: the group's step rises
+    with it, so one member's word (an insider standing by at 199,999 of 200,000) moves it no
+    more. A report costs the distinct steps reported above the group's (a handful), not the
+    members: thousands of members report every step."""
+
+    def __init__(self, size: int, floor: int) -> None:
+        self.need = majority(size)
+        self.floor = floor
+        self._at: dict[str, int] = {}
+        """Each member's step, where above ``floor``."""
+        self._count: collections.Counter[int] = collections.Counter()
+
+    def report(self, member_id: str, step: int) -> int:
+        """A member of the epoch reached ``step``: the step most of them reached now."""
+        old = self._at.get(member_id)
+        if step <= self.floor or (old is not None and step <= old):
+            return self.floor
+        if old is not None:
+            self._count[old] -= 1
+        self._at[member_id] = step
+        self._count[step] += 1
+        if len(self._at) < self.need:
+            return self.floor
+        reached = 0
+        for s in sorted((s for s, n in self._count.items() if n > 0), reverse=True):
+            reached += self._count[s]
+            if reached >= self.need:
+                self.floor = s
+                break
+        self._at = {mid: s for mid, s in self._at.items() if s > self.floor}
+        self._count = collections.Counter(self._at.values())
+        return self.floor
+
+
+@dataclass
+class Member:
+    member_id: str
+    name: str
+    weight: float
+    joined_at: float
+    last_seen: float
+    host: str = ""
+    pid: int = 0
+    key: str = ""
+    """The public key its member id is bound to (`unbroken.control.identity`)."""
+    source: str = ""
+    """Where its session came from (the peer's address, or its relay)."""
+    trained: bool = False
+    """The group committed a step in an epoch it belonged to, as another member reported:
+    its exit is no churn (`unbroken.control.admissions`)."""
+    state: MemberState = MemberState.JOINING
+    step: int = 0
+    loss: float | None = None
+    samples_per_s: float = 0.0
+    caps: Capabilities = field(default_factory=Capabilities)
+    preference: Preference = Preference.AUTO
+    evaluates: bool = False
+    role: Role | None = None
+    compute_times: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    validation: dict[str, float] | None = None
+    checkpoint_error: str | None = None
+    """Why its last checkpoint failed (None: it did not, or it writes none)."""
+    zone: str = ""
+    flags: int = 0
+    """Its offences (`tribunal.Tribunal.offence`): gradients refused, work found wrong..."""
+    benched_until: float = 0.0
+    excluded_until: float = 0.0
+    """Out of every epoch until then (it never joined an epoch's data plane)."""
+    quarantined: bool = False
+    bytes_intra: int = 0
+    bytes_inter: int = 0
+    levels: deque[float] = field(default_factory=lambda: deque(maxlen=WANDER_REVIEWS))
+    """Its predicted time for an even share at each recent plan review, as a logarithm."""
+    reviews: int = 0
+    wander: float = 0.0
+    """How far its speed strays from its usual level (relative; see `WANDER_REVIEWS`)."""
+    typical_wander: float = 0.0
+    """The median of its fellow trainers' wander at the last review."""
+
+    def profile(self, now: float = 0.0) -> Profile:
+        c = self.caps
+        return Profile(
+            self.name,
+            c.per_sample_s,
+            c.overhead_s,
+            c.max_microbatch,
+            self.weight,
+            self.preference,
+            self.evaluates,
+            benched=now < self.benched_until,
+            settled=c.measurements >= SETTLED_AFTER,
+            noise=c.noise,
+        )
+
+    def review(self, even_share: float) -> None:
+        """Note its speed at a plan review; its wander is the spread of those it noted."""
+        t = self.profile().time_for(max(1, round(even_share)))
+        if t <= 0:
+            return
+        self.levels.append(math.log(t))
+        self.reviews += 1
+        if len(self.levels) < WANDER_KNOWN_AFTER or self.reviews % WANDER_EVERY:
+            return
+        centre = statistics.median(self.levels)
+        self.wander = 1.4826 * statistics.median(abs(v - centre) for v in self.levels)
+
+
+@dataclass
+class Decision:
+    """What the service must do after a call: orders to deliver and sessions to close."""
+
+    orders: dict[str, EpochOrder] = field(default_factory=dict)
+    expel: dict[str, str] = field(default_factory=dict)
+    refuse: str | None = None
+    events: list[Event] = field(default_factory=list)
+    quarantine: dict[str, str] = field(default_factory=dict)
+    """Members told not to come back (their sessions closed), with why."""
+    halt: str | None = None
+    """The job stops here with this error (`finish.Finish.halt`): every member is told."""
+    verify: dict[str, Verify] = field(default_factory=dict)
+    """Members asked to check a trainer's work (`Membership.checked`)."""
+
+    def merge(self, other: Decision) -> Decision:
+        self.orders.update(other.orders)
+        self.verify.update(other.verify)
+        self.expel.update(other.expel)
+        self.events.extend(other.events)
+        self.quarantine.update(other.quarantine)
+        self.halt = self.halt or other.halt
+        return self
+
+
+class Roster:
+    """The members, the epoch in force and its ranks, the group's step, and the epoch
+    wanted next with its reasons."""
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self.term = 0
+        """The leader's term, carried by every epoch order (0 without etcd)."""
+        self.members: dict[str, Member] = {}
+        self.epoch = 0
+        self.epoch_floor = 0
+        """Nodes have heard of epochs up to this one (from before a restart): number above it."""
+        self.started = False
+        """An epoch was formed here, or a member came from a job that trained."""
+        self.step = 0
+        self.num_steps = 0
+        """The job's last step, as its first member said (0: not said)."""
+        self.batch_size: int | None = None
+        self.finished = False
+        self.halted: str | None = None
+        """Why the job was stopped without finishing (`finish.Finish.halt`): ``finished`` is True too."""
+        self.readmit_at: float | None = None
+        """When a member kept out of the epochs may come back (an epoch forms then)."""
+        self._epoch_members: list[str] = []
+        self.ranks: dict[str, int] = {}
+        """Each member of the epoch in force by its rank (set with `epoch_members`; read on
+        every report, so a dictionary, not a call)."""
+        self._quorum = StepQuorum(0, 0)
+        self.committers: set[str] = set()
+        """Members of the epoch in force that reported a commit in it (two at most: a
+        member's own report never proves that it trained)."""
+        self.pending_due: float | None = None
+        self.pending_urgent = False
+        self.pending_reasons: dict[str, None] = {}
+
+    @property
+    def epoch_members(self) -> list[str]:
+        """The members of the epoch in force; rank = position."""
+        return self._epoch_members
+
+    @epoch_members.setter
+    def epoch_members(self, members: list[str]) -> None:
+        for mid in self._epoch_members:
+            if (m := self.members.get(mid)) is not None and self.committers - {mid}:
+                m.trained = True
+        self.committers = set()
+        self._epoch_members = list(members)
+        self.ranks = {mid: rank for rank, mid in enumerate(self._epoch_members)}
+        self._quorum = StepQuorum(len(self._epoch_members), self.step)
+        for mid in self._epoch_members:  # what the new epoch's members said before it
+            if (x := self.members.get(mid)) is not None:
+                self.step = max(self.step, self._quorum.report(mid, x.step))
+
+    def rank_of(self, member_id: str) -> int | None:
+        """The member's rank in the epoch in force (None: not in it), in constant time."""
+        return self.ranks.get(member_id)
+
+    def reached(self, member_id: str, step: int) -> None:
+        """A member of the epoch in force reported ``step``: the group's step follows most of them."""
+        self.step = max(self.step, self._quorum.report(member_id, step))
+
+    def name(self, member_id: str) -> str:
+        member = self.members.get(member_id)
+        return member.name if member is not None else member_id
+
+    def event(self, now: float, kind: Kind, member: str | None, reason: str) -> Event:
+        return Event(time=now, kind=kind, member=member, epoch=self.epoch, step=self.step, reason=reason)
+
+    def want_epoch(self, now: float, urgent: bool, reason: str, delay: float, replacing: str | None = None) -> None:
+        """Form an epoch ``delay`` from ``now`` (or sooner if one is pending) for ``reason``,
+        which replaces the pending reasons that start with ``replacing``."""
+        due = now + delay
+        if self.pending_due is None:
+            self.pending_due = due
+            self.pending_reasons = {reason: None}
+        else:
+            self.pending_due = min(self.pending_due, due)
+            if replacing is not None:
+                self.pending_reasons = {r: None for r in self.pending_reasons if not r.startswith(replacing)}
+            self.pending_reasons[reason] = None
+        self.pending_urgent = self.pending_urgent or urgent
+
+    def unwant(self, reason: str) -> None:
+        """The pending epoch no longer forms for ``reason``; nor at all, if that was its only one."""
+        if reason in self.pending_reasons:
+            del self.pending_reasons[reason]
+            if not self.pending_reasons:
+                self.pending_due, self.pending_urgent = None, False
+
+    def pending_reason(self) -> str:
+        """Why the pending epoch forms: every reason when few, else the first few and a count
+        (a thousand joins make one epoch, not a reason of a thousand parts)."""
+        reasons = list(self.pending_reasons)
+        if len(reasons) <= REASONS_SHOWN:
+            return "; ".join(reasons)
+        return "; ".join(reasons[:REASONS_SHOWN]) + f"; and {len(reasons) - REASONS_SHOWN} more"
+
+    def clear_pending(self) -> None:
+        """An epoch is being formed: nothing is pending any more."""
+        self.pending_due, self.pending_urgent, self.pending_reasons = None, False, {}
