@@ -195,6 +195,16 @@ def _keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _offer_forwarding(value: str | None, gloo_host: str | None) -> tuple[str, int] | None:
+    if not value:
+        return None
+    if ":" in value:
+        return parse_address(value)
+    if not value.isdigit():
+        raise ConfigError(f"--offer-forwarding {value!r} is not [HOST:]PORT: give e.g. 7800 or 10.0.0.5:7800")
+    return (gloo_host or "0.0.0.0", int(value))
+
+
 def _node_config(args: argparse.Namespace) -> NodeConfig:
     etcd = _etcd(args)
     addresses = args.coordinator or ([] if etcd else os.environ.get(ENV_COORDINATOR, "").split(","))
@@ -221,6 +231,9 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
         commit_log=Path(args.commit_log) if args.commit_log else None,
         final_state=Path(args.final_state) if args.final_state else None,
         gloo_host=args.gloo_host,
+        no_inbound=args.no_inbound,
+        forwarders=tuple(parse_address(p) for a in args.forwarder or [] for p in a.split(",") if p),
+        offer_forwarding=_offer_forwarding(args.offer_forwarding, args.gloo_host),
         device=args.device,
         memory_limit=_bytes(args.memory_limit),
         role=args.role,
@@ -474,6 +487,17 @@ def _node_options(n: argparse.ArgumentParser) -> None:
     n.add_argument("--commit-log", help="append commits, contributions and syncs here (JSON lines)")
     n.add_argument("--final-state", help="save the final state here")
     n.add_argument("--gloo-host", help="address peers use for this node's data plane")
+    n.add_argument(
+        "--no-inbound",
+        action="store_true",
+        help="this node accepts no connection (NAT, firewall): peers reach it through a --forwarder",
+    )
+    n.add_argument("--forwarder", action="append", help="with --no-inbound: HOST:PORT of forwarders (comma-separated)")
+    n.add_argument(
+        "--offer-forwarding",
+        metavar="[HOST:]PORT",
+        help="forward data-plane connections for members behind NAT on this port (host: --gloo-host)",
+    )
     _token_args(n)
     n.add_argument(
         "--key", metavar="FILE",

@@ -12,6 +12,9 @@ host; the coordinator listens on the bridge's address::
 - ``cut(node)`` sets the host end of its veth down: every packet to or from the node is
   dropped (control session and gloo alike) while its sockets stay open, as with a pulled
   cable; ``restore(node)`` sets it up again and TCP retransmits whatever was queued.
+- ``drop_inbound(node)`` has the node's namespace drop every new inbound connection
+  (nftables: only loopback and replies to what it dialled get in), as behind a NAT or a
+  firewall; ``allow_inbound(node)`` lifts it. Needs `nft` (`inbound_probe` says why not).
 - ``slow(node, mbit)`` caps both directions of its veth with ``tc tbf``. This kernel has no
   ``tc netem``, so there is no fixed delay and no random loss: the only added latency is
   tbf's queueing (up to 400 ms, then drops), which is what a saturated link does anyway.
@@ -71,6 +74,7 @@ class _Link:
     address: str
     down: bool = False
     mbit: float = 0.0
+    no_inbound: bool = False
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -113,6 +117,49 @@ def probe() -> str | None:
         _run("ip", "netns", "delete", base, check=False)
         _run("ip", "link", "delete", base, check=False)
     return None
+
+
+INBOUND_TABLE = "unbroken_no_inbound"
+INBOUND_RULES = f"""
+table inet {INBOUND_TABLE} {{
+    chain input {{
+        type filter hook input priority 0; policy drop;
+        iifname "lo" accept
+        ct state established,related accept
+    }}
+}}
+"""
+"""A namespace that accepts nothing new from outside: loopback, and what answers its own connections."""
+
+
+@functools.cache
+def inbound_probe() -> str | None:
+    """Why `Network.drop_inbound` cannot work here (no `nft`, or it fails), or None."""
+    if (why := probe()) is not None:
+        return why
+    if shutil.which("nft") is None:
+        return "`nft` (nftables) is not installed: apt-get install nftables"
+    base = f"{PREFIX}{os.getpid()}y"
+    try:
+        _run("ip", "netns", "add", base)
+        _nft(base, INBOUND_RULES)
+    except NetworkError as exc:
+        return str(exc)
+    finally:
+        _run("ip", "netns", "delete", base, check=False)
+    return None
+
+
+def _nft(netns: str, rules: str) -> None:
+    try:
+        r = subprocess.run(
+            ["ip", "netns", "exec", netns, "nft", "-f", "-"],
+            input=rules, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+        )  # fmt: skip
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        raise NetworkError(f"`nft -f -` in {netns} could not run: {exc}") from None
+    if r.returncode != 0:
+        raise NetworkError(f"`nft -f -` in {netns} failed (exit {r.returncode}): {r.stderr.strip()}")
 
 
 def available() -> bool:
@@ -283,6 +330,22 @@ class Network:
         _run("tc", "qdisc", "del", "dev", link.host_dev, "root")
         _run("tc", "-n", link.netns, "qdisc", "del", "dev", link.node_dev, "root")
         link.mbit = 0.0
+
+    def drop_inbound(self, node: str) -> None:
+        """Drop every new connection into ``node``'s namespace (NAT, a firewall) until
+        `allow_inbound`; what it dials out, and loopback, still work."""
+        link = self._link(node)
+        if not link.no_inbound:
+            _nft(link.netns, INBOUND_RULES)
+            link.no_inbound = True
+
+    def allow_inbound(self, node: str) -> None:
+        """Undo `drop_inbound`; a no-op for a node that accepts connections or no longer exists."""
+        link = self._links.get(node)
+        if link is None or not link.no_inbound:
+            return
+        _nft(link.netns, f"delete table inet {INBOUND_TABLE}\n")
+        link.no_inbound = False
 
     # ---------------------------------------------------------------- teardown
 

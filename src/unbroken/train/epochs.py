@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unbroken.comm.codecs import Codec, make_codec
+from unbroken.comm.forward import ForwarderThread
 from unbroken.comm.group import PUBLISH_S, EpochGroup, EpochScope, Meeting, build_group, wait_until
 from unbroken.comm.links import probe
 from unbroken.comm.reach import Stall, accuse, reach, refusing, unreachable_fault
 from unbroken.comm.reduce import Reducer
+from unbroken.comm.tunnel import LOOPBACK, NatView, Tunnel
 from unbroken.control import messages as m
 from unbroken.control.meeting import data_address, with_port
 from unbroken.errors import BadContribution, CollectiveFailed, Unreachable
@@ -45,7 +47,12 @@ class Epochs:
         rendezvous the leader relays)."""
         self.node = node
         self.groups: GroupMaker = groups or self._builder
-        self.meeting = Meeting(self._meet)
+        config = node.config
+        self.tunnel = Tunnel(config.forwarders, config.token, node.name) if config.no_inbound else None
+        """This node's session with a forwarder, if it accepts no connection (`comm.tunnel`)."""
+        self.meeting = Meeting(self._meet, view=NatView(self.tunnel) if self.tunnel is not None else None)
+        self.forwarder: ForwarderThread | None = None
+        """The forwarder this node serves for members behind NAT (``--offer-forwarding``)."""
         self.codec = CodecSlot(node.name)
         self._accusing = threading.Lock()
         self._former: tuple[int, dict[str, tuple[str, int]]] = (-1, {})
@@ -175,8 +182,22 @@ class Epochs:
         node.records.log(Entry.LINKS, {"epoch": order.epoch, "rates": rates})
         node.client.send(m.Links(epoch=order.epoch, rates=rates))
 
+    def open(self) -> None:
+        """Start serving as a forwarder, where this node offers it."""
+        config = self.node.config
+        if config.offer_forwarding is not None:
+            self.forwarder = ForwarderThread(config.token, *config.offer_forwarding)
+
+    def close(self) -> None:
+        if self.forwarder is not None:
+            self.forwarder.close()
+        if self.tunnel is not None:
+            self.tunnel.close()
+
     def gloo_host(self) -> str | None:
         config = self.node.config
+        if config.no_inbound:
+            return LOOPBACK  # peers reach it through the forwarder (`comm.tunnel`)
         if config.gloo_host:
             return config.gloo_host
         host = (config.coordinators or config.relays or (("", 0),))[0][0]

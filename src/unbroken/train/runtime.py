@@ -748,6 +748,7 @@ class _Session:
             node.audits.checkpoint_epoch = node.records.restored_epoch
         node.install_signals()
         try:
+            node.epochs.open()
             if node.config.coordinate:
                 self.candidate = Candidate(node.config)
                 self.candidate.start()
@@ -767,6 +768,7 @@ class _Session:
         if node.sidecar is not None:
             node.sidecar.close()
         node.client.close()
+        node.epochs.close()
         node.records.close()
 
 

@@ -1,0 +1,84 @@
+"""Nodes behind NAT (root only): every node in its own network namespace, and one whose
+namespace drops every inbound connection (nftables). It trains through a forwarder a
+reachable member offers (`unbroken.comm.forward`), joins mid-run, is killed and comes
+back, and the promises of DESIGN.md §1 hold throughout."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from integration.helpers import assert_promises, events_of
+from unbroken.testing import netns
+
+pytestmark = pytest.mark.timeout(240)
+
+TOKEN = "nat-job-secret-0123456789abcdef"
+FORWARD_PORT = 7800
+"""Where a member offers forwarding (its own namespace: the port is free there)."""
+
+
+@pytest.fixture
+def network() -> Iterator[netns.Network]:
+    reason = netns.inbound_probe()
+    if reason is not None:
+        pytest.skip(f"nodes behind NAT need network namespaces and nftables here: {reason}")
+    net = netns.Network()
+    try:
+        yield net
+    finally:
+        net.close()
+        left = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        assert net.bridge not in left, "the network's links outlived close()"
+
+
+def commits_after(node, epoch: int) -> list[dict]:
+    return [e for e in node.entries() if e["kind"] == "commit" and e["epoch"] > epoch]
+
+
+def refused_or_dropped(host: str, port: int) -> str:
+    try:
+        socket.create_connection((host, port), timeout=1.5).close()
+    except ConnectionRefusedError:
+        return "refused"
+    except TimeoutError:
+        return "dropped"
+    return "accepted"
+
+
+def test_node_behind_nat_trains_through_a_forwarder_joins_is_killed_and_rejoins(network, make_cluster):
+    env = {"UB_TEST_STEPS": "1500", "UB_TEST_DELAY_MS": "20", "UNBROKEN_TOKEN": TOKEN}
+    c = make_cluster(env=env, min_nodes=2, node_args=["--digest-every", "1"], network=network)
+    c.start_coordinator()
+    n1 = c.start_node("n1", extra=["--offer-forwarding", str(FORWARD_PORT)])
+    c.start_node("n2")
+    # gloo has the member of the greater address dial: n2 dials n3 (advertised at the forwarder, n1's address).
+    assert socket.inet_aton(network.address("n2")) > socket.inet_aton(network.address("n1"))
+    forwarder = f"{network.address('n1')}:{FORWARD_PORT}"
+    nat = ["--no-inbound", "--forwarder", forwarder]
+    c.wait_step(20)
+
+    # Joins mid-run from behind a firewall that drops every connection into it.
+    n3 = c.start_node("n3", extra=nat, no_inbound=True)
+    assert refused_or_dropped(network.address("n3"), 9) == "dropped", "n3's namespace must drop inbound connections"
+    c.wait_for(lambda: commits_after(n3, 0), 90, "n3 committing from behind its firewall")
+
+    # Killed: the others go on without it, then it comes back (still behind its firewall).
+    n3.kill()
+    failure = c.wait_for(
+        lambda: next((e for e in events_of(c, "failure") if e["node"] == "n3"), None), 15, "n3's death seen"
+    )
+    c.wait_for(lambda: commits_after(n1, failure["epoch"]), 30, "n1 and n2 committing without n3")
+    n3 = c.start_node("n3", extra=nat, no_inbound=True)
+    c.wait_for(lambda: commits_after(n3, failure["epoch"]), 90, "n3 committing again after its restart")
+
+    codes = c.wait_exit(timeout=150)
+    assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
+    assert_promises(c, env, finishers=3)
+    # n2's connections to n3 went through the forwarder: nothing else gets into n3.
+    sessions = re.findall(r"n3's session ended: (\d+) connections, (\d+) bytes forwarded", n1.stderr())
+    assert sessions and all(int(conns) > 0 and int(sent) > 0 for conns, sent in sessions), n1.stderr()[-3000:]
