@@ -60,6 +60,7 @@ from unbroken.control.messages import (
 from unbroken.events import Event, Kind
 from unbroken.sched.balance import Plan, Preference, Profile, Role, adopt, plan, rebalance
 from unbroken.sched.links import RING_MIN_ZONES, Links, bottleneck
+from unbroken.sched.nat import reachable_first
 from unbroken.sched.stragglers import find_stragglers
 from unbroken.sched.zones import AUTO, Zones, group_by_rtt
 from unbroken.specs import Policy, Rule
@@ -204,6 +205,8 @@ class Member:
     checkpoint_error: str | None = None
     """Why its last checkpoint failed (None: it did not, or it writes none)."""
     zone: str = ""
+    no_inbound: bool = False
+    """It accepts no connection (behind NAT): never a zone's leader where another can be (`sched.nat`)."""
     flags: int = 0
     """Its offences (`Membership._offence`): gradients refused, work found wrong..."""
     benched_until: float = 0.0
@@ -579,6 +582,7 @@ class Membership:
             preference=Preference(hello.role),
             evaluates=hello.evaluates,
             zone=hello.zone,
+            no_inbound=hello.no_inbound,
         )
         if self.recovering_until is None or hello.resume is not None:  # a newcomer's word moves no recovery
             self.step = max(self.step, step)
@@ -1583,7 +1587,7 @@ class Membership:
             ),
             key=lambda m: (m.joined_at, m.member_id),
         )
-        order = keep + [m.member_id for m in new]
+        order = reachable_first(keep + [m.member_id for m in new], lambda mid: self.members[mid].no_inbound)
         if not order:
             return d
         old = list(self.epoch_members)

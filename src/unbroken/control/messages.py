@@ -200,6 +200,8 @@ class Hello(_Msg):
     evaluates: bool = False
     """The job has an evaluation function (the node can be a validator)."""
     """The newest epoch this node has heard of; epochs after a restart are numbered above it."""
+    no_inbound: bool = False
+    """It accepts no connection (NAT): peers reach it through a forwarder; it leads no zone (`sched.nat`)."""
 
 
 class Heartbeat(_Msg):
