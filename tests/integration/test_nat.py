@@ -82,3 +82,27 @@ def test_node_behind_nat_trains_through_a_forwarder_joins_is_killed_and_rejoins(
     # n2's connections to n3 went through the forwarder: nothing else gets into n3.
     sessions = re.findall(r"n3's session ended: (\d+) connections, (\d+) bytes forwarded", n1.stderr())
     assert sessions and all(int(conns) > 0 and int(sent) > 0 for conns, sent in sessions), n1.stderr()[-3000:]
+
+
+def test_a_forwarders_death_is_one_more_fault_the_nat_node_moves_to_the_next(network, make_cluster):
+    env = {"UB_TEST_STEPS": "1200", "UB_TEST_DELAY_MS": "20", "UNBROKEN_TOKEN": TOKEN}
+    c = make_cluster(env=env, min_nodes=3, node_args=["--digest-every", "1"], network=network)
+    c.start_coordinator()
+    offer = ["--offer-forwarding", str(FORWARD_PORT)]
+    n1 = c.start_node("n1", extra=offer)
+    n2 = c.start_node("n2", extra=offer)
+    forwarders = ",".join(f"{network.address(n)}:{FORWARD_PORT}" for n in ("n1", "n2"))
+    n3 = c.start_node("n3", extra=["--no-inbound", "--forwarder", forwarders], no_inbound=True)
+    c.wait_for(lambda: commits_after(n3, 0), 120, "n3 committing through n1's forwarder")
+
+    n1.kill()  # the forwarder n3 holds its ports at, and a member
+    failure = c.wait_for(
+        lambda: next((e for e in events_of(c, "failure") if e["node"] == "n1"), None), 15, "n1's death seen"
+    )
+    c.wait_for(lambda: commits_after(n3, failure["epoch"]), 60, "n3 committing through n2's forwarder")
+
+    codes = c.wait_exit(["n2", "n3"], timeout=150)
+    assert codes == {"n2": 0, "n3": 0}, c.diagnostics()
+    assert_promises(c, env, finishers=2)
+    # n3 advertised its ports at n2 once n1 was gone (whether a peer dialled them depends on ports' order).
+    assert re.search(r"n3's session ended: \d+ connections", n2.stderr()), n2.stderr()[-3000:]
