@@ -296,6 +296,18 @@ class Network:
     def address(self, node: str) -> str:
         return self._link(node).address
 
+    def counters(self, node: str) -> tuple[int, int]:
+        """Bytes ``node`` has sent and received over its link so far (every frame, headers
+        included: its data plane and its control session alike)."""
+        link = self._link(node)
+        stats = f"/sys/class/net/{link.host_dev}/statistics"
+        try:
+            with open(f"{stats}/rx_bytes") as rx, open(f"{stats}/tx_bytes") as tx:
+                # The host end receives what the node sends.
+                return int(rx.read()), int(tx.read())
+        except OSError as exc:
+            raise NetworkError(f"cannot read {node}'s link counters in {stats}: {exc}") from None
+
     # ---------------------------------------------------------------- faults
 
     def cut(self, node: str) -> None:
