@@ -242,7 +242,9 @@ class NodeConfig:
     """This node accepts no connection (NAT, a firewall): its peers reach its data plane
     through one of ``forwarders`` (`unbroken.comm.forward`); it dials out only."""
     forwarders: tuple[tuple[str, int], ...] = field(default_factory=tuple)
-    """Forwarders a node with ``no_inbound`` dials, the first that answers (the next once it is lost)."""
+    """Forwarders this node dials, the first that answers (the next once it is lost): with
+    ``no_inbound`` always; without, only where the forwarder finds at start that it cannot
+    connect to this node's data-plane address."""
     offer_forwarding: tuple[str, int] | None = None
     """Serve as a forwarder for members behind NAT on this (host, port) (port 0: any)."""
     token: str | None = field(default=None, repr=False)
@@ -301,9 +303,7 @@ class NodeConfig:
                 "NodeConfig.no_inbound needs a forwarder its peers reach it through: pass --forwarder HOST:PORT "
                 "(a reachable member started with --offer-forwarding PORT)"
             )
-        if self.forwarders and not self.no_inbound:
-            raise ConfigError("NodeConfig.forwarders is set but no_inbound is not: pass --no-inbound to use them")
-        if (self.no_inbound or self.offer_forwarding) and not self.token:
+        if (self.forwarders or self.offer_forwarding) and not self.token:
             raise ConfigError(
                 "forwarding (--no-inbound, --offer-forwarding) needs the job's token (--token-file or "
                 "$UNBROKEN_TOKEN): members prove it to the forwarder"

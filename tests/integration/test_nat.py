@@ -1,7 +1,8 @@
 """Nodes behind NAT (root only): every node in its own network namespace, and one whose
 namespace drops every inbound connection (nftables). It trains through a forwarder a
-reachable member offers (`unbroken.comm.forward`), joins mid-run, is killed and comes
-back, and the promises of DESIGN.md §1 hold throughout."""
+reachable member offers (`unbroken.comm.forward`), joins mid-run (told it is behind NAT),
+is killed and comes back (not told: the forwarder's probe finds it), and the promises of
+DESIGN.md §1 hold throughout; the forwarder's death is one more fault."""
 
 from __future__ import annotations
 
@@ -67,14 +68,16 @@ def test_node_behind_nat_trains_through_a_forwarder_joins_is_killed_and_rejoins(
     assert refused_or_dropped(network.address("n3"), 9) == "dropped", "n3's namespace must drop inbound connections"
     c.wait_for(lambda: commits_after(n3, 0), 90, "n3 committing from behind its firewall")
 
-    # Killed: the others go on without it, then it comes back (still behind its firewall).
+    # Killed: the others go on without it, then it comes back, still behind its firewall and
+    # not told so: its forwarder finds that it cannot connect to it.
     n3.kill()
     failure = c.wait_for(
         lambda: next((e for e in events_of(c, "failure") if e["node"] == "n3"), None), 15, "n3's death seen"
     )
     c.wait_for(lambda: commits_after(n1, failure["epoch"]), 30, "n1 and n2 committing without n3")
-    n3 = c.start_node("n3", extra=nat, no_inbound=True)
+    n3 = c.start_node("n3", extra=["--forwarder", forwarder], no_inbound=True)
     c.wait_for(lambda: commits_after(n3, failure["epoch"]), 90, "n3 committing again after its restart")
+    assert "its forwarder cannot connect to its data-plane address" in n3.stderr()
 
     codes = c.wait_exit(timeout=150)
     assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()

@@ -492,7 +492,11 @@ def _node_options(n: argparse.ArgumentParser) -> None:
         action="store_true",
         help="this node accepts no connection (NAT, firewall): peers reach it through a --forwarder",
     )
-    n.add_argument("--forwarder", action="append", help="with --no-inbound: HOST:PORT of forwarders (comma-separated)")
+    n.add_argument(
+        "--forwarder",
+        action="append",
+        help="HOST:PORT of forwarders (comma-separated): used with --no-inbound, or where one cannot connect to us",
+    )
     n.add_argument(
         "--offer-forwarding",
         metavar="[HOST:]PORT",

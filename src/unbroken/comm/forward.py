@@ -38,6 +38,7 @@ import hmac
 import itertools
 import json
 import logging
+import os
 import secrets
 import socket
 import struct
@@ -56,6 +57,10 @@ LINE_BYTES = 4096
 HANDSHAKE_S = 10.0
 """How long a connection may take to prove itself, and an inbound one to be attached."""
 CHUNK = 1 << 18
+PROBES = 16
+"""Probes of its own address one session may ask for (each is one connection attempt)."""
+PROBE_S = 2.0
+"""How long a probe's connection attempt may take."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +197,7 @@ class _Session:
     ports: dict[int, _Port] = field(default_factory=dict)
     waiting: dict[int, asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = field(default_factory=dict)
     live: int = 0
+    probes: int = 0
     spliced: int = 0
     """Connections spliced in the session so far."""
     sent: int = 0
@@ -268,6 +274,8 @@ class Forwarder:
                 order = await read_line(reader, float("inf"))
                 if "open" in order:
                     write_line(writer, await self._open(sid, order["open"]))
+                elif "probe" in order:
+                    write_line(writer, await self._probe(sid, order["probe"], order.get("address")))
                 elif "close" in order:
                     self._close_port(sid, order["close"])
         except (ProtocolError, ConnectionError):
@@ -285,6 +293,24 @@ class Forwarder:
         holder.append(port)
         session.ports[port] = _Port(server)
         return {"opened": req, "port": port}
+
+    async def _probe(self, sid: str, req: object, address: object) -> dict[str, Any]:
+        """Whether this forwarder can connect to ``address``: the member's own data-plane
+        address, which it cannot test from behind its own firewall."""
+        session = self._sessions[sid]
+        session.probes += 1
+        if session.probes > PROBES:
+            return {"probed": req, "error": f"{session.member} asked for {PROBES} probes already"}
+        if not (isinstance(address, list) and len(address) == 2 and isinstance(address[1], int)):
+            return {"probed": req, "error": "a probe names [host, port]"}
+        try:
+            _, w = await asyncio.wait_for(asyncio.open_connection(str(address[0]), address[1]), PROBE_S)
+        except TimeoutError:
+            return {"probed": req, "error": f"no answer in {PROBE_S:g} s"}
+        except OSError as exc:
+            return {"probed": req, "error": os.strerror(exc.errno) if exc.errno else str(exc)}
+        w.close()
+        return {"probed": req}
 
     def _close_port(self, sid: str, port: object) -> None:
         session = self._sessions.get(sid)

@@ -98,6 +98,19 @@ class Tunnel:
             raise ForwardingError(why) from None
         return found
 
+    def probe(self, address: tuple[str, int]) -> str | None:
+        """Why the forwarder cannot connect to ``address`` (this node's own), or None when it can."""
+        try:
+            reply: dict[str, object] = self._loop.call(
+                self._ask({"probe": 0, "address": list(address)}), 2 * HANDSHAKE_S
+            )
+        except TimeoutError:
+            raise ForwardingError(
+                f"no forwarder of {self._names()} answered a probe within {2 * HANDSHAKE_S:g} s"
+            ) from None
+        error = reply.get("error")
+        return None if error is None else str(error)
+
     def local_dial(self, epoch: int, target: tuple[str, int]) -> tuple[str, int]:
         """A port on 127.0.0.1 whose connections are spliced to ``target``."""
         found: tuple[str, int] = self._loop.call(self._splice_to(epoch, target), HANDSHAKE_S)
@@ -114,14 +127,21 @@ class Tunnel:
 
     # ---------------------------------------------------------------- on the loop
 
-    async def _open(self, epoch: int, local: tuple[str, int]) -> tuple[str, int]:
+    async def _ask(self, order: dict[str, object]) -> dict[str, object]:
+        """Send ``order`` on the session (its first key numbered), return the forwarder's reply."""
         link = await self._connected()
         self._reqs += 1
         req = self._reqs
         future: asyncio.Future[dict[str, object]] = asyncio.get_running_loop().create_future()
         link.replies[req] = future
-        write_line(link.writer, {"open": req})
-        reply = await asyncio.wait_for(future, HANDSHAKE_S)
+        first = next(iter(order))
+        write_line(link.writer, {**order, first: req})
+        return await asyncio.wait_for(future, HANDSHAKE_S)
+
+    async def _open(self, epoch: int, local: tuple[str, int]) -> tuple[str, int]:
+        reply = await self._ask({"open": 0})
+        link = self._link
+        assert link is not None, "a reply came on the session"
         port = reply.get("port")
         if not isinstance(port, int):
             raise ForwardingError(f"forwarder {link.host}:{link.port} opened no port: {reply.get('error')}")
@@ -180,7 +200,7 @@ class Tunnel:
                     attach = self._attach(link, line.get("dial"), line.get("port"))
                     self._tasks.add(task := asyncio.ensure_future(attach))
                     task.add_done_callback(self._tasks.discard)
-                elif isinstance(req := line.get("opened", line.get("refused")), int):
+                elif isinstance(req := line.get("opened", line.get("refused", line.get("probed"))), int):
                     future = link.replies.pop(req, None)
                     if future is not None and not future.done():
                         future.set_result(line)

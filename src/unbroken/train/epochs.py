@@ -8,6 +8,7 @@ import base64
 import contextlib
 import functools
 import logging
+import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from unbroken.comm.group import PUBLISH_S, EpochGroup, EpochScope, Meeting, buil
 from unbroken.comm.links import probe
 from unbroken.comm.reach import Stall, accuse, reach, refusing, unreachable_fault
 from unbroken.comm.reduce import Reducer
-from unbroken.comm.tunnel import LOOPBACK, NatView, Tunnel
+from unbroken.comm.tunnel import LOOPBACK, ForwardingError, NatView, Tunnel
 from unbroken.control import messages as m
 from unbroken.control.meeting import data_address, with_port
 from unbroken.errors import BadContribution, CollectiveFailed, Unreachable
@@ -48,9 +49,9 @@ class Epochs:
         self.node = node
         self.groups: GroupMaker = groups or self._builder
         config = node.config
-        self.tunnel = Tunnel(config.forwarders, config.token, node.name) if config.no_inbound else None
-        """This node's session with a forwarder, if it accepts no connection (`comm.tunnel`)."""
-        self.meeting = Meeting(self._meet, view=NatView(self.tunnel) if self.tunnel is not None else None)
+        self.tunnel = Tunnel(config.forwarders, config.token, node.name) if config.forwarders else None
+        """This node's session with a forwarder, where it was given some (`comm.tunnel`)."""
+        self.meeting = Meeting(self._meet)
         self.forwarder: ForwarderThread | None = None
         """The forwarder this node serves for members behind NAT (``--offer-forwarding``)."""
         self.codec = CodecSlot(node.name)
@@ -183,10 +184,39 @@ class Epochs:
         node.client.send(m.Links(epoch=order.epoch, rates=rates))
 
     def open(self) -> None:
-        """Start serving as a forwarder, where this node offers it."""
+        """Start serving as a forwarder, where this node offers it; go through one, where
+        this node accepts no connection (declared, or found by the forwarder's probe)."""
         config = self.node.config
         if config.offer_forwarding is not None:
             self.forwarder = ForwarderThread(config.token, *config.offer_forwarding)
+        if self.tunnel is None:
+            return
+        if config.no_inbound:
+            self.meeting.view = NatView(self.tunnel)
+            return
+        host = config.gloo_host or socket.gethostbyname(socket.gethostname())
+        with socket.create_server((host, 0)) as listener:
+            try:
+                why = self.tunnel.probe((host, listener.getsockname()[1]))
+            except ForwardingError as exc:
+                log.warning(
+                    "%s: could not learn whether peers reach it (%s): it takes connections directly",
+                    self.node.name,
+                    exc,
+                )
+                return
+        if why is None:
+            self.tunnel.close()  # reachable: no session held at the forwarder
+            self.tunnel = None
+        else:
+            log.warning("%s: its forwarder cannot connect to its data-plane address %s (%s): peers reach it "
+                        "through the forwarder", self.node.name, host, why)  # fmt: skip
+            self.meeting.view = NatView(self.tunnel)
+
+    @property
+    def forwarded(self) -> bool:
+        """Peers reach this node through a forwarder (`comm.tunnel`)."""
+        return self.meeting.view is not None
 
     def close(self) -> None:
         if self.forwarder is not None:
@@ -196,7 +226,7 @@ class Epochs:
 
     def gloo_host(self) -> str | None:
         config = self.node.config
-        if config.no_inbound:
+        if self.forwarded:
             return LOOPBACK  # peers reach it through the forwarder (`comm.tunnel`)
         if config.gloo_host:
             return config.gloo_host

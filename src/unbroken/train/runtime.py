@@ -705,7 +705,7 @@ class Node:
             role=self.config.role,  # type: ignore[arg-type]
             evaluates=self.job.evaluate is not None,
             zone=self.config.zone,
-            no_inbound=self.config.no_inbound,
+            no_inbound=self.epochs.forwarded,
         )
 
     def _command(self, cmd: m.Command) -> None:

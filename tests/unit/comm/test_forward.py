@@ -172,3 +172,20 @@ def test_a_forwarder_refuses_a_wrong_token_and_bounds_the_ports_of_a_session():
         wrong.close()
         right.close()
         forwarder.close()
+
+
+def test_a_forwarder_tells_a_node_whether_it_can_connect_to_the_nodes_own_address():
+    forwarder = ForwarderThread(TOKEN, "127.0.0.1")
+    tunnel = Tunnel((forwarder.address,), TOKEN, "maybe-nat")
+    listening = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    try:
+        assert tunnel.probe(("127.0.0.1", listening.getsockname()[1])) is None
+        why = tunnel.probe(("127.0.0.1", closed_port))
+        assert why is not None and "refused" in why.lower()
+    finally:
+        listening.close()
+        tunnel.close()
+        forwarder.close()
