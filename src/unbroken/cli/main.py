@@ -149,8 +149,22 @@ def _relay(args: argparse.Namespace) -> int:
     if not config.coordinators and not config.etcd:
         raise ConfigError("a relay needs the job's coordinator: --coordinator HOST:PORT[,...] or --etcd URL,...")
     relay = Relay(config)
+    offer = _offer_forwarding(args.offer_forwarding, args.host)
 
     async def serve() -> None:
+        forwarder = None
+        if offer is not None:  # beside the relay, on its loop: members behind NAT dial both
+            from unbroken.comm.forward import Forwarder
+
+            forwarder = Forwarder(config.token, *offer)
+            await forwarder.start()
+        try:
+            await serve_relay()
+        finally:
+            if forwarder is not None:
+                await forwarder.close()
+
+    async def serve_relay() -> None:
         task = asyncio.create_task(relay.serve())
         while not relay.ready:
             await asyncio.sleep(0.01)
@@ -625,6 +639,11 @@ def build_parser() -> argparse.ArgumentParser:
     _etcd_args(r)
     _token_args(r)
     r.add_argument("--key", metavar="FILE", help="the relay's identity key (as a node's --key)")
+    r.add_argument(
+        "--offer-forwarding",
+        metavar="[HOST:]PORT",
+        help="also forward data-plane connections for members behind NAT on this port (host: --host)",
+    )
     r.set_defaults(func=_relay)
 
     k = sub.add_parser(
