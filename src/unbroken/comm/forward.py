@@ -263,7 +263,7 @@ class Forwarder:
             self._refuse(writer, str(exc))
             return
         if kind == "attach":
-            await self._attach(conn, reader, writer)
+            await self._attach(member, conn, reader, writer)
             return
         sid = secrets.token_hex(8)
         self._sessions[sid] = _Session(member, writer)
@@ -343,7 +343,11 @@ class Forwarder:
             writer.close()
             return
         if session.live >= self.limits.connections:
-            self._refuse(writer, f"{session.member} has {self.limits.connections} connections forwarded already")
+            # Closed without a word: the peer's gloo would read one as data.
+            why = f"{session.member} has {self.limits.connections} connections forwarded already"
+            self.refused = [*self.refused[-15:], why]
+            log.warning("forwarding: refused a connection to port %d: %s", port, why)
+            writer.close()
             return
         conn = next(self._conn_ids)
         future: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]]
@@ -379,10 +383,14 @@ class Forwarder:
             session.live -= 1
             entry.conns.discard(writer)
 
-    async def _attach(self, conn: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        future = next((s.waiting.get(conn) for s in self._sessions.values() if conn in s.waiting), None)
+    async def _attach(self, member: str, conn: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Only the member the connection was forwarded for attaches it: one member's proof
+        # counts for no other's connections.
+        future = next(
+            (s.waiting.get(conn) for s in self._sessions.values() if conn in s.waiting and s.member == member), None
+        )
         if future is None or future.done():
-            self._refuse(writer, f"no connection {conn} waits to be attached")
+            self._refuse(writer, f"no connection {conn} waits for {member!r} to attach it")
             return
         no_delay(writer)
         write_line(writer, {"ok": conn})

@@ -40,7 +40,7 @@ from unbroken.comm.forward import (
     write_line,
 )
 from unbroken.control.meeting import data_address
-from unbroken.errors import ProtocolError
+from unbroken.errors import CollectiveFailed, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,12 @@ class NatView:
         self.tunnel = tunnel
 
     def advertise(self, epoch: int, raw: bytes) -> bytes:
-        host, port = self.tunnel.open(epoch, data_address(raw))
+        """Raises `CollectiveFailed` where no forwarder opened a port: the build cannot
+        succeed, and the epoch is left as for any failed build (the next one tries again)."""
+        try:
+            host, port = self.tunnel.open(epoch, data_address(raw))
+        except ForwardingError as exc:
+            raise CollectiveFailed(f"epoch {epoch}: {exc}") from exc
         return entry_with(raw, host, port)
 
     def translate(self, epoch: int, own: bytes, advertised: bytes, peer: bytes) -> bytes:
@@ -289,7 +294,12 @@ class NatView:
             return entry_with(peer, *NOWHERE)  # the peer dials our forwarder port
         if gloo_initiator(local, theirs):
             return peer  # below our loopback address: gloo dials it as it is
-        return entry_with(peer, *self.tunnel.local_dial(epoch, theirs))
+        try:
+            return entry_with(peer, *self.tunnel.local_dial(epoch, theirs))
+        except (OSError, TimeoutError) as exc:  # on the control thread too: the build fails instead
+            log.warning("%s: no local splice to %s:%d (%s): this build cannot reach it", self.tunnel.member,
+                        *theirs, exc)  # fmt: skip
+            return peer
 
     def forget(self, epoch: int) -> None:
         self.tunnel.forget(epoch)

@@ -23,7 +23,7 @@ from unbroken.comm.reduce import Reducer
 from unbroken.comm.tunnel import LOOPBACK, ForwardingError, NatView, Tunnel
 from unbroken.control import messages as m
 from unbroken.control.meeting import data_address, with_port
-from unbroken.errors import BadContribution, CollectiveFailed, Unreachable
+from unbroken.errors import BadContribution, CollectiveFailed, ConfigError, Unreachable
 from unbroken.events import Entry
 from unbroken.sched.zones import WORLD, Zones
 from unbroken.specs import CodecSpec, Mode, Rule
@@ -188,7 +188,13 @@ class Epochs:
         this node accepts no connection (declared, or found by the forwarder's probe)."""
         config = self.node.config
         if config.offer_forwarding is not None:
-            self.forwarder = ForwarderThread(config.token, *config.offer_forwarding)
+            host, port = config.offer_forwarding
+            try:
+                self.forwarder = ForwarderThread(config.token, host, port)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot forward on {host}:{port} ({exc.strerror or exc}): give --offer-forwarding a free port"
+                ) from None
         if self.tunnel is None:
             return
         if config.no_inbound:

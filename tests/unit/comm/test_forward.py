@@ -189,3 +189,44 @@ def test_a_forwarder_tells_a_node_whether_it_can_connect_to_the_nodes_own_addres
         listening.close()
         tunnel.close()
         forwarder.close()
+
+
+def echo_server() -> socket.socket:
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                while data := conn.recv(65536):
+                    conn.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server
+
+
+def test_a_forwarded_port_splices_both_ways_and_closes_past_its_byte_bound():
+    forwarder = ForwarderThread(TOKEN, "127.0.0.1", limits=ForwardLimits(bytes_per_port=100_000))
+    tunnel = Tunnel((forwarder.address,), TOKEN, "nat")
+    echo = echo_server()
+    try:
+        host, port = tunnel.open(1, echo.getsockname())
+        with socket.create_connection((host, port), timeout=5) as peer:
+            peer.sendall(b"x" * 1000)
+            got = b""
+            while len(got) < 1000:
+                got += peer.recv(65536)
+            assert got == b"x" * 1000
+            # Past 100 kB through the port (both ways counted) the forwarder closes it.
+            with pytest.raises(OSError):
+                for _ in range(200):
+                    peer.sendall(b"y" * 10_000)
+                    if not peer.recv(65536):
+                        raise ConnectionResetError("closed by the forwarder")
+    finally:
+        echo.close()
+        tunnel.close()
+        forwarder.close()
