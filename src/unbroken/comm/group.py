@@ -365,14 +365,13 @@ class _Entries:
     """With a view: entries as the members were given them, where gloo's store holds another."""
     held: dict[str, bytes] = field(default_factory=dict)
     """With a view: peers' entries waiting for this node's own entry of their stream."""
+    devices: dict[str, list[Any]] = field(default_factory=dict)
+    """Group → the gloo devices its build listens on (one per stream)."""
 
     @property
     def streams_out(self) -> set[str]:
         """``GROUP/STREAM`` of this node's own entries sent."""
         return {k.rsplit("/", 1)[0] for k in self.mine}
-
-    devices: dict[str, list[Any]] = field(default_factory=dict)
-    """Group → the gloo devices its build listens on (one per stream)."""
 
 
 def build_group(
