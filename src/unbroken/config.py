@@ -240,7 +240,8 @@ class NodeConfig:
     """Address peers use to reach this node's gloo endpoint (default: this host's name)."""
     no_inbound: bool = False
     """This node accepts no connection (NAT, a firewall): its peers reach its data plane
-    through one of ``forwarders`` (`unbroken.comm.forward`); it dials out only."""
+    through a forwarder (`unbroken.comm.forward`): one of ``forwarders``, else one a member
+    offers (epoch orders name them); it dials out only."""
     forwarders: tuple[tuple[str, int], ...] = field(default_factory=tuple)
     """Forwarders this node dials, the first that answers (the next once it is lost): with
     ``no_inbound`` always; without, only where the forwarder finds at start that it cannot
@@ -298,12 +299,7 @@ class NodeConfig:
         if self.role not in ROLES:
             raise ConfigError(f"NodeConfig.role = {self.role!r} is not one of {', '.join(ROLES)}")
         parse_throttle(self.throttle)
-        if self.no_inbound and not self.forwarders:
-            raise ConfigError(
-                "NodeConfig.no_inbound needs a forwarder its peers reach it through: pass --forwarder HOST:PORT "
-                "(a reachable member started with --offer-forwarding PORT)"
-            )
-        if (self.forwarders or self.offer_forwarding) and not self.token:
+        if (self.no_inbound or self.forwarders or self.offer_forwarding) and not self.token:
             raise ConfigError(
                 "forwarding (--no-inbound, --offer-forwarding) needs the job's token (--token-file or "
                 "$UNBROKEN_TOKEN): members prove it to the forwarder"

@@ -1,8 +1,9 @@
 """Nodes behind NAT (root only): every node in its own network namespace, and one whose
 namespace drops every inbound connection (nftables). It trains through a forwarder a
-reachable member offers (`unbroken.comm.forward`), joins mid-run (told it is behind NAT),
-is killed and comes back (not told: the forwarder's probe finds it), and the promises of
-DESIGN.md §1 hold throughout; the forwarder's death is one more fault."""
+reachable member offers (`unbroken.comm.forward`), joins mid-run (told it is behind NAT,
+not where a forwarder is: epoch orders name the members that offer one), is killed and
+comes back (given a forwarder, not told it is behind NAT: the forwarder's probe finds it),
+and the promises of DESIGN.md §1 hold throughout; a forwarder's death is one more fault."""
 
 from __future__ import annotations
 
@@ -60,11 +61,11 @@ def test_node_behind_nat_trains_through_a_forwarder_joins_is_killed_and_rejoins(
     # gloo has the member of the greater address dial: n2 dials n3 (advertised at the forwarder, n1's address).
     assert socket.inet_aton(network.address("n2")) > socket.inet_aton(network.address("n1"))
     forwarder = f"{network.address('n1')}:{FORWARD_PORT}"
-    nat = ["--no-inbound", "--forwarder", forwarder]
     c.wait_step(20)
 
-    # Joins mid-run from behind a firewall that drops every connection into it.
-    n3 = c.start_node("n3", extra=nat, no_inbound=True)
+    # Joins mid-run from behind a firewall that drops every connection into it, told so
+    # but given no forwarder: the epoch order names n1's.
+    n3 = c.start_node("n3", extra=["--no-inbound"], no_inbound=True)
     assert refused_or_dropped(network.address("n3"), 9) == "dropped", "n3's namespace must drop inbound connections"
     c.wait_for(lambda: commits_after(n3, 0), 90, "n3 committing from behind its firewall")
 

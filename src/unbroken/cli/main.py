@@ -504,7 +504,8 @@ def _node_options(n: argparse.ArgumentParser) -> None:
     n.add_argument(
         "--no-inbound",
         action="store_true",
-        help="this node accepts no connection (NAT, firewall): peers reach it through a --forwarder",
+        help="this node accepts no connection (NAT, firewall): peers reach it through a --forwarder, or one a member "
+        "offers (--offer-forwarding)",
     )
     n.add_argument(
         "--forwarder",

@@ -70,11 +70,12 @@ class Tunnel:
     once it is lost), the ports it holds there, and local splices to peers above 127/8."""
 
     def __init__(self, forwarders: tuple[tuple[str, int], ...], token: str | None, member: str) -> None:
-        if not forwarders:
-            raise ForwardingError("a node that accepts no connection needs a forwarder: pass --forwarder HOST:PORT")
         if not token:
             raise ForwardingError("forwarding needs the job's token (--token-file or $UNBROKEN_TOKEN)")
-        self.forwarders = forwarders
+        self.given = forwarders
+        """The forwarders this node was given (``--forwarder``): tried first."""
+        self.offered: tuple[tuple[str, int], ...] = ()
+        """The forwarders the latest epoch order names (members offering forwarding)."""
         self._token = token
         self.member = member
         self._loop = LoopThread("tunnel")
@@ -116,6 +117,19 @@ class Tunnel:
         found: tuple[str, int] = self._loop.call(self._splice_to(epoch, target), HANDSHAKE_S)
         return found
 
+    @property
+    def forwarders(self) -> tuple[tuple[str, int], ...]:
+        return tuple(dict.fromkeys(self.given + self.offered))
+
+    def learn(self, offers: list[str]) -> None:
+        """The forwarders an epoch order names (``HOST:PORT``; one that does not parse is skipped)."""
+        found = []
+        for offer in offers:
+            host, _, port = offer.rpartition(":")
+            if host and port.isdigit() and 0 < int(port) < 65536:
+                found.append((host.strip("[]"), int(port)))
+        self.offered = tuple(found)
+
     def forget(self, epoch: int) -> None:
         """Close the ports and splices of ``epoch`` (over: the rendezvous dropped it)."""
         self._loop.loop.call_soon_threadsafe(self._forget, epoch)
@@ -153,6 +167,11 @@ class Tunnel:
             if self._link is not None and not self._link.writer.is_closing():
                 return self._link
             errors = []
+            if not self.forwarders:
+                raise ForwardingError(
+                    f"{self.member} knows no forwarder: pass --forwarder HOST:PORT, or start a reachable member "
+                    "with --offer-forwarding PORT (epoch orders name those)"
+                )
             for host, port in self.forwarders:
                 try:
                     self._link = await self._session(host, port)

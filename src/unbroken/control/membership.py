@@ -60,7 +60,7 @@ from unbroken.control.messages import (
 from unbroken.events import Event, Kind
 from unbroken.sched.balance import Plan, Preference, Profile, Role, adopt, plan, rebalance
 from unbroken.sched.links import RING_MIN_ZONES, Links, bottleneck
-from unbroken.sched.nat import reachable_first
+from unbroken.sched.nat import forwarders, reachable_first
 from unbroken.sched.stragglers import find_stragglers
 from unbroken.sched.zones import AUTO, Zones, group_by_rtt
 from unbroken.specs import Policy, Rule
@@ -207,6 +207,8 @@ class Member:
     zone: str = ""
     no_inbound: bool = False
     """It accepts no connection (behind NAT): never a zone's leader where another can be (`sched.nat`)."""
+    forwarding: str = ""
+    """Where it forwards for members behind NAT (HOST:PORT; empty: it does not)."""
     flags: int = 0
     """Its offences (`Membership._offence`): gradients refused, work found wrong..."""
     benched_until: float = 0.0
@@ -583,6 +585,7 @@ class Membership:
             evaluates=hello.evaluates,
             zone=hello.zone,
             no_inbound=hello.no_inbound,
+            forwarding=hello.forwarding,
         )
         if self.recovering_until is None or hello.resume is not None:  # a newcomer's word moves no recovery
             self.step = max(self.step, step)
@@ -1623,6 +1626,7 @@ class Membership:
             policy=self._policy(members),
             rollback_to=self._rollback_to,
             refused=self._verdicts,
+            forwarders=forwarders([(m.forwarding, m.no_inbound) for m in members]),
         )
         self._rollback_to = -1  # told once: a later epoch must not roll back again
         # Everyone of the old epoch hears of it (a leaver learns it may go), and everyone of the new.

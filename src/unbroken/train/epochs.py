@@ -49,11 +49,14 @@ class Epochs:
         self.node = node
         self.groups: GroupMaker = groups or self._builder
         config = node.config
-        self.tunnel = Tunnel(config.forwarders, config.token, node.name) if config.forwarders else None
-        """This node's session with a forwarder, where it was given some (`comm.tunnel`)."""
+        forwarding = config.forwarders or config.no_inbound
+        self.tunnel = Tunnel(config.forwarders, config.token, node.name) if forwarding else None
+        """This node's session with a forwarder, where it may need one (`comm.tunnel`)."""
         self.meeting = Meeting(self._meet)
         self.forwarder: ForwarderThread | None = None
         """The forwarder this node serves for members behind NAT (``--offer-forwarding``)."""
+        self.offered = ""
+        """Where that forwarder is, as its hello says (HOST:PORT; empty: none)."""
         self.codec = CodecSlot(node.name)
         self._accusing = threading.Lock()
         self._former: tuple[int, dict[str, tuple[str, int]]] = (-1, {})
@@ -76,6 +79,8 @@ class Epochs:
             microbatches=list(order.microbatches),
         )
         node.group = group  # the epoch now current: what the build's abort checks compare orders with
+        if self.tunnel is not None:
+            self.tunnel.learn(order.forwarders)
         build = self.groups(order.epoch, node.scope(during_step=False))
         # Where zones exist, the step reduces through the zone and leaders' groups: the
         # world group only carries the sync phase, robust gathers and audits, whose
@@ -195,10 +200,15 @@ class Epochs:
                 raise ConfigError(
                     f"cannot forward on {host}:{port} ({exc.strerror or exc}): give --offer-forwarding a free port"
                 ) from None
+            if host in ("", "0.0.0.0", "::"):  # every interface: name one the others reach
+                host = config.gloo_host or socket.gethostbyname(socket.gethostname())
+            self.offered = f"{host}:{self.forwarder.address[1]}"
         if self.tunnel is None:
             return
         if config.no_inbound:
             self.meeting.view = NatView(self.tunnel)
+            return
+        if not config.forwarders:
             return
         host = config.gloo_host or socket.gethostbyname(socket.gethostname())
         with socket.create_server((host, 0)) as listener:

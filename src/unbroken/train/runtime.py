@@ -706,6 +706,7 @@ class Node:
             evaluates=self.job.evaluate is not None,
             zone=self.config.zone,
             no_inbound=self.epochs.forwarded,
+            forwarding=self.epochs.offered,
         )
 
     def _command(self, cmd: m.Command) -> None:
