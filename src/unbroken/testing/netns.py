@@ -253,13 +253,19 @@ class Network:
 
     # ---------------------------------------------------------------- nodes
 
-    def add(self, node: str) -> str:
-        """Create ``node``'s namespace and veth pair (once); return its address."""
+    def add(self, node: str, host: int | None = None) -> str:
+        """Create ``node``'s namespace and veth pair (once); return its address. ``host``:
+        its address's last number (2..254, free), where the order of addresses matters (gloo
+        has the member of the greater address dial); default: the next free one."""
         if self._closed:
             raise NetworkError("the network is closed")
         if node in self._links:
             return self._links[node].address
-        k = self._allocate()
+        if host is not None:
+            used = {int(link.address.rsplit(".", 1)[1]) for link in self._links.values()}
+            if not 2 <= host <= 254 or host in used:
+                raise NetworkError(f"host number {host} for {node!r} is taken or outside 2..254")
+        k = host if host is not None else self._allocate()
         link = _Link(node, *names(self._pid, k), f"{self.subnet}.{k}")
         self._links[node] = link
         try:
