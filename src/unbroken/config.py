@@ -318,6 +318,16 @@ class NodeConfig:
     """Save the final model state here when the job finishes."""
     gloo_host: str | None = None
     """Address peers use to reach this node's gloo endpoint (default: this host's name)."""
+    no_inbound: bool = False
+    """This node accepts no connection (NAT, a firewall): its peers reach its data plane
+    through a forwarder (`unbroken.comm.forward`): one of ``forwarders``, else one a member
+    offers (epoch orders name them); it dials out only."""
+    forwarders: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+    """Forwarders this node dials, the first that answers (the next once it is lost): with
+    ``no_inbound`` always; without, only where the forwarder finds at start that it cannot
+    connect to this node's data-plane address."""
+    offer_forwarding: tuple[str, int] | None = None
+    """Serve as a forwarder for members behind NAT on this (host, port) (port 0: any)."""
     token: str | None = field(default=None, repr=False)
     """The job's secret, proven to the coordinator (which proves it back) without sending it."""
     key_file: Path | None = None
@@ -369,6 +379,11 @@ class NodeConfig:
         if self.role not in ROLES:
             raise ConfigError(f"NodeConfig.role = {self.role!r} is not one of {', '.join(ROLES)}")
         parse_throttle(self.throttle)
+        if (self.no_inbound or self.forwarders or self.offer_forwarding) and not self.token:
+            raise ConfigError(
+                "forwarding (--no-inbound, --offer-forwarding) needs the job's token (--token-file or "
+                "$UNBROKEN_TOKEN): members prove it to the forwarder"
+            )
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ConfigError("NodeConfig.checkpoint_every is set but checkpoint_dir is not: give a directory")
 

@@ -110,6 +110,17 @@ def test_checkpoint_every_needs_a_directory(tmp_path: Path) -> None:
     assert NodeConfig(coordinators=ADDR, checkpoint_every=10, checkpoint_dir=tmp_path).checkpoint_every == 10
 
 
+def test_forwarding_says_what_it_needs() -> None:
+    token = "a-job-token-0123456789"
+    with pytest.raises(ConfigError, match="needs the job's token"):
+        NodeConfig(coordinators=ADDR, no_inbound=True, forwarders=(("10.0.0.5", 7800),))
+    with pytest.raises(ConfigError, match="needs the job's token"):
+        NodeConfig(coordinators=ADDR, offer_forwarding=("0.0.0.0", 7800))
+    n = NodeConfig(coordinators=ADDR, forwarders=(("10.0.0.5", 7800),), token=token)
+    assert not n.no_inbound, "a forwarder alone: used where it finds this node unreachable"
+    assert NodeConfig(coordinators=ADDR, no_inbound=True, token=token).forwarders == (), "members may offer one"
+
+
 def test_a_node_name_must_be_printable_and_the_error_shows_it_escaped() -> None:
     with pytest.raises(ConfigError, match=r"NodeConfig\.name 'ev\\x1b\[31mil' holds the unprintable character '\\x1b'"):
         NodeConfig(coordinators=ADDR, name="ev\x1b[31mil")

@@ -21,28 +21,24 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from unbroken.cli.args import etcd_args, etcd_endpoints, etcd_tls, offer_forwarding, token_args
 from unbroken.cli.assemble import add_parser as add_assemble_parser
 from unbroken.cli.keygen import add_parser as add_keygen_parser
 from unbroken.cli.observe import add_parsers as add_observe_parsers
+from unbroken.cli.relay import add_parser as add_relay_parser
 from unbroken.cli.restore import add_parser as add_restore_parser
 from unbroken.cli.showcase import add_parsers as add_showcase_parsers
 from unbroken.cli.verify import add_parser as add_verify_parser
 from unbroken.config import (
-    DEFAULT_ETCD_PREFIX,
     ENV_COORDINATOR,
-    ENV_ETCD,
     READY_PREFIX,
     CoordinatorConfig,
-    EtcdTLS,
     MembershipConfig,
     NodeConfig,
     ServiceConfig,
-    check_tls,
     parse_address,
-    parse_endpoints,
 )
-from unbroken.control import identity
-from unbroken.control.auth import ENV_TOKEN, load_token
+from unbroken.control.auth import load_token
 from unbroken.errors import ConfigError, NotFinal, UnbrokenError
 from unbroken.observe.printable import Formatter as PrintableFormatter
 from unbroken.observe.printable import printable
@@ -83,10 +79,10 @@ def _coordinator(args: argparse.Namespace) -> int:
             allowed_keys=Path(args.allowed_keys) if args.allowed_keys else None,
             tls_cert=Path(args.tls_cert) if args.tls_cert else None,
             tls_key=Path(args.tls_key) if args.tls_key else None,
-            etcd=_etcd(args),
+            etcd=etcd_endpoints(args),
             etcd_prefix=args.etcd_prefix,
             etcd_ttl_s=args.etcd_ttl,
-            etcd_tls=_etcd_tls(args),
+            etcd_tls=etcd_tls(args),
             open_control=args.open_control,
             allow_hosts=tuple(args.allow_host or ()),
         ),
@@ -134,54 +130,6 @@ def _coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
-def _relay(args: argparse.Namespace) -> int:
-    from unbroken.control.relay import Relay, RelayConfig
-
-    addresses = args.coordinator or os.environ.get(ENV_COORDINATOR, "").split(",")
-    config = RelayConfig(
-        coordinators=[parse_address(p) for a in addresses for p in a.split(",") if p],
-        host=args.host,
-        port=args.port,
-        zone=args.zone or "",
-        token=load_token(args.token, args.token_file),
-        etcd=list(_etcd(args)),
-        etcd_prefix=args.etcd_prefix,
-        etcd_tls=_etcd_tls(args),
-        key=identity.load_or_create(Path(args.key)) if args.key else None,
-        tls_cert=Path(args.tls_cert) if args.tls_cert else None,
-        tls_key=Path(args.tls_key) if args.tls_key else None,
-        tls_ca=Path(args.tls_ca) if args.tls_ca else None,
-    )
-    check_tls(config.etcd, config.etcd_tls)
-    if not config.coordinators and not config.etcd:
-        raise ConfigError("a relay needs the job's coordinator: --coordinator HOST:PORT[,...] or --etcd URL,...")
-    relay = Relay(config)
-
-    async def serve() -> None:
-        task = asyncio.create_task(relay.serve())
-        while not relay.ready:
-            await asyncio.sleep(0.01)
-            if task.done():
-                await task
-        host, port = relay.address
-        print(f"{READY_PREFIX} {host}:{port}", flush=True)
-        scheme = "https" if config.tls_cert else "http"
-        print(f"unbroken relay {relay.relay_id} on {host}:{port} (state: {scheme}://{host}:{port}/api/state)",
-              file=sys.stderr, flush=True)  # fmt: skip
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, relay.stop_nowait)
-        await task
-
-    try:
-        asyncio.run(serve())
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot listen on {config.host}:{config.port} ({exc.strerror or exc}); use --port 0"
-        ) from None
-    return 0
-
-
 async def _exit_with_parent(coord: Any) -> None:
     """A node's candidate (``--coordinate``) resigns as soon as its node is gone, even SIGKILLed."""
     parent = os.getppid()
@@ -191,13 +139,13 @@ async def _exit_with_parent(coord: Any) -> None:
 
 
 def _node_config(args: argparse.Namespace) -> NodeConfig:
-    etcd = _etcd(args)
+    etcd = etcd_endpoints(args)
     addresses = args.coordinator or ([] if etcd else os.environ.get(ENV_COORDINATOR, "").split(","))
     return NodeConfig(
         coordinators=tuple(parse_address(p) for a in addresses for p in a.split(",") if p),
         etcd=etcd,
         etcd_prefix=args.etcd_prefix,
-        etcd_tls=_etcd_tls(args),
+        etcd_tls=etcd_tls(args),
         relays=tuple(parse_address(p) for a in args.relay or [] for p in a.split(",") if p),
         coordinate=args.coordinate,
         coordinator_args=tuple(shlex.split(args.coordinator_args or "")),
@@ -216,6 +164,9 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
         commit_log=Path(args.commit_log) if args.commit_log else None,
         final_state=Path(args.final_state) if args.final_state else None,
         gloo_host=args.gloo_host,
+        no_inbound=args.no_inbound,
+        forwarders=tuple(parse_address(p) for a in args.forwarder or [] for p in a.split(",") if p),
+        offer_forwarding=offer_forwarding(args.offer_forwarding, args.gloo_host),
         device=args.device,
         memory_limit=_bytes(args.memory_limit),
         role=args.role,
@@ -290,37 +241,6 @@ def _exit_now(code: int) -> int:
     os._exit(code)
 
 
-def _etcd(args: argparse.Namespace) -> tuple[str, ...]:
-    return parse_endpoints(",".join(args.etcd or []) or os.environ.get(ENV_ETCD, ""))
-
-
-def _etcd_tls(args: argparse.Namespace) -> EtcdTLS | None:
-    files = (args.etcd_cacert, args.etcd_cert, args.etcd_key)
-    if not any(files):
-        return None
-    cacert, cert, key = (Path(f) if f else None for f in files)
-    return EtcdTLS(cacert=cacert, cert=cert, key=key)
-
-
-def _etcd_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--etcd",
-        action="append",
-        help=f"etcd client URLs, comma-separated (repeatable; default ${ENV_ETCD}): the job's leader is elected there",
-    )
-    p.add_argument("--etcd-prefix", default=DEFAULT_ETCD_PREFIX, help="the job's place in etcd (one per job)")
-    p.add_argument("--etcd-cacert", metavar="FILE", help="the CA of the etcd members' certificates (https:// etcd)")
-    p.add_argument(
-        "--etcd-cert", metavar="FILE", help="this client's certificate (PEM), for an etcd with --client-cert-auth"
-    )
-    p.add_argument("--etcd-key", metavar="FILE", help="the private key of --etcd-cert (PEM)")
-
-
-def _token_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--token", help=f"the job's secret (visible in `ps`: prefer --token-file or ${ENV_TOKEN})")
-    p.add_argument("--token-file", help="read the job's secret from this file")
-
-
 def _bytes(text: str) -> int:
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
     t = text.strip().upper()
@@ -359,7 +279,7 @@ def _node_options(n: argparse.ArgumentParser) -> None:
         action="append",
         help="HOST:PORT of this zone's relay (comma-separated for several), tried before the leader",
     )
-    _etcd_args(n)
+    etcd_args(n)
     n.add_argument(
         "--coordinate", action="store_true", help="also be a coordinator candidate (with --etcd): no separate machine"
     )
@@ -408,7 +328,23 @@ def _node_options(n: argparse.ArgumentParser) -> None:
     n.add_argument("--commit-log", help="append commits, contributions and syncs here (JSON lines)")
     n.add_argument("--final-state", help="save the final state here")
     n.add_argument("--gloo-host", help="address peers use for this node's data plane")
-    _token_args(n)
+    n.add_argument(
+        "--no-inbound",
+        action="store_true",
+        help="this node accepts no connection (NAT, firewall): peers reach it through a --forwarder, or one a member "
+        "offers (--offer-forwarding)",
+    )
+    n.add_argument(
+        "--forwarder",
+        action="append",
+        help="HOST:PORT of forwarders (comma-separated): used with --no-inbound, or where one cannot connect to us",
+    )
+    n.add_argument(
+        "--offer-forwarding",
+        metavar="[HOST:]PORT",
+        help="forward data-plane connections for members behind NAT on this port (host: --gloo-host)",
+    )
+    token_args(n)
     n.add_argument(
         "--key", metavar="FILE",
         help="this node's identity key (made there if missing; `unbroken keygen` prints its public line for "
@@ -495,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="diloco across zones: exchange a round's pseudo-gradients during the next round and apply them at its "
         "end (compute never waits for the slow links)",
     )
-    _token_args(c)
+    token_args(c)
     c.add_argument(
         "--allowed-keys", metavar="FILE",
         help="admit only nodes and relays whose public key this file lists (one a line, as `unbroken keygen` "
@@ -513,29 +449,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a name besides this machine's own (and its addresses) that browsers reach the coordinator by, "
         "and that pages acting on it may come from: a DNS alias, a reverse proxy (repeatable)",
     )  # fmt: skip
-    _etcd_args(c)
+    etcd_args(c)
     c.add_argument("--etcd-ttl", type=int, default=1, help="seconds of the leader's etcd lease (failover time)")
     c.add_argument("--advertise", help="HOST[:PORT] nodes reach this coordinator at (default: --host and the port)")
     c.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     c.set_defaults(func=_coordinator)
 
-    r = sub.add_parser(
-        "relay",
-        help="a zone's sub-coordinator: holds its nodes' sessions, speaks for them to the leader",
-        formatter_class=fmt,
-    )
-    r.add_argument("--coordinator", action="append", help="HOST:PORT of the job's coordinator(s), comma-separated")
-    r.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for other machines)")
-    r.add_argument("--port", type=int, default=29450, help="port nodes connect to (0: pick a free one)")
-    r.add_argument("--zone", help="the zone this relay serves (shown on the dashboard)")
-    _etcd_args(r)
-    _token_args(r)
-    r.add_argument("--key", metavar="FILE", help="the relay's identity key (as a node's --key)")
-    r.add_argument("--tls-cert", help="serve the relay's nodes over TLS: certificate chain (PEM)")
-    r.add_argument("--tls-key", help="...and its private key (PEM)")
-    r.add_argument("--tls-ca", help="link to the leader over TLS, trusting this CA bundle (PEM)")
-    r.set_defaults(func=_relay)
-
+    add_relay_parser(sub, fmt)
     add_keygen_parser(sub, fmt)
 
     n = sub.add_parser("node", help="run one training node", formatter_class=fmt)

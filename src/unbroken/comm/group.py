@@ -187,15 +187,36 @@ def run_abortable(fn: Callable[[], T], scope: EpochScope, what: str) -> T:
     return value
 
 
+class EntryView(Protocol):
+    """How a node that accepts no connection writes and reads the rendezvous
+    (`unbroken.comm.tunnel.NatView`): what its entries advertise, and what its gloo reads
+    of its peers'."""
+
+    def advertise(self, epoch: int, raw: bytes) -> bytes:
+        """The entry peers get for this node's ``raw`` one."""
+
+    def translate(self, epoch: int, own: bytes, advertised: bytes, peer: bytes) -> bytes:
+        """What this node's gloo reads for ``peer``'s entry of the stream where its own
+        entry is ``own``, advertised as ``advertised``."""
+
+    def forget(self, epoch: int) -> None:
+        """``epoch`` is over (its entries are dropped)."""
+
+
 class Meeting:
     """A node's side of the rendezvous (`unbroken.control.meeting`): a private in-memory
     store per epoch that its group builds meet on. Entries the data plane writes go to
     the leader through ``send``; entries the leader hands over are written in by
-    `deliver`. Nothing listens on a port: no one outside the job reads or writes it."""
+    `deliver`. Nothing listens on a port: no one outside the job reads or writes it.
 
-    def __init__(self, send: Callable[[int, str, bytes], None], keep: int = 3) -> None:
+    With a ``view`` (a node behind NAT), its entries are sent as the view advertises them,
+    and a peer's entry reaches its gloo, translated, only once its own entry for the same
+    stream is out: the translation depends on it."""
+
+    def __init__(self, send: Callable[[int, str, bytes], None], keep: int = 3, view: EntryView | None = None) -> None:
         self._send = send
         self._keep = keep
+        self.view = view
         self._epochs: dict[int, _Entries] = {}
         self._lock = threading.Lock()
 
@@ -236,7 +257,8 @@ class Meeting:
             if ep is None:
                 return {}
             ranks = {k: r for k in ep.known if (r := _first_stream_rank(k, group)) is not None}
-        return {r: ep.store.get(k) for k, r in ranks.items()}
+            # As advertised: what the members were given (the view rewrites what gloo reads).
+            return {r: ep.advertised.get(k) or ep.held.get(k) or ep.store.get(k) for k, r in ranks.items()}
 
     def writers(self, epoch: int, group: str, before: float) -> set[int]:
         """The ranks of ``group`` whose entry for ``epoch`` the leader handed over before
@@ -256,6 +278,8 @@ class Meeting:
                 found = self._epochs[epoch] = _Entries(HashStore())
                 for old in sorted(self._epochs)[: -self._keep]:
                     del self._epochs[old]
+                    if self.view is not None:
+                        self.view.forget(old)
             return found
 
     def deliver(self, epoch: int, entries: dict[str, bytes]) -> None:
@@ -267,7 +291,12 @@ class Meeting:
                 if key not in ep.known:
                     ep.known.add(key)  # before it is visible: `publish` must not take it for ours
                     ep.arrived[key] = now
-                    ep.store.set(key, value)  # type: ignore[arg-type]  # bytes, as gloo wrote them
+                    if self.view is None:
+                        ep.store.set(key, value)  # type: ignore[arg-type]  # bytes, as gloo wrote them
+                    else:
+                        ep.held[key] = value
+        if self.view is not None:
+            self._translate(epoch, ep)
 
     def publish(self, epoch: int) -> None:
         """Send the leader whatever this node's data plane wrote since the last call."""
@@ -275,9 +304,32 @@ class Meeting:
         with self._lock:
             new = {k: ep.store.get(k) for k in ep.store.list_keys() if k not in ep.known}
             ep.known.update(new)
+        if self.view is not None:
+            # A round trip to the forwarder per new entry (a group's stream): outside the lock.
+            new = {k: self.view.advertise(epoch, v) for k, v in new.items()}
+        with self._lock:
             ep.mine.update(new)
+            ep.advertised.update(new)
         for key, value in new.items():
             self._send(epoch, key, value)
+        if self.view is not None:
+            self._translate(epoch, ep)
+
+    def _translate(self, epoch: int, ep: _Entries) -> None:
+        """Hand gloo the held peers' entries of the streams whose own entry is out."""
+        assert self.view is not None
+        with self._lock:
+            ready = {k: v for k, v in ep.held.items() if k.rsplit("/", 1)[0] in ep.streams_out}
+            for key in ready:
+                del ep.held[key]
+            own = {k: (ep.store.get(k), v) for k, v in ep.mine.items()}
+        by_stream = {k.rsplit("/", 1)[0]: v for k, v in own.items()}
+        for key, value in ready.items():
+            mine, advertised = by_stream[key.rsplit("/", 1)[0]]
+            translated = self.view.translate(epoch, mine, advertised, value)
+            with self._lock:
+                ep.advertised[key] = value
+                ep.store.set(key, translated)  # type: ignore[arg-type]
 
     def republish(self) -> None:
         """Send this node's entries again (a new session: the leader may not have them)."""
@@ -308,9 +360,18 @@ class _Entries:
     arrived: dict[str, float] = field(default_factory=dict)
     """Keys received from the leader: when."""
     mine: dict[str, bytes] = field(default_factory=dict)
-    """What this node's data plane wrote."""
+    """What this node's data plane wrote (as sent: advertised)."""
+    advertised: dict[str, bytes] = field(default_factory=dict)
+    """With a view: entries as the members were given them, where gloo's store holds another."""
+    held: dict[str, bytes] = field(default_factory=dict)
+    """With a view: peers' entries waiting for this node's own entry of their stream."""
     devices: dict[str, list[Any]] = field(default_factory=dict)
     """Group → the gloo devices its build listens on (one per stream)."""
+
+    @property
+    def streams_out(self) -> set[str]:
+        """``GROUP/STREAM`` of this node's own entries sent."""
+        return {k.rsplit("/", 1)[0] for k in self.mine}
 
 
 def build_group(

@@ -172,6 +172,8 @@ class EpochOrder(_Msg):
     policy: PolicyMsg = PolicyMsg()
     """How the group trains (the same in every order, but for ``aggregate`` while the
     coordinator has contributions checked)."""
+    forwarders: Annotated[list[Annotated[str, Field(max_length=300)]], Field(max_length=64)] = []
+    """HOST:PORT of the members that forward for members behind NAT (`sched.nat.forwarders`)."""
     # On the wire only (`unbroken.control.orders`): a node sees the full order.
     base: EpochNo = 0
     """Non-zero: ``members`` is empty and the order is a change to epoch ``base``'s."""

@@ -1,7 +1,6 @@
 """Membership, leases and epochs: the coordinator's decisions, as a pure state machine.
 
-No sockets and no clock of its own: every call takes ``now`` and returns the orders to
-send. The service in `coordinator.py` feeds it and delivers what it returns.
+No sockets and no clock of its own: every call takes ``now`` and returns the orders to send.
 
 Member life::
 
@@ -56,6 +55,7 @@ from unbroken.control.tribunal import (
 from unbroken.events import Event, Kind
 from unbroken.sched.balance import Plan, Preference, Role
 from unbroken.sched.links import Links
+from unbroken.sched.nat import reachable_first
 from unbroken.specs import Policy
 
 __all__ = [
@@ -211,6 +211,8 @@ class Membership:
             preference=Preference(hello.role),
             evaluates=hello.evaluates,
             zone=hello.zone,
+            no_inbound=hello.no_inbound,
+            forwarding=hello.forwarding,
         )
         if self.recovering_until is None or hello.resume is not None:  # a newcomer's word moves no recovery
             r.step = max(r.step, step)
@@ -566,7 +568,7 @@ class Membership:
             ),
             key=lambda m: (m.joined_at, m.member_id),
         )
-        order = keep + [m.member_id for m in new]
+        order = reachable_first(keep + [m.member_id for m in new], lambda mid: r.members[mid].no_inbound)
         if not order:
             return d
         old = list(r.epoch_members)

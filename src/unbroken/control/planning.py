@@ -17,6 +17,7 @@ from unbroken.control.roster import Decision, Member, Roster
 from unbroken.events import Event, Kind
 from unbroken.sched.balance import Plan, Preference, Role, plan, rebalance
 from unbroken.sched.links import RING_MIN_ZONES, Links, bottleneck
+from unbroken.sched.nat import forwarders
 from unbroken.sched.stragglers import find_stragglers
 from unbroken.sched.zones import AUTO, Zones, group_by_rtt
 from unbroken.specs import Policy, Rule
@@ -162,6 +163,7 @@ class Planner:
             policy=self.policy_for(members, checking),
             rollback_to=rollback_to,
             refused=refused,
+            forwarders=forwarders([(m.forwarding, m.no_inbound) for m in members]),
         )
 
     def links_measured(self, member_id: str, epoch: int, rates: dict[str, float], now: float) -> Decision:

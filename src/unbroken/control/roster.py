@@ -125,6 +125,10 @@ class Member:
     checkpoint_error: str | None = None
     """Why its last checkpoint failed (None: it did not, or it writes none)."""
     zone: str = ""
+    no_inbound: bool = False
+    """It accepts no connection (behind NAT): never a zone's leader where another can be (`sched.nat`)."""
+    forwarding: str = ""
+    """Where it forwards for members behind NAT (HOST:PORT; empty: it does not)."""
     flags: int = 0
     """Its offences (`tribunal.Tribunal.offence`): gradients refused, work found wrong..."""
     benched_until: float = 0.0

@@ -96,6 +96,10 @@ class Hello(_Msg):
     """Where the node is (a site, a region); empty is the default zone."""
     evaluates: bool = False
     """The job has an evaluation function (the node can be a validator)."""
+    no_inbound: bool = False
+    """It accepts no connection (NAT): peers reach it through a forwarder; it leads no zone (`sched.nat`)."""
+    forwarding: Annotated[str, Field(max_length=300)] = ""
+    """HOST:PORT where it forwards for members behind NAT (``--offer-forwarding``; empty: it does not)."""
     """The newest epoch this node has heard of; epochs after a restart are numbered above it."""
 
 

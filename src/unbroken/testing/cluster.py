@@ -239,9 +239,11 @@ class LocalCluster:
         via: list[tuple[str, int]] | None = None,
         relays: list[tuple[str, int]] | None = None,
         job_args: list[str] | None = None,
+        no_inbound: bool = False,
     ) -> NodeProcess:
         """``via``: the only coordinator addresses the node is given (no etcd), e.g. a standby's;
-        ``relays``: relays it tries first (``--relay``); ``job_args``: the job's own (after ``--``)."""
+        ``relays``: relays it tries first (``--relay``); ``job_args``: the job's own (after ``--``);
+        ``no_inbound``: its namespace drops every connection into it (`Network.drop_inbound`)."""
         assert self.address is not None or self.etcd, "start the coordinator first"
         # Every coordinator started here, or the one whose address the caller set (embedded).
         known = via or [a for _, a in self.coordinators] or ([self.address] if self.address else [])
@@ -264,6 +266,8 @@ class LocalCluster:
             # Its own namespace; `ip netns exec` execs in place, so `proc.pid` is the node's pid.
             self._reclaim_namespaces()
             address = self.network.add(name)
+            if no_inbound:
+                self.network.drop_inbound(name)
             cmd = [*self.network.prefix(name), *cmd, "--gloo-host", address]
         if job_args:
             cmd += ["--", *job_args]

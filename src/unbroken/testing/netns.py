@@ -12,6 +12,9 @@ host; the coordinator listens on the bridge's address::
 - ``cut(node)`` sets the host end of its veth down: every packet to or from the node is
   dropped (control session and gloo alike) while its sockets stay open, as with a pulled
   cable; ``restore(node)`` sets it up again and TCP retransmits whatever was queued.
+- ``drop_inbound(node)`` has the node's namespace drop every new inbound connection
+  (nftables: only loopback and replies to what it dialled get in), as behind a NAT or a
+  firewall; ``allow_inbound(node)`` lifts it. Needs `nft` (`inbound_probe` says why not).
 - ``slow(node, mbit)`` caps both directions of its veth with ``tc tbf``. This kernel has no
   ``tc netem``, so there is no fixed delay and no random loss: the only added latency is
   tbf's queueing (up to 400 ms, then drops), which is what a saturated link does anyway.
@@ -71,6 +74,7 @@ class _Link:
     address: str
     down: bool = False
     mbit: float = 0.0
+    no_inbound: bool = False
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -113,6 +117,49 @@ def probe() -> str | None:
         _run("ip", "netns", "delete", base, check=False)
         _run("ip", "link", "delete", base, check=False)
     return None
+
+
+INBOUND_TABLE = "unbroken_no_inbound"
+INBOUND_RULES = f"""
+table inet {INBOUND_TABLE} {{
+    chain input {{
+        type filter hook input priority 0; policy drop;
+        iifname "lo" accept
+        ct state established,related accept
+    }}
+}}
+"""
+"""A namespace that accepts nothing new from outside: loopback, and what answers its own connections."""
+
+
+@functools.cache
+def inbound_probe() -> str | None:
+    """Why `Network.drop_inbound` cannot work here (no `nft`, or it fails), or None."""
+    if (why := probe()) is not None:
+        return why
+    if shutil.which("nft") is None:
+        return "`nft` (nftables) is not installed: apt-get install nftables"
+    base = f"{PREFIX}{os.getpid()}y"
+    try:
+        _run("ip", "netns", "add", base)
+        _nft(base, INBOUND_RULES)
+    except NetworkError as exc:
+        return str(exc)
+    finally:
+        _run("ip", "netns", "delete", base, check=False)
+    return None
+
+
+def _nft(netns: str, rules: str) -> None:
+    try:
+        r = subprocess.run(
+            ["ip", "netns", "exec", netns, "nft", "-f", "-"],
+            input=rules, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+        )  # fmt: skip
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        raise NetworkError(f"`nft -f -` in {netns} could not run: {exc}") from None
+    if r.returncode != 0:
+        raise NetworkError(f"`nft -f -` in {netns} failed (exit {r.returncode}): {r.stderr.strip()}")
 
 
 def available() -> bool:
@@ -206,13 +253,19 @@ class Network:
 
     # ---------------------------------------------------------------- nodes
 
-    def add(self, node: str) -> str:
-        """Create ``node``'s namespace and veth pair (once); return its address."""
+    def add(self, node: str, host: int | None = None) -> str:
+        """Create ``node``'s namespace and veth pair (once); return its address. ``host``:
+        its address's last number (2..254, free), where the order of addresses matters (gloo
+        has the member of the greater address dial); default: the next free one."""
         if self._closed:
             raise NetworkError("the network is closed")
         if node in self._links:
             return self._links[node].address
-        k = self._allocate()
+        if host is not None:
+            used = {int(link.address.rsplit(".", 1)[1]) for link in self._links.values()}
+            if not 2 <= host <= 254 or host in used:
+                raise NetworkError(f"host number {host} for {node!r} is taken or outside 2..254")
+        k = host if host is not None else self._allocate()
         link = _Link(node, *names(self._pid, k), f"{self.subnet}.{k}")
         self._links[node] = link
         try:
@@ -249,6 +302,18 @@ class Network:
     def address(self, node: str) -> str:
         return self._link(node).address
 
+    def counters(self, node: str) -> tuple[int, int]:
+        """Bytes ``node`` has sent and received over its link so far (every frame, headers
+        included: its data plane and its control session alike)."""
+        link = self._link(node)
+        stats = f"/sys/class/net/{link.host_dev}/statistics"
+        try:
+            with open(f"{stats}/rx_bytes") as rx, open(f"{stats}/tx_bytes") as tx:
+                # The host end receives what the node sends.
+                return int(rx.read()), int(tx.read())
+        except OSError as exc:
+            raise NetworkError(f"cannot read {node}'s link counters in {stats}: {exc}") from None
+
     # ---------------------------------------------------------------- faults
 
     def cut(self, node: str) -> None:
@@ -283,6 +348,22 @@ class Network:
         _run("tc", "qdisc", "del", "dev", link.host_dev, "root")
         _run("tc", "-n", link.netns, "qdisc", "del", "dev", link.node_dev, "root")
         link.mbit = 0.0
+
+    def drop_inbound(self, node: str) -> None:
+        """Drop every new connection into ``node``'s namespace (NAT, a firewall) until
+        `allow_inbound`; what it dials out, and loopback, still work."""
+        link = self._link(node)
+        if not link.no_inbound:
+            _nft(link.netns, INBOUND_RULES)
+            link.no_inbound = True
+
+    def allow_inbound(self, node: str) -> None:
+        """Undo `drop_inbound`; a no-op for a node that accepts connections or no longer exists."""
+        link = self._links.get(node)
+        if link is None or not link.no_inbound:
+            return
+        _nft(link.netns, f"delete table inet {INBOUND_TABLE}\n")
+        link.no_inbound = False
 
     # ---------------------------------------------------------------- teardown
 

@@ -8,19 +8,22 @@ import base64
 import contextlib
 import functools
 import logging
+import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from unbroken.comm.codecs import Codec, make_codec
+from unbroken.comm.forward import ForwarderThread
 from unbroken.comm.group import PUBLISH_S, EpochGroup, EpochScope, Meeting, build_group, wait_until
 from unbroken.comm.links import probe
 from unbroken.comm.reach import Stall, accuse, reach, refusing, unreachable_fault
 from unbroken.comm.reduce import Reducer
+from unbroken.comm.tunnel import LOOPBACK, ForwardingError, NatView, Tunnel
 from unbroken.control import messages as m
 from unbroken.control.meeting import data_address, with_port
-from unbroken.errors import BadContribution, CollectiveFailed, Unreachable
+from unbroken.errors import BadContribution, CollectiveFailed, ConfigError, Unreachable
 from unbroken.events import Entry
 from unbroken.sched.zones import WORLD, Zones
 from unbroken.specs import CodecSpec, Mode, Rule
@@ -45,7 +48,15 @@ class Epochs:
         rendezvous the leader relays)."""
         self.node = node
         self.groups: GroupMaker = groups or self._builder
+        config = node.config
+        forwarding = config.forwarders or config.no_inbound
+        self.tunnel = Tunnel(config.forwarders, config.token, node.name) if forwarding else None
+        """This node's session with a forwarder, where it may need one (`comm.tunnel`)."""
         self.meeting = Meeting(self._meet)
+        self.forwarder: ForwarderThread | None = None
+        """The forwarder this node serves for members behind NAT (``--offer-forwarding``)."""
+        self.offered = ""
+        """Where that forwarder is, as its hello says (HOST:PORT; empty: none)."""
         self.codec = CodecSlot(node.name)
         self._accusing = threading.Lock()
         self._former: tuple[int, dict[str, tuple[str, int]]] = (-1, {})
@@ -68,6 +79,8 @@ class Epochs:
             microbatches=list(order.microbatches),
         )
         node.group = group  # the epoch now current: what the build's abort checks compare orders with
+        if self.tunnel is not None:
+            self.tunnel.learn(order.forwarders)
         build = self.groups(order.epoch, node.scope(during_step=False))
         # Where zones exist, the step reduces through the zone and leaders' groups: the
         # world group only carries the sync phase, robust gathers and audits, whose
@@ -175,8 +188,62 @@ class Epochs:
         node.records.log(Entry.LINKS, {"epoch": order.epoch, "rates": rates})
         node.client.send(m.Links(epoch=order.epoch, rates=rates))
 
+    def open(self) -> None:
+        """Start serving as a forwarder, where this node offers it; go through one, where
+        this node accepts no connection (declared, or found by the forwarder's probe)."""
+        config = self.node.config
+        if config.offer_forwarding is not None:
+            host, port = config.offer_forwarding
+            try:
+                self.forwarder = ForwarderThread(config.token, host, port)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot forward on {host}:{port} ({exc.strerror or exc}): give --offer-forwarding a free port"
+                ) from None
+            if host in ("", "0.0.0.0", "::"):  # every interface: name one the others reach
+                host = config.gloo_host or socket.gethostbyname(socket.gethostname())
+            self.offered = f"{host}:{self.forwarder.address[1]}"
+        if self.tunnel is None:
+            return
+        if config.no_inbound:
+            self.meeting.view = NatView(self.tunnel)
+            return
+        if not config.forwarders:
+            return
+        host = config.gloo_host or socket.gethostbyname(socket.gethostname())
+        with socket.create_server((host, 0)) as listener:
+            try:
+                why = self.tunnel.probe((host, listener.getsockname()[1]))
+            except ForwardingError as exc:
+                log.warning(
+                    "%s: could not learn whether peers reach it (%s): it takes connections directly",
+                    self.node.name,
+                    exc,
+                )
+                return
+        if why is None:
+            self.tunnel.close()  # reachable: no session held at the forwarder
+            self.tunnel = None
+        else:
+            log.warning("%s: its forwarder cannot connect to its data-plane address %s (%s): peers reach it "
+                        "through the forwarder", self.node.name, host, why)  # fmt: skip
+            self.meeting.view = NatView(self.tunnel)
+
+    @property
+    def forwarded(self) -> bool:
+        """Peers reach this node through a forwarder (`comm.tunnel`)."""
+        return self.meeting.view is not None
+
+    def close(self) -> None:
+        if self.forwarder is not None:
+            self.forwarder.close()
+        if self.tunnel is not None:
+            self.tunnel.close()
+
     def gloo_host(self) -> str | None:
         config = self.node.config
+        if self.forwarded:
+            return LOOPBACK  # peers reach it through the forwarder (`comm.tunnel`)
         if config.gloo_host:
             return config.gloo_host
         host = (config.coordinators or config.relays or (("", 0),))[0][0]

@@ -705,6 +705,8 @@ class Node:
             role=self.config.role,  # type: ignore[arg-type]
             evaluates=self.job.evaluate is not None,
             zone=self.config.zone,
+            no_inbound=self.epochs.forwarded,
+            forwarding=self.epochs.offered,
         )
 
     def _command(self, cmd: m.Command) -> None:
@@ -748,6 +750,7 @@ class _Session:
             node.audits.checkpoint_epoch = node.records.restored_epoch
         node.install_signals()
         try:
+            node.epochs.open()
             if node.config.coordinate:
                 self.candidate = Candidate(node.config)
                 self.candidate.start()
@@ -767,6 +770,7 @@ class _Session:
         if node.sidecar is not None:
             node.sidecar.close()
         node.client.close()
+        node.epochs.close()
         node.records.close()
 
 

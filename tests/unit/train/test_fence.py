@@ -69,7 +69,7 @@ def test_a_resume_after_a_lapse_during_the_step_says_the_epoch_is_abandoned() ->
         _job_identity="j", _job_spec="{}",
         job=SimpleNamespace(name="j", identity=lambda: "j", batch_size=8, num_steps=300, evaluate=None),
         config=SimpleNamespace(weight=1.0, role="auto", zone=""), records=SimpleNamespace(restored_epoch=None),
-        capabilities=lambda: Capabilities(),
+        capabilities=lambda: Capabilities(), epochs=SimpleNamespace(forwarded=False, offered=""),
     )  # fmt: skip
     resume = Node._hello(node, "n1#a").resume  # type: ignore[arg-type]
     assert resume is not None and not resume.abandoned

@@ -1,0 +1,36 @@
+"""Where the plan puts members that accept no connection (behind NAT, `--no-inbound`).
+
+Such a member's peers reach it only through a forwarder (`unbroken.comm.forward`): every
+byte sent to it crosses one more hop, and the forwarder's death cuts it off. So it sits
+where its traffic is smallest. With zones, each zone's leader (its first member in rank
+order, `unbroken.sched.zones.Zones.leaders`) sums its members' contributions and exchanges
+them with the other zones' leaders; a member is a leaf otherwise, sending one contribution
+and receiving one result. A NAT'd member leads its zone only where every member of the
+zone is NAT'd.
+
+Members that offer forwarding (``--offer-forwarding``) say where in their hello; each epoch
+order names those of its members (`forwarders`), so a member behind NAT needs no list of
+its own: it dials the first that answers, the next once that one is lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+def reachable_first(order: Sequence[str], no_inbound: Callable[[str], bool]) -> list[str]:
+    """``order`` with the members that accept no connection moved behind the others, each
+    part kept in its order (a stable sort): no zone with a reachable member is led by one
+    that is not."""
+    return sorted(order, key=no_inbound)
+
+
+MAX_FORWARDERS = 16
+"""Forwarders an epoch order names at most (a NAT'd node needs one that answers)."""
+
+
+def forwarders(members: Sequence[tuple[str, bool]]) -> list[str]:
+    """The forwarders an epoch order names: of its members (each ``(HOST:PORT offered or
+    "", accepts no connection)``, in rank order), those that offer one and accept
+    connections themselves (a NAT'd member's offer reaches nobody), at most `MAX_FORWARDERS`."""
+    return list(dict.fromkeys(offer for offer, no_inbound in members if offer and not no_inbound))[:MAX_FORWARDERS]
