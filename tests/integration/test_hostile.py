@@ -163,7 +163,8 @@ def test_one_member_that_cannot_reach_another_has_the_others_try(make_cluster):
             client = ControlClient(
                 [c.address], functools.partial(hello, name), name=name, connect_timeout_s=10, wake=threading.Event()
             )
-            client.on_probe = lambda probe, name=name: probes.setdefault(name, probe)
+            heard = lambda notice, name=name: isinstance(notice, m.Probe) and probes.setdefault(name, notice)  # noqa: E731
+            client.add_listener(heard)
             client.start()
             clients[name] = client
         formed = lambda: all((o := x.latest_order()) and len(o.members) == 3 for x in clients.values())  # noqa: E731

@@ -30,6 +30,7 @@ from unbroken.comm.fake import FakeWorld
 from unbroken.comm.group import EpochScope, ProcessGroup
 from unbroken.config import NodeConfig
 from unbroken.control import messages as m
+from unbroken.control.client import Listener, Notice
 from unbroken.errors import JoinRefused
 from unbroken.events import Entry
 from unbroken.job import Job
@@ -133,12 +134,18 @@ class MemoryControl:
         self.step = 0
         self.lapses = 0
         self.rtt_s = 0.0
-        self.on_command: Callable[[m.Command], None] | None = None
-        self.on_met: Callable[[m.Met], None] | None = None
-        self.on_probe: Callable[[m.Probe], None] | None = None
-        self.on_check: Callable[[m.Check], None] | None = None
-        self.on_verify: Callable[[m.Verify], None] | None = None
-        self.on_welcome: Callable[[m.Welcome, bool], None] | None = None
+        self.listeners: list[Listener] = []
+
+    def add_listener(self, listener: Listener) -> None:
+        self.listeners.append(listener)
+
+    def tell(self, notice: Notice) -> None:
+        """Deliver ``notice`` as the leader's session would."""
+        for listener in self.listeners:
+            listener(notice)
+
+    def expel(self, reason: str) -> None:
+        self.expelled = reason
 
     def start(self) -> m.Welcome:
         self.welcome = WELCOME

@@ -35,7 +35,8 @@ from unbroken.comm.transfer import Partial, sync_state
 from unbroken.config import NodeConfig
 from unbroken.control import identity
 from unbroken.control import messages as m
-from unbroken.control.client import ControlClient
+from unbroken.control.client import ControlClient, Notice
+from unbroken.control.connection import Change
 from unbroken.errors import (
     AuditMismatch,
     BadContribution,
@@ -197,12 +198,7 @@ class Node:
         self._partial = Partial()
         """What this node fetched of a peer's state so far (kept when a transfer is cut short)."""
         self.client: Control = control(self) if control is not None else self._connect()
-        self.client.on_command = self._command
-        self.client.on_met = self.epochs.met
-        self.client.on_probe = self.epochs.probe
-        self.client.on_check = self.epochs.check
-        self.client.on_verify = self.checker.ordered
-        self.client.on_welcome = self.epochs.welcomed
+        self.client.add_listener(self._heard)
 
     def _connect(self) -> ControlClient:
         config = self.config
@@ -432,7 +428,7 @@ class Node:
                         raise
                 except CoordinatorUnreachable as exc:
                     log.warning("%s: %s; still trying", self.name, exc)
-                    self.client.expelled = "rejoin pending: coordinator unreachable"
+                    self.client.expel("rejoin pending: coordinator unreachable")
                 continue
             if self.client.finished is not None:
                 return self._job_finished()
@@ -706,6 +702,23 @@ class Node:
             evaluates=self.job.evaluate is not None,
             zone=self.config.zone,
         )
+
+    def _heard(self, notice: Notice) -> None:
+        """What the control session tells this node besides what the step loop polls for
+        (control thread)."""
+        if isinstance(notice, Change):
+            if notice.welcome is not None:
+                self.epochs.welcomed(notice.welcome, notice.new_coordinator)
+        elif isinstance(notice, m.Command):
+            self._command(notice)
+        elif isinstance(notice, m.Met):
+            self.epochs.met(notice)
+        elif isinstance(notice, m.Probe):
+            self.epochs.probe(notice)
+        elif isinstance(notice, m.Check):
+            self.epochs.check(notice)
+        else:
+            self.checker.ordered(notice)
 
     def _command(self, cmd: m.Command) -> None:
         """An operator's action (control thread)."""

@@ -30,7 +30,7 @@ from unbroken.control.checks import Candidate, Checks, Finding, Outcome, Verdict
 from unbroken.events import Entry
 from unbroken.job import Job
 from unbroken.testing.faults import FaultPlan, parse_faults
-from unbroken.testing.inmemory import MemoryJob
+from unbroken.testing.inmemory import MemoryControl, MemoryJob
 from unbroken.testing.promises import check_promises, environment, reference_state
 from unbroken.train.checks import CHANCE, choose
 from unbroken.train.commitment import GradientDigest
@@ -104,9 +104,9 @@ class CheckingJob(MemoryJob):
         for o in out:
             if o.confirmer is not None:
                 verify = m.Verify(epoch=1, trainer=o.trainer, step=o.step + 1, reason=o.reason)
-                on_verify = self.nodes[o.confirmer].client.on_verify
-                assert on_verify is not None
-                on_verify(verify)
+                client = self.nodes[o.confirmer].client
+                assert isinstance(client, MemoryControl)
+                client.tell(verify)
 
     def _pick(self, trainer: str, accusers: Collection[str]) -> str | None:
         order = self.latest_order()
