@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from unbroken.errors import ConfigError
-from unbroken.specs import ROLES, Policy, check_range
+from unbroken.specs import ROLES, Policy, Preference, check_range
 from unbroken.train.throttle import parse_throttle
 
 if TYPE_CHECKING:
@@ -196,7 +196,7 @@ class NodeConfig:
     memory_limit: int = 0
     """Bytes of device memory this node may use (0: what the device has free); sets the
     largest micro-batch together with the activation memory measured at start-up."""
-    role: str = "auto"
+    role: Preference = Preference.AUTO
     """``auto`` (the coordinator's cost model decides), ``trainer``, ``validator``, or
     ``standby`` (a hot spare, promoted when a trainer fails or leaves)."""
     zone: str = ""
@@ -288,6 +288,7 @@ class NodeConfig:
             raise ConfigError(f"NodeConfig.zone is {len(self.zone)} characters long; at most 128 are allowed")
         if self.role not in ROLES:
             raise ConfigError(f"NodeConfig.role = {self.role!r} is not one of {', '.join(ROLES)}")
+        object.__setattr__(self, "role", Preference(self.role))  # given as text (the CLI, a script)
         parse_throttle(self.throttle)
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ConfigError("NodeConfig.checkpoint_every is set but checkpoint_dir is not: give a directory")

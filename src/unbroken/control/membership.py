@@ -1611,7 +1611,7 @@ class Membership:
             shares=self.shares,
             urgent=urgent,
             reason=reason,
-            roles=[r.value for r in self.plan.roles] if self.plan else [],
+            roles=list(self.plan.roles) if self.plan else [],
             microbatches=list(self.plan.microbatches) if self.plan else [],
             zones=self._zones_in_force,
             ring=self._ring,

@@ -34,6 +34,8 @@ from unbroken.specs import (
     STREAMS,
     DiLoCoPolicy,
     Policy,
+    Preference,
+    Role,
 )
 
 PROTOCOL_VERSION = 3
@@ -63,7 +65,7 @@ COMMITMENTS_MAX = 512
 Count = Annotated[int, Field(ge=0, le=2**53)]
 EpochNo = Annotated[int, Field(ge=0, le=2**31)]
 """Epoch numbers stay far below any overflow, whatever a hostile hello claims."""
-RoleName = Literal["trainer", "validator", "standby"]
+RoleName = Annotated[Role, BeforeValidator(Role)]  # the enum, from its value on the wire (strict parsing)
 MAX_MEMBERS = 1 << 20
 """Members one message may list: far above any job, a bound on what a hostile peer sends
 (the message size limit binds first)."""
@@ -194,7 +196,7 @@ class Hello(_Msg):
     """The epoch of the checkpoint the node cold-started from (None: it did not): the
     job's epochs go on above it, and a cold start still waits for ``--min-nodes``."""
     capabilities: Capabilities = Capabilities()
-    role: Literal["auto", "trainer", "validator", "standby"] = "auto"
+    role: Annotated[Preference, BeforeValidator(Preference)] = Preference.AUTO
     zone: Annotated[str, Field(max_length=128)] = ""
     """Where the node is (a site, a region); empty is the default zone."""
     evaluates: bool = False

@@ -247,9 +247,7 @@ class DiLoCo:
             write_deltas(flat, off, node.buffers, self._round_buffers, weight, n_zones)
             self._speak(flat, last)
         mean_loss = sum(losses) / max(len(losses), 1)
-        flat[node.numel : p.norms_at] = torch.tensor(
-            [1.0, float(p.share * steps), float(p.switching()), mean_loss * (zone_samples / B if leader else 0.0), 0.0]
-        )
+        p.vote(samples=p.share * steps, switch=p.switching(), loss=mean_loss * (zone_samples / B if leader else 0.0))
         t_comm = time.monotonic()
         p.reducer.allreduce(
             flat,
@@ -357,9 +355,8 @@ class DiLoCo:
             flat[: node.numel] *= zone_samples / B
             self._speak(flat, last)
         mean_loss = sum(losses) / max(len(losses), 1)
-        flat[node.numel : p.norms_at] = torch.tensor(
-            [1.0, float(p.share * steps), float(p.switching()), mean_loss * (zone_samples / B if leader else 0.0), 0.0]
-        )
+        loss = mean_loss * (zone_samples / B if leader else 0.0)
+        p.vote(samples=p.share * steps, switch=p.switching(), loss=loss, flat=flat)
         switch = False
         if self.in_flight is not None:
             # Before this round's payload is encoded: the codec's residual the committed state

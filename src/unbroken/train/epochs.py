@@ -20,7 +20,7 @@ from unbroken.comm.reach import Stall, accuse, reach, refusing, unreachable_faul
 from unbroken.comm.reduce import Reducer
 from unbroken.control import messages as m
 from unbroken.control.meeting import data_address, with_port
-from unbroken.errors import BadContribution, CollectiveFailed, Unreachable
+from unbroken.errors import BadContribution, CollectiveFailed, ConfigError, Unreachable
 from unbroken.events import Entry
 from unbroken.sched.zones import WORLD, Zones
 from unbroken.specs import CodecSpec, Mode, Rule
@@ -268,15 +268,14 @@ class CodecSlot:
     def __init__(self, owner: str) -> None:
         self.owner = owner
         self.codec: Codec | None = None
-        self.spec = ""
+        self.spec: CodecSpec | None = None
         self.pending: dict[str, Any] | None = None
         """A restored residual waiting for its codec (made at the first epoch order)."""
 
-    def for_spec(self, codec: CodecSpec) -> Codec:
-        spec = str(codec)  # as checkpoints name it
+    def for_spec(self, spec: CodecSpec) -> Codec:
         if self.codec is None or self.spec != spec:
             self.codec, self.spec = make_codec(spec), spec
-            if self.pending is not None and self.pending.get("spec") == spec:
+            if self.pending is not None and self._names(self.pending, spec):
                 self.codec.load_state_dict(self.pending["codec"])
             self.pending = None
         return self.codec
@@ -285,12 +284,20 @@ class CodecSlot:
         if self.codec is None:
             return {}
         state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.codec.state_dict().items()}
-        return {"spec": self.spec, "codec": state}
+        return {"spec": str(self.spec), "codec": state}  # as checkpoints name it
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return
-        if self.codec is not None and self.spec == state["spec"]:
+        if self.codec is not None and self.spec is not None and self._names(state, self.spec):
             self.codec.load_state_dict(state["codec"])
         else:  # the codec is made when the first epoch order names it
             self.pending = state
+
+    @staticmethod
+    def _names(state: dict[str, Any], spec: CodecSpec) -> bool:
+        """Whether a checkpoint's codec state is of ``spec``'s codec (an unknown name is not)."""
+        try:
+            return CodecSpec.parse(str(state.get("spec", ""))) == spec
+        except (ValueError, ConfigError):
+            return False

@@ -56,7 +56,7 @@ from unbroken.errors import (
 from unbroken.events import Entry, Kind
 from unbroken.job import Job
 from unbroken.sched.zones import WORLD
-from unbroken.specs import Mode
+from unbroken.specs import Mode, Role
 from unbroken.state.snapshot import TrainState, fingerprint
 from unbroken.train.audits import Audits
 from unbroken.train.candidate import Candidate
@@ -279,10 +279,6 @@ class Node:
         """What the loss is multiplied by before backward (1 without `Job.loss_scale`)."""
         return self.scale.scale if self.scale is not None else 1.0
 
-    @property
-    def codec_spec(self) -> str:
-        return self.epochs.codec.spec
-
     def capabilities(self) -> m.Capabilities:
         return self.meter.capabilities(self.client.rtt_s, self.state.step)
 
@@ -468,7 +464,7 @@ class Node:
         else:  # DiLoCo's rounds keep exchanges in flight across steps: each epoch has a flat of its own
             self._flat = flat = None
         # Trainers commit to their slices where a validator can check them (`train.checks`).
-        commit = sync and not self.own_loop and self.zone is None and "validator" in g.roles
+        commit = sync and not self.own_loop and self.zone is None and Role.VALIDATOR in g.roles
         self.protocol = StepProtocol(self, g, reducer, flat=flat, commit=commit)
         self.records.log(Entry.EPOCH, {"epoch": order.epoch, "term": order.term, "step": self.state.step})
         self.records.first_in_epoch = True
@@ -577,17 +573,17 @@ class Node:
                 flip_bit(self.params[0])
             if self.audits.due(self.state.step):
                 self.audits.check(g)
-            if g.role == "validator":
+            if g.role is Role.VALIDATOR:
                 self._maybe_validate()
             if tally.switch > 0 or self.state.step >= self.job.num_steps:
                 return
 
     # ---------------------------------------------------------------- roles
 
-    def _set_role(self, role: str) -> None:
+    def _set_role(self, role: Role) -> None:
         """Trainers compute; other members probe their speed and, as validators, evaluate
         (not in a user's own loop: there is no loss to probe with; its share is just 0)."""
-        if role == "trainer" or self.own_loop or self.zone is not None:
+        if role is Role.TRAINER or self.own_loop or self.zone is not None:
             if self.sidecar is not None:
                 self.sidecar.set_probing(False)
             return
@@ -678,7 +674,7 @@ class Node:
                 members=g.members,
                 step=self.state.step,
                 shares=g.shares,
-                roles=g.roles,  # type: ignore[arg-type]
+                roles=g.roles,
                 abandoned=g.pg is None or lapsed,
             )
         return m.Hello(
@@ -698,7 +694,7 @@ class Node:
             last_epoch=latest.epoch if latest is not None else 0,
             restored_epoch=self.records.restored_epoch,
             capabilities=self.capabilities(),
-            role=self.config.role,  # type: ignore[arg-type]
+            role=self.config.role,
             evaluates=self.job.evaluate is not None,
             zone=self.config.zone,
         )

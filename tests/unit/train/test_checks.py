@@ -29,6 +29,7 @@ from unbroken.control import messages as m
 from unbroken.control.checks import Candidate, Checks, Finding, Outcome, Verdict, confirmer
 from unbroken.events import Entry
 from unbroken.job import Job
+from unbroken.specs import Role
 from unbroken.testing.faults import FaultPlan, parse_faults
 from unbroken.testing.inmemory import MemoryControl, MemoryJob
 from unbroken.testing.promises import check_promises, environment, reference_state
@@ -47,13 +48,14 @@ ATOL = 1e-5
 
 
 def test_a_validator_checks_a_trainer_with_samples_never_itself_or_another_role() -> None:
-    roles, shares = ["trainer", "validator", "trainer", "standby", "trainer"], [10, 0, 20, 0, 0]
+    T, V, S = Role.TRAINER, Role.VALIDATOR, Role.STANDBY
+    roles, shares = [T, V, T, S, T], [10, 0, 20, 0, 0]
     rng = random.Random(1)
     picks = Counter(choose(roles, shares, 1, rng) for _ in range(2000))
     assert set(picks) == {0, 2}, picks
     assert abs(picks[0] - picks[2]) < 200, "each trainer as likely as the others"
     assert choose(roles, shares, 0, rng) == 2, "a trainer asked to check never picks itself"
-    assert choose(["validator", "trainer"], [0, 0], 0, rng) is None, "nobody computed anything"
+    assert choose([V, T], [0, 0], 0, rng) is None, "nobody computed anything"
     assert choose([], [5, 5], 0, rng) == 1, "no roles: every member trains"
 
 
