@@ -54,7 +54,7 @@ from unbroken.train.sidecar import copy_model
 from unbroken.train.step import Slice, slice_seed
 
 if TYPE_CHECKING:
-    from unbroken.train.runtime import Node
+    from unbroken.train.views import ChecksNode
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class Checker:
     """One node's part in checking the work (see the module's docstring): routine checks as
     a validator, ordered ones (`m.Verify`) in any role."""
 
-    def __init__(self, node: Node, rng: random.Random | None = None) -> None:
+    def __init__(self, node: ChecksNode, rng: random.Random | None = None) -> None:
         self.node = node
         self.rng = rng or random.Random(int.from_bytes(os.urandom(8), "little"))
         """The validator's own choices, unknown to the trainers (not torch's seeded generator)."""

@@ -60,7 +60,7 @@ from unbroken.train.step import Slice, add_deltas, after_step, write_deltas
 
 if TYPE_CHECKING:
     from unbroken.control.messages import EpochOrder
-    from unbroken.train.runtime import Node
+    from unbroken.train.views import DiLoCoNode
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 class DiLoCo:
     """The outer loop of one node: the round's anchor, the outer optimizer, the inner steps."""
 
-    def __init__(self, node: Node, order: EpochOrder) -> None:
+    def __init__(self, node: DiLoCoNode, order: EpochOrder) -> None:
         if node.scale is not None:
             raise ConfigError("Job.loss_scale is for synchronous mode: DiLoCo's inner steps cannot use it yet")
         self.node = node
@@ -162,8 +162,7 @@ class DiLoCo:
         back = self._round_start["step"]
         log.info("%s: round abandoned at inner step %d; back to step %s", self.node.name, st.step, back)
         st.restore(self._round_start)
-        self.node.client.step = st.step
-        self.node.applied_step = -1
+        self.node.restored()
         self.node.report(Kind.ROLLBACK, f"DiLoCo round abandoned; back to its start, step {back}")
 
     # ---------------------------------------------------------------- the round

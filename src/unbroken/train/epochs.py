@@ -9,6 +9,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +29,7 @@ from unbroken.train.hooks import Build, GroupMaker
 from unbroken.train.step import EXTRA
 
 if TYPE_CHECKING:
-    from unbroken.train.runtime import Node
+    from unbroken.train.views import EpochsNode
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def zones_of(order: m.EpochOrder) -> Zones:
 class Epochs:
     """Builds each epoch's groups and reducer for one node; answers the leader's probes."""
 
-    def __init__(self, node: Node, groups: GroupMaker | None = None) -> None:
+    def __init__(self, node: EpochsNode, groups: GroupMaker | None = None) -> None:
         """``groups``: how an epoch's process groups are made (default: gloo groups on the
         rendezvous the leader relays)."""
         self.node = node
@@ -241,6 +242,30 @@ class Epochs:
                 self.node.client.send(m.Vanished(epoch=epoch, members=gone))
 
         threading.Thread(target=attempt, name="check", daemon=True).start()
+
+    def gone_ahead(self, latest: m.EpochOrder) -> str | None:
+        """A member of this epoch that left it for ``latest`` (its rendezvous entry for that
+        epoch arrived half a build deadline ago), if any. A step waits out an order that is
+        not urgent (the group switches after it, by vote), but members not yet in the step
+        leave at once (a sync phase's transfer, a build): once one of them builds the new
+        epoch, the step can never complete, and waiting for it would only get this node named
+        absent there (a build deadline after the first member of this epoch wrote its entry).
+        A member that committed the step by vote builds the new epoch too, while this node's
+        part of that step may still be arriving (over a slow link, for seconds): the entry
+        must have been here a while, and the other half of the deadline is left to build."""
+        node = self.node
+        g, welcome = node.group, node.client.welcome
+        if g is None or welcome is None:
+            return None
+        since = time.monotonic() - welcome.build_deadline_s / 2
+        writers = self.meeting.writers(latest.epoch, WORLD, before=since)
+        if not writers:  # most polls of a step waiting for its switch: no set of the members built
+            return None
+        peers = set(g.members) - {node.client.member_id}
+        for r in sorted(writers):
+            if r < len(latest.members) and latest.members[r] in peers:
+                return latest.members[r]
+        return None
 
     def welcomed(self, welcome: m.Welcome, new_coordinator: bool) -> None:
         if new_coordinator:

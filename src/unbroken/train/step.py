@@ -53,7 +53,7 @@ from unbroken.train.guard import judge
 from unbroken.train.hooks import LIES
 
 if TYPE_CHECKING:
-    from unbroken.train.runtime import Node
+    from unbroken.train.views import StepNode
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class StepProtocol:
 
     def __init__(
         self,
-        node: Node,
+        node: StepNode,
         group: EpochGroup,
         reducer: Reducer,
         *,
@@ -509,7 +509,7 @@ def add_deltas(flat: torch.Tensor, off: int, buffers: list[torch.Tensor], before
             off += n
 
 
-def after_step(node: Node, g: EpochGroup, loss: float) -> None:
+def after_step(node: StepNode, g: EpochGroup, loss: float) -> None:
     """The job's `Job.after_step` hook, on every replica, before the step's digest."""
     if node.job.after_step is None:
         return
