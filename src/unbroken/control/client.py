@@ -35,7 +35,6 @@ import logging
 import ssl
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TypeAlias
 
@@ -55,8 +54,6 @@ from unbroken.errors import ConfigError, CoordinatorUnreachable, JoinRefused, Pr
 log = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.1
-RTT_SAMPLES = 10
-"""Round trips measured before this node reports its RTT (zones by RTT group on it)."""
 
 Notice: TypeAlias = "Change | m.Command | m.Met | m.Probe | m.Check | m.Verify"
 """What a listener is told: a change of the session's state (a welcome among them), or an
@@ -134,13 +131,6 @@ class ControlClient:
         """Set (on the session thread's loop) when an outage starts: its renewals begin."""
         self.step = 0
         """The step this node has committed (what its heartbeats say)."""
-        self._sent: dict[int, float] = {}
-        self.rtt_s = 0.0
-        """Round-trip time of heartbeats to the coordinator (the least of the last 20)."""
-        self._rtts: deque[float] = deque(maxlen=20)
-        self._seq = 0
-        self._counted_at = 0.0
-        """When a message that keeps the lease (heartbeat or progress report) last went out."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[BaseModel | None] | None = None
         self._thread: threading.Thread | None = None
@@ -164,6 +154,11 @@ class ControlClient:
         log.debug("%s: control session %s -> %s", self.name, change.old.value, change.new.value)
         self._tell(change)
         self.wake.set()
+
+    @property
+    def rtt_s(self) -> float:
+        """Round-trip time of heartbeats to the coordinator (`Connection.rtt_s`)."""
+        return self.connection.rtt_s
 
     @property
     def welcome(self) -> m.Welcome | None:
@@ -480,7 +475,7 @@ class ControlClient:
                 self._shunned = self._current  # tried last next time: a frozen peer answers no handshake
                 await ws.close()
                 return
-            if self._clock() - self._counted_at < period:
+            if self._clock() - self.connection.counted_at < period:
                 await asyncio.sleep(period)  # a progress report just kept the lease: no heartbeat needed
                 continue
             stalled = self._clock() - self._loop_alive_at
@@ -547,33 +542,14 @@ class ControlClient:
                 await ws.close()
                 return
             if isinstance(msg, (m.Heartbeat, m.Progress)):
-                msg = msg.model_copy(update={"seq": self._count_send()})
+                msg = msg.model_copy(update={"seq": self.connection.sending()})
             await ws.send_str(auth.sealed(seal, m.encode(msg)))
 
-    def _count_send(self) -> int:
-        """Number a message that keeps the lease (its acknowledgement says when it was sent)."""
-        self._seq += 1
-        self._counted_at = self._clock()
-        with self._lock:
-            self._sent[self._seq] = self._counted_at
-            for old in [s for s in self._sent if s < self._seq - 64]:
-                del self._sent[old]
-        return self._seq
-
     def _on_message(self, msg: m.CoordinatorMessage) -> None:
+        if isinstance(msg, m.Ack):
+            self.connection.acked(msg.seq)
+            return
         with self._lock:
-            if isinstance(msg, m.Ack):
-                sent = self._sent.get(msg.seq)
-                if sent is not None:
-                    self.connection.acked(sent)
-                    self._rtts.append(self._clock() - sent)
-                    # The least of recent round trips is the path's latency; a busy node's
-                    # scheduling delays only add to it (zones by RTT must not follow load).
-                    # Until there are enough of them it says nothing: a node busy starting up
-                    # answers its first acknowledgements late, and would be put in a zone of
-                    # its own on the same site.
-                    self.rtt_s = min(self._rtts) if len(self._rtts) >= RTT_SAMPLES else 0.0
-                return
             fenced = (m.EpochOrder, m.Command, m.Expel, m.Finished, m.Met, m.Probe, m.Check, m.Verify)
             if isinstance(msg, fenced) and msg.term < self.term:
                 log.warning("refusing a %s of term %d (have seen term %d): fenced", msg.type, msg.term, self.term)

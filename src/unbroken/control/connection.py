@@ -17,6 +17,10 @@ the node takes it for a coordinator outage and keeps training, trusting it one
 session and no trust (before the first welcome, after an expelled node's session ended,
 or after a lapse); nothing commits until a coordinator answers.
 
+The machine also keeps the lease's books: each heartbeat or report that keeps the lease is
+numbered as it goes out (`sending`), and its acknowledgement (`acked`) moves the lease's
+start to when it was sent, and gives a round-trip time.
+
 A *lapse* is a move to LOST with the lease stale: the coordinator may have formed an epoch
 without this node meanwhile, which no later welcome disproves (`StepProtocol.fence` counts
 them). Every transition is told once to the listener, outside the machine's lock, on the
@@ -28,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -37,6 +42,9 @@ from unbroken.control import messages as m
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+
+RTT_SAMPLES = 10
+"""Round trips measured before this node reports its RTT (zones by RTT group on it)."""
 
 
 class State(Enum):
@@ -81,6 +89,13 @@ class Connection:
         """When the latest heartbeat or report that a coordinator acknowledged was sent (its
         lease runs from there: the coordinator counts from when it received it, later)."""
         self._trusted_until = 0.0
+        self._seq = 0
+        self._sent: dict[int, float] = {}
+        self.counted_at = 0.0
+        """When a message that keeps the lease (heartbeat or progress report) last went out."""
+        self._rtts: deque[float] = deque(maxlen=20)
+        self.rtt_s = 0.0
+        """Round-trip time of heartbeats to the coordinator (the least of the last 20)."""
 
     @property
     def state(self) -> State:
@@ -106,10 +121,30 @@ class Connection:
             self._state = State.CONNECTED
         self._notify(Change(old, State.CONNECTED, welcome=welcome, new_coordinator=new_coordinator))
 
-    def acked(self, sent_at: float) -> None:
-        """A send made at ``sent_at`` was acknowledged."""
+    def sending(self) -> int:
+        """Number a message that keeps the lease, going out now (its acknowledgement will
+        say when it was sent)."""
         with self._lock:
-            self.last_acked_send = max(self.last_acked_send, sent_at)
+            self._seq += 1
+            self.counted_at = self._clock()
+            self._sent[self._seq] = self.counted_at
+            for old in [s for s in self._sent if s < self._seq - 64]:
+                del self._sent[old]
+            return self._seq
+
+    def acked(self, seq: int) -> None:
+        """The message numbered ``seq`` was acknowledged: the lease runs from when it was sent."""
+        with self._lock:
+            sent = self._sent.get(seq)
+            if sent is None:
+                return
+            self.last_acked_send = max(self.last_acked_send, sent)
+            self._rtts.append(self._clock() - sent)
+            # The least of recent round trips is the path's latency; a busy node's scheduling
+            # delays only add to it (zones by RTT must not follow load). Until there are
+            # enough of them it says nothing: a node busy starting up answers its first
+            # acknowledgements late, and would be put in a zone of its own on the same site.
+            self.rtt_s = min(self._rtts) if len(self._rtts) >= RTT_SAMPLES else 0.0
 
     def dropped(self, *, expelled: bool) -> State:
         """The session ended: SUSPENDED if the lease is fresh (an outage, trusted until the

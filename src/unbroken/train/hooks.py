@@ -137,7 +137,10 @@ class Control(Protocol):
     """Once ``finished``: the state the job finished with, as the leader said (may be empty)."""
     step: int
     """The step this node has committed (what its heartbeats say)."""
-    rtt_s: float
+
+    @property
+    def rtt_s(self) -> float:
+        """Round-trip time to the leader (0 until measured)."""
 
     @property
     def welcome(self) -> m.Welcome | None:

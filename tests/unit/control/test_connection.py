@@ -8,7 +8,7 @@ import threading
 
 from unbroken.control import messages as m
 from unbroken.control.client import ControlClient, Notice
-from unbroken.control.connection import Change, Connection, State
+from unbroken.control.connection import RTT_SAMPLES, Change, Connection, State
 
 
 class Clock:
@@ -46,12 +46,27 @@ def test_connected_commits_only_while_an_acknowledged_send_is_less_than_a_lease_
     conn.welcomed(welcome(lease_s=1.0), hello_sent=clock.t)
     clock.t += 0.9
     assert conn.commit_allowed()
+    early = conn.sending()
     clock.t += 0.2
     assert not conn.commit_allowed(), "no acknowledgement for over a lease: it may have been expelled"
-    conn.acked(clock.t - 0.1)
-    assert conn.commit_allowed()
-    conn.acked(clock.t - 5.0)  # an acknowledgement of an older send moves nothing back
+    late = conn.sending()
+    clock.t += 0.1
+    conn.acked(late)
+    assert conn.commit_allowed() and abs(conn.unacked_s() - 0.1) < 1e-9, "the lease runs from the send"
+    conn.acked(early)  # an acknowledgement of an older send moves nothing back
+    conn.acked(999)  # nor one of a send never made
     assert conn.commit_allowed() and abs(conn.unacked_s() - 0.1) < 1e-9
+
+
+def test_the_rtt_is_the_least_of_recent_round_trips_once_there_are_enough() -> None:
+    clock, conn, _ = machine()
+    conn.welcomed(welcome(), hello_sent=clock.t)
+    for i in range(RTT_SAMPLES):
+        seq = conn.sending()
+        clock.t += 0.5 if i == 0 else 0.002 + i / 1000  # a busy start answers its first late
+        assert conn.rtt_s == 0.0, "says nothing before it has enough samples"
+        conn.acked(seq)
+    assert abs(conn.rtt_s - 0.003) < 1e-9
 
 
 def test_connected_suspended_lost_connected_each_told_once() -> None:
@@ -139,18 +154,17 @@ def test_the_clients_fence_follows_its_acknowledgements_on_the_injected_clock() 
     c, told, wake = client(clock)
     c.connection.welcomed(welcome(lease_s=1.0), hello_sent=clock.t)
     assert c.connected and c.commit_allowed() and wake.is_set()
-    c._count_send()  # a heartbeat goes out at t=100.5 ...
-    seq = c._seq
+    c.connection.sending()  # a heartbeat goes out at t=100 ...
     clock.t += 0.5
-    c._count_send()
-    clock.t += 0.7  # ... and the first one's acknowledgement arrives 1.2 s after the hello
+    seq = c.connection.sending()  # ... another at 100.5 ...
+    clock.t += 0.7  # ... and the second one's acknowledgement arrives 1.2 s after the hello
     assert not c.commit_allowed()
-    c._on_message(m.Ack(seq=seq + 1))
+    c._on_message(m.Ack(seq=seq))
     assert c.commit_allowed(), "the lease runs from when the acknowledged heartbeat was sent"
     clock.t += 0.9
     assert not c.commit_allowed()
     c.expel("lease expired")
-    c._on_message(m.Ack(seq=seq + 1))
+    c._on_message(m.Ack(seq=seq))
     assert not c.commit_allowed() and c.expelled == "lease expired"
     assert [type(n) for n in told] == [Change]
 
