@@ -964,7 +964,7 @@ class Membership:
         if t is None or len(self.shares) != len(self.epoch_members):
             return None
         candidates = [
-            Candidate(mid, c.role.value, share, c.caps.arithmetic)
+            Candidate(mid, c.role, share, c.caps.arithmetic)
             for mid, share in zip(self.epoch_members, self.shares, strict=True)
             if (c := self.members.get(mid)) is not None and c.role is not None and not c.flags
         ]

@@ -34,7 +34,7 @@ from unbroken.control.client import Listener, Notice
 from unbroken.errors import JoinRefused
 from unbroken.events import Entry
 from unbroken.job import Job
-from unbroken.specs import Policy
+from unbroken.specs import Policy, Role
 from unbroken.train.hooks import Build, Faults, NoFaults, Record
 from unbroken.train.runtime import Node, NodeResult
 
@@ -263,24 +263,24 @@ class MemoryJob:
         *,
         urgent: bool = False,
         reason: str = "ordered by the test",
-        roles: Mapping[str, str] | None = None,
+        roles: Mapping[str, Role] | None = None,
         microbatch: int = 0,
     ) -> int:
         """Order the next epoch: ``members`` in rank order, equal shares, all trainers but
         those ``roles`` names (a validator or standby, without a share); ``microbatch``:
         the micro-batch size of every trainer (0: a slice's whole share, memory allowing)."""
         B = self.job.batch_size
-        kinds = [(roles or {}).get(name, "trainer") for name in members]
-        k = kinds.count("trainer")
+        kinds = [(roles or {}).get(name, Role.TRAINER) for name in members]
+        k = kinds.count(Role.TRAINER)
         split = iter([B // k + (1 if r < B % k else 0) for r in range(k)])
-        shares = [next(split) if kind == "trainer" else 0 for kind in kinds]
+        shares = [next(split) if kind is Role.TRAINER else 0 for kind in kinds]
         zones = [self.zones.get(name, "") for name in members]
         ring = list(dict.fromkeys(zones)) if any(zones) else []
         with self._lock:
             epoch = len(self._orders) + 1
             order = m.EpochOrder(
                 epoch=epoch, members=list(members), shares=shares, urgent=urgent, reason=reason,
-                roles=kinds, zones=zones if any(zones) else [], ring=ring, policy=self.policy,  # type: ignore[arg-type]
+                roles=kinds, zones=zones if any(zones) else [], ring=ring, policy=self.policy,
                 microbatches=[min(microbatch, s) for s in shares] if microbatch else [],
             )  # fmt: skip
             self._orders.append(order)

@@ -133,7 +133,7 @@ def run(
     names: Sequence[str] = ("a", "b", "c", "v"),
 ) -> CheckingJob:
     with CheckingJob(j, names, tmp_path, faults=faults) as mj:
-        mj.order(names, roles={n: "validator" for n in names if n.startswith("v")}, microbatch=microbatch)
+        mj.order(names, roles={n: Role.VALIDATOR for n in names if n.startswith("v")}, microbatch=microbatch)
         results = mj.join(150)
     assert all(isinstance(r, NodeResult) and r.outcome == "finished" for r in results.values()), results
     report = check_promises(mj.logs(), j, finishers=len(names))
