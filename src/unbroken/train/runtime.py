@@ -11,6 +11,10 @@ reduce, verify, fence, apply, commit. `Node.steps` is that life as a generator o
 to compute: the Job loop (`Node.run`) computes each with the job's loss, a user's own loop
 (`unbroken.swarm`) with their own code, and both send the slice's loss back. Everything
 else (failure handling, epochs, sync, audits, DiLoCo rounds) is the same code for both.
+
+`Node` wires its helpers (records, audits, epochs, the step protocol, DiLoCo...); each sees
+only its view of the node (`train.views`). Its dealings with the control plane (the hello,
+what the session tells it, the resources of a run) are in `train.session`.
 """
 
 from __future__ import annotations
