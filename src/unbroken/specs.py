@@ -57,10 +57,10 @@ class Preference(str, enum.Enum):
     """The cost model decides."""
     TRAINER = "trainer"
     """Always train (unless it cannot: no memory for one sample)."""
-    STANDBY = "standby"
-    """A hot spare: stays out of training until a trainer fails or leaves."""
     VALIDATOR = "validator"
     """Never trains; evaluates committed state and checks the trainers' work."""
+    STANDBY = "standby"
+    """A hot spare: stays out of training until a trainer fails or leaves."""
 
 
 ROLES = tuple(p.value for p in Preference)
