@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from unbroken.errors import ConfigError
-from unbroken.specs import ROLES, Policy, check_range, parse_throttle
+from unbroken.specs import ROLES, Policy, Preference, check_range, parse_throttle
 
 ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
 ENV_ETCD = "UNBROKEN_ETCD"
@@ -276,7 +276,7 @@ class NodeConfig:
     memory_limit: int = 0
     """Bytes of device memory this node may use (0: what the device has free); sets the
     largest micro-batch together with the activation memory measured at start-up."""
-    role: str = "auto"
+    role: Preference = Preference.AUTO
     """``auto`` (the coordinator's cost model decides), ``trainer``, ``validator``, or
     ``standby`` (a hot spare, promoted when a trainer fails or leaves)."""
     zone: str = ""
@@ -378,6 +378,7 @@ class NodeConfig:
             raise ConfigError(f"NodeConfig.zone is {len(self.zone)} characters long; at most 128 are allowed")
         if self.role not in ROLES:
             raise ConfigError(f"NodeConfig.role = {self.role!r} is not one of {', '.join(ROLES)}")
+        object.__setattr__(self, "role", Preference(self.role))  # given as text (the CLI, a script)
         parse_throttle(self.throttle)
         if (self.no_inbound or self.forwarders or self.offer_forwarding) and not self.token:
             raise ConfigError(

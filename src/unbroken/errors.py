@@ -134,8 +134,6 @@ class CollectiveFailed(UnbrokenError):
 class BadContribution(CollectiveFailed):
     """A member contributed a non-finite or outlying gradient: the step is not applied."""
 
-    kind = "bad-gradient"
-
     def __init__(self, rank: int, reason: str, zone_only: bool = False) -> None:
         """``zone_only``: only the culprit's zone saw the evidence (a DiLoCo inner step)."""
         super().__init__(reason)
@@ -149,8 +147,6 @@ class Suspicion(CollectiveFailed):
     contribution is not what it declared, and the sum cannot say whose. The step is not
     applied; the coordinator has the next steps gathered and checked row by row."""
 
-    kind = "suspect"
-
 
 class Unreachable(CollectiveFailed):
     """A group build failed, and this node could not connect to some peer's data-plane
@@ -160,8 +156,6 @@ class Unreachable(CollectiveFailed):
 class AuditMismatch(BadContribution):
     """A member's state digest differs from the majority's at the same committed step
     (silent corruption: a flipped bit); it is repaired from a peer in the next sync phase."""
-
-    kind = "audit"
 
     def __init__(self, rank: int, reason: str, rollback_to: int = -1) -> None:
         super().__init__(rank, reason)

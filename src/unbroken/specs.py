@@ -12,6 +12,7 @@ second of CPU, many seconds on a machine busy with training).
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,7 +40,32 @@ RULES = {"mean": 0.0, "clip": 2.0, "trimmed": 0.25, "checked": 0.0}
 AUDIT_EVERY = 100
 """Steps between consistency audits by default."""
 
-ROLES = ("auto", "trainer", "validator", "standby")
+
+class Role(str, enum.Enum):
+    """What a member does each step. Transitions are the plan's, decided at every epoch::
+
+    trainer ◀──(cost model: it helps; or trainers failed)──▶ validator | standby
+    """
+
+    TRAINER = "trainer"
+    VALIDATOR = "validator"
+    STANDBY = "standby"
+
+
+class Preference(str, enum.Enum):
+    """What the operator asked for with ``--role``."""
+
+    AUTO = "auto"
+    """The cost model decides."""
+    TRAINER = "trainer"
+    """Always train (unless it cannot: no memory for one sample)."""
+    VALIDATOR = "validator"
+    """Never trains; evaluates committed state and checks the trainers' work."""
+    STANDBY = "standby"
+    """A hot spare: stays out of training until a trainer fails or leaves."""
+
+
+ROLES = tuple(p.value for p in Preference)
 """What a node may ask to be (``auto``: the cost model decides)."""
 
 INNER_STEPS = 50

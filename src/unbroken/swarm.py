@@ -49,6 +49,7 @@ from unbroken.config import ENV_COORDINATOR, NodeConfig, environment_coordinator
 from unbroken.control.auth import load_token
 from unbroken.errors import ConfigError, NotFinal
 from unbroken.job import Job, Sharding
+from unbroken.specs import Preference
 from unbroken.train.data import LoaderOrder, PassOrder
 from unbroken.train.hooks import Faults
 from unbroken.train.runtime import Node, NodeResult, Steps
@@ -286,12 +287,12 @@ class Swarm:
         ``loss_scale``: float16 loss scaling for the group (``LossScale.like(scaler)`` for the
         script's ``torch.amp.GradScaler``; drop its ``scale``, ``step`` and ``update`` calls)."""
         job = self._job(data, collate, before_update, after_step, loss_scale)
-        if self.config.role not in ("auto", "trainer"):
+        if self.config.role not in (Preference.AUTO, Preference.TRAINER):
             raise ConfigError(
-                f"--role {self.config.role}: a node running its own loop trains (validators and standbys "
+                f"--role {self.config.role.value}: a node running its own loop trains (validators and standbys "
                 "need a Job, whose loss they run on their own): use role trainer or auto"
             )
-        config = dataclasses.replace(self.config, role="trainer")
+        config = dataclasses.replace(self.config, role=Preference.TRAINER)
         rng = torch.random.get_rng_state()  # building the Job seeds torch: the script's stream goes on
         node = Node(job, config, self.faults, own_loop=True)
         torch.random.set_rng_state(rng)

@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,20 @@ def fired(node: Any, signal_name: str) -> bool:
 
 def exit_by(code: int | None, sig: int) -> bool:
     return code == -sig
+
+
+def settled_step(c: LocalCluster, quiet_s: float, timeout: float) -> int:
+    """The group's committed step once it has not moved for ``quiet_s`` (the group stopped
+    committing; on a busy machine that may take a while to show), within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    step, since = c.max_committed(), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, f"still committing after {timeout:g} s (step {step})\n{c.diagnostics()}"
+        time.sleep(0.05)
+        now = c.max_committed()
+        if now != step:
+            step, since = now, time.monotonic()
+    return step
 
 
 def events_of(c: LocalCluster, kind: str) -> list[dict[str, Any]]:

@@ -75,7 +75,8 @@ def test_a_freeze_then_a_crash_costs_one_lease_not_a_collective_timeout(make_clu
     # not queue behind the abandoned one on the shared store connection (that cost the
     # whole collective timeout: 60 s).
     env = {"UB_TEST_STEPS": "3000", "UB_TEST_DELAY_MS": "20"}
-    c = start(make_cluster, env, node_args=["--collective-timeout", "60"])
+    collective_timeout_s = 60
+    c = start(make_cluster, env, node_args=["--collective-timeout", str(collective_timeout_s)])
     n1, n2, n3 = (c.start_node(f"n{i}") for i in (1, 2, 3))
     c.wait_step(20, timeout=120)
     n2.signal(signal.SIGSTOP)
@@ -86,7 +87,9 @@ def test_a_freeze_then_a_crash_costs_one_lease_not_a_collective_timeout(make_clu
     c.wait_for(
         lambda: max(e["step"] for e in n3.entries() if e["kind"] == "commit") > before + 1, 30, "n3 committing alone"
     )
-    assert time.time() - t < 5.0, c.diagnostics()
+    # About a lease on an idle machine (measured 1-2 s); the bug cost the whole timeout. A
+    # quarter of it holds on a busy machine and still tells the two apart.
+    assert time.time() - t < collective_timeout_s / 4, c.diagnostics()
     n2.signal(signal.SIGCONT)
 
 

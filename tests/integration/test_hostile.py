@@ -31,7 +31,7 @@ from integration.helpers import assert_promises, events_of, fired, gloo_entry, j
 from unbroken.comm.reach import reach, unreachable_fault
 from unbroken.control import auth, identity
 from unbroken.control import messages as m
-from unbroken.control.client import ControlClient
+from unbroken.control.client import ControlClient, Notice
 from unbroken.control.hearsay import LIMIT as HEARSAY_LIMIT
 from unbroken.state.snapshot import fingerprint
 from unbroken.testing.fakes import FINGERPRINT as FAKE_FINGERPRINT
@@ -149,7 +149,14 @@ def test_one_member_that_cannot_reach_another_has_the_others_try(make_cluster):
     c = make_cluster(env={}, min_nodes=3)
     c.start_coordinator()
     probes: dict[str, m.Probe] = {}
+    met: set[str] = set()  # the rendezvous keys the leader has relayed to "a"
     clients: dict[str, ControlClient] = {}
+
+    def heard(name: str, notice: Notice) -> None:
+        if isinstance(notice, m.Probe):
+            probes.setdefault(name, notice)
+        elif isinstance(notice, m.Met) and name == "a":
+            met.update(notice.entries)
 
     def hello(name: str, member_id: str) -> m.Hello:
         return m.Hello(
@@ -163,7 +170,7 @@ def test_one_member_that_cannot_reach_another_has_the_others_try(make_cluster):
             client = ControlClient(
                 [c.address], functools.partial(hello, name), name=name, connect_timeout_s=10, wake=threading.Event()
             )
-            client.on_probe = lambda probe, name=name: probes.setdefault(name, probe)
+            client.add_listener(functools.partial(heard, name))
             client.start()
             clients[name] = client
         formed = lambda: all((o := x.latest_order()) and len(o.members) == 3 for x in clients.values())  # noqa: E731
@@ -175,7 +182,8 @@ def test_one_member_that_cannot_reach_another_has_the_others_try(make_cluster):
             port = (dead if name == "walled" else live).getsockname()[1]
             entry = base64.b64encode(gloo_entry(port)).decode()
             client.send(m.Meet(epoch=order.epoch, key=f"world/0/{order.members.index(client.member_id)}", value=entry))
-        time.sleep(0.2)  # the entries reach the leader before the accusation that needs them
+        # The entries reach the leader before the accusation that needs them: it relays them.
+        c.wait_for(lambda: len(met) == 3, 30, "the leader to relay the three entries")
         refused = unreachable_fault(order.epoch, "world", walled, "127.0.0.1", dead.getsockname()[1], "refused")
         clients["a"].send(refused)
         c.wait_for(lambda: {"a", "b"} <= set(probes), 30, "the others asked to try")

@@ -20,6 +20,7 @@ import pytest
 from unbroken.control import messages as m
 from unbroken.control import records
 from unbroken.control.client import ControlClient
+from unbroken.control.connection import State
 from unbroken.control.election import epoch_key, leader_key
 from unbroken.control.etcd import Etcd, View
 from unbroken.testing.etcd import EtcdCluster
@@ -53,8 +54,12 @@ def client(addresses: list[tuple[str, int]], etcd: list[str] = (), lease_s: floa
         addresses, lambda mid: None,  # type: ignore[arg-type,return-value]
         name="n", connect_timeout_s=1, wake=threading.Event(), etcd=etcd, etcd_prefix=PREFIX,
     )  # fmt: skip
-    c.lease_s = lease_s
+    c.connection.welcomed(welcome(lease_s), hello_sent=0.0)  # a lease, long spent
     return c
+
+
+def welcome(lease_s: float) -> m.Welcome:
+    return m.Welcome(lease_s=lease_s, heartbeat_s=lease_s / 4, coordinator_id="c")
 
 
 def vouched(c: ControlClient, endpoints: list[str]) -> bool:
@@ -96,7 +101,7 @@ def test_etcd_evidence_is_no_newer_leader_no_newer_epoch_and_an_old_leader_gone(
     try:
         start = time.monotonic()
         assert vouched(c, [*eps, f"http://127.0.0.1:{frozen.getsockname()[1]}"]), "a silent member changes nothing"
-        assert time.monotonic() - start < 0.75 * c.lease_s, "within the renewal's deadline"
+        assert time.monotonic() - start < 0.75 * c.connection.lease_s, "within the renewal's deadline"
     finally:
         frozen.close()
     put(eps, epoch_key(PREFIX), {"epoch": 3, "term": 1})
@@ -188,9 +193,9 @@ def test_outage_trust_is_renewed_by_evidence_and_a_lapse_is_not_renewed() -> Non
         loop.close()
 
     thread = threading.Thread(target=run, daemon=True)
-    with c._lock:
-        c.outage = True
-        c._trusted_until = time.monotonic() + 0.05  # nearly spent: evidence is asked for at once
+    # The session drops with its lease nearly spent: evidence is asked for at once.
+    c.connection.welcomed(welcome(0.4), hello_sent=time.monotonic() + 0.05 - 0.4)
+    assert c.connection.dropped(expelled=False) is State.SUSPENDED
     began.set()  # before the loop runs: an Event binds to the loop that first waits on it
     thread.start()
     try:

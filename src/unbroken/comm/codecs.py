@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from unbroken.comm.robust import all_finite
-from unbroken.specs import TOPK_RATIO, parse_codec
+from unbroken.specs import TOPK_RATIO, CodecSpec
 
 INT8_CHUNK = 256
 """Elements sharing one int8 scale: small chunks keep the quantization error local."""
@@ -35,6 +35,8 @@ class Codec(ABC):
     """Encode a flat float32 tensor to a fixed-size uint8 payload; decode it back."""
 
     name: str = ""
+    lossless: ClassVar[bool] = False
+    """Decoding gives back exactly what was encoded (a sum's norm is bounded by its parts')."""
 
     @abstractmethod
     def payload_bytes(self, numel: int) -> int:
@@ -87,6 +89,7 @@ class Identity(Codec):
     """float32 as is: the exact, uncompressed baseline."""
 
     name = "none"
+    lossless = True
 
     def payload_bytes(self, numel: int) -> int:
         return 4 * numel
@@ -309,10 +312,12 @@ def _with_residual(codec: Int8 | LowBit | TopK, x: torch.Tensor) -> torch.Tensor
     return x.clone()
 
 
-def make_codec(spec: str) -> Codec:
-    """``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``, ``int1``, ``topk`` or ``topk:RATIO``
-    (e.g. ``topk:0.05``)."""
-    name, ratio = parse_codec(spec)
+def make_codec(spec: CodecSpec | str) -> Codec:
+    """The codec a `CodecSpec` names, or its text: ``none``, ``fp16``, ``bf16``, ``int8``,
+    ``int4``, ``int2``, ``int1``, ``topk`` or ``topk:RATIO`` (e.g. ``topk:0.05``; raises
+    ValueError for another)."""
+    parsed = CodecSpec.parse(spec) if isinstance(spec, str) else spec
+    name, ratio = parsed.name, parsed.ratio
     if name == "none":
         return Identity()
     if name in ("fp16", "bf16"):

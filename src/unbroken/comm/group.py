@@ -23,6 +23,7 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 from torch.distributed import HashStore, PrefixStore  # type: ignore[attr-defined]
 
 from unbroken.errors import CollectiveFailed, EpochAborted, TransferError, UnbrokenError, Where
+from unbroken.specs import Role
 
 T = TypeVar("T")
 
@@ -99,7 +100,7 @@ class EpochGroup:
     shares: list[int]
     pg: ProcessGroup | None
     built_in_s: float = 0.0
-    roles: list[str] = field(default_factory=list)
+    roles: list[Role] = field(default_factory=list)
     microbatches: list[int] = field(default_factory=list)
     extra_pgs: list[ProcessGroup] = field(default_factory=list)
     """Zone and leader groups of this epoch (buried with the epoch's group)."""
@@ -111,8 +112,8 @@ class EpochGroup:
     new leader's welcome clears the rendezvous the build met on)."""
 
     @property
-    def role(self) -> str:
-        return self.roles[self.rank] if self.roles else "trainer"
+    def role(self) -> Role:
+        return self.roles[self.rank] if self.roles else Role.TRAINER
 
     @property
     def microbatch(self) -> int:

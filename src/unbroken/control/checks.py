@@ -32,6 +32,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from unbroken.control.messages import Checked, Commitment
+from unbroken.specs import Role
 
 WAIT_S = 10.0
 """A finding waits this long for the commitment it is compared with (reports cross)."""
@@ -84,7 +85,7 @@ class Candidate:
     """A member that might confirm a finding (`confirmer`)."""
 
     member: str
-    role: str
+    role: Role
     share: int
     arithmetic: str
 
@@ -94,10 +95,10 @@ def confirmer(candidates: Sequence[Candidate], trainer: str, accusers: Collectio
     trainer that does (largest share: its step waits while it recomputes), never the trainer
     itself nor a member that accused it already; the first in rank order among equals."""
     able = [c for c in candidates if c.member != trainer and c.member not in accusers and c.arithmetic == arithmetic]
-    validators = [c for c in able if c.role == "validator"]
+    validators = [c for c in able if c.role is Role.VALIDATOR]
     if validators:
         return validators[0].member
-    trainers = [c for c in able if c.role == "trainer" and c.share > 0]
+    trainers = [c for c in able if c.role is Role.TRAINER and c.share > 0]
     return max(trainers, key=lambda c: c.share).member if trainers else None
 
 

@@ -8,25 +8,13 @@ The commit fence: a node may only commit while it is sure it has not been expell
 connected, that means a heartbeat *sent* less than one lease ago was acknowledged (the
 coordinator counts the lease from when it *received* that heartbeat, which is later). A
 node whose session dropped while its lease was fresh assumes a coordinator outage and
-keeps training with its group; one that finds its lease stale (it was frozen) must not
-commit until the coordinator has answered.
+keeps training with its group (a trust renewed by evidence, `outage`); one that finds its
+lease stale (it was frozen) must not commit until the coordinator has answered.
 
-An outage is trusted a lease at a time (`messages.OUTAGE_TRUST_LEASES`): each needs
-evidence, asked for at once and then every quarter lease, counted from when it was asked,
-that no coordinator can have formed an epoch without this node. A coordinator that starts
-(or takes over) does not leave out a member of the epoch it finds until as long after it
-started (`Membership`) unless most of that epoch's other members find nothing listening at
-the member's data-plane address (its process is gone: it commits nothing), so the evidence
-is that none started: with etcd, no leader of a newer term and no newer epoch published
-(the old leader's key may outlive it while its address refuses connections), or no etcd
-majority at all (every member refuses or answers that it has no raft leader, and one that
-answers lists no more members than this node was given: nobody can be elected); without
-etcd, every coordinator address refuses connections.
-Trust that lapses (this node cut off: no answer at all) counts as a lapse and is not
-renewed by later evidence: the step in flight is not committed, and the node waits for a
-coordinator's order. A refused connection is taken to mean that nothing listens there: a
-firewall that rejects (rather than drops) this node's packets to a live coordinator would
-mislead it.
+The session's state (connected, suspended in an outage, lost) is a state machine of its
+own (`connection`), tested on a fake clock; what vouches for an outage is in `outage`.
+Every transition, and every order the step loop does not itself poll for (an operator's
+command, rendezvous entries, probes, checks), goes to the client's listeners, in one list.
 
 Leaders and terms: with etcd, the node asks it who leads before trying the addresses it
 was given, and a standby it reaches names the leader. Every welcome and order carries
@@ -47,26 +35,31 @@ import logging
 import ssl
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 import aiohttp
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel
 
 from unbroken.config import parse_address
-from unbroken.control import auth, identity, records
+from unbroken.control import auth, identity, leaders
 from unbroken.control import messages as m
-from unbroken.control.election import epoch_key, find_leader, leader_key
-from unbroken.control.etcd import Etcd, EtcdTLS, View
+from unbroken.control.connection import Change, Clock, Connection, State
+from unbroken.control.etcd import Etcd, EtcdTLS
 from unbroken.control.orders import complete
-from unbroken.errors import ConfigError, CoordinatorUnreachable, EtcdUnavailable, JoinRefused, ProtocolError
+from unbroken.control.outage import nobody_else_leads
+from unbroken.errors import ConfigError, CoordinatorUnreachable, JoinRefused, ProtocolError
 
 log = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.1
-RTT_SAMPLES = 10
-"""Round trips measured before this node reports its RTT (zones by RTT group on it)."""
+
+Notice: TypeAlias = "Change | m.Command | m.Met | m.Probe | m.Check | m.Verify"
+"""What a listener is told: a change of the session's state (a welcome among them), or an
+order the step loop does not poll for."""
+Listener = Callable[[Notice], None]
+"""Called on the thread that caused the notice (mostly the control thread): it must not block."""
 
 
 class _Standby(Exception):
@@ -96,6 +89,7 @@ class ControlClient:
         etcd_tls: EtcdTLS | None = None,
         relays: Sequence[tuple[str, int]] = (),
         key: Ed25519PrivateKey | None = None,
+        clock: Clock = time.monotonic,
     ) -> None:
         self._key = key or identity.ephemeral()
         """This node's identity (`unbroken.control.identity`): its own for the process without ``--key``."""
@@ -120,7 +114,10 @@ class ControlClient:
         self.wake = wake
         self._lock = threading.Lock()
         self.member_id = self._new_member_id()
-        self.welcome: m.Welcome | None = None
+        self._clock = clock
+        self._listeners: list[Listener] = []
+        self.connection = Connection(self._changed, clock)
+        """The session's state (`connection`): connected, suspended in an outage, or lost."""
         self.orders: list[m.EpochOrder] = []
         self.expelled: str | None = None
         self.quarantined = False
@@ -130,39 +127,10 @@ class ControlClient:
         """The job was stopped on this error rather than finished (`Finished.error`)."""
         self.final_digest = ""
         """Once ``finished``: the state the job finished with, as the leader said (may be empty)."""
-        self.connected = False
-        self.outage = False
-        self._trusted_until = 0.0
-        """While in an outage: when this node's trust in its epoch lapses (module docstring)."""
         self._outage_began = asyncio.Event()
         """Set (on the session thread's loop) when an outage starts: its renewals begin."""
-        self.lapses = 0
-        """Sessions lost with the lease already stale: the coordinator may have ordered an
-        epoch without this node meanwhile, which no later session's welcome disproves."""
-        self.lease_s = 1.0
         self.step = 0
-        self._last_acked_send = 0.0
-        self._sent: dict[int, float] = {}
-        self.rtt_s = 0.0
-        """Round-trip time of heartbeats to the coordinator (the least of the last 20)."""
-        self._rtts: deque[float] = deque(maxlen=20)
-        self.on_command: Callable[[m.Command], None] | None = None
-        """Called (on the control thread) with an operator's command."""
-        self.on_met: Callable[[m.Met], None] | None = None
-        """Called (on the control thread) with rendezvous entries for this node's group builds."""
-        self.on_probe: Callable[[m.Probe], None] | None = None
-        """Called (on the control thread) when the leader asks to try a member's data-plane address."""
-        self.on_check: Callable[[m.Check], None] | None = None
-        """Called (on the control thread) when a new leader asks which members of this node's
-        last epoch left nothing listening at their data-plane addresses."""
-        self.on_verify: Callable[[m.Verify], None] | None = None
-        """Called (on the control thread) when the leader asks to check a trainer's work."""
-        self.on_welcome: Callable[[m.Welcome, bool], None] | None = None
-        """Called (on the control thread) after each welcome, with whether it came from
-        another coordinator incarnation than the last one."""
-        self._seq = 0
-        self._counted_at = 0.0
-        """When a message that keeps the lease (heartbeat or progress report) last went out."""
+        """The step this node has committed (what its heartbeats say)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[BaseModel | None] | None = None
         self._thread: threading.Thread | None = None
@@ -171,8 +139,45 @@ class ControlClient:
         self._closing = False
         self._run_id = 0
         self.stall_timeout_s = stall_timeout_s
-        self._loop_alive_at = time.monotonic()
+        self._loop_alive_at = clock()
         self._stall_reported = False
+
+    def add_listener(self, listener: Listener) -> None:
+        """Tell ``listener`` every notice from now on (see `Notice`)."""
+        self._listeners = [*self._listeners, listener]  # a new list: notices read it unlocked
+
+    def _tell(self, notice: Notice) -> None:
+        for listener in self._listeners:
+            listener(notice)
+
+    def _changed(self, change: Change) -> None:
+        log.debug("%s: control session %s -> %s", self.name, change.old.value, change.new.value)
+        self._tell(change)
+        self.wake.set()
+
+    @property
+    def rtt_s(self) -> float:
+        """Round-trip time of heartbeats to the coordinator (`Connection.rtt_s`)."""
+        return self.connection.rtt_s
+
+    @property
+    def welcome(self) -> m.Welcome | None:
+        """The last welcome (None before the first)."""
+        return self.connection.welcome
+
+    @property
+    def connected(self) -> bool:
+        return self.connection.state is State.CONNECTED
+
+    @property
+    def outage(self) -> bool:
+        """The session dropped with the lease fresh, and the outage is still trusted."""
+        return self.connection.state is State.SUSPENDED
+
+    @property
+    def lapses(self) -> int:
+        """Sessions lost with the lease already stale (`connection`)."""
+        return self.connection.lapses
 
     def _new_member_id(self) -> str:
         return identity.member_id(self.name, self._key)
@@ -203,7 +208,7 @@ class ControlClient:
             self.expelled = None
             self.orders.clear()
             self._closing = False
-            self._last_acked_send = 0.0
+        self.connection.forget_lease()
         return self.start()
 
     def close(self) -> None:
@@ -224,7 +229,7 @@ class ControlClient:
 
     def touch(self) -> None:
         """The step loop is alive (called from its every wait and micro-batch)."""
-        self._loop_alive_at = time.monotonic()
+        self._loop_alive_at = self._clock()
 
     def latest_order(self) -> m.EpochOrder | None:
         with self._lock:
@@ -235,18 +240,13 @@ class ControlClient:
         with self._lock:
             if self.expelled is not None:
                 return False
-            if self.connected:
-                return time.monotonic() - self._last_acked_send < self.lease_s
-            return self._outage_trusted(time.monotonic())
+        return self.connection.commit_allowed()
 
-    def _outage_trusted(self, now: float) -> bool:
-        """(Under the lock.) Whether the outage is still vouched for; a lapse ends it."""
-        if self.outage and now >= self._trusted_until:
-            self.outage = False
-            self.lapses += 1
-            log.warning("outage: no recent evidence that no coordinator leads without this node")
-            self.wake.set()
-        return self.outage
+    def expel(self, reason: str) -> None:
+        """Take this node for expelled (``reason``): the step loop rejoins as a new member."""
+        with self._lock:
+            self.expelled = reason
+        self.wake.set()
 
     # ---------------------------------------------------------------- session thread
 
@@ -276,12 +276,14 @@ class ControlClient:
                 await etcd.close()  # this run's client: a later run has its own
 
     async def _connect_forever(self, run_id: int, etcd: Etcd | None) -> None:
-        deadline = time.monotonic() + self.connect_timeout_s
+        deadline = self._clock() + self.connect_timeout_s
         last_error = "no attempt"
         given = {*self.addresses, *self.relays}
         async with aiohttp.ClientSession() as http:
             while not self._stale(run_id):
-                candidates = await self._candidates(etcd)
+                candidates, self._why_no_leader = await leaders.candidates(
+                    etcd, self.etcd_prefix, self._token, self.addresses, self.relays
+                )
                 if self._shunned in candidates:
                     candidates = [a for a in candidates if a != self._shunned] + [self._shunned]
                 tried: set[tuple[str, int]] = set()
@@ -312,7 +314,7 @@ class ControlClient:
                             self._first.set()
                             return
                         # A refused reconnect means the coordinator already counts us gone.
-                        self._mark_expelled(f"reconnect refused: {exc}")
+                        self.expel(f"reconnect refused: {exc}")
                         return
                     except ProtocolError as exc:  # the peer said something no coordinator says
                         log.warning("control session with %s:%d dropped: %s", host, port, exc)
@@ -328,43 +330,15 @@ class ControlClient:
                     self._first_error = hearsay
                     self._first.set()
                     return
-                if not self._first.is_set() and time.monotonic() > deadline:
+                if not self._first.is_set() and self._clock() > deadline:
                     self._first_error = CoordinatorUnreachable(self._unreachable_message(last_error))
                     self._first.set()
                     return
                 await asyncio.sleep(RECONNECT_DELAY_S)
 
-    async def _candidates(self, etcd: Etcd | None) -> list[tuple[str, int]]:
-        """Where to look for the leader: through a relay first, then the leader etcd names,
-        then the given addresses."""
-        out = list(self.addresses)
-        if etcd is None:
-            return self.relays + out
-        try:
-            found = await find_leader(etcd, self.etcd_prefix, self._token)
-        except EtcdUnavailable as exc:
-            self._why_no_leader = str(exc)
-            return self.relays + out
-        if found is None:
-            self._why_no_leader = f"etcd has no leader under {self.etcd_prefix!r} that may be followed"
-            return self.relays + out
-        leader = parse_address(str(found[0]["address"]))  # checked by `records.leader_problem`
-        self._why_no_leader = ""
-        return [*self.relays, leader, *(a for a in out if a != leader)]
-
     def _unreachable_message(self, why: str) -> str:
-        where = ", ".join(f"{h}:{p}" for h, p in self.addresses)
-        if self.etcd_endpoints:
-            etcd = ", ".join(self.etcd_endpoints)
-            return (
-                f"found no coordinator leading under {self.etcd_prefix!r} in etcd at {etcd}"
-                f"{' or at ' + where if where else ''} within {self.connect_timeout_s:g} s "
-                f"({self._why_no_leader or why}); check that `unbroken coordinator --etcd ...` runs with "
-                "the same --etcd-prefix, and that a majority of etcd is up"
-            )
-        return (
-            f"could not reach a coordinator at {where} within {self.connect_timeout_s:g} s "
-            f"({why}); check the address and that `unbroken coordinator` is running there"
+        return leaders.unreachable_message(
+            self.addresses, self.etcd_endpoints, self.etcd_prefix, self.connect_timeout_s, self._why_no_leader or why
         )
 
     async def _receive(self, ws: aiohttp.ClientWebSocketResponse, doing: str) -> m.CoordinatorMessage:
@@ -429,7 +403,7 @@ class ControlClient:
                 )
             knock = identity.knock(self.member_id, challenge.nonce, self._token, self._key)
             nonce = knock.nonce
-            hello_sent = time.monotonic()
+            hello_sent = self._clock()
             seal = auth.seal(self._token, challenge.nonce, nonce, self.member_id, sending="up")
             await ws.send_str(m.encode(knock))
             await ws.send_str(auth.sealed(seal, m.encode(self._hello(self.member_id))))
@@ -457,20 +431,12 @@ class ControlClient:
                         f"coordinator at {host}:{port} leads term {msg.term}, older than term {self.term}: deposed"
                     )
                 self.term = msg.term
-                other = self.welcome is None or self.welcome.coordinator_id != msg.coordinator_id
-                self.welcome = msg
-                self.lease_s = msg.lease_s
-                self.connected = True
-                self.outage = False
-                self._last_acked_send = hello_sent  # the lease runs from our hello, not its answer
             self._via_relay = (host, port) in self.relays
             self._current = (host, port)
             if self._shunned == self._current:
                 self._shunned = None
-            if self.on_welcome is not None:
-                self.on_welcome(msg, other)
+            self.connection.welcomed(msg, hello_sent)  # the listeners' welcome comes first
             self._first.set()
-            self.wake.set()
             log.info("%s joined coordinator %s at %s:%d", self.member_id, msg.coordinator_id, host, port)
             beats = asyncio.create_task(self._heartbeats(msg.heartbeat_s, ws))
             watch = asyncio.create_task(self._watch_leader(ws, msg.heartbeat_s))
@@ -484,17 +450,14 @@ class ControlClient:
                 beats.cancel()
                 watch.cancel()
                 writer.cancel()
-                with self._lock:
-                    fresh = time.monotonic() - self._last_acked_send < self.lease_s
-                    self.connected = False
-                    self.outage = fresh and self.expelled is None
-                    self._trusted_until = self._last_acked_send + self._outage_trust_s
-                    self.lapses += 0 if fresh else 1
-                if self.outage:
+                now = self.connection.dropped(expelled=self.expelled is not None)
+                if now is State.SUSPENDED:
                     self._outage_began.set()
-                self.wake.set()
                 if not self._closing and self.expelled is None:
-                    log.warning("lost the coordinator session (%s)", "lease fresh: outage" if fresh else "lease stale")
+                    log.warning(
+                        "lost the coordinator session (%s)",
+                        "lease fresh: outage" if now is State.SUSPENDED else "lease stale",
+                    )
 
     async def _heartbeats(self, period: float, ws: aiohttp.ClientWebSocketResponse) -> None:
         assert self._queue is not None
@@ -506,16 +469,16 @@ class ControlClient:
             # sooner (`_watch_leader`). A relay's members leave it after two leases (its
             # acknowledgements wait for the leader's, slower under load): the leader keeps
             # their leases three and a half leases after it finds the relay silent.
-            patience = (2.0 if self._via_relay else 3.0) * self.lease_s
-            if time.monotonic() - self._last_acked_send > patience:
+            patience = (2.0 if self._via_relay else 3.0) * self.connection.lease_s
+            if self.connection.unacked_s() > patience:
                 log.warning("no heartbeat acknowledged for %.1f s; dropping the session", patience)
                 self._shunned = self._current  # tried last next time: a frozen peer answers no handshake
                 await ws.close()
                 return
-            if time.monotonic() - self._counted_at < period:
+            if self._clock() - self.connection.counted_at < period:
                 await asyncio.sleep(period)  # a progress report just kept the lease: no heartbeat needed
                 continue
-            stalled = time.monotonic() - self._loop_alive_at
+            stalled = self._clock() - self._loop_alive_at
             if stalled > self.stall_timeout_s:
                 # Heartbeats say "this node trains"; a step loop stuck this long does not,
                 # so stay silent and let the lease expel it rather than stall the group.
@@ -532,27 +495,14 @@ class ControlClient:
         own task: a slow etcd member must not hold up the heartbeats)."""
         while True:
             await asyncio.sleep(period)
-            unacked = time.monotonic() - self._last_acked_send
-            if unacked > self.lease_s / 2 and self.term > 0 and await self._leader_moved():
+            if (
+                self.connection.unacked_s() > self.connection.lease_s / 2
+                and self.term > 0
+                and await leaders.leader_moved(self._etcd, self.etcd_prefix, self._token, self.term)
+            ):
                 log.warning("the leader of term %d lost its etcd lease: leaving its session", self.term)
                 await ws.close()
                 return
-
-    async def _leader_moved(self) -> bool:
-        """True when etcd shows no leader, or one of another term than this session's."""
-        if self._etcd is None:
-            return False
-        try:
-            kv = await self._etcd.get(leader_key(self.etcd_prefix))
-        except EtcdUnavailable:
-            return False  # cut off from etcd too: nothing is known; the lease decides
-        if kv is not None and records.leader(kv, self._token) is None:
-            return False  # a record nobody may follow says nothing of the leader: the lease decides
-        return kv is None or kv.create_revision != self.term
-
-    @property
-    def _outage_trust_s(self) -> float:
-        return self.lease_s * m.OUTAGE_TRUST_LEASES
 
     async def _vouch_forever(self, etcd: Etcd | None, began: asyncio.Event) -> None:
         """During each outage (``began`` is set as it starts), renew its trust four times a
@@ -561,62 +511,28 @@ class ControlClient:
         while True:
             await began.wait()
             began.clear()
-            while True:
-                with self._lock:
-                    if not self._outage_trusted(time.monotonic()):
-                        break
-                asked = time.monotonic()
+            while self.connection.trusted():
+                asked = self._clock()
+                trust_s = self.connection.trust_s
                 try:
-                    vouched = await asyncio.wait_for(self._nobody_else_leads(etcd), timeout=self._outage_trust_s * 0.75)
+                    vouched = await asyncio.wait_for(self._nobody_else_leads(etcd), timeout=trust_s * 0.75)
                 except asyncio.TimeoutError:
                     vouched = False
                 except Exception:  # a bug here must not end the renewals: no evidence, the lease decides
                     log.exception("asking for evidence of an outage failed")
                     vouched = False
-                with self._lock:
-                    if vouched and self._outage_trusted(time.monotonic()):
-                        self._trusted_until = max(self._trusted_until, asked + self._outage_trust_s)
-                await asyncio.sleep(self._outage_trust_s / 4)
+                if vouched:
+                    self.connection.vouched(asked)
+                await asyncio.sleep(trust_s / 4)
 
     async def _nobody_else_leads(self, etcd: Etcd | None) -> bool:
         """Evidence, as of when this was called, that no coordinator has started since this
-        node's last session: none can have formed an epoch without it (module docstring)."""
-        if etcd is None:
-            wait = self._outage_trust_s / 4
-            refusals = await asyncio.gather(*(_refuses(h, p, wait) for h, p in self.addresses))
-            return bool(refusals) and all(refusals)
-        etcd.timeout_s = self._outage_trust_s / 6  # a silent member must not use up the check
-        views = await etcd.views()
-        if View.LED not in views:
-            # Every member down or outside a majority: nobody can be elected. (A silent one
-            # might be leading a majority that this node cannot see; so might members this
-            # node was not told of.)
-            if not all(v in (View.DOWN, View.LEADERLESS) for v in views):
-                return False
-            try:
-                return await etcd.cluster_size() <= len(set(etcd.endpoints))
-            except EtcdUnavailable:
-                return False
-        try:
-            held = await etcd.get(leader_key(self.etcd_prefix))
-            published = await etcd.get(epoch_key(self.etcd_prefix))
-        except EtcdUnavailable:
-            return False
+        node's last session (`outage.nobody_else_leads`)."""
         newest = self.latest_order()
-        # A record that may not be believed hides what was there: no evidence either way.
-        epoch_record = records.epoch(published, self._token) if published is not None else {"epoch": 0}
-        if epoch_record is None or epoch_record["epoch"] > (newest.epoch if newest else 0):
-            return False  # an epoch this node has not had (or a record it cannot believe)
-        if held is None:
-            return True
-        record = records.leader(held, self._token)
-        if record is None or held.create_revision != self.term:
-            return False
-        try:  # the leader of this node's term: still there unless its address refuses connections
-            host, port = parse_address(str(record.get("address", "")))
-        except ConfigError:
-            return False
-        return await _refuses(host, port, self._outage_trust_s / 4)
+        return await nobody_else_leads(
+            etcd, self.addresses, self.etcd_prefix, self._token, term=self.term,
+            epoch=newest.epoch if newest else 0, trust_s=self.connection.trust_s,
+        )  # fmt: skip
 
     async def _writer(self, ws: aiohttp.ClientWebSocketResponse, seal: auth.Seal | None) -> None:
         assert self._queue is not None
@@ -626,33 +542,14 @@ class ControlClient:
                 await ws.close()
                 return
             if isinstance(msg, (m.Heartbeat, m.Progress)):
-                msg = msg.model_copy(update={"seq": self._count_send()})
+                msg = msg.model_copy(update={"seq": self.connection.sending()})
             await ws.send_str(auth.sealed(seal, m.encode(msg)))
 
-    def _count_send(self) -> int:
-        """Number a message that keeps the lease (its acknowledgement says when it was sent)."""
-        self._seq += 1
-        self._counted_at = time.monotonic()
-        with self._lock:
-            self._sent[self._seq] = self._counted_at
-            for old in [s for s in self._sent if s < self._seq - 64]:
-                del self._sent[old]
-        return self._seq
-
     def _on_message(self, msg: m.CoordinatorMessage) -> None:
+        if isinstance(msg, m.Ack):
+            self.connection.acked(msg.seq)
+            return
         with self._lock:
-            if isinstance(msg, m.Ack):
-                sent = self._sent.get(msg.seq)
-                if sent is not None:
-                    self._last_acked_send = max(self._last_acked_send, sent)
-                    self._rtts.append(time.monotonic() - sent)
-                    # The least of recent round trips is the path's latency; a busy node's
-                    # scheduling delays only add to it (zones by RTT must not follow load).
-                    # Until there are enough of them it says nothing: a node busy starting up
-                    # answers its first acknowledgements late, and would be put in a zone of
-                    # its own on the same site.
-                    self.rtt_s = min(self._rtts) if len(self._rtts) >= RTT_SAMPLES else 0.0
-                return
             fenced = (m.EpochOrder, m.Command, m.Expel, m.Finished, m.Met, m.Probe, m.Check, m.Verify)
             if isinstance(msg, fenced) and msg.term < self.term:
                 log.warning("refusing a %s of term %d (have seen term %d): fenced", msg.type, msg.term, self.term)
@@ -672,40 +569,7 @@ class ControlClient:
                 self.final_digest = msg.digest  # first: the step loop reads `finished` unlocked
                 self.halted = msg.error or None
                 self.finished = msg.step
-        if isinstance(msg, m.Command) and self.on_command is not None:
-            self.on_command(msg)
-        if isinstance(msg, m.Met):
-            if self.on_met is not None:
-                self.on_met(msg)
-            return  # nothing for the step loop to wake for: the build waits on its store
-        if isinstance(msg, m.Probe):
-            if self.on_probe is not None:
-                self.on_probe(msg)
-            return
-        if isinstance(msg, m.Check):
-            if self.on_check is not None:
-                self.on_check(msg)
-            return
-        if isinstance(msg, m.Verify):
-            if self.on_verify is not None:
-                self.on_verify(msg)
-            return
-        self.wake.set()
-
-    def _mark_expelled(self, reason: str) -> None:
-        with self._lock:
-            self.expelled = reason
-        self.wake.set()
-
-
-async def _refuses(host: str, port: int, timeout_s: float) -> bool:
-    """True when ``host:port`` refuses a connection (nothing listens there); False when it
-    accepts or does not answer in time."""
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
-    except ConnectionRefusedError:
-        return True
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    return False
+        if isinstance(msg, (m.Command, m.Met, m.Probe, m.Check, m.Verify)):
+            self._tell(msg)
+        if not isinstance(msg, (m.Met, m.Probe, m.Check, m.Verify)):
+            self.wake.set()  # a rendezvous entry or a check: nothing for the step loop to wake for

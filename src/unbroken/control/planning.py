@@ -155,7 +155,7 @@ class Planner:
             shares=self.shares,
             urgent=urgent,
             reason=reason,
-            roles=[x.value for x in self.plan.roles] if self.plan else [],
+            roles=list(self.plan.roles) if self.plan else [],
             microbatches=list(self.plan.microbatches) if self.plan else [],
             zones=self.zones_in_force,
             ring=self.ring,

@@ -169,7 +169,7 @@ class Tribunal:
         if t is None or len(shares) != len(r.epoch_members):
             return None
         candidates = [
-            Candidate(mid, c.role.value, share, c.caps.arithmetic)
+            Candidate(mid, c.role, share, c.caps.arithmetic)
             for mid, share in zip(r.epoch_members, shares, strict=True)
             if (c := r.members.get(mid)) is not None and c.role is not None and not c.flags
         ]

@@ -34,6 +34,7 @@ from unbroken.control.wire import (
     _Msg,
 )
 from unbroken.events import REPORTED, Kind
+from unbroken.specs import Preference
 
 KNOCK_BYTES = 2048
 """The most a peer may send before it has proven it holds the job token."""
@@ -91,7 +92,7 @@ class Hello(_Msg):
     """The epoch of the checkpoint the node cold-started from (None: it did not): the
     job's epochs go on above it, and a cold start still waits for ``--min-nodes``."""
     capabilities: Capabilities = Capabilities()
-    role: Literal["auto", "trainer", "validator", "standby"] = "auto"
+    role: Annotated[Preference, BeforeValidator(Preference)] = Preference.AUTO
     zone: Annotated[str, Field(max_length=128)] = ""
     """Where the node is (a site, a region); empty is the default zone."""
     evaluates: bool = False

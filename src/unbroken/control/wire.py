@@ -11,9 +11,12 @@ from typing import Annotated, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
 )
+
+from unbroken.specs import Role
 
 PROTOCOL_VERSION = 3
 
@@ -55,7 +58,7 @@ EpochNo = Annotated[int, Field(ge=0, le=2**31)]
 """Epoch numbers stay far below any overflow, whatever a hostile hello claims."""
 
 
-RoleName = Literal["trainer", "validator", "standby"]
+RoleName = Annotated[Role, BeforeValidator(Role)]  # the enum, from its value on the wire (strict parsing)
 
 
 MAX_MEMBERS = 1 << 20

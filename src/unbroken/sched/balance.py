@@ -22,7 +22,6 @@ Everything here is pure: the coordinator calls it with the nodes' reports.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import heapq
 import math
 from collections.abc import Callable, Sequence
@@ -31,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from unbroken.sched.shares import split_batch
+from unbroken.specs import Preference as Preference  # the plan's vocabulary, kept where it is decided
+from unbroken.specs import Role as Role
 
 REBALANCE_MARGIN = 0.10
 """A new plan replaces the current one only if its predicted step is this much shorter..."""
@@ -44,30 +45,6 @@ UNSETTLED_NOISE = 0.25
 machine disturb each other's first measurement): with `NOISE_Z`, a node that only
 calibrated is taken for its peers' equal unless it is more than e^0.75 (2.1) times faster
 or slower than their median; two such nodes alone, unless 4.5 times apart."""
-
-
-class Role(str, enum.Enum):
-    """What a member does each step. Transitions are the plan's, decided at every epoch::
-
-    trainer ◀──(cost model: it helps; or trainers failed)──▶ validator | standby
-    """
-
-    TRAINER = "trainer"
-    VALIDATOR = "validator"
-    STANDBY = "standby"
-
-
-class Preference(str, enum.Enum):
-    """What the operator asked for with ``--role``."""
-
-    AUTO = "auto"
-    """The cost model decides."""
-    TRAINER = "trainer"
-    """Always train (unless it cannot: no memory for one sample)."""
-    STANDBY = "standby"
-    """A hot spare: stays out of training until a trainer fails or leaves."""
-    VALIDATOR = "validator"
-    """Never trains; evaluates committed state and checks the trainers' work."""
 
 
 @dataclass(frozen=True)

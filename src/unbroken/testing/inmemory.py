@@ -30,10 +30,11 @@ from unbroken.comm.fake import FakeWorld
 from unbroken.comm.group import EpochScope, ProcessGroup
 from unbroken.config import NodeConfig
 from unbroken.control import messages as m
+from unbroken.control.client import Listener, Notice
 from unbroken.errors import JoinRefused
 from unbroken.events import Entry
 from unbroken.job import Job
-from unbroken.specs import Policy
+from unbroken.specs import Policy, Role
 from unbroken.train.hooks import Build, Faults, NoFaults, Record
 from unbroken.train.runtime import Node, NodeResult
 
@@ -133,12 +134,18 @@ class MemoryControl:
         self.step = 0
         self.lapses = 0
         self.rtt_s = 0.0
-        self.on_command: Callable[[m.Command], None] | None = None
-        self.on_met: Callable[[m.Met], None] | None = None
-        self.on_probe: Callable[[m.Probe], None] | None = None
-        self.on_check: Callable[[m.Check], None] | None = None
-        self.on_verify: Callable[[m.Verify], None] | None = None
-        self.on_welcome: Callable[[m.Welcome, bool], None] | None = None
+        self.listeners: list[Listener] = []
+
+    def add_listener(self, listener: Listener) -> None:
+        self.listeners.append(listener)
+
+    def tell(self, notice: Notice) -> None:
+        """Deliver ``notice`` as the leader's session would."""
+        for listener in self.listeners:
+            listener(notice)
+
+    def expel(self, reason: str) -> None:
+        self.expelled = reason
 
     def start(self) -> m.Welcome:
         self.welcome = WELCOME
@@ -256,24 +263,24 @@ class MemoryJob:
         *,
         urgent: bool = False,
         reason: str = "ordered by the test",
-        roles: Mapping[str, str] | None = None,
+        roles: Mapping[str, Role] | None = None,
         microbatch: int = 0,
     ) -> int:
         """Order the next epoch: ``members`` in rank order, equal shares, all trainers but
         those ``roles`` names (a validator or standby, without a share); ``microbatch``:
         the micro-batch size of every trainer (0: a slice's whole share, memory allowing)."""
         B = self.job.batch_size
-        kinds = [(roles or {}).get(name, "trainer") for name in members]
-        k = kinds.count("trainer")
+        kinds = [(roles or {}).get(name, Role.TRAINER) for name in members]
+        k = kinds.count(Role.TRAINER)
         split = iter([B // k + (1 if r < B % k else 0) for r in range(k)])
-        shares = [next(split) if kind == "trainer" else 0 for kind in kinds]
+        shares = [next(split) if kind is Role.TRAINER else 0 for kind in kinds]
         zones = [self.zones.get(name, "") for name in members]
         ring = list(dict.fromkeys(zones)) if any(zones) else []
         with self._lock:
             epoch = len(self._orders) + 1
             order = m.EpochOrder(
                 epoch=epoch, members=list(members), shares=shares, urgent=urgent, reason=reason,
-                roles=kinds, zones=zones if any(zones) else [], ring=ring, policy=self.policy,  # type: ignore[arg-type]
+                roles=kinds, zones=zones if any(zones) else [], ring=ring, policy=self.policy,
                 microbatches=[min(microbatch, s) for s in shares] if microbatch else [],
             )  # fmt: skip
             self._orders.append(order)

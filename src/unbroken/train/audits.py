@@ -24,7 +24,7 @@ from unbroken.state.snapshot import part_digests
 from unbroken.train.sync import Standing, audit
 
 if TYPE_CHECKING:
-    from unbroken.train.runtime import Node
+    from unbroken.train.views import AuditsNode
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ difference for the members' arithmetic and let the sync phase settle it."""
 class Audits:
     """One node's audits: the state at the last audit that passed, and the checks."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: AuditsNode) -> None:
         self.node = node
         self.every = 0
         """Steps between audits, as the epoch order says (0: none)."""
@@ -114,8 +114,7 @@ class Audits:
         node = self.node
         node.records.settle()
         node.state.restore(self.audited)
-        node.applied_step = -1
-        node.client.step = node.state.step
+        node.restored()
         self.committed_epoch = self.checkpoint_epoch = -1
         fields = {"step": node.state.step, "digest": node.state.digest(), "why": "failed audit"}
         node.records.log(Entry.RESTORE, fields)

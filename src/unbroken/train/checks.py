@@ -48,12 +48,13 @@ from unbroken.control import messages as m
 from unbroken.events import Entry
 from unbroken.job import Job
 from unbroken.sched.shares import offsets
+from unbroken.specs import Role
 from unbroken.train.commitment import GradientDigest, arithmetic
 from unbroken.train.sidecar import copy_model
 from unbroken.train.step import Slice, slice_seed
 
 if TYPE_CHECKING:
-    from unbroken.train.runtime import Node
+    from unbroken.train.views import ChecksNode
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,10 @@ ORDER_WAIT_S = 60.0
 CPU = torch.device("cpu")
 
 
-def choose(roles: Sequence[str], shares: Sequence[int], me: int, rng: random.Random) -> int | None:
+def choose(roles: Sequence[Role], shares: Sequence[int], me: int, rng: random.Random) -> int | None:
     """The rank of a trainer of this step to check, at random: one with samples, not ``me``."""
-    roles = roles or ["trainer"] * len(shares)
-    ranks = [r for r, (role, share) in enumerate(zip(roles, shares, strict=True)) if role == "trainer" and share > 0]
+    roles = roles or [Role.TRAINER] * len(shares)
+    ranks = [r for r, (role, share) in enumerate(zip(roles, shares, strict=True)) if role is Role.TRAINER and share > 0]
     ranks = [r for r in ranks if r != me]
     return rng.choice(ranks) if ranks else None
 
@@ -142,7 +143,7 @@ class Checker:
     """One node's part in checking the work (see the module's docstring): routine checks as
     a validator, ordered ones (`m.Verify`) in any role."""
 
-    def __init__(self, node: Node, rng: random.Random | None = None) -> None:
+    def __init__(self, node: ChecksNode, rng: random.Random | None = None) -> None:
         self.node = node
         self.rng = rng or random.Random(int.from_bytes(os.urandom(8), "little"))
         """The validator's own choices, unknown to the trainers (not torch's seeded generator)."""
@@ -171,10 +172,10 @@ class Checker:
         decide what to check of it, and copy that state if anything."""
         self._drop()
         node = self.node
-        roles = g.roles or ["trainer"] * g.size
+        roles = g.roles or [Role.TRAINER] * g.size
         planned = self._due_orders(g, sl, roles)
         sidecar = node.sidecar
-        routine = g.role == "validator" and sidecar is not None and sidecar.idle and not self._routine
+        routine = g.role is Role.VALIDATOR and sidecar is not None and sidecar.idle and not self._routine
         # A job that evaluates asked for that work too: a slow validator's check can take
         # seconds (a trainer's whole slice), so checks wait for validations in between.
         if routine and node.job.evaluate is not None and sidecar is not None:
@@ -199,14 +200,14 @@ class Checker:
         self._planned, self._snapshot = [], None
         if self._model is None:
             self._model = copy_model(node.state.model, node.job).to(CPU)  # here: it may draw random numbers
-        sidecar = node.sidecar if g.role != "trainer" else None
+        sidecar = node.sidecar if g.role is not Role.TRAINER else None
         for task in tasks:
             if sidecar is not None:
                 sidecar.submit_check(functools.partial(self._run, task, _nothing))
             else:
                 self._run(task, node.client.touch)
 
-    def _due_orders(self, g: EpochGroup, sl: Slice, roles: Sequence[str]) -> list[tuple[str, bool]]:
+    def _due_orders(self, g: EpochGroup, sl: Slice, roles: Sequence[Role]) -> list[tuple[str, bool]]:
         """The orders to carry out at this step (their trainer trains in it); the lapsed
         ones are reported as such."""
         now = time.monotonic()
@@ -218,7 +219,7 @@ class Checker:
             if self.node.own_loop:
                 self._unordered(trainer)
                 self._lapsed(order, g.epoch, sl.step, "an own training loop's node recomputes no slices")
-            elif r >= 0 and r != g.rank and roles[r] == "trainer" and g.shares[r] > 0 and sl.step >= order.step:
+            elif r >= 0 and r != g.rank and roles[r] is Role.TRAINER and g.shares[r] > 0 and sl.step >= order.step:
                 self._unordered(trainer)
                 due.append((trainer, True))
             elif now - since > ORDER_WAIT_S:

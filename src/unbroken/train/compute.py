@@ -17,7 +17,7 @@ from unbroken.train.device import OutOfMemory
 from unbroken.train.step import Slice, StepProtocol
 
 if TYPE_CHECKING:
-    from unbroken.train.runtime import Node
+    from unbroken.train.views import ComputeNode
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 class JobCompute:
     """Computes a slice's gradient with `Job.microbatch_loss` (the Job loop's compute)."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: ComputeNode) -> None:
         self.node = node
         self.used_mb = 0
         """The micro-batch size the last slice was computed in (the commit log says it)."""

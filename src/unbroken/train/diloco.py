@@ -60,7 +60,7 @@ from unbroken.train.step import Slice, add_deltas, after_step, write_deltas
 
 if TYPE_CHECKING:
     from unbroken.control.messages import EpochOrder
-    from unbroken.train.runtime import Node
+    from unbroken.train.views import DiLoCoNode
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 class DiLoCo:
     """The outer loop of one node: the round's anchor, the outer optimizer, the inner steps."""
 
-    def __init__(self, node: Node, order: EpochOrder) -> None:
+    def __init__(self, node: DiLoCoNode, order: EpochOrder) -> None:
         if node.scale is not None:
             raise ConfigError("Job.loss_scale is for synchronous mode: DiLoCo's inner steps cannot use it yet")
         self.node = node
@@ -162,8 +162,7 @@ class DiLoCo:
         back = self._round_start["step"]
         log.info("%s: round abandoned at inner step %d; back to step %s", self.node.name, st.step, back)
         st.restore(self._round_start)
-        self.node.client.step = st.step
-        self.node.applied_step = -1
+        self.node.restored()
         self.node.report(Kind.ROLLBACK, f"DiLoCo round abandoned; back to its start, step {back}")
 
     # ---------------------------------------------------------------- the round
@@ -247,9 +246,7 @@ class DiLoCo:
             write_deltas(flat, off, node.buffers, self._round_buffers, weight, n_zones)
             self._speak(flat, last)
         mean_loss = sum(losses) / max(len(losses), 1)
-        flat[node.numel : p.norms_at] = torch.tensor(
-            [1.0, float(p.share * steps), float(p.switching()), mean_loss * (zone_samples / B if leader else 0.0), 0.0]
-        )
+        p.vote(samples=p.share * steps, switch=p.switching(), loss=mean_loss * (zone_samples / B if leader else 0.0))
         t_comm = time.monotonic()
         p.reducer.allreduce(
             flat,
@@ -357,9 +354,8 @@ class DiLoCo:
             flat[: node.numel] *= zone_samples / B
             self._speak(flat, last)
         mean_loss = sum(losses) / max(len(losses), 1)
-        flat[node.numel : p.norms_at] = torch.tensor(
-            [1.0, float(p.share * steps), float(p.switching()), mean_loss * (zone_samples / B if leader else 0.0), 0.0]
-        )
+        loss = mean_loss * (zone_samples / B if leader else 0.0)
+        p.vote(samples=p.share * steps, switch=p.switching(), loss=loss, flat=flat)
         switch = False
         if self.in_flight is not None:
             # Before this round's payload is encoded: the codec's residual the committed state

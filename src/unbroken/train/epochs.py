@@ -10,6 +10,7 @@ import functools
 import logging
 import socket
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,7 +32,7 @@ from unbroken.train.hooks import Build, GroupMaker
 from unbroken.train.step import EXTRA
 
 if TYPE_CHECKING:
-    from unbroken.train.runtime import Node
+    from unbroken.train.views import EpochsNode
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def zones_of(order: m.EpochOrder) -> Zones:
 class Epochs:
     """Builds each epoch's groups and reducer for one node; answers the leader's probes."""
 
-    def __init__(self, node: Node, groups: GroupMaker | None = None) -> None:
+    def __init__(self, node: EpochsNode, groups: GroupMaker | None = None) -> None:
         """``groups``: how an epoch's process groups are made (default: gloo groups on the
         rendezvous the leader relays)."""
         self.node = node
@@ -309,6 +310,30 @@ class Epochs:
 
         threading.Thread(target=attempt, name="check", daemon=True).start()
 
+    def gone_ahead(self, latest: m.EpochOrder) -> str | None:
+        """A member of this epoch that left it for ``latest`` (its rendezvous entry for that
+        epoch arrived half a build deadline ago), if any. A step waits out an order that is
+        not urgent (the group switches after it, by vote), but members not yet in the step
+        leave at once (a sync phase's transfer, a build): once one of them builds the new
+        epoch, the step can never complete, and waiting for it would only get this node named
+        absent there (a build deadline after the first member of this epoch wrote its entry).
+        A member that committed the step by vote builds the new epoch too, while this node's
+        part of that step may still be arriving (over a slow link, for seconds): the entry
+        must have been here a while, and the other half of the deadline is left to build."""
+        node = self.node
+        g, welcome = node.group, node.client.welcome
+        if g is None or welcome is None:
+            return None
+        since = time.monotonic() - welcome.build_deadline_s / 2
+        writers = self.meeting.writers(latest.epoch, WORLD, before=since)
+        if not writers:  # most polls of a step waiting for its switch: no set of the members built
+            return None
+        peers = set(g.members) - {node.client.member_id}
+        for r in sorted(writers):
+            if r < len(latest.members) and latest.members[r] in peers:
+                return latest.members[r]
+        return None
+
     def welcomed(self, welcome: m.Welcome, new_coordinator: bool) -> None:
         if new_coordinator:
             g = self.node.group
@@ -335,15 +360,14 @@ class CodecSlot:
     def __init__(self, owner: str) -> None:
         self.owner = owner
         self.codec: Codec | None = None
-        self.spec = ""
+        self.spec: CodecSpec | None = None
         self.pending: dict[str, Any] | None = None
         """A restored residual waiting for its codec (made at the first epoch order)."""
 
-    def for_spec(self, codec: CodecSpec) -> Codec:
-        spec = str(codec)  # as checkpoints name it
+    def for_spec(self, spec: CodecSpec) -> Codec:
         if self.codec is None or self.spec != spec:
             self.codec, self.spec = make_codec(spec), spec
-            if self.pending is not None and self.pending.get("spec") == spec:
+            if self.pending is not None and self._names(self.pending, spec):
                 self.codec.load_state_dict(self.pending["codec"])
             self.pending = None
         return self.codec
@@ -352,12 +376,20 @@ class CodecSlot:
         if self.codec is None:
             return {}
         state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.codec.state_dict().items()}
-        return {"spec": self.spec, "codec": state}
+        return {"spec": str(self.spec), "codec": state}  # as checkpoints name it
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return
-        if self.codec is not None and self.spec == state["spec"]:
+        if self.codec is not None and self.spec is not None and self._names(state, self.spec):
             self.codec.load_state_dict(state["codec"])
         else:  # the codec is made when the first epoch order names it
             self.pending = state
+
+    @staticmethod
+    def _names(state: dict[str, Any], spec: CodecSpec) -> bool:
+        """Whether a checkpoint's codec state is of ``spec``'s codec (an unknown name is not)."""
+        try:
+            return CodecSpec.parse(str(state.get("spec", ""))) == spec
+        except (ValueError, ConfigError):
+            return False

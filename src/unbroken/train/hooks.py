@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from unbroken.comm.group import EpochScope, ProcessGroup
     from unbroken.control import messages as m
+    from unbroken.control.client import Listener
 
 Record = Callable[[Entry, Mapping[str, object]], None]
 """Writes one entry to the node's commit log (a fault that fires says so there first)."""
@@ -124,7 +125,6 @@ class Control(Protocol):
 
     member_id: str
     """This node's identity in the group (a new one after an expulsion)."""
-    welcome: m.Welcome | None
     expelled: str | None
     """Why the leader expelled this node (None while it is a member)."""
     quarantined: bool
@@ -137,15 +137,24 @@ class Control(Protocol):
     """Once ``finished``: the state the job finished with, as the leader said (may be empty)."""
     step: int
     """The step this node has committed (what its heartbeats say)."""
-    lapses: int
-    """Sessions lost with a stale lease (`unbroken.control.client.ControlClient.lapses`)."""
-    rtt_s: float
-    on_command: Callable[[m.Command], None] | None
-    on_met: Callable[[m.Met], None] | None
-    on_probe: Callable[[m.Probe], None] | None
-    on_check: Callable[[m.Check], None] | None
-    on_verify: Callable[[m.Verify], None] | None
-    on_welcome: Callable[[m.Welcome, bool], None] | None
+
+    @property
+    def rtt_s(self) -> float:
+        """Round-trip time to the leader (0 until measured)."""
+
+    @property
+    def welcome(self) -> m.Welcome | None:
+        """The last welcome (None before the first)."""
+
+    @property
+    def lapses(self) -> int:
+        """Sessions lost with a stale lease (`unbroken.control.connection`)."""
+
+    def add_listener(self, listener: Listener) -> None:
+        """Tell ``listener`` every state change and unpolled order (`unbroken.control.client.Notice`)."""
+
+    def expel(self, reason: str) -> None:
+        """Take this node for expelled (``reason``): the step loop rejoins as a new member."""
 
     def start(self) -> m.Welcome:
         """Join the job (blocks until welcomed or refused)."""

@@ -14,14 +14,22 @@ from typing import TYPE_CHECKING, Any
 from unbroken.comm.group import EpochGroup
 from unbroken.comm.reduce import Wire
 from unbroken.control import messages as m
-from unbroken.errors import ConfigError
+from unbroken.errors import (
+    AuditMismatch,
+    BadContribution,
+    BadRequest,
+    CollectiveFailed,
+    ConfigError,
+    Suspicion,
+    TransferError,
+)
 from unbroken.events import Entry, Kind
 from unbroken.state import layout
 from unbroken.state.checkpoint import Checkpointer, Later, load_newest, set_aside
 from unbroken.state.fragments import NotRebuilt, rebuild
 
 if TYPE_CHECKING:
-    from unbroken.train.runtime import Node
+    from unbroken.train.views import RecordsNode
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +45,7 @@ LAY_OUT_AHEAD = 3
 class Records:
     """A node's commit log (``--commit-log``), reports to the coordinator and checkpoints."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: RecordsNode) -> None:
         self.node = node
         config = node.config
         self.checkpointer = Checkpointer(config.checkpoint_dir) if config.checkpoint_dir else None
@@ -283,9 +291,26 @@ class Records:
         self._fresh = node.state.capture()  # until the group says this checkpoint is not ahead of it
         node.state.restore(snap)
         self.restored_epoch = int(snap.get("epoch", 0))
-        node.client.step = node.state.step
+        node.restored()
         self.log(Entry.RESTORE, {"step": node.state.step, "path": str(path), "digest": node.state.digest()})
         log.info("%s: restored step %d from %s", node.name, node.state.step, path)
+
+    def refused(self, order: m.EpochOrder, exc: CollectiveFailed | TransferError) -> None:
+        """Tell the leader why ``order``'s epoch failed here (and whom the data blames, if anyone)."""
+        node = self.node
+        rank = exc.rank if isinstance(exc, (BadContribution, BadRequest)) else -1
+        culprit = order.members[rank] if 0 <= rank < len(order.members) else None
+        kind = Kind.BAD_REQUEST if isinstance(exc, BadRequest) else Kind.BAD_GRADIENT
+        if isinstance(exc, (AuditMismatch, Suspicion)):
+            kind = Kind.AUDIT if isinstance(exc, AuditMismatch) else Kind.SUSPECT
+        self.log(Entry.REFUSED, {"step": node.state.step, "culprit": culprit, "reason": str(exc)})
+        back = exc.rollback_to if isinstance(exc, AuditMismatch) else -1
+        zone_only = isinstance(exc, BadContribution) and exc.zone_only
+        fault = m.Fault(
+            epoch=order.epoch, reason=str(exc)[:2000], culprit=culprit, kind=kind, rollback_to=back,
+            zone_only=zone_only, step=node.state.step,
+        )  # fmt: skip
+        node.client.send(fault)
 
     def joined(self) -> None:
         """Once welcomed: drop a restored checkpoint that is ahead of the group (another run's:
@@ -302,7 +327,7 @@ class Records:
                 node.state.restore(self._fresh, own=True)
                 self.restored_epoch = None
                 node.audits.checkpoint_epoch = -1
-                node.client.step = node.state.step
+                node.restored()
                 why = f"a checkpoint of step {ahead}, ahead of the group's step {welcome.group_step}"
                 aside = self._set_aside(f"{why}: another run's")
                 self.note(

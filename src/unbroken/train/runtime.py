@@ -11,6 +11,10 @@ reduce, verify, fence, apply, commit. `Node.steps` is that life as a generator o
 to compute: the Job loop (`Node.run`) computes each with the job's loss, a user's own loop
 (`unbroken.swarm`) with their own code, and both send the slice's loss back. Everything
 else (failure handling, epochs, sync, audits, DiLoCo rounds) is the same code for both.
+
+`Node` wires its helpers (records, audits, epochs, the step protocol, DiLoCo...); each sees
+only its view of the node (`train.views`). Its dealings with the control plane (the hello,
+what the session tells it, the resources of a run) are in `train.session`.
 """
 
 from __future__ import annotations
@@ -19,9 +23,6 @@ import functools
 import json
 import logging
 import math
-import os
-import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -33,13 +34,8 @@ from unbroken.comm.group import EpochGroup, EpochScope, Graveyard
 from unbroken.comm.reduce import LinkEmulation, Wire
 from unbroken.comm.transfer import Partial, sync_state
 from unbroken.config import NodeConfig
-from unbroken.control import identity
 from unbroken.control import messages as m
-from unbroken.control.client import ControlClient
 from unbroken.errors import (
-    AuditMismatch,
-    BadContribution,
-    BadRequest,
     CollectiveFailed,
     ConfigError,
     CoordinatorUnreachable,
@@ -47,18 +43,15 @@ from unbroken.errors import (
     Expelled,
     JobHalted,
     JoinRefused,
-    Suspicion,
     TransferError,
     Unreachable,
     Where,
 )
 from unbroken.events import Entry, Kind
 from unbroken.job import Job
-from unbroken.sched.zones import WORLD
-from unbroken.specs import Mode
+from unbroken.specs import Mode, Role
 from unbroken.state.snapshot import TrainState, fingerprint
 from unbroken.train.audits import Audits
-from unbroken.train.candidate import Candidate
 from unbroken.train.checks import Checker
 from unbroken.train.compute import JobCompute
 from unbroken.train.device import Calibration, ComputeReplica, resolve_device
@@ -70,6 +63,7 @@ from unbroken.train.memory import keep_freed_memory
 from unbroken.train.records import Records
 from unbroken.train.scale import KEY as SCALE_KEY
 from unbroken.train.scale import ScaleState
+from unbroken.train.session import Session, connect, finite, heard
 from unbroken.train.sharding import ShardedZone
 from unbroken.train.sidecar import Sidecar
 from unbroken.train.step import Slice, StepProtocol, flat_length
@@ -135,8 +129,8 @@ class Node:
         self.state = TrainState(held, optimizer, scheduler=scheduler, extra=extra)
         # The optimizer as the job's code built it, before any state is loaded into it: a
         # node whose code sets another learning rate is refused as another job.
-        self._job_identity = job.identity(optimizer)
-        self._job_spec = json.dumps(job.identity_spec(optimizer), sort_keys=True)
+        self.job_identity = job.identity(optimizer)
+        self.job_spec = json.dumps(job.identity_spec(optimizer), sort_keys=True)
         # A sharded zone's gradients are summed block by block in backward: none in the flat.
         self.params = [p for p in model.parameters() if p.requires_grad] if self.zone is None else []
         # Buffers a forward pass updates (BatchNorm statistics) travel in the same
@@ -191,36 +185,13 @@ class Node:
         self.applied_step = -1
         """The last step this node applied itself (not received from a peer)."""
         self.leave_sent_at: float | None = None
-        self._fingerprint = fingerprint(model)
+        self.model_fingerprint = fingerprint(model)
         self._last_validation = 0.0
         self._epochs_formed = 0
         self._partial = Partial()
         """What this node fetched of a peer's state so far (kept when a transfer is cut short)."""
-        self.client: Control = control(self) if control is not None else self._connect()
-        self.client.on_command = self._command
-        self.client.on_met = self.epochs.met
-        self.client.on_probe = self.epochs.probe
-        self.client.on_check = self.epochs.check
-        self.client.on_verify = self.checker.ordered
-        self.client.on_welcome = self.epochs.welcomed
-
-    def _connect(self) -> ControlClient:
-        config = self.config
-        return ControlClient(
-            config.coordinators,
-            self._hello,
-            name=self.name,
-            connect_timeout_s=config.connect_timeout_s,
-            wake=self.wake,
-            stall_timeout_s=config.stall_timeout_s,
-            token=config.token,
-            key=identity.load_or_create(config.key_file) if config.key_file else None,
-            tls_ca=str(config.tls_ca) if config.tls_ca else None,
-            etcd=config.etcd,
-            etcd_prefix=config.etcd_prefix,
-            etcd_tls=config.etcd_tls,
-            relays=config.relays,
-        )
+        self.client: Control = control(self) if control is not None else connect(self)
+        self.client.add_listener(functools.partial(heard, self))
 
     # ---------------------------------------------------------------- public
 
@@ -257,10 +228,10 @@ class Node:
                 result: NodeResult = stop.value
                 return result
 
-    def session(self, calibrate: Callable[[], None] | None = None) -> _Session:
+    def session(self, calibrate: Callable[[], None] | None = None) -> Session:
         """The node's resources for one run: checkpoint restored, signals, the coordinator
         candidate (``--coordinate``), the control session; all closed on exit."""
-        return _Session(self, calibrate)
+        return Session(self, calibrate)
 
     def request_leave(self) -> None:
         """Leave the group gracefully after the current step (what SIGTERM does)."""
@@ -278,14 +249,16 @@ class Node:
         self.state.cursor = step * self.job.batch_size
         self.client.step = step
 
+    def restored(self) -> None:
+        """The state was put back to a copy (a checkpoint, an audited state, a DiLoCo round's
+        start): nothing in it was applied here, and heartbeats say its step."""
+        self.applied_step = -1
+        self.client.step = self.state.step
+
     @property
     def loss_scale(self) -> float:
         """What the loss is multiplied by before backward (1 without `Job.loss_scale`)."""
         return self.scale.scale if self.scale is not None else 1.0
-
-    @property
-    def codec_spec(self) -> str:
-        return self.epochs.codec.spec
 
     def capabilities(self) -> m.Capabilities:
         return self.meter.capabilities(self.client.rtt_s, self.state.step)
@@ -318,33 +291,10 @@ class Node:
         latest = self.client.latest_order()
         if latest is not None and latest.epoch > current and (latest.urgent or not during_step):
             return left(EpochAborted, f"epoch {latest.epoch} ordered: {latest.reason}")
-        if latest is not None and latest.epoch > current and (gone := self._gone_ahead(latest)) is not None:
+        if latest is not None and latest.epoch > current and (gone := self.epochs.gone_ahead(latest)) is not None:
             return left(EpochAborted, f"epoch {latest.epoch} ordered and {gone} of this epoch builds it already")
         if not during_step and self.client.finished is not None:
             return left(EpochAborted, "the job finished")
-        return None
-
-    def _gone_ahead(self, latest: m.EpochOrder) -> str | None:
-        """A member of this epoch that left it for ``latest`` (its rendezvous entry for that
-        epoch arrived half a build deadline ago), if any. A step waits out an order that is
-        not urgent (the group switches after it, by vote), but members not yet in the step
-        leave at once (a sync phase's transfer, a build): once one of them builds the new
-        epoch, the step can never complete, and waiting for it would only get this node named
-        absent there (a build deadline after the first member of this epoch wrote its entry).
-        A member that committed the step by vote builds the new epoch too, while this node's
-        part of that step may still be arriving (over a slow link, for seconds): the entry
-        must have been here a while, and the other half of the deadline is left to build."""
-        g, welcome = self.group, self.client.welcome
-        if g is None or welcome is None:
-            return None
-        since = time.monotonic() - welcome.build_deadline_s / 2
-        writers = self.epochs.meeting.writers(latest.epoch, WORLD, before=since)
-        if not writers:  # most polls of a step waiting for its switch: no set of the members built
-            return None
-        peers = set(g.members) - {self.client.member_id}
-        for r in sorted(writers):
-            if r < len(latest.members) and latest.members[r] in peers:
-                return latest.members[r]
         return None
 
     def announce_leave(self) -> None:
@@ -381,31 +331,8 @@ class Node:
                 exc.at(self.where())  # raised outside a wait (a vote count, a transfer's check)
                 log.warning("%s: %s", self.name, exc)
                 if not self.epochs.unreachable_in_lazy_group(order, exc):
-                    self._refused(order, exc)
+                    self.records.refused(order, exc)
                 self._abandon()  # after `unreachable_in_lazy_group`: said whom it cannot reach
-
-    def _refused(self, order: m.EpochOrder, exc: CollectiveFailed | TransferError) -> None:
-        """Tell the leader why this epoch failed here (and whom the data blames, if anyone)."""
-        rank = exc.rank if isinstance(exc, (BadContribution, BadRequest)) else -1
-        culprit = order.members[rank] if 0 <= rank < len(order.members) else None
-        kind = Kind.BAD_REQUEST if isinstance(exc, BadRequest) else Kind.BAD_GRADIENT
-        if isinstance(exc, (AuditMismatch, Suspicion)):
-            kind = Kind.AUDIT if isinstance(exc, AuditMismatch) else Kind.SUSPECT
-        self.records.log(Entry.REFUSED, {"step": self.state.step, "culprit": culprit, "reason": str(exc)})
-        back = exc.rollback_to if isinstance(exc, AuditMismatch) else -1
-        zone_only = isinstance(exc, BadContribution) and exc.zone_only
-        reason = str(exc)[:2000]
-        self.client.send(
-            m.Fault(
-                epoch=order.epoch,
-                reason=reason,
-                culprit=culprit,
-                kind=kind,
-                rollback_to=back,
-                zone_only=zone_only,
-                step=self.state.step,
-            )
-        )
 
     def _next_order(self) -> m.EpochOrder | NodeResult:
         """Wait for an epoch to form that includes this node (rejoining if expelled)."""
@@ -432,7 +359,7 @@ class Node:
                         raise
                 except CoordinatorUnreachable as exc:
                     log.warning("%s: %s; still trying", self.name, exc)
-                    self.client.expelled = "rejoin pending: coordinator unreachable"
+                    self.client.expel("rejoin pending: coordinator unreachable")
                 continue
             if self.client.finished is not None:
                 return self._job_finished()
@@ -472,7 +399,7 @@ class Node:
         else:  # DiLoCo's rounds keep exchanges in flight across steps: each epoch has a flat of its own
             self._flat = flat = None
         # Trainers commit to their slices where a validator can check them (`train.checks`).
-        commit = sync and not self.own_loop and self.zone is None and "validator" in g.roles
+        commit = sync and not self.own_loop and self.zone is None and Role.VALIDATOR in g.roles
         self.protocol = StepProtocol(self, g, reducer, flat=flat, commit=commit)
         self.records.log(Entry.EPOCH, {"epoch": order.epoch, "term": order.term, "step": self.state.step})
         self.records.first_in_epoch = True
@@ -581,17 +508,17 @@ class Node:
                 flip_bit(self.params[0])
             if self.audits.due(self.state.step):
                 self.audits.check(g)
-            if g.role == "validator":
+            if g.role is Role.VALIDATOR:
                 self._maybe_validate()
             if tally.switch > 0 or self.state.step >= self.job.num_steps:
                 return
 
     # ---------------------------------------------------------------- roles
 
-    def _set_role(self, role: str) -> None:
+    def _set_role(self, role: Role) -> None:
         """Trainers compute; other members probe their speed and, as validators, evaluate
         (not in a user's own loop: there is no loss to probe with; its share is just 0)."""
-        if role == "trainer" or self.own_loop or self.zone is not None:
+        if role is Role.TRAINER or self.own_loop or self.zone is not None:
             if self.sidecar is not None:
                 self.sidecar.set_probing(False)
             return
@@ -667,122 +594,7 @@ class Node:
 
     # ---------------------------------------------------------------- plumbing
 
-    def _hello(self, member_id: str) -> m.Hello:
-        g = self.group
-        latest = self.client.latest_order()
-        resume = None
-        if g is not None and member_id in g.members:
-            # A step in flight across a lapse will not commit here (`StepProtocol.fence`):
-            # the epoch is as good as abandoned, and a leader that took over must not adopt
-            # it for members still waiting in that step for this one.
-            p = self.protocol
-            lapsed = p is not None and p.group is g and p.lapsed()
-            resume = m.Resume(
-                epoch=g.epoch,
-                members=g.members,
-                step=self.state.step,
-                shares=g.shares,
-                roles=g.roles,  # type: ignore[arg-type]
-                abandoned=g.pg is None or lapsed,
-            )
-        return m.Hello(
-            job=self.job.name,
-            job_identity=self._job_identity,
-            job_spec=self._job_spec,
-            fingerprint=self._fingerprint,
-            member_id=member_id,
-            name=self.name,
-            batch_size=self.job.batch_size,
-            steps=self.job.num_steps,
-            weight=self.config.weight,
-            step=self.state.step,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            resume=resume,
-            last_epoch=latest.epoch if latest is not None else 0,
-            restored_epoch=self.records.restored_epoch,
-            capabilities=self.capabilities(),
-            role=self.config.role,  # type: ignore[arg-type]
-            evaluates=self.job.evaluate is not None,
-            zone=self.config.zone,
-            no_inbound=self.epochs.forwarded,
-            forwarding=self.epochs.offered,
-        )
-
-    def _command(self, cmd: m.Command) -> None:
-        """An operator's action (control thread)."""
-        log.warning("%s: operator command %s: %s", self.name, cmd.action, cmd.reason)
-        if cmd.action == "drain":
-            self.request_leave()
-        elif cmd.action == "kill":
-            entry = {"signal": "kill", "phase": "operator", "step": self.state.step, "pid": os.getpid()}
-            self.records.log(Entry.FAULT, entry)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def install_signals(self) -> None:
-        """SIGTERM and Ctrl-C leave gracefully after the step in flight; a second one exits."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def handler(signum: int, frame: object) -> None:
-            if self.leave_requested:
-                raise SystemExit(128 + signum)
-            # Only a flag: Event.set() takes a lock the interrupted main thread may hold.
-            # Every wait in the loop wakes at least every 0.5 s and sees it.
-            self.leave_requested = True
-
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
-
-
-class _Session:
-    """`Node.session`: what a run holds, opened in order and closed in reverse."""
-
-    def __init__(self, node: Node, calibrate: Callable[[], None] | None) -> None:
-        self.node = node
-        self.calibrate = calibrate
-        self.candidate: Candidate | None = None
-
-    def __enter__(self) -> Node:
-        node = self.node
-        node.records.restore_checkpoint()
-        if node.records.restored_epoch is not None:
-            node.audits.checkpoint_epoch = node.records.restored_epoch
-        node.install_signals()
-        try:
-            node.epochs.open()
-            if node.config.coordinate:
-                self.candidate = Candidate(node.config)
-                self.candidate.start()
-                node.records.log(Entry.CANDIDATE, {"pid": self.candidate.proc.pid if self.candidate.proc else 0})
-            if self.calibrate is not None:
-                self.calibrate()
-            node.client.start()
-        except BaseException:
-            self.__exit__()
-            raise
-        return node
-
-    def __exit__(self, *exc: object) -> None:
-        node = self.node
-        if self.candidate is not None:
-            self.candidate.close()
-        if node.sidecar is not None:
-            node.sidecar.close()
-        node.client.close()
-        node.epochs.close()
-        node.records.close()
-
 
 def run_node(job: Job, config: NodeConfig, faults: Faults | None = None) -> NodeResult:
     """Run one node to the end of the job; raises what `Node.run` raises."""
     return Node(job, config, faults).run()
-
-
-def finite(metrics: dict[str, float]) -> dict[str, float]:
-    """Metrics as the control plane takes them: a NaN or infinite one (a diverged model's
-    evaluation) is left out, with a warning, instead of refusing the whole report."""
-    bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
-    if bad:
-        log.warning("metrics %s are not finite: left out of the report", ", ".join(bad))
-    return {k: v for k, v in metrics.items() if k not in bad}

@@ -26,6 +26,7 @@ switch, and every member moves to the new epoch right after committing it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -52,7 +53,7 @@ from unbroken.train.guard import judge
 from unbroken.train.hooks import LIES
 
 if TYPE_CHECKING:
-    from unbroken.train.runtime import Node
+    from unbroken.train.views import StepNode
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +104,15 @@ class Tally:
     """Members whose scaled gradient overflowed (the step commits without an update)."""
 
 
+assert len(dataclasses.fields(Tally)) == EXTRA, "a control slot of the flat tensor per field of Tally"
+
+
 class StepProtocol:
     """One member's step in one epoch (see the module's docstring)."""
 
     def __init__(
         self,
-        node: Node,
+        node: StepNode,
         group: EpochGroup,
         reducer: Reducer,
         *,
@@ -239,8 +243,7 @@ class StepProtocol:
             digest = self.witness.commitment(sl.indices)
             self.commitment = m.Commitment(epoch=g.epoch, step=sl.step, digest=digest, microbatch=mb)
         write_deltas(flat, node.compressed_numel, node.compute_buffers, sl.before, weight, members)
-        slots = [1.0, float(sl.share), 1.0 if switch else 0.0, loss, 1.0 if self._overflow else 0.0]
-        flat[node.numel : at] = torch.tensor(slots)
+        self.vote(samples=sl.share, switch=switch, loss=loss, overflow=self._overflow)
         flat[at:] = 0.0
         flat[at + g.rank] = math.sqrt(self._squares)
         if self._lie == "forge-slot":  # a hostile member (`train.hooks.LIES`)
@@ -309,7 +312,17 @@ class StepProtocol:
         )
         node.meter.last_comm_s = time.monotonic() - t
 
+    def vote(
+        self, *, samples: float, switch: bool, loss: float, overflow: bool = False, flat: torch.Tensor | None = None
+    ) -> None:
+        """Write this member's control slots (a `Tally` of one) into `flat` (or ``flat``): its
+        vote, the ``samples`` it summed, whether it asks to ``switch`` epochs, its part of the
+        mean ``loss``, and whether its gradient ``overflow``ed."""
+        own = Tally(votes=1.0, samples=float(samples), switch=float(switch), loss=loss, overflow=float(overflow))
+        (self.flat if flat is None else flat)[self.node.numel : self.norms_at] = torch.tensor(dataclasses.astuple(own))
+
     def tally(self) -> Tally:
+        """The control slots, summed over the members."""
         return Tally(*self.flat[self.node.numel : self.norms_at].tolist())
 
     def verify(self, *, members: int, samples: int, what: str) -> Tally:
@@ -344,7 +357,7 @@ class StepProtocol:
                 raise BadContribution(culprit, f"{what}: refused the contribution of rank {culprit}: {why}")
             return
         grad = self.flat[: node.compressed_numel]
-        lossy = self.reducer.codec is not None and self.reducer.zones.multi and node.codec_spec != "none"
+        lossy = self.reducer.codec is not None and self.reducer.zones.multi and not self.reducer.codec.lossless
         # Finite: so is every element. A sharded zone's gradient is in its ranges: the norm
         # summed over them.
         total = node.zone.total_norm if node.zone is not None else float(torch.linalg.vector_norm(grad).item())
@@ -496,7 +509,7 @@ def add_deltas(flat: torch.Tensor, off: int, buffers: list[torch.Tensor], before
             off += n
 
 
-def after_step(node: Node, g: EpochGroup, loss: float) -> None:
+def after_step(node: StepNode, g: EpochGroup, loss: float) -> None:
     """The job's `Job.after_step` hook, on every replica, before the step's digest."""
     if node.job.after_step is None:
         return

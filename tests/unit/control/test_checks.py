@@ -24,6 +24,7 @@ from unbroken.control.checks import (
 from unbroken.control.membership import BENCH_S, JOIN_SETTLE_S, Membership
 from unbroken.control.messages import Capabilities, Checked, Commitment, Hello, TensorSpec
 from unbroken.events import Kind
+from unbroken.specs import Role
 
 CPU = "cpu x86_64 AVX2, 1 threads, torch 2.13.0+cpu (abcd0123)"
 GOOD, BAD = "00000000000000aa", "00000000000000bb"
@@ -179,13 +180,13 @@ def test_an_order_unanswered_or_not_carried_out_leaves_the_finding_unconfirmed()
 def test_the_confirmer_is_a_validator_computing_alike_else_the_fastest_trainer() -> None:
     other = "cuda NVIDIA H100, torch 2.13.0"
     members = [
-        Candidate("t", "trainer", 10, CPU),
-        Candidate("a", "trainer", 5, CPU),
-        Candidate("b", "trainer", 15, CPU),
-        Candidate("g", "validator", 0, other),
-        Candidate("v", "validator", 0, CPU),
-        Candidate("w", "validator", 0, CPU),
-        Candidate("s", "standby", 0, CPU),
+        Candidate("t", Role.TRAINER, 10, CPU),
+        Candidate("a", Role.TRAINER, 5, CPU),
+        Candidate("b", Role.TRAINER, 15, CPU),
+        Candidate("g", Role.VALIDATOR, 0, other),
+        Candidate("v", Role.VALIDATOR, 0, CPU),
+        Candidate("w", Role.VALIDATOR, 0, CPU),
+        Candidate("s", Role.STANDBY, 0, CPU),
     ]
     assert confirmer(members, "t", {"v"}, CPU) == "w"
     assert confirmer(members, "t", {"v", "w"}, CPU) == "b", "the largest share: its step waits least"

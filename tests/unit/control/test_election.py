@@ -216,7 +216,7 @@ def node_client() -> ControlClient:
 def test_a_node_refuses_orders_and_commands_of_an_older_term():
     commands: list[m.Command] = []
     client = node_client()
-    client.on_command = commands.append
+    client.add_listener(lambda notice: isinstance(notice, m.Command) and commands.append(notice))
     client.term = 5
 
     def order(epoch: int, term: int) -> m.EpochOrder:

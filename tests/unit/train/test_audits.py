@@ -77,6 +77,11 @@ def ordered_back_to(step: int, held: int | None, at: int) -> tuple[Audits, Train
     client = SimpleNamespace(latest_order=lambda: order, step=at)
     job = SimpleNamespace(num_steps=105)
     node = SimpleNamespace(state=state, records=records, client=client, name="n", applied_step=at, job=job)
+
+    def restored() -> None:  # as `Node.restored`
+        node.applied_step, client.step = -1, state.step
+
+    node.restored = restored
     audits = Audits(node)  # type: ignore[arg-type]
     audits.every = 10
     if held is not None:

@@ -29,8 +29,9 @@ from unbroken.control import messages as m
 from unbroken.control.checks import Candidate, Checks, Finding, Outcome, Verdict, confirmer
 from unbroken.events import Entry
 from unbroken.job import Job
+from unbroken.specs import Role
 from unbroken.testing.faults import FaultPlan, parse_faults
-from unbroken.testing.inmemory import MemoryJob
+from unbroken.testing.inmemory import MemoryControl, MemoryJob
 from unbroken.testing.promises import check_promises, environment, reference_state
 from unbroken.train.checks import CHANCE, choose
 from unbroken.train.commitment import GradientDigest
@@ -47,13 +48,14 @@ ATOL = 1e-5
 
 
 def test_a_validator_checks_a_trainer_with_samples_never_itself_or_another_role() -> None:
-    roles, shares = ["trainer", "validator", "trainer", "standby", "trainer"], [10, 0, 20, 0, 0]
+    T, V, S = Role.TRAINER, Role.VALIDATOR, Role.STANDBY
+    roles, shares = [T, V, T, S, T], [10, 0, 20, 0, 0]
     rng = random.Random(1)
     picks = Counter(choose(roles, shares, 1, rng) for _ in range(2000))
     assert set(picks) == {0, 2}, picks
     assert abs(picks[0] - picks[2]) < 200, "each trainer as likely as the others"
     assert choose(roles, shares, 0, rng) == 2, "a trainer asked to check never picks itself"
-    assert choose(["validator", "trainer"], [0, 0], 0, rng) is None, "nobody computed anything"
+    assert choose([V, T], [0, 0], 0, rng) is None, "nobody computed anything"
     assert choose([], [5, 5], 0, rng) == 1, "no roles: every member trains"
 
 
@@ -104,9 +106,9 @@ class CheckingJob(MemoryJob):
         for o in out:
             if o.confirmer is not None:
                 verify = m.Verify(epoch=1, trainer=o.trainer, step=o.step + 1, reason=o.reason)
-                on_verify = self.nodes[o.confirmer].client.on_verify
-                assert on_verify is not None
-                on_verify(verify)
+                client = self.nodes[o.confirmer].client
+                assert isinstance(client, MemoryControl)
+                client.tell(verify)
 
     def _pick(self, trainer: str, accusers: Collection[str]) -> str | None:
         order = self.latest_order()
@@ -131,7 +133,7 @@ def run(
     names: Sequence[str] = ("a", "b", "c", "v"),
 ) -> CheckingJob:
     with CheckingJob(j, names, tmp_path, faults=faults) as mj:
-        mj.order(names, roles={n: "validator" for n in names if n.startswith("v")}, microbatch=microbatch)
+        mj.order(names, roles={n: Role.VALIDATOR for n in names if n.startswith("v")}, microbatch=microbatch)
         results = mj.join(150)
     assert all(isinstance(r, NodeResult) and r.outcome == "finished" for r in results.values()), results
     report = check_promises(mj.logs(), j, finishers=len(names))

@@ -17,7 +17,7 @@ from unbroken.control.messages import Capabilities
 from unbroken.errors import EpochAborted, Where
 from unbroken.sched.zones import Zones
 from unbroken.train.hooks import NoFaults
-from unbroken.train.runtime import Node
+from unbroken.train.session import hello
 from unbroken.train.step import StepProtocol
 
 
@@ -65,16 +65,16 @@ def test_a_resume_after_a_lapse_during_the_step_says_the_epoch_is_abandoned() ->
     g = SimpleNamespace(epoch=1, members=["n1#a", "n2#b"], shares=[4, 4], roles=["trainer"] * 2, pg=object())
     p.group = g  # type: ignore[assignment]
     node = SimpleNamespace(
-        group=g, client=client, protocol=p, state=SimpleNamespace(step=168), name="n1", _fingerprint=[],
-        _job_identity="j", _job_spec="{}",
+        group=g, client=client, protocol=p, state=SimpleNamespace(step=168), name="n1", model_fingerprint=[],
+        job_identity="j", job_spec="{}",
         job=SimpleNamespace(name="j", identity=lambda: "j", batch_size=8, num_steps=300, evaluate=None),
         config=SimpleNamespace(weight=1.0, role="auto", zone=""), records=SimpleNamespace(restored_epoch=None),
         capabilities=lambda: Capabilities(), epochs=SimpleNamespace(forwarded=False, offered=""),
     )  # fmt: skip
-    resume = Node._hello(node, "n1#a").resume  # type: ignore[arg-type]
+    resume = hello(node, "n1#a").resume  # type: ignore[arg-type]
     assert resume is not None and not resume.abandoned
     client.lapses = 1  # the session was lost with the lease stale during the step
-    resume = Node._hello(node, "n1#a").resume  # type: ignore[arg-type]
+    resume = hello(node, "n1#a").resume  # type: ignore[arg-type]
     assert resume is not None and resume.abandoned
     with pytest.raises(EpochAborted):
         p.fence()
