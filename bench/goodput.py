@@ -53,6 +53,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,12 +63,13 @@ from pathlib import Path
 from typing import Any
 
 import jobs
-from common import HERE, NODE_ENV, DDPRun, ProgressLine, print_command, print_table, read_jsonl
+from common import HERE, NODE_ENV, DDPRun, ProgressLine, print_command, print_table
 from unbroken.testing import LocalCluster
-from unbroken.testing.chaos import Commits, Planned, feasible_kinds, schedule
+from unbroken.testing.chaos import Planned, feasible_kinds, schedule
 from unbroken.testing.promises import check_promises, environment
 
 SYSTEMS = ("unbroken", "torchrun", "torchft", "ddp")
+FAULT_KINDS = ("kill", "stop", "term", "join")
 RESULTS = HERE / "results" / "goodput.json"
 REPLACE_AFTER_S = 1.0
 """A killed or leaving process's replacement starts this long after (as in a soak)."""
@@ -96,15 +98,28 @@ class Proc:
         self.popen = popen
         self.log = log
         self.held = False
+        self.spawned = time.time()
+        self._read = 0
+        self._entries: list[dict[str, Any]] = []
 
     def entries(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.log)
+        """The log's lines so far, read on from where the last call stopped (the bench polls
+        while the processes train on the same two cores: rereading whole logs would take from them)."""
+        with contextlib.suppress(FileNotFoundError), self.log.open("rb") as f:
+            f.seek(self._read)
+            chunk = f.read()
+            whole = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next call
+            self._read += len(whole)
+            for line in whole.splitlines():
+                with contextlib.suppress(json.JSONDecodeError):  # a line cut short by SIGKILL
+                    self._entries.append(json.loads(line))
+        return self._entries
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
     def committed(self) -> bool:
-        return self.log.exists() and '"commit"' in self.log.read_text()
+        return any(e.get("kind") == "commit" for e in self.entries())
 
 
 class System:
@@ -165,6 +180,27 @@ class System:
 
         return float((top(t1) - top(t0)) * self.args.batch)
 
+    def progress_after(self, faults: list[tuple[float, str]]) -> dict[str, list[float]]:
+        """Fault → the first commit of a step past every step committed before it (progress
+        again: a restart's redone steps and the step in flight at the fault do not count)."""
+        commits = sorted((e["t"], int(e["step"])) for p in self.procs for e in p.entries() if e.get("kind") == "commit")
+        out: dict[str, list[float]] = {}
+        for at, kind in faults:
+            top = max((step for t, step in commits if t <= at), default=0)
+            after = next((t for t, step in commits if t > at and step > top + 1), None)
+            if after is not None:
+                out.setdefault(kind, []).append(after - at)
+        return out
+
+    def cold_starts(self, since: float) -> list[float]:
+        """Spawn → first commit of each process started after ``since`` (replacements, joins)."""
+        out = []
+        for p in self.procs:
+            first = next((e["t"] for e in p.entries() if e.get("kind") == "commit"), None)
+            if p.spawned > since and first is not None:
+                out.append(first - p.spawned)
+        return out
+
     def over(self) -> bool:
         """Nothing can train any more (plain DDP after its first failure)."""
         return False
@@ -221,16 +257,6 @@ class Unbroken(System):
         # The window ends with the job stopped, not finished: every promise over the steps committed.
         report = check_promises(logs, dataclasses.replace(job, num_steps=top), finishers=0)
         return report.ok, "; ".join(report.problems[:3])
-
-    def recoveries(self, faults: list[tuple[float, str]]) -> dict[str, list[float]]:
-        """Fault → the group's first commit of a step computed wholly after it, by kind (soak's measure)."""
-        commits = Commits({p.name: p.entries() for p in self.procs})
-        out: dict[str, list[float]] = {}
-        for at, kind in faults:
-            _, fresh = commits.after(at)
-            if fresh is not None:
-                out.setdefault(kind, []).append(fresh - at)
-        return out
 
     def close(self) -> None:
         self.cluster.close()
@@ -391,6 +417,8 @@ class Outcome:
     promises: bool | None = None
     problems: str = ""
     recoveries: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    """Fault → progress again (`System.progress_after`), by kind."""
+    cold_starts: list[float] = dataclasses.field(default_factory=list)
 
     free_window_s: float = 0.0
     free_samples: float = 0.0
@@ -447,8 +475,8 @@ def run_one(
         time.sleep(0.5)  # the last commits' lines reach the logs
         out.free_samples = system.samples(t_free, t0)
         out.samples = system.samples(t0, t0 + window_s)
-        if isinstance(system, Unbroken):
-            out.recoveries = system.recoveries(out.applied)
+        out.recoveries = system.progress_after(out.applied)
+        out.cold_starts = system.cold_starts(t0)
     finally:
         system.close()
     out.promises, out.problems = system.check()
@@ -543,7 +571,7 @@ def main() -> None:
     faulted: dict[tuple[str, float], Outcome] = {}
     try:
         for every in rates:
-            plan = schedule(args.seed, 1.0 / every, args.window, kinds=("kill", "stop", "term", "join"))
+            plan = schedule(args.seed, 1.0 / every, args.window, kinds=FAULT_KINDS)
             for s in runnable:
                 label = f"{s}, a fault every {every:g} s"
                 wd = root / f"{s}-{every:g}"
@@ -592,13 +620,21 @@ def main() -> None:
         caption="passed over: a fault that would take out the last trainer, a join beyond two spares, "
         "or a join plain DDP cannot take",
     )  # fmt: skip
+    print_table(
+        "Where the time goes: medians in seconds (count)",
+        ["system", "seconds between faults", "spawn -> first commit (replacements, joins)",
+         *[f"{k} -> progress again" for k in FAULT_KINDS]],
+        [
+            [s, f"{e:g}", _med(o.cold_starts), *[_med(o.recoveries.get(k, [])) for k in FAULT_KINDS]]
+            for e in rates for s in systems if (o := faulted.get((s, e)))
+        ],
+        caption="progress again: the first commit of a step past the one in flight at the fault "
+        "(a restart's redone steps do not count); a stop lasts 1.5-3 s",
+    )  # fmt: skip
     for every in rates:
         o = faulted.get(("unbroken", every))
-        if o is None:
-            continue
-        rec = "; ".join(f"{k}: {', '.join(f'{x:.2f}' for x in v)} s" for k, v in sorted(o.recoveries.items()))
-        print(f"unbroken, a fault every {every:g} s: fault -> first commit of a step computed after it: {rec or '-'}"
-              + (f"; broken: {o.problems}" if o.problems else ""))  # fmt: skip
+        if o is not None and o.problems:
+            print(f"unbroken, a fault every {every:g} s: promises broken: {o.problems}")
     results = {
         "rates": rates,
         "ours": [goodput("unbroken", e) for e in rates],
@@ -648,6 +684,10 @@ def _running(pid: int | None) -> bool:
     with contextlib.suppress(OSError):
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1] != "Z"
     return True
+
+
+def _med(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.1f} ({len(xs)})" if xs else "-"
 
 
 def _kinds(o: Outcome) -> list[tuple[str, int]]:
