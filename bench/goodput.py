@@ -316,15 +316,16 @@ class Torchrun(System):
         p.popen.send_signal(signal.SIGTERM)  # the agent: it stops its worker and leaves the rendezvous
 
     def close(self) -> None:
+        # Workers of a round still starting have logged no pid yet: every process under each
+        # agent is reaped, found before the agents go (an orphan's parent is no longer its agent).
+        pids = {int(e["pid"]) for p in self.procs for e in p.entries() if e.get("kind") == "ready"}
         for p in self.procs:
-            for pid in {int(e["pid"]) for e in p.entries() if e.get("kind") == "ready"}:
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, sig)
             if p.popen is not None:
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.popen.pid, sig)
+                pids |= _descendants(p.popen.pid)
+        for pid in pids:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
         super().close()
         self.store = None
 
@@ -540,6 +541,8 @@ def main() -> None:
     p.add_argument("--plot", default=str(RESULTS.with_suffix(".png")), help="the plot (needs matplotlib; '' for none)")
     p.add_argument("--workdir", help="keep the logs here (default: a temporary directory)")
     args = p.parse_args()
+    # Stopped from outside (SIGTERM), the runs' `finally` still reaps every process they started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.short:
         args.rates, args.window, args.free_window = "10", 40.0, 15.0
     try:
@@ -671,6 +674,23 @@ def main() -> None:
         },
     }
     print(json.dumps(last))
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` now (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
 
 
 def _running(pid: int | None) -> bool:
