@@ -21,10 +21,15 @@ same fraction of its processes then, in start order):
   ``--ckpt-every`` steps and resumes; kill and stop hit the worker (its agent restarts the
   whole group from the checkpoint; a stopped worker stalls its peers' collective), a leave
   is the agent's SIGTERM, a join a new agent. The rendezvous store lives in this process
-  (``is_host=false``) so that no leaving agent takes it away; ``last_call_timeout=1``.
+  (``is_host=false``) so that no leaving agent takes it away; ``last_call_timeout=1``;
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with the store shared (torch 2.13's default) the
+  workers of a restarted round read the addresses their predecessors left in it, fail to
+  connect, and the group restarts over and over without training again.
 - ``torchft``: torchft 0.2.0, one replica group per process (bench/torchft_worker.py),
   Manager + ProcessGroupGloo + its lighthouse (heartbeat timeout 1 s, join timeout 1 s);
-  each replica trains B/N samples a step on its own shard, as torchft does.
+  each replica trains B/N samples a step on its own shard, as torchft does. Gradients go
+  through ``manager.allreduce``, not ``torchft.DistributedDataParallel``, whose comm hook in
+  0.2.0 crashes the survivors of a peer's death (see bench/torchft_worker.py).
 - ``ddp``: plain DDP (bench/ddp_worker.py): no recovery, no joins (a join is passed over).
 
 Goodput = committed samples per second during the window under faults ÷ the same system's
@@ -40,7 +45,8 @@ its Manager's ``batches_committed`` times the per-replica batch.
 The table and bench/results/goodput.json (``--json``) give goodput against the seconds
 between failures; with matplotlib, a plot next to it (``--plot``). The last line printed is
 one JSON object: ``goodput`` (unbroken, at the rate nearest 10 s), ``failures`` (faults
-applied to it), ``promises_kept``, ``baselines`` (name → goodput at that rate).
+applied to it, joins included; ``faults`` by kind), ``promises_kept``, ``baselines`` (name →
+goodput at that rate, or why it could not run).
 """
 
 from __future__ import annotations
@@ -564,7 +570,8 @@ def main() -> None:
         f"{args.sample_ms} ms compute per sample (a sleep: the CPUs stay free), OMP_NUM_THREADS=1; "
         f"windows {args.window:.0f} s under faults, {args.free_window:.0f} s without; seed {args.seed}\n"
         "goodput = committed samples/s under faults ÷ committed samples/s without faults, each system "
-        "normalised by its own failure-free run on this machine in this invocation",
+        "normalised by its own failure-free run (the same processes, the window just before the faults) "
+        "on this machine in this invocation",
         flush=True,
     )
     runnable = [s for s in systems if s not in unavailable]
@@ -668,6 +675,7 @@ def main() -> None:
         "goodput": goodput("unbroken", at),
         "seconds_between_faults": at,
         "failures": len(ours.applied) if ours else 0,
+        "faults": dict(_kinds(ours)) if ours else {},
         "promises_kept": ours.promises if ours else None,
         "baselines": {
             s: goodput(s, at) if s not in unavailable else unavailable[s] for s in systems if s != "unbroken"
