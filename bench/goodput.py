@@ -1,8 +1,9 @@
 """Goodput under constant failure: unbroken against torchrun elastic, torchft and plain DDP.
 
-    python bench/goodput.py --short          # one rate (a failure every 10 s), ~6 min on 2 cores
-    python bench/goodput.py                  # a failure every 30, 10 and 5 s (~15 min)
+    python bench/goodput.py --short          # one rate (a failure every 10 s), ~3 min on 2 cores
+    python bench/goodput.py                  # a failure every 30, 10 and 5 s (~10 min)
     python bench/goodput.py --rates 20,10 --window 120 --seed 3
+    python bench/goodput.py --apart          # the systems one after the other (4x as long)
 
 One job of ``--nodes`` processes (``bench/jobs.py``'s small MLP, B=120, a per-sample compute
 of ``--sample-ms`` so that a step takes ~200 ms) trains for a window of ``--window`` seconds
@@ -12,8 +13,13 @@ soak's own draws): SIGKILL a process (a replacement starts a second later), SIGS
 A fault that would take out the last process training, or a join beyond two spares, is
 passed over (`unbroken.testing.chaos.feasible_kinds`), as in a soak.
 
-Each system, under the very same schedule (times from its window's start, the victim by the
-same fraction of its processes then, in start order):
+The systems run side by side, all started together, with one failure-free window and one
+window under faults for all: each fault hits every system at the same moment (the victim by
+the same fraction of its processes then, in start order). On a machine others share, the
+load then weighs on all alike: run one after the other (``--apart``), a system whose
+replacements start while the machine is busiest waits a minute for its cold starts where
+another, minutes later, waits ten seconds. Their steady-state work is a sleep (the per-sample
+compute), so they take from each other mainly when processes start.
 
 - ``unbroken``: coordinator + nodes (`unbroken.testing.LocalCluster`), cold starts.
 - ``torchrun``: ``torch.distributed.run --nnodes=1:N+2 --max-restarts=1000
@@ -444,50 +450,62 @@ class Outcome:
         return round(self.rate / self.free_rate, 3) if self.free_rate > 0 else None
 
 
-def run_one(
-    system: System, plan: list[Planned], free_s: float, window_s: float, progress: ProgressLine, label: str
-) -> Outcome:
-    """Start the system and wait for its warm-up; then ``free_s`` seconds without faults, then
-    ``window_s`` seconds hit by ``plan`` (its times from that window's start); count both."""
-    args = system.args
+def run_together(
+    systems: list[System], plan: list[Planned], free_s: float, window_s: float, progress: ProgressLine, label: str
+) -> list[Outcome]:
+    """Start the systems and wait for every one's warm-up; then ``free_s`` seconds without
+    faults, then ``window_s`` seconds in which ``plan`` hits each of them at the same moments
+    (its times from that window's start); count both windows for each."""
+    args = systems[0].args
     due: list[tuple[float, Callable[[], object]]] = []
-    out = Outcome(system.name, None, window_s, 0.0, free_window_s=free_s)
+    outs = [Outcome(x.name, None, window_s, 0.0, free_window_s=free_s) for x in systems]
     shown = 0.0
     try:
-        system.start()
+        for x in systems:
+            x.start()
         deadline = time.monotonic() + args.start_timeout
-        while not system.ready():
-            if not any(p.alive() for p in system.procs):
-                raise RuntimeError(f"{label}: every process exited before training (see {system.workdir}/*.err)")
+        while not all(x.ready() for x in systems):
+            for x in systems:
+                if not any(q.alive() for q in x.procs):
+                    raise RuntimeError(f"{label}: {x.name}: every process exited before training "
+                                       f"(see {x.workdir}/*.err)")  # fmt: skip
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{label}: not training on {args.nodes} processes after {args.start_timeout:.0f} s "
-                                   f"(see {system.workdir})")  # fmt: skip
+                late = [x.name for x in systems if not x.ready()]
+                raise RuntimeError(f"{label}: {late} not training on {args.nodes} processes after "
+                                   f"{args.start_timeout:.0f} s (keep their logs with --workdir)")  # fmt: skip
             time.sleep(0.2)
         t_free = time.time()
         t0 = t_free + free_s
         pending = list(plan)
-        while time.time() < t0 + window_s and not system.over():
+        while time.time() < t0 + window_s and not all(x.over() for x in systems):
             now = time.time()
             for item in [d for d in due if d[0] <= now]:
                 due.remove(item)
                 item[1]()
             if pending and now >= t0 + pending[0].at:
-                _apply(system, pending.pop(0), out, due)
+                fault = pending.pop(0)
+                for x, out in zip(systems, outs, strict=True):
+                    if not x.over():
+                        _apply(x, fault, out, due)
             if now - shown >= 2.0:
                 shown = now
                 where = f"without faults {now - t_free:3.0f}/{free_s:.0f} s" if now < t0 else (
-                    f"faults {now - t0:3.0f}/{window_s:.0f} s, {len(out.applied)} so far")  # fmt: skip
-                progress.update(f"{label}: {where}, step {system.progress()}, {len(system.trainers())} training")
+                    f"faults {now - t0:3.0f}/{window_s:.0f} s, {len(outs[0].applied)} so far")  # fmt: skip
+                steps = ", ".join(f"{x.name} {x.progress()}" for x in systems)
+                progress.update(f"{label}: {where}; steps {steps}")
             time.sleep(0.05)
         time.sleep(0.5)  # the last commits' lines reach the logs
-        out.free_samples = system.samples(t_free, t0)
-        out.samples = system.samples(t0, t0 + window_s)
-        out.recoveries = system.progress_after(out.applied)
-        out.cold_starts = system.cold_starts(t0)
+        for x, out in zip(systems, outs, strict=True):
+            out.free_samples = x.samples(t_free, t0)
+            out.samples = x.samples(t0, t0 + window_s)
+            out.recoveries = x.progress_after(out.applied)
+            out.cold_starts = x.cold_starts(t0)
     finally:
-        system.close()
-    out.promises, out.problems = system.check()
-    return out
+        for x in systems:
+            x.close()
+    for x, out in zip(systems, outs, strict=True):
+        out.promises, out.problems = x.check()
+    return outs
 
 
 def _apply(system: System, f: Planned, out: Outcome, due: list[tuple[float, Callable[[], object]]]) -> None:
@@ -542,7 +560,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="steps before a window starts")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"some of {','.join(SYSTEMS)}")
-    p.add_argument("--start-timeout", type=float, default=120.0)
+    p.add_argument("--start-timeout", type=float, default=180.0)
+    p.add_argument(
+        "--apart",
+        action="store_true",
+        help="run the systems one after the other (default: side by side, hit at the same moments)",
+    )
     p.add_argument("--json", default=str(RESULTS), help="where the results go ('' for nowhere)")
     p.add_argument("--plot", default=str(RESULTS.with_suffix(".png")), help="the plot (needs matplotlib; '' for none)")
     p.add_argument("--workdir", help="keep the logs here (default: a temporary directory)")
@@ -582,13 +605,14 @@ def main() -> None:
     try:
         for every in rates:
             plan = schedule(args.seed, 1.0 / every, args.window, kinds=FAULT_KINDS)
-            for s in runnable:
-                label = f"{s}, a fault every {every:g} s"
-                wd = root / f"{s}-{every:g}"
-                o = run_one(MAKERS[s](wd, args), plan, args.free_window, args.window, progress, label)
-                o.every_s = every
-                faulted[(s, every)] = o
-                progress.update(f"{label}: {o.free_rate:.0f} samples/s without faults, goodput {o.goodput}", advance=1)
+            for group in [[x] for x in runnable] if args.apart else [runnable]:
+                label = f"{'+'.join(group)}, a fault every {every:g} s"
+                made = [MAKERS[x](root / f"{x}-{every:g}", args) for x in group]
+                for o in run_together(made, plan, args.free_window, args.window, progress, label):
+                    o.every_s = every
+                    faulted[(o.system, every)] = o
+                    progress.update(f"{o.system}, a fault every {every:g} s: {o.free_rate:.0f} samples/s without "
+                                    f"faults, goodput {o.goodput}", advance=1)  # fmt: skip
     finally:
         progress.close()
         if tmp is not None:
