@@ -133,6 +133,13 @@ class Proc:
     def committed(self) -> bool:
         return any(e.get("kind") == "commit" for e in self.entries())
 
+    def committed_lately(self, within_s: float = 2.0) -> bool:
+        """A commit in the last ``within_s`` seconds: it holds the group's latest state (a node
+        woken from SIGSTOP is alive, yet stale until it has caught up: taking the last node
+        that is not would lose the job's state, as `unbroken.testing.chaos` learnt)."""
+        last = next((e["t"] for e in reversed(self.entries()) if e.get("kind") == "commit"), 0.0)
+        return time.time() - last < within_s
+
 
 class System:
     """One system's processes; subclasses start, hit and count them."""
@@ -159,8 +166,8 @@ class System:
         raise NotImplementedError
 
     def trainers(self) -> list[Proc]:
-        """Processes that train now (alive, not stopped, past their first commit), in start order."""
-        return [p for p in self.procs if p.alive() and not p.held and p.committed()]
+        """Processes that train now (alive, not stopped, committing), in start order."""
+        return [p for p in self.procs if p.alive() and not p.held and p.committed_lately()]
 
     def ready(self) -> bool:
         """Every one of the first ``--nodes`` processes trains, past the warm-up."""
@@ -680,6 +687,7 @@ def main() -> None:
         "free_samples_per_s": {
             s: [round(o.free_rate, 1) if (o := faulted.get((s, e))) else None for e in rates] for s in runnable
         },
+        "together": not args.apart,
         "window_s": args.window,
         "free_window_s": args.free_window,
         "nodes": args.nodes,
