@@ -105,6 +105,61 @@ def feasible_kinds(
     return kinds
 
 
+STOP_S = (1.5, 3.0)
+"""How long a stopped node (or a cut link, or a stopped leader) stays so: drawn uniformly, seconds."""
+
+
+def next_gap(rng: random.Random, rate: float) -> float:
+    """Seconds to the next fault: exponential at ``rate`` per second, capped at three mean gaps
+    (a cap changes when faults land, not which ones: the draws stay the same)."""
+    return min(rng.expovariate(rate), 3.0 / rate)
+
+
+def draw_kind(rng: random.Random, kinds: list[str]) -> str:
+    """One of ``kinds`` (feasible now), at the relative weights of `KINDS`."""
+    return rng.choices(kinds, weights=[KINDS[k] for k in kinds])[0]
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One fault of a schedule drawn in advance (`schedule`)."""
+
+    at: float
+    """Seconds from the schedule's start."""
+    kind: str
+    pick: float
+    """Which trainer it hits, as a fraction in [0, 1) of the trainers up then, in a fixed order
+    (one fraction picks comparable victims in systems whose members are named differently)."""
+    lasts: float
+    """How long a ``stop`` lasts, seconds (drawn for every kind, so that one kind's draw does not
+    shift the next fault's)."""
+
+
+def schedule(
+    seed: int, rate: float, duration_s: float, kinds: tuple[str, ...] = ("kill", "stop", "term", "join")
+) -> list[Planned]:
+    """The faults of ``duration_s`` seconds at ``rate`` per second, drawn in advance with a soak's
+    draws (`next_gap`, `draw_kind`, `STOP_S`): the same schedule for several systems side by side
+    (bench/goodput.py), where a soak draws each fault against the live cluster.
+
+    Raises:
+        ConfigError: ``rate`` is not positive, or ``kinds`` names a kind `KINDS` has not.
+    """
+    if rate <= 0:
+        raise ConfigError(f"fault rate {rate}: must be positive (faults per second)")
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise ConfigError(f"fault kinds {unknown}: not known; use some of {sorted(KINDS)}")
+    rng = random.Random(seed)
+    out: list[Planned] = []
+    at = next_gap(rng, rate)
+    while at < duration_s:
+        kind = draw_kind(rng, list(kinds))
+        out.append(Planned(at, kind, rng.random(), rng.uniform(*STOP_S)))
+        at += next_gap(rng, rate)
+    return out
+
+
 def time_outside(start: float, end: float, gaps: list[tuple[float, float]]) -> float:
     """Seconds of ``[start, end]`` outside every one of ``gaps`` (intervals that do not overlap)."""
     inside = sum(max(0.0, min(b, end) - max(a, start)) for a, b in gaps)
@@ -306,9 +361,7 @@ class Chaos:
         return [n for n in c.nodes.values() if n.proc.poll() is None and n.name not in self._held]
 
     def _gap(self) -> float:
-        """Seconds to the next fault: exponential at ``rate``, capped at three mean gaps (a cap
-        changes when faults land, not which ones: the draws stay the same)."""
-        return min(self.rng.expovariate(self.rate), 3.0 / self.rate)
+        return next_gap(self.rng, self.rate)
 
     def _start(self, c: LocalCluster) -> NodeProcess:
         self._count += 1
@@ -369,7 +422,7 @@ class Chaos:
             ha=self.ha,
             etcd_down=self._etcd_down is not None,
         )
-        kind = self.rng.choices(kinds, weights=[KINDS[k] for k in kinds])[0]
+        kind = draw_kind(self.rng, kinds)
         if kind in HA_KINDS:
             self._inject_ha(c, kind)
             return
@@ -402,7 +455,7 @@ class Chaos:
                 victim.signal(signal.SIGCONT)
                 self._held.discard(victim.name)
 
-            lasts = self.rng.uniform(1.5, 3.0)
+            lasts = self.rng.uniform(*STOP_S)
             fault.detail = f"{lasts:.1f} s"
             self._later(lasts, wake)
         elif kind == "cut":
@@ -415,7 +468,7 @@ class Chaos:
                 self.net.restore(victim.name)  # a no-op if the node exited meanwhile
                 self._held.discard(victim.name)
 
-            lasts = self.rng.uniform(1.5, 3.0)
+            lasts = self.rng.uniform(*STOP_S)
             fault.detail = f"{lasts:.1f} s"
             self._later(lasts, reconnect)
         elif kind == "slow":
@@ -463,7 +516,7 @@ class Chaos:
             self._later(1.0, lambda: c.start_coordinator(port=port))
             return
         proc.send_signal(signal.SIGSTOP)
-        lasts = self.rng.uniform(1.5, 3.0)
+        lasts = self.rng.uniform(*STOP_S)
         fault.detail = f"{lasts:.1f} s"
         self._later(lasts, lambda: proc.send_signal(signal.SIGCONT))
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
+from unbroken.errors import ConfigError
 from unbroken.testing import netns
-from unbroken.testing.chaos import HA_KINDS, KINDS, Commits, feasible_kinds, time_outside
+from unbroken.testing.chaos import HA_KINDS, KINDS, STOP_S, Commits, feasible_kinds, schedule, time_outside
 
 SIGNAL_KINDS = ["kill", "stop", "term", "join", "coordinator"]
 
@@ -121,3 +124,29 @@ def test_a_step_whose_compute_began_before_the_fault_is_not_the_recovery() -> No
         ]
     }
     assert Commits(logs).after(10.0) == (10.08, 11.6)
+
+
+def test_a_schedule_drawn_in_advance_is_the_same_for_a_seed_and_another_for_another_seed() -> None:
+    a, b = schedule(3, 0.1, 600.0), schedule(3, 0.1, 600.0)
+    assert a == b and a != schedule(4, 0.1, 600.0)
+
+
+def test_a_schedule_keeps_its_rate_its_kinds_and_its_window() -> None:
+    plan = schedule(1, 0.2, 5000.0, kinds=("kill", "stop", "join"))
+    # ~1000 faults expected; the cap at three mean gaps shortens a few gaps, never many.
+    assert 900 < len(plan) < 1200
+    assert {f.kind for f in plan} == {"kill", "stop", "join"}
+    assert all(0 < f.at < 5000.0 for f in plan) and [f.at for f in plan] == sorted(f.at for f in plan)
+    assert all(b.at - a.at <= 3.0 / 0.2 + 1e-9 for a, b in itertools.pairwise(plan))
+    assert all(0 <= f.pick < 1 and STOP_S[0] <= f.lasts <= STOP_S[1] for f in plan)
+    # kill is drawn at KINDS' weight 0.3 against stop 0.2 and join 0.2
+    kills = sum(f.kind == "kill" for f in plan) / len(plan)
+    assert 0.35 < kills < 0.51
+
+
+@pytest.mark.parametrize(("rate", "kinds", "needle"), [(0.0, ("kill",), "must be positive"), (0.1, ("kil",), "'kil'")])
+def test_a_schedule_refuses_a_rate_or_kind_that_cannot_be_drawn(
+    rate: float, kinds: tuple[str, ...], needle: str
+) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        schedule(0, rate, 60.0, kinds=kinds)
