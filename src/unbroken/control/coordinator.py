@@ -83,8 +83,11 @@ class Coordinator(ThreadedService):
 
     name = "coordinator"
 
-    def __init__(self, config: CoordinatorConfig | None = None) -> None:
+    def __init__(self, config: CoordinatorConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the time every decision is taken at (a virtual one in the control-plane
+        simulator, `unbroken.testing.simulate`)."""
         super().__init__()
+        self.clock = clock
         self.config = config or CoordinatorConfig()
         self.coordinator_id = uuid.uuid4().hex[:12]
         self.token = self.config.service.token
@@ -130,7 +133,7 @@ class Coordinator(ThreadedService):
     def _new_membership(self) -> Membership:
         self._asked_vanished: set[tuple[int, tuple[str, ...]]] = set()
         """(epoch found, members missing) that members back were asked about (`_ask_who_vanished`)."""
-        return Membership(self.config.membership, now=time.monotonic(), recovering=True, policy=self.config.policy)
+        return Membership(self.config.membership, now=self.clock(), recovering=True, policy=self.config.policy)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -152,7 +155,7 @@ class Coordinator(ThreadedService):
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_context.load_cert_chain(service.tls_cert, service.tls_key)
         self._runner, port = await listen(app, self.guard, service.host, service.port, ssl_context)
-        self.membership.listening(time.monotonic())  # a node's evidence (refusals) ended only now
+        self.membership.listening(self.clock())  # a node's evidence (refusals) ended only now
         self.address = (service.host, port)
         log.info("coordinator %s on %s:%d", self.coordinator_id, *self.address)
         ticker = asyncio.create_task(self._tick_forever(), name="coordinator-tick")
@@ -184,7 +187,7 @@ class Coordinator(ThreadedService):
     def _elected(self, term: int, epoch_floor: int, verdicts: list[m.Refusal]) -> None:
         """A fresh view for the new term: the nodes hand theirs over as they reconnect; the
         audits' verdicts come from the last epoch published."""
-        self._record(Event(time.monotonic(), Kind.LEADER, None, 0, 0, f"{self.office.advertised} leads (term {term})"))
+        self._record(Event(self.clock(), Kind.LEADER, None, 0, 0, f"{self.office.advertised} leads (term {term})"))
         self._drop_sessions()
         self.rendezvous = Rendezvous(self.config.membership.build_deadline_s)  # the new term's epochs meet anew
         self.membership = self._new_membership()
@@ -196,7 +199,7 @@ class Coordinator(ThreadedService):
         self._drop_sessions()
         self.membership = self._new_membership()
         advertised = self.office.advertised
-        self._record(Event(time.monotonic(), Kind.DEPOSED, None, 0, 0, f"{advertised} stops leading: {reason}"))
+        self._record(Event(self.clock(), Kind.DEPOSED, None, 0, 0, f"{advertised} stops leading: {reason}"))
 
     def _drop_sessions(self) -> None:
         for session in list(self._sessions.values()):
@@ -235,7 +238,7 @@ class Coordinator(ThreadedService):
 
     def snapshot(self) -> dict[str, Any]:
         ms = self.membership
-        now = time.monotonic()
+        now = self.clock()
         members = []
         zones = dict(zip(ms.members, ms.zones_of(list(ms.members.values())), strict=True))
         for mid, mem in ms.members.items():
@@ -364,7 +367,7 @@ class Coordinator(ThreadedService):
             if session is None:
                 self._refusal(peer, reason, Kind.PROTOCOL)
             else:
-                self._record(Event(time.monotonic(), Kind.PROTOCOL, session.member_id, ms.epoch, ms.step, reason))
+                self._record(Event(self.clock(), Kind.PROTOCOL, session.member_id, ms.epoch, ms.step, reason))
         except (TimeoutError, asyncio.TimeoutError):
             log.warning("session from %s sent no knock or hello in time", peer)
         finally:
@@ -400,7 +403,7 @@ class Coordinator(ThreadedService):
             old.close()  # the node reconnected before its old session ended here: it replaces it
         back = old is not None or mid in self._detached
         self._detached.discard(mid)
-        now = time.monotonic()
+        now = self.clock()
         training = ms.recovering_until is None and any(mid in ms.members for mid in ms.epoch_members)
         group_step = ms.reported_step() if training else 0  # 0: no group trains (a cold start)
         decision = self.membership.admit(hello, now, reconnect=back, key=key, source=peer)
@@ -441,7 +444,7 @@ class Coordinator(ThreadedService):
         if self._sessions.get(mid) is session and self.in_office():
             del self._sessions[mid]
             self._told.pop(mid, None)
-            self._apply(self.membership.session_closed(mid, time.monotonic()))
+            self._apply(self.membership.session_closed(mid, self.clock()))
 
     # ---------------------------------------------------------------- relays
 
@@ -456,7 +459,7 @@ class Coordinator(ThreadedService):
         """A relay's batch: its members' liveness, what they said, whose session ended (in
         that order: a member's last words come before its session's end; a relay reports no
         end of a session that a new one, whose hello it forwarded, replaces)."""
-        now = time.monotonic()
+        now = self.clock()
         ms = self.membership
         for mid, step in zip(up.alive, up.steps, strict=False):
             if mid in link.members:
@@ -568,12 +571,12 @@ class Coordinator(ThreadedService):
     def _drop(self, session: Sender, reason: str) -> None:
         """Expel a relayed member for a message no honest node sends, as a lapsed lease is
         (a direct session ends by raising `ProtocolError` out of its reader)."""
-        d = self.membership.fail(session.member_id, time.monotonic(), reason)
+        d = self.membership.fail(session.member_id, self.clock(), reason)
         d.expel[session.member_id] = reason
         self._apply(d)
 
     def _dispatch(self, session: Sender, msg: m.NodeMessage) -> None:
-        now = time.monotonic()
+        now = self.clock()
         mid = session.member_id
         ms = self.membership
         step = getattr(msg, "step", None)
@@ -693,10 +696,10 @@ class Coordinator(ThreadedService):
     # ---------------------------------------------------------------- decisions
 
     async def _tick_forever(self) -> None:
-        last = time.monotonic()
+        last = self.clock()
         while True:
             await asyncio.sleep(TICK_S)
-            now = time.monotonic()
+            now = self.clock()
             # Time this loop was not listening (a stall: GC, swap, a burst of work) does not
             # count against anyone's lease, as etcd extends leases after a leader pause; and
             # heartbeats may still sit unread in the sockets, so this tick expires nothing.
@@ -708,19 +711,23 @@ class Coordinator(ThreadedService):
                     link.heard_at += lag
                 self.loop_lag_s = max(self.loop_lag_s, lag)
             last = now
-            if not self.leading():
-                # Not sure of the lease this instant (a renewal is late, or this process just
-                # woke from a freeze and will find itself deposed): decide nothing now.
-                continue
-            try:
-                if not late:
-                    self._check_relays(now)
-                    self._check_keys(now)
-                    self._name_absent(now)
-                    self._ask_who_vanished(now)
-                self._apply(self.membership.tick(now, expire=not late))
-            except Exception:  # a bug here must not stop the service
-                self._complain("coordinator tick failed")
+            self._tick(now, late)
+
+    def _tick(self, now: float, late: bool = False) -> None:
+        """The clock's decisions (``late``: this tick came after a stall; it expires nothing)."""
+        if not self.leading():
+            # Not sure of the lease this instant (a renewal is late, or this process just
+            # woke from a freeze and will find itself deposed): decide nothing now.
+            return
+        try:
+            if not late:
+                self._check_relays(now)
+                self._check_keys(now)
+                self._name_absent(now)
+                self._ask_who_vanished(now)
+            self._apply(self.membership.tick(now, expire=not late))
+        except Exception:  # a bug here must not stop the service
+            self._complain("coordinator tick failed")
 
     def _apply(self, d: Decision) -> None:
         """Deliver a decision, then let the clock act on it at once (a failure's epoch now):
@@ -736,7 +743,7 @@ class Coordinator(ThreadedService):
         if self.leading():
             # Leases expire in the tick loop alone, which forgives the time the loop stalled:
             # a burst of session drops read right after a stall must not expel everyone else.
-            self._deliver(self.membership.tick(time.monotonic(), expire=False))
+            self._deliver(self.membership.tick(self.clock(), expire=False))
 
     def _deliver(self, d: Decision) -> None:
         # The decision goes out before its events are recorded: recording them may fail (the
@@ -804,7 +811,7 @@ class Coordinator(ThreadedService):
         by_name = {mem.name: mid for mid, mem in ms.members.items()}
         for a in found:
             step = ms.step if a.step is None else a.step
-            ev = Event(time.monotonic(), a.kind, by_name.get(a.member or ""), ms.epoch, step, a.reason)
+            ev = Event(self.clock(), a.kind, by_name.get(a.member or ""), ms.epoch, step, a.reason)
             self._record(ev, node=a.member)
 
     def command(self, name: str, action: str, reason: str) -> bool:
@@ -816,14 +823,14 @@ class Coordinator(ThreadedService):
                     return False
                 session.send(m.Command(action=action, reason=reason, term=self.term))  # type: ignore[arg-type]
                 ms = self.membership
-                self._record(Event(time.monotonic(), Kind.OPERATOR, mid, ms.epoch, ms.step, f"{name}: {reason}"))
+                self._record(Event(self.clock(), Kind.OPERATOR, mid, ms.epoch, ms.step, f"{name}: {reason}"))
                 return True
         return False
 
     def _refusal(self, source: str, reason: str, kind: Kind = Kind.REFUSED) -> None:
         """Record a refused or dropped session, a few per source and window: a flood of
         them must not push the job's own events out of the history or fill the disk."""
-        now = time.monotonic()
+        now = self.clock()
         say = self.quiet.allow(source, now)
         if say is Say.NO:
             self.events.count(kind)
@@ -844,7 +851,7 @@ class Coordinator(ThreadedService):
     def _complain(self, what: str) -> None:
         """Log the exception being handled, once per ``what`` and `Hush` interval (a failure
         met at every tick once wrote tracebacks by the hundred megabytes)."""
-        counted = self._hush.allow(what, time.monotonic())
+        counted = self._hush.allow(what, self.clock())
         if counted is not None:
             log.exception("%s%s", what, f" ({counted} more times since it was last logged)" if counted else "")
 
