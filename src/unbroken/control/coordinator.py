@@ -699,26 +699,25 @@ class Coordinator(ThreadedService):
         last = self.clock()
         while True:
             await asyncio.sleep(TICK_S)
-            now = self.clock()
-            # Time this loop was not listening (a stall: GC, swap, a burst of work) does not
-            # count against anyone's lease, as etcd extends leases after a leader pause; and
-            # heartbeats may still sit unread in the sockets, so this tick expires nothing.
-            lag = now - last - TICK_S
-            late = lag > self.config.membership.lease_s / 2
-            if lag > LAG_FORGIVEN_S:
-                self.membership.pause(lag)
-                for link in self._relays.values():
-                    link.heard_at += lag
-                self.loop_lag_s = max(self.loop_lag_s, lag)
-            last = now
-            self._tick(now, late)
+            last = self._tick(last)
 
-    def _tick(self, now: float, late: bool = False) -> None:
-        """The clock's decisions (``late``: this tick came after a stall; it expires nothing)."""
+    def _tick(self, last: float) -> float:
+        """The clock's decisions, ``last`` the previous tick's time; returns this one's."""
+        now = self.clock()
+        # Time this loop was not listening (a stall: GC, swap, a burst of work) does not
+        # count against anyone's lease, as etcd extends leases after a leader pause; and
+        # heartbeats may still sit unread in the sockets, so this tick expires nothing.
+        lag = now - last - TICK_S
+        late = lag > self.config.membership.lease_s / 2
+        if lag > LAG_FORGIVEN_S:
+            self.membership.pause(lag)
+            for link in self._relays.values():
+                link.heard_at += lag
+            self.loop_lag_s = max(self.loop_lag_s, lag)
         if not self.leading():
             # Not sure of the lease this instant (a renewal is late, or this process just
             # woke from a freeze and will find itself deposed): decide nothing now.
-            return
+            return now
         try:
             if not late:
                 self._check_relays(now)
@@ -728,6 +727,7 @@ class Coordinator(ThreadedService):
             self._apply(self.membership.tick(now, expire=not late))
         except Exception:  # a bug here must not stop the service
             self._complain("coordinator tick failed")
+        return now
 
     def _apply(self, d: Decision) -> None:
         """Deliver a decision, then let the clock act on it at once (a failure's epoch now):
