@@ -61,6 +61,8 @@ _EXPELLED = f'{{"v":{V},"type":"expelled"'
 RECONNECT_S = 0.1
 """A node whose hello was refused, or that was expelled, tries again this much later."""
 RELAY_GONE = "its session with the relay ended"
+RECONNECT_DELAY_S = 0.1
+"""A relay links again this long after its link ended (`relay.RECONNECT_DELAY_S`)."""
 BETWEEN_ZONES = LinkSpec(latency_s=0.025, bandwidth_Bps=125e6)
 IN_ZONE = LinkSpec(latency_s=0.0005, bandwidth_Bps=1.25e9)
 
@@ -147,23 +149,27 @@ class SimNode:
 
 
 class Sent:
-    """What the relay's link sends down: the coordinator's side of the link (a `Sender`)."""
+    """What one link of a relay sends down: the coordinator's side of it (a `Sender`)."""
 
-    def __init__(self, sim: Simulation, relay: SimRelay) -> None:
+    def __init__(self, sim: Simulation, relay: SimRelay, link: SimLink) -> None:
         self.sim = sim
         self.relay = relay
+        self.link = link
         self.member_id = f"relay:{relay.relay_id}"
 
     def send(self, msg: BaseModel) -> None:
         self.send_text(m.encode(msg))
 
     def send_text(self, text: str) -> None:
-        relay = self.relay
-        if relay.up_at_leader is not None:
-            self.sim.coordinator.send(self.sim.net, relay.from_leader, len(text), lambda: relay.heard_leader(text))
+        relay, link = self.relay, self.link
+        self.sim.coordinator.send(self.sim.net, relay.from_leader, len(text), lambda: relay.heard_leader(link, text))
 
     def close(self) -> None:
-        self.relay.up_at_leader = None
+        """The coordinator ends the link (it found the relay silent): the relay sees it end."""
+        relay, link = self.relay, self.link
+        self.sim.coordinator.send(
+            self.sim.net, relay.from_leader, 0, lambda: relay.process.submit(lambda: relay.unlinked(link, "dropped"))
+        )
 
 
 class SimLink(RelayLink):
@@ -173,7 +179,7 @@ class SimLink(RelayLink):
         # Not RelayLink.__init__: it starts a websocket writer; the state is the same.
         self.relay_id = relay.relay_id
         self.zone = relay.zone
-        self.session = Sent(sim, relay)  # type: ignore[assignment]
+        self.session = Sent(sim, relay, self)  # type: ignore[assignment]
         self.nonce = auth.new_nonce()
         self._used: set[int] = set()
         self._floor = -1
@@ -194,21 +200,61 @@ class SimRelay:
         self.hellos: dict[str, SimNode] = {}
         self.to_leader = sim.net.link(sim.config.between_zones)
         self.from_leader = sim.net.link(sim.config.between_zones)
-        self.link = SimLink(sim, self)
-        self.up_at_leader: SimLink | None = self.link
+        self.link: SimLink | None = None
+        """The link to the leader (None: not linked now)."""
         self.challenges = 0
         self.period = sim.config.lease_s / 10
         self._timer: Timer | None = None
         self._flush_due = False
         self.acked_at = 0.0
         self.longest_unacked_s = 0.0
-        """The longest it went without an acknowledged batch (past two leases a real relay
-        leaves its leader)."""
+        """The longest it went without an acknowledged batch."""
+        self.links_lost: list[str] = []
+        """Why each of its links to the leader ended (``dropped``: by the leader, which heard
+        nothing for half a lease; ``unacknowledged``: by the relay, after two leases)."""
 
-    def start(self) -> None:
-        self.sim.coord.relay_joined(self.link)
+    def relink(self) -> None:
+        """Link to the leader: a hello and its answer, one round trip (`relay.Relay._link`)."""
+        hello = 512  # a relay's hello: its id, zone, key and signature
+
+        def at_leader() -> None:
+            link = SimLink(self.sim, self)
+            self.sim.coord.relay_joined(link)
+            welcome = m.encode(
+                m.RelayWelcome(
+                    coordinator_id=self.sim.coord.coordinator_id,
+                    term=0,
+                    lease_s=self.sim.config.lease_s,
+                    link=link.nonce,
+                )
+            )
+            self.sim.coordinator.send(
+                self.sim.net, self.from_leader, len(welcome), lambda: self.process.submit(lambda: self._linked(link))
+            )
+
+        self.sim.net.send(self.to_leader, hello, lambda: self.sim.coordinator.submit(at_leader))
+
+    def _linked(self, link: SimLink) -> None:
+        self.link = link
         self.acked_at = self.sim.clock.now
         self._schedule()
+
+    def unlinked(self, link: SimLink, why: str) -> None:
+        """The link ended: every member's session ends with it (`relay.Relay._unlink`); the
+        members reconnect and the relay links again."""
+        if self.link is not link:
+            return
+        self.link = None
+        self.links_lost.append(why)
+        if self._timer is not None:
+            self._timer.cancel()
+        ended = [*self.members.values(), *self.hellos.values()]
+        self.members.clear()
+        self.hellos.clear()
+        self.batches.clear()
+        for node in ended:
+            self.process.send(self.sim.net, node.down, 0, partial(self.sim.dropped, node, node.session))
+        self.process.later(RECONNECT_DELAY_S, self.relink)
 
     def _schedule(self) -> None:
         self._timer = self.sim.clock.after(self.period, self._due)
@@ -220,6 +266,8 @@ class SimRelay:
 
     def _urgent(self) -> None:
         # The relay's loop wakes at once for an urgent batch; its next routine one is a period later.
+        if self.link is None:
+            return
         if self._timer is not None:
             self._timer.cancel()
         if not self._flush_due:
@@ -229,15 +277,26 @@ class SimRelay:
 
     def _flush(self) -> None:
         self._flush_due = False
-        now = self.sim.clock.now
+        link, now = self.link, self.sim.clock.now
+        if link is None:
+            return
         self.longest_unacked_s = max(self.longest_unacked_s, now - self.acked_at)
+        if now - self.acked_at > 2 * self.sim.config.lease_s:
+            # A leader that stopped answering: leave it (the leader sees the session end).
+            self.sim.net.send(self.to_leader, 0, lambda: self.sim.coordinator.submit(lambda: self.sim.relay_gone(link)))
+            self.unlinked(link, "unacknowledged")
+            return
         for up in self.batches.take(now, self.members):
             text = m.encode(up)
-            self.process.send(self.sim.net, self.to_leader, len(text), partial(self.sim.leader_heard, self, text))
+            self.process.send(self.sim.net, self.to_leader, len(text), partial(self.sim.leader_heard, link, text))
 
     # ------------------------------------------------------------- from its nodes
 
     def opened(self, node: SimNode, session: int) -> None:
+        if self.link is None:  # a relay with no leader refuses hellos, naming the leader
+            refused = m.encode(m.Refused(reason=f"relay {self.relay_id} has no link to the leader", standby=True))
+            self.process.send(self.sim.net, node.down, len(refused), partial(self.sim.answered, node, refused))
+            return
         self.challenges += 1
         challenge = m.Challenge(nonce=f"{self.link.nonce}.{self.challenges}", auth=False)
         text = m.encode(challenge)
@@ -268,10 +327,12 @@ class SimRelay:
 
     # ------------------------------------------------------------- from the leader
 
-    def heard_leader(self, text: str) -> None:
-        self.process.submit(lambda: self._from_leader(text))
+    def heard_leader(self, link: SimLink, text: str) -> None:
+        self.process.submit(lambda: self._from_leader(link, text))
 
-    def _from_leader(self, text: str) -> None:
+    def _from_leader(self, link: SimLink, text: str) -> None:
+        if self.link is not link:
+            return  # a link that ended: nothing more is read from it
         msg = m.parse_leader_message(text)
         sim = self.sim
         if isinstance(msg, m.Ack):
@@ -328,7 +389,7 @@ class Simulation:
         """Messages the relays heard from their nodes (heartbeats, reports, hellos)."""
         self._last_tick = self.clock.now
         for relay in self.relays:
-            relay.start()
+            relay.relink()
         self.clock.after(TICK_S, self._tick_due)
         self.add(config.nodes, ramp_s=config.ramp_s)
 
@@ -336,13 +397,13 @@ class Simulation:
 
     def _tick_due(self) -> None:
         self.coordinator.submit(self._tick)
-        self.clock.after(TICK_S, self._tick_due)
 
     def _tick(self) -> None:
         def tick() -> None:
             self._last_tick = self.coord._tick(self._last_tick)
 
         self._watched(tick)
+        self.coordinator.later(TICK_S, self._tick_due)  # its loop sleeps a tick after each
 
     def _watched(self, fn: Callable[[], None]) -> None:
         """Run a coordinator handler, noting the epochs it formed and its CPU."""
@@ -354,17 +415,20 @@ class Simulation:
             self.epochs_formed[epoch] = self.clock.now
             self.epoch_cpu_s[epoch] = time.thread_time() - t0
 
-    def leader_heard(self, relay: SimRelay, text: str) -> None:
-        self.coordinator.submit(lambda: self._watched(lambda: self._relay_up(relay, text)))
+    def leader_heard(self, link: SimLink, text: str) -> None:
+        self.coordinator.submit(lambda: self._watched(lambda: self._relay_up(link, text)))
 
-    def _relay_up(self, relay: SimRelay, text: str) -> None:
+    def relay_gone(self, link: SimLink) -> None:
+        """A relay ended its link (`sessions.serve_relay`'s end)."""
+        self.coord.relay_lost(link)
+
+    def _relay_up(self, link: SimLink, text: str) -> None:
         """What `sessions.serve_relay` does with a relay's batch."""
-        link = relay.up_at_leader
-        if link is None or self.coord._relays.get(link.relay_id) is not link:
+        if self.coord._relays.get(link.relay_id) is not link:
             return  # the coordinator dropped this link (it found the relay silent)
         up = m.parse_relay_message(text)
         if not isinstance(up, m.Up):
-            raise AssertionError(f"{relay.relay_id} sent its hello twice")
+            raise AssertionError(f"{link.relay_id} sent its hello twice")
         link.heard_at = self.clock.now
         self.coord.relay_up(link, up, cast(web.Request, None))
         link.session.send(m.Ack(seq=up.seq))
@@ -385,14 +449,17 @@ class Simulation:
             )
             self.nodes.append(node)
             new.append(node)
-            self.clock.after(ramp_s * i / max(count, 1), partial(self._connect, node))
+            self.clock.after(ramp_s * i / max(count, 1), partial(self._connect, node, True))
         return new
 
-    def _connect(self, node: SimNode) -> None:
+    def _connect(self, node: SimNode, new_member: bool) -> None:
+        """A new session (``new_member``: as a new member, after an expulsion or at the start;
+        else as the member it was, its session having dropped)."""
         if node.killed_at is not None:
             return
         node.session += 1
-        node.member_id = identity.member_id(node.name, node.key)
+        if new_member:
+            node.member_id = identity.member_id(node.name, node.key)
         node.welcomed_at = None
         session, relay = node.session, node.relay
         self.net.send(node.up, 64, lambda: relay.process.submit(lambda: relay.opened(node, session)))
@@ -430,7 +497,7 @@ class Simulation:
             return
         if not text.startswith(f'{{"v":{V},"type":"welcome"'):
             node.refusals += 1
-            self.clock.after(RECONNECT_S, lambda: self._connect(node))
+            self.clock.after(RECONNECT_S, partial(self._connect, node, False))
             return
         welcome = m.parse_coordinator_message(text)
         assert isinstance(welcome, m.Welcome)
@@ -483,7 +550,19 @@ class Simulation:
             node.expulsions.append((now, was_frozen))
             node.welcomed_at = None
             node.session += 1  # its talk stops; it rejoins as a new member, as a node does
-            self.clock.after(RECONNECT_S, lambda: self._connect(node))
+            self.clock.after(RECONNECT_S, partial(self._connect, node, True))
+
+    def dropped(self, node: SimNode, session: int) -> None:
+        """Its relay ended its session (the relay's link ended): it connects again, as the
+        same member (a real node would try the leader next; here it comes back through its
+        relay once that relay linked again)."""
+        if node.session != session or node.killed_at is not None:
+            return
+        if self._frozen(node, lambda: self.dropped(node, session)):
+            return
+        node.session += 1
+        node.welcomed_at = None
+        self.clock.after(RECONNECT_S, partial(self._connect, node, False))
 
     def _frozen(self, node: SimNode, later: Callable[[], None]) -> bool:
         """A frozen node reads nothing until it thaws (what was sent to it waits)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -76,8 +77,11 @@ class Report:
     coordinator_longest_wait_s: float
     """The longest a message waited in the coordinator's queue (it was busy)."""
     relay_longest_unacked_s: float
-    """The longest a relay went without an acknowledged batch (a real one leaves its leader
-    after two leases)."""
+    """The longest a relay went without an acknowledged batch (it leaves its leader after two
+    leases)."""
+    relay_links_lost: dict[str, int]
+    """Relays' links to the leader that ended, by why (``dropped``: the leader heard nothing
+    for half a lease; ``unacknowledged``: the relay heard no acknowledgement for two)."""
     wall_s: float
     """Real seconds the simulation of the window took."""
     changes: list[tuple[str, float | None]] = field(default_factory=list)
@@ -165,6 +169,7 @@ def storms(
     msgs0, bytes0 = _traffic(sim)
     texts0 = sim.relay_texts
     formed0 = set(sim.epochs_formed)
+    lost0 = [len(r.links_lost) for r in sim.relays]
     for n in sim.nodes:
         n.expulsions.clear()
         n.refusals = 0
@@ -227,6 +232,7 @@ def storms(
         refusals=sum(n.refusals for n in sim.nodes),
         coordinator_longest_wait_s=sim.coordinator.longest_wait_s,
         relay_longest_unacked_s=max(r.longest_unacked_s for r in sim.relays),
+        relay_links_lost=dict(Counter(why for r, n in zip(sim.relays, lost0, strict=True) for why in r.links_lost[n:])),
         wall_s=wall,
         changes=each,
         by_kind=by_kind,

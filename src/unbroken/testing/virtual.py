@@ -177,6 +177,16 @@ class Process:
         self._scheduled = False
         self._outbox: list[tuple[Network, Link, int, Callable[[], None]]] | None = None
         """While a handler runs: what it sends, to leave once it is done."""
+        self._later: list[tuple[float, Callable[[], None]]] = []
+        """While a handler runs: what it scheduled, counted from when it is done."""
+
+    def later(self, delay: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (a timer, not a handler) ``delay`` after the running handler is done, as
+        a loop's ``await asyncio.sleep(delay)`` after its work does (or from now, outside one)."""
+        if self._outbox is not None:
+            self._later.append((delay, fn))
+        else:
+            self.clock.after(delay, fn)
 
     def send(self, net: Network, link: Link, size: int, deliver: Callable[[], None]) -> None:
         """Send from this process: from a handler, once the handler is done."""
@@ -209,6 +219,9 @@ class Process:
         self.busy_until = now + spent
         for net, link, size, deliver in outbox:
             net.send(link, size, deliver, at=self.busy_until)
+        later, self._later = self._later, []
+        for delay, timer in later:
+            self.clock.at(self.busy_until + delay, timer)
         if self._queue:
             self.clock.at(self.busy_until, self._drain)
         else:
