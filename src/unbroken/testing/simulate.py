@@ -78,6 +78,9 @@ class SimConfig:
     zoned: bool = True
     """Nodes name their relay's zone in their hello (the planner groups by zone); False:
     they name none, as `unbroken.testing.fakes` nodes do."""
+    reports_epoch: bool = True
+    """Reports name the epoch the node trains in; False: epoch 0, as `fakes` nodes' do (the
+    coordinator then keeps no step times, reviews no plan and sees no member train)."""
     lease_s: float = 1.0
     step_s: float = 0.5
     """A node's step time: one progress report each."""
@@ -519,7 +522,8 @@ class Simulation:
         if now >= node.next_step:
             node.step += 1
             text = (
-                f'{{"v":{V},"type":"progress","epoch":{node.epoch},"step":{node.step},"loss":1.0,'
+                f'{{"v":{V},"type":"progress","epoch":{node.epoch if self.config.reports_epoch else 0},'
+                f'"step":{node.step},"loss":1.0,'
                 f'"wall_time":{now},"samples_per_s":10.0,"compute_s":0.01,"seq":{node.seq}}}'
             )
             node.next_step += self.config.step_s
