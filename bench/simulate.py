@@ -1,6 +1,6 @@
 """The control plane simulated: 10,000 and 100,000 nodes behind relays, on a virtual clock.
 
-    python bench/simulate.py --short                 # 10,000 nodes (a few minutes on 2 cores)
+    python bench/simulate.py --short                 # 10,000 nodes (see "Its own cost" below)
     python bench/simulate.py                         # 10,000 and 100,000
     python bench/simulate.py --sizes 3000 --cross-check scale-3000.json
                                                      # beside `bench/scale.py --json` at that size
@@ -33,8 +33,10 @@ messages a second are parsed by the real code), and the admission of the first h
 most of a run: the coordinator answers each hello after scanning every member of the epoch
 (`Membership.reported_step`, for the welcome's ``group_step``), so admitting N nodes costs
 it O(N²): with 6,000 members in, it admitted about 120 hellos a simulated second, saturated
-(measured at 5,000: that scan was three quarters of its CPU). At 100,000 nodes this
-admission is a hundred times the 10,000 one's.
+(measured at 5,000: that scan was three quarters of its CPU). On 2 cores shared with other
+work (2026-12-07, load average 15-24) ``--short`` had not finished admitting its 10,000
+nodes after 50 minutes (12 CPU minutes); ``--sizes 3000 --events 6 --every 3`` took 3
+minutes. At 100,000 nodes the admission is a hundred times the 10,000 one's.
 """
 
 from __future__ import annotations
