@@ -71,8 +71,11 @@ class Coordinator(ThreadedService):
 
     name = "coordinator"
 
-    def __init__(self, config: CoordinatorConfig | None = None) -> None:
+    def __init__(self, config: CoordinatorConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the time every decision is taken at (a virtual one in the control-plane
+        simulator, `unbroken.testing.simulate`)."""
         super().__init__()
+        self.clock = clock
         self.config = config or CoordinatorConfig()
         self.coordinator_id = uuid.uuid4().hex[:12]
         self.token = self.config.service.token
@@ -90,7 +93,7 @@ class Coordinator(ThreadedService):
             on_deposed=self._deposed,
             deliver=self._send_decision,
         )
-        self.chronicle = Chronicle(self.config.service.event_log, lambda: self.membership)
+        self.chronicle = Chronicle(self.config.service.event_log, lambda: self.membership, clock)
         self.events = self.chronicle.events
         """The job's events (``/api/events?since=`` pages by their ``seq``)."""
         self.history = self.chronicle.history
@@ -113,7 +116,7 @@ class Coordinator(ThreadedService):
     def _new_membership(self) -> Membership:
         self._asked_vanished: set[tuple[int, tuple[str, ...]]] = set()
         """(epoch found, members missing) that members back were asked about (`_ask_who_vanished`)."""
-        return Membership(self.config.membership, now=time.monotonic(), recovering=True, policy=self.config.policy)
+        return Membership(self.config.membership, now=self.clock(), recovering=True, policy=self.config.policy)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -135,7 +138,7 @@ class Coordinator(ThreadedService):
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_context.load_cert_chain(service.tls_cert, service.tls_key)
         self._runner, port = await listen(app, self.guard, service.host, service.port, ssl_context)
-        self.membership.listening(time.monotonic())  # a node's evidence (refusals) ended only now
+        self.membership.listening(self.clock())  # a node's evidence (refusals) ended only now
         self.address = (service.host, port)
         log.info("coordinator %s on %s:%d", self.coordinator_id, *self.address)
         ticker = asyncio.create_task(self._tick_forever(), name="coordinator-tick")
@@ -168,7 +171,7 @@ class Coordinator(ThreadedService):
         """A fresh view for the new term: the nodes hand theirs over as they reconnect; the
         audits' verdicts come from the last epoch published."""
         self.chronicle.record(
-            Event(time.monotonic(), Kind.LEADER, None, 0, 0, f"{self.office.advertised} leads (term {term})")
+            Event(self.clock(), Kind.LEADER, None, 0, 0, f"{self.office.advertised} leads (term {term})")
         )
         self._drop_sessions()
         self.rendezvous = Rendezvous(self.config.membership.build_deadline_s)  # the new term's epochs meet anew
@@ -181,9 +184,7 @@ class Coordinator(ThreadedService):
         self._drop_sessions()
         self.membership = self._new_membership()
         advertised = self.office.advertised
-        self.chronicle.record(
-            Event(time.monotonic(), Kind.DEPOSED, None, 0, 0, f"{advertised} stops leading: {reason}")
-        )
+        self.chronicle.record(Event(self.clock(), Kind.DEPOSED, None, 0, 0, f"{advertised} stops leading: {reason}"))
 
     def _drop_sessions(self) -> None:
         for session in list(self.sessions.values()):
@@ -249,7 +250,7 @@ class Coordinator(ThreadedService):
             old.close()  # the node reconnected before its old session ended here: it replaces it
         back = old is not None or mid in self.relays.detached
         self.relays.detached.discard(mid)
-        now = time.monotonic()
+        now = self.clock()
         training = ms.recovering_until is None and any(mid in ms.members for mid in ms.epoch_members)
         group_step = ms.reported_step() if training else 0  # 0: no group trains (a cold start)
         decision = self.membership.admit(hello, now, reconnect=back, key=key, source=peer)
@@ -290,7 +291,7 @@ class Coordinator(ThreadedService):
         if self.sessions.get(mid) is session and self.in_office():
             del self.sessions[mid]
             self._told.pop(mid, None)
-            self._apply(self.membership.session_closed(mid, time.monotonic()))
+            self._apply(self.membership.session_closed(mid, self.clock()))
 
     # ---------------------------------------------------------------- relays
 
@@ -336,12 +337,12 @@ class Coordinator(ThreadedService):
     def drop(self, session: Sender, reason: str) -> None:
         """Expel a relayed member for a message no honest node sends, as a lapsed lease is
         (a direct session ends by raising `ProtocolError` out of its reader)."""
-        d = self.membership.fail(session.member_id, time.monotonic(), reason)
+        d = self.membership.fail(session.member_id, self.clock(), reason)
         d.expel[session.member_id] = reason
         self._apply(d)
 
     def dispatch(self, session: Sender, msg: m.NodeMessage) -> None:
-        now = time.monotonic()
+        now = self.clock()
         mid = session.member_id
         ms = self.membership
         step = getattr(msg, "step", None)
@@ -461,33 +462,37 @@ class Coordinator(ThreadedService):
     # ---------------------------------------------------------------- decisions
 
     async def _tick_forever(self) -> None:
-        last = time.monotonic()
+        last = self.clock()
         while True:
             await asyncio.sleep(TICK_S)
-            now = time.monotonic()
-            # Time this loop was not listening (a stall: GC, swap, a burst of work) does not
-            # count against anyone's lease, as etcd extends leases after a leader pause; and
-            # heartbeats may still sit unread in the sockets, so this tick expires nothing.
-            lag = now - last - TICK_S
-            late = lag > self.config.membership.lease_s / 2
-            if lag > LAG_FORGIVEN_S:
-                self.membership.pause(lag)
-                self.relays.pause(lag)
-                self.loop_lag_s = max(self.loop_lag_s, lag)
-            last = now
-            if not self.leading():
-                # Not sure of the lease this instant (a renewal is late, or this process just
-                # woke from a freeze and will find itself deposed): decide nothing now.
-                continue
-            try:
-                if not late:
-                    self.relays.check(now)
-                    self._check_keys(now)
-                    self._name_absent(now)
-                    self._ask_who_vanished(now)
-                self._apply(self.membership.tick(now, expire=not late))
-            except Exception:  # a bug here must not stop the service
-                self.chronicle.complain("coordinator tick failed")
+            last = self._tick(last)
+
+    def _tick(self, last: float) -> float:
+        """The clock's decisions, ``last`` the previous tick's time; returns this one's."""
+        now = self.clock()
+        # Time this loop was not listening (a stall: GC, swap, a burst of work) does not
+        # count against anyone's lease, as etcd extends leases after a leader pause; and
+        # heartbeats may still sit unread in the sockets, so this tick expires nothing.
+        lag = now - last - TICK_S
+        late = lag > self.config.membership.lease_s / 2
+        if lag > LAG_FORGIVEN_S:
+            self.membership.pause(lag)
+            self.relays.pause(lag)
+            self.loop_lag_s = max(self.loop_lag_s, lag)
+        if not self.leading():
+            # Not sure of the lease this instant (a renewal is late, or this process just
+            # woke from a freeze and will find itself deposed): decide nothing now.
+            return now
+        try:
+            if not late:
+                self.relays.check(now)
+                self._check_keys(now)
+                self._name_absent(now)
+                self._ask_who_vanished(now)
+            self._apply(self.membership.tick(now, expire=not late))
+        except Exception:  # a bug here must not stop the service
+            self.chronicle.complain("coordinator tick failed")
+        return now
 
     def _apply(self, d: Decision) -> None:
         """Deliver a decision, then let the clock act on it at once (a failure's epoch now):
@@ -503,7 +508,7 @@ class Coordinator(ThreadedService):
         if self.leading():
             # Leases expire in the tick loop alone, which forgives the time the loop stalled:
             # a burst of session drops read right after a stall must not expel everyone else.
-            self._deliver(self.membership.tick(time.monotonic(), expire=False))
+            self._deliver(self.membership.tick(self.clock(), expire=False))
 
     def _deliver(self, d: Decision) -> None:
         # The decision goes out before its events are recorded: recording them may fail (the
@@ -559,8 +564,6 @@ class Coordinator(ThreadedService):
                     return False
                 session.send(m.Command(action=action, reason=reason, term=self.term))  # type: ignore[arg-type]
                 ms = self.membership
-                self.chronicle.record(
-                    Event(time.monotonic(), Kind.OPERATOR, mid, ms.epoch, ms.step, f"{name}: {reason}")
-                )
+                self.chronicle.record(Event(self.clock(), Kind.OPERATOR, mid, ms.epoch, ms.step, f"{name}: {reason}"))
                 return True
         return False

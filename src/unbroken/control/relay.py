@@ -44,6 +44,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from unbroken.config import parse_address
 from unbroken.control import auth, browsers, identity
 from unbroken.control import messages as m
+from unbroken.control.batches import Batches
 from unbroken.control.election import find_leader
 from unbroken.control.etcd import Etcd, EtcdTLS
 from unbroken.control.office import Gate
@@ -55,11 +56,6 @@ from unbroken.errors import ConfigError, EtcdUnavailable, ProtocolError
 log = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.1
-REPORT_EVERY_S = 1.0
-"""Members' routine progress reports go up this often (the newest of each); a report that
-opens an epoch or carries the loss curve goes up with the next batch."""
-BATCH_BYTES = 256 << 10
-"""A batch is sent early once what it carries reaches this size (the leader caps messages)."""
 
 
 @dataclass
@@ -108,19 +104,6 @@ class RelayConfig:
         return ssl.create_default_context(cafile=str(self.tls_ca)) if self.tls_ca is not None else None
 
 
-def _chunks(said: list[tuple[m.Said, int]], limit: int) -> list[list[m.Said]]:
-    """What members said, in order, in parts of at most ``limit`` bytes (or one message)."""
-    out: list[list[m.Said]] = [[]]
-    size = 0
-    for one, n in said:
-        if out[-1] and size + n > limit:
-            out.append([])
-            size = 0
-        out[-1].append(one)
-        size += n
-    return out
-
-
 async def _text(ws: aiohttp.ClientWebSocketResponse) -> str:
     raw = await ws.receive(timeout=HELLO_TIMEOUT_S)
     if raw.type != WSMsgType.TEXT:
@@ -147,8 +130,6 @@ class _Member:
         self.member_id = member_id
         self.seal = seal
         self.session = Session(ws, member_id, _always, seal)
-        self.unacked = 0
-        """The newest heartbeat or report seq heard and not yet sent up."""
 
 
 class Relay(ThreadedService):
@@ -176,17 +157,8 @@ class Relay(ThreadedService):
         self._early: dict[str, list[str]] = {}
         self.doorman = Doorman()
         """Messages for members welcomed but not yet registered (their welcome came in the same read)."""
-        self._alive: dict[str, int] = {}
-        self._said: list[tuple[m.Said, int]] = []
-        """What members said since the last batch, each with its size on the wire."""
-        self._said_bytes = 0
-        self._latest: dict[str, tuple[m.Progress, int]] = {}
-        """Each member's newest routine progress report, sent up every `REPORT_EVERY_S`."""
-        self._reported_at = 0.0
-        self._gone: list[m.Gone] = []
-        self._seq = 0
-        self._batches: dict[int, dict[str, int]] = {}
-        """Per batch sent up and not yet acknowledged: the members' seqs it carried."""
+        self._batches = Batches()
+        """What goes up to the leader next (`unbroken.control.batches`)."""
         self._acked_at = 0.0
         self._urgent: asyncio.Event | None = None
         self.batches_sent = 0
@@ -320,12 +292,7 @@ class Relay(ThreadedService):
                 fut.set_exception(ProtocolError(why))
         self._hellos.clear()
         self._early.clear()
-        self._alive.clear()
-        self._said.clear()
-        self._gone.clear()
-        self._latest.clear()
         self._batches.clear()
-        self._said_bytes = 0
 
     async def _flush_forever(self, ws: aiohttp.ClientWebSocketResponse, seal: auth.Seal | None) -> None:
         assert self._urgent is not None
@@ -342,39 +309,18 @@ class Relay(ThreadedService):
                             2 * self.lease_s)  # fmt: skip
                 await ws.close()
                 return
-            if time.monotonic() - self._reported_at >= REPORT_EVERY_S:
-                self._reported_at = time.monotonic()
-                for mid, (progress, size) in self._latest.items():
-                    if mid in self._members:
-                        self._tell(mid, progress, size, urgent=False)
-                self._latest.clear()
-            self._seq += 1
-            self._batches[self._seq] = {mid: mem.unacked for mid in self._alive if (mem := self._members.get(mid))}
-            for mem in self._members.values():
-                mem.unacked = 0
-            chunks = _chunks(self._said, BATCH_BYTES)
-            first = m.Up(
-                seq=self._seq,
-                alive=list(self._alive),
-                steps=list(self._alive.values()),
-                said=chunks[0],
-                gone=self._gone,
-            )
-            self._alive, self._said, self._gone, self._said_bytes = {}, [], [], 0
-            await ws.send_str(auth.sealed(seal, m.encode(first)))
-            for said in chunks[1:]:  # a burst (hellos after a failover) goes as several batches
-                self._seq += 1
-                await ws.send_str(auth.sealed(seal, m.encode(m.Up(seq=self._seq, said=said))))
-            self.batches_sent += len(chunks)
+            ups = self._batches.take(time.monotonic(), self._members)
+            for up in ups:
+                await ws.send_str(auth.sealed(seal, m.encode(up)))
+            self.batches_sent += len(ups)
 
     def _from_leader(self, msg: m.LeaderMessage) -> None:
         if isinstance(msg, m.Ack):
             self._acked_at = time.monotonic()
-            for seq in [s for s in self._batches if s <= msg.seq]:
-                for mid, node_seq in self._batches.pop(seq).items():
-                    member = self._members.get(mid)
-                    if member is not None and node_seq:
-                        member.session.send(m.Ack(seq=node_seq))
+            for mid, node_seq in self._batches.acked(msg.seq):
+                member = self._members.get(mid)
+                if member is not None:
+                    member.session.send(m.Ack(seq=node_seq))
             return
         if not isinstance(msg, m.Down):
             raise ProtocolError(f"unexpected {msg.type!r} from the leader")
@@ -402,9 +348,7 @@ class Relay(ThreadedService):
     # ---------------------------------------------------------------- members
 
     def _tell(self, member_id: str, msg: m.NodeMessage, size: int, urgent: bool) -> None:
-        self._said.append((m.Said(member=member_id, msg=msg), size))
-        self._said_bytes += size
-        if (urgent or self._said_bytes >= BATCH_BYTES) and self._urgent is not None:
+        if self._batches.tell(member_id, msg, size, urgent) and self._urgent is not None:
             self._urgent.set()
 
     async def _downstream(self, request: web.Request) -> web.StreamResponse:
@@ -445,6 +389,7 @@ class Relay(ThreadedService):
             if old is not None:
                 old.session.close()
             self._members[hello.member_id] = member
+            self._batches.unacked.pop(hello.member_id, None)  # seqs of a session it replaced
             member.session.send(answer.model_copy(update={"proof": proof}))
             for text in self._early.pop(hello.member_id, []):
                 member.session.send_text(text)
@@ -454,18 +399,8 @@ class Relay(ThreadedService):
                 msg = await parse_off_loop(m.parse_node_message, auth.opened(seal, raw.data), limit)
                 if isinstance(msg, m.Hello):
                     raise ProtocolError("hello sent twice on one session")
-                if isinstance(msg, (m.Heartbeat, m.Progress)):
-                    self._alive[member.member_id] = msg.step
-                    if msg.seq:
-                        member.unacked = msg.seq
-                if isinstance(msg, m.Progress):
-                    msg = msg.model_copy(update={"seq": 0})  # its liveness goes up in the batch's list
-                    if msg.first_in_epoch or msg.recent:
-                        self._tell(member.member_id, msg, len(raw.data), urgent=False)  # recoveries, curves
-                    else:  # the latest stands for those before, carrying their commitments too
-                        self._latest[member.member_id] = self._coalesced(member.member_id, msg, len(raw.data))
-                elif not isinstance(msg, m.Heartbeat):
-                    self._tell(member.member_id, msg, len(raw.data), urgent=True)
+                if self._batches.heard(member.member_id, msg, len(raw.data)) and self._urgent is not None:
+                    self._urgent.set()
         except ProtocolError as exc:
             log.warning("relay %s: dropping a session: %s", self.relay_id, exc)
         except (TimeoutError, asyncio.TimeoutError):
@@ -475,7 +410,7 @@ class Relay(ThreadedService):
             if member is not None and self._members.get(member.member_id) is member:
                 del self._members[member.member_id]
                 if member.member_id not in self._hellos:  # else a new session replaces this one
-                    self._gone.append(m.Gone(member=member.member_id, reason="its session with the relay ended"))
+                    self._batches.ended(member.member_id, "its session with the relay ended")
                 if self._urgent is not None:
                     self._urgent.set()
             if member is not None:
@@ -484,15 +419,6 @@ class Relay(ThreadedService):
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(ws.close(), timeout=1.0)
         return ws
-
-    def _coalesced(self, mid: str, msg: m.Progress, size: int) -> tuple[m.Progress, int]:
-        """``msg`` in place of the member's report not sent up yet: the latest figures, with
-        the commitments of both (`m.Commitment`: each is checked against, none may be lost)."""
-        before = self._latest.get(mid)
-        if before is None or not before[0].commitments:
-            return msg, size
-        kept = [*before[0].commitments, *msg.commitments][-m.COMMITMENTS_MAX :]
-        return msg.model_copy(update={"commitments": kept}), size + before[1]
 
     async def _forward_hello(self, hello: m.Hello, size: int) -> m.CoordinatorMessage:
         """The leader's answer to a node's hello (a refusal when the token is wrong or no

@@ -11,7 +11,6 @@ elsewhere within the grace their leases are extended by.
 from __future__ import annotations
 
 import logging
-import time
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -51,7 +50,7 @@ class Relays:
         that order: a member's last words come before its session's end; a relay reports no
         end of a session that a new one, whose hello it forwarded, replaces)."""
         coord = self._coord
-        now = time.monotonic()
+        now = coord.clock()
         ms = coord.membership
         for mid, step in zip(up.alive, up.steps, strict=False):
             if mid in link.members:

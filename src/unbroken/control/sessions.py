@@ -51,7 +51,7 @@ INLINE_PARSE_BYTES = 64 << 10
 """Larger messages are parsed on a worker thread: the event loop keeps acknowledging leases."""
 RELAY_MESSAGE_FACTOR = 8
 """A relay's batch may be this many times a node's message limit: it carries up to
-`relay.BATCH_BYTES` and then one more of its members' messages (each within the limit)."""
+`batches.BATCH_BYTES` and then one more of its members' messages (each within the limit)."""
 
 GateWait = Callable[[], Awaitable[Gate]]
 """Waits until a message may go out, and says whether it may (`office.Office.settled`)."""

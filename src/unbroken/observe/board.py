@@ -4,7 +4,6 @@ nothing; built here so that what is shown changes without touching the coordinat
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 from unbroken.events import ALARMS
@@ -70,7 +69,7 @@ def plan_json(ms: Membership) -> dict[str, Any]:
 def state_json(coord: Coordinator) -> dict[str, Any]:
     """The coordinator's whole view (`Coordinator.snapshot`), on its event loop."""
     ms = coord.membership
-    now = time.monotonic()
+    now = coord.clock()
     return {
         "job": ms.job,
         "coordinator_id": coord.coordinator_id,

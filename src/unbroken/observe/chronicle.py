@@ -34,10 +34,13 @@ MAX_EVENTS = 10_000
 class Chronicle:
     """The coordinator's events, history, anomalies and recoveries."""
 
-    def __init__(self, event_log: Path | None, membership: Callable[[], Membership]) -> None:
+    def __init__(
+        self, event_log: Path | None, membership: Callable[[], Membership], clock: Callable[[], float] = time.monotonic
+    ) -> None:
         """``membership``: the coordinator's view now (a new term replaces it), which names
-        members and dates events."""
+        members and dates events; ``clock``: the coordinator's."""
         self._membership = membership
+        self._clock = clock
         self.events = EventLog(event_log, MAX_EVENTS)
         """The job's events (``/api/events?since=`` pages by their ``seq``)."""
         self.history = History()
@@ -65,12 +68,12 @@ class Chronicle:
     def now(self, kind: Kind, member: str | None, reason: str) -> None:
         """Record an event of the epoch and step in force, now."""
         ms = self._membership()
-        self.record(Event(time.monotonic(), kind, member, ms.epoch, ms.step, reason))
+        self.record(Event(self._clock(), kind, member, ms.epoch, ms.step, reason))
 
     def refusal(self, source: str, reason: str, kind: Kind = Kind.REFUSED) -> None:
         """Record a refused or dropped session, a few per source and window: a flood of
         them must not push the job's own events out of the history or fill the disk."""
-        now = time.monotonic()
+        now = self._clock()
         say = self.quiet.allow(source, now)
         if say is Say.NO:
             self.events.count(kind)
@@ -83,7 +86,7 @@ class Chronicle:
     def complain(self, what: str) -> None:
         """Log the exception being handled, once per ``what`` and `Hush` interval (a failure
         met at every tick once wrote tracebacks by the hundred megabytes)."""
-        counted = self._hush.allow(what, time.monotonic())
+        counted = self._hush.allow(what, self._clock())
         if counted is not None:
             log.exception("%s%s", what, f" ({counted} more times since it was last logged)" if counted else "")
 
@@ -110,7 +113,7 @@ class Chronicle:
         by_name = {mem.name: mid for mid, mem in ms.members.items()}
         for a in found:
             step = ms.step if a.step is None else a.step
-            ev = Event(time.monotonic(), a.kind, by_name.get(a.member or ""), ms.epoch, step, a.reason)
+            ev = Event(self._clock(), a.kind, by_name.get(a.member or ""), ms.epoch, step, a.reason)
             self.record(ev, node=a.member)
 
     def _close_recoveries(self, epoch: int, step: int, wall_time: float) -> None:

@@ -72,7 +72,7 @@ def test_any_change_round_trips_exactly(before, joined, shares, roles):
 
 
 def test_a_relays_burst_is_split_into_batches_under_the_limit_in_order():
-    from unbroken.control.relay import _chunks
+    from unbroken.control.batches import chunks as _chunks
 
     said = [(m.Said(member=f"n{i}", msg=m.Leave()), size) for i, size in enumerate([100, 200, 300, 900, 50, 60])]
     parts = _chunks(said, 500)

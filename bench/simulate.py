@@ -1,0 +1,247 @@
+"""The control plane simulated: 10,000 and 100,000 nodes behind relays, on a virtual clock.
+
+    python bench/simulate.py --short                 # 10,000 nodes (see "Its own cost" below)
+    python bench/simulate.py                         # 10,000 and 100,000
+    python bench/simulate.py --sizes 3000 --cross-check scale-3000.json
+                                                     # beside `bench/scale.py --json` at that size
+
+The real coordinator (`unbroken.control.coordinator.Coordinator`, not served) and the real
+relay batching (`unbroken.control.batches`), driven in one process with no sockets by a
+virtual clock and a modelled network (`unbroken.testing.simulate`): 50 ms round trip
+between a zone's relay and the coordinator, 1 ms inside a zone, and loss with TCP-like
+retransmission if asked. Messages are encoded and parsed by the real code, so their sizes
+are real; each control process is a single-threaded server charged the CPU its handlers
+really took here, so a coordinator that cannot keep up queues in virtual time.
+
+After every node was admitted, storms hit ``--storm`` nodes at once (default: 1 % of
+them), in turn a crash, a join and a freeze of three leases, ``--every`` seconds apart.
+Per size it prints: the CPU per node message of the relays and of the coordinator, per
+epoch change of the coordinator; the coordinator's share of one core; messages and bytes
+on each kind of link; the epoch changes (event → every node concerned heard of a newer
+epoch; per kind of event); false expulsions (of nodes neither killed nor frozen).
+
+What the figures leave out: aiohttp (websocket framing, the event loop) in the relays and
+the coordinator, and the nodes' own CPU. ``--cross-check FILE`` (what ``bench/scale.py
+--layouts relay --json FILE`` wrote for one size) runs the simulation with that run's
+settings (its events: one crash or one join at a time, its fake nodes naming no zone) and
+prints the real and simulated coordinator CPU per node message side by side, and their ratio.
+
+The last line is one JSON object: the largest run's figures, with every run's under ``runs``.
+
+Its own cost: about 3 CPU seconds per simulated second at 10,000 nodes (their 60,000
+messages a second are parsed by the real code), and the admission of the first hellos is
+most of a run: the coordinator answers each hello after scanning every member of the epoch
+(`Membership.reported_step`, for the welcome's ``group_step``), so admitting N nodes costs
+it O(N²): with 6,000 members in, it admitted about 120 hellos a simulated second, saturated
+(measured at 5,000: that scan was three quarters of its CPU). On 2 cores shared with other
+work (2026-12-07, load average 15-24) ``--short`` had not finished admitting its 10,000
+nodes after 50 minutes (12 CPU minutes); ``--sizes 3000 --events 6 --every 3`` took 3
+minutes. At 100,000 nodes the admission is a hundred times the 10,000 one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import ProgressLine, fmt, print_command, print_table, ratio
+from unbroken.testing.simulate import SimConfig, Simulation
+from unbroken.testing.storms import KINDS, Report, admit, storms
+from unbroken.testing.virtual import LinkSpec
+
+
+def simulate(
+    n: int, args: argparse.Namespace, progress: ProgressLine, kinds: tuple[str, ...], like_fakes: bool
+) -> Report:
+    config = SimConfig(
+        nodes=n,
+        zone_size=args.zone_size,
+        zoned=not like_fakes,
+        reports_epoch=not like_fakes,
+        lease_s=args.lease,
+        step_s=args.step,
+        between_zones=LinkSpec(latency_s=args.rtt_ms / 2e3, bandwidth_Bps=args.bandwidth * 1e6 / 8, loss=args.loss),
+        in_zone=LinkSpec(latency_s=args.zone_rtt_ms / 2e3, bandwidth_Bps=10e9 / 8, loss=args.loss),
+        ramp_s=args.ramp,
+        seed=args.seed,
+    )
+    progress.update(f"{n}: {n:,} nodes joining")
+    wall = time.perf_counter()
+    sim = Simulation(config)
+    admitted = admit(sim, timeout_s=args.admit_timeout)
+    if admitted is None:
+        welcomed = sum(x.welcomed_at is not None for x in sim.nodes)
+        raise SystemExit(
+            f"{n} nodes: {welcomed} welcomed, not all in an epoch within {args.admit_timeout:g} s (virtual)"
+        )
+    gc.collect()
+    # The simulated nodes' objects are no control process's: a collection walking them would
+    # be charged to whichever handler it interrupted.
+    gc.freeze()
+    progress.update(f"{n}: admitted in {admitted:.2f} s (virtual, {time.perf_counter() - wall:.0f} s real); storms")
+    storm = args.storm or max(1, n // 100)
+    report = storms(sim, args.events, args.every, storm, kinds=kinds, admit_s=admitted)
+    gc.unfreeze()
+    return report
+
+
+def summary(r: Report, storm: int) -> dict[str, Any]:
+    out = r.as_dict()
+    out["storm"] = storm
+    return out
+
+
+def cross_check(args: argparse.Namespace, progress: ProgressLine) -> None:
+    real = json.loads(Path(args.cross_check).read_text())
+    real = [x for x in real if x.get("layout") == "relay" and "error" not in x]
+    if not real:
+        raise SystemExit(f"{args.cross_check}: no relayed run in it (run bench/scale.py --layouts relay --json FILE)")
+    rows, out = [], []
+    for x in real:
+        n = int(x["n"])
+        # bench/scale.py's run: one event at a time, a crash or a join, evenly over its duration.
+        args.storm, args.events, args.every = 1, args.scale_events, args.scale_duration / args.scale_events
+        r = simulate(n, args, progress, kinds=("crash", "join"), like_fakes=True)
+        live = max(r.live, 1)
+        both_ways = r.messages["node_to_relay"] + r.messages["relay_to_node"]
+        sim_rate = both_ways / r.duration_s / live  # as bench/scale.py counts: at the nodes, both ways
+        per_msg = {
+            "real": x["coord_cpu"] / (x["msgs_per_node_s"] * n) * 1e6,
+            "sim": r.coordinator_core_share / (sim_rate * live) * 1e6,
+        }
+        relays = {
+            "real": x["relay_cpu_sum"] / (x["msgs_per_node_s"] * n) * 1e6,
+            "sim": r.cpu_s["relays"] / r.duration_s / (sim_rate * live) * 1e6,
+        }
+        share = {"real": x["coord_cpu"], "sim": r.coordinator_core_share}
+        rows.append(
+            [
+                n,
+                f"{x['coord_cpu'] * 100:.1f} % / {r.coordinator_core_share * 100:.1f} %",
+                ratio(share["sim"], share["real"]),
+                f"{x['msgs_per_node_s']:.2f} / {sim_rate:.2f}",
+                f"{per_msg['real']:.2f} / {per_msg['sim']:.2f} µs",
+                ratio(per_msg["sim"], per_msg["real"]),
+                f"{relays['real']:.2f} / {relays['sim']:.2f} µs",
+                ratio(relays["sim"], relays["real"]),
+                f"{fmt(x['change_median'], ' s', 2)} / {fmt(r.epoch_change_s['p50'], ' s', 2)}",
+            ]
+        )
+        out.append({"nodes": n, "coordinator_core_share": share, "ratio_per_node_s": share["sim"] / share["real"],
+                    "coordinator_us_per_msg": per_msg, "ratio_per_msg": per_msg["sim"] / per_msg["real"],
+                    "relays_us_per_msg": relays, "real_fake_side_stall_s": x["fake_stall"],
+                    "real_false_expulsions": x["expelled"]})  # fmt: skip
+    progress.close()
+    print_table(
+        "cross-check: bench/scale.py (real processes) / simulator, same sizes and events",
+        [
+            "nodes",
+            "coordinator CPU (per node-second)",
+            "sim/real",
+            "msgs/node/s",
+            "coord CPU per msg",
+            "sim/real",
+            "relays CPU per msg",
+            "sim/real",
+            "epoch change p50",
+        ],
+        rows,
+        caption="real / simulated. Real: the coordinator process's CPU (aiohttp, websockets and all); simulated: the "
+        "same code's decisions, parsing and encoding without aiohttp. Per node-second: the share of a core at the "
+        "same nodes; per message: CPU / (messages at the nodes, both ways). The fake side of a real run that falls "
+        "behind sends fewer messages than its nodes would: then only the per node-second figure compares",
+    )
+    print(json.dumps({"cross_check": out}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="10000,100000", help="nodes per run, comma-separated")
+    p.add_argument("--short", action="store_true", help="10,000 nodes only")
+    p.add_argument("--zone-size", type=int, default=100, help="nodes per relay (and zone)")
+    p.add_argument("--events", type=int, default=9, help="storms per run (a crash, a join, a freeze, in turn)")
+    p.add_argument("--every", type=float, default=4.0, help="seconds between storms (virtual)")
+    p.add_argument("--storm", type=int, default=0, help="nodes per storm (default: 1 %% of them)")
+    p.add_argument("--kinds", default=",".join(KINDS), help="kinds of events, in turn")
+    p.add_argument("--lease", type=float, default=1.0)
+    p.add_argument("--step", type=float, default=0.5, help="the nodes' step time (a report each)")
+    p.add_argument("--rtt-ms", type=float, default=50.0, help="round trip between a relay and the coordinator")
+    p.add_argument("--zone-rtt-ms", type=float, default=1.0, help="round trip between a node and its relay")
+    p.add_argument("--bandwidth", type=float, default=1000.0, help="Mbit/s between zones")
+    p.add_argument("--loss", type=float, default=0.0, help="chance a message is lost (retransmitted, TCP-like)")
+    p.add_argument("--ramp", type=float, default=2.0, help="the first hellos spread over this long")
+    p.add_argument("--admit-timeout", type=float, default=600.0, help="virtual seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cross-check", help="bench/scale.py --json output: simulate its sizes and settings beside it")
+    p.add_argument("--scale-events", type=int, default=10, help="with --cross-check: its --events")
+    p.add_argument("--scale-duration", type=float, default=60.0, help="with --cross-check: its --duration")
+    args = p.parse_args()
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if args.short:
+        args.sizes = "10000"
+    print_command()
+    if args.cross_check:
+        cross_check(args, ProgressLine(1))
+        return
+    sizes = [int(s) for s in args.sizes.split(",")]
+    progress = ProgressLine(len(sizes))
+    reports = []
+    for n in sizes:
+        reports.append(simulate(n, args, progress, kinds, like_fakes=False))
+        progress.update(f"{n} done", advance=1)
+    progress.close()
+    rows = []
+    for r in reports:
+        per = r.cpu_per_event_us
+        kinds_s = ", ".join(f"{k} {fmt(v['p50'], ' s', 2)}/{fmt(v['max'], ' s', 2)}" for k, v in r.by_kind.items())
+        ch = r.epoch_change_s
+        rows.append(
+            [
+                f"{r.nodes:,} ({r.relays} relays)",
+                fmt(r.admit_s, " s", 1),
+                f"{per['relay']:.1f} / {per['coordinator']:.1f} µs",
+                f"{per['epoch'] / 1e3:.0f} ms",
+                f"{r.coordinator_core_share * 100:.0f} %",
+                f"{r.relay_core_share_max * 100:.1f} %",
+                f"{sum(r.messages.values()) / r.duration_s / 1e3:.0f} k/s, "
+                f"{sum(r.bytes.values()) / r.duration_s / 1e6:.1f} MB/s",
+                f"{fmt(ch['p50'], ' s', 2)} / {fmt(ch['p95'], ' s', 2)} / {fmt(ch['max'], ' s', 2)}"
+                + (f" ({r.missed} never)" if r.missed else ""),
+                kinds_s,
+                r.false_expulsions,
+                f"{r.wall_s:.0f} s",
+            ]
+        )
+    print_table(
+        "control plane simulated (real coordinator and relay batching, virtual clock, modelled network)",
+        [
+            "nodes",
+            "admit",
+            "CPU per node msg relay/coord",
+            "CPU per epoch",
+            "coordinator core",
+            "busiest relay",
+            "traffic",
+            "epoch change p50/p95/max",
+            "by kind p50/max",
+            "false expulsions",
+            "real time",
+        ],
+        rows,
+        caption=f"{args.events} storms of {args.storm or '1 % of the'} nodes, {args.every:g} s apart; lease "
+        f"{args.lease:g} s; step {args.step:g} s; {args.rtt_ms:g} ms round trip between zones, {args.zone_rtt_ms:g} "
+        f"ms inside; loss {args.loss:g}; CPU is the real code's on this machine, without aiohttp",
+    )
+    runs = [summary(r, args.storm or max(1, r.nodes // 100)) for r in reports]
+    print(json.dumps({**runs[-1], "runs": runs}))
+
+
+if __name__ == "__main__":
+    main()

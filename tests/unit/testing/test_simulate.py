@@ -1,0 +1,77 @@
+"""A small simulated control plane (`unbroken.testing.simulate`): 200 nodes behind 2 relays,
+the real coordinator and relay batching on a virtual clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from unbroken.events import Kind
+from unbroken.testing.simulate import SimConfig, Simulation
+from unbroken.testing.storms import admit, storms
+
+LEASE_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def sim() -> Simulation:
+    s = Simulation(SimConfig(nodes=200, zone_size=100, lease_s=LEASE_S, seed=3))
+    assert admit(s, timeout_s=60) is not None, "200 nodes were not all admitted into an epoch"
+    return s
+
+
+def _newest_everywhere(sim: Simulation) -> set[int]:
+    return {max(n.epochs) for n in sim.live()}
+
+
+def test_every_node_is_admitted_into_one_epoch_through_its_relay(sim: Simulation) -> None:
+    ms = sim.coord.membership
+    assert len(sim.relays) == 2 and all(len(r.members) == 100 for r in sim.relays)
+    assert sorted(ms.epoch_members) == sorted(n.member_id for n in sim.nodes)
+    assert _newest_everywhere(sim) == {ms.epoch}
+
+
+def test_a_crash_is_seen_through_the_relay_and_the_next_epoch_reaches_every_live_node(sim: Simulation) -> None:
+    before = sim.coord.membership.epoch
+    victims = sim.kill(3)
+    sim.clock.run_until(sim.clock.now + 0.5)  # half a lease: no lease lapsed, the sessions' ends told
+    ms = sim.coord.membership
+    assert ms.epoch > before
+    assert not {v.member_id for v in victims} & set(ms.epoch_members)
+    assert len(ms.epoch_members) == 197
+    assert _newest_everywhere(sim) == {ms.epoch}, "every live node heard of the epoch without the dead"
+    dropped = [
+        e for e in sim.coord.events.last(20) if e.kind is Kind.FAILURE and "control connection dropped" in e.reason
+    ]
+    assert len(dropped) == 3, [e.reason for e in sim.coord.events.last(20)]
+
+
+def test_a_frozen_node_is_expelled_by_its_lease_and_no_other_is(sim: Simulation) -> None:
+    frozen = sim.freeze(2, seconds=3 * LEASE_S)
+    ids = {n.member_id for n in frozen}
+    sim.clock.run_until(sim.clock.now + 2 * LEASE_S)
+    ms = sim.coord.membership
+    assert not ids & set(ms.epoch_members), "a frozen node is out within its lease and a little"
+    assert _newest_everywhere(sim) == {ms.epoch}
+    sim.clock.run_until(sim.clock.now + 3 * LEASE_S)  # they thaw, hear their expulsion and rejoin
+    assert all(n.expulsions and n.expulsions[-1][1] for n in frozen)
+    assert not any(n.expulsions for n in sim.nodes if n not in frozen), "a node that kept talking was expelled"
+    assert all(n.member_id in ms.epoch_members for n in frozen), "they are back as new members"
+
+
+def test_storms_report_their_epoch_changes_traffic_and_cpu(sim: Simulation) -> None:
+    r = storms(sim, events=3, every_s=3.0, storm=3)
+    assert r.missed == 0 and r.false_expulsions == 0 and r.frozen_expulsions == 3
+    kinds = dict(r.changes)
+    # Modelled: 50 ms round trip to the coordinator. A crash is told by the session's end, far
+    # sooner than a lease; a freeze is found by its lease.
+    assert kinds["crash"] is not None and kinds["crash"] < LEASE_S / 2
+    assert kinds["join"] is not None and kinds["join"] < LEASE_S
+    assert kinds["freeze"] is not None and LEASE_S < kinds["freeze"] < 3 * LEASE_S
+    assert r.events == 3 and r.nodes_hit == 9 and r.live == len(sim.live())
+    assert r.messages["node_to_relay"] >= r.node_messages > 200 * 9 * 2  # two a second at least, each node
+    assert all(r.bytes[k] > r.messages[k] for k in r.messages)
+    assert r.cpu_per_event_us["relay"] > 0 and r.cpu_per_event_us["coordinator"] > 0
+    assert 0 < r.coordinator_core_share < 1
+    d = r.as_dict()
+    assert {"nodes", "zones", "relays", "events", "cpu_per_event_us", "messages", "bytes", "epoch_change_s",
+            "false_expulsions", "coordinator_core_share"} <= d.keys()  # fmt: skip
