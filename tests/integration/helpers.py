@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from jobs import mlp
@@ -149,3 +150,15 @@ def established_to(ports: set[int]) -> int:
                 if state == "01" and int(local.rsplit(":", 1)[1], 16) in ports:
                     count += 1
     return count
+
+
+def tls_files(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A certificate for 127.0.0.1, its key and the CA that signed it (PEM files in ``tmp_path``)."""
+    trustme = pytest.importorskip("trustme")  # a dev dependency: installed by scripts/setup
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert_pem, key_pem, ca_pem = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(cert_pem))
+    cert.private_key_pem.write_to_path(str(key_pem))
+    ca.cert_pem.write_to_path(str(ca_pem))
+    return cert_pem, key_pem, ca_pem

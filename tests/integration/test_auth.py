@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from integration.helpers import assert_promises, events_of
+from integration.helpers import assert_promises, events_of, tls_files
 from unbroken import Coordinator, CoordinatorConfig, MembershipConfig, ServiceConfig
 from unbroken.control import auth, identity
 from unbroken.control import messages as m
@@ -129,13 +129,7 @@ def test_an_impostor_coordinator_cannot_take_a_node(make_cluster):
 
 
 def test_tls_control_plane_end_to_end(make_cluster, tmp_path):
-    trustme = pytest.importorskip("trustme")  # a dev dependency: installed by scripts/setup
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    cert_pem, key_pem, ca_pem = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
-    cert.private_key_and_cert_chain_pem.write_to_path(str(cert_pem))
-    cert.private_key_pem.write_to_path(str(key_pem))
-    ca.cert_pem.write_to_path(str(ca_pem))
+    cert_pem, key_pem, ca_pem = tls_files(tmp_path)
     coord = Coordinator(
         CoordinatorConfig(
             ServiceConfig(port=0, token=TOKEN, tls_cert=cert_pem, tls_key=key_pem), MembershipConfig(min_nodes=2)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from integration.helpers import assert_promises, events_of
+from integration.helpers import assert_promises, events_of, tls_files
 from unbroken.testing.fakes import FakeNodes
 
 pytestmark = pytest.mark.timeout(240)
@@ -127,13 +127,7 @@ def test_a_relay_serves_its_nodes_over_tls_and_links_to_a_leader_over_tls(make_c
     nodes reach it over TLS alone (no address of the leader given). A relay that does not
     trust the leader's certificate never links; a node that does not trust the relay's is
     told it could not reach it. The job trains through the relay and keeps every promise."""
-    trustme = pytest.importorskip("trustme")  # a dev dependency: installed by scripts/setup
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    cert_pem, key_pem, ca_pem = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
-    cert.private_key_and_cert_chain_pem.write_to_path(str(cert_pem))
-    cert.private_key_pem.write_to_path(str(key_pem))
-    ca.cert_pem.write_to_path(str(ca_pem))
+    cert_pem, key_pem, ca_pem = tls_files(tmp_path)
     tls = ["--tls-cert", str(cert_pem), "--tls-key", str(key_pem)]
     env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "10"}  # long enough to see both at the relay
     c = make_cluster(env=env, min_nodes=2, coordinator_args=["--token", TOKEN, *tls])

@@ -78,7 +78,7 @@ def _replicated(sources: list[Path], out: Path, step: int | None) -> None:
     import torch
 
     from unbroken.state.checkpoint import checkpoint_path
-    from unbroken.state.directio import Temp, copy_file
+    from unbroken.state.directio import copy_file, write_whole
     from unbroken.state.fragments import NotRebuilt, rebuild
 
     try:
@@ -96,14 +96,7 @@ def _replicated(sources: list[Path], out: Path, step: int | None) -> None:
         return
     _say(notes)
     path = checkpoint_path(out, manifest.step)
-    temp = Temp(out, path.name)  # nothing planted in --to can take the bytes elsewhere
-    try:
-        with open(temp.fd, "wb", closefd=False) as f:
-            torch.save(snap, f)
-        temp.commit()
-    except BaseException:
-        temp.discard()
-        raise
+    write_whole(out, path.name, lambda f: torch.save(snap, f))  # nothing planted in --to takes the bytes
     print(
         f"restored step {manifest.step} from {manifest.k} of {manifest.k + manifest.m} fragments "
         f"(digest {manifest.digest[:16]}) into {path}"

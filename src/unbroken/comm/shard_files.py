@@ -16,17 +16,18 @@ members' own disks into one directory (``unbroken restore`` runs it).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from unbroken.comm.reshard import digest_of
 from unbroken.comm.sharded import ShardedModel
 from unbroken.errors import TransferError
-from unbroken.state.directio import Temp, copy_file
+from unbroken.state.directio import copy_file, write_whole
 from unbroken.state.shards import Layout
 
 _NAME = re.compile(r"shard-(\d{9})-(\d{12})-(\d{12})\.pt")
@@ -51,16 +52,13 @@ def save_shard(zone: ShardedModel, directory: Path, step: int, *, copies: bool =
         # Resolved here (the operator may name the directory through a link); no link planted
         # in the directory redirects the write. A range's two holders writing into one shared
         # directory write the same bytes: the second rename replaces the first whole.
-        temp = Temp(directory.resolve(), path.name)
-        try:
-            with open(temp.fd, "wb", closefd=False) as f:
-                torch.save(payload, f)
-            temp.commit()
-        except BaseException:
-            temp.discard()
-            raise
+        write_whole(directory.resolve(), path.name, functools.partial(_save, payload))
         written.append(path)
     return written
+
+
+def _save(payload: dict[str, Any], f: BinaryIO) -> None:
+    torch.save(payload, f)
 
 
 def read_shard(path: Path) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import shutil
 import socket
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -215,6 +216,21 @@ def open_read(path: Path) -> BinaryIO:
     return open(path, "rb", opener=lambda p, flags: os.open(p, flags | NOFOLLOW | CLOEXEC))
 
 
+def write_whole(directory: Path, name: str, write: Callable[[BinaryIO], object]) -> Path:
+    """``directory/name`` holding what ``write`` puts into the file it is given, whole or not
+    at all (`Temp`: fsynced, then renamed into place; nothing planted in the directory takes
+    the bytes elsewhere)."""
+    temp = Temp(directory, name)
+    try:
+        with open(temp.fd, "wb", closefd=False) as f:
+            write(f)
+        temp.commit()
+    except BaseException:
+        temp.discard()
+        raise
+    return directory / name
+
+
 def copy_file(source: Path, directory: Path) -> Path:
     """``source`` copied into ``directory`` under its own name, whole or not at all (`Temp`;
     ``source`` not followed where it is a link: `open_read`); the copy's path. A file copied
@@ -222,14 +238,8 @@ def copy_file(source: Path, directory: Path) -> Path:
     final = directory / source.name
     if final.resolve() == source.resolve():
         return final
-    temp = Temp(directory.resolve(), source.name)
-    try:
-        with open_read(source) as src, open(temp.fd, "wb", closefd=False) as dst:
-            shutil.copyfileobj(src, dst)
-        temp.commit()
-    except BaseException:
-        temp.discard()
-        raise
+    with open_read(source) as src:
+        write_whole(directory.resolve(), source.name, lambda dst: shutil.copyfileobj(src, dst))
     return final
 
 
