@@ -70,7 +70,7 @@ class Work(Protocol):
 
 class ProcessGroup(Protocol):
     """What the data plane uses of a process group: `ProcessGroupGloo`'s calls as they are
-    made here, and all that `unbroken.comm.fake.FakeProcessGroup` has (unit tests run the
+    made here, and all that `unbroken.testing.fake.FakeProcessGroup` has (unit tests run the
     reducer, transfers and the step loop on it)."""
 
     def size(self) -> int: ...

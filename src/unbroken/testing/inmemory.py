@@ -4,7 +4,7 @@ test as the leader.
 For unit tests of the step loop (synchronous steps, DiLoCo rounds, the sync phase between
 epochs) with deterministic faults and without sockets or processes. Each node is a real
 `Node`, given an in-memory control plane (`MemoryControl`) and data plane (`MemoryGroups`,
-on `unbroken.comm.fake`); the test orders the epochs and reads what nodes told the leader::
+on `unbroken.testing.fake`); the test orders the epochs and reads what nodes told the leader::
 
     with MemoryJob(job, ["a", "b", "c"], tmp_path, faults={"c": Crash("exchange", 9)}) as mj:
         mj.order(["a", "b", "c"])
@@ -26,7 +26,6 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from unbroken.comm.fake import FakeWorld
 from unbroken.comm.group import EpochScope, ProcessGroup
 from unbroken.config import NodeConfig
 from unbroken.control import messages as m
@@ -35,6 +34,7 @@ from unbroken.errors import JoinRefused
 from unbroken.events import Entry
 from unbroken.job import Job
 from unbroken.specs import Policy, Role
+from unbroken.testing.fake import FakeWorld
 from unbroken.train.hooks import Build, Faults, NoFaults, Record
 from unbroken.train.runtime import Node, NodeResult
 

@@ -51,10 +51,10 @@ import torch
 from torch import nn
 
 from unbroken.comm.blocks import broadcast_model, refuse_running_statistics, restore_storage
-from unbroken.comm.fake import FakeWorld
 from unbroken.comm.group import EpochGroup, EpochScope, ProcessGroup, wait_all
 from unbroken.comm.shard_files import complete_steps, prune_shards, restore_shards, save_shard
 from unbroken.comm.sharded import ShardedModel
+from unbroken.comm.solo import Solo
 from unbroken.errors import ConfigError, JobHalted, TransferError
 from unbroken.events import Entry
 from unbroken.job import Job, Optimizers, Sharding
@@ -223,7 +223,7 @@ class ShardedZone:
         ranks = {m: i for i, m in enumerate(members)}
         group: ProcessGroup = g.pg
         if zones.multi:  # its zone's group; a member alone in its zone gathers from itself
-            group = reducer.zone_pg if reducer.zone_pg is not None else FakeWorld(1).group(0)
+            group = reducer.zone_pg if reducer.zone_pg is not None else Solo()
         self.world = g.pg if zones.multi else None
         left: list[ProcessGroup] = []
         late = ""

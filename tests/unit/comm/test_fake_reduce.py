@@ -1,4 +1,4 @@
-"""The reducer on the in-memory process group (`unbroken.comm.fake`): every rule and codec,
+"""The reducer on the in-memory process group (`unbroken.testing.fake`): every rule and codec,
 zones, and faults in the middle of a collective, without sockets or processes."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from unbroken.comm.codecs import make_codec
-from unbroken.comm.fake import FakeWorld
 from unbroken.comm.group import EpochScope
 from unbroken.comm.reduce import VOTE_SLOTS, Reducer
 from unbroken.comm.robust import combine
 from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted, Where
 from unbroken.sched.zones import Zones
 from unbroken.specs import parse_rule
+from unbroken.testing.fake import FakeWorld
 
 K = 8
 """Gradient elements at the head of the flat tensor."""

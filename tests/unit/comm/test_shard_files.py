@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from unbroken.cli.main import main
-from unbroken.comm.fake import FakeWorld
 from unbroken.comm.shard_files import complete_steps, gather, prune_shards, read_shard, restore_shards, save_shard
 from unbroken.errors import TransferError
 from unbroken.state.shards import layout_for
+from unbroken.testing.fake import FakeWorld
 from unit.comm.test_sharded import (
     STEPS,
     Tiny,

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from unbroken.comm.fake import FakeWorld
 from unbroken.comm.group import EpochScope
 from unbroken.comm.sharded import OptimizerFactory, ShardedModel
 from unbroken.errors import CollectiveFailed, TransferError
 from unbroken.state.shards import Layout, Plan, layout_for, plan
+from unbroken.testing.fake import FakeWorld
 
 pytestmark = pytest.mark.timeout(60)
 

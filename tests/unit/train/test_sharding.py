@@ -12,11 +12,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from unbroken.comm.fake import FakeWorld
 from unbroken.comm.group import EpochScope
 from unbroken.errors import ConfigError, JobHalted
 from unbroken.job import Job, Sharding
 from unbroken.state.shards import Layout, layout_for
+from unbroken.testing.fake import FakeWorld
 from unbroken.train.shard_reports import Report, decide, decode, encode
 from unbroken.train.sharding import ShardedZone, assemble
 
