@@ -167,6 +167,13 @@ class TransferError(UnbrokenError):
     """A peer-to-peer state transfer failed a checksum or ended early."""
 
 
+class RangesAbsent(JobHalted):
+    """No member of a sharded zone's epoch holds some of the state's current ranges. Their
+    holder may only be away (expelled while its machine was busy, and rejoining), so a
+    member leaves the epoch and tries again before it stops the job
+    (`unbroken.train.sharding.ShardedZone.sync`)."""
+
+
 class BadRequest(TransferError):
     """A receiver asked a donor for more chunks than the state has, or for chunks it does not
     have: no honest node does, so the donor names it (``rank``) rather than retry forever."""

@@ -26,8 +26,11 @@ def test_a_stalled_coordinator_expels_no_healthy_node(make_cluster):
         time.sleep(2.0)
         c.coordinator.send_signal(signal.SIGCONT)
         time.sleep(3.0)  # three leases of heartbeats after the stall
-        assert fakes.expelled() == 0, [n.expelled for n in fakes.nodes if n.expelled][:3]
-        assert not events_of(c, "failure"), events_of(c, "failure")[:3]
+        # A fake whose own loop stalled (it sent nothing for most of a lease) lapsed on this
+        # side, not in the control plane: only the others' expulsions are false ones.
+        false = fakes.expelled() - fakes.expelled_while_silent()
+        assert false == 0, [n.expelled for n in fakes.nodes if n.expelled][:3]
+        assert len(events_of(c, "failure")) <= fakes.expelled_while_silent(), events_of(c, "failure")[:3]
         assert c.state()["loop_lag_s"] >= 1.5
         # Members that really go silent (sessions open, no heartbeat) are still found out.
         fakes.silent = True

@@ -199,7 +199,8 @@ def _drive(
             members=last_members,
             summary=rows,
         )
-        console.print(f"[bold]report[/]: {report} (open it in a browser)")
+        # One line whatever the terminal's width: a wrapped path cannot be copied.
+        console.print(f"[bold]report[/]: {report} (open it in a browser)", soft_wrap=True)
     except OSError as exc:  # the run itself succeeded: say so, and why there is no report
         console.print(f"[yellow]no report: could not write {cluster.workdir / REPORT_NAME}: {exc}[/]")
     digests = set(state["final_digests"].values())

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from unbroken.comm.group import EpochScope, ProcessGroup, wait_all
-from unbroken.errors import JobHalted, TransferError
+from unbroken.errors import JobHalted, RangesAbsent, TransferError
 from unbroken.state.shards import Layout, Plan, Ranges, Shard, layout_for, replan, union
 
 WHERE = " (nodes run with --checkpoint-dir write one; without, from the start)"
@@ -78,7 +78,7 @@ def decide(
     What no member of the zone holds comes from another zone's members, if one holds it.
 
     Raises:
-        JobHalted: elements no member holds at ``step`` (every holder lost, or the group
+        RangesAbsent: elements no member holds at ``step`` (every holder lost, or the group
             ahead of every member's ranges): the job must restart from a checkpoint.
     """
     weights = {m: r.weight for m, r in reports.items()}
@@ -96,7 +96,7 @@ def decide(
         return Decision(fresh=fresh, source=intact[0])
     newest = max((r.step, r.epoch) for r in held.values()) if held else (step, -1)
     if newest[0] != step:
-        raise JobHalted(
+        raise RangesAbsent(
             f"the group is at step {step} but the newest ranges any member holds are of step {newest[0]}: "
             f"restart the job from its last checkpoint{WHERE}"
         )
@@ -109,7 +109,7 @@ def decide(
     if p.missing:
         ranges = ", ".join(f"[{x.start:,}, {x.end:,})" for x in p.missing)
         gone = sorted(m for m in base.members if m not in sources)
-        raise JobHalted(
+        raise RangesAbsent(
             f"ranges {ranges} of the state lost every holder at step {step} ({', '.join(gone)}), in every zone: "
             f"restart the job from its last checkpoint{WHERE}"
         )

@@ -42,6 +42,7 @@ import inspect
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -55,7 +56,7 @@ from unbroken.comm.group import EpochGroup, EpochScope, ProcessGroup, wait_all
 from unbroken.comm.shard_files import complete_steps, prune_shards, restore_shards, save_shard
 from unbroken.comm.sharded import ShardedModel
 from unbroken.comm.solo import Solo
-from unbroken.errors import ConfigError, JobHalted, TransferError
+from unbroken.errors import ConfigError, JobHalted, RangesAbsent, TransferError
 from unbroken.events import Entry
 from unbroken.job import Job, Optimizers, Sharding
 from unbroken.state.checkpoint import KEEP
@@ -69,6 +70,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
+ABSENT_WAIT_S = 30.0
+"""How long members wait for a holder of ranges no member holds to rejoin before the job stops."""
+
+
+def wait_for_holders(exc: RangesAbsent, since: float, now: float) -> None:
+    """Ranges no member of the epoch holds, first found at ``since``: their holder may be
+    away only (expelled while its machine was busy, and rejoining), so until `ABSENT_WAIT_S`
+    has passed the epoch fails (`TransferError`: the group forms another) rather than the job.
+
+    Raises:
+        TransferError: within the wait.
+    """
+    if now - since < ABSENT_WAIT_S:
+        raise TransferError(f"{exc} (unless a holder rejoins within {ABSENT_WAIT_S:.0f} s: waiting for one)") from exc
 
 
 def memory_weight(limit_bytes: int) -> int:
@@ -146,6 +161,9 @@ class ShardedZone:
         """The epoch the layout held was made in."""
         self.step = -1
         """The committed step the held ranges are at."""
+        self._absent_since = 0.0
+        """When a sync phase first found ranges no member holds (0: it has not since the last
+        that found them all)."""
         self._saved: list[tuple[int, list[Path]]] = []
         """The checkpoint steps this member wrote shard files of, and those files (`save`)."""
 
@@ -208,16 +226,22 @@ class ShardedZone:
         zone_of = {m: zones.of_rank[i] if zones.multi else "" for i, m in enumerate(g.members)}
         names = list(dict.fromkeys(zone_of.values()))
         reports = dict(zip(g.members, [decode(b) for b in exchange(g.pg, encode(self.report()), scope)], strict=True))
-        decisions = {
-            z: decide(
-                {m: r for m, r in reports.items() if zone_of[m] == z},
-                step,
-                self.numel,
-                self.sharding.align,
-                outside={m: r for m, r in reports.items() if zone_of[m] != z},
-            )
-            for z in names
-        }
+        try:
+            decisions = {
+                z: decide(
+                    {m: r for m, r in reports.items() if zone_of[m] == z},
+                    step,
+                    self.numel,
+                    self.sharding.align,
+                    outside={m: r for m, r in reports.items() if zone_of[m] != z},
+                )
+                for z in names
+            }
+        except RangesAbsent as exc:
+            self._absent_since = self._absent_since or time.monotonic()
+            wait_for_holders(exc, self._absent_since, time.monotonic())
+            raise
+        self._absent_since = 0.0
         decision = decisions[zone_of[me]]
         members = [m for m in g.members if zone_of[m] == zone_of[me]]
         ranks = {m: i for i, m in enumerate(members)}

@@ -215,3 +215,14 @@ def test_a_model_with_running_statistics_is_refused_before_it_joins() -> None:
     job = dataclasses.replace(_job(), model=lambda: nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)))
     with pytest.raises(ConfigError, match="'1' keeps running statistics"):
         _zone(job)
+
+
+def test_ranges_no_member_holds_fail_the_epoch_until_a_holder_had_time_to_rejoin() -> None:
+    from unbroken.errors import RangesAbsent, TransferError
+    from unbroken.train.sharding import ABSENT_WAIT_S, wait_for_holders
+
+    absent = RangesAbsent("the group is at step 42 but the newest ranges any member holds are of step 28")
+    with pytest.raises(TransferError, match="unless a holder rejoins"):
+        wait_for_holders(absent, 100.0, 100.0 + ABSENT_WAIT_S / 2)
+    wait_for_holders(absent, 100.0, 100.0 + ABSENT_WAIT_S)  # past the wait: the caller stops the job
+    assert issubclass(RangesAbsent, JobHalted)
