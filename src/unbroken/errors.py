@@ -10,6 +10,7 @@
      ├── EtcdUnavailable               no member of the etcd cluster answered (or no majority)
      ├── JoinRefused                   the coordinator refused this node (names the reason)
      ├── JobHalted                     the group stopped the job on a failure it cannot train past
+     │    └── RangesAbsent             no member holds some of a sharded zone's current ranges
      ├── NotFinal                      the job finished without this node: its state is not the model
      ├── ProtocolError                 a control message was malformed or too large
      ├── EpochAborted                  the current epoch ended under us; form the next one
