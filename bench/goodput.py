@@ -163,6 +163,7 @@ class System:
             self.add()
 
     def add(self) -> Proc:
+        """One more process of this system, started its own way: each subclass launches its own."""
         raise NotImplementedError
 
     def trainers(self) -> list[Proc]:
