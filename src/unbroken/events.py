@@ -44,6 +44,9 @@ class Kind(StrEnum):
     VALIDATION = "validation"
     LINKS = "links"
     """A zone leader's measured inter-zone rates."""
+    FORWARDED = "forwarded"
+    """Most of the others could not connect to a member: it is moved behind a forwarder
+    (`unbroken.sched.nat.unreachable`)."""
     # Faults, offences and refusals (promise 8).
     FAULT = "fault"
     SUSPECT = "suspect"

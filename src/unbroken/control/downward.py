@@ -174,6 +174,9 @@ class EpochOrder(_Msg):
     coordinator has contributions checked)."""
     forwarders: Annotated[list[Annotated[str, Field(max_length=300)]], Field(max_length=64)] = []
     """HOST:PORT of the members that forward for members behind NAT (`sched.nat.forwarders`)."""
+    behind: Annotated[list[Name], Field(max_length=MAX_MEMBERS)] = []
+    """Members the others could not connect to, told to go behind one of ``forwarders``
+    (`sched.nat.unreachable`); one that is there already goes on as it is."""
     # On the wire only (`unbroken.control.orders`): a node sees the full order.
     base: EpochNo = 0
     """Non-zero: ``members`` is empty and the order is a change to epoch ``base``'s."""

@@ -164,6 +164,7 @@ class Planner:
             rollback_to=rollback_to,
             refused=refused,
             forwarders=forwarders([(m.forwarding, m.no_inbound) for m in members]),
+            behind=[m.member_id for m in members if m.moved_behind],
         )
 
     def links_measured(self, member_id: str, epoch: int, rates: dict[str, float], now: float) -> Decision:

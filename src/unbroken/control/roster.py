@@ -129,6 +129,9 @@ class Member:
     """It accepts no connection (behind NAT): never a zone's leader where another can be (`sched.nat`)."""
     forwarding: str = ""
     """Where it forwards for members behind NAT (HOST:PORT; empty: it does not)."""
+    moved_behind: bool = False
+    """Most of the others could not connect to it: orders name it among the members their
+    peers reach through a forwarder (`EpochOrder.behind`, `sched.nat.unreachable`)."""
     flags: int = 0
     """Its offences (`tribunal.Tribunal.offence`): gradients refused, work found wrong..."""
     benched_until: float = 0.0

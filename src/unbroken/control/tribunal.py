@@ -23,6 +23,7 @@ from unbroken.control.planning import Planner
 from unbroken.control.recovery import Recovery
 from unbroken.control.roster import Decision, Member, Roster, majority, most_others
 from unbroken.events import Kind
+from unbroken.sched import nat
 from unbroken.sched.balance import Role
 
 FAULT_GRACE_S = 0.1
@@ -83,6 +84,8 @@ class Tribunal:
         """Since this step every contribution is gathered and checked (a sum did not add up)."""
         self.checks = Checks(self._confirmer, roster.name)
         """The trainers' commitments and the findings of the members checking them."""
+        self._moved: dict[str, int] = {}
+        """Member → the epoch in force when it was moved behind a forwarder (`_unreachable`)."""
 
     # ------------------------------------------------------------------ epochs
 
@@ -286,9 +289,13 @@ class Tribunal:
         current = epoch == r.epoch
         others = len(accusers - {c.member_id})
         if kind is Kind.UNREACHABLE:
-            # Never one alone: in an epoch of two it is one word against another.
-            if c.member_id in accusers or others >= most_others(seen, never_alone=True):
+            if epoch <= self._moved.get(c.member_id, -1):
+                return d  # said of its address before it moved behind a forwarder
+            if c.member_id in accusers:  # its own outbound connections fail: no forwarder helps
                 return self.absent(c.member_id, epoch, reason, now, kind=Kind.UNREACHABLE)
+            # Never one alone: in an epoch of two it is one word against another.
+            if others >= most_others(seen, never_alone=True):
+                return self._unreachable(c, epoch, reason, now, accusers)
             if first and current:
                 d.events.append(r.event(now, Kind.FAULT, m.member_id, f"{m.name} reports: {reason}{HELD[act]}"))
                 if act:
@@ -308,6 +315,26 @@ class Tribunal:
         d.events.append(r.event(now, Kind.FAULT, m.member_id, f"{m.name} reports: {reason}{HELD[act]}"))
         if act:
             r.want_epoch(now, urgent=True, reason=f"collective failed at {m.name}: {reason}", delay=FAULT_GRACE_S)
+        return d
+
+    def _unreachable(self, c: Member, epoch: int, reason: str, now: float, accusers: set[str]) -> Decision:
+        """Most of the others could not connect to ``c``: the next epoch has its peers reach
+        it through a forwarder one of the epoch's members offers, or, where none does (or it
+        is behind one already), it is benched (`sched.nat.unreachable`)."""
+        r = self._roster
+        others = [o for mid in r.epoch_members if mid != c.member_id and (o := r.members.get(mid)) is not None]
+        offers = nat.forwarders([(o.forwarding, o.no_inbound) for o in others if not o.quarantined])
+        names = sorted(r.name(mid) for mid in accusers)
+        verdict = nat.unreachable(c.name, names, offers, behind=c.no_inbound)
+        if verdict.forwarder is None:
+            return self.absent(c.member_id, epoch, f"{verdict.reason}. {reason}", now, kind=Kind.UNREACHABLE)
+        if not r.epoch - 1 <= epoch <= r.epoch or r.rank_of(c.member_id) is None:
+            return Decision()  # as `absent`: said of an epoch it is no longer in
+        c.no_inbound = c.moved_behind = True
+        self._moved[c.member_id] = r.epoch
+        d = Decision()
+        d.events.append(r.event(now, Kind.FORWARDED, c.member_id, verdict.reason))
+        r.want_epoch(now, urgent=True, reason=verdict.reason, delay=0.0)
         return d
 
     # ------------------------------------------------------------------ audits

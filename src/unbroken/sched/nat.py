@@ -11,11 +11,17 @@ zone is NAT'd.
 Members that offer forwarding (``--offer-forwarding``) say where in their hello; each epoch
 order names those of its members (`forwarders`), so a member behind NAT needs no list of
 its own: it dials the first that answers, the next once that one is lost.
+
+A member nobody declared behind NAT but that most of the others cannot connect to
+(`unbroken.comm.reach`) is moved behind a forwarder where the epoch has one (`unreachable`):
+the next epoch order names it among those its peers reach through one, and it goes there
+as with ``--no-inbound``. It stays there until it restarts, reachable again or not.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 
 def reachable_first(order: Sequence[str], no_inbound: Callable[[str], bool]) -> list[str]:
@@ -34,3 +40,28 @@ def forwarders(members: Sequence[tuple[str, bool]]) -> list[str]:
     "", accepts no connection)``, in rank order), those that offer one and accept
     connections themselves (a NAT'd member's offer reaches nobody), at most `MAX_FORWARDERS`."""
     return list(dict.fromkeys(offer for offer, no_inbound in members if offer and not no_inbound))[:MAX_FORWARDERS]
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    """What becomes of a member most of the others could not connect to."""
+
+    forwarder: str | None
+    """The forwarder its peers will reach it through (HOST:PORT); None: it is benched."""
+    reason: str
+    """Why, for the event and `unbroken status`: whom it is unreachable from, and the fix."""
+
+
+def unreachable(name: str, accusers: Sequence[str], offers: Sequence[str], behind: bool) -> Unreachable:
+    """The verdict on member ``name`` that ``accusers`` (most of the others, by name) could
+    not connect to: moved behind the first of ``offers`` (the forwarders its epoch names,
+    `forwarders`), unless it is ``behind`` one already (then the forwarder's port is what
+    they could not reach, and only the bench is left), or none is offered (benched, told how
+    to fix it, in few words: `unbroken status` shows the start of an event's reason)."""
+    said = f"{name} unreachable from {', '.join(accusers)}"
+    if behind:
+        return Unreachable(None, f"{said}, through its forwarder too: benched")
+    if offers:
+        return Unreachable(offers[0], f"{said}: now behind forwarder {offers[0]}")
+    fix = "to fix: --offer-forwarding PORT on a reachable member, or open its gloo port to the others"
+    return Unreachable(None, f"{said}, no forwarder to move it behind ({fix}): benched")

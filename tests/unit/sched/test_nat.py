@@ -5,7 +5,8 @@ from __future__ import annotations
 from unbroken.config import MembershipConfig
 from unbroken.control.membership import JOIN_SETTLE_S, Membership
 from unbroken.control.messages import Capabilities, Hello, TensorSpec
-from unbroken.sched.nat import MAX_FORWARDERS, forwarders, reachable_first
+from unbroken.events import Kind
+from unbroken.sched.nat import MAX_FORWARDERS, forwarders, reachable_first, unreachable
 from unbroken.sched.zones import Zones
 
 
@@ -42,3 +43,67 @@ def test_a_member_behind_nat_leads_no_zone_that_has_a_reachable_member():
     leaders = {order.zones[r]: order.members[r] for r in zones.leaders}
     assert leaders == {"A": "a1", "B": "b1", "C": "c0"}, order.members
     assert order.forwarders == ["a1.example:7800", "b1.example:7800"], "the reachable members' offers"
+
+
+def test_a_member_found_unreachable_moves_behind_the_first_forwarder_offered():
+    v = unreachable("n3", ["n1", "n2"], ["10.0.0.2:7800", "10.0.0.5:7800"], behind=False)
+    assert v.forwarder == "10.0.0.2:7800"
+    assert v.reason == "n3 unreachable from n1, n2: now behind forwarder 10.0.0.2:7800"
+
+
+def test_a_member_found_unreachable_with_no_forwarder_or_behind_one_already_is_benched_and_told_the_fix():
+    v = unreachable("n3", ["n1", "n2"], [], behind=False)
+    assert v.forwarder is None
+    assert "--offer-forwarding PORT" in v.reason and "open its gloo port" in v.reason and v.reason.endswith("benched")
+    v = unreachable("n3", ["n1", "n2"], ["10.0.0.2:7800"], behind=True)
+    assert v.forwarder is None and "through its forwarder too" in v.reason
+
+
+def keep_alive(ms: Membership, now: float) -> None:
+    for mid in list(ms.members):
+        ms.heartbeat(mid, 0, now)
+
+
+def formed(offers: dict[str, str]) -> Membership:
+    """A first epoch of a, b, c and d (none behind NAT); ``offers``: who offers forwarding where."""
+    ms = Membership(MembershipConfig(lease_s=100.0), now=0.0)
+    for mid in "abcd":
+        assert ms.admit(hello(mid, "", False, forwarding=offers.get(mid, "")), 0.0).refuse is None
+    assert next(iter(ms.tick(JOIN_SETTLE_S).orders.values())).members == ["a", "b", "c", "d"]
+    return ms
+
+
+def test_a_member_most_others_cannot_reach_goes_behind_a_forwarder_and_stays_in_the_epochs():
+    ms = formed({"a": "10.0.0.2:7800"})
+    t = 1.0
+    keep_alive(ms, t)
+    d = ms.fault("c", 1, "cannot connect to 10.0.0.3:5000", t, culprit="b", kind=Kind.UNREACHABLE)
+    assert [e.kind for e in d.events] == ["fault"], "one member's word moves nobody"
+    d = ms.fault("d", 1, "cannot connect to 10.0.0.3:5000", t, culprit="b", kind=Kind.UNREACHABLE)
+    assert [(e.kind, e.reason) for e in d.events] == [
+        ("forwarded", "b unreachable from c, d: now behind forwarder 10.0.0.2:7800")
+    ]
+    order = next(iter(ms.tick(t).orders.values()))
+    assert order.members == ["a", "c", "d", "b"], "in the epoch, placed as a member behind NAT"
+    assert order.behind == ["b"] and order.forwarders == ["10.0.0.2:7800"]
+    assert ms.members["b"].flags == 0 and ms.members["b"].excluded_until == 0.0, "not benched"
+    # The last word about the epoch before the move changes nothing; unreachable through its
+    # forwarder as well, it is benched.
+    assert ms.fault("a", 1, "cannot connect to 10.0.0.3:5000", t, culprit="b", kind=Kind.UNREACHABLE).events == []
+    keep_alive(ms, t + 1)
+    for accuser in "cd":
+        d = ms.fault(accuser, 2, "cannot connect to 10.0.0.2:40000", t + 1, culprit="b", kind=Kind.UNREACHABLE)
+    assert [e.kind for e in d.events] == ["unreachable"] and "through its forwarder too" in d.events[0].reason
+    assert "b" not in next(iter(ms.tick(t + 1).orders.values())).members
+
+
+def test_a_member_most_others_cannot_reach_is_benched_with_the_fix_where_no_member_forwards():
+    ms = formed({})
+    t = 1.0
+    keep_alive(ms, t)
+    for accuser in "cd":
+        d = ms.fault(accuser, 1, "cannot connect to 10.0.0.3:5000", t, culprit="b", kind=Kind.UNREACHABLE)
+    assert [e.kind for e in d.events] == ["unreachable"]
+    assert "no forwarder to move it behind (to fix: --offer-forwarding PORT" in d.events[0].reason
+    order = next(iter(ms.tick(t).orders.values()))
+    assert order.members == ["a", "c", "d"] and order.behind == []
