@@ -218,6 +218,8 @@ class Meeting:
         self._send = send
         self._keep = keep
         self.view = view
+        self.view_from = 0
+        """The first epoch whose entries go through ``view`` (`behind`)."""
         self._epochs: dict[int, _Entries] = {}
         self._lock = threading.Lock()
 
@@ -242,6 +244,16 @@ class Meeting:
                     for _ in range(streams)
                 ]
             return ep.devices[group]
+
+    def behind(self, view: EntryView, epoch: int) -> None:
+        """From ``epoch`` on, entries go through ``view``: the node was moved behind a
+        forwarder. Called before any entry of ``epoch`` arrives (on its order); the epochs
+        before keep the entries they were built with."""
+        self.view_from = epoch  # first: a reader that sees the view must see where it starts
+        self.view = view
+
+    def _view(self, epoch: int) -> EntryView | None:
+        return self.view if epoch >= self.view_from else None
 
     def complete(self, epoch: int, group: str, size: int) -> bool:
         """Every rank of ``group`` has its entry here (its build can connect now). Its first
@@ -286,39 +298,40 @@ class Meeting:
     def deliver(self, epoch: int, entries: dict[str, bytes]) -> None:
         """Entries of the epoch's members, from the leader."""
         ep = self._get(epoch)
+        view = self._view(epoch)
         with self._lock:
             now = time.monotonic()
             for key, value in entries.items():
                 if key not in ep.known:
                     ep.known.add(key)  # before it is visible: `publish` must not take it for ours
                     ep.arrived[key] = now
-                    if self.view is None:
+                    if view is None:
                         ep.store.set(key, value)  # type: ignore[arg-type]  # bytes, as gloo wrote them
                     else:
                         ep.held[key] = value
-        if self.view is not None:
-            self._translate(epoch, ep)
+        if view is not None:
+            self._translate(epoch, ep, view)
 
     def publish(self, epoch: int) -> None:
         """Send the leader whatever this node's data plane wrote since the last call."""
         ep = self._get(epoch)
+        view = self._view(epoch)
         with self._lock:
             new = {k: ep.store.get(k) for k in ep.store.list_keys() if k not in ep.known}
             ep.known.update(new)
-        if self.view is not None:
+        if view is not None:
             # A round trip to the forwarder per new entry (a group's stream): outside the lock.
-            new = {k: self.view.advertise(epoch, v) for k, v in new.items()}
+            new = {k: view.advertise(epoch, v) for k, v in new.items()}
         with self._lock:
             ep.mine.update(new)
             ep.advertised.update(new)
         for key, value in new.items():
             self._send(epoch, key, value)
-        if self.view is not None:
-            self._translate(epoch, ep)
+        if view is not None:
+            self._translate(epoch, ep, view)
 
-    def _translate(self, epoch: int, ep: _Entries) -> None:
+    def _translate(self, epoch: int, ep: _Entries, view: EntryView) -> None:
         """Hand gloo the held peers' entries of the streams whose own entry is out."""
-        assert self.view is not None
         with self._lock:
             ready = {k: v for k, v in ep.held.items() if k.rsplit("/", 1)[0] in ep.streams_out}
             for key in ready:
@@ -327,7 +340,7 @@ class Meeting:
         by_stream = {k.rsplit("/", 1)[0]: v for k, v in own.items()}
         for key, value in ready.items():
             mine, advertised = by_stream[key.rsplit("/", 1)[0]]
-            translated = self.view.translate(epoch, mine, advertised, value)
+            translated = view.translate(epoch, mine, advertised, value)
             with self._lock:
                 ep.advertised[key] = value
                 ep.store.set(key, translated)  # type: ignore[arg-type]

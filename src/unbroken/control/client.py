@@ -55,9 +55,10 @@ log = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.1
 
-Notice: TypeAlias = "Change | m.Command | m.Met | m.Probe | m.Check | m.Verify"
-"""What a listener is told: a change of the session's state (a welcome among them), or an
-order the step loop does not poll for."""
+Notice: TypeAlias = "Change | m.EpochOrder | m.Command | m.Met | m.Probe | m.Check | m.Verify"
+"""What a listener is told: a change of the session's state (a welcome among them), an
+order the step loop does not poll for, or an epoch order as it arrives (the step loop
+polls it later; what must change before the epoch's rendezvous entries arrive changes now)."""
 Listener = Callable[[Notice], None]
 """Called on the thread that caused the notice (mostly the control thread): it must not block."""
 
@@ -569,7 +570,7 @@ class ControlClient:
                 self.final_digest = msg.digest  # first: the step loop reads `finished` unlocked
                 self.halted = msg.error or None
                 self.finished = msg.step
-        if isinstance(msg, (m.Command, m.Met, m.Probe, m.Check, m.Verify)):
-            self._tell(msg)
+        if isinstance(msg, (m.EpochOrder, m.Command, m.Met, m.Probe, m.Check, m.Verify)):
+            self._tell(msg)  # an order completed above, and newer than any before
         if not isinstance(msg, (m.Met, m.Probe, m.Check, m.Verify)):
             self.wake.set()  # a rendezvous entry or a check: nothing for the step loop to wake for

@@ -118,7 +118,7 @@ class Epochs:
                 self.meeting.publish(epoch)
                 stall()
 
-            devices = self.meeting.devices(epoch, group, self.gloo_host(), lazy=lazy, streams=streams)
+            devices = self.meeting.devices(epoch, group, self.gloo_host(epoch), lazy=lazy, streams=streams)
             try:
                 pg, took = build_group(self.meeting.store(epoch), group, rank, len(ids), devices, scope, tick)
                 if lazy:
@@ -235,15 +235,35 @@ class Epochs:
         """Peers reach this node through a forwarder (`comm.tunnel`)."""
         return self.meeting.view is not None
 
+    def ordered(self, order: m.EpochOrder) -> None:
+        """An epoch order has arrived (control thread, before any of its rendezvous entries):
+        where it names this node among those the others could not connect to, the epoch's
+        peers reach it through a forwarder the order names (`sched.nat.unreachable`). It
+        stays there until it restarts, even once its port is open again: a move back would
+        cost an epoch, and the forwarder only adds a hop."""
+        node = self.node
+        if self.forwarded or node.client.member_id not in order.behind:
+            return
+        try:
+            tunnel = self.tunnel or Tunnel(node.config.forwarders, node.config.token, node.name)
+        except ForwardingError as exc:
+            log.error("%s: its peers cannot connect to it, and it cannot go behind a forwarder: %s", node.name, exc)
+            return  # its peers name it unreachable again, and, behind a forwarder on paper, it is benched
+        tunnel.learn(order.forwarders)
+        self.tunnel = tunnel
+        self.meeting.behind(NatView(tunnel), order.epoch)
+        log.warning("%s: its peers cannot connect to its data-plane address: from epoch %d they reach it "
+                    "through a forwarder (%s)", node.name, order.epoch, ", ".join(order.forwarders))  # fmt: skip
+
     def close(self) -> None:
         if self.forwarder is not None:
             self.forwarder.close()
         if self.tunnel is not None:
             self.tunnel.close()
 
-    def gloo_host(self) -> str | None:
+    def gloo_host(self, epoch: int) -> str | None:
         config = self.node.config
-        if self.forwarded:
+        if self.forwarded and epoch >= self.meeting.view_from:
             return LOOPBACK  # peers reach it through the forwarder (`comm.tunnel`)
         if config.gloo_host:
             return config.gloo_host
@@ -288,7 +308,7 @@ class Epochs:
         if faults.muted(epoch):
             return
         if faults.unreachable(epoch):
-            value = with_port(value, faults.dropping_port(self.gloo_host() or "127.0.0.1"))
+            value = with_port(value, faults.dropping_port(self.gloo_host(epoch) or "127.0.0.1"))
         self.node.client.send(m.Meet(epoch=epoch, key=key, value=base64.b64encode(value).decode()))
 
     def met(self, met: m.Met) -> None:

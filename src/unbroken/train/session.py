@@ -100,6 +100,8 @@ def heard(node: Node, notice: Notice) -> None:
             node.epochs.welcomed(notice.welcome, notice.new_coordinator)
     elif isinstance(notice, m.Command):
         command(node, notice)
+    elif isinstance(notice, m.EpochOrder):
+        node.epochs.ordered(notice)
     elif isinstance(notice, m.Met):
         node.epochs.met(notice)
     elif isinstance(notice, m.Probe):

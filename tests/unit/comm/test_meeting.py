@@ -200,6 +200,32 @@ def test_republish_sends_only_what_this_node_wrote():
     assert sent == ["world/0/0", "world/0/0"]
 
 
+class Marking:
+    """A view that marks what it advertises and translates."""
+
+    def advertise(self, epoch: int, raw: bytes) -> bytes:
+        return b"via-forwarder:" + raw
+
+    def translate(self, epoch: int, own: bytes, advertised: bytes, peer: bytes) -> bytes:
+        return b"translated:" + peer
+
+    def forget(self, epoch: int) -> None:
+        pass
+
+
+def test_a_node_moved_behind_a_forwarder_goes_through_it_from_that_epoch_on():
+    sent: dict[tuple[int, str], bytes] = {}
+    node = Meeting(lambda e, k, v: sent.__setitem__((e, k), v))
+    node.behind(Marking(), 2)
+    for epoch in (1, 2):
+        node.store(epoch).set("world/0/0", b"mine")
+        node.publish(epoch)
+        node.deliver(epoch, {"world/0/1": b"theirs"})
+    assert sent == {(1, "world/0/0"): b"mine", (2, "world/0/0"): b"via-forwarder:mine"}
+    assert node.store(1).get("world/0/1") == b"theirs", "an epoch before the move keeps its entries"
+    assert node.store(2).get("world/0/1") == b"translated:theirs"
+
+
 def test_a_lazy_group_connects_only_the_pairs_that_exchange_data():
     size, late = 10, 3
     leader = Leader(size)
