@@ -3,7 +3,8 @@ namespace drops every inbound connection (nftables). It trains through a forward
 reachable member offers (`unbroken.comm.forward`), joins mid-run (told it is behind NAT,
 not where a forwarder is: epoch orders name the members that offer one), is killed and
 comes back (given a forwarder, not told it is behind NAT: the forwarder's probe finds it),
-and the promises of DESIGN.md §1 hold throughout; a forwarder's death is one more fault."""
+and the promises of DESIGN.md §1 hold throughout; a forwarder's death is one more fault; a
+node given neither flag, that its peers cannot connect to, is moved behind a forwarder."""
 
 from __future__ import annotations
 
@@ -126,3 +127,26 @@ def test_a_forwarders_death_is_one_more_fault_the_nat_node_moves_to_a_relays(net
         "n3's session at the relay ending",
     )
     assert int(sessions[-1][0]) > 0 and int(sessions[-1][1]) > 0, relay_log.read_text()[-3000:]
+
+
+def test_a_node_its_peers_cannot_reach_goes_behind_a_forwarder_by_itself(network, make_cluster):
+    """n3 is given neither --no-inbound nor --forwarder: n2 cannot connect to it, n1 (asked)
+    neither, so the leader moves it behind n1's forwarder (before: benched, again and again)."""
+    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20", "UNBROKEN_TOKEN": TOKEN}
+    c = make_cluster(env=env, min_nodes=3, node_args=["--digest-every", "1"], network=network)
+    c.start_coordinator()
+    n1 = c.start_node("n1", extra=["--offer-forwarding", str(FORWARD_PORT)])
+    network.add("n2", host=HIGH)  # above n3: n2 must dial n3
+    c.start_node("n2")
+    n3 = c.start_node("n3", no_inbound=True)
+    c.wait_for(lambda: commits_after(n3, 0), 90, "n3 committing from behind its firewall")
+
+    moved = [e for e in events_of(c, "forwarded") if e["node"] == "n3"]
+    forwarder = f"{network.address('n1')}:{FORWARD_PORT}"
+    assert [e["reason"] for e in moved] == [f"n3 unreachable from n1, n2: now behind forwarder {forwarder}"]
+    assert not [e for e in events_of(c, "unreachable") if e["node"] == "n3"], "moved, never benched"
+    codes = c.wait_exit(timeout=150)
+    assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
+    assert_promises(c, env, finishers=3)
+    sessions = re.findall(r"n3's session ended: (\d+) connections, (\d+) bytes forwarded", n1.stderr())
+    assert sessions and all(int(conns) > 0 and int(sent) > 0 for conns, sent in sessions), n1.stderr()[-3000:]
