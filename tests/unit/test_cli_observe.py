@@ -6,6 +6,7 @@ from rich.console import Console
 
 from unbroken.cli.observe import event_line, status_view
 from unbroken.events import Kind, Recorded
+from unbroken.sched.nat import unreachable
 
 STATE = {
     "job": "lm",
@@ -43,6 +44,16 @@ def test_status_shows_the_job_the_members_and_the_events() -> None:
     assert "paris" in gpu and "48" in gpu and "240" in gpu and "H200" in gpu and "2.0/8.0 GiB" in gpu
     assert "standby" in text and "lyon" in text
     assert "flapping" in text and "failed 3 times" in text
+
+
+def test_status_shows_how_to_let_peers_reach_a_member_benched_as_unreachable() -> None:
+    verdict = unreachable("n3", ["n1", "n2"], [], behind=False)
+    reason = f"n3 (offence 1): {verdict.reason}. " + "its data-plane address refuses or drops connections " * 5
+    events = [Recorded(3, 2.0, Kind.UNREACHABLE, "n3", "n3#c", 5, 120, reason)]
+    console = Console(width=200, record=True, color_system=None)
+    console.print(status_view(STATE, HISTORY, events))
+    text = " ".join(console.export_text().split())
+    assert "--offer-forwarding PORT on a reachable member, or open its gloo port" in text
 
 
 def test_an_event_line_has_time_kind_node_epoch_step_and_reason() -> None:

@@ -32,6 +32,10 @@ from unbroken.errors import ConfigError, CoordinatorUnreachable
 from unbroken.events import ALARMS, Kind, Recorded
 from unbroken.observe.printable import printable
 
+REASON_CHARS = 240
+"""Of an event's reason, what the status table shows: enough to reach the fix a verdict names
+(a member benched as unreachable: how to let its peers reach it)."""
+
 
 class Api:
     def __init__(self, address: str | None, tls_ca: str | None = None, timeout_s: float = 5.0) -> None:
@@ -149,7 +153,7 @@ def status_view(state: dict[str, Any], history: dict[str, Any], events: list[Rec
             Text(e.kind.value, style="bold red" if e.kind in ALARMS else ""),
             _cell(e.node or "-"),
             str(e.step),
-            _cell(e.reason[:100]),
+            _cell(e.reason[:REASON_CHARS]),
         )
     return Group(head, members, log)
 
