@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,10 @@ def _relay(args: argparse.Namespace) -> int:
             from unbroken.comm.forward import Forwarder
 
             forwarder = Forwarder(config.token, *offer)
-            await forwarder.start()
+            host, port = await forwarder.start()
+            if host in ("", "0.0.0.0", "::"):  # every interface: name one the members reach
+                host = socket.gethostbyname(socket.gethostname())
+            relay.forwarding = f"{host}:{port}"  # the leader names it to members found unreachable
         try:
             await serve_relay()
         finally:

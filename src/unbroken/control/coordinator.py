@@ -297,6 +297,8 @@ class Coordinator(ThreadedService):
 
     def relay_joined(self, link: RelayLink) -> None:
         self.relays.joined(link)
+        if link.forwarding:
+            self.membership.roster.relay_forwarders[link.relay_id] = link.forwarding
 
     def relay_up(self, link: RelayLink, up: m.Up, request: web.Request) -> None:
         self.relays.up(link, up)
@@ -310,6 +312,7 @@ class Coordinator(ThreadedService):
 
     def relay_lost(self, link: RelayLink) -> None:
         self.relays.lost(link)
+        self.membership.roster.relay_forwarders.pop(link.relay_id, None)
 
     async def _relay(self, request: web.Request) -> web.StreamResponse:
         return await serve_relay(self, request)

@@ -181,6 +181,8 @@ class RelayHello(_Msg):
     key: PublicKey = ""
     """The relay's public key: its id is made from it, as a member's (`Knock.key`)."""
     signature: Signature = ""
+    forwarding: Annotated[str, Field(max_length=300)] = ""
+    """Where it forwards for members behind NAT (HOST:PORT; empty: it does not)."""
 
 
 class RelayWelcome(_Msg):

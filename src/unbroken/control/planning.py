@@ -163,7 +163,7 @@ class Planner:
             policy=self.policy_for(members, checking),
             rollback_to=rollback_to,
             refused=refused,
-            forwarders=forwarders([(m.forwarding, m.no_inbound) for m in members]),
+            forwarders=forwarders([(m.forwarding, m.no_inbound) for m in members], sorted(r.relay_forwarders.values())),
             behind=[m.member_id for m in members if m.moved_behind],
         )
 

@@ -143,6 +143,8 @@ class Relay(ThreadedService):
         self.key = config.key or identity.ephemeral()
         self.relay_id = identity.member_id(config.relay_id or socket.gethostname(), self.key)
         self.address: tuple[str, int] = (config.host, config.port)
+        self.forwarding = ""
+        """Where a forwarder beside it takes members behind NAT (HOST:PORT), as its hello says."""
         self.leader: tuple[str, int] | None = None
         """The leader this relay is linked to (None: none now)."""
         self.term = 0
@@ -251,7 +253,7 @@ class Relay(ThreadedService):
             signature = identity.sign(self.key, challenge.nonce, nonce, self.relay_id, role="relay")
             hello = m.RelayHello(
                 relay_id=self.relay_id, zone=self.config.zone, nonce=nonce, proof=proof,
-                key=identity.public_text(self.key), signature=signature,
+                key=identity.public_text(self.key), signature=signature, forwarding=self.forwarding,
             )  # fmt: skip
             await ws.send_str(m.encode(hello))
             seal = auth.seal(token, challenge.nonce, nonce, self.relay_id, sending="up")

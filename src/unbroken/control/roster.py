@@ -224,6 +224,8 @@ class Roster:
         """Why the job was stopped without finishing (`finish.Finish.halt`): ``finished`` is True too."""
         self.readmit_at: float | None = None
         """When a member kept out of the epochs may come back (an epoch forms then)."""
+        self.relay_forwarders: dict[str, str] = {}
+        """Relay → where it forwards for members behind NAT (HOST:PORT), while it is linked."""
         self._epoch_members: list[str] = []
         self.ranks: dict[str, int] = {}
         """Each member of the epoch in force by its rank (set with `epoch_members`; read on

@@ -128,6 +128,8 @@ class RelayLink:
         self._floor = -1
         self.members: set[str] = set()
         self.heard_at = time.monotonic()
+        self.forwarding = ""
+        """Where the relay forwards for members behind NAT (`m.RelayHello.forwarding`)."""
 
     def fresh(self, challenge: str) -> str | None:
         """Why a node's knock that the relay forwards was not answered to a challenge of this
@@ -327,6 +329,7 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
         coord.guard.prove(request)
         term = coord.term
         link = RelayLink(ws, hello.relay_id, hello.zone, coord.office.settled, seal)
+        link.forwarding = hello.forwarding
         coord.relay_joined(link)
         link.session.send(
             m.RelayWelcome(

@@ -323,7 +323,8 @@ class Tribunal:
         is behind one already), it is benched (`sched.nat.unreachable`)."""
         r = self._roster
         others = [o for mid in r.epoch_members if mid != c.member_id and (o := r.members.get(mid)) is not None]
-        offers = nat.forwarders([(o.forwarding, o.no_inbound) for o in others if not o.quarantined])
+        mine = [(o.forwarding, o.no_inbound) for o in others if not o.quarantined]
+        offers = nat.forwarders(mine, sorted(r.relay_forwarders.values()))
         names = sorted(r.name(mid) for mid in accusers)
         verdict = nat.unreachable(c.name, names, offers, behind=c.no_inbound)
         if verdict.forwarder is None:

@@ -35,11 +35,13 @@ MAX_FORWARDERS = 16
 """Forwarders an epoch order names at most (a NAT'd node needs one that answers)."""
 
 
-def forwarders(members: Sequence[tuple[str, bool]]) -> list[str]:
+def forwarders(members: Sequence[tuple[str, bool]], relays: Sequence[str] = ()) -> list[str]:
     """The forwarders an epoch order names: of its members (each ``(HOST:PORT offered or
     "", accepts no connection)``, in rank order), those that offer one and accept
-    connections themselves (a NAT'd member's offer reaches nobody), at most `MAX_FORWARDERS`."""
-    return list(dict.fromkeys(offer for offer, no_inbound in members if offer and not no_inbound))[:MAX_FORWARDERS]
+    connections themselves (a NAT'd member's offer reaches nobody), then the ``relays'``
+    offers (each HOST:PORT), at most `MAX_FORWARDERS`."""
+    offers = [offer for offer, no_inbound in members if offer and not no_inbound]
+    return list(dict.fromkeys([*offers, *relays]))[:MAX_FORWARDERS]
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ def test_an_epoch_names_the_forwarders_its_reachable_members_offer():
     assert forwarders(members) == ["10.0.0.2:7800"], "a NAT'd member's offer reaches nobody; each named once"
     many = [(f"10.0.{i // 250}.{i % 250}:7800", False) for i in range(100)]
     assert len(forwarders(many)) == MAX_FORWARDERS
+    assert forwarders(members, ["203.0.113.9:7800"]) == ["10.0.0.2:7800", "203.0.113.9:7800"], "relays' after"
 
 
 def hello(member_id: str, zone: str, no_inbound: bool, forwarding: str = "") -> Hello:
@@ -95,6 +96,18 @@ def test_a_member_most_others_cannot_reach_goes_behind_a_forwarder_and_stays_in_
         d = ms.fault(accuser, 2, "cannot connect to 10.0.0.2:40000", t + 1, culprit="b", kind=Kind.UNREACHABLE)
     assert [e.kind for e in d.events] == ["unreachable"] and "through its forwarder too" in d.events[0].reason
     assert "b" not in next(iter(ms.tick(t + 1).orders.values())).members
+
+
+def test_a_member_found_unreachable_goes_behind_a_relays_forwarder_where_no_member_offers_one():
+    ms = formed({})
+    ms.roster.relay_forwarders["relay-1"] = "203.0.113.9:7800"  # as its link's hello said
+    t = 1.0
+    keep_alive(ms, t)
+    for accuser in "cd":
+        d = ms.fault(accuser, 1, "cannot connect to 10.0.0.3:5000", t, culprit="b", kind=Kind.UNREACHABLE)
+    assert [e.reason for e in d.events] == ["b unreachable from c, d: now behind forwarder 203.0.113.9:7800"]
+    order = next(iter(ms.tick(t).orders.values()))
+    assert order.behind == ["b"] and order.forwarders == ["203.0.113.9:7800"]
 
 
 def test_a_member_most_others_cannot_reach_is_benched_with_the_fix_where_no_member_forwards():
