@@ -127,6 +127,9 @@ def test_a_forwarders_death_is_one_more_fault_the_nat_node_moves_to_a_relays(net
         "n3's session at the relay ending",
     )
     assert int(sessions[-1][0]) > 0 and int(sessions[-1][1]) > 0, relay_log.read_text()[-3000:]
+    # The relay told the leader where it forwards: epoch orders name it to members behind NAT.
+    said = f"forwarding at {relay_forwarder[0]}:{relay_forwarder[1]}"
+    assert said in (c.workdir / "coordinator.err").read_text(), "the relay's hello names its forwarder"
 
 
 def test_a_node_its_peers_cannot_reach_goes_behind_a_forwarder_by_itself(network, make_cluster):

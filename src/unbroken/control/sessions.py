@@ -342,7 +342,8 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
                 link=link.nonce,
             )
         )
-        log.info("relay %s (zone %r) joined from %s", hello.relay_id, hello.zone, peer)
+        offer = f", forwarding at {hello.forwarding}" if hello.forwarding else ""
+        log.info("relay %s (zone %r) joined from %s%s", hello.relay_id, hello.zone, peer, offer)
         async for raw in ws:
             if raw.type != WSMsgType.TEXT:
                 raise ProtocolError(f"unexpected {raw.type.name} frame from relay {hello.relay_id}")
