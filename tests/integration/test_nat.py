@@ -135,7 +135,7 @@ def test_a_forwarders_death_is_one_more_fault_the_nat_node_moves_to_a_relays(net
 def test_a_node_its_peers_cannot_reach_goes_behind_a_forwarder_by_itself(network, make_cluster):
     """n3 is given neither --no-inbound nor --forwarder: n2 cannot connect to it, n1 (asked)
     neither, so the leader moves it behind n1's forwarder (before: benched, again and again)."""
-    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20", "UNBROKEN_TOKEN": TOKEN}
+    env = {"UB_TEST_STEPS": "200", "UB_TEST_DELAY_MS": "20", "UNBROKEN_TOKEN": TOKEN}
     c = make_cluster(env=env, min_nodes=3, node_args=["--digest-every", "1"], network=network)
     c.start_coordinator()
     n1 = c.start_node("n1", extra=["--offer-forwarding", str(FORWARD_PORT)])
