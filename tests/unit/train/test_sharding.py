@@ -219,7 +219,7 @@ def test_a_model_with_running_statistics_is_refused_before_it_joins() -> None:
 
 def test_ranges_no_member_holds_fail_the_epoch_until_a_holder_had_time_to_rejoin() -> None:
     from unbroken.errors import RangesAbsent, TransferError
-    from unbroken.train.sharding import ABSENT_WAIT_S, wait_for_holders
+    from unbroken.train.shard_fallback import ABSENT_WAIT_S, wait_for_holders
 
     absent = RangesAbsent("the group is at step 42 but the newest ranges any member holds are of step 28")
     with pytest.raises(TransferError, match="unless a holder rejoins"):
