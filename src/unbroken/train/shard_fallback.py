@@ -1,13 +1,15 @@
 """A sharded job's fall-back when ranges lost every holder in every zone while members live.
 
-The members first wait for a holder to rejoin (`ABSENT_WAIT_S`, ``--absent-wait``): one
-expelled while its machine was busy comes back with its ranges current. Past the wait (as
-the member that has waited longest counts it), the job goes back to a checkpoint, in
-process, with no restart::
+The job goes back to a checkpoint, in process, with no restart::
 
-    exchange   every member of the epoch says how long it has waited and the checkpoint
-               steps it can read whole from its --checkpoint-dir: the replicated state's
-               file and shard files covering the whole flat space (`readable_steps`)
+    exchange   every member of the epoch says how long it has waited for a holder to rejoin
+               and the checkpoint steps it can read whole from its --checkpoint-dir: the
+               replicated state's file and shard files covering the whole flat space
+               (`readable_steps`)
+    wait       within the epoch, until ``--absent-wait`` (`ABSENT_WAIT_S`) has passed for the
+               member that has waited longest: one expelled while its machine was busy comes
+               back with its ranges current (its rejoin re-forms the group, which ends the
+               wait, and the next sync phase finds the ranges held)
     choose     the newest step every member can read (`unbroken.state.fallback.choose`,
                the same on every member); none: the job stops, naming the ranges and the fix
     restore    every member puts its replicated state (step, data cursor, scheduler) back to
@@ -25,13 +27,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from unbroken.comm.group import EpochGroup
+from unbroken.comm.group import EpochGroup, EpochScope, wait_until
 from unbroken.comm.shard_files import complete_steps
-from unbroken.errors import JobHalted, RangesAbsent, TransferError
+from unbroken.errors import JobHalted, RangesAbsent
 from unbroken.events import Entry, Kind
 from unbroken.state.ckpt_files import checkpoint_steps, load_checkpoint
 from unbroken.state.fallback import Recovery, Source, choose
@@ -48,17 +51,26 @@ ABSENT_WAIT_S = 30.0
 back to a checkpoint (or stop the job): the default of ``--absent-wait``."""
 
 
-def wait_for_holders(exc: RangesAbsent, since: float, now: float, wait: float = ABSENT_WAIT_S) -> None:
-    """Ranges no member of the epoch holds, first found at ``since``: their holder may be
-    away only (expelled while its machine was busy, and rejoining), so until ``wait`` has
-    passed the epoch fails (`TransferError`: the group forms another) rather than the job
-    going back to a checkpoint or stopping.
+def remaining_wait(waited: Sequence[float], wait: float) -> float:
+    """How long the members still wait for a holder of lost ranges to rejoin (one expelled
+    while its machine was busy comes back with its ranges current): ``wait`` counted from
+    the member that has waited longest (``waited``: each member's time so far), so that a
+    member that joined during the wait does not start it over. The same on every member."""
+    return max(0.0, wait - max(waited, default=0.0))
 
-    Raises:
-        TransferError: within the wait.
-    """
-    if now - since < wait:
-        raise TransferError(f"{exc} (unless a holder rejoins within {wait:.0f} s: waiting for one)") from exc
+
+def _sleep(seconds: float, scope: EpochScope) -> None:
+    """Sleep ``seconds`` within the epoch: a new order (a holder rejoined, a member lost)
+    ends it early, as it ends a collective (`EpochAborted`). In pieces, each within the
+    scope's deadline for one wait."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        piece = _past(time.monotonic() + min(left, scope.timeout_s / 2))
+        wait_until(piece, scope, "waiting for a holder of lost ranges to rejoin", 0.2)
+
+
+def _past(when: float) -> Callable[[], bool]:
+    return lambda: time.monotonic() >= when
 
 
 def readable_steps(directory: Path | None, numel: int) -> list[int]:
@@ -110,17 +122,23 @@ def fall_back(
     ``waited_s`` for a holder: the zones' decisions to read fresh layouts from the checkpoint
     chosen, and its step (the replicated state is put back to it here).
 
+    First the members wait for a holder to rejoin (`remaining_wait`), within the epoch: the
+    group re-forms when one does, and its sync phase finds the ranges held.
+
     Raises:
-        TransferError: within the wait of the member that waited longest (the epoch fails,
-            and the group forms another).
+        EpochAborted: a new order came during the wait.
         RangesAbsent: no checkpoint step every member can read holds every range.
         JobHalted: the chosen checkpoint cannot be read here, or is another job's.
     """
     assert g.pg is not None
     directory = node.config.checkpoint_dir
     mine = {"waited": waited_s, "steps": readable_steps(directory, numel)}
-    said = [json.loads(b) for b in exchange(g.pg, json.dumps(mine).encode(), node.scope(during_step=False))]
-    wait_for_holders(exc, 0.0, max(float(x["waited"]) for x in said), node.config.absent_wait_s)
+    scope = node.scope(during_step=False)
+    said = [json.loads(b) for b in exchange(g.pg, json.dumps(mine).encode(), scope)]
+    left = remaining_wait([float(x["waited"]) for x in said], node.config.absent_wait_s)
+    if left > 0:
+        log.warning("%s: %s; waiting %.0f s for a holder to rejoin", node.name, exc, left)
+        _sleep(left, scope)
     common = set.intersection(*(set(int(s) for s in x["steps"]) for x in said))
     recovery = recovery_of(reports, zone_of, step, common)
     if recovery.source is not Source.CHECKPOINT:
