@@ -268,7 +268,7 @@ def test_two_zones_each_hold_a_replica_and_a_zone_that_lost_both_holders_takes_t
     assert after and "lost" in after[0]["reason"], reshards(c)
     assert after[-1]["held"] == after[-1]["primary"] > 0, "alone in its zone: the whole replica, no buddy"
     said = [e["reason"] for e in events_of(c, "fallback")]
-    assert any(r.startswith("zone A: ") and "from another zone" in r for r in said), said
+    assert any("zone A: " in r and "from another zone" in r for r in said), said
     assert_sharded(c, env, finishers=3)
 
 
