@@ -87,8 +87,9 @@ def recovery_of(
     reports: Mapping[str, Report], zone_of: Mapping[str, str], step: int, checkpoints: set[int]
 ) -> Recovery:
     """The fall-back of the first zone (in the members' order) that lost ranges in every
-    zone: every zone that did lost the same ones, and goes back to the same step."""
-    found: Recovery | None = None
+    zone: every zone that did lost the same ones, and goes back to the same step. Where no
+    zone's layout shows the loss (the group is ahead of every member's ranges, or the ranges
+    held are not their layout's after a re-shard cut short), all of the state counts as lost."""
     for z in dict.fromkeys(zone_of.values()):
         mine = {m: r for m, r in reports.items() if zone_of[m] == z and r.layout is not None}
         current = {m for m, r in mine.items() if r.step == step and r.held}
@@ -100,11 +101,8 @@ def recovery_of(
         got = choose(newest.layout, current, step, elsewhere=far, checkpoints=checkpoints)
         if got.source in (Source.CHECKPOINT, Source.HALT):
             return got
-        found = found or got
-    # No zone's layout shows the loss (the group is ahead of every member's ranges): all of
-    # the state is lost.
     numel = next((r.layout.numel for r in reports.values() if r.layout is not None), 1)
-    return choose(layout_for(numel, {"": 1}), (), step, checkpoints=checkpoints) if found is None else found
+    return choose(layout_for(numel, {"": 1}), (), step, checkpoints=checkpoints)
 
 
 def fall_back(
