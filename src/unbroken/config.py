@@ -300,6 +300,10 @@ class NodeConfig:
     unless it joins a group that trains (the state then comes from the group)."""
     max_donors: int = 0
     """Peers this node fetches state from at once when it is behind (0: every peer holding it)."""
+    absent_wait_s: float = 30.0
+    """A sharded job: how long members wait for a holder of ranges lost in every zone to
+    rejoin before the job goes back to its newest checkpoint that holds them (in process).
+    The wait counts from the member that noticed first."""
     full_resync: bool = False
     """Fetch the whole state when behind, not only the chunks that differ from what this
     node holds (a baseline for benchmarks, or to rule the incremental path out)."""
@@ -363,6 +367,7 @@ class NodeConfig:
         check_range("NodeConfig", "max_microbatch", self.max_microbatch, 0)
         check_range("NodeConfig", "checkpoint_every", self.checkpoint_every, 0)
         check_range("NodeConfig", "max_donors", self.max_donors, 0, 100_000)
+        check_range("NodeConfig", "absent_wait_s", self.absent_wait_s, 0, 86400)
         check_range("NodeConfig", "connect_timeout_s", self.connect_timeout_s, 0.1, 86400)
         check_range("NodeConfig", "collective_timeout_s", self.collective_timeout_s, 1, 86400)
         check_range("NodeConfig", "digest_every", self.digest_every, 0)

@@ -10,7 +10,7 @@
      ├── EtcdUnavailable               no member of the etcd cluster answered (or no majority)
      ├── JoinRefused                   the coordinator refused this node (names the reason)
      ├── JobHalted                     the group stopped the job on a failure it cannot train past
-     │    └── RangesAbsent             no member holds some of a sharded zone's current ranges
+     │    └── RangesAbsent             ranges lost in every zone, none in a readable checkpoint
      ├── NotFinal                      the job finished without this node: its state is not the model
      ├── ProtocolError                 a control message was malformed or too large
      ├── EpochAborted                  the current epoch ended under us; form the next one
@@ -169,10 +169,10 @@ class TransferError(UnbrokenError):
 
 
 class RangesAbsent(JobHalted):
-    """No member of a sharded zone's epoch holds some of the state's current ranges. Their
-    holder may only be away (expelled while its machine was busy, and rejoining), so a
-    member leaves the epoch and tries again before it stops the job
-    (`unbroken.train.sharding.ShardedZone.sync`)."""
+    """No member of any zone holds some of a sharded job's current ranges, and no checkpoint
+    every member can read holds them all. (The members first wait ``--absent-wait`` for a
+    holder to rejoin, then go back to such a checkpoint where there is one:
+    `unbroken.train.shard_fallback`.)"""
 
 
 class BadRequest(TransferError):

@@ -87,6 +87,9 @@ class Kind(StrEnum):
     """The last checkpoint was still being written when the next was due."""
     SYNC = "sync"
     ROLLBACK = "rollback"
+    FALLBACK = "fallback"
+    """A sharded zone took lost ranges from their buddies, another zone, or a checkpoint
+    (the whole job rolled back to it): which, and the ranges."""
     # The control plane itself.
     LEADER = "leader"
     DEPOSED = "deposed"
@@ -126,7 +129,15 @@ class Entry(StrEnum):
 
 
 REPORTED = frozenset(
-    {Kind.CHECKPOINT, Kind.CHECKPOINT_OK, Kind.CHECKPOINT_FAILED, Kind.CHECKPOINT_SKIPPED, Kind.SYNC, Kind.ROLLBACK}
+    {
+        Kind.CHECKPOINT,
+        Kind.CHECKPOINT_OK,
+        Kind.CHECKPOINT_FAILED,
+        Kind.CHECKPOINT_SKIPPED,
+        Kind.SYNC,
+        Kind.ROLLBACK,
+        Kind.FALLBACK,
+    }
 )
 """The kinds a node may report (`unbroken.control.messages.Report`): a node that could
 report a failure or an epoch would write the coordinator's decisions for it."""

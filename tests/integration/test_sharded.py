@@ -92,6 +92,8 @@ def test_a_sharded_zone_trains_as_one_process_and_survives_a_sigkill(make_cluste
     assert one.returncode != 0 and "cover" in one.stderr and "nodes that finished" in one.stderr, one.stderr
     lost = [e for e in reshards(c) if "lost" in e["reason"]]
     assert {e["node"] for e in lost} == {"n1", "n3", "n4"}, reshards(c)
+    said = [e["reason"] for e in events_of(c, "fallback")]
+    assert any("from their buddy copies" in r for r in said), said  # the event says what served
     fault_t = next(e["t"] for e in victim.entries() if e["kind"] == "fault")
     first = min(
         e["t"] for n in c.nodes.values() for e in n.entries() if e["kind"] == "commit" and e["t"] > fault_t
@@ -265,6 +267,8 @@ def test_two_zones_each_hold_a_replica_and_a_zone_that_lost_both_holders_takes_t
     after = [e for e in reshards(c) if e["node"] == "a1" and e["step"] >= 20]
     assert after and "lost" in after[0]["reason"], reshards(c)
     assert after[-1]["held"] == after[-1]["primary"] > 0, "alone in its zone: the whole replica, no buddy"
+    said = [e["reason"] for e in events_of(c, "fallback")]
+    assert any("zone A: " in r and "from another zone" in r for r in said), said
     assert_sharded(c, env, finishers=3)
 
 
@@ -276,3 +280,30 @@ def test_a_member_whose_commit_failed_after_the_vote_applies_the_step_late_from_
     late = [e for e in lapsed.entries() if e["kind"] == "reshard" and "late" in e["reason"]]
     assert late and late[0]["step"] == 13, [e for e in lapsed.entries() if e["kind"] == "reshard"]
     assert_sharded(c, ENV, finishers=3)
+
+
+def test_both_holders_of_a_range_killed_the_survivor_rolls_back_to_the_checkpoint_and_finishes(
+    make_cluster: Any, tmp_path: Any
+) -> None:
+    # n2 holds a range whose buddy is n3 (ring order): both killed at once, no member of any
+    # zone holds it. n1 goes back, in process, to the newest checkpoint whose files it can read
+    # whole, trains the steps since again with their samples, and ends with one process's model.
+    env = ENV | {"UB_TEST_STEPS": "120"}
+    ck = tmp_path / "ck"
+    args = ("--checkpoint-dir", str(ck), "--checkpoint-every", "5", "--absent-wait", "1")
+    c = start(make_cluster, env, 3, node_args=args)
+    for i in (1, 2, 3):
+        c.start_node(f"n{i}")
+    c.wait_for(lambda: any(ck.glob("ckpt-*.pt")), 120, "a checkpoint written")
+    c.nodes["n2"].kill()
+    c.nodes["n3"].kill()
+    codes = c.wait_exit(timeout=150)
+    assert codes == {"n1": 0, "n2": -signal.SIGKILL, "n3": -signal.SIGKILL}, c.diagnostics()
+    back = [e for e in c.nodes["n1"].entries() if e["kind"] == "restore"]
+    assert back and "rolled back to checkpoint step" in back[0]["why"], c.diagnostics()
+    # Steps after the checkpoint were committed before the kill and again after the restore.
+    before = max(e["step"] for n in ("n2", "n3") for e in c.nodes[n].entries() if e["kind"] == "commit")
+    assert back[0]["step"] <= before, (back[0], before)
+    said = [e["reason"] for e in events_of(c, "fallback")]
+    assert any(f"rolled back to checkpoint step {back[0]['step']}" in r for r in said), said
+    assert_sharded(c, env, finishers=1)

@@ -157,6 +157,7 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
         start_fresh=args.start_fresh,
         max_donors=args.max_donors,
         full_resync=args.full_resync,
+        absent_wait_s=args.absent_wait,
         connect_timeout_s=args.connect_timeout,
         collective_timeout_s=args.collective_timeout,
         digest_every=args.digest_every,
@@ -321,6 +322,12 @@ def _node_options(n: argparse.ArgumentParser) -> None:
     )
     n.add_argument(
         "--full-resync", action="store_true", help="fetch the whole state when behind, not only the chunks that differ"
+    )
+    n.add_argument(
+        "--absent-wait",
+        type=float,
+        default=30.0,
+        help="sharded: seconds to wait for a holder of ranges lost in every zone before going back to a checkpoint",
     )
     n.add_argument("--collective-timeout", type=float, default=60.0, help="deadline of one collective")
     n.add_argument("--stall-timeout", type=float, default=300.0, help="expel this node if its loop stalls this long")

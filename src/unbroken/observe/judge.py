@@ -245,6 +245,8 @@ class _Judge:
     def _rollback(self, node: str, t: float, step: int, e: dict[str, Any]) -> None:
         audit = "path" not in e
         why = str(e.get("why") or "failed audit") if audit else f"a checkpoint, {e['path']}"
+        if not audit and e.get("why"):  # a sharded zone's ranges lost in every zone, while members lived
+            why += f" ({e['why']})"
         trained = node in self.trained
         self.trained.discard(node)
         for rb in reversed(self.rollbacks):

@@ -30,10 +30,11 @@ none of its members holds from another zone's (the epoch's group carries those t
 
 Not yet here: the zones' sum through their leaders with a codec, and DiLoCo (refused);
 audits and work checks (validators), a job's ``before_update`` (no member holds the whole
-gradient; clipping is `Sharding.clip_norm`), loss scaling, accelerators. Ranges that lost
-every holder in every zone while others live stop the job with the ranges named (a restart
-reads them from the checkpoint's shard files: every member writes its primary range there
-at each checkpoint).
+gradient; clipping is `Sharding.clip_norm`), loss scaling, accelerators.
+
+Ranges that lost every holder in every zone while others live: once no holder rejoined
+within ``--absent-wait``, the whole job goes back to the newest checkpoint every member can
+read whole, in process (`unbroken.train.shard_fallback`), or stops naming the ranges.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from unbroken.events import Entry
 from unbroken.job import Job, Optimizers, Sharding
 from unbroken.state.checkpoint import KEEP
 from unbroken.state.shards import Layout
+from unbroken.train.shard_fallback import fall_back, report_recovery
 from unbroken.train.shard_reports import Report, decide, decode, encode, exchange
 
 if TYPE_CHECKING:
@@ -70,20 +72,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
-ABSENT_WAIT_S = 30.0
-"""How long members wait for a holder of ranges no member holds to rejoin before the job stops."""
-
-
-def wait_for_holders(exc: RangesAbsent, since: float, now: float) -> None:
-    """Ranges no member of the epoch holds, first found at ``since``: their holder may be
-    away only (expelled while its machine was busy, and rejoining), so until `ABSENT_WAIT_S`
-    has passed the epoch fails (`TransferError`: the group forms another) rather than the job.
-
-    Raises:
-        TransferError: within the wait.
-    """
-    if now - since < ABSENT_WAIT_S:
-        raise TransferError(f"{exc} (unless a holder rejoins within {ABSENT_WAIT_S:.0f} s: waiting for one)") from exc
 
 
 def memory_weight(limit_bytes: int) -> int:
@@ -237,12 +225,13 @@ class ShardedZone:
                 )
                 for z in names
             }
-        except RangesAbsent as exc:
+        except RangesAbsent as exc:  # lost in every zone: a checkpoint, once no holder rejoined
             self._absent_since = self._absent_since or time.monotonic()
-            wait_for_holders(exc, self._absent_since, time.monotonic())
-            raise
+            waited = time.monotonic() - self._absent_since
+            decisions, step = fall_back(node, g, step, self.numel, self.sharding.align, reports, zone_of, exc, waited)
         self._absent_since = 0.0
         decision = decisions[zone_of[me]]
+        report_recovery(node, g, decision, reports, zone_of, step)
         members = [m for m in g.members if zone_of[m] == zone_of[me]]
         ranks = {m: i for i, m in enumerate(members)}
         group: ProcessGroup = g.pg

@@ -217,12 +217,11 @@ def test_a_model_with_running_statistics_is_refused_before_it_joins() -> None:
         _zone(job)
 
 
-def test_ranges_no_member_holds_fail_the_epoch_until_a_holder_had_time_to_rejoin() -> None:
-    from unbroken.errors import RangesAbsent, TransferError
-    from unbroken.train.sharding import ABSENT_WAIT_S, wait_for_holders
+def test_members_wait_for_a_holder_of_lost_ranges_as_long_as_the_one_that_waited_longest_says() -> None:
+    from unbroken.errors import RangesAbsent
+    from unbroken.train.shard_fallback import ABSENT_WAIT_S, remaining_wait
 
-    absent = RangesAbsent("the group is at step 42 but the newest ranges any member holds are of step 28")
-    with pytest.raises(TransferError, match="unless a holder rejoins"):
-        wait_for_holders(absent, 100.0, 100.0 + ABSENT_WAIT_S / 2)
-    wait_for_holders(absent, 100.0, 100.0 + ABSENT_WAIT_S)  # past the wait: the caller stops the job
+    assert remaining_wait([0.0, 0.0], ABSENT_WAIT_S) == ABSENT_WAIT_S
+    assert remaining_wait([0.0, 12.0, 3.0], 30.0) == 18.0  # a joiner does not start the wait over
+    assert remaining_wait([45.0], 30.0) == 0.0
     assert issubclass(RangesAbsent, JobHalted)

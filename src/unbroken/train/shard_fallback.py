@@ -1,0 +1,187 @@
+"""A sharded job's fall-back when ranges lost every holder in every zone while members live.
+
+The job goes back to a checkpoint, in process, with no restart::
+
+    exchange   every member of the epoch says how long it has waited for a holder to rejoin
+               and the checkpoint steps it can read whole from its --checkpoint-dir: the
+               replicated state's file and shard files covering the whole flat space
+               (`readable_steps`)
+    wait       within the epoch, until ``--absent-wait`` (`ABSENT_WAIT_S`) has passed for the
+               member that has waited longest: one expelled while its machine was busy comes
+               back with its ranges current (its rejoin re-forms the group, which ends the
+               wait, and the next sync phase finds the ranges held)
+    choose     the newest step every member can read (`unbroken.state.fallback.choose`,
+               the same on every member); none: the job stops, naming the ranges and the fix
+    restore    every member puts its replicated state (step, data cursor, scheduler) back to
+               that step's, logs the restore (the promises checker accepts the steps after
+               it committed again: they are redone with the samples planned for them), and
+               the zone's sync phase reads each member's ranges of a fresh layout from the
+               shard files (digests checked)
+
+Promise 1 allows this rollback: no replica of those ranges survives anywhere. One member
+says it in an event (``fallback``): "ranges X lost in every zone at step s: rolled back to
+checkpoint step c".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from unbroken.comm.group import EpochGroup, EpochScope, wait_until
+from unbroken.comm.shard_files import complete_steps
+from unbroken.errors import JobHalted, RangesAbsent
+from unbroken.events import Entry, Kind
+from unbroken.state.ckpt_files import checkpoint_steps, load_checkpoint
+from unbroken.state.fallback import Recovery, Source, choose
+from unbroken.state.shards import layout_for
+from unbroken.train.shard_reports import Decision, Report, exchange
+
+if TYPE_CHECKING:
+    from unbroken.train.runtime import Node
+
+log = logging.getLogger(__name__)
+
+ABSENT_WAIT_S = 30.0
+"""How long members wait for a holder of ranges no member holds to rejoin before they fall
+back to a checkpoint (or stop the job): the default of ``--absent-wait``."""
+
+
+def remaining_wait(waited: Sequence[float], wait: float) -> float:
+    """How long the members still wait for a holder of lost ranges to rejoin (one expelled
+    while its machine was busy comes back with its ranges current): ``wait`` counted from
+    the member that has waited longest (``waited``: each member's time so far), so that a
+    member that joined during the wait does not start it over. The same on every member."""
+    return max(0.0, wait - max(waited, default=0.0))
+
+
+def _sleep(seconds: float, scope: EpochScope) -> None:
+    """Sleep ``seconds`` within the epoch: a new order (a holder rejoined, a member lost)
+    ends it early, as it ends a collective (`EpochAborted`). In pieces, each within the
+    scope's deadline for one wait."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        piece = _past(time.monotonic() + min(left, scope.timeout_s / 2))
+        wait_until(piece, scope, "waiting for a holder of lost ranges to rejoin", 0.2)
+
+
+def _past(when: float) -> Callable[[], bool]:
+    return lambda: time.monotonic() >= when
+
+
+def readable_steps(directory: Path | None, numel: int) -> list[int]:
+    """The checkpoint steps ``directory`` holds whole for a sharded job of ``numel``
+    elements: the replicated state's file and shard files covering ``[0, numel)``, newest
+    first (what `unbroken restore` gathers into one directory, or a shared one holds)."""
+    if directory is None or not directory.is_dir():
+        return []
+    replicated = {step for step, _ in checkpoint_steps(directory)}
+    return [s for s in complete_steps(directory, numel) if s in replicated]
+
+
+def recovery_of(
+    reports: Mapping[str, Report], zone_of: Mapping[str, str], step: int, checkpoints: set[int]
+) -> Recovery:
+    """The fall-back of the first zone (in the members' order) that lost ranges in every
+    zone: every zone that did lost the same ones, and goes back to the same step. Where no
+    zone's layout shows the loss (the group is ahead of every member's ranges, or the ranges
+    held are not their layout's after a re-shard cut short), all of the state counts as lost."""
+    for z in dict.fromkeys(zone_of.values()):
+        mine = {m: r for m, r in reports.items() if zone_of[m] == z and r.layout is not None}
+        current = {m for m, r in mine.items() if r.step == step and r.held}
+        far = [span for m, r in reports.items() if zone_of[m] != z and r.step == step for span in r.held]
+        if not mine:
+            continue
+        newest = max(mine.values(), key=lambda r: (r.step, r.epoch))
+        assert newest.layout is not None
+        got = choose(newest.layout, current, step, elsewhere=far, checkpoints=checkpoints)
+        if got.source in (Source.CHECKPOINT, Source.HALT):
+            return got
+    numel = next((r.layout.numel for r in reports.values() if r.layout is not None), 1)
+    return choose(layout_for(numel, {"": 1}), (), step, checkpoints=checkpoints)
+
+
+def fall_back(
+    node: Node,
+    g: EpochGroup,
+    step: int,
+    numel: int,
+    align: int,
+    reports: Mapping[str, Report],
+    zone_of: Mapping[str, str],
+    exc: RangesAbsent,
+    waited_s: float,
+) -> tuple[dict[str, Decision], int]:
+    """Ranges lost in every zone at ``step`` (``exc``), this member having waited
+    ``waited_s`` for a holder: the zones' decisions to read fresh layouts from the checkpoint
+    chosen, and its step (the replicated state is put back to it here).
+
+    First the members wait for a holder to rejoin (`remaining_wait`), within the epoch: the
+    group re-forms when one does, and its sync phase finds the ranges held.
+
+    Raises:
+        EpochAborted: a new order came during the wait.
+        RangesAbsent: no checkpoint step every member can read holds every range.
+        JobHalted: the chosen checkpoint cannot be read here, or is another job's.
+    """
+    assert g.pg is not None
+    directory = node.config.checkpoint_dir
+    mine = {"waited": waited_s, "steps": readable_steps(directory, numel)}
+    scope = node.scope(during_step=False)
+    said = [json.loads(b) for b in exchange(g.pg, json.dumps(mine).encode(), scope)]
+    left = remaining_wait([float(x["waited"]) for x in said], node.config.absent_wait_s)
+    if left > 0:
+        log.warning("%s: %s; waiting %.0f s for a holder to rejoin", node.name, exc, left)
+        _sleep(left, scope)
+    common = set.intersection(*(set(int(s) for s in x["steps"]) for x in said))
+    recovery = recovery_of(reports, zone_of, step, common)
+    if recovery.source is not Source.CHECKPOINT:
+        raise RangesAbsent(recovery.reason) from exc
+    back = recovery.checkpoint
+    assert directory is not None  # the step was read from it
+    path = dict(checkpoint_steps(directory))[back]
+    try:
+        snap = load_checkpoint(path)
+    except Exception as error:  # torch.load raises what the bytes lead it to
+        raise JobHalted(
+            f"{recovery.reason}, but {path} cannot be read here ({type(error).__name__}: {error})"
+        ) from error
+    identity = node.job.identity()
+    if snap.get("job", identity) != identity:
+        raise JobHalted(f"{recovery.reason}, but {path} is another job's (job identity {snap['job']}, not {identity})")
+    node.records.settle()
+    node.state.restore(snap)
+    node.restored()
+    fields = {"step": back, "path": str(path), "digest": node.state.digest(), "why": recovery.reason}
+    node.records.log(Entry.RESTORE, fields)
+    if g.members[0] == node.client.member_id:  # one event for the job, not one per member
+        node.report(Kind.FALLBACK, recovery.reason)
+    log.warning("%s: %s", node.name, recovery.reason)
+    weights = {m: r.weight for m, r in reports.items()}
+    decisions = {
+        z: Decision(
+            fresh=layout_for(numel, {m: weights[m] for m in g.members if zone_of[m] == z}, align=align), restore=True
+        )
+        for z in dict.fromkeys(zone_of.values())
+    }
+    return decisions, back
+
+
+def report_recovery(
+    node: Node, g: EpochGroup, decision: Decision, reports: Mapping[str, Report], zone_of: Mapping[str, str], step: int
+) -> None:
+    """After a re-shard that took the ranges of lost members from their buddies or from
+    another zone: one event per zone (from its first member) saying which served."""
+    p = decision.plan
+    me = node.client.member_id
+    if p is None or not p.lost or next(m for m in g.members if zone_of[m] == zone_of[me]) != me:
+        return
+    far = [span for m, r in reports.items() if zone_of[m] != zone_of[me] and r.step == step for span in r.held]
+    got = choose(p.old, decision.keep, step, elsewhere=far)
+    if got.source is not None:
+        zone = f"zone {zone_of[me]}: " if zone_of[me] else ""
+        node.report(Kind.FALLBACK, f"{zone}{got.reason} (step {step})")
