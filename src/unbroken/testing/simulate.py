@@ -188,6 +188,7 @@ class SimLink(RelayLink):
         self._floor = -1
         self.members: set[str] = set()
         self.heard_at = sim.clock.now
+        self.forwarding = ""
 
 
 class SimRelay:
