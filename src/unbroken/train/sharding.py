@@ -44,7 +44,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +60,7 @@ from unbroken.errors import ConfigError, JobHalted, RangesAbsent, TransferError
 from unbroken.events import Entry
 from unbroken.job import Job, Optimizers, Sharding
 from unbroken.state.checkpoint import KEEP
-from unbroken.state.shards import Layout
+from unbroken.state.shards import Layout, Transfer
 from unbroken.train.shard_reports import Report, decide, decode, encode, exchange
 
 if TYPE_CHECKING:
@@ -166,6 +166,11 @@ class ShardedZone:
         that found them all)."""
         self._saved: list[tuple[int, list[Path]]] = []
         """The checkpoint steps this member wrote shard files of, and those files (`save`)."""
+        self.inner_scale: float | None = None
+        """DiLoCo's inner steps: the zone's sum is multiplied by this (to its samples' mean)
+        and nothing crosses zones (`train.sharded_outer`); None in sync mode."""
+        self.moved: Moved | None = None
+        """What the last sync phase did to the ranges, for state that travels with them."""
 
     def make_optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """The job's optimizer class over the held ranges, with its settings (those of its
@@ -290,6 +295,9 @@ class ShardedZone:
                     sent = sum(t.size for t in transfers if t.source == me)
                     what = f"sent {sent:,} elements to another zone"
         self.epoch, self.step, self.pending = g.epoch, step, None
+        layouts = {z: x for z, d in decisions.items() if (x := d.fresh or (d.plan.new if d.plan else None))}
+        moves = () if decision.fresh is not None else transfers
+        self.moved = Moved(zone_of[me], layouts, moves, decision.fresh is not None, world, g.pg)
         self.engine.scope = node.scope(during_step=True)
         what = "; ".join(x for x in (late, what) if x)
         if what:
@@ -355,7 +363,9 @@ class ShardedZone:
         engine = self.ready
         engine.finish_backward()
         own = math.sqrt(engine.take_squares())
-        if self.world is not None:  # several zones: the sum over them too
+        if self.inner_scale is not None:  # a DiLoCo inner step: the zone's mean, nothing crosses zones
+            engine.scale_gradients(self.inner_scale)
+        elif self.world is not None:  # several zones: the sum over them too
             engine.cross_sum(self.world)
         total = torch.tensor([engine.primary_squares()], dtype=torch.float64)
         wait_all([engine.group.allreduce([total])], engine.scope, "summing the gradient's norm over the zone")
@@ -426,6 +436,20 @@ class ShardedZone:
         # model will do (after a death, one survivor may hold it all).
         pieces = [(h.start, h.end, engine.export(h.start, h.end, with_state=False)["values"]) for h in engine.holdings]
         return out | {"pieces": pieces}
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What a sync phase did to the ranges: every zone's layout (in zone order), the
+    transfers every zone's re-shard made (on ``world``'s group ``pg``; empty where nothing
+    moved), and whether the ranges were made afresh (from a model or a checkpoint)."""
+
+    zone: str
+    layouts: dict[str, Layout]
+    transfers: tuple[Transfer, ...]
+    fresh: bool
+    world: dict[str, int]
+    pg: ProcessGroup
 
 
 def assemble(parts: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
