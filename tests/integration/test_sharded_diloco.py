@@ -88,9 +88,13 @@ def test_a_member_killed_mid_round_costs_the_round_and_int8_keeps_every_promise(
     codes = c.wait_exit(timeout=150)
     assert fired(c.nodes["a2"], "kill"), c.diagnostics()
     assert codes == {"a1": 0, "b1": 0, "a2": -signal.SIGKILL, "b2": 0}, c.diagnostics()
+    after = [e for e in c.nodes["a1"].entries() if e["kind"] == "reshard" and e["step"] >= 10]
+    assert after and after[-1]["held"] == after[-1]["primary"] > 0, "alone in zone A: its whole replica, no buddy"
     zones = zone_models(c)
     for name, a in zones["a"].items():
         assert torch.equal(a, zones["b"][name]), f"{name}: the zones finished with different models"
         assert torch.isfinite(a).all(), name
-    outer = {n: [e["step"] for e in p.entries() if e["kind"] == "commit" and e.get("outer")] for n, p in c.nodes.items()}
+    outer = {
+        n: [e["step"] for e in p.entries() if e["kind"] == "commit" and e.get("outer")] for n, p in c.nodes.items()
+    }
     assert outer["a1"] == outer["b1"] == [5, 10, 15, 20, 25, 30], outer
