@@ -12,6 +12,8 @@ import torch
 
 from unbroken.comm.blocks import Holding, Piece
 from unbroken.comm.group import EpochScope
+from unbroken.comm.sharded import ShardedModel
+from unbroken.comm.solo import Solo
 from unbroken.specs import CodecSpec
 from unbroken.state.shards import Purpose, Transfer, layout_for
 from unbroken.testing.fake import FakeWorld
@@ -101,3 +103,39 @@ def test_momentum_moves_with_the_ranges_and_a_stale_copy_is_not_used() -> None:
     assert torch.equal(outers["y"].momentum[(50, 100)], momentum[50:])
     assert torch.equal(outers["z"].momentum[(0, 50)], momentum[:50]), "the received momentum, not its own stale one"
     assert all(o.momentum_step == 10 for o in outers.values())
+
+
+def test_a_failed_round_puts_the_ranges_values_inner_state_and_residuals_back() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    numel = sum(p.numel() for p in model.parameters())
+    layout = layout_for(numel, {"m": 1})
+    engine = ShardedModel(
+        model, layout, "m", {"m": 0}, Solo(), EpochScope(threading.Event(), lambda: None, 10.0),
+        lambda groups: torch.optim.AdamW(groups, lr=0.01),
+    )  # fmt: skip
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+
+    def inner_step() -> None:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        engine.finish_backward()
+        engine.step()
+
+    inner_step()  # the round starts with inner optimizer state to put back
+    zone = SimpleNamespace(ready=engine, engine=engine, moved=None, step=1, pending=None)
+    outer = ShardedOuter(zone, SETTINGS, CodecSpec.parse("int8"))
+    outer.begin_round(1)
+    before = engine.digests()
+    residual = outer.codecs.of((0, numel))
+    residual.encode(torch.randn(numel))  # a residual of the round's start
+    outer.begin_round(1)
+    kept = outer.codecs.state_dict()[(0, numel)]["residual"].clone()
+    for _ in range(3):
+        inner_step()
+    outer.codecs.of((0, numel)).encode(torch.randn(numel))  # the failed exchange's encoding
+    zone.step, zone.pending = 4, (3, [], 1.0)
+    outer.rollback(moved=True)
+    assert engine.digests() == before, "values and inner optimizer state as at the round's start"
+    got = outer.codecs.of((0, numel)).residual
+    assert got is not None and torch.equal(got, kept), "the retried round encodes from the same residual"
+    assert zone.step == 1 and zone.pending is None
