@@ -1,7 +1,8 @@
-"""DiLoCo between sharded zones: zones A (a1, a2) and B (b1, b2) each shard a whole replica,
-by memory (A's ranges and B's cut the model at different places), train their inner steps
-sharded, and exchange pseudo-gradients range by range between the holders of the same
-elements (`unbroken.train.sharded_outer`).
+"""Sharded zones exchanging through a codec: zones A (a1, a2) and B (b1, b2) each shard a
+whole replica, by memory (A's ranges and B's cut the model at different places). In DiLoCo
+they train their inner steps sharded and exchange pseudo-gradients range by range between
+the holders of the same elements (`unbroken.train.sharded_outer`); in sync mode with a lossy
+``--codec`` each step's gradient crosses the same way (`unbroken.comm.outer_ranges.CodedSum`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ MEMORY = {"a1": "3GB", "a2": "1GB", "b1": "1GB", "b2": "2GB"}
 """Unequal in each zone, and otherwise in A than in B: the zones' ranges do not line up."""
 
 
-def run(make_cluster: Any, codec: str, sharded: bool, faults: dict[str, str] | None = None) -> LocalCluster:
+def run(
+    make_cluster: Any, codec: str, sharded: bool, faults: dict[str, str] | None = None, diloco: bool = True
+) -> LocalCluster:
     env = ENV | ({"UB_TEST_SHARD": "1"} if sharded else {})
+    mode = ["--mode", "diloco", "--inner-steps", str(H)] if diloco else []
     c: LocalCluster = make_cluster(
         env=env,
         min_nodes=4,
-        coordinator_args=["--mode", "diloco", "--inner-steps", str(H), "--codec", codec, "--balance", "weights"],
+        coordinator_args=[*mode, "--codec", codec, "--balance", "weights"],
         node_args=["--digest-every", "1"],
     )
     c.start_coordinator()
@@ -98,3 +102,17 @@ def test_a_member_killed_mid_round_costs_the_round_and_int8_keeps_every_promise(
         n: [e["step"] for e in p.entries() if e["kind"] == "commit" and e.get("outer")] for n, p in c.nodes.items()
     }
     assert outer["a1"] == outer["b1"] == [5, 10, 15, 20, 25, 30], outer
+
+
+def test_in_sync_mode_a_lossy_codec_carries_each_steps_gradient_between_the_zones_ranges(make_cluster: Any) -> None:
+    c = run(make_cluster, "int8", sharded=True, diloco=False)
+    assert c.wait_exit(timeout=120) == dict.fromkeys(("a1", "b1", "a2", "b2"), 0), c.diagnostics()
+    zones = zone_models(c)
+    for name, a in zones["a"].items():
+        assert torch.equal(a, zones["b"][name]), f"{name}: the zones finished with different models"
+    numel = sum(t.numel() for t in zones["a"].values())
+    # a1 holds 3/4 of the model as primary and sends it, int8 (about a byte an element), to b1
+    # and b2, which hold all of it between them twice: about 1.5 bytes an element a step,
+    # where float32 through the zones' sum would be 4.
+    inter = [e["wire"]["inter"] for e in c.nodes["a1"].entries() if e["kind"] == "commit" and "wire" in e]
+    assert inter and all(numel < x < 2 * numel for x in inter), (numel, inter)

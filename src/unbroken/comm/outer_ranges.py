@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable
 from unbroken.errors import BadContribution
 from unbroken.specs import CodecSpec
 from unbroken.state.shards import Layout
+
+if TYPE_CHECKING:
+    from unbroken.comm.sharded import ShardedModel
 
 Span = tuple[int, int]
 
@@ -202,3 +205,57 @@ def exchange(
                 total[a - span[0] : b - span[0]] += decoded[src.tag][a - src.start : b - src.start]
         out[span] = total
     return out, sent
+
+
+class CodedSum:
+    """Synchronous mode's sum of a sharded step's gradient over the zones through a lossy
+    codec (``--codec``): `exchange` of each held range's zone sum, with its residual per
+    range. A step not applied puts the residuals back (its retry encodes from them); one
+    applied late takes them as they were after its exchange (as its range's other holders)."""
+
+    def __init__(self, spec: CodecSpec) -> None:
+        self.codecs = RangeCodecs(spec)
+        self._states: tuple[dict[Span, dict[str, Any]], dict[Span, dict[str, Any]]] | None = None
+        """The residuals before and after the exchange of the step not yet committed."""
+        self.sent = 0
+        """Bytes this member sent in the last exchange."""
+
+    def sum(
+        self,
+        engine: ShardedModel,
+        layouts: Mapping[str, Layout],
+        zone: str,
+        ranks: Mapping[str, int],
+        group: ProcessGroup,
+        what: str,
+    ) -> None:
+        """Each held range's gradient (its zone's sum) replaced by the zones' sum.
+
+        Raises:
+            BadContribution, CollectiveFailed, EpochAborted: as `exchange`."""
+        own = {}
+        for h in engine.holdings:
+            grads = [p.tensor.grad if p.tensor.grad is not None else torch.zeros_like(p.tensor) for p in h.pieces]
+            own[(h.start, h.end)] = torch.cat(grads) if grads else torch.zeros(0)
+        self.codecs.keep_only(list(own))
+        before = self.codecs.state_dict()
+        sums, self.sent = exchange(own, False, layouts, zone, engine.me, ranks, group, engine.scope, self.codecs, what)
+        self._states = (before, self.codecs.state_dict())
+        for h in engine.holdings:
+            total = sums[(h.start, h.end)]
+            for p in h.pieces:
+                p.tensor.grad = total[p.start - h.start : p.end - h.start].clone()
+
+    def committed(self) -> None:
+        self._states = None
+
+    def undo(self) -> None:
+        """The step is not applied here: the residuals as before its exchange."""
+        if self._states is not None:
+            self.codecs.load_state_dict(self._states[0])
+
+    def redo(self) -> None:
+        """The step is applied late: the residuals as after its exchange."""
+        if self._states is not None:
+            self.codecs.load_state_dict(self._states[1])
+            self._states = None

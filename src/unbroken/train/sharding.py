@@ -52,19 +52,22 @@ import torch
 from torch import nn
 
 from unbroken.comm.blocks import broadcast_model, refuse_running_statistics, restore_storage
+from unbroken.comm.codecs import make_codec
 from unbroken.comm.group import EpochGroup, EpochScope, ProcessGroup, wait_all
+from unbroken.comm.outer_ranges import CodedSum
 from unbroken.comm.shard_files import complete_steps, prune_shards, restore_shards, save_shard
 from unbroken.comm.sharded import ShardedModel
 from unbroken.comm.solo import Solo
 from unbroken.errors import ConfigError, JobHalted, RangesAbsent, TransferError
 from unbroken.events import Entry
 from unbroken.job import Job, Optimizers, Sharding
+from unbroken.specs import CodecSpec
 from unbroken.state.checkpoint import KEEP
 from unbroken.state.shards import Layout, Transfer
 from unbroken.train.shard_reports import Report, decide, decode, encode, exchange
 
 if TYPE_CHECKING:
-    from unbroken.comm.reduce import Reducer
+    from unbroken.comm.reduce import Reducer, Wire
     from unbroken.train.runtime import Node
 
 log = logging.getLogger(__name__)
@@ -171,6 +174,10 @@ class ShardedZone:
         and nothing crosses zones (`train.sharded_outer`); None in sync mode."""
         self.moved: Moved | None = None
         """What the last sync phase did to the ranges, for state that travels with them."""
+        self.coded: CodedSum | None = None
+        """Several zones and a lossy ``--codec``: the zones' sum goes through it, range by range."""
+        self.wire: Wire | None = None
+        """The node's byte counts (the coded sum's bytes go with the step's)."""
 
     def make_optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """The job's optimizer class over the held ranges, with its settings (those of its
@@ -298,6 +305,8 @@ class ShardedZone:
         layouts = {z: x for z, d in decisions.items() if (x := d.fresh or (d.plan.new if d.plan else None))}
         moves = () if decision.fresh is not None else transfers
         self.moved = Moved(zone_of[me], layouts, moves, decision.fresh is not None, world, g.pg)
+        self._set_codec(node.epochs.codec.spec if zones.multi else None, set(members))
+        self.wire = reducer.wire
         self.engine.scope = node.scope(during_step=True)
         what = "; ".join(x for x in (late, what) if x)
         if what:
@@ -308,6 +317,20 @@ class ShardedZone:
             log.info("%s: sharded zone at step %d: %s; holds %s elements", node.name, step, what, f"{held:,}")
         current = {id(g.pg), id(group)}
         return [x for x in left if id(x) not in current]
+
+    def _set_codec(self, spec: CodecSpec | None, zone: set[str]) -> None:
+        """The zones' sum through ``spec`` where it is lossy; residuals forgotten where this
+        zone's ranges moved (a new holder has none to agree on)."""
+        if spec is None or make_codec(spec).lossless:
+            self.coded = None
+            return
+        moved = self.moved
+        if (
+            self.coded is None
+            or self.coded.codecs.spec != spec
+            or (moved is not None and (moved.fresh or any(t.destination in zone for t in moved.transfers)))
+        ):
+            self.coded = CodedSum(spec)
 
     def _restore(self, node: Node, layout: Layout, me: str, step: int) -> None:
         directory = node.config.checkpoint_dir
@@ -365,6 +388,9 @@ class ShardedZone:
         own = math.sqrt(engine.take_squares())
         if self.inner_scale is not None:  # a DiLoCo inner step: the zone's mean, nothing crosses zones
             engine.scale_gradients(self.inner_scale)
+        elif self.world is not None and self.coded is not None and self.moved is not None:
+            m = self.moved  # several zones, a lossy codec: the sum over them range by range
+            self.coded.sum(engine, m.layouts, m.zone, m.world, self.world, f"the zones' sum of step {step}")
         elif self.world is not None:  # several zones: the sum over them too
             engine.cross_sum(self.world)
         total = torch.tensor([engine.primary_squares()], dtype=torch.float64)
@@ -385,6 +411,9 @@ class ShardedZone:
                     "does not sum them; keep it constant, or train unsharded"
                 )
         self._step(self.optimizer.param_groups, self._clip)
+        if self.coded is not None and self.wire is not None and self.inner_scale is None:
+            self.wire.inter += self.coded.sent  # counted with the step's all-reduce, just done
+            self.wire.last_inter += self.coded.sent
         # The job's scheduler asks its optimizer whether it stepped before it (torch warns
         # otherwise): it did, range by range, through the zone's own optimizer.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -399,6 +428,8 @@ class ShardedZone:
 
     def _apply_late(self, node: Node, step: int) -> None:
         assert self.pending is not None
+        if self.coded is not None:
+            self.coded.redo()
         self._step(self.pending[1], self.pending[2])
         log.info("%s: applied step %d late: the group committed it while its commit failed here", node.name, step - 1)
 
@@ -407,6 +438,8 @@ class ShardedZone:
         may have committed it (a commit failed here, not everywhere), and `sync` applies it."""
         if self.engine is None:
             return
+        if self.coded is not None:
+            self.coded.undo()
         if self.pending is not None and self.pending[0] == step:  # abandoned again (the epoch, after the step)
             self.engine.abandon(keep_sums=True)
             return
@@ -419,6 +452,8 @@ class ShardedZone:
 
     def committed(self, step: int) -> None:
         self.step = step
+        if self.coded is not None:
+            self.coded.committed()
 
     # ---------------------------------------------------------------- what a finished node keeps
 
