@@ -32,8 +32,9 @@ With a lossy ``--codec`` the zones' sum goes range by range through it instead
 (`unbroken.comm.outer_ranges.CodedSum`); in DiLoCo mode the inner steps are the zone's sums
 alone (``inner_scale``) and the round's end is `unbroken.train.sharded_outer`'s.
 
-Not yet here: DiLoCo's ``--outer-overlap`` (refused); audits and work checks (validators), a job's ``before_update`` (no member holds the whole
-gradient; clipping is `Sharding.clip_norm`), loss scaling, accelerators. Ranges that lost
+Not yet here: DiLoCo's ``--outer-overlap`` (refused); audits and work checks (validators),
+a job's ``before_update`` (no member holds the whole gradient; clipping is
+`Sharding.clip_norm`), loss scaling, accelerators. Ranges that lost
 every holder in every zone while others live stop the job with the ranges named (a restart
 reads them from the checkpoint's shard files: every member writes its primary range there
 at each checkpoint).
