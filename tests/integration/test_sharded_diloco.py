@@ -85,10 +85,11 @@ def test_sharded_zones_in_diloco_train_as_unsharded_ones(make_cluster: Any) -> N
 
 
 def test_a_member_killed_mid_round_costs_the_round_and_int8_keeps_every_promise(make_cluster: Any) -> None:
-    # a2 dies in the inner step 12 of the third round: every node rolls back to step 10, zone A
-    # is a1 alone (it takes a2's ranges from the copies it holds as buddy), and the round is
-    # retried with the same samples. The int8 exchange's residuals are per range.
-    c = run(make_cluster, "int8", sharded=True, faults={"a2": "kill@allreduce:12"})
+    # a2 dies at the end of the third round, before it sends its ranges: every member has
+    # trained the round (and encoded its ranges: their int8 residuals moved) and rolls back
+    # to step 10; zone A is a1 alone (a2's ranges from the copies it holds as buddy), and the
+    # round is retried with the same samples from the same ranges and residuals.
+    c = run(make_cluster, "int8", sharded=True, faults={"a2": "kill@exchange:14"})
     codes = c.wait_exit(timeout=150)
     assert fired(c.nodes["a2"], "kill"), c.diagnostics()
     assert codes == {"a1": 0, "b1": 0, "a2": -signal.SIGKILL, "b2": 0}, c.diagnostics()
