@@ -132,7 +132,8 @@ class RangeCodecs:
 
     def keep_only(self, spans: Sequence[Span]) -> None:
         """Forget the residuals of ranges no longer held."""
-        self.codecs = {s: c for s, c in self.codecs.items() if s in set(spans)}
+        held = set(spans)
+        self.codecs = {s: c for s, c in self.codecs.items() if s in held}
 
     def reset(self) -> None:
         """Forget every residual (the zone's ranges moved: a new holder has none to agree on)."""
