@@ -40,8 +40,9 @@ def run(
     for name in ("a1", "b1", "a2", "b2"):
         extra = ["--zone", name[0].upper(), "--memory-limit", MEMORY[name]]
         c.start_node(name, extra=extra, fault=(faults or {}).get(name, ""))
-        if name.endswith("1"):  # join order makes a1 and b1 the leaders
-            c.wait_for(lambda n=name: n in {m["name"] for m in c.state()["members"]}, 60, f"{name} to join")
+        # One join order, one rank order, in every run: the ranks' slices of a batch are the
+        # zones' samples, which a DiLoCo round's result depends on (a1 and b1 lead).
+        c.wait_for(lambda n=name: n in {m["name"] for m in c.state()["members"]}, 60, f"{name} to join")
     return c
 
 
