@@ -112,8 +112,7 @@ class ShardedOuter:
             self.momentum_step = self.zone.step
             return
         valid = self.momentum if self.momentum_step == self.zone.step else {}
-        mine = set(moved.layouts[moved.zone].members)
-        if any(t.destination in mine for t in moved.transfers):
+        if not moved.unchanged:  # the zone's ranges moved: a holder may have none to agree on
             self.codecs.reset()
         if not moved.transfers and all(s in valid for s in spans):
             self.momentum = {s: valid[s] for s in spans}

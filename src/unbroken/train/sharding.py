@@ -308,8 +308,9 @@ class ShardedZone:
         self.epoch, self.step, self.pending = g.epoch, step, None
         layouts = {z: x for z, d in decisions.items() if (x := d.fresh or (d.plan.new if d.plan else None))}
         moves = () if decision.fresh is not None else transfers
-        self.moved = Moved(zone_of[me], layouts, moves, decision.fresh is not None, world, g.pg)
-        self._set_codec(node.epochs.codec.spec if zones.multi else None, set(members))
+        fresh = decision.fresh is not None
+        self.moved = Moved(zone_of[me], layouts, moves, fresh, decision.unchanged and not fresh, world, g.pg)
+        self._set_codec(node.epochs.codec.spec if zones.multi else None)
         self.wire = reducer.wire
         self.engine.scope = node.scope(during_step=True)
         what = "; ".join(x for x in (late, what) if x)
@@ -322,18 +323,12 @@ class ShardedZone:
         current = {id(g.pg), id(group)}
         return [x for x in left if id(x) not in current]
 
-    def _set_codec(self, spec: CodecSpec | None, zone: set[str]) -> None:
+    def _set_codec(self, spec: CodecSpec | None) -> None:
         """The zones' sum through ``spec`` where it is lossy; residuals forgotten where this
-        zone's ranges moved (a new holder has none to agree on)."""
+        zone's layout or holdings changed (a new holder has none to agree on)."""
         if spec is None or make_codec(spec).lossless:
             self.coded = None
-            return
-        moved = self.moved
-        if (
-            self.coded is None
-            or self.coded.codecs.spec != spec
-            or (moved is not None and (moved.fresh or any(t.destination in zone for t in moved.transfers)))
-        ):
+        elif self.coded is None or self.coded.codecs.spec != spec or (self.moved and not self.moved.unchanged):
             self.coded = CodedSum(spec)
 
     def _restore(self, node: Node, layout: Layout, me: str, step: int) -> None:
@@ -481,12 +476,14 @@ class ShardedZone:
 class Moved:
     """What a sync phase did to the ranges: every zone's layout (in zone order), the
     transfers every zone's re-shard made (on ``world``'s group ``pg``; empty where nothing
-    moved), and whether the ranges were made afresh (from a model or a checkpoint)."""
+    moved), whether the ranges were made afresh (from a model or a checkpoint), and whether
+    this member's zone kept its layout and holdings as they were."""
 
     zone: str
     layouts: dict[str, Layout]
     transfers: tuple[Transfer, ...]
     fresh: bool
+    unchanged: bool
     world: dict[str, int]
     pg: ProcessGroup
 

@@ -81,7 +81,13 @@ def test_momentum_moves_with_the_ranges_and_a_stale_copy_is_not_used() -> None:
         zone = zone_holding(m, held[m], torch.zeros(numel))
         zone.step = 10
         zone.moved = SimpleNamespace(
-            zone="Z", layouts={"Z": new}, transfers=transfers, fresh=False, world=ranks, pg=world.group(ranks[m])
+            zone="Z",
+            layouts={"Z": new},
+            transfers=transfers,
+            fresh=False,
+            unchanged=False,
+            world=ranks,
+            pg=world.group(ranks[m]),
         )
         outers[m] = ShardedOuter(zone, SETTINGS, CodecSpec.parse("none"))
     outers["x"].momentum, outers["x"].momentum_step = {(0, 100): momentum.clone()}, 10
