@@ -49,13 +49,15 @@ from torch import nn
 
 from unbroken.comm.group import EpochGroup
 from unbroken.comm.reduce import Posted
+from unbroken.comm.robust import all_finite
 from unbroken.comm.transfer import sync_state
-from unbroken.errors import BadContribution, BadRequest, ConfigError
+from unbroken.errors import BadContribution, BadRequest, ConfigError, Suspicion
 from unbroken.events import Entry, Kind
 from unbroken.job import AnyOptimizer
 from unbroken.state.snapshot import tree_digest
 from unbroken.train.guard import judge
 from unbroken.train.hooks import LIES
+from unbroken.train.sharded_outer import ShardedOuter
 from unbroken.train.step import Slice, add_deltas, after_step, write_deltas
 
 if TYPE_CHECKING:
@@ -79,10 +81,18 @@ class DiLoCo:
         """The parameters at the round's start (what the outer optimizer steps)."""
         momentum = policy.outer_momentum  # 0: plain SGD (torch refuses Nesterov without momentum)
         settings = {"lr": policy.outer_lr, "momentum": momentum, "nesterov": momentum > 0}
-        self.outer = torch.optim.SGD(self.anchor, **settings)  # type: ignore[arg-type]
         node.state.outer_settings = settings
-        node.state.attach_outer(self.outer)
         node.state.optimizer_in_digest = False
+        self.sharded: ShardedOuter | None = None
+        """A sharded zone's outer loop, range by range (`train.sharded_outer`)."""
+        self.outer: torch.optim.SGD | None = None
+        if node.zone is not None:
+            if policy.overlap:
+                raise ConfigError("--outer-overlap is not for sharded zones yet: leave it off, or train unsharded")
+            self.sharded = ShardedOuter(node.zone, settings, order.policy.parsed().codec)
+        else:
+            self.outer = torch.optim.SGD(self.anchor, **settings)  # type: ignore[arg-type]
+            node.state.attach_outer(self.outer)
         self._round_start: dict[str, object] | None = None
         self._round_buffers: list[torch.Tensor] = []
         self.inner_zone: str | None = None
@@ -138,6 +148,8 @@ class DiLoCo:
                 log.info("%s: took zone %s's inner optimizer state (%.1f MB)", node.name, zone, r.megabytes)
                 node.records.log(Entry.INNER_SYNC, {"zone": mine, "step": node.state.step, "mb": r.megabytes})
         self.inner_zone, self.inner_step = mine, node.state.step
+        if self.sharded is not None:  # after the zone's sync phase gave this member its ranges
+            self.sharded.after_sync(node.scope(during_step=False))
 
     def round_end(self, step: int) -> int:
         """The step after the last inner step of the round that ``step`` is in."""
@@ -152,11 +164,15 @@ class DiLoCo:
         self._round_buffers = [b.detach().clone() for b in self.node.buffers]
         self._round_start = st.capture(reuse=self._round_start)
         self._moved = False
+        if self.sharded is not None:
+            self.sharded.begin_round(st.step)
 
     def rollback(self) -> None:
         """Back to the round's start (a failed round is retried with the same samples)."""
         self.in_flight = None  # its exchange was on the old epoch's groups: it is retried too
         st = self.node.state
+        if self.sharded is not None:
+            self.sharded.rollback(moved=self._round_start is not None and st.step != self._round_start["step"])
         if self._round_start is None or (st.step == self._round_start["step"] and not self._moved):
             return
         back = self._round_start["step"]
@@ -179,6 +195,8 @@ class DiLoCo:
         zone_samples = sum(g.shares[r] for r in zone_ranks)
         zone_shares = [s if r in zone_ranks else 0 for r, s in enumerate(g.shares)]
         self.begin_round()
+        if node.zone is not None:  # its inner steps sum in its zone, to the zone's mean
+            node.zone.inner_scale = B / max(zone_samples, 1)
         overlap = self.overlap and p.reducer.zones.multi
         if overlap:
             self.in_flight = None
@@ -224,6 +242,8 @@ class DiLoCo:
     def _outer_step(self, last: int, losses: list[float]) -> bool:
         """Exchange the zones' pseudo-gradients and apply the outer optimizer; True when
         the group switches to a new epoch after it."""
+        if self.sharded is not None:
+            return self._sharded_outer_step(last, losses)
         node, grp, p = self.node, self.node.group, self.node.protocol
         assert grp is not None and p is not None
         B = node.job.batch_size
@@ -266,6 +286,40 @@ class DiLoCo:
         self.inner_zone, self.inner_step = mine, node.state.step
         self.begin_round()  # the committed state: what a failure from now on rolls back to
         log.debug("%s: outer step after inner step %d (%d inner steps)", node.name, last, steps)
+        return tally.switch > 0 or node.state.step >= node.job.num_steps
+
+    def _sharded_outer_step(self, last: int, losses: list[float]) -> bool:
+        """`_outer_step` of a sharded zone: the pseudo-gradients exchanged range by range
+        between the zones' holders (`train.sharded_outer`), then the vote over the epoch,
+        then each member's outer step on its own ranges."""
+        node, grp, p, outer = self.node, self.node.group, self.node.protocol, self.sharded
+        assert grp is not None and p is not None and outer is not None and node.zone is not None
+        B = node.job.batch_size
+        mine, zone_ranks = self._zone()
+        zone_samples = sum(grp.shares[r] for r in zone_ranks)
+        first = int(self._round_start["step"]) if self._round_start else last  # type: ignore[call-overload]
+        steps, what = last + 1 - first, f"outer step after inner step {last}"
+        t_comm = time.monotonic()
+        node.faults.maybe_fire("exchange", last)
+        squares, sent = outer.exchange(zone_samples / B, zone_samples == 0, p.scope, what)
+        leader = zone_ranks[0] == grp.rank  # the zone's loss is every member's: one speaks for it
+        mean_loss = sum(losses) / max(len(losses), 1)
+        p.flat.zero_()
+        p.vote(samples=p.share * steps, switch=p.switching(), loss=mean_loss * (zone_samples / B if leader else 0.0))
+        p.flat[p.norms_at + grp.rank] = squares
+        p.reducer.allreduce(p.flat, p.scope, what)
+        p.reducer.wire.inter += sent
+        p.reducer.wire.last_inter += sent
+        node.meter.last_comm_s = time.monotonic() - t_comm
+        tally = p.verify(members=grp.size, samples=B * steps, what=what)
+        if not all_finite(p.flat[p.norms_at :]):  # every member's verdict, from the same sum
+            raise Suspicion(f"{what}: the summed pseudo-gradient of a range is not finite")
+        p.fence()
+        outer.apply(last + 1)
+        self._commit_round(grp, first, last, tally.loss)
+        node.zone.committed(node.state.step)
+        self.inner_zone, self.inner_step = mine, node.state.step
+        self.begin_round()
         return tally.switch > 0 or node.state.step >= node.job.num_steps
 
     def _speak(self, flat: torch.Tensor, last: int) -> None:
@@ -322,6 +376,7 @@ class DiLoCo:
                 n = a.numel()
                 a.grad = flat[off : off + n].view_as(a).clone()
                 off += n
+            assert self.outer is not None, "an unsharded outer step"
             self.outer.step()
             for a, q in zip(self.anchor, self.node.params, strict=True):
                 q.copy_(a)

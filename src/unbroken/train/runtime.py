@@ -389,11 +389,6 @@ class Node:
         g, reducer = self.epochs.form(order)
         policy = order.policy.parsed()
         sync = policy.mode is Mode.SYNC
-        if self.zone is not None and not sync:
-            raise ConfigError(
-                f"a sharded job trains in sync mode for now: this group's policy is {policy.mode.value}; "
-                "run it without --mode diloco, or unsharded"
-            )
         if sync:
             flat = self._step_buffer(g.size)
         else:  # DiLoCo's rounds keep exchanges in flight across steps: each epoch has a flat of its own

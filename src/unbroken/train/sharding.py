@@ -28,9 +28,13 @@ own layout; the gradient is summed in the zone as above, then over every member 
 in chunks, each zone putting in its primaries (`ShardedModel.cross_sum`); a zone takes what
 none of its members holds from another zone's (the epoch's group carries those transfers).
 
-Not yet here: the zones' sum through their leaders with a codec, and DiLoCo (refused);
-audits and work checks (validators), a job's ``before_update`` (no member holds the whole
-gradient; clipping is `Sharding.clip_norm`), loss scaling, accelerators.
+With a lossy ``--codec`` the zones' sum goes range by range through it instead
+(`unbroken.comm.outer_ranges.CodedSum`); in DiLoCo mode the inner steps are the zone's sums
+alone (``inner_scale``) and the round's end is `unbroken.train.sharded_outer`'s.
+
+Not yet here: DiLoCo's ``--outer-overlap`` (refused); audits and work checks (validators),
+a job's ``before_update`` (no member holds the whole gradient; clipping is
+`Sharding.clip_norm`), loss scaling, accelerators.
 
 Ranges that lost every holder in every zone while others live: once no holder rejoined
 within ``--absent-wait``, the whole job goes back to the newest checkpoint every member can
@@ -45,7 +49,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,20 +57,23 @@ import torch
 from torch import nn
 
 from unbroken.comm.blocks import broadcast_model, refuse_running_statistics, restore_storage
+from unbroken.comm.codecs import make_codec
 from unbroken.comm.group import EpochGroup, EpochScope, ProcessGroup, wait_all
+from unbroken.comm.outer_ranges import CodedSum
 from unbroken.comm.shard_files import complete_steps, prune_shards, restore_shards, save_shard
 from unbroken.comm.sharded import ShardedModel
 from unbroken.comm.solo import Solo
 from unbroken.errors import ConfigError, JobHalted, RangesAbsent, TransferError
 from unbroken.events import Entry
 from unbroken.job import Job, Optimizers, Sharding
+from unbroken.specs import CodecSpec
 from unbroken.state.checkpoint import KEEP
-from unbroken.state.shards import Layout
+from unbroken.state.shards import Layout, Transfer
 from unbroken.train.shard_fallback import fall_back, report_recovery
 from unbroken.train.shard_reports import Report, decide, decode, encode, exchange
 
 if TYPE_CHECKING:
-    from unbroken.comm.reduce import Reducer
+    from unbroken.comm.reduce import Reducer, Wire
     from unbroken.train.runtime import Node
 
 log = logging.getLogger(__name__)
@@ -154,6 +161,15 @@ class ShardedZone:
         that found them all)."""
         self._saved: list[tuple[int, list[Path]]] = []
         """The checkpoint steps this member wrote shard files of, and those files (`save`)."""
+        self.inner_scale: float | None = None
+        """DiLoCo's inner steps: the zone's sum is multiplied by this (to its samples' mean)
+        and nothing crosses zones (`train.sharded_outer`); None in sync mode."""
+        self.moved: Moved | None = None
+        """What the last sync phase did to the ranges, for state that travels with them."""
+        self.coded: CodedSum | None = None
+        """Several zones and a lossy ``--codec``: the zones' sum goes through it, range by range."""
+        self.wire: Wire | None = None
+        """The node's byte counts (the coded sum's bytes go with the step's)."""
 
     def make_optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """The job's optimizer class over the held ranges, with its settings (those of its
@@ -279,6 +295,12 @@ class ShardedZone:
                     sent = sum(t.size for t in transfers if t.source == me)
                     what = f"sent {sent:,} elements to another zone"
         self.epoch, self.step, self.pending = g.epoch, step, None
+        layouts = {z: x for z, d in decisions.items() if (x := d.fresh or (d.plan.new if d.plan else None))}
+        moves = () if decision.fresh is not None else transfers
+        fresh = decision.fresh is not None
+        self.moved = Moved(zone_of[me], layouts, moves, fresh, decision.unchanged and not fresh, world, g.pg)
+        self._set_codec(node.epochs.codec.spec if zones.multi else None)
+        self.wire = reducer.wire
         self.engine.scope = node.scope(during_step=True)
         what = "; ".join(x for x in (late, what) if x)
         if what:
@@ -289,6 +311,14 @@ class ShardedZone:
             log.info("%s: sharded zone at step %d: %s; holds %s elements", node.name, step, what, f"{held:,}")
         current = {id(g.pg), id(group)}
         return [x for x in left if id(x) not in current]
+
+    def _set_codec(self, spec: CodecSpec | None) -> None:
+        """The zones' sum through ``spec`` where it is lossy; residuals forgotten where this
+        zone's layout or holdings changed (a new holder has none to agree on)."""
+        if spec is None or make_codec(spec).lossless:
+            self.coded = None
+        elif self.coded is None or self.coded.codecs.spec != spec or (self.moved and not self.moved.unchanged):
+            self.coded = CodedSum(spec)
 
     def _restore(self, node: Node, layout: Layout, me: str, step: int) -> None:
         directory = node.config.checkpoint_dir
@@ -344,7 +374,12 @@ class ShardedZone:
         engine = self.ready
         engine.finish_backward()
         own = math.sqrt(engine.take_squares())
-        if self.world is not None:  # several zones: the sum over them too
+        if self.inner_scale is not None:  # a DiLoCo inner step: the zone's mean, nothing crosses zones
+            engine.scale_gradients(self.inner_scale)
+        elif self.world is not None and self.coded is not None and self.moved is not None:
+            m = self.moved  # several zones, a lossy codec: the sum over them range by range
+            self.coded.sum(engine, m.layouts, m.zone, m.world, self.world, f"the zones' sum of step {step}")
+        elif self.world is not None:  # several zones: the sum over them too
             engine.cross_sum(self.world)
         total = torch.tensor([engine.primary_squares()], dtype=torch.float64)
         wait_all([engine.group.allreduce([total])], engine.scope, "summing the gradient's norm over the zone")
@@ -364,6 +399,9 @@ class ShardedZone:
                     "does not sum them; keep it constant, or train unsharded"
                 )
         self._step(self.optimizer.param_groups, self._clip)
+        if self.coded is not None and self.wire is not None and self.inner_scale is None:
+            self.wire.inter += self.coded.sent  # counted with the step's all-reduce, just done
+            self.wire.last_inter += self.coded.sent
         # The job's scheduler asks its optimizer whether it stepped before it (torch warns
         # otherwise): it did, range by range, through the zone's own optimizer.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -378,6 +416,8 @@ class ShardedZone:
 
     def _apply_late(self, node: Node, step: int) -> None:
         assert self.pending is not None
+        if self.coded is not None:
+            self.coded.redo()
         self._step(self.pending[1], self.pending[2])
         log.info("%s: applied step %d late: the group committed it while its commit failed here", node.name, step - 1)
 
@@ -386,6 +426,8 @@ class ShardedZone:
         may have committed it (a commit failed here, not everywhere), and `sync` applies it."""
         if self.engine is None:
             return
+        if self.coded is not None:
+            self.coded.undo()
         if self.pending is not None and self.pending[0] == step:  # abandoned again (the epoch, after the step)
             self.engine.abandon(keep_sums=True)
             return
@@ -398,6 +440,8 @@ class ShardedZone:
 
     def committed(self, step: int) -> None:
         self.step = step
+        if self.coded is not None:
+            self.coded.committed()
 
     # ---------------------------------------------------------------- what a finished node keeps
 
@@ -415,6 +459,22 @@ class ShardedZone:
         # model will do (after a death, one survivor may hold it all).
         pieces = [(h.start, h.end, engine.export(h.start, h.end, with_state=False)["values"]) for h in engine.holdings]
         return out | {"pieces": pieces}
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What a sync phase did to the ranges: every zone's layout (in zone order), the
+    transfers every zone's re-shard made (on ``world``'s group ``pg``; empty where nothing
+    moved), whether the ranges were made afresh (from a model or a checkpoint), and whether
+    this member's zone kept its layout and holdings as they were."""
+
+    zone: str
+    layouts: dict[str, Layout]
+    transfers: tuple[Transfer, ...]
+    fresh: bool
+    unchanged: bool
+    world: dict[str, int]
+    pg: ProcessGroup
 
 
 def assemble(parts: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
