@@ -141,20 +141,6 @@ class Transfer:
         return self.end - self.start
 
 
-class Fallback(str, enum.Enum):
-    """Where a range that no live member of the zone holds comes from, in order of preference."""
-
-    OTHER_ZONE = "other-zone"
-    """The same range in another zone's replica: current, nothing lost."""
-    CHECKPOINT = "checkpoint"
-    """The last checkpoint: the zone (and so the job) resumes from its step."""
-
-
-def fallback_for(other_zone_available: bool) -> Fallback:
-    """Another zone holding the range if there is one (it is current), else the last checkpoint."""
-    return Fallback.OTHER_ZONE if other_zone_available else Fallback.CHECKPOINT
-
-
 @dataclass(frozen=True)
 class Missing:
     """A range whose every old holder was lost: it cannot come from the zone."""
@@ -162,9 +148,8 @@ class Missing:
     start: int
     end: int
     to: tuple[str, ...]
-    """The members that hold it in the new layout (primary first)."""
-    fallback: Fallback | None = None
-    """Filled by the caller (`Plan.with_fallback`), who knows whether another zone is up."""
+    """The members that hold it in the new layout (primary first); where its values come
+    from is `unbroken.state.fallback`'s choice."""
 
 
 @dataclass(frozen=True)
@@ -199,11 +184,6 @@ class Plan:
         parts = [f"{what} {', '.join(sorted(who))}" for what, who in changes if who]
         parts.append(f"{len(self.transfers)} transfers moving {self.moved:,} elements")
         return "; ".join([*parts, *self.warnings])
-
-    def with_fallback(self, other_zone_available: bool) -> Plan:
-        """The plan with every missing range's fallback filled in (`fallback_for`)."""
-        chosen = fallback_for(other_zone_available)
-        return dataclasses.replace(self, missing=tuple(dataclasses.replace(m, fallback=chosen) for m in self.missing))
 
 
 def layout_for(
@@ -483,7 +463,7 @@ def simulate(plan: Plan) -> dict[str, Ranges]:
         if any(h not in plan.lost for h in old.members if _inter(old.held(h), x.start, x.end)):
             raise TransferError(f"missing range [{x.start}, {x.end}) has a live holder in the zone")
         for dest in x.to:
-            deliver(dest, x.start, x.end, f"missing range [{x.start}, {x.end}) via {x.fallback}")
+            deliver(dest, x.start, x.end, f"missing range [{x.start}, {x.end}) from outside the zone")
     for m in new.members:
         if short := _minus(new.held(m), _union([*had[m], *got[m]])):
             raise TransferError(f"member {m!r} would lack {list(short)} of its new ranges")

@@ -11,14 +11,12 @@ import pytest
 
 from unbroken.errors import ConfigError, TransferError
 from unbroken.state.shards import (
-    Fallback,
     Layout,
     Plan,
     Purpose,
     Shard,
     Transfer,
     check_fits,
-    fallback_for,
     holdings,
     layout_for,
     plan,
@@ -196,19 +194,16 @@ def test_two_losses_that_do_not_share_a_range_are_served_from_the_zone() -> None
     assert not {t.source for t in p.transfers} & {"m1", "m3"}
 
 
-def test_losing_both_holders_of_a_range_names_it_missing_with_its_fallback() -> None:
+def test_losing_both_holders_of_a_range_names_it_missing() -> None:
     old = layout_for(1200, equal(6))  # m1 holds [200, 400), m2 is its buddy
     p = plan(old, lost=["m1", "m2"])
     check(p)
     assert [(x.start, x.end) for x in p.missing] == [(200, 300), (300, 400)]
     for x in p.missing:
         new = next(s for s in p.new.shards if s.start <= x.start < s.end)
-        assert x.to == (new.primary, new.buddy) and x.fallback is None
+        assert x.to == (new.primary, new.buddy)
     assert any("200 elements lost both holders" in w for w in p.warnings)
-    assert {x.fallback for x in p.with_fallback(other_zone_available=True).missing} == {Fallback.OTHER_ZONE}
-    assert {x.fallback for x in p.with_fallback(other_zone_available=False).missing} == {Fallback.CHECKPOINT}
-    assert fallback_for(True) is Fallback.OTHER_ZONE and fallback_for(False) is Fallback.CHECKPOINT
-    simulate(p.with_fallback(other_zone_available=False))
+    simulate(p)
 
 
 def test_a_zone_shrunk_to_one_member_says_it_has_no_redundancy() -> None:
