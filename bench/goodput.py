@@ -53,7 +53,11 @@ per-sample compute on the same number of processes (``--nodes``, plus the joins)
 same failure schedule, so a committed sample costs each the same work.
 
 The table and bench/results/goodput.json (``--json``) give goodput against the seconds
-between failures; with matplotlib, a plot next to it (``--plot``). The last line printed is
+between failures; with matplotlib, a plot next to it (``--plot``). Where the time went, per
+fault and by kind (`FaultCost`, read from each system's commit timeline): the gap to the
+next new step, how long the fault was in effect (until a replacement, the woken process or
+the joiner trained), and the seconds of failure-free training lost meanwhile, which add up
+to ``window × (1 - goodput)``; in the JSON as ``fault_costs``, with the machine's load. The last line printed is
 one JSON object: ``goodput`` (unbroken, at the rate nearest 10 s), ``failures`` (faults
 applied to it, joins included; ``faults`` by kind), ``promises_kept``, ``baselines`` (name →
 goodput at that rate, or why it could not run).
