@@ -15,16 +15,18 @@ checkpoint transport (HTTP), as torchft does; no disk checkpoint.
 The global batch is ``--batch`` samples a step, whoever is up, as in the other systems (not
 torchft's default, where each replica trains a fixed batch on its own shard and a step's batch
 grows with the replicas): once the step's quorum is known, the participant of rank r of P
-trains the r-th of P equal parts of the step's ``--batch`` samples (`unbroken.train.data.DataPlan`,
-the plan the others use), and ``manager.allreduce``'s mean over the participants is the
-batch's mean gradient. A replica that heals this step is no participant: it computes nothing
-and joins the all-reduce with zeros (torchft's own rule). Its step counter is the committed
-steps, so a failed step is tried again with the same samples. Each commit is a JSON line in
-``--log``: ``{"t", "kind": "commit", "step", "samples", "participants"}``.
+trains the r-th of P parts of the step's ``--batch`` samples (`unbroken.train.data.DataPlan`,
+the plan the others use; the first ``B % P`` parts one sample larger), and
+``manager.allreduce``'s mean over the participants is the batch's mean gradient (exactly so
+where P divides B, as bench/goodput.py's B=120 does for up to 5 replicas). A replica that
+heals this step is no participant: it computes nothing and joins the all-reduce with zeros
+(torchft's own rule). Its step counter is the committed steps, so a failed step is tried
+again with the same samples. Each commit is a JSON line in ``--log``:
+``{"t", "kind": "commit", "step", "samples", "participants"}``.
 The replica hosts its own TCPStore (its group's store: a group of one process).
 
     torchft_lighthouse --min_replicas 1 --bind [::]:29510 &
-    python bench/torchft_worker.py --replica 0 --lighthouse http://127.0.0.1:29510 --log r0.jsonl
+    python bench/torchft_worker.py --replica 0 --batch 120 --lighthouse http://127.0.0.1:29510 --log r0.jsonl
 """
 
 from __future__ import annotations
