@@ -33,7 +33,9 @@ compute), so they take from each other mainly when processes start.
   connect, and the group restarts over and over without training again.
 - ``torchft``: torchft 0.2.0, one replica group per process (bench/torchft_worker.py),
   Manager + ProcessGroupGloo + its lighthouse (heartbeat timeout 1 s, join timeout 1 s);
-  each replica trains B/N samples a step on its own shard, as torchft does. Gradients go
+  the same global batch B a step as the others: the step's quorum of P replicas trains B/P
+  samples each (not torchft's default of a fixed batch per replica, whose global batch grows
+  with the replicas: its samples per second and ours would not count the same). Gradients go
   through ``manager.allreduce``, not ``torchft.DistributedDataParallel``, whose comm hook in
   0.2.0 crashes the survivors of a peer's death (see bench/torchft_worker.py).
 - ``ddp``: plain DDP (bench/ddp_worker.py): no recovery, no joins (a join is passed over).
@@ -46,10 +48,16 @@ unbroken — B for each step committed in the window, once (the commit logs, and
 promise checked over them by `unbroken.testing.promises.check_promises`: gapless steps, one
 commit epoch each, equal replicas, exactly-once samples); torchrun and DDP — B for each step
 of progress (the highest step reached; steps redone after a restart count once); torchft —
-its Manager's ``batches_committed`` times the per-replica batch.
+B for each step its Manager committed. All four train B samples a step with the same
+per-sample compute on the same number of processes (``--nodes``, plus the joins), under the
+same failure schedule, so a committed sample costs each the same work.
 
 The table and bench/results/goodput.json (``--json``) give goodput against the seconds
-between failures; with matplotlib, a plot next to it (``--plot``). The last line printed is
+between failures; with matplotlib, a plot next to it (``--plot``). Where the time went, per
+fault and by kind (`FaultCost`, read from each system's commit timeline): the gap to the
+next new step, how long the fault was in effect (until a replacement, the woken process or
+the joiner trained), and the seconds of failure-free training lost meanwhile, which add up
+to ``window × (1 - goodput)``; in the JSON as ``fault_costs``, with the machine's load. The last line printed is
 one JSON object: ``goodput`` (unbroken, at the rate nearest 10 s), ``failures`` (faults
 applied to it, joins included; ``faults`` by kind), ``promises_kept``, ``baselines`` (name →
 goodput at that rate, or why it could not run).
@@ -61,6 +69,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import shlex
@@ -75,7 +84,7 @@ from pathlib import Path
 from typing import Any
 
 import jobs
-from common import HERE, NODE_ENV, DDPRun, ProgressLine, print_command, print_table
+from common import HERE, NODE_ENV, DDPRun, ProgressLine, machine, print_command, print_table
 from unbroken.testing import LocalCluster
 from unbroken.testing.chaos import Planned, feasible_kinds, schedule
 from unbroken.testing.promises import check_promises, environment
@@ -83,6 +92,8 @@ from unbroken.testing.promises import check_promises, environment
 SYSTEMS = ("unbroken", "torchrun", "torchft", "ddp")
 FAULT_KINDS = ("kill", "stop", "term", "join")
 RESULTS = HERE / "results" / "goodput.json"
+LOAD_AT_START = os.getloadavg()
+"""The machine's load as this run starts (others share it: part of reading its figures)."""
 REPLACE_AFTER_S = 1.0
 """A killed or leaving process's replacement starts this long after (as in a soak)."""
 
@@ -211,6 +222,16 @@ class System:
             if after is not None:
                 out.setdefault(kind, []).append(after - at)
         return out
+
+    def first_commits(self) -> list[tuple[float, int]]:
+        """(when, step) of each step's first commit by any process, in time order (a step
+        redone after a restart keeps its first time)."""
+        first: dict[int, float] = {}
+        for p in self.procs:
+            for e in p.entries():
+                if e.get("kind") == "commit":
+                    first[int(e["step"])] = min(first.get(int(e["step"]), e["t"]), e["t"])
+        return sorted((t, step) for step, t in first.items())
 
     def cold_starts(self, since: float) -> list[float]:
         """Spawn → first commit of each process started after ``since`` (replacements, joins)."""
@@ -368,7 +389,6 @@ class Torchft(System):
             stdout=err, stderr=err,
         )  # fmt: skip
         err.close()
-        self.per_replica = args.batch // args.nodes
 
     def add(self) -> Proc:
         self.count += 1
@@ -376,7 +396,7 @@ class Torchft(System):
         log = self.workdir / f"{name}.jsonl"
         cmd = [
             sys.executable, str(HERE / "torchft_worker.py"), "--job", "small", "--replica", str(self.count),
-            "--batch", str(self.per_replica), "--lighthouse", self.address, "--log", str(log),
+            "--batch", str(self.args.batch), "--lighthouse", self.address, "--log", str(log),
         ]  # fmt: skip
         err = open(self.workdir / f"{name}.err", "ab")  # noqa: SIM115
         popen = subprocess.Popen(cmd, stdout=err, stderr=err, env=dict(os.environ, **self.env))
@@ -384,15 +404,6 @@ class Torchft(System):
         p = Proc(name, popen, log)
         self.procs.append(p)
         return p
-
-    def samples(self, t0: float, t1: float) -> float:
-        def top(t: float) -> int:
-            counts = [
-                int(e["batches"]) for p in self.procs for e in p.entries() if e.get("kind") == "commit" and e["t"] <= t
-            ]
-            return max(counts, default=0)
-
-        return float((top(t1) - top(t0)) * self.per_replica)
 
     def close(self) -> None:
         super().close()
@@ -434,12 +445,19 @@ class Outcome:
     samples: float
     applied: list[tuple[float, str]] = dataclasses.field(default_factory=list)
     """(when, kind) of each fault applied."""
+    subjects: list[Proc | None] = dataclasses.field(default_factory=list)
+    """For each fault applied, the process whose training again ends it (`FaultCost`): set
+    when it starts (a replacement a second after its fault), None while it has not."""
     passed_over: int = 0
     promises: bool | None = None
     problems: str = ""
     recoveries: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     """Fault → progress again (`System.progress_after`), by kind."""
     cold_starts: list[float] = dataclasses.field(default_factory=list)
+    costs: list[FaultCost] = dataclasses.field(default_factory=list)
+    """What each fault applied cost (`fault_costs`), in the order applied."""
+    lost_unowned_s: float = 0.0
+    """Training lost while no fault was in effect (`FaultCost`): the load's, or a step's jitter."""
 
     free_window_s: float = 0.0
     free_samples: float = 0.0
@@ -456,6 +474,67 @@ class Outcome:
     @property
     def goodput(self) -> float | None:
         return round(self.rate / self.free_rate, 3) if self.free_rate > 0 else None
+
+
+@dataclasses.dataclass
+class FaultCost:
+    """What one fault cost a system, read from its commit timeline.
+
+    A fault is in effect from the moment it hits until the process it concerns trains again
+    (its first commit after the fault): a killed or leaving process's replacement, a stopped
+    one once woken, a joiner; torchrun's restarted worker; never, for plain DDP's dead rank.
+    The window is cut wherever a fault starts or ends; each piece lost ``length - committed
+    samples / failure-free rate`` seconds of training, shared equally by the faults in effect
+    over it that took a process away (kill, stop, leave), or by the joins in effect where
+    none did (a piece with no fault in effect is the load's: `Outcome.lost_unowned_s`). The
+    costs thus add up to ``window × (1 - goodput)``, and overlapping faults split what they
+    lose together instead of the later one taking the earlier one's tail."""
+
+    at_s: float
+    """When, in seconds from the window's start."""
+    kind: str
+    gap_s: float | None
+    """Fault -> the first commit of a step never committed before (None: none in the window)."""
+    effect_s: float
+    """Fault -> the process it concerns trains again (the window's end if it never did)."""
+    lost_s: float
+    """Seconds of failure-free training lost while it was in effect (its share of them)."""
+
+
+def fault_costs(system: System, out: Outcome, t0: float, t1: float) -> tuple[list[FaultCost], float]:
+    """Each applied fault's cost (`FaultCost`) over ``(t0, t1]``, and what the pieces of the
+    window with no fault in effect lost."""
+    rate = out.free_rate
+    if rate <= 0:
+        return [], 0.0
+    commits = system.first_commits()
+    ends = []
+    for (at, _), subject in zip(out.applied, out.subjects, strict=True):
+        back = None if subject is None else next(
+            (e["t"] for e in subject.entries() if e.get("kind") == "commit" and e["t"] > at), None)  # fmt: skip
+        ends.append(min(back, t1) if back is not None else t1)
+    cuts = sorted({t0, t1, *(at for at, _ in out.applied), *ends})
+    lost = [0.0] * len(out.applied)
+    unowned = 0.0
+    for a, b in itertools.pairwise(cuts):
+        piece = b - a - system.samples(a, b) / rate
+        active = [i for i, (at, _) in enumerate(out.applied) if at <= a and ends[i] >= b]
+        # A joiner starting takes no process away: what is lost meanwhile is a fault's that did
+        # (a replacement still starting), and the join's own only where none is in effect.
+        owners = [i for i in active if out.applied[i][1] != "join"] or active
+        if not owners:
+            unowned += piece
+        for i in owners:
+            lost[i] += piece / len(owners)
+    costs = []
+    for i, (at, kind) in enumerate(out.applied):
+        top = max((step for t, step in commits if t <= at), default=0)
+        first = next((t for t, step in commits if at < t <= t1 and step > top), None)
+        costs.append(FaultCost(
+            at_s=round(at - t0, 2), kind=kind, gap_s=None if first is None else round(first - at, 3),
+            effect_s=round(ends[i] - at, 2), lost_s=round(lost[i], 3),
+        ))  # fmt: skip
+    return costs, round(unowned, 3)
 
 
 def run_together(
@@ -508,6 +587,7 @@ def run_together(
             out.samples = x.samples(t0, t0 + window_s)
             out.recoveries = x.progress_after(out.applied)
             out.cold_starts = x.cold_starts(t0)
+            out.costs, out.lost_unowned_s = fault_costs(x, out, t0, t0 + window_s)
     finally:
         for x in systems:
             x.close()
@@ -526,13 +606,16 @@ def _apply(system: System, f: Planned, out: Outcome, due: list[tuple[float, Call
         out.passed_over += 1
         return
     out.applied.append((time.time(), f.kind))
+    index = len(out.subjects)
+    out.subjects.append(None)
     if f.kind == "join":
-        system.add()
+        out.subjects[index] = system.add()
         return
     victim = trainers[int(f.pick * len(trainers))]
     if f.kind == "stop":
         system.hit(victim, signal.SIGSTOP)
         victim.held = True
+        out.subjects[index] = victim
         pid = system.pid(victim)
 
         def wake() -> None:
@@ -547,9 +630,14 @@ def _apply(system: System, f: Planned, out: Outcome, due: list[tuple[float, Call
         system.hit(victim, signal.SIGKILL)
     else:
         system.leave(victim)
-    # torchrun's agent restarts a killed worker itself; a node that left is replaced
-    if system.replaces and not (f.kind == "kill" and isinstance(system, Torchrun)):
-        due.append((time.time() + REPLACE_AFTER_S, system.add))
+    if f.kind == "kill" and isinstance(system, Torchrun):
+        out.subjects[index] = victim  # its agent restarts the worker (the whole group) itself
+    elif system.replaces:  # a node that left or died is replaced
+
+        def replace() -> None:
+            out.subjects[index] = system.add()
+
+        due.append((time.time() + REPLACE_AFTER_S, replace))
 
 
 # ------------------------------------------------------------------ report
@@ -673,6 +761,18 @@ def main() -> None:
         caption="progress again: the first commit of a step past the one in flight at the fault "
         "(a restart's redone steps do not count); a stop lasts 1.5-3 s",
     )  # fmt: skip
+    cost_title = "What each kind of fault cost: seconds of failure-free training lost"
+    cost_columns = ["system", "seconds between faults", "fault", "count", "gap (median s)",
+                    "in effect (median s)", "lost s per fault (mean)", "lost s (all)", "share of the loss"]  # fmt: skip
+    cost_rows = [row for e in rates for s in systems if (o := faulted.get((s, e))) for row in _cost_rows(o)]
+    print_table(
+        cost_title,
+        cost_columns,
+        cost_rows,
+        caption="in effect: from the fault until the process it concerns trains (a replacement, the stopped one "
+        "woken, a joiner); lost: seconds of failure-free training lost meanwhile, shared by the faults in effect "
+        "together, so a system's rows add up to window x (1 - goodput); gap: fault -> the first commit of a new step",
+    )
     for every in rates:
         o = faulted.get(("unbroken", every))
         if o is not None and o.problems:
@@ -688,6 +788,17 @@ def main() -> None:
         "free_samples_per_s": {
             s: [round(o.free_rate, 1) if (o := faulted.get((s, e))) else None for e in rates] for s in runnable
         },
+        "fault_costs": {
+            s: {
+                f"{e:g}": {"lost_unowned_s": o.lost_unowned_s, "faults": [dataclasses.asdict(c) for c in o.costs]}
+                for e in rates
+                if (o := faulted.get((s, e)))
+            }
+            for s in runnable
+        },
+        "tables": [{"title": cost_title, "columns": cost_columns, "rows": cost_rows}],
+        "machine": machine(),
+        "load": {"start": [round(x, 2) for x in LOAD_AT_START], "end": [round(x, 2) for x in os.getloadavg()]},
         "together": not args.apart,
         "window_s": args.window,
         "free_window_s": args.free_window,
@@ -749,6 +860,24 @@ def _running(pid: int | None) -> bool:
 
 def _med(xs: list[float]) -> str:
     return f"{statistics.median(xs):.1f} ({len(xs)})" if xs else "-"
+
+
+def _cost_rows(o: Outcome) -> list[list[Any]]:
+    """`FaultCost`s by kind: one row each, then the time no fault was in effect."""
+    lost = o.window_s * (1 - (o.goodput or 0.0))
+    rows: list[list[Any]] = []
+    for kind in FAULT_KINDS:
+        cs = [c for c in o.costs if c.kind == kind]
+        if not cs:
+            continue
+        total = sum(c.lost_s for c in cs)
+        gaps = [c.gap_s for c in cs if c.gap_s is not None]
+        rows.append([o.system, f"{o.every_s:g}", kind, len(cs), f"{statistics.median(gaps):.2f}" if gaps else "-",
+                     f"{statistics.median(c.effect_s for c in cs):.1f}", f"{total / len(cs):.2f}", f"{total:.1f}",
+                     f"{total / lost:.0%}" if lost > 0 else "-"])  # fmt: skip
+    rows.append([o.system, f"{o.every_s:g}", "none in effect", "", "", "", "", f"{o.lost_unowned_s:.1f}",
+                 f"{o.lost_unowned_s / lost:.0%}" if lost > 0 else "-"])  # fmt: skip
+    return rows
 
 
 def _kinds(o: Outcome) -> list[tuple[str, int]]:

@@ -376,6 +376,15 @@ def goodput_section(data: dict[str, Any] | None, img_dir: Path, page_dir: Path) 
             if not isinstance(why, list):
                 out += [f"- {name}: not run ({why})"]
         out.append("")
+    if data.get("fault_costs"):
+        out += [
+            "Every system trains the same global batch B a step on the same processes under the same "
+            "fault schedule (torchft's quorum splits B among its participants), so a committed sample "
+            "costs each the same work. Each fault is in effect until the process it concerns trains "
+            "again (a replacement, the woken one, a joiner); the training lost meanwhile is its cost, "
+            "shared by the faults in effect together, and the costs add up to what the window lost.",
+            "",
+        ]
     for table in data.get("tables", []):
         out += [f"**{_cell(table['title'])}**", "", md_table(table["columns"], table["rows"]), ""]
     return out

@@ -1,7 +1,8 @@
 """A short run of bench/goodput.py: unbroken and plain DDP under one seeded schedule of
 kills, stops, leaves and joins. The figures come from the benchmark itself; this checks
-that every fault kind reaches a real job, that the promises hold over its log, and that the
-JSON it hands on (its last line, and the results file) says so."""
+that every fault kind reaches a real job, that the promises hold over its log, that the
+JSON it hands on (its last line, and the results file) says so, and that each fault's cost
+(read from the commit timeline) is there and adds up to what the window lost."""
 
 from __future__ import annotations
 
@@ -43,3 +44,13 @@ def test_a_short_goodput_run_keeps_the_promises_under_every_fault_kind_where_pla
     assert results["baselines"] == {"ddp": [ddp]}, results
     assert results["command"].startswith("python ") and results["date"], results
     assert "Where the time goes" in run.stdout
+    # Each fault applied has its cost, and the costs account for every second the window lost.
+    costs = results["fault_costs"]["unbroken"]["4"]
+    assert sorted(c["kind"] for c in costs["faults"]) == sorted(k for k, n in last["faults"].items() for _ in range(n))
+    lost = sum(c["lost_s"] for c in costs["faults"]) + costs["lost_unowned_s"]
+    assert lost == pytest.approx(16 * (1 - ours), abs=0.1), costs
+    # A killed or leaving node is in effect until its replacement (started a second later) commits.
+    gone = [c for c in costs["faults"] if c["kind"] in ("kill", "term")]
+    assert gone and all(c["effect_s"] > 1.0 for c in gone), costs
+    assert "What each kind of fault cost" in run.stdout
+    assert results["load"]["start"] and results["machine"]["cores"], results

@@ -94,6 +94,17 @@ def test_the_page_has_each_bench_its_plots_the_hand_measured_figures_and_says_wh
     assert "not measured yet" not in text and (img / "goodput.png").exists()
     assert "| seconds between faults | unbroken | torchft |" in text and "| 5 | 0.81 | - |" in text
     assert "- torchrun: not run (torch.distributed.run not found)" in text
+    assert "same global batch" not in text  # no breakdown: no words about one
+
+    # each fault's cost: the bench's own table, under a word on how the systems compare
+    goodput["fault_costs"] = {"unbroken": {"10": {"lost_unowned_s": 0.1, "faults": []}}}
+    goodput["tables"] = [{"title": "What each kind of fault cost", "columns": ["system", "fault", "lost s (all)"],
+                          "rows": [["unbroken", "kill", "3.3"]]}]  # fmt: skip
+    (results / "goodput.json").write_text(json.dumps(goodput))
+    assert _run([*render, "--img", str(img)], {}, tmp_path).returncode == 0
+    text = page.read_text().split("## Goodput against failure rate")[1].split("\n## ")[0]
+    assert "same global batch B a step" in text and "**What each kind of fault cost**" in text
+    assert "| unbroken | kill | 3.3 |" in text
 
 
 def test_render_names_a_plot_directory_the_page_cannot_link_to(tmp_path: Path) -> None:
