@@ -481,8 +481,7 @@ class Membership:
         trails it by a report, and a checkpoint of the newest step must not look ahead of
         the group; one member's word alone still moves it nothing."""
         r = self.roster
-        steps = sorted((x.step for mid in r.epoch_members if (x := r.members.get(mid))), reverse=True)
-        return max(r.step, steps[min(1, len(steps) - 1)] if steps else 0)
+        return max(r.step, r.steps.second_highest())
 
     def beyond(self, step: int) -> str | None:
         return self.gate.beyond(step)

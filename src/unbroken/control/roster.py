@@ -15,6 +15,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from sortedcontainers import SortedList
+
 from unbroken.control.messages import Capabilities, EpochOrder, Verify
 from unbroken.events import Event, Kind
 from unbroken.sched.balance import Preference, Profile, Role
@@ -94,6 +96,35 @@ class StepQuorum:
         self._at = {mid: s for mid, s in self._at.items() if s > self.floor}
         self._count = collections.Counter(self._at.values())
         return self.floor
+
+
+class EpochSteps:
+    """The steps the epoch's present members reported, as a sorted multiset: the second
+    highest of them is read at every hello (`Membership.reported_step`), and a fleet's
+    admission is thousands of hellos, so it is kept as reports come (O(log N) each) rather
+    than sorted from the members at each read."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, int] = {}
+        self._sorted: SortedList[int] = SortedList()
+
+    def set(self, member_id: str, step: int) -> None:
+        old = self._at.get(member_id)
+        if old == step:
+            return
+        if old is not None:
+            self._sorted.remove(old)
+        self._at[member_id] = step
+        self._sorted.add(step)
+
+    def drop(self, member_id: str) -> None:
+        if (old := self._at.pop(member_id, None)) is not None:
+            self._sorted.remove(old)
+
+    def second_highest(self) -> int:
+        """The second highest step (the highest where one member reported; 0: none did)."""
+        s = self._sorted
+        return int(s[-2]) if len(s) > 1 else int(s[-1]) if s else 0
 
 
 @dataclass
@@ -198,6 +229,28 @@ class Decision:
         return self
 
 
+class Members(dict[str, "Member"]):
+    """The members by id, keeping `EpochSteps` as members of the epoch in force come and
+    go (its only writers are these three; `Roster.reached` follows a member's step)."""
+
+    def __init__(self, roster: Roster) -> None:
+        super().__init__()
+        self._roster = roster
+
+    def __setitem__(self, member_id: str, member: Member) -> None:
+        super().__setitem__(member_id, member)
+        if member_id in self._roster.ranks:
+            self._roster.steps.set(member_id, member.step)
+
+    def __delitem__(self, member_id: str) -> None:
+        super().__delitem__(member_id)
+        self._roster.steps.drop(member_id)
+
+    def pop(self, member_id: str, *default: Member | None) -> Member | None:  # type: ignore[override]
+        self._roster.steps.drop(member_id)
+        return super().pop(member_id, *default)
+
+
 class Roster:
     """The members, the epoch in force and its ranks, the group's step, and the epoch
     wanted next with its reasons."""
@@ -206,7 +259,12 @@ class Roster:
         self.lease_s = lease_s
         self.term = 0
         """The leader's term, carried by every epoch order (0 without etcd)."""
-        self.members: dict[str, Member] = {}
+        self.ranks: dict[str, int] = {}
+        """Each member of the epoch in force by its rank (set with `epoch_members`; read on
+        every report, so a dictionary, not a call)."""
+        self.steps = EpochSteps()
+        """The steps of the epoch's members here (`Membership.reported_step`)."""
+        self.members: dict[str, Member] = Members(self)
         self.epoch = 0
         self.epoch_floor = 0
         """Nodes have heard of epochs up to this one (from before a restart): number above it."""
@@ -222,9 +280,6 @@ class Roster:
         self.readmit_at: float | None = None
         """When a member kept out of the epochs may come back (an epoch forms then)."""
         self._epoch_members: list[str] = []
-        self.ranks: dict[str, int] = {}
-        """Each member of the epoch in force by its rank (set with `epoch_members`; read on
-        every report, so a dictionary, not a call)."""
         self._quorum = StepQuorum(0, 0)
         self.committers: set[str] = set()
         """Members of the epoch in force that reported a commit in it (two at most: a
@@ -247,9 +302,11 @@ class Roster:
         self._epoch_members = list(members)
         self.ranks = {mid: rank for rank, mid in enumerate(self._epoch_members)}
         self._quorum = StepQuorum(len(self._epoch_members), self.step)
+        self.steps = EpochSteps()
         for mid in self._epoch_members:  # what the new epoch's members said before it
             if (x := self.members.get(mid)) is not None:
                 self.step = max(self.step, self._quorum.report(mid, x.step))
+                self.steps.set(mid, x.step)
 
     def rank_of(self, member_id: str) -> int | None:
         """The member's rank in the epoch in force (None: not in it), in constant time."""
@@ -258,6 +315,8 @@ class Roster:
     def reached(self, member_id: str, step: int) -> None:
         """A member of the epoch in force reported ``step``: the group's step follows most of them."""
         self.step = max(self.step, self._quorum.report(member_id, step))
+        if member_id in self.members:
+            self.steps.set(member_id, step)
 
     def name(self, member_id: str) -> str:
         member = self.members.get(member_id)
