@@ -42,8 +42,11 @@ minutes. At 100,000 nodes the admission is a hundred times the 10,000 one's.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -75,7 +78,13 @@ def simulate(
     progress.update(f"{n}: {n:,} nodes joining")
     wall = time.perf_counter()
     sim = Simulation(config)
-    admitted = admit(sim, timeout_s=args.admit_timeout)
+    if args.profile:
+        sim.coordinator.profile = cProfile.Profile()
+
+    def told(what: str) -> None:
+        progress.update(f"{n}: {what}")
+
+    admitted = admit(sim, timeout_s=args.admit_timeout, progress=told)
     if admitted is None:
         welcomed = sum(x.welcomed_at is not None for x in sim.nodes)
         raise SystemExit(
@@ -87,8 +96,15 @@ def simulate(
     gc.freeze()
     progress.update(f"{n}: admitted in {admitted:.2f} s (virtual, {time.perf_counter() - wall:.0f} s real); storms")
     storm = args.storm or max(1, n // 100)
-    report = storms(sim, args.events, args.every, storm, kinds=kinds, admit_s=admitted)
+    report = storms(sim, args.events, args.every, storm, kinds=kinds, admit_s=admitted, progress=told)
     gc.unfreeze()
+    if sim.coordinator.profile is not None:
+        path = Path(f"{args.profile}-{n}")
+        sim.coordinator.profile.dump_stats(path)
+        out = io.StringIO()
+        pstats.Stats(str(path), stream=out).sort_stats("tottime").print_stats(25)
+        progress.close()
+        print(f"the coordinator's handlers at {n:,} nodes, by own time (all of it in {path}):", out.getvalue())
     return report
 
 
@@ -179,6 +195,7 @@ def main() -> None:
     p.add_argument("--ramp", type=float, default=2.0, help="the first hellos spread over this long")
     p.add_argument("--admit-timeout", type=float, default=600.0, help="virtual seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", help="profile the coordinator's handlers into FILE-<nodes> (slows it: no timings)")
     p.add_argument("--cross-check", help="bench/scale.py --json output: simulate its sizes and settings beside it")
     p.add_argument("--scale-events", type=int, default=10, help="with --cross-check: its --events")
     p.add_argument("--scale-duration", type=float, default=60.0, help="with --cross-check: its --duration")

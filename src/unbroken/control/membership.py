@@ -499,8 +499,8 @@ class Membership:
         scan = expire and now >= self._next_expiry_scan
         if scan:
             self._next_expiry_scan = now + r.lease_s / 10
-        for mid, m in list(r.members.items()) if scan else []:
-            if now - m.last_seen > r.lease_s and not (r.finished and self.finish.said_done(mid)):
+        for mid in r.leases.lapsed(r.members, now, r.lease_s) if scan else []:
+            if (m := r.members.get(mid)) is not None and not (r.finished and self.finish.said_done(mid)):
                 d.expel[mid] = f"no heartbeat for {now - m.last_seen:.2f} s (lease {r.lease_s} s)"
                 d.merge(self.fail(mid, now, f"lease expired after {now - m.last_seen:.2f} s"))
         if self.recovery.until is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import heapq
 import math
 import statistics
 from collections import deque
@@ -99,32 +100,81 @@ class StepQuorum:
 
 
 class EpochSteps:
-    """The steps the epoch's present members reported, as a sorted multiset: the second
-    highest of them is read at every hello (`Membership.reported_step`), and a fleet's
-    admission is thousands of hellos, so it is kept as reports come (O(log N) each) rather
-    than sorted from the members at each read."""
+    """The steps the epoch's present members reported, as a multiset: the second highest of
+    them is read at every hello (`Membership.reported_step`), and a fleet's admission is
+    thousands of hellos, so it is kept as reports come rather than sorted from the members
+    at each read. A report moves a count (constant time); the distinct steps, a handful
+    while a group trains, are kept sorted (O(log N) when one appears or goes)."""
 
     def __init__(self) -> None:
         self._at: dict[str, int] = {}
-        self._sorted: SortedList[int] = SortedList()
+        self._count: collections.Counter[int] = collections.Counter()
+        self._distinct: SortedList[int] = SortedList()
 
     def set(self, member_id: str, step: int) -> None:
         old = self._at.get(member_id)
         if old == step:
             return
         if old is not None:
-            self._sorted.remove(old)
+            self._uncount(old)
         self._at[member_id] = step
-        self._sorted.add(step)
+        if self._count[step] == 0:
+            self._distinct.add(step)
+        self._count[step] += 1
 
     def drop(self, member_id: str) -> None:
         if (old := self._at.pop(member_id, None)) is not None:
-            self._sorted.remove(old)
+            self._uncount(old)
+
+    def _uncount(self, step: int) -> None:
+        self._count[step] -= 1
+        if self._count[step] == 0:
+            del self._count[step]
+            self._distinct.remove(step)
 
     def second_highest(self) -> int:
         """The second highest step (the highest where one member reported; 0: none did)."""
-        s = self._sorted
-        return int(s[-2]) if len(s) > 1 else int(s[-1]) if s else 0
+        if not self._distinct:
+            return 0
+        top = int(self._distinct[-1])
+        if self._count[top] > 1 or len(self._distinct) == 1:
+            return top
+        return int(self._distinct[-2])
+
+
+class Leases:
+    """When each member was last heard, as a heap that the lease check reads from its oldest
+    end: a check costs the members whose entry is over a lease old, not every member (at
+    100,000 members a scan of them all, ten times a lease, was a core's work). An entry
+    holds a time at or before any ``last_seen`` the member will have (a heartbeat sets it
+    to the clock's now); one found older than the member's is put back with that time."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, str]] = []
+        self._queued: dict[str, float] = {}
+        """Each member's live entry (others in the heap are stale: dropped when reached)."""
+
+    def add(self, member_id: str, seen: float) -> None:
+        self._queued[member_id] = seen
+        heapq.heappush(self._heap, (seen, member_id))
+
+    def lapsed(self, members: dict[str, Member], now: float, lease_s: float) -> list[str]:
+        """The members not heard from for more than ``lease_s``, the longest silent first."""
+        out, back, heap = [], [], self._heap
+        while heap and now - heap[0][0] > lease_s:
+            seen, mid = heapq.heappop(heap)
+            if self._queued.get(mid) != seen:
+                continue
+            if (m := members.get(mid)) is None:
+                del self._queued[mid]
+                continue
+            if now - m.last_seen > lease_s:
+                out.append(mid)
+            back.append(mid)  # one kept past its lease (it said it is done) is checked again
+        for mid in back:
+            # Not after now: a pause moves ``last_seen`` ahead, and the next heartbeat back to now.
+            self.add(mid, min(members[mid].last_seen, now))
+        return out
 
 
 @dataclass
@@ -230,7 +280,7 @@ class Decision:
 
 
 class Members(dict[str, "Member"]):
-    """The members by id, keeping `EpochSteps` as members of the epoch in force come and
+    """The members by id, keeping `Leases` and `EpochSteps` as members of the epoch in force come and
     go (its only writers are these three; `Roster.reached` follows a member's step)."""
 
     def __init__(self, roster: Roster) -> None:
@@ -239,6 +289,7 @@ class Members(dict[str, "Member"]):
 
     def __setitem__(self, member_id: str, member: Member) -> None:
         super().__setitem__(member_id, member)
+        self._roster.leases.add(member_id, member.last_seen)
         if member_id in self._roster.ranks:
             self._roster.steps.set(member_id, member.step)
 
@@ -264,6 +315,7 @@ class Roster:
         every report, so a dictionary, not a call)."""
         self.steps = EpochSteps()
         """The steps of the epoch's members here (`Membership.reported_step`)."""
+        self.leases = Leases()
         self.members: dict[str, Member] = Members(self)
         self.epoch = 0
         self.epoch_floor = 0

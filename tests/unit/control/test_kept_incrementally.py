@@ -1,6 +1,6 @@
-"""The epoch's reported steps kept as reports come (`roster.EpochSteps`): the same answer as
-sorting the members' steps at each read, on random sequences of joins, reports, failures,
-leaves, reconnections and epoch changes."""
+"""What the coordinator keeps as reports come instead of walking every member at each read
+(`roster.EpochSteps`, `roster.Leases`): the same answers as that walk, on random sequences
+of joins, reports, failures, leaves, reconnections, pauses and epoch changes."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ from unbroken.control.membership import Membership
 from unbroken.control.roster import Roster
 
 from .test_membership import hello
+
+
+def lapsed_by_scan(r: Roster, now: float) -> list[str]:
+    """What the lease check found before: a walk over every member."""
+    return sorted(mid for mid, m in r.members.items() if now - m.last_seen > r.lease_s)
 
 
 def sorted_each_time(r: Roster) -> int:
@@ -49,3 +54,33 @@ def test_the_kept_steps_give_what_a_sort_of_the_epoch_gives(seed: int) -> None:
         assert ms.reported_step() == sorted_each_time(ms.roster), f"seed {seed}, after {checked} checks"
         checked += ms.roster.epoch > 0
     assert checked > 100, "epochs formed, so the epoch's steps were compared"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_lease_heap_finds_what_a_walk_over_the_members_finds(seed: int) -> None:
+    rng = random.Random(seed)
+    ms = Membership(MembershipConfig(lease_s=1.0), now=0.0)
+    r = ms.roster
+    names = [f"n{i}" for i in range(rng.randint(3, 30))]
+    now, found = 0.0, 0
+    for _ in range(800):
+        now += rng.choice((0.01, 0.1, 0.4))
+        mid = rng.choice(names)
+        roll = rng.random()
+        if mid not in ms.members:
+            ms.admit(hello(mid), now)
+        elif roll < 0.6:
+            ms.heartbeat(mid, 0, now)
+        elif roll < 0.65:
+            ms.fail(mid, now, "cut off")
+        elif roll < 0.7:
+            ms.session_closed(mid, now)
+        elif roll < 0.72:
+            ms.pause(rng.choice((0.2, 1.5)))
+        elif roll < 0.75:
+            ms.admit(hello(mid), now)  # a reconnection: the same member, heard now
+        else:
+            expected = lapsed_by_scan(r, now)
+            assert sorted(r.leases.lapsed(r.members, now, r.lease_s)) == expected, f"seed {seed} at {now:.2f}"
+            found += len(expected)
+    assert found > 0, "some leases lapsed, so the heap's answers were compared"
