@@ -86,6 +86,7 @@ def simulate(
 
     admitted = admit(sim, timeout_s=args.admit_timeout, progress=told)
     if admitted is None:
+        profiled(sim, n, args.profile, progress)
         welcomed = sum(x.welcomed_at is not None for x in sim.nodes)
         raise SystemExit(
             f"{n} nodes: {welcomed} welcomed, not all in an epoch within {args.admit_timeout:g} s (virtual)"
@@ -98,14 +99,20 @@ def simulate(
     storm = args.storm or max(1, n // 100)
     report = storms(sim, args.events, args.every, storm, kinds=kinds, admit_s=admitted, progress=told)
     gc.unfreeze()
-    if sim.coordinator.profile is not None:
-        path = Path(f"{args.profile}-{n}")
-        sim.coordinator.profile.dump_stats(path)
-        out = io.StringIO()
-        pstats.Stats(str(path), stream=out).sort_stats("tottime").print_stats(25)
-        progress.close()
-        print(f"the coordinator's handlers at {n:,} nodes, by own time (all of it in {path}):", out.getvalue())
+    profiled(sim, n, args.profile, progress)
     return report
+
+
+def profiled(sim: Simulation, n: int, where: str | None, progress: ProgressLine) -> None:
+    """Print where the coordinator's CPU went (``--profile``), and keep all of it in a file."""
+    if sim.coordinator.profile is None or where is None:
+        return
+    path = Path(f"{where}-{n}")
+    sim.coordinator.profile.dump_stats(path)
+    out = io.StringIO()
+    pstats.Stats(str(path), stream=out).sort_stats("tottime").print_stats(25)
+    progress.close()
+    print(f"the coordinator's handlers at {n:,} nodes, by own time (all of it in {path}):", out.getvalue())
 
 
 def summary(r: Report, storm: int) -> dict[str, Any]:
