@@ -54,7 +54,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ProgressLine, fmt, print_command, print_table, ratio
+from common import ProgressLine, fmt, print_command, print_table, ratio, write_results
 from unbroken.testing.simulate import SimConfig, Simulation
 from unbroken.testing.storms import KINDS, Report, admit, storms
 from unbroken.testing.virtual import LinkSpec
@@ -181,6 +181,7 @@ def cross_check(args: argparse.Namespace, progress: ProgressLine) -> None:
         "same nodes; per message: CPU / (messages at the nodes, both ways). The fake side of a real run that falls "
         "behind sends fewer messages than its nodes would: then only the per node-second figure compares",
     )
+    write_results({"cross_check": out})
     print(json.dumps({"cross_check": out}))
 
 
@@ -264,6 +265,7 @@ def main() -> None:
         f"ms inside; loss {args.loss:g}; CPU is the real code's on this machine, without aiohttp",
     )
     runs = [summary(r, args.storm or max(1, r.nodes // 100)) for r in reports]
+    write_results({"runs": runs})
     print(json.dumps({**runs[-1], "runs": runs}))
 
 
