@@ -77,6 +77,10 @@ class StepQuorum:
         """Each member's step, where above ``floor``."""
         self._count: collections.Counter[int] = collections.Counter()
 
+    def counts(self, member_id: str, step: int) -> bool:
+        """Whether ``member_id``'s report of ``step`` or later is counted."""
+        return self._at.get(member_id, -1) >= step
+
     def report(self, member_id: str, step: int) -> int:
         """A member of the epoch reached ``step``: the step most of them reached now."""
         old = self._at.get(member_id)
@@ -369,6 +373,21 @@ class Roster:
         self.step = max(self.step, self._quorum.report(member_id, step))
         if member_id in self.members:
             self.steps.set(member_id, step)
+
+    def renewed(self, member_id: str, step: int, now: float) -> bool:
+        """Renew the lease of a member of the epoch that says a step the group counts already,
+        where that is all `Membership.heartbeat` would do; False where it would do more (call
+        it). At 10,000 members relays bring tens of thousands of these a second, most saying
+        the step their member said before."""
+        m = self.members.get(member_id)
+        finishing = self.num_steps and self.step >= self.num_steps
+        if m is None or step > m.step or member_id not in self.ranks or finishing:
+            return False
+        q = self._quorum
+        if m.step > q.floor and not q.counts(member_id, m.step):
+            return False
+        m.last_seen = now
+        return True
 
     def name(self, member_id: str) -> str:
         member = self.members.get(member_id)

@@ -84,3 +84,49 @@ def test_the_lease_heap_finds_what_a_walk_over_the_members_finds(seed: int) -> N
             assert sorted(r.leases.lapsed(r.members, now, r.lease_s)) == expected, f"seed {seed} at {now:.2f}"
             found += len(expected)
     assert found > 0, "some leases lapsed, so the heap's answers were compared"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_lease_renewed_alone_leaves_what_a_heartbeat_would(seed: int) -> None:
+    """`Roster.renewed` (a relay's members heard at a step counted already) against
+    `Membership.heartbeat` for every one: two memberships fed the same sequence."""
+    rng = random.Random(seed)
+    fast, slow = (Membership(MembershipConfig(lease_s=1.0), now=0.0) for _ in range(2))
+    both = (fast, slow)
+    names = [f"n{i}" for i in range(rng.randint(3, 12))]
+    now, renewed = 0.0, 0
+    for mid in names:
+        h = hello(mid, steps=rng.choice((0, 12)))
+        for ms in both:
+            ms.admit(h, now)
+    for _ in range(500):
+        now += rng.choice((0.01, 0.05, 0.3))
+        mid = rng.choice(names)
+        roll = rng.random()
+        if mid not in slow.members or roll < 0.05:
+            h = hello(mid, step=rng.randint(0, 14), steps=rng.choice((0, 12)))
+            for ms in both:
+                ms.admit(h, now)
+        elif roll < 0.1:
+            for ms in both:
+                ms.fail(mid, now, "cut off")
+        elif roll < 0.2:
+            for ms in both:
+                for other in list(ms.members):
+                    ms.heartbeat(other, ms.members[other].step, now)
+                ms.tick(now)
+        else:
+            step = max(0, slow.members[mid].step - rng.choice((0, 0, 1, 5)) + rng.choice((0, 0, 0, 1)))
+            slow.heartbeat(mid, step, now)
+            if fast.roster.renewed(mid, step, now):
+                renewed += 1
+            else:
+                fast.heartbeat(mid, step, now)
+        r, s = fast.roster, slow.roster
+        assert (r.epoch, r.step, fast.reported_step()) == (s.epoch, s.step, slow.reported_step()), f"seed {seed}"
+        assert {k: (m.step, m.last_seen) for k, m in r.members.items()} == {
+            k: (m.step, m.last_seen) for k, m in s.members.items()
+        }
+        assert fast.finish.last_epoch == slow.finish.last_epoch
+        assert r._quorum._at == s._quorum._at and r._quorum.floor == s._quorum.floor
+    assert renewed > 50, "most heartbeats said a step counted already"
