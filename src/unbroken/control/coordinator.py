@@ -244,6 +244,7 @@ class Coordinator(ThreadedService):
         if hello.resume is not None:
             if (resume := self.resumes.expand(hello.resume, self._last_order)) is None:
                 unknown = f"this coordinator holds no lists of epoch {hello.resume.epoch} that match its digest"
+                log.info("asked %s from %s for its resume in full: %s", hello.name, peer, unknown)
                 return m.Refused(reason=f"{unknown}: send them", resume_in_full=True)
             hello = hello.model_copy(update={"resume": resume})
         mid = hello.member_id
