@@ -43,6 +43,7 @@ SECTIONS: dict[str, str] = {
     "verify": "Checking the trainers' work",
     "hostile": "Under attack",
     "scale": "The control plane at scale",
+    "simulate": "The control plane simulated",
     "dashboard": "Watching the dashboard",
     "fresh_memory": "Fresh memory",
     "chaos_soak": "Chaos soak",

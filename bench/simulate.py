@@ -28,22 +28,26 @@ prints the real and simulated coordinator CPU per node message side by side, and
 
 The last line is one JSON object: the largest run's figures, with every run's under ``runs``.
 
-Its own cost: about 3 CPU seconds per simulated second at 10,000 nodes (their 60,000
-messages a second are parsed by the real code), and the admission of the first hellos is
-most of a run: the coordinator answers each hello after scanning every member of the epoch
-(`Membership.reported_step`, for the welcome's ``group_step``), so admitting N nodes costs
-it O(N²): with 6,000 members in, it admitted about 120 hellos a simulated second, saturated
-(measured at 5,000: that scan was three quarters of its CPU). On 2 cores shared with other
-work (2026-12-07, load average 15-24) ``--short`` had not finished admitting its 10,000
-nodes after 50 minutes (12 CPU minutes); ``--sizes 3000 --events 6 --every 3`` took 3
-minutes. At 100,000 nodes the admission is a hundred times the 10,000 one's.
+Its own cost: the simulated nodes' 50,000 messages a second at 10,000 nodes are parsed by
+the real code. On 2 cores shared with other work (2026-12-07, load average 17-21) ``--sizes
+10000 --events 3 --every 3`` took 13 minutes (2.5 CPU minutes, about 6 per simulated
+second): 10,000 nodes admitted in 12 simulated seconds, where before the
+coordinator's hello scanned every member of the epoch (`Membership.reported_step`) and
+admission had not finished after 50 minutes. At 100,000 nodes every figure is ten times
+the 10,000 one's: hours here.
+
+``--profile FILE`` runs the coordinator's handlers under cProfile (CPU time) and prints
+where its time went; it slows them, so its run's timings mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -51,10 +55,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ProgressLine, fmt, print_command, print_table, ratio
+from common import ProgressLine, fmt, print_command, print_table, ratio, write_results
 from unbroken.testing.simulate import SimConfig, Simulation
 from unbroken.testing.storms import KINDS, Report, admit, storms
 from unbroken.testing.virtual import LinkSpec
+
+STARVED = 0.8
+"""A real run's nodes sent fewer than this share of the simulated nodes' messages: its fake
+side fell behind, and its CPU per message is not compared."""
 
 
 def simulate(
@@ -75,8 +83,15 @@ def simulate(
     progress.update(f"{n}: {n:,} nodes joining")
     wall = time.perf_counter()
     sim = Simulation(config)
-    admitted = admit(sim, timeout_s=args.admit_timeout)
+    if args.profile:
+        sim.coordinator.profile = cProfile.Profile(time.thread_time)  # CPU: the machine may be busy
+
+    def told(what: str) -> None:
+        progress.update(f"{n}: {what}")
+
+    admitted = admit(sim, timeout_s=args.admit_timeout, progress=told)
     if admitted is None:
+        profiled(sim, n, args.profile, progress)
         welcomed = sum(x.welcomed_at is not None for x in sim.nodes)
         raise SystemExit(
             f"{n} nodes: {welcomed} welcomed, not all in an epoch within {args.admit_timeout:g} s (virtual)"
@@ -87,9 +102,22 @@ def simulate(
     gc.freeze()
     progress.update(f"{n}: admitted in {admitted:.2f} s (virtual, {time.perf_counter() - wall:.0f} s real); storms")
     storm = args.storm or max(1, n // 100)
-    report = storms(sim, args.events, args.every, storm, kinds=kinds, admit_s=admitted)
+    report = storms(sim, args.events, args.every, storm, kinds=kinds, admit_s=admitted, progress=told)
     gc.unfreeze()
+    profiled(sim, n, args.profile, progress)
     return report
+
+
+def profiled(sim: Simulation, n: int, where: str | None, progress: ProgressLine) -> None:
+    """Print where the coordinator's CPU went (``--profile``), and keep all of it in a file."""
+    if sim.coordinator.profile is None or where is None:
+        return
+    path = Path(f"{where}-{n}")
+    sim.coordinator.profile.dump_stats(path)
+    out = io.StringIO()
+    pstats.Stats(str(path), stream=out).sort_stats("tottime").print_stats(25)
+    progress.close()
+    print(f"the coordinator's handlers at {n:,} nodes, by own time (all of it in {path}):", out.getvalue())
 
 
 def summary(r: Report, storm: int) -> dict[str, Any]:
@@ -116,6 +144,10 @@ def cross_check(args: argparse.Namespace, progress: ProgressLine) -> None:
             "real": x["coord_cpu"] / (x["msgs_per_node_s"] * n) * 1e6,
             "sim": r.coordinator_core_share / (sim_rate * live) * 1e6,
         }
+        # A real fake side that falls behind (it shares the machine with the coordinator and
+        # relays it measures) sends fewer messages than its nodes would: per message, the
+        # real coordinator's CPU is then divided by too few (0.16x at 1,000 on 2 busy cores).
+        starved = x["msgs_per_node_s"] < STARVED * sim_rate
         relays = {
             "real": x["relay_cpu_sum"] / (x["msgs_per_node_s"] * n) * 1e6,
             "sim": r.cpu_s["relays"] / r.duration_s / (sim_rate * live) * 1e6,
@@ -128,7 +160,7 @@ def cross_check(args: argparse.Namespace, progress: ProgressLine) -> None:
                 ratio(share["sim"], share["real"]),
                 f"{x['msgs_per_node_s']:.2f} / {sim_rate:.2f}",
                 f"{per_msg['real']:.2f} / {per_msg['sim']:.2f} µs",
-                ratio(per_msg["sim"], per_msg["real"]),
+                "- (real fake side starved)" if starved else ratio(per_msg["sim"], per_msg["real"]),
                 f"{relays['real']:.2f} / {relays['sim']:.2f} µs",
                 ratio(relays["sim"], relays["real"]),
                 f"{fmt(x['change_median'], ' s', 2)} / {fmt(r.epoch_change_s['p50'], ' s', 2)}",
@@ -136,6 +168,7 @@ def cross_check(args: argparse.Namespace, progress: ProgressLine) -> None:
         )
         out.append({"nodes": n, "coordinator_core_share": share, "ratio_per_node_s": share["sim"] / share["real"],
                     "coordinator_us_per_msg": per_msg, "ratio_per_msg": per_msg["sim"] / per_msg["real"],
+                    "real_fake_side_starved": starved,
                     "relays_us_per_msg": relays, "real_fake_side_stall_s": x["fake_stall"],
                     "real_false_expulsions": x["expelled"]})  # fmt: skip
     progress.close()
@@ -158,6 +191,7 @@ def cross_check(args: argparse.Namespace, progress: ProgressLine) -> None:
         "same nodes; per message: CPU / (messages at the nodes, both ways). The fake side of a real run that falls "
         "behind sends fewer messages than its nodes would: then only the per node-second figure compares",
     )
+    write_results({"cross_check": out})
     print(json.dumps({"cross_check": out}))
 
 
@@ -179,6 +213,7 @@ def main() -> None:
     p.add_argument("--ramp", type=float, default=2.0, help="the first hellos spread over this long")
     p.add_argument("--admit-timeout", type=float, default=600.0, help="virtual seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", help="profile the coordinator's handlers into FILE-<nodes> (slows it: no timings)")
     p.add_argument("--cross-check", help="bench/scale.py --json output: simulate its sizes and settings beside it")
     p.add_argument("--scale-events", type=int, default=10, help="with --cross-check: its --events")
     p.add_argument("--scale-duration", type=float, default=60.0, help="with --cross-check: its --duration")
@@ -240,6 +275,7 @@ def main() -> None:
         f"ms inside; loss {args.loss:g}; CPU is the real code's on this machine, without aiohttp",
     )
     runs = [summary(r, args.storm or max(1, r.nodes // 100)) for r in reports]
+    write_results({"runs": runs})
     print(json.dumps({**runs[-1], "runs": runs}))
 
 

@@ -272,7 +272,8 @@ def test_bad_etcd_input_gets_errors_that_name_the_fix(make_cluster, etcd, tmp_pa
 
 def test_relays_follow_a_new_leader_after_the_old_one_is_killed(make_cluster, etcd):
     """Nodes behind a relay; the leader is SIGKILLed: the relay links to the new leader
-    (found through etcd) and the job ends with every promise kept and terms never going back."""
+    (found through etcd), its members come back through it (not around it to the new leader),
+    and the job ends with every promise kept and terms never going back."""
     env = {"UB_TEST_STEPS": "120", "UB_TEST_DELAY_MS": "20"}
     c = start(make_cluster, etcd, env, n=3)
     relay = c.start_relay(zone="R")
@@ -290,6 +291,17 @@ def test_relays_follow_a_new_leader_after_the_old_one_is_killed(make_cluster, et
             return json.load(r)["leader"] == f"{new[0]}:{new[1]}"
 
     c.wait_for(relinked, 30, "the relay to link to the new leader")
+
+    def members_behind_the_relay() -> list[str]:
+        with urllib.request.urlopen(f"http://{relay[0]}:{relay[1]}/api/state", timeout=2) as r:
+            return sorted(json.load(r)["members"])
+
+    # A member id is its node's name, its key's and a session's few characters.
+    c.wait_for(
+        lambda: sorted(mid.split("#")[0] for mid in members_behind_the_relay()) == ["n1", "n2", "n3"],
+        20,
+        "every node behind the relay again, not around it at the new leader",
+    )
     codes = c.wait_exit(timeout=150)
     assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
     assert_terms_never_go_back(c)

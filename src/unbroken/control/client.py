@@ -43,7 +43,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel
 
 from unbroken.config import parse_address
-from unbroken.control import auth, identity, leaders
+from unbroken.control import auth, identity, leaders, resumes
 from unbroken.control import messages as m
 from unbroken.control.connection import Change, Clock, Connection, State
 from unbroken.control.etcd import Etcd, EtcdTLS
@@ -109,6 +109,8 @@ class ControlClient:
         self._etcd: Etcd | None = None
         self._why_no_leader = ""
         self._hello = hello
+        self._resume_in_full = False
+        """The coordinator asked for the resume's lists (`unbroken.control.resumes`)."""
         self._token = token
         self.name = name
         self.connect_timeout_s = connect_timeout_s
@@ -407,8 +409,18 @@ class ControlClient:
             hello_sent = self._clock()
             seal = auth.seal(self._token, challenge.nonce, nonce, self.member_id, sending="up")
             await ws.send_str(m.encode(knock))
-            await ws.send_str(auth.sealed(seal, m.encode(self._hello(self.member_id))))
+            hello = self._hello(self.member_id)
+            if hello.resume is not None and not self._resume_in_full:
+                hello = hello.model_copy(update={"resume": resumes.digested(hello.resume)})
+            await ws.send_str(auth.sealed(seal, m.encode(hello)))
             msg = await self._answer(ws, seal)
+            if isinstance(msg, m.Refused) and msg.resume_in_full and not self._resume_in_full:
+                # The coordinator holds no lists its digest matches (it has just started): say
+                # them, on a new session at once (a hello is answered once).
+                self._resume_in_full = True
+                await ws.close()
+                return await self._session(http, host, port, run_id)
+            self._resume_in_full = False
             if isinstance(msg, m.Refused) and msg.standby:
                 raise _Standby(msg.leader, msg.reason)
             if isinstance(msg, m.Refused):

@@ -41,6 +41,7 @@ from unbroken.control.office import Office
 from unbroken.control.orders import compact
 from unbroken.control.outsiders import listen
 from unbroken.control.relaying import Relays
+from unbroken.control.resumes import Resumes
 from unbroken.control.service import ThreadedService
 from unbroken.control.sessions import (
     Doorman,
@@ -101,6 +102,8 @@ class Coordinator(ThreadedService):
         self.sessions: dict[str, Sender] = {}
         self.relays = Relays(self)
         self._last_order: m.EpochOrder | None = None
+        self.resumes = Resumes()
+        """The epochs' lists a reconnecting member's digest is checked against."""
         self._told: dict[str, int] = {}
         """The epoch of the last order each member's session was sent."""
         self.rendezvous = Rendezvous(self.config.membership.build_deadline_s)
@@ -238,6 +241,12 @@ class Coordinator(ThreadedService):
         """Admit a proven member's hello (``key``: the public key its knock was signed with;
         ``peer``: its address, or its relay's id): its new session, welcomed, or the refusal
         to send. A join whose key or address churned lately waits (`admissions`)."""
+        if hello.resume is not None:
+            if (resume := self.resumes.expand(hello.resume, self._last_order)) is None:
+                unknown = f"this coordinator holds no lists of epoch {hello.resume.epoch} that match its digest"
+                log.info("asked %s from %s for its resume in full: %s", hello.name, peer, unknown)
+                return m.Refused(reason=f"{unknown}: send them", resume_in_full=True)
+            hello = hello.model_copy(update={"resume": resume})
         mid = hello.member_id
         ms = self.membership
         if (why := ms.unbound(mid, key, one_per_key=self.allowed is not None)) is not None:

@@ -83,6 +83,9 @@ class Refused(_Msg):
     """This coordinator does not lead: try ``leader`` (or again shortly, when it is empty)."""
     leader: Annotated[str, Field(max_length=300)] = ""
     """HOST:PORT of the current leader, as the standby last read it from etcd."""
+    resume_in_full: bool = False
+    """The hello's resume came as a digest this coordinator cannot check: say it again with
+    its lists (nothing is wrong with the node)."""
 
 
 class Ack(_Msg):

@@ -224,6 +224,8 @@ class Rendezvous:
         if ep is None:
             return {}
         due = {g for g, t in ep.started.items() if g not in ep.named and now - t >= self.deadline_s}
+        if not due:
+            return {}  # every tick: not a walk over every member still missing an entry
         ep.named |= due
         out: dict[str, list[str]] = {}
         for mid, groups in ep.missing.items():

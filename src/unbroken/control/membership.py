@@ -481,8 +481,7 @@ class Membership:
         trails it by a report, and a checkpoint of the newest step must not look ahead of
         the group; one member's word alone still moves it nothing."""
         r = self.roster
-        steps = sorted((x.step for mid in r.epoch_members if (x := r.members.get(mid))), reverse=True)
-        return max(r.step, steps[min(1, len(steps) - 1)] if steps else 0)
+        return max(r.step, r.steps.second_highest())
 
     def beyond(self, step: int) -> str | None:
         return self.gate.beyond(step)
@@ -500,8 +499,8 @@ class Membership:
         scan = expire and now >= self._next_expiry_scan
         if scan:
             self._next_expiry_scan = now + r.lease_s / 10
-        for mid, m in list(r.members.items()) if scan else []:
-            if now - m.last_seen > r.lease_s and not (r.finished and self.finish.said_done(mid)):
+        for mid in r.leases.lapsed(r.members, now, r.lease_s) if scan else []:
+            if (m := r.members.get(mid)) is not None and not (r.finished and self.finish.said_done(mid)):
                 d.expel[mid] = f"no heartbeat for {now - m.last_seen:.2f} s (lease {r.lease_s} s)"
                 d.merge(self.fail(mid, now, f"lease expired after {now - m.last_seen:.2f} s"))
         if self.recovery.until is not None:

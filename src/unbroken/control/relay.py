@@ -56,6 +56,12 @@ from unbroken.errors import ConfigError, EtcdUnavailable, ProtocolError
 log = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.1
+RELINK_WAIT_S = 3.0
+"""After its leader's session ended (the leader died, or was deposed), how long the relay holds
+a node that connects before it challenges it, waiting to link to the next leader: its
+members come back through it rather than around it, and an election takes about the
+leader's etcd lease. A relay that left a silent leader (cut off) waits for nothing: its
+members go to the leader directly within the leases the leader keeps for them."""
 
 
 @dataclass
@@ -163,6 +169,11 @@ class Relay(ThreadedService):
         """What goes up to the leader next (`unbroken.control.batches`)."""
         self._acked_at = 0.0
         self._urgent: asyncio.Event | None = None
+        self._linked: asyncio.Event | None = None
+        """Set while linked to a leader."""
+        self._relink_by = 0.0
+        """Until when a node that connects waits for a link (`RELINK_WAIT_S`; monotonic)."""
+        self._left_silent = False
         self.batches_sent = 0
         self.messages_down = 0
 
@@ -171,6 +182,7 @@ class Relay(ThreadedService):
     async def serve(self) -> None:
         stopping = self._begin()
         self._urgent = asyncio.Event()
+        self._linked = asyncio.Event()
         names = await browsers.names_of(self.config.host)  # a page of another site opens no session here
         app = web.Application(
             client_max_size=self.config.max_message_bytes, middlewares=[self.guard.middleware, browsers.guard(names)]
@@ -271,6 +283,9 @@ class Relay(ThreadedService):
                 raise ProtocolError(f"{host}:{port} could not prove it holds the job token")
             self._up, self.leader, self.term, self.lease_s = ws, (host, port), answer.term, answer.lease_s
             self._link_nonce = answer.link
+            self._left_silent = False
+            if self._linked is not None:
+                self._linked.set()
             log.info("relay %s linked to %s:%d (term %d)", self.relay_id, host, port, answer.term)
             flusher = asyncio.create_task(self._flush_forever(ws, seal))
             try:
@@ -283,8 +298,12 @@ class Relay(ThreadedService):
                 self._unlink(f"lost the leader at {host}:{port}")
 
     def _unlink(self, why: str) -> None:
-        """Without a leader the members' sessions end: they fall back to their next address."""
+        """Without a leader the members' sessions end: they come back through this relay once
+        it links to the next leader, or fall back to their next address."""
         self._up, self.leader, self._link_nonce = None, None, ""
+        if self._linked is not None:
+            self._linked.clear()
+        self._relink_by = 0.0 if self._left_silent else time.monotonic() + RELINK_WAIT_S
         log.warning("relay %s: %s; ending %d member sessions", self.relay_id, why, len(self._members))
         for member in list(self._members.values()):
             member.session.close()
@@ -309,6 +328,7 @@ class Relay(ThreadedService):
                 # so the members fall back and this relay links to whoever leads now.
                 log.warning("relay %s: no batch acknowledged for %.1f s; leaving the leader", self.relay_id,
                             2 * self.lease_s)  # fmt: skip
+                self._left_silent = True
                 await ws.close()
                 return
             ups = self._batches.take(time.monotonic(), self._members)
@@ -364,6 +384,10 @@ class Relay(ThreadedService):
             return ws
         member: _Member | None = None
         try:
+            if self._up is None and self._linked is not None and (wait := self._relink_by - time.monotonic()) > 0:
+                # Its challenge must name the next leader's link: hold it until there is one.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._linked.wait(), timeout=wait)
             self._challenges += 1
             mine = f"{self._link_nonce}.{self._challenges}" if self._link_nonce else ""  # unlinked: refused anyway
             challenge, first = await greet(ws, self.config.token is not None, mine)

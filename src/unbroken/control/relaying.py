@@ -52,9 +52,12 @@ class Relays:
         coord = self._coord
         now = coord.clock()
         ms = coord.membership
+        r = ms.roster
         for mid, step in zip(up.alive, up.steps, strict=False):
             if mid in link.members:
-                ms.heartbeat(mid, step if ms.beyond(step) is None else 0, now)  # alive, whatever it claims
+                step = step if ms.beyond(step) is None else 0  # alive, whatever it claims
+                if not r.renewed(mid, step, now):
+                    ms.heartbeat(mid, step, now)
         for said in up.said:
             session = coord.sessions.get(said.member)
             msg = said.msg

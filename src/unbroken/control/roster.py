@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import collections
 import enum
+import heapq
 import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+
+from sortedcontainers import SortedList
 
 from unbroken.control.messages import Capabilities, EpochOrder, Verify
 from unbroken.events import Event, Kind
@@ -74,6 +77,10 @@ class StepQuorum:
         """Each member's step, where above ``floor``."""
         self._count: collections.Counter[int] = collections.Counter()
 
+    def counts(self, member_id: str, step: int) -> bool:
+        """Whether ``member_id``'s report of ``step`` or later is counted."""
+        return self._at.get(member_id, -1) >= step
+
     def report(self, member_id: str, step: int) -> int:
         """A member of the epoch reached ``step``: the step most of them reached now."""
         old = self._at.get(member_id)
@@ -94,6 +101,84 @@ class StepQuorum:
         self._at = {mid: s for mid, s in self._at.items() if s > self.floor}
         self._count = collections.Counter(self._at.values())
         return self.floor
+
+
+class EpochSteps:
+    """The steps the epoch's present members reported, as a multiset: the second highest of
+    them is read at every hello (`Membership.reported_step`), and a fleet's admission is
+    thousands of hellos, so it is kept as reports come rather than sorted from the members
+    at each read. A report moves a count (constant time); the distinct steps, a handful
+    while a group trains, are kept sorted (O(log N) when one appears or goes)."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, int] = {}
+        self._count: collections.Counter[int] = collections.Counter()
+        self._distinct: SortedList[int] = SortedList()
+
+    def set(self, member_id: str, step: int) -> None:
+        old = self._at.get(member_id)
+        if old == step:
+            return
+        if old is not None:
+            self._uncount(old)
+        self._at[member_id] = step
+        if self._count[step] == 0:
+            self._distinct.add(step)
+        self._count[step] += 1
+
+    def drop(self, member_id: str) -> None:
+        if (old := self._at.pop(member_id, None)) is not None:
+            self._uncount(old)
+
+    def _uncount(self, step: int) -> None:
+        self._count[step] -= 1
+        if self._count[step] == 0:
+            del self._count[step]
+            self._distinct.remove(step)
+
+    def second_highest(self) -> int:
+        """The second highest step (the highest where one member reported; 0: none did)."""
+        if not self._distinct:
+            return 0
+        top = int(self._distinct[-1])
+        if self._count[top] > 1 or len(self._distinct) == 1:
+            return top
+        return int(self._distinct[-2])
+
+
+class Leases:
+    """When each member was last heard, as a heap that the lease check reads from its oldest
+    end: a check costs the members whose entry is over a lease old, not every member (at
+    100,000 members a scan of them all, ten times a lease, was a core's work). An entry
+    holds a time at or before any ``last_seen`` the member will have (a heartbeat sets it
+    to the clock's now); one found older than the member's is put back with that time."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, str]] = []
+        self._queued: dict[str, float] = {}
+        """Each member's live entry (others in the heap are stale: dropped when reached)."""
+
+    def add(self, member_id: str, seen: float) -> None:
+        self._queued[member_id] = seen
+        heapq.heappush(self._heap, (seen, member_id))
+
+    def lapsed(self, members: dict[str, Member], now: float, lease_s: float) -> list[str]:
+        """The members not heard from for more than ``lease_s``, the longest silent first."""
+        out, back, heap = [], [], self._heap
+        while heap and now - heap[0][0] > lease_s:
+            seen, mid = heapq.heappop(heap)
+            if self._queued.get(mid) != seen:
+                continue
+            if (m := members.get(mid)) is None:
+                del self._queued[mid]
+                continue
+            if now - m.last_seen > lease_s:
+                out.append(mid)
+            back.append(mid)  # one kept past its lease (it said it is done) is checked again
+        for mid in back:
+            # Not after now: a pause moves ``last_seen`` ahead, and the next heartbeat back to now.
+            self.add(mid, min(members[mid].last_seen, now))
+        return out
 
 
 @dataclass
@@ -201,6 +286,29 @@ class Decision:
         return self
 
 
+class Members(dict[str, "Member"]):
+    """The members by id, keeping `Leases` and `EpochSteps` as members of the epoch in force come and
+    go (its only writers are these three; `Roster.reached` follows a member's step)."""
+
+    def __init__(self, roster: Roster) -> None:
+        super().__init__()
+        self._roster = roster
+
+    def __setitem__(self, member_id: str, member: Member) -> None:
+        super().__setitem__(member_id, member)
+        self._roster.leases.add(member_id, member.last_seen)
+        if member_id in self._roster.ranks:
+            self._roster.steps.set(member_id, member.step)
+
+    def __delitem__(self, member_id: str) -> None:
+        super().__delitem__(member_id)
+        self._roster.steps.drop(member_id)
+
+    def pop(self, member_id: str, *default: Member | None) -> Member | None:  # type: ignore[override]
+        self._roster.steps.drop(member_id)
+        return super().pop(member_id, *default)
+
+
 class Roster:
     """The members, the epoch in force and its ranks, the group's step, and the epoch
     wanted next with its reasons."""
@@ -209,7 +317,13 @@ class Roster:
         self.lease_s = lease_s
         self.term = 0
         """The leader's term, carried by every epoch order (0 without etcd)."""
-        self.members: dict[str, Member] = {}
+        self.ranks: dict[str, int] = {}
+        """Each member of the epoch in force by its rank (set with `epoch_members`; read on
+        every report, so a dictionary, not a call)."""
+        self.steps = EpochSteps()
+        """The steps of the epoch's members here (`Membership.reported_step`)."""
+        self.leases = Leases()
+        self.members: dict[str, Member] = Members(self)
         self.epoch = 0
         self.epoch_floor = 0
         """Nodes have heard of epochs up to this one (from before a restart): number above it."""
@@ -227,9 +341,6 @@ class Roster:
         self.relay_forwarders: dict[str, str] = {}
         """Relay → where it forwards for members behind NAT (HOST:PORT), while it is linked."""
         self._epoch_members: list[str] = []
-        self.ranks: dict[str, int] = {}
-        """Each member of the epoch in force by its rank (set with `epoch_members`; read on
-        every report, so a dictionary, not a call)."""
         self._quorum = StepQuorum(0, 0)
         self.committers: set[str] = set()
         """Members of the epoch in force that reported a commit in it (two at most: a
@@ -252,9 +363,11 @@ class Roster:
         self._epoch_members = list(members)
         self.ranks = {mid: rank for rank, mid in enumerate(self._epoch_members)}
         self._quorum = StepQuorum(len(self._epoch_members), self.step)
+        self.steps = EpochSteps()
         for mid in self._epoch_members:  # what the new epoch's members said before it
             if (x := self.members.get(mid)) is not None:
                 self.step = max(self.step, self._quorum.report(mid, x.step))
+                self.steps.set(mid, x.step)
 
     def rank_of(self, member_id: str) -> int | None:
         """The member's rank in the epoch in force (None: not in it), in constant time."""
@@ -263,6 +376,23 @@ class Roster:
     def reached(self, member_id: str, step: int) -> None:
         """A member of the epoch in force reported ``step``: the group's step follows most of them."""
         self.step = max(self.step, self._quorum.report(member_id, step))
+        if member_id in self.members:
+            self.steps.set(member_id, step)
+
+    def renewed(self, member_id: str, step: int, now: float) -> bool:
+        """Renew the lease of a member of the epoch that says a step the group counts already,
+        where that is all `Membership.heartbeat` would do; False where it would do more (call
+        it). At 10,000 members relays bring tens of thousands of these a second, most saying
+        the step their member said before."""
+        m = self.members.get(member_id)
+        finishing = self.num_steps and self.step >= self.num_steps
+        if m is None or step > m.step or member_id not in self.ranks or finishing:
+            return False
+        q = self._quorum
+        if m.step > q.floor and not q.counts(member_id, m.step):
+            return False
+        m.last_seen = now
+        return True
 
     def name(self, member_id: str) -> str:
         member = self.members.get(member_id)

@@ -202,7 +202,7 @@ def _level(profiles: Sequence[Profile], batch_size: int) -> list[int]:
             hi = mid
         else:
             lo = mid
-    shares = [min(int(x), batch_size) for x in capacities(hi)]
+    shares: list[int] = np.minimum(capacities(hi), batch_size).tolist()
     if sum(shares) < batch_size:  # float edge: give the rest to the fastest finisher
         best = min(range(len(profiles)), key=lambda i: (profiles[i].time_for(shares[i] + 1), i))
         shares[best] += batch_size - sum(shares)

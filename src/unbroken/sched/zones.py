@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 AUTO = "auto"
 """The zone a node asks for when the coordinator should choose."""
@@ -55,22 +56,36 @@ class Zones:
     """The zones in the leaders' ring order (`sched.links`); the others follow in the order
     of their first members."""
 
+    @cached_property
+    def _ranks(self) -> dict[str, tuple[int, ...]]:
+        """Each zone's ranks, found once: an order is checked zone by zone, and with a hundred
+        zones of ten thousand members a walk over the ranks per zone was most of forming it."""
+        out: dict[str, list[int]] = {}
+        for r, z in enumerate(self.of_rank):
+            out.setdefault(z, []).append(r)
+        return {z: tuple(ranks) for z, ranks in out.items()}
+
+    @cached_property
+    def _names(self) -> tuple[str, ...]:
+        present = self._ranks
+        ring = set(self.ring)
+        return (*(z for z in dict.fromkeys(self.ring) if z in present), *(z for z in present if z not in ring))
+
     @property
     def names(self) -> list[str]:
         """The zones in ring order: the leaders' group ranks follow it."""
-        present = list(dict.fromkeys(self.of_rank))
-        return [z for z in dict.fromkeys(self.ring) if z in present] + [z for z in present if z not in self.ring]
+        return list(self._names)
 
     def members(self, zone: str) -> list[int]:
-        return [r for r, z in enumerate(self.of_rank) if z == zone]
+        return list(self._ranks.get(zone, ()))
 
     @property
     def leaders(self) -> list[int]:
-        return [self.members(z)[0] for z in self.names]
+        return [self._ranks[z][0] for z in self._names]
 
     @property
     def multi(self) -> bool:
-        return len(self.names) > 1
+        return len(self._ranks) > 1
 
     def streams(self, group: str, streams: int) -> int:
         """Connections per pair of ranks ``group`` has: the order's ``streams`` for the groups

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -102,13 +103,22 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, math.ceil(q * len(xs)) - 1)]
 
 
-def admit(sim: Simulation, timeout_s: float = 300.0, settle_s: float = 2.0) -> float | None:
+def admit(
+    sim: Simulation, timeout_s: float = 300.0, settle_s: float = 2.0, progress: Callable[[str], None] | None = None
+) -> float | None:
     """Run until every node was welcomed and heard of an epoch (then ``settle_s`` more);
-    how long that took (virtual seconds), or None if not within ``timeout_s``."""
-    start = sim.clock.now
+    how long that took (virtual seconds), or None if not within ``timeout_s``. ``progress``
+    is told how far it is, every virtual second."""
+    start, wall0 = sim.clock.now, time.perf_counter()
     admitted = None
     while sim.clock.now - start < timeout_s:
         sim.clock.run_until(sim.clock.now + 0.1)
+        if progress is not None and round((sim.clock.now - start) * 10) % 10 == 0:
+            welcomed = sum(n.welcomed_at is not None for n in sim.nodes)
+            progress(
+                f"{welcomed:,}/{len(sim.nodes):,} welcomed, epoch {sim.coord.membership.epoch}, "
+                f"{sim.clock.now - start:.0f} s virtual, {time.perf_counter() - wall0:.0f} s real"
+            )
         if all(n.welcomed_at is not None and n.epochs for n in sim.nodes):
             admitted = max(min(n.epochs.values()) for n in sim.nodes) - start
             break
@@ -158,8 +168,10 @@ def storms(
     storm: int,
     kinds: tuple[str, ...] = KINDS,
     admit_s: float | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Report:
-    """``events`` events of ``storm`` nodes each, ``every_s`` apart (module docstring)."""
+    """``events`` events of ``storm`` nodes each, ``every_s`` apart (module docstring);
+    ``progress`` is told of each."""
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown event kinds {sorted(unknown)}: use {', '.join(KINDS)}")
@@ -189,6 +201,11 @@ def storms(
             hit = sim.add(storm)
         happened.append(Event(sim.clock.now, kind, hit, epoch))
         sim.clock.run_until(sim.clock.now + every_s)
+        if progress is not None:
+            progress(
+                f"storm {i + 1}/{events} ({kind}), epoch {sim.coord.membership.epoch}, "
+                f"{time.perf_counter() - wall0:.0f} s real"
+            )
     wall = time.perf_counter() - wall0
     duration = sim.clock.now - t0
     each = [(ev.kind, _change(sim, ev, sim.clock.now)) for ev in happened]

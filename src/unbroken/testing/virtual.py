@@ -24,6 +24,7 @@ the handler is done. Its CPU is the real code's, on this machine.
 
 from __future__ import annotations
 
+import cProfile
 import heapq
 import itertools
 import random
@@ -179,6 +180,9 @@ class Process:
         """While a handler runs: what it sends, to leave once it is done."""
         self._later: list[tuple[float, Callable[[], None]]] = []
         """While a handler runs: what it scheduled, counted from when it is done."""
+        self.profile: cProfile.Profile | None = None
+        """Set: its handlers run under this profiler (which slows them: for finding where its
+        CPU goes, not for timings)."""
 
     def later(self, delay: float, fn: Callable[[], None]) -> None:
         """Run ``fn`` (a timer, not a handler) ``delay`` after the running handler is done, as
@@ -209,9 +213,13 @@ class Process:
         outbox: list[tuple[Network, Link, int, Callable[[], None]]] = []
         self._outbox = outbox
         t0 = time.thread_time()
+        if self.profile is not None:
+            self.profile.enable()
         try:
             fn()
         finally:
+            if self.profile is not None:
+                self.profile.disable()
             spent = time.thread_time() - t0
             self._outbox = None
         self.cpu_s += spent
