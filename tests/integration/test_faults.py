@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from integration.helpers import assert_promises, events_of, fired, job_for
+from integration.helpers import assert_promises, events_of, fired, job_for, slowdown
 from unbroken.state.checkpoint import latest_checkpoint
 from unbroken.testing import check_promises
 
@@ -35,14 +35,16 @@ def test_sigkill_survivors_continue(make_cluster, phase):
     assert_promises(c, ENV, finishers=2)
     fault_t = next(e["t"] for e in victim.entries() if e["kind"] == "fault")
     failure = next(e for e in events_of(c, "failure") if "n2" in e["reason"])
+    # Bounds of an idle machine, stretched by the load (the last minute's covers the run).
+    slow = slowdown()
     # A crash is seen when its connection drops, not after a heartbeat lease ...
-    assert failure["time"] - fault_t < 0.5, failure["time"] - fault_t
+    assert failure["time"] - fault_t < 0.5 * slow, (failure["time"] - fault_t, slow)
     # ... and the survivors retry at once instead of waiting for a collective timeout.
     first = min(
         e["t"] for n in (c.nodes["n1"], c.nodes["n3"]) for e in n.entries()
         if e["kind"] == "commit" and e["epoch"] > failure["epoch"]
     )  # fmt: skip
-    assert first - fault_t < 2.0, first - fault_t
+    assert first - fault_t < 2.0 * slow, (first - fault_t, slow)
 
 
 def test_sigstop_in_allreduce_then_sigcont_rejoins(make_cluster):
@@ -94,7 +96,9 @@ def test_a_freeze_then_a_crash_costs_one_lease_not_a_collective_timeout(make_clu
 
 
 def test_join_mid_run(make_cluster):
-    env = {"UB_TEST_STEPS": "250", "UB_TEST_DELAY_MS": "20"}
+    # 100 steps: the joiner, started at step 10, still syncs and trains with many left on an
+    # idle machine (250 ran past the timeout on a loaded one).
+    env = {"UB_TEST_STEPS": "100", "UB_TEST_DELAY_MS": "20"}
     c = start(make_cluster, env, n=2)
     c.start_node("n1")
     c.start_node("n2")
