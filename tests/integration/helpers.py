@@ -25,12 +25,28 @@ UNPACED = {"UB_TEST_DELAY_MS": "0", "UB_TEST_SAMPLE_MS": "0"}
 """The environment of a job's pacing sleeps, turned off (the test job's and the examples')."""
 
 
+class Pace:
+    """The test job's pacing sleeps (``UB_TEST_DELAY_MS``) for as long as a test needs a slow
+    run, then released: a test that needs many steps only as time for its action to land
+    mid-run (on a busy machine too) lets the rest of the run go at full speed, and waits for
+    the end rather than for steps it needed as a clock. Pass ``env`` to the cluster."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "paced"
+        self.path.touch()
+        self.env = {"UB_TEST_PACE_FILE": str(self.path)}
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 def job_for(env: dict[str, str]) -> Any:
     """The job the nodes ran with ``env`` (the test job reads its shape from the environment),
     without their pacing sleeps: those change no result, and a reference run would sleep
     through all of them."""
     with environment(env | UNPACED):
-        return mlp.make(int(env.get("UB_TEST_STEPS", "40")), float(env.get("UB_TEST_DELAY_MS", "20")))
+        # delay_ms given wins over the environment's (UNPACED): no pacing in a reference run.
+        return mlp.make(int(env.get("UB_TEST_STEPS", "40")), delay_ms=0.0)
 
 
 def assert_promises(c: LocalCluster, env: dict[str, str], finishers: int, reference: bool = True) -> None:
