@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from integration.helpers import assert_promises, events_of, fired, job_for, slowdown
+from integration.helpers import Pace, assert_promises, events_of, fired, job_for, slowdown
 from unbroken.state.checkpoint import latest_checkpoint
 from unbroken.testing import check_promises
 
@@ -129,8 +129,9 @@ def test_sigterm_leaves_without_failed_step(make_cluster):
     assert_promises(c, env, finishers=2)
 
 
-def test_coordinator_restart_then_node_failure(make_cluster):
-    env = {"UB_TEST_STEPS": "300", "UB_TEST_DELAY_MS": "20"}
+def test_coordinator_restart_then_node_failure(make_cluster, tmp_path):
+    pace = Pace(tmp_path)  # paced until the restarted coordinator has seen the kill
+    env = {"UB_TEST_STEPS": "300", "UB_TEST_DELAY_MS": "20", **pace.env}
     c = start(make_cluster, env)
     nodes = [c.start_node(f"n{i}") for i in (1, 2, 3)]
     c.wait_step(15)
@@ -141,6 +142,8 @@ def test_coordinator_restart_then_node_failure(make_cluster):
     c.start_coordinator(port=port)
     c.wait_for(lambda: any(e["kind"] == "adopt" for e in c.state()["events"]), 30, "epoch adopted")
     nodes[2].kill()
+    c.wait_for(lambda: any("n3" in e["reason"] for e in events_of(c, "failure")), 30, "n3's failure seen")
+    pace.release()
     codes = c.wait_exit(["n1", "n2"], timeout=150)
     assert codes == {"n1": 0, "n2": 0}, c.diagnostics()
     assert_promises(c, env, finishers=2)

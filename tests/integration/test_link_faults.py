@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from integration.helpers import assert_promises, events_of, slowdown
+from integration.helpers import Pace, assert_promises, events_of, slowdown
 from unbroken.testing import netns
 
 pytestmark = pytest.mark.timeout(150)
@@ -30,8 +30,9 @@ def network() -> Iterator[netns.Network]:
         assert net.bridge not in left, "the network's links outlived close()"
 
 
-def test_cut_link_is_expelled_and_rejoins_slow_link_keeps_committing(network, make_cluster):
-    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20"}
+def test_cut_link_is_expelled_and_rejoins_slow_link_keeps_committing(network, make_cluster, tmp_path):
+    pace = Pace(tmp_path)  # paced until the last link fault is over
+    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20", **pace.env}
     c = make_cluster(env=env, min_nodes=3, node_args=["--digest-every", "1"], network=network)
     host, _ = c.start_coordinator()
     assert host == network.gateway  # reachable from every namespace
@@ -70,6 +71,7 @@ def test_cut_link_is_expelled_and_rejoins_slow_link_keeps_committing(network, ma
     during = c.max_committed() - before
     network.unslow("n3")
     assert during > 0, "no step committed while n3's link was slow"
+    pace.release()
 
     codes = c.wait_exit(timeout=120)
     assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
