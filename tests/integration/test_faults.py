@@ -95,15 +95,19 @@ def test_a_freeze_then_a_crash_costs_one_lease_not_a_collective_timeout(make_clu
     n2.signal(signal.SIGCONT)
 
 
-def test_join_mid_run(make_cluster):
-    # 100 steps: the joiner, started at step 10, still syncs and trains with many left on an
-    # idle machine (250 ran past the timeout on a loaded one).
-    env = {"UB_TEST_STEPS": "100", "UB_TEST_DELAY_MS": "20"}
+def test_join_mid_run(make_cluster, tmp_path):
+    # Slow steps until the joiner trains (15 s or more from step 10 to the end: its start
+    # took seconds on a busy machine), then full speed: 250 steps of 20 ms each ran past the
+    # timeout on a loaded machine.
+    pace = Pace(tmp_path)
+    env = {"UB_TEST_STEPS": "160", "UB_TEST_DELAY_MS": "100", **pace.env}
     c = start(make_cluster, env, n=2)
     c.start_node("n1")
     c.start_node("n2")
     c.wait_step(10)
     late = c.start_node("n3")
+    c.wait_for(lambda: any(e["kind"] == "commit" for e in late.entries()), 120, "the joiner committing")
+    pace.release()
     codes = c.wait_exit(timeout=150)
     assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
     kinds = [e["kind"] for e in late.entries() if e["kind"] != "epoch"]

@@ -63,9 +63,10 @@ def fakes_behind_three_relays(c) -> Iterator[FakeNodes]:
     """150 fake nodes spread over three relays (the leader as their fallback), in an epoch."""
     root = c.start_coordinator()
     relays = [c.start_relay(zone=f"z{i}") for i in range(3)]
+    slow = slowdown()  # 150 handshakes: a busy machine takes that many times longer
     with FakeNodes(relays, 150, fallback=[root]) as fakes:
-        fakes.wait_joined(60)
-        c.wait_for(lambda: fakes.all_reached(1) is not None, 30, "an epoch with every fake node")
+        fakes.wait_joined(60 * slow)
+        c.wait_for(lambda: fakes.all_reached(1) is not None, 30 * slow, "an epoch with every fake node")
         time.sleep(1.0)
         yield fakes
 
