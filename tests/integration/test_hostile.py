@@ -27,7 +27,7 @@ import aiohttp.web
 import pytest
 import torch
 
-from integration.helpers import Pace, assert_promises, events_of, fired, gloo_entry, job_for
+from integration.helpers import Pace, assert_promises, events_of, fired, gloo_entry, job_for, slowdown
 from unbroken.comm.reach import reach, unreachable_fault
 from unbroken.control import auth, identity
 from unbroken.control import messages as m
@@ -515,7 +515,7 @@ def test_a_checkpoint_directory_removed_mid_run_is_an_event_and_a_flag(make_clus
     lapsed = {n for n, node in c.nodes.items() if any(e["kind"] == "expelled" for e in node.entries())}
     assert all(code == 0 or (code == 3 and name in lapsed) for name, code in codes.items()), c.diagnostics()
     assert 0 in codes.values(), c.diagnostics()
-    assert_promises(c, env, finishers=2)
+    assert_promises(c, env, finishers=sum(code == 0 for code in codes.values()))
 
 
 def test_a_joiner_asking_for_state_that_does_not_exist_is_named_and_kept_out(make_cluster, tmp_path):
@@ -609,7 +609,8 @@ def test_only_the_listed_keys_join_and_each_key_is_one_member(make_cluster, tmp_
     with allowed.open("a") as f:
         f.write(lines[2])
     late = c.start_node("late", extra=["--key", str(keys["late"])])
-    c.wait_for(lambda: "late" in [x["name"] for x in c.state()["members"]], 60, "the newly listed node joined")
+    joined_s = 60 * slowdown()  # a node's start: seconds, many more on a busy machine
+    c.wait_for(lambda: "late" in [x["name"] for x in c.state()["members"]], joined_s, "the newly listed node joined")
     allowed.write_text(lines[0] + lines[2])  # b's key taken off: b is expelled, and not let back
     assert c.nodes["b"].wait(timeout=60) == 2, c.diagnostics()
     assert any("taken off the job's allowed keys" in e["reason"] for e in events_of(c, "failure")), c.diagnostics()
