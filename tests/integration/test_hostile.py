@@ -485,8 +485,7 @@ def test_an_order_injected_on_the_path_is_refused(make_cluster):
 
 
 def test_a_checkpoint_directory_removed_mid_run_is_an_event_and_a_flag(make_cluster, tmp_path):
-    pace = Pace(tmp_path)  # paced until the directory is back and written again
-    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20", **pace.env}
+    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20"}  # on past the directory's return
     ckpt = tmp_path / "ckpt"
     c = make_cluster(env=env, min_nodes=2, node_args=["--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"])
     c.start_coordinator()
@@ -508,7 +507,6 @@ def test_a_checkpoint_directory_removed_mid_run_is_an_event_and_a_flag(make_clus
     # The event, not the flag: a flag also goes when its member does (the job over, an expulsion).
     c.wait_for(lambda: events_of(c, "checkpoint-ok"), 60, "checkpoints written again")
     assert not flagged(), flagged()
-    pace.release()  # the rest only shows the group training on to its end
     codes = c.wait_exit(timeout=150)
     # A node whose lease lapsed on the busy machine in the last steps is told the job finished
     # without it (exit 3): that is no checkpoint's doing; the other finishes.
