@@ -25,12 +25,28 @@ UNPACED = {"UB_TEST_DELAY_MS": "0", "UB_TEST_SAMPLE_MS": "0"}
 """The environment of a job's pacing sleeps, turned off (the test job's and the examples')."""
 
 
+class Pace:
+    """The test job's pacing sleeps (``UB_TEST_DELAY_MS``) for as long as a test needs a slow
+    run, then released: a test that needs many steps only as time for its action to land
+    mid-run (on a busy machine too) lets the rest of the run go at full speed, and waits for
+    the end rather than for steps it needed as a clock. Pass ``env`` to the cluster."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "paced"
+        self.path.touch()
+        self.env = {"UB_TEST_PACE_FILE": str(self.path)}
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 def job_for(env: dict[str, str]) -> Any:
     """The job the nodes ran with ``env`` (the test job reads its shape from the environment),
     without their pacing sleeps: those change no result, and a reference run would sleep
     through all of them."""
     with environment(env | UNPACED):
-        return mlp.make(int(env.get("UB_TEST_STEPS", "40")), float(env.get("UB_TEST_DELAY_MS", "20")))
+        # delay_ms given wins over the environment's (UNPACED): no pacing in a reference run.
+        return mlp.make(int(env.get("UB_TEST_STEPS", "40")), delay_ms=0.0)
 
 
 def assert_promises(c: LocalCluster, env: dict[str, str], finishers: int, reference: bool = True) -> None:
@@ -119,37 +135,61 @@ def gloo_entry(port: int = 4242, host: str = "127.0.0.1", peers: int = 0, name: 
     return struct.pack("<Q", len(name)) + name + struct.pack("<Q", len(address)) + address + ids
 
 
+def socket_inodes(pid: int | str = "self") -> set[str]:
+    """The inodes of the sockets process ``pid`` holds (its own process by default); raises
+    FileNotFoundError when it is gone."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # a descriptor closed while listed
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def _established_rows(pid: int | str) -> list[tuple[int, str]]:
+    """(local port, socket inode) of every established TCP connection in ``pid``'s network namespace."""
+    rows = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}", encoding="ascii") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "01":
+                    rows.append((int(fields[1].rsplit(":", 1)[1], 16), fields[9]))
+    return rows
+
+
 def established(pid: int) -> int | None:
     """Established TCP connections process ``pid`` holds (control session, group pairs);
     None when it is gone meanwhile (a node that killed itself on schedule)."""
-    inodes = set()
     try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[len("socket:[") : -1])
-        count = 0
-        for table in ("tcp", "tcp6"):
-            with open(f"/proc/{pid}/net/{table}", encoding="ascii") as f:
-                for line in f.readlines()[1:]:
-                    fields = line.split()
-                    count += fields[3] == "01" and fields[9] in inodes
+        inodes = socket_inodes(pid)
+        return sum(inode in inodes for _, inode in _established_rows(pid))
     except FileNotFoundError:
         return None
-    return count
 
 
 def established_to(ports: set[int]) -> int:
-    """TCP connections accepted on ``ports`` (each connection counted once: at its listener)."""
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table, encoding="ascii") as f:
-            for line in f.readlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                if state == "01" and int(local.rsplit(":", 1)[1], 16) in ports:
-                    count += 1
-    return count
+    """TCP connections this process accepted on ``ports`` (each connection counted once: at
+    its listener). Only this process's own sockets count: another process on the machine may
+    hold a connection on the same port number (another address, another test's group)."""
+    inodes = socket_inodes()
+    return sum(port in ports and inode in inodes for port, inode in _established_rows("self"))
+
+
+def slowdown(sample_s: float = 0.1) -> float:
+    """How many times longer than on an idle machine a step of work may take here now (at
+    least 1), for a test's time bound that must hold on a busy machine: ``bound * slowdown()``.
+
+    The larger of two measures: the share of a core a busy loop of ``sample_s`` gets (wall
+    over CPU time: 2.0 when it gets half a core), and the last minute's load per core (which
+    a burst the sample missed still shows)."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    while time.perf_counter() - wall < sample_s:
+        pass
+    share = (time.thread_time() - cpu) / (time.perf_counter() - wall)
+    load = os.getloadavg()[0] / len(os.sched_getaffinity(0))
+    return max(1.0, 1.0 / max(share, 0.01), load)
 
 
 def tls_files(tmp_path: Path) -> tuple[Path, Path, Path]:

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from integration.helpers import assert_promises, events_of, fired, job_for
+from integration.helpers import assert_promises, events_of, fired, job_for, slowdown
 from unbroken.testing import reference_state
 from unbroken.train.device import STATE_BYTES_PER_PARAM_BYTE, SavedBytes
 
@@ -168,7 +168,7 @@ def test_memory_limit_sets_micro_batches_and_too_little_memory_means_no_share(ma
 
 
 @pytest.mark.serial  # identical only on a machine no other test loads
-def test_identical_nodes_keep_equal_shares_and_the_trainer_role_for_a_minute(make_cluster):
+def test_identical_nodes_keep_equal_shares_and_the_trainer_role_for_half_a_minute(make_cluster):
     # The demo's job on 3 identical nodes: steps of a few milliseconds on two shared cores,
     # where whichever process is descheduled for a moment looks slow. None of that is a
     # reason to move shares or roles, or to call a node a straggler.
@@ -179,8 +179,9 @@ def test_identical_nodes_keep_equal_shares_and_the_trainer_role_for_a_minute(mak
     nodes = [c.start_node(f"n{i}") for i in range(3)]
     c.wait_step(5, timeout=120)
     start = c.max_committed()
-    time.sleep(60)
-    assert c.max_committed() > start + 500, "the nodes hardly trained"
+    time.sleep(30)  # a window for what must not happen (a minute before: half the suite's serial time)
+    trained, slow = c.max_committed() - start, slowdown()
+    assert trained > 250 / slow, f"the nodes hardly trained: {trained} steps in 30 s (slowdown {slow:.1f})"
     epochs = events_of(c, "epoch")
     rebalances = [e for e in epochs if "rebalance" in e["reason"]]
     assert len(epochs) - len(rebalances) == 1, epochs  # the first epoch, and nothing else happened

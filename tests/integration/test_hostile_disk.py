@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from integration.helpers import assert_promises, events_of
+from integration.helpers import Pace, assert_promises, events_of
 from unbroken.state import directio
 
 pytestmark = pytest.mark.timeout(240)
@@ -113,14 +113,17 @@ def test_every_checkpoint_corrupt_stops_a_lone_node_until_it_is_told_to_start_fr
 def test_a_node_whose_checkpoints_are_all_corrupt_joins_a_group_that_trains(make_cluster, tmp_path):
     """The group holds the state: a node with only corrupt checkpoints joins it, takes its
     state, and finishes with it (the corrupt files set aside)."""
-    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20"}  # b's start took 4 s on a busy machine
+    pace = Pace(tmp_path)  # paced until b trains with the group (its start took 4 s on a busy machine)
+    env = {"UB_TEST_STEPS": "400", "UB_TEST_DELAY_MS": "20", **pace.env}
     ckpt = tmp_path / "ckpt"
     bad = corrupt_checkpoints(ckpt)
     c = make_cluster(env=env)
     c.start_coordinator()
     c.start_node("a")
     c.wait_step(10)
-    c.start_node("b", extra=["--checkpoint-dir", str(ckpt)])
+    b = c.start_node("b", extra=["--checkpoint-dir", str(ckpt)])
+    c.wait_for(lambda: any(e["kind"] == "commit" for e in b.entries()), 90, "b committing with the group")
+    pace.release()
     assert c.wait_exit(timeout=150) == {"a": 0, "b": 0}, c.diagnostics()
     reasons = " ".join(e["reason"] for e in events_of(c, "checkpoint-failed"))
     assert "this node joins with the group's state" in reasons and str(bad[0]) in reasons, reasons

@@ -10,7 +10,7 @@ import signal
 
 import torch
 
-from integration.helpers import assert_promises, events_of, fired, job_for
+from integration.helpers import assert_promises, events_of, fired, job_for, slowdown
 from unbroken.testing import check_promises, reference_state
 
 ENV = {"UB_TEST_STEPS": "60", "UB_TEST_DELAY_MS": "5", "UB_TEST_EVAL": "1"}
@@ -99,7 +99,8 @@ def test_auto_zones_on_one_site_make_one_zone(make_cluster):
     c.wait_for(lambda: len(c.state()["members"]) == 3 and c.max_committed() >= 5, 60, "three members training")
     state = c.state()
     assert {m["zone"] for m in state["members"]} == {"auto-1"}, state["members"]
-    assert all(m["capabilities"]["rtt_s"] < 0.010 for m in state["members"]), state["members"]
+    # Loopback answers within a millisecond; a busy machine delays the answer by its load.
+    assert all(m["capabilities"]["rtt_s"] < 0.010 * slowdown() for m in state["members"]), state["members"]
     codes = c.wait_exit(timeout=120)
     assert codes == {"n1": 0, "n2": 0, "n3": 0}, c.diagnostics()
     assert_promises(c, env, finishers=3)

@@ -1,7 +1,9 @@
 """A small deterministic job for integration tests.
 
 ``UB_TEST_STEPS`` and ``UB_TEST_DELAY_MS`` (a sleep per forward pass, so that signals sent
-from outside land mid-run) shape it; the math does not depend on either. ``UB_TEST_SAMPLE_MS``
+from outside land mid-run) shape it; the math does not depend on either. With
+``UB_TEST_PACE_FILE``, that sleep lasts only while the file it names exists (a test removes
+it once what needed a slow run is done: `integration.helpers.Pace`). ``UB_TEST_SAMPLE_MS``
 adds a sleep per sample: a compute cost proportional to the share, without loading the CPU.
 ``UB_TEST_BATCH`` sets B; ``UB_TEST_EVAL=1`` adds a held-out evaluation. ``UB_TEST_HIDDEN``
 and ``UB_TEST_NAME`` make a mismatching model or another job, for refusal tests;
@@ -55,9 +57,15 @@ class SlowMLP(nn.Module):
         self.per_sample_s = per_sample_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.delay_s or self.per_sample_s:
-            time.sleep(self.delay_s + self.per_sample_s * len(x))
+        delay_s = self.delay_s if self.delay_s and _paced() else 0.0
+        if delay_s or self.per_sample_s:
+            time.sleep(delay_s + self.per_sample_s * len(x))
         return self.net(x)
+
+
+def _paced() -> bool:
+    path = os.environ.get("UB_TEST_PACE_FILE")
+    return not path or os.path.exists(path)
 
 
 def make(steps: int | None = None, delay_ms: float | None = None) -> Job:
