@@ -572,7 +572,7 @@ class Membership:
             return d
         old = list(r.epoch_members)
         r.epoch = max(r.epoch, r.epoch_floor) + 1
-        d.events.extend(e for e in [r.behind(now, order, r.epoch)] if e is not None)
+        d.events.extend(r.behind(now, order, keep))
         r.started = True
         r.epoch_members = order
         self.planner.formed_at_step = r.step  # after the members: their earlier reports may raise it

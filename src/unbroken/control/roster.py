@@ -275,18 +275,19 @@ class Roster:
         """What a leave says where the leaver went ``last``: with the group's newest state."""
         return f"; nobody took step {self.step}, which leaves with it" if last else ""
 
-    def behind(self, now: float, order: list[str], epoch: int) -> Event | None:
-        """The event that says so where epoch ``epoch`` of ``order`` starts behind the group's
-        step: every member that held it is gone (left, failed), and the steps after the best
-        state here are trained again (what a checkpoint's restore records on the nodes)."""
+    def behind(self, now: float, order: list[str], kept: list[str]) -> list[Event]:
+        """What says so where the epoch in force (just formed, of ``order``) starts behind
+        the group's step: no member is ``kept`` from the epoch before (those hold its state),
+        every member that held it is gone (left, failed), and the best state here is older.
+        The steps after it are trained again; the nodes' logs record no restore of it."""
         top = max((self.members[mid].step for mid in order if mid in self.members), default=0)
-        if top >= self.step:
-            return None
+        if kept or top >= self.step:
+            return []
         why = (
-            f"epoch {epoch} goes back to step {top}: the group committed step {self.step}, and nobody "
+            f"epoch {self.epoch} goes back to step {top}: the group committed step {self.step}, and nobody "
             f"holding it is here; steps {top + 1}..{self.step} are trained again"
         )
-        return Event(time=now, kind=Kind.ROLLBACK, member=None, epoch=epoch, step=self.step, reason=why)
+        return [Event(time=now, kind=Kind.ROLLBACK, member=None, epoch=self.epoch, step=self.step, reason=why)]
 
     def reached(self, member_id: str, step: int) -> None:
         """A member of the epoch in force reported ``step``: the group's step follows most of them."""
