@@ -284,8 +284,8 @@ class Roster:
         if kept or top >= self.step:
             return []
         why = (
-            f"epoch {self.epoch} goes back to step {top}: the group committed step {self.step}, and nobody "
-            f"holding it is here; steps {top + 1}..{self.step} are trained again"
+            f"epoch {self.epoch} goes back to step {top}: the group committed step {self.step} (as last "
+            f"reported) or later, and nobody holding it is here; steps {top + 1}.. are trained again"
         )
         return [Event(time=now, kind=Kind.ROLLBACK, member=None, epoch=self.epoch, step=self.step, reason=why)]
 
