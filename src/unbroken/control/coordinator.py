@@ -403,7 +403,7 @@ class Coordinator(ThreadedService):
                 )
             )
         elif isinstance(msg, m.Leave):
-            self._apply(ms.leave(mid, now, msg.reason))
+            self._apply(ms.leave(mid, now, msg.reason, last=msg.last))
         elif isinstance(msg, m.Done):
             was_finished = ms.finished
             self._apply(ms.done(mid, msg.step, msg.digest, msg.metrics, now))

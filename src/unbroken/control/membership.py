@@ -273,13 +273,14 @@ class Membership:
                 d.merge(self.fail(mid, now, "its key was taken off the job's allowed keys"))
         return d
 
-    def leave(self, member_id: str, now: float, reason: str) -> Decision:
-        r = self.roster
-        m = r.members.get(member_id)
-        d = Decision()
-        if m is None:
+    def leave(self, member_id: str, now: float, reason: str, last: bool = False) -> Decision:
+        """``last``: the leaver alone holds the group's state and nobody came to take it (`train.leaving`)."""
+        r, d = self.roster, Decision()
+        if (m := r.members.get(member_id)) is None:
             return d
-        d.events.append(r.event(now, Kind.LEAVE, member_id, f"{m.name} leaves: {reason}"))
+        if r.alone(member_id) and not last:  # it alone holds the state: it stays until a member takes it
+            return Decision(events=[r.event(now, Kind.LEAVE, member_id, f"{m.name} asks to leave: {r.kept(reason)}")])
+        d.events.append(r.event(now, Kind.LEAVE, member_id, f"{m.name} leaves: {reason}{r.gone_with(last)}"))
         self.tribunal.trace(member_id, now)
         self._churned(m, now)
         self.planner.vacated += m.role is Role.TRAINER
@@ -292,10 +293,8 @@ class Membership:
 
     def fail(self, member_id: str, now: float, cause: str) -> Decision:
         """A member is gone (session dropped, lease expired, malformed message)."""
-        r = self.roster
-        m = r.members.get(member_id)
-        d = Decision()
-        if m is None:
+        r, d = self.roster, Decision()
+        if (m := r.members.get(member_id)) is None:
             return d
         self._churned(m, now)
         del r.members[member_id]
@@ -572,6 +571,7 @@ class Membership:
             return d
         old = list(r.epoch_members)
         r.epoch = max(r.epoch, r.epoch_floor) + 1
+        d.events.extend(r.behind(now, order, keep))
         r.started = True
         r.epoch_members = order
         self.planner.formed_at_step = r.step  # after the members: their earlier reports may raise it

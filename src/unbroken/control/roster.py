@@ -373,6 +373,35 @@ class Roster:
         """The member's rank in the epoch in force (None: not in it), in constant time."""
         return self.ranks.get(member_id)
 
+    def alone(self, member_id: str) -> bool:
+        """Whether ``member_id`` is the only member of the epoch in force still here: it alone
+        holds the group's newest state."""
+        return self.rank_of(member_id) is not None and not any(
+            mid != member_id and mid in self.members for mid in self._epoch_members
+        )
+
+    def kept(self, reason: str) -> str:
+        """Why the epoch's last member (`alone`) asking to leave for ``reason`` stays."""
+        return f"{reason}; it alone holds step {self.step}, so it stays until a member takes it"
+
+    def gone_with(self, last: bool) -> str:
+        """What a leave says where the leaver went ``last``: with the group's newest state."""
+        return f"; nobody took step {self.step}, which leaves with it" if last else ""
+
+    def behind(self, now: float, order: list[str], kept: list[str]) -> list[Event]:
+        """What says so where the epoch in force (just formed, of ``order``) starts behind
+        the group's step: no member is ``kept`` from the epoch before (those hold its state),
+        every member that held it is gone (left, failed), and the best state here is older.
+        The steps after it are trained again; the nodes' logs record no restore of it."""
+        top = max((self.members[mid].step for mid in order if mid in self.members), default=0)
+        if kept or top >= self.step:
+            return []
+        why = (
+            f"epoch {self.epoch} goes back to step {top}: the group committed step {self.step} (as last "
+            f"reported) or later, and nobody holding it is here; steps {top + 1}.. are trained again"
+        )
+        return [Event(time=now, kind=Kind.ROLLBACK, member=None, epoch=self.epoch, step=self.step, reason=why)]
+
     def reached(self, member_id: str, step: int) -> None:
         """A member of the epoch in force reported ``step``: the group's step follows most of them."""
         self.step = max(self.step, self._quorum.report(member_id, step))

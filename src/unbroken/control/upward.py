@@ -245,6 +245,9 @@ class Fault(_Msg):
 class Leave(_Msg):
     type: Literal["leave"] = "leave"
     reason: Annotated[str, Field(max_length=2000)] = "requested"
+    last: bool = False
+    """The sender alone holds the group's newest state and nobody came to take it: it goes
+    anyway (`unbroken.train.leaving`). Otherwise the last member of the epoch stays."""
 
 
 class Links(_Msg):

@@ -33,7 +33,9 @@ class First:
 
     gone: list[tuple[int, int]] = field(default_factory=list)
     """Runs of steps (0-based, inclusive) the node committed and then died or was expelled
-    with before it logged anything of a later epoch: its state never reached another member."""
+    with before it logged anything of a later epoch: its state never reached another member.
+    Not a node that left: a graceful leave hands its state on (`unbroken.train.leaving`), and
+    a group training its steps again after it lost them."""
     final_step: int | None = None
     """The step of its last ``final`` entry (None: it never finished)."""
 
@@ -67,6 +69,8 @@ def first_pass(node: str, read: Callable[[], Iterable[dict[str, Any]]]) -> First
         kind, epoch = Entry(e["kind"]), e.get("epoch")
         if kind is Entry.EXPELLED:
             out.gone += [(lo, hi) for _, lo, hi in pending]
+            pending = []
+        elif kind is Entry.LEFT:
             pending = []
         elif epoch is not None:
             pending = [p for p in pending if p[0] >= epoch]

@@ -297,8 +297,9 @@ class Node:
             return left(EpochAborted, "the job finished")
         return None
 
-    def announce_leave(self) -> None:
-        self.client.send(m.Leave(reason="leave requested (SIGTERM, Ctrl-C or request_leave)"))
+    def announce_leave(self, last: bool = False) -> None:
+        """``last``: this node alone holds the group's state and nobody came to take it."""
+        self.client.send(m.Leave(reason="leave requested (SIGTERM, Ctrl-C or request_leave)", last=last))
         self.leave_sent_at = time.monotonic()
 
     # ---------------------------------------------------------------- the node's life
@@ -369,8 +370,8 @@ class Node:
                     return order
                 if self.leave_requested:
                     return self._left()
-            if self.leave_requested and (self.group is None or self.group.size == 1):
-                return self._left()
+            if self.leave_requested and (self.group is None or (self.group.size == 1 and self.leave_sent_at)):
+                return self._left()  # alone, it announced only once nobody came for its state
             if self.leave_requested and time.monotonic() - waited_since > LEAVE_GRACE_S:
                 return self._left()
             self.wake.wait(0.5)
@@ -387,6 +388,8 @@ class Node:
 
     def _form(self, order: m.EpochOrder) -> None:
         g, reducer = self.epochs.form(order)
+        if g.size == 1:  # a leave announced to a larger epoch: the coordinator kept the last holder
+            self.leave_sent_at = None
         policy = order.policy.parsed()
         sync = policy.mode is Mode.SYNC
         if sync:
@@ -580,7 +583,7 @@ class Node:
 
     def _left(self) -> NodeResult:
         if self.leave_sent_at is None:
-            self.announce_leave()
+            self.announce_leave(last=self.group is not None and self.group.size == 1)
         if self.group is None or self.group.size == 1:
             self.records.save_last()
         self.records.log(Entry.LEFT, {"step": self.state.step})

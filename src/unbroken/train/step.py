@@ -51,6 +51,7 @@ from unbroken.train.buckets import Buckets, layout
 from unbroken.train.commitment import GradientDigest
 from unbroken.train.guard import judge
 from unbroken.train.hooks import LIES
+from unbroken.train.leaving import Leaving, leave_now
 
 if TYPE_CHECKING:
     from unbroken.train.views import StepNode
@@ -158,6 +159,9 @@ class StepProtocol:
         """Digests of this member's gradient as its pieces go out (`train.commitment`)."""
         self.commitment: m.Commitment | None = None
         """This member's commitment to its slice of the step in flight (sent after its commit)."""
+        self._asked: tuple[float, int] | None = None
+        """When, and at which step, this epoch first saw a leave requested (`leaving_alone`)."""
+        self._told: Leaving | None = None
 
     # ---------------------------------------------------------------- before compute
 
@@ -168,15 +172,27 @@ class StepProtocol:
             raise reason
 
     def leaving_alone(self) -> bool:
-        """A leave was requested: announce it (the group switches after this step), or, when
-        this node is the group, stop here."""
+        """A leave was requested: announce it once the others hold this node's state (the
+        group switches after this step); alone, train on a while for a member to take it,
+        then stop here (`train.leaving`)."""
         node = self.node
         if not node.leave_requested or node.leave_sent_at is not None:
             return False
-        if self.group.size == 1:
-            return True
-        node.announce_leave()
-        return False
+        now = time.monotonic()
+        if self._asked is None:
+            self._asked = (now, node.state.step)
+        since, first = self._asked
+        d = leave_now(
+            requested=True, announced=False, members=self.group.size, committed_here=node.state.step > first,
+            waited_s=now - since, step=node.state.step,
+        )  # fmt: skip
+        if d.action is not self._told:  # once each: a reason for every step would flood the log
+            self._told = d.action
+            log.log(logging.INFO if d.action is Leaving.STAY else logging.WARNING, "%s: leave: %s", node.name, d.reason)
+        if d.action is Leaving.STAY:
+            return False
+        node.announce_leave(last=d.action is Leaving.GO)
+        return d.action is Leaving.GO
 
     def open(self, *, commits: bool = True) -> Slice:
         """This member's slice of the next step. ``commits``: the step commits on its own

@@ -1277,3 +1277,64 @@ def test_a_newcomers_step_moves_no_recovering_leader() -> None:
     ms.admit(hello("b", steps=200_000, step=112, resume=r), 10.02)
     ms.tick(10.03)
     assert ms.step == 112
+
+
+# ---------------------------------------------------------------- the last holder's leave
+
+
+def lone_holder() -> Membership:
+    """``a`` alone in the epoch in force at step 32; ``b``, expelled at step 30, rejoined
+    as ``b2`` (what a goodput run found: ``a`` was then sent SIGTERM)."""
+    ms = formed(["a", "b"])
+    keep_alive(ms, 0.4, step=30)
+    ms.heartbeat("a", 31, 0.45)
+    ms.fail("b", 0.5, "control connection dropped")
+    assert only_order(ms.tick(0.5)).members == ["a"]
+    ms.heartbeat("a", 32, 0.6)
+    return ms
+
+
+def test_the_last_member_asking_to_leave_stays_until_a_joiner_took_its_state() -> None:
+    ms = lone_holder()
+    d = ms.leave("a", 0.7, "SIGTERM")
+    assert d.orders == {} and "a" in ms.members, "the only holder of step 32 was let go"
+    assert [e.kind for e in d.events] == [Kind.LEAVE] and "stays" in d.events[0].reason
+    ms.admit(hello("b2", step=30), 0.72)  # the stale member, back a moment later
+    keep_alive(ms, 0.72 + JOIN_SETTLE_S, step=0)
+    d = ms.tick(0.72 + JOIN_SETTLE_S)
+    assert only_order(d).members == ["a", "b2"], "the joiner's epoch must hold the state's holder to sync from"
+    assert not [e for e in d.events if e.kind is Kind.ROLLBACK], d.events
+    # Once a step committed with the joiner, the leave goes on as with others present.
+    keep_alive(ms, 2.0, step=33)
+    d = ms.leave("a", 2.0, "SIGTERM")
+    assert only_order(d).members == ["b2"] and "a" not in ms.members
+
+
+def test_a_last_holder_that_waited_in_vain_goes_and_the_next_epoch_says_it_goes_back() -> None:
+    ms = lone_holder()
+    d = ms.leave("a", 0.7, "SIGTERM", last=True)
+    assert "a" not in ms.members and "leaves with it" in d.events[0].reason
+    assert ms.session_closed("a", 0.71).events == [], "a graceful leave is no failure"
+    ms.admit(hello("b2", step=30), 0.72)
+    d = ms.tick(0.72 + JOIN_SETTLE_S)
+    assert only_order(d).members == ["b2"]
+    (back,) = [e for e in d.events if e.kind is Kind.ROLLBACK]
+    assert "goes back to step 30" in back.reason and "committed step 32" in back.reason, back.reason
+
+
+def test_an_epoch_after_the_last_holder_failed_says_it_goes_back() -> None:
+    ms = lone_holder()
+    ms.fail("a", 0.7, "control connection dropped")  # SIGKILL: nobody holds step 32 now
+    ms.admit(hello("b2", step=30), 0.72)
+    d = ms.tick(0.72 + JOIN_SETTLE_S)
+    assert only_order(d).members == ["b2"]
+    assert [e.kind for e in d.events].count(Kind.ROLLBACK) == 1, d.events
+
+
+def test_an_epoch_that_keeps_a_holder_of_the_groups_step_says_nothing_of_going_back() -> None:
+    ms = formed(["a", "b"])
+    keep_alive(ms, 0.4, step=12)
+    ms.admit(hello("c"), 0.5)  # a newcomer at step 0 syncs from the others
+    d = ms.tick(0.5 + JOIN_SETTLE_S)
+    assert only_order(d).members == ["a", "b", "c"]
+    assert not [e for e in d.events if e.kind is Kind.ROLLBACK], d.events

@@ -93,6 +93,15 @@ def test_a_step_in_flight_that_died_with_its_only_committer_is_not_applied_twice
     assert v.ok, [c.evidence for c in v.violated]
 
 
+def test_steps_a_node_left_with_and_the_group_trained_again_are_named() -> None:
+    # Not the step in flight dying with its committer: a graceful leave hands its state on.
+    survivor = [*step(1, 1, 0, "a0", (0, 2)), *step(3, 2, 1, "b1"), *step(4, 2, 2, "b2"), final(5, "b2")]
+    lone = [*step(1, 1, 0, "a0", (2, 2)), *step(2, 1, 1, "x1", (2, 2)), {"t": 2.5, "kind": "left", "step": 2}]
+    c = verdict({"s": survivor, "lone": lone}).check(Promise.ONCE)
+    assert c.status is Status.VIOLATED
+    assert "step 2 committed in epoch 1 and again in epoch 2" in c.evidence[0].text
+
+
 def test_a_node_that_applies_a_step_twice_is_named() -> None:
     a = run()
     a.insert(4, {**a[3], "t": 2.02})  # step 2 committed twice in a row
