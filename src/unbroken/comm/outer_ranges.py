@@ -30,6 +30,7 @@ import torch
 
 from unbroken.comm.codecs import Codec, make_codec
 from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable
+from unbroken.comm.robust import all_finite
 from unbroken.errors import BadContribution
 from unbroken.specs import CodecSpec
 from unbroken.state.shards import Layout
@@ -168,9 +169,18 @@ def exchange(
     kept). Returns the sums and the bytes this member sent.
 
     Raises:
-        BadContribution: a payload that does not decode (its sender's rank named).
+        BadContribution: a payload that does not decode or decodes to values that are not
+            finite (its sender's rank named: every receiver of the range names the same
+            one), or this member's own part is not finite (its own rank named, nothing sent).
         CollectiveFailed, EpochAborted: a transfer failed or the epoch was abandoned.
     """
+    me_rank = ranks[me]
+    for span, x in own.items():
+        # Refused before anything goes out: its receivers would only name this member.
+        if not silent and not all_finite(x):
+            raise BadContribution(
+                me_rank, f"{what}: rank {me_rank}'s own pseudo-gradient of [{span[0]}, {span[1]}) is not finite"
+            )
     payloads: dict[Span, torch.Tensor] = {}
     for span, x in own.items():
         codec = codecs.of(span)
@@ -190,11 +200,17 @@ def exchange(
         run_abortable(lambda: [w.wait() for w in works], scope, f"{what} (ranges between zones)")
     decoded: dict[int, torch.Tensor] = {}
     for src in r.receives:
+        culprit = ranks[src.primary]
         try:
             decoded[src.tag] = codecs.of((src.start, src.end)).decode(received[src.tag], src.end - src.start)
         except ValueError as exc:
-            culprit = ranks[src.primary]
             raise BadContribution(culprit, f"{what}: rank {culprit} sent [{src.start}, {src.end}): {exc}") from None
+        # Half-precision decoding checks nothing (and NaN passes fp16's clamp): the values
+        # themselves are judged, the same payload giving the same verdict at every receiver.
+        if not all_finite(decoded[src.tag]):
+            raise BadContribution(
+                culprit, f"{what}: rank {culprit} sent [{src.start}, {src.end}) with values that are not finite"
+            )
     out = {}
     for span in own:
         total = torch.zeros(span[1] - span[0], dtype=torch.float32)

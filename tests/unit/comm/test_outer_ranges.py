@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import pytest
 import torch
 
+from unbroken.comm.codecs import Codec
 from unbroken.comm.group import EpochScope
 from unbroken.comm.outer_ranges import RangeCodecs, Span, exchange, held_by, routes, sources, tiles
 from unbroken.errors import BadContribution
@@ -73,20 +74,40 @@ def test_range_codecs_keep_a_residual_per_range_and_forget_the_ranges_let_go() -
     assert codecs.state_dict() == {}
 
 
+class Spoiled(Codec):
+    """A sender's codec that puts NaN on the wire whatever its own part was (a hostile or
+    broken primary: what it sends is not what it holds)."""
+
+    def __init__(self, inner: Codec) -> None:
+        self.inner = inner
+
+    def payload_bytes(self, numel: int) -> int:
+        return self.inner.payload_bytes(numel)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.encode(torch.full_like(x, float("nan")))
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        return self.inner.decode(payload, numel)
+
+
+class SpoiledCodecs(RangeCodecs):
+    def of(self, span: Span) -> Codec:
+        return Spoiled(super().of(span))
+
+
 def run_exchange(
     codec: str, parts: Mapping[str, torch.Tensor], spoil: str | None = None
 ) -> dict[str, dict[Span, torch.Tensor] | BaseException]:
     """Every member's exchange, on threads: ``parts`` is each zone's whole pseudo-gradient,
-    of which each member passes the ranges it holds."""
+    of which each member passes the ranges it holds; ``spoil``'s payloads carry NaN."""
     world = FakeWorld(len(ZONE))
     out: dict[str, dict[Span, torch.Tensor] | BaseException] = {}
 
     def member(m: str) -> None:
         zone = ZONE[m]
         own = {span: parts[zone][span[0] : span[1]].clone() for span in held_by(LAYOUTS[zone], m)}
-        codecs = RangeCodecs(CodecSpec.parse(codec))
-        if m == spoil:  # a primary whose int8 scales are not finite: refused by name at its receivers
-            own = {span: x * float("inf") for span, x in own.items()}
+        codecs = (SpoiledCodecs if m == spoil else RangeCodecs)(CodecSpec.parse(codec))
         scope = EpochScope(threading.Event(), lambda: None, 10.0)
         try:
             out[m], _ = exchange(own, False, LAYOUTS, zone, m, RANKS, world.group(RANKS[m]), scope, codecs, "round")
@@ -120,12 +141,29 @@ def test_every_holder_of_an_element_in_every_zone_gets_the_same_sum(codec: str) 
     assert len(values) == len(range(0, NUMEL, 37)), "every element is held"
 
 
-def test_a_payload_that_does_not_decode_is_refused_with_its_sender_named() -> None:
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8"])
+def test_a_payload_not_finite_is_refused_by_every_receiver_with_its_sender_named(codec: str) -> None:
+    """int8's scales fail to decode; the others decode to NaN (fp16's clamp lets NaN through):
+    either way each receiver of b2's range names b2, and no receiver takes the round."""
     parts = {z: torch.ones(NUMEL) for z in "AB"}
-    out = run_exchange("int8", parts, spoil="b2")
+    out = run_exchange(codec, parts, spoil="b2")
+    receivers = {m for m in ZONE if any(src.primary == "b2" for src in routes(LAYOUTS, ZONE[m], m).receives)}
+    assert receivers == {"a1", "a2"}, "the test needs b2's range received by every member of zone A"
     refused = {m: r for m, r in out.items() if isinstance(r, BadContribution)}
-    assert refused and all(r.rank == RANKS["b2"] for r in refused.values()), out
-    assert all(ZONE[m] == "A" for m in refused), "only the other zone's holders decode b2's payload"
+    assert set(refused) == receivers and all(r.rank == RANKS["b2"] for r in refused.values()), out
+    assert all(f"rank {RANKS['b2']} sent" in str(r) for r in refused.values()), refused
+
+
+def test_a_member_whose_own_part_is_not_finite_refuses_it_itself_and_sends_nothing() -> None:
+    zone, me = "B", "b2"
+    own = {span: torch.ones(span[1] - span[0]) for span in held_by(LAYOUTS[zone], me)}
+    first = next(iter(own))
+    own[first][3] = float("nan")
+    world = FakeWorld(len(ZONE))
+    scope = EpochScope(threading.Event(), lambda: None, 10.0)
+    with pytest.raises(BadContribution, match="rank 3's own pseudo-gradient") as info:
+        exchange(own, False, LAYOUTS, zone, me, RANKS, world.group(RANKS[me]), scope, RangeCodecs(CodecSpec()), "r")
+    assert info.value.rank == RANKS[me]
 
 
 def test_a_zone_without_samples_sends_zeros_and_keeps_its_residual() -> None:
