@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unbroken.comm.codecs import Codec, make_codec
-from unbroken.comm.forward import ForwarderThread
+from unbroken.comm.forward import ForwarderThread, job_hosts, offered_address
 from unbroken.comm.group import PUBLISH_S, EpochGroup, EpochScope, Meeting, build_group, wait_until
 from unbroken.comm.links import probe
 from unbroken.comm.reach import Stall, accuse, reach, refusing, unreachable_fault
@@ -206,9 +206,13 @@ class Epochs:
                 raise ConfigError(
                     f"cannot forward on {host}:{port} ({exc.strerror or exc}): give --offer-forwarding a free port"
                 ) from None
-            if host in ("", "0.0.0.0", "::"):  # every interface: name one the others reach
-                host = config.gloo_host or socket.gethostbyname(socket.gethostname())
-            self.offered = f"{host}:{self.forwarder.address[1]}"
+            hosts = job_hosts([*config.coordinators, *config.relays], config.etcd)
+            try:
+                self.offered = offered_address(host, self.forwarder.address[1], hosts, named=config.gloo_host)
+            except ConfigError:
+                self.forwarder.close()
+                self.forwarder = None
+                raise
         if self.tunnel is None:
             return
         if config.no_inbound:
