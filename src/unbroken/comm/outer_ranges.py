@@ -114,6 +114,33 @@ def routes(layouts: Mapping[str, Layout], zone: str, me: str) -> Routes:
     return Routes(tuple(sends), tuple(receives))
 
 
+def receivers(layouts: Mapping[str, Layout], zone: str, sender: str) -> list[str]:
+    """The members of other zones that receive ``sender``'s primary ranges (``sender`` a
+    member of ``zone``; pure, as `routes`)."""
+    return sorted({m for _, to in routes(layouts, zone, sender).sends for m in to})
+
+
+def named(
+    accused: Sequence[int], layouts: Mapping[str, Layout], zone_of: Mapping[str, str], ranks: Mapping[str, int]
+) -> int | None:
+    """The sender that the exchange's receivers name together, or None: ``accused[r]`` is the
+    rank whose range rank ``r`` found not finite (-1: none; gathered, so each rank's entry is
+    its own word). A sender is named once most of the members that received its range did,
+    never on one word alone: a receiver that lies cannot have everyone name an honest
+    sender; or once it named itself (its own part not finite: its word costs it alone).
+    Every member gets the same answer from the same gathered entries."""
+    by_rank = {r: member for member, r in ranks.items()}
+    for sender in sorted({r for r in accused if r in by_rank}):
+        if accused[sender] == sender:
+            return sender
+        member = by_rank[sender]
+        heard = {ranks[m] for m in receivers(layouts, zone_of[member], member)}
+        said = sum(1 for r, a in enumerate(accused) if a == sender and r in heard)
+        if said >= max(2, len(heard) // 2 + 1):
+            return sender
+    return None
+
+
 class RangeCodecs:
     """The job's codec, one per held range: error feedback is kept per range (a range's
     residual is what its payloads left out), equal on its two holders, which encode alike."""
@@ -171,20 +198,17 @@ def exchange(
     Raises:
         BadContribution: a payload that does not decode or decodes to values that are not
             finite (its sender's rank named: every receiver of the range names the same
-            one), or this member's own part is not finite (its own rank named, nothing sent).
+            one), or this member's own part is not finite (its own rank named: zeros went
+            out in its place, so that its receivers finish the exchange and hear it say so).
         CollectiveFailed, EpochAborted: a transfer failed or the epoch was abandoned.
     """
     me_rank = ranks[me]
-    for span, x in own.items():
-        # Refused before anything goes out: its receivers would only name this member.
-        if not silent and not all_finite(x):
-            raise BadContribution(
-                me_rank, f"{what}: rank {me_rank}'s own pseudo-gradient of [{span[0]}, {span[1]}) is not finite"
-            )
+    broken = None if silent else next((span for span, x in own.items() if not all_finite(x)), None)
     payloads: dict[Span, torch.Tensor] = {}
     for span, x in own.items():
         codec = codecs.of(span)
-        payloads[span] = codec.encode_nothing(span[1] - span[0]) if silent else codec.encode(x)
+        nothing = silent or broken is not None
+        payloads[span] = codec.encode_nothing(span[1] - span[0]) if nothing else codec.encode(x)
     r = routes(layouts, zone, me)
     works, sent = [], 0
     for src, to in r.sends:
@@ -198,6 +222,10 @@ def exchange(
         works.append(group.recv([received[src.tag]], ranks[src.primary], src.tag))
     if works:  # gloo's point-to-point works have no future: waited on a thread
         run_abortable(lambda: [w.wait() for w in works], scope, f"{what} (ranges between zones)")
+    if broken is not None:
+        raise BadContribution(
+            me_rank, f"{what}: rank {me_rank}'s own pseudo-gradient of [{broken[0]}, {broken[1]}) is not finite"
+        )
     decoded: dict[int, torch.Tensor] = {}
     for src in r.receives:
         culprit = ranks[src.primary]

@@ -12,7 +12,17 @@ import torch
 
 from unbroken.comm.codecs import Codec
 from unbroken.comm.group import EpochScope
-from unbroken.comm.outer_ranges import RangeCodecs, Span, exchange, held_by, routes, sources, tiles
+from unbroken.comm.outer_ranges import (
+    RangeCodecs,
+    Span,
+    exchange,
+    held_by,
+    named,
+    receivers,
+    routes,
+    sources,
+    tiles,
+)
 from unbroken.errors import BadContribution
 from unbroken.specs import CodecSpec
 from unbroken.state.shards import Layout, layout_for
@@ -154,16 +164,21 @@ def test_a_payload_not_finite_is_refused_by_every_receiver_with_its_sender_named
     assert all(f"rank {RANKS['b2']} sent" in str(r) for r in refused.values()), refused
 
 
-def test_a_member_whose_own_part_is_not_finite_refuses_it_itself_and_sends_nothing() -> None:
-    zone, me = "B", "b2"
-    own = {span: torch.ones(span[1] - span[0]) for span in held_by(LAYOUTS[zone], me)}
-    first = next(iter(own))
-    own[first][3] = float("nan")
-    world = FakeWorld(len(ZONE))
-    scope = EpochScope(threading.Event(), lambda: None, 10.0)
-    with pytest.raises(BadContribution, match="rank 3's own pseudo-gradient") as info:
-        exchange(own, False, LAYOUTS, zone, me, RANKS, world.group(RANKS[me]), scope, RangeCodecs(CodecSpec()), "r")
-    assert info.value.rank == RANKS[me]
+def test_a_member_whose_own_part_is_not_finite_says_so_and_sends_zeros_in_its_place() -> None:
+    """Its receivers finish the exchange (they must hear it say so, `named`) with nothing of
+    its NaN: zeros came in its place; it names itself alone."""
+    parts = {z: torch.ones(NUMEL) for z in "AB"}
+    parts["B"][600] = float("nan")  # b2's range [250, 750): b2 and its buddy b3 hold it
+    out = run_exchange("fp16", parts)
+    refused = {m: r for m, r in out.items() if isinstance(r, BaseException)}
+    assert set(refused) == {"b2", "b3"}, out
+    for m, r in refused.items():
+        assert isinstance(r, BadContribution) and r.rank == RANKS[m], r
+        assert f"rank {RANKS[m]}'s own pseudo-gradient of" in str(r) and "is not finite" in str(r)
+    for m in "a1", "a2":
+        sums = out[m]
+        assert isinstance(sums, dict) and all(bool(torch.isfinite(t).all()) for t in sums.values()), m
+    assert named(found(out), LAYOUTS, ZONE, RANKS) in {RANKS[m] for m in refused}
 
 
 def test_a_zone_without_samples_sends_zeros_and_keeps_its_residual() -> None:
@@ -190,3 +205,38 @@ def test_a_zone_without_samples_sends_zeros_and_keeps_its_residual() -> None:
     )
     residual = codecs["a"].of((0, 10)).residual
     assert residual is not None and torch.equal(residual, torch.full((10,), 0.5))
+
+
+def found(out: Mapping[str, dict[Span, torch.Tensor] | BaseException]) -> list[int]:
+    """What each rank found of the ranges it received (the gathered entries): a rank, or -1."""
+    rows = [-1] * len(RANKS)
+    for m, r in out.items():
+        if isinstance(r, BadContribution):
+            rows[RANKS[m]] = r.rank
+    return rows
+
+
+def test_a_sender_most_of_its_receivers_found_not_finite_is_named_by_every_member() -> None:
+    out = run_exchange("fp16", {z: torch.ones(NUMEL) for z in "AB"}, spoil="b2")
+    assert named(found(out), LAYOUTS, ZONE, RANKS) == RANKS["b2"]
+    assert receivers(LAYOUTS, "B", "b2") == ["a1", "a2"]
+
+
+def test_one_receivers_word_names_no_one() -> None:
+    """a1 alone says b1's range was not finite (a2, which received it too, does not): an
+    honest sender is not named on a liar's word, nor by members that did not receive it."""
+    alone = [-1] * len(RANKS)
+    alone[RANKS["a1"]] = RANKS["b1"]
+    assert named(alone, LAYOUTS, ZONE, RANKS) is None
+    outsiders = [-1] * len(RANKS)
+    outsiders[RANKS["b2"]] = outsiders[RANKS["b3"]] = RANKS["b1"]  # b1's own zone received nothing
+    assert named(outsiders, LAYOUTS, ZONE, RANKS) is None
+    both = list(alone)
+    both[RANKS["a2"]] = RANKS["b1"]
+    assert named(both, LAYOUTS, ZONE, RANKS) == RANKS["b1"]
+
+
+def test_a_sender_with_one_receiver_is_never_named_on_its_word() -> None:
+    layouts = {"A": layout_for(10, {"a": 1}), "B": layout_for(10, {"b": 1})}
+    ranks = {"a": 0, "b": 1}
+    assert named([1, -1], layouts, {"a": "A", "b": "B"}, ranks) is None
