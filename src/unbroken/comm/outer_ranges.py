@@ -190,10 +190,15 @@ def exchange(
     scope: EpochScope,
     codecs: RangeCodecs,
     what: str,
+    judge: bool = True,
 ) -> tuple[dict[Span, torch.Tensor], int]:
     """Each held range's sum over the zones of their parts: ``own`` is this zone's part of
     every range ``me`` holds (``silent``: the zone had no samples; zeros go out, residuals
     kept). Returns the sums and the bytes this member sent.
+
+    ``judge``: a part is its sender's own word (DiLoCo's pseudo-gradient of the zone's
+    state), refused where it is not finite; not so a step's gradient, a sum over the
+    zone's members that their own norms judge at the step's vote (`CodedSum`).
 
     Raises:
         BadContribution: a payload that does not decode or decodes to values that are not
@@ -203,7 +208,7 @@ def exchange(
         CollectiveFailed, EpochAborted: a transfer failed or the epoch was abandoned.
     """
     me_rank = ranks[me]
-    broken = None if silent else next((span for span, x in own.items() if not all_finite(x)), None)
+    broken = None if silent or not judge else next((span for span, x in own.items() if not all_finite(x)), None)
     payloads: dict[Span, torch.Tensor] = {}
     for span, x in own.items():
         codec = codecs.of(span)
@@ -235,7 +240,7 @@ def exchange(
             raise BadContribution(culprit, f"{what}: rank {culprit} sent [{src.start}, {src.end}): {exc}") from None
         # Half-precision decoding checks nothing (and NaN passes fp16's clamp): the values
         # themselves are judged, the same payload giving the same verdict at every receiver.
-        if not all_finite(decoded[src.tag]):
+        if judge and not all_finite(decoded[src.tag]):
             raise BadContribution(
                 culprit, f"{what}: rank {culprit} sent [{src.start}, {src.end}) with values that are not finite"
             )
@@ -284,7 +289,9 @@ class CodedSum:
             own[(h.start, h.end)] = torch.cat(grads) if grads else torch.zeros(0)
         self.codecs.keep_only(list(own))
         before = self.codecs.state_dict()
-        sums, self.sent = exchange(own, False, layouts, zone, engine.me, ranks, group, engine.scope, self.codecs, what)
+        sums, self.sent = exchange(
+            own, False, layouts, zone, engine.me, ranks, group, engine.scope, self.codecs, what, judge=False
+        )
         self._states = (before, self.codecs.state_dict())
         for h in engine.holdings:
             total = sums[(h.start, h.end)]

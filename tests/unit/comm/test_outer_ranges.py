@@ -107,7 +107,7 @@ class SpoiledCodecs(RangeCodecs):
 
 
 def run_exchange(
-    codec: str, parts: Mapping[str, torch.Tensor], spoil: str | None = None
+    codec: str, parts: Mapping[str, torch.Tensor], spoil: str | None = None, judge: bool = True
 ) -> dict[str, dict[Span, torch.Tensor] | BaseException]:
     """Every member's exchange, on threads: ``parts`` is each zone's whole pseudo-gradient,
     of which each member passes the ranges it holds; ``spoil``'s payloads carry NaN."""
@@ -120,7 +120,8 @@ def run_exchange(
         codecs = (SpoiledCodecs if m == spoil else RangeCodecs)(CodecSpec.parse(codec))
         scope = EpochScope(threading.Event(), lambda: None, 10.0)
         try:
-            out[m], _ = exchange(own, False, LAYOUTS, zone, m, RANKS, world.group(RANKS[m]), scope, codecs, "round")
+            group = world.group(RANKS[m])
+            out[m], _ = exchange(own, False, LAYOUTS, zone, m, RANKS, group, scope, codecs, "round", judge=judge)
         except BaseException as exc:
             out[m] = exc
 
@@ -179,6 +180,18 @@ def test_a_member_whose_own_part_is_not_finite_says_so_and_sends_zeros_in_its_pl
         sums = out[m]
         assert isinstance(sums, dict) and all(bool(torch.isfinite(t).all()) for t in sums.values()), m
     assert named(found(out), LAYOUTS, ZONE, RANKS) in {RANKS[m] for m in refused}
+
+
+def test_a_steps_gradient_is_not_judged_here_its_members_norms_are_at_the_vote() -> None:
+    """Synchronous mode's coded sum (`CodedSum`): a range's part is the sum of its zone's
+    gradients, so neither its holder nor its sender is the culprit of a NaN in it: it goes
+    through, and the step's vote (each member's own norm) names whose it was."""
+    parts = {z: torch.ones(NUMEL) for z in "AB"}
+    parts["B"][600] = float("nan")
+    out = run_exchange("fp16", parts, judge=False)
+    assert all(isinstance(r, dict) for r in out.values()), out
+    a1 = out["a1"]
+    assert isinstance(a1, dict) and not all(bool(torch.isfinite(t).all()) for t in a1.values())
 
 
 def test_a_zone_without_samples_sends_zeros_and_keeps_its_residual() -> None:
