@@ -149,6 +149,9 @@ class RangeCodecs:
         self.spec = spec
         self.codecs: dict[Span, Codec] = {}
         self._sizer = make_codec(spec)
+        self.poison: float | None = None
+        """Testing aid (`testing.faults`, ``nan@outer``): what this member sends is its part
+        times this, a broken or hostile sender (its own part as it holds it is unchanged)."""
 
     def of(self, span: Span) -> Codec:
         if span not in self.codecs:
@@ -213,7 +216,8 @@ def exchange(
     for span, x in own.items():
         codec = codecs.of(span)
         nothing = silent or broken is not None
-        payloads[span] = codec.encode_nothing(span[1] - span[0]) if nothing else codec.encode(x)
+        going = x if codecs.poison is None else x * codecs.poison
+        payloads[span] = codec.encode_nothing(span[1] - span[0]) if nothing else codec.encode(going)
     r = routes(layouts, zone, me)
     works, sent = [], 0
     for src, to in r.sends:

@@ -302,6 +302,7 @@ class DiLoCo:
         steps, what = last + 1 - first, f"outer step after inner step {last}"
         t_comm = time.monotonic()
         node.faults.maybe_fire("exchange", last)
+        outer.codecs.poison = node.faults.corruption(last, "outer")  # testing aid: a broken sender
         squares, sent = self._sharded_exchange(outer, zone_samples / B, zone_samples == 0, what)
         leader = zone_ranks[0] == grp.rank  # the zone's loss is every member's: one speaks for it
         mean_loss = sum(losses) / max(len(losses), 1)
