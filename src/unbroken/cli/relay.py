@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,13 +44,15 @@ def _relay(args: argparse.Namespace) -> int:
     async def serve() -> None:
         forwarder = None
         if offer is not None:  # beside the relay, on its loop: members behind NAT dial both
-            from unbroken.comm.forward import Forwarder
+            from unbroken.comm.forward import Forwarder, job_hosts, offered_address
 
             forwarder = Forwarder(config.token, *offer)
             host, port = await forwarder.start()
-            if host in ("", "0.0.0.0", "::"):  # every interface: name one the members reach
-                host = socket.gethostbyname(socket.gethostname())
-            relay.forwarding = f"{host}:{port}"  # the leader names it to members found unreachable
+            try:  # the leader names it to members found unreachable
+                relay.forwarding = offered_address(host, port, job_hosts(config.coordinators, config.etcd))
+            except ConfigError:
+                await forwarder.close()
+                raise
         try:
             await serve_relay()
         finally:

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import itertools
 import json
 import logging
@@ -43,7 +44,8 @@ import secrets
 import socket
 import struct
 import threading
-from collections.abc import Awaitable, Callable
+import urllib.parse
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +144,60 @@ async def read_line(reader: asyncio.StreamReader, timeout_s: float) -> dict[str,
     if not isinstance(value, dict):
         raise ProtocolError("a forwarding line that is not a JSON object")
     return value
+
+
+WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) stands for this machine alone; a name that
+    does not resolve is not."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def offered_address(host: str, port: int, job_hosts: Sequence[str], named: str | None = None) -> str:
+    """HOST:PORT that epoch orders name for a forwarder listening on ``host``:``port``, for
+    members on other machines to dial. Listening on every interface, it is ``named`` (the
+    node's ``--gloo-host``) or this machine's name as it resolves.
+
+    A loopback address is only for a job all on this machine: one whose control plane
+    (``job_hosts``: its coordinators, relays, etcd) is on loopback too, which no member on
+    another machine could reach (it is allowed then: that is how a test cluster runs).
+
+    Raises:
+        ConfigError: the address is loopback (given so, or what the machine's name resolves
+            to, as with Debian's ``127.0.1.1``) in a job whose control plane is not.
+    """
+    if host in WILDCARDS:
+        host = named or socket.gethostbyname(socket.gethostname())
+    if is_loopback(host):
+        if not job_hosts or not all(is_loopback(h) for h in job_hosts):
+            # Every member moved behind it would dial its own loopback, and be benched.
+            raise ConfigError(
+                f"--offer-forwarding: {host}:{port} is a loopback address, which members on other "
+                f"machines cannot dial: give --offer-forwarding HOST:PORT with an address they reach"
+            )
+        log.warning(
+            "forwarding at %s:%d, a loopback address: only members on this machine can use it "
+            "(the job's control plane is on loopback too)",
+            host,
+            port,
+        )
+    return f"{host}:{port}"
+
+
+def job_hosts(coordinators: Sequence[tuple[str, int]], etcd: Sequence[str]) -> list[str]:
+    """The hosts of a job's control plane as a process was given them (etcd as URLs)."""
+    hosts = [h for h, _ in coordinators]
+    hosts += [u.hostname for u in map(urllib.parse.urlsplit, etcd) if u.hostname]
+    return hosts
 
 
 def write_line(writer: asyncio.StreamWriter, value: dict[str, Any]) -> None:

@@ -249,11 +249,14 @@ class Meeting:
         """From ``epoch`` on, entries go through ``view``: the node was moved behind a
         forwarder. Called before any entry of ``epoch`` arrives (on its order); the epochs
         before keep the entries they were built with."""
-        self.view_from = epoch  # first: a reader that sees the view must see where it starts
-        self.view = view
+        with self._lock:  # the two together: `_view` must never pair one's old with the other's new
+            self.view_from = epoch
+            self.view = view
 
     def _view(self, epoch: int) -> EntryView | None:
-        return self.view if epoch >= self.view_from else None
+        with self._lock:
+            view, start = self.view, self.view_from
+        return view if epoch >= start else None
 
     def complete(self, epoch: int, group: str, size: int) -> bool:
         """Every rank of ``group`` has its entry here (its build can connect now). Its first

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unbroken.comm.codecs import Codec, make_codec
-from unbroken.comm.forward import ForwarderThread
+from unbroken.comm.forward import ForwarderThread, job_hosts, offered_address
 from unbroken.comm.group import PUBLISH_S, EpochGroup, EpochScope, Meeting, build_group, wait_until
 from unbroken.comm.links import probe
 from unbroken.comm.reach import Stall, accuse, reach, refusing, unreachable_fault
@@ -60,6 +60,7 @@ class Epochs:
         """Where that forwarder is, as its hello says (HOST:PORT; empty: none)."""
         self.codec = CodecSlot(node.name)
         self._accusing = threading.Lock()
+        self._moving = threading.Lock()
         self._former: tuple[int, dict[str, tuple[str, int]]] = (-1, {})
         """The epoch this node was in when a new leader welcomed it, with its other members'
         data-plane addresses there (`check`)."""
@@ -69,6 +70,10 @@ class Epochs:
     def form(self, order: m.EpochOrder) -> tuple[EpochGroup, Reducer]:
         """This node's group of ``order``'s epoch (now `Node.group`), connected, and the step's reducer."""
         node = self.node
+        # The order's listener may not have run yet (it is told after the order is visible
+        # to the step loop): a move behind a forwarder comes first, or this node's entries
+        # would advertise the address its peers just failed to reach.
+        self.ordered(order)
         rank = order.members.index(node.client.member_id)
         group = EpochGroup(
             order.epoch,
@@ -201,13 +206,17 @@ class Epochs:
                 raise ConfigError(
                     f"cannot forward on {host}:{port} ({exc.strerror or exc}): give --offer-forwarding a free port"
                 ) from None
-            if host in ("", "0.0.0.0", "::"):  # every interface: name one the others reach
-                host = config.gloo_host or socket.gethostbyname(socket.gethostname())
-            self.offered = f"{host}:{self.forwarder.address[1]}"
+            hosts = job_hosts([*config.coordinators, *config.relays], config.etcd)
+            try:
+                self.offered = offered_address(host, self.forwarder.address[1], hosts, named=config.gloo_host)
+            except ConfigError:
+                self.forwarder.close()
+                self.forwarder = None
+                raise
         if self.tunnel is None:
             return
         if config.no_inbound:
-            self.meeting.view = NatView(self.tunnel)
+            self.meeting.behind(NatView(self.tunnel), 0)
             return
         if not config.forwarders:
             return
@@ -228,7 +237,7 @@ class Epochs:
         else:
             log.warning("%s: its forwarder cannot connect to its data-plane address %s (%s): peers reach it "
                         "through the forwarder", self.node.name, host, why)  # fmt: skip
-            self.meeting.view = NatView(self.tunnel)
+            self.meeting.behind(NatView(self.tunnel), 0)
 
     @property
     def forwarded(self) -> bool:
@@ -242,16 +251,17 @@ class Epochs:
         stays there until it restarts, even once its port is open again: a move back would
         cost an epoch, and the forwarder only adds a hop."""
         node = self.node
-        if self.forwarded or node.client.member_id not in order.behind:
-            return
-        try:
-            tunnel = self.tunnel or Tunnel(node.config.forwarders, node.config.token, node.name)
-        except ForwardingError as exc:
-            log.error("%s: its peers cannot connect to it, and it cannot go behind a forwarder: %s", node.name, exc)
-            return  # its peers name it unreachable again, and, behind a forwarder on paper, it is benched
-        tunnel.learn(order.forwarders)
-        self.tunnel = tunnel
-        self.meeting.behind(NatView(tunnel), order.epoch)
+        with self._moving:  # the control thread (the order's listener) and `form`: one moves
+            if self.forwarded or node.client.member_id not in order.behind:
+                return
+            try:
+                tunnel = self.tunnel or Tunnel(node.config.forwarders, node.config.token, node.name)
+            except ForwardingError as exc:
+                log.error("%s: its peers cannot connect to it, and it cannot go behind a forwarder: %s", node.name, exc)
+                return  # its peers name it unreachable again, and, behind a forwarder on paper, it is benched
+            tunnel.learn(order.forwarders)
+            self.tunnel = tunnel
+            self.meeting.behind(NatView(tunnel), order.epoch)
         log.warning("%s: its peers cannot connect to its data-plane address: from epoch %d they reach it "
                     "through a forwarder (%s)", node.name, order.epoch, ", ".join(order.forwarders))  # fmt: skip
 
