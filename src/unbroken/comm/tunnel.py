@@ -285,6 +285,12 @@ class Tunnel:
             self._link.writer.close()
         for _, server in self._splices.values():
             server.close()
+        # The session's reader and its attaches end here, not when the loop is stopped under
+        # them (a coroutine destroyed with its loop closed is reported at interpreter exit).
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _names(self) -> str:
         return ", ".join(f"{h}:{p}" for h, p in self.forwarders)
