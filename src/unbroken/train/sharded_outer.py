@@ -110,6 +110,10 @@ class ShardedOuter:
             self.momentum = {s: torch.zeros(s[1] - s[0]) for s in spans}
             self.codecs.reset()
             self.momentum_step = self.zone.step
+            # The round's start was on the old layout and perhaps of another step (a fall-back
+            # to a checkpoint): rolling back to it would load spans this layout lacks, or undo
+            # the fall-back. The ranges are committed state now; the next round anchors anew.
+            self.anchor, self.residuals, self.counts, self.round_step = {}, {}, None, -1
             return
         valid = self.momentum if self.momentum_step == self.zone.step else {}
         if not moved.unchanged:  # the zone's ranges moved: a holder may have none to agree on

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from unbroken.comm.blocks import Holding, Piece
+from unbroken.comm.blocks import Holding, Piece, restore_storage
 from unbroken.comm.group import EpochScope
 from unbroken.comm.sharded import ShardedModel
 from unbroken.comm.solo import Solo
@@ -145,3 +145,32 @@ def test_a_failed_round_puts_the_ranges_values_inner_state_and_residuals_back() 
     got = outer.codecs.of((0, numel)).residual
     assert got is not None and torch.equal(got, kept), "the retried round encodes from the same residual"
     assert zone.step == 1 and zone.pending is None
+
+
+def test_ranges_made_afresh_forget_the_old_layouts_round_start() -> None:
+    """A fall-back to a checkpoint rebuilds the zone on a fresh layout at an older step: an
+    epoch aborted before the next round anchors must not roll back to the old round's start
+    (its spans are the old layout's, its step is past the checkpoint's)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    numel = sum(p.numel() for p in model.parameters())
+    scope = EpochScope(threading.Event(), lambda: None, 10.0)
+
+    def adam(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(groups, lr=0.01)
+
+    before = ShardedModel(model, layout_for(numel, {"m": 1, "x": 1, "y": 1}), "m", {"m": 0, "x": 1, "y": 2}, Solo(),
+                          scope, adam)  # fmt: skip
+    zone = SimpleNamespace(ready=before, engine=before, moved=None, step=40, pending=None)
+    outer = ShardedOuter(zone, SETTINGS, CodecSpec.parse("none"))
+    outer.begin_round(40)  # the round in progress when x and y were lost
+    before.close()
+    restore_storage(model)
+    after = ShardedModel(model, layout_for(numel, {"m": 1}), "m", {"m": 0}, Solo(), scope, adam)
+    zone.engine = zone.ready = after
+    zone.step = 30  # the checkpoint's
+    zone.moved = SimpleNamespace(fresh=True)
+    outer.after_sync(scope)
+    digests = after.digests()
+    outer.rollback(moved=True)  # the epoch aborted before the next round began
+    assert zone.step == 30 and after.digests() == digests, "the checkpoint's ranges stay as read"
