@@ -13,8 +13,10 @@ The job goes back to a checkpoint, in process, with no restart::
     choose     the newest step every member can read (`unbroken.state.fallback.choose`,
                the same on every member); none: the job stops, naming the ranges and the fix
     restore    every member puts its replicated state (step, data cursor, scheduler) back to
-               that step's, logs the restore (the promises checker accepts the steps after
-               it committed again: they are redone with the samples planned for them), and
+               that step's, on a new lineage (`TrainState.lineage`: a state or ranges from
+               before, of a member expelled then, never count as the group's again), logs
+               the restore (the promises checker accepts the steps after it committed
+               again: they are redone with the samples planned for them), and
                the zone's sync phase reads each member's ranges of a fresh layout from the
                shard files (digests checked)
 
@@ -154,7 +156,9 @@ def fall_back(
     if snap.get("job", identity) != identity:
         raise JobHalted(f"{recovery.reason}, but {path} is another job's (job identity {snap['job']}, not {identity})")
     node.records.settle()
+    lineage = node.state.lineage  # the group's: its sync phase gave every member one state
     node.state.restore(snap)
+    node.state.lineage = max(lineage, node.state.lineage) + 1  # a history none had: see TrainState.lineage
     node.restored()
     fields = {"step": back, "path": str(path), "digest": node.state.digest(), "why": recovery.reason}
     node.records.log(Entry.RESTORE, fields)

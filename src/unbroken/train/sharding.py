@@ -156,6 +156,8 @@ class ShardedZone:
         """The epoch the layout held was made in."""
         self.step = -1
         """The committed step the held ranges are at."""
+        self.lineage = 0
+        """The history the held ranges are of (`TrainState.lineage`)."""
         self._absent_since = 0.0
         """When a sync phase first found ranges no member holds (0: it has not since the last
         that found them all)."""
@@ -213,7 +215,7 @@ class ShardedZone:
         holdings = sorted(self.engine.holdings, key=lambda h: (h.start, h.end))
         held = tuple((h.start, h.end) for h in holdings)
         digests = tuple(self.engine.digest(h.start, h.end) for h in holdings)
-        return Report(self.weight, self.engine.layout, self.epoch, self.step, summed, held, digests)
+        return Report(self.weight, self.engine.layout, self.epoch, self.step, summed, held, digests, self.lineage)
 
     def sync(self, node: Node, g: EpochGroup, step: int, reducer: Reducer) -> list[ProcessGroup]:
         """Give this member the ranges of epoch ``g`` at committed ``step`` (after the
@@ -238,6 +240,7 @@ class ShardedZone:
                     self.numel,
                     self.sharding.align,
                     outside={m: r for m, r in reports.items() if zone_of[m] != z},
+                    lineage=node.state.lineage,
                 )
                 for z in names
             }
@@ -294,7 +297,7 @@ class ShardedZone:
                 if decision.unchanged:  # it only gave another zone what that zone lost
                     sent = sum(t.size for t in transfers if t.source == me)
                     what = f"sent {sent:,} elements to another zone"
-        self.epoch, self.step, self.pending = g.epoch, step, None
+        self.epoch, self.step, self.pending, self.lineage = g.epoch, step, None, node.state.lineage
         layouts = {z: x for z, d in decisions.items() if (x := d.fresh or (d.plan.new if d.plan else None))}
         moves = () if decision.fresh is not None else transfers
         fresh = decision.fresh is not None
