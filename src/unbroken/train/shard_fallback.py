@@ -107,6 +107,21 @@ def recovery_of(
     return choose(layout_for(numel, {"": 1}), (), step, checkpoints=checkpoints)
 
 
+def unreadable(readable: Mapping[str, set[int]], step: int) -> str:
+    """Why no checkpoint every member can read holds the state, where some members can read
+    one: the newest step (not after ``step``) any member can read, and the members that
+    cannot (no --checkpoint-dir, or a directory of their own). Empty where none can."""
+    steps = {s for got in readable.values() for s in got if s <= step}
+    if not steps:
+        return ""
+    newest = max(steps)
+    lacking = sorted(m for m, got in readable.items() if newest not in got)
+    return (
+        f" (the checkpoint of step {newest} is readable on {len(readable) - len(lacking)} of {len(readable)} members; "
+        f"not on {', '.join(lacking)}: give every node one --checkpoint-dir, shared or gathered)"
+    )
+
+
 def fall_back(
     node: Node,
     g: EpochGroup,
@@ -139,10 +154,10 @@ def fall_back(
     if left > 0:
         log.warning("%s: %s; waiting %.0f s for a holder to rejoin", node.name, exc, left)
         _sleep(left, scope)
-    common = set.intersection(*(set(int(s) for s in x["steps"]) for x in said))
-    recovery = recovery_of(reports, zone_of, step, common)
+    readable = {m: {int(s) for s in x["steps"]} for m, x in zip(g.members, said, strict=True)}
+    recovery = recovery_of(reports, zone_of, step, set.intersection(*readable.values()))
     if recovery.source is not Source.CHECKPOINT:
-        raise RangesAbsent(recovery.reason) from exc
+        raise RangesAbsent(recovery.reason + unreadable(readable, step)) from exc
     back = recovery.checkpoint
     assert directory is not None  # the step was read from it
     path = dict(checkpoint_steps(directory))[back]
