@@ -20,9 +20,10 @@ The job goes back to a checkpoint, in process, with no restart::
                the zone's sync phase reads each member's ranges of a fresh layout from the
                shard files (digests checked)
 
-Promise 1 allows this rollback: no replica of those ranges survives anywhere. One member
-says it in an event (``fallback``): "ranges X lost in every zone at step s: rolled back to
-checkpoint step c".
+Promise 1 allows this rollback: no replica of those ranges survives anywhere. Every member
+reports it (``fallback``, one event in the job's log): "ranges X lost in every zone at step
+s: rolled back to checkpoint step c"; once all of the epoch's members did, the leader's step
+for the group goes back to c too (`unbroken.control.roster.Roster.went_back`).
 """
 
 from __future__ import annotations
@@ -177,8 +178,7 @@ def fall_back(
     node.restored()
     fields = {"step": back, "path": str(path), "digest": node.state.digest(), "why": recovery.reason}
     node.records.log(Entry.RESTORE, fields)
-    if g.members[0] == node.client.member_id:  # one event for the job, not one per member
-        node.report(Kind.FALLBACK, recovery.reason)
+    node.report(Kind.FALLBACK, recovery.reason)  # from every member: the leader's step goes back once all said it
     log.warning("%s: %s", node.name, recovery.reason)
     weights = {m: r.weight for m, r in reports.items()}
     decisions = {
