@@ -158,6 +158,10 @@ class ShardedZone:
         """The committed step the held ranges are at."""
         self.lineage = 0
         """The history the held ranges are of (`TrainState.lineage`)."""
+        self.momentum_of: Callable[[int, int], torch.Tensor | None] | None = None
+        """Sharded DiLoCo's outer momentum of a range at the committed step: saved with it."""
+        self.read_momentum: dict[tuple[int, int], torch.Tensor] = {}
+        """The outer momentum the last restore from shard files read, by the files' ranges."""
         self._absent_since = 0.0
         """When a sync phase first found ranges no member holds (0: it has not since the last
         that found them all)."""
@@ -331,7 +335,8 @@ class ShardedZone:
                 "--checkpoint-dir to read them from: give every node the checkpoint directory"
             )
         try:
-            restore_shards(self.ready, Path(directory), layout, me, step=step)
+            self.read_momentum = {}
+            restore_shards(self.ready, Path(directory), layout, me, step=step, momentum=self.read_momentum)
         except TransferError as exc:
             raise JobHalted(f"the group resumes at step {step}, but its ranges cannot be read: {exc}") from exc
 
@@ -343,7 +348,7 @@ class ShardedZone:
 
         Raises:
             OSError: the file could not be written."""
-        self._saved.append((step, save_shard(self.ready, directory, step, copies=copies)))
+        self._saved.append((step, save_shard(self.ready, directory, step, copies=copies, momentum=self.momentum_of)))
         prune_shards(directory, self.numel, KEEP, own=self._saved)
         self._saved = [(at, paths) for at, paths in self._saved if any(p.exists() for p in paths)]
 

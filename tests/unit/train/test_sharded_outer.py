@@ -170,7 +170,13 @@ def test_ranges_made_afresh_forget_the_old_layouts_round_start() -> None:
     zone.engine = zone.ready = after
     zone.step = 30  # the checkpoint's
     zone.moved = SimpleNamespace(fresh=True)
+    half = numel // 2  # the checkpoint's files: the momentum of the first half only
+    zone.read_momentum = {(0, half): torch.arange(float(half))}
     outer.after_sync(scope)
+    (span,) = outer.momentum
+    want = torch.cat([torch.arange(float(half)), torch.zeros(numel - half)])
+    assert span == (0, numel) and torch.equal(outer.momentum[span], want), "as read, 0 where the files had none"
+    assert zone.momentum_of is not None and torch.equal(zone.momentum_of(0, numel), want), "saved as it is"
     digests = after.digests()
     outer.rollback(moved=True)  # the epoch aborted before the next round began
     assert zone.step == 30 and after.digests() == digests, "the checkpoint's ranges stay as read"
