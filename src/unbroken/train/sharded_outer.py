@@ -121,6 +121,8 @@ class ShardedOuter:
             self.momentum = {s: filled(read, *s) for s in spans}
             if read and any(cut(read, *s) is None for s in spans):
                 log.warning("%s: the shard files read lack the outer momentum of some elements: 0 there", me)
+            if any(c.state_dict().get("residual") is not None for c in self.codecs.codecs.values()):  # not in the files
+                log.warning("%s: ranges made afresh at step %d: the codec's residuals start at 0", me, self.zone.step)
             self.codecs.reset()
             self.momentum_step = self.zone.step
             # The round's start was on the old layout and perhaps of another step (a fall-back
