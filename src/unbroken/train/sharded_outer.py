@@ -64,10 +64,10 @@ class ShardedOuter:
         """The round's summed pseudo-gradient of each held range (`exchange`, then `apply`)."""
         zone.momentum_of = self.saved  # the shard files carry it: a checkpoint restores it
 
-    def saved(self, start: int, end: int) -> torch.Tensor | None:
-        """The momentum of ``[start, end)`` at the zone's committed step, for its shard file
-        (None: this member's is stale, or lacks part of the range)."""
-        if self.momentum_step != self.zone.step:
+    def saved(self, step: int, start: int, end: int) -> torch.Tensor | None:
+        """The momentum of ``[start, end)`` at committed ``step``, for its shard file (None:
+        this member's is of another step, or lacks part of the range)."""
+        if self.momentum_step != step:
             return None
         return cut(self.momentum, start, end)
 

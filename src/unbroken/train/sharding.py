@@ -158,8 +158,8 @@ class ShardedZone:
         """The committed step the held ranges are at."""
         self.lineage = 0
         """The history the held ranges are of (`TrainState.lineage`)."""
-        self.momentum_of: Callable[[int, int], torch.Tensor | None] | None = None
-        """Sharded DiLoCo's outer momentum of a range at the committed step: saved with it."""
+        self.momentum_of: Callable[[int, int, int], torch.Tensor | None] | None = None
+        """Sharded DiLoCo's outer momentum (step, start, end) of a range: saved with it."""
         self.read_momentum: dict[tuple[int, int], torch.Tensor] = {}
         """The outer momentum the last restore from shard files read, by the files' ranges."""
         self._absent_since = 0.0
@@ -348,7 +348,9 @@ class ShardedZone:
 
         Raises:
             OSError: the file could not be written."""
-        self._saved.append((step, save_shard(self.ready, directory, step, copies=copies, momentum=self.momentum_of)))
+        of = self.momentum_of
+        momentum = None if of is None else lambda start, end: of(step, start, end)
+        self._saved.append((step, save_shard(self.ready, directory, step, copies=copies, momentum=momentum)))
         prune_shards(directory, self.numel, KEEP, own=self._saved)
         self._saved = [(at, paths) for at, paths in self._saved if any(p.exists() for p in paths)]
 

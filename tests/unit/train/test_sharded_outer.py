@@ -53,6 +53,11 @@ def test_the_outer_step_of_each_range_is_torchs_nesterov_sgd_of_the_whole() -> N
         got = torch.cat([p.tensor for h in zone.ready.holdings for p in h.pieces])
         assert torch.allclose(got, whole.detach(), rtol=0, atol=1e-6), step
         assert outer.momentum_step == step
+        # The checkpoint of the step is written before the zone hears of the commit: its files
+        # carry the momentum of the step just applied, and of no other.
+        saved = outer.saved(step, 0, 30)
+        assert saved is not None and torch.allclose(saved, sgd.state[whole]["momentum_buffer"], rtol=0, atol=1e-6)
+        assert outer.saved(step - 1, 0, 30) is None
 
 
 def test_cut_puts_a_span_together_from_pieces_and_says_where_they_leave_a_gap() -> None:
@@ -176,7 +181,7 @@ def test_ranges_made_afresh_forget_the_old_layouts_round_start() -> None:
     (span,) = outer.momentum
     want = torch.cat([torch.arange(float(half)), torch.zeros(numel - half)])
     assert span == (0, numel) and torch.equal(outer.momentum[span], want), "as read, 0 where the files had none"
-    assert zone.momentum_of is not None and torch.equal(zone.momentum_of(0, numel), want), "saved as it is"
+    assert zone.momentum_of is not None and torch.equal(zone.momentum_of(30, 0, numel), want), "saved as it is"
     digests = after.digests()
     outer.rollback(moved=True)  # the epoch aborted before the next round began
     assert zone.step == 30 and after.digests() == digests, "the checkpoint's ranges stay as read"
