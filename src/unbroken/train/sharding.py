@@ -329,6 +329,8 @@ class ShardedZone:
 
     def _restore(self, node: Node, layout: Layout, me: str, step: int) -> None:
         directory = node.config.checkpoint_dir
+        if not layout.held(me):  # a spare (it could not read the checkpoint): nothing to read
+            return
         if directory is None:
             raise JobHalted(
                 f"the group resumes at step {step} but no member holds the state's ranges and this node has no "
