@@ -89,7 +89,8 @@ class Kind(StrEnum):
     ROLLBACK = "rollback"
     FALLBACK = "fallback"
     """A sharded zone took lost ranges from their buddies, another zone, or a checkpoint
-    (the whole job rolled back to it): which, and the ranges."""
+    (the whole job rolled back to it): which, and the ranges. Of a checkpoint, every member
+    reports it (the reason says `BACK_TO_CHECKPOINT`), and the job's log has one event."""
     # The control plane itself.
     LEADER = "leader"
     DEPOSED = "deposed"
@@ -224,3 +225,9 @@ def read_log(path: Path) -> list[Recorded]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+BACK_TO_CHECKPOINT = "rolled back to checkpoint step"
+"""What a ``fallback`` report of a sharded job gone back to a checkpoint in process says,
+with the step: the leader moves the group's step back to it once every member of the epoch
+said it (`unbroken.control.roster.Roster.went_back`)."""

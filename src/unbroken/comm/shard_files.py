@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -34,9 +34,17 @@ _NAME = re.compile(r"shard-(\d{9})-(\d{12})-(\d{12})\.pt")
 _REPLICATED = re.compile(r"(?:ckpt-(\d{9})\.pt|frag-(\d{9})\.json)")
 
 
-def save_shard(zone: ShardedModel, directory: Path, step: int, *, copies: bool = False) -> list[Path]:
+def save_shard(
+    zone: ShardedModel,
+    directory: Path,
+    step: int,
+    *,
+    copies: bool = False,
+    momentum: Callable[[int, int], torch.Tensor | None] | None = None,
+) -> list[Path]:
     """Write this member's primary range at ``step`` (``copies``: and the ranges it is buddy
-    for); the paths written (none for a spare)."""
+    for); the paths written (none for a spare). ``momentum(start, end)``: the outer
+    optimizer's momentum of the range (sharded DiLoCo), written with it (None: it has none)."""
     ranges = [s for s in zone.layout.shards if s.primary == zone.me or (copies and s.buddy == zone.me)]
     if ranges:
         directory.mkdir(parents=True, exist_ok=True)
@@ -48,13 +56,22 @@ def save_shard(zone: ShardedModel, directory: Path, step: int, *, copies: bool =
         part = zone.export(shard.start, shard.end)
         path = directory / f"shard-{step:09d}-{shard.start:012d}-{shard.end:012d}.pt"
         payload = common | {"start": shard.start, "end": shard.end, "values": part["values"], "state": part["state"]}
-        payload["digest"] = digest_of(part["values"], part["state"])
+        moment = momentum(shard.start, shard.end) if momentum is not None else None
+        if moment is not None:
+            payload["momentum"] = moment
+        payload["digest"] = digest_of(part["values"], _checked(part["state"], moment))
         # Resolved here (the operator may name the directory through a link); no link planted
         # in the directory redirects the write. A range's two holders writing into one shared
         # directory write the same bytes: the second rename replaces the first whole.
         write_whole(directory.resolve(), path.name, functools.partial(_save, payload))
         written.append(path)
     return written
+
+
+def _checked(state: dict[str, Any], momentum: torch.Tensor | None) -> dict[str, Any]:
+    """What a file's digest covers besides its values: the optimizer state, and the outer
+    momentum where the file has one."""
+    return state if momentum is None else state | {"outer-momentum": momentum}
 
 
 def _save(payload: dict[str, Any], f: BinaryIO) -> None:
@@ -75,7 +92,8 @@ def read_shard(path: Path) -> dict[str, Any]:
         data: dict[str, Any] = torch.load(path, weights_only=True)
         said = (int(data["step"]), int(data["start"]), int(data["end"]), int(data["numel"]))
         # Files written before digests were have none: read as they were then, unchecked.
-        spoiled = "digest" in data and digest_of(data["values"], data["state"]) != data["digest"]
+        checked = _checked(data["state"], data.get("momentum"))
+        spoiled = "digest" in data and digest_of(data["values"], checked) != data["digest"]
     except Exception as exc:  # torch.load raises what the bytes lead it to: all mean "not a good file"
         raise TransferError(f"{path} cannot be read as a shard file ({type(exc).__name__}: {exc})") from exc
     if said[:3] != (int(m[1]), int(m[2]), int(m[3])) or not 0 <= said[1] < said[2] <= said[3]:
@@ -133,9 +151,17 @@ def _replicated_steps(directory: Path) -> set[int]:
     return out
 
 
-def restore_shards(zone: ShardedModel, directory: Path, layout: Layout, me: str, step: int | None = None) -> int:
+def restore_shards(
+    zone: ShardedModel,
+    directory: Path,
+    layout: Layout,
+    me: str,
+    step: int | None = None,
+    momentum: dict[tuple[int, int], torch.Tensor] | None = None,
+) -> int:
     """Load what ``layout`` gives ``me`` from the newest complete step in ``directory`` (or
-    from ``step``); returns that step.
+    from ``step``); returns that step. ``momentum`` gets the outer momentum of each file read
+    that has one, by the file's range.
 
     Raises:
         TransferError: no step's files cover the whole state (``step``'s, where given), or a
@@ -168,6 +194,8 @@ def restore_shards(zone: ShardedModel, directory: Path, layout: Layout, me: str,
         flat = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
         counts |= {k: torch.as_tensor(v) for k, v in state.items() if k not in flat}
         pieces.append((start, end, {"values": data["values"], **flat}))
+        if momentum is not None and "momentum" in data:
+            momentum[(start, end)] = data["momentum"]
     stepped = any(len(bufs) > 1 for _, _, bufs in pieces)  # moments saved: the optimizer had stepped
     zone.load(layout, me, pieces, counts if stepped else None)
     return step

@@ -36,7 +36,7 @@ from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable, wait_wo
 from unbroken.errors import BadRequest, TransferError
 from unbroken.state import layout
 from unbroken.state.snapshot import digest_prefix
-from unbroken.state.sync import Standing, SyncPlan, diverged, floored, plan_sync
+from unbroken.state.sync import Standing, SyncPlan, abandoned, diverged, floored, plan_sync
 
 CHUNK_BYTES = 1 << 20
 MAX_HEADER_BYTES = 64 << 20
@@ -265,6 +265,7 @@ def sync_state(
     standing: Standing | None = None,
     refused: Callable[[], None] | None = None,
     claim: int = 0,
+    lineage: int = 0,
 ) -> SyncResult:
     """The sync phase: compare (step, digest) across the group; whoever is behind or
     different fetches the chunks it lacks of the majority's state at the highest step.
@@ -280,19 +281,21 @@ def sync_state(
     back in `SyncResult.fetched`: a copy of the state for half the allocation of a fresh one
     (400 MB fresh took 1.5 s on a busy 2-core machine). ``claim`` (fault injection): the
     number of chunks a receiver tells each donor it wants, whatever it wants (0: the truth).
+    ``lineage``: the history the state is of (`TrainState.lineage`): the newest history's
+    highest step wins, whatever the step of a state the group went back from (`abandoned`).
     A donor asked for chunks the state does not have raises `BadRequest` naming the receiver."""
     header, tensors = layout.split(state.tree())
     own_slots = layout.slots(header)
     st = standing or Standing()
     step = -1 if st.behind else state.step
-    values = [step, digest_prefix(state.digest()), layout_id(own_slots, chunk_bytes)]
+    values = [step, digest_prefix(state.digest()), layout_id(own_slots, chunk_bytes), lineage]
     values += [st.committed_epoch, st.floor, st.floor_epoch, st.synced_epoch]
     reports = _gather(pg, size, values, scope, "sync exchange")
-    steps = [r[0] for r in reports]
+    steps = ours = abandoned([r[0] for r in reports], [r[3] for r in reports])
     if standing is not None:
-        standings = [Standing(r[0] < 0, *r[3:]) for r in reports]
-        steps = floored(steps, standings)
-        if steps[rank] < 0 <= reports[rank][0] and refused is not None:
+        standings = [Standing(s < 0, *r[4:]) for s, r in zip(ours, reports, strict=True)]
+        steps = floored(ours, standings)
+        if steps[rank] < 0 <= ours[rank] and refused is not None:
             refused()
     held = [(s, r[1]) for s, r in zip(steps, reports, strict=True)]
     plan = plan_sync(held)

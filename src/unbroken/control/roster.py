@@ -348,6 +348,8 @@ class Roster:
         self.pending_due: float | None = None
         self.pending_urgent = False
         self.pending_reasons: dict[str, None] = {}
+        self._went_back: tuple[int, dict[str, int]] = (0, {})
+        """The epoch in force and the step each of its members said it went back to (`went_back`)."""
 
     @property
     def epoch_members(self) -> list[str]:
@@ -422,6 +424,28 @@ class Roster:
             return False
         m.last_seen = now
         return True
+
+    def went_back(self, member_id: str, step: int) -> bool:
+        """A member of the epoch in force went back to a checkpoint of ``step``, in process (a
+        sharded job's fall-back, `unbroken.train.shard_fallback`): once every member of the
+        epoch said the same step, the group's step and the members' go back to it (steps
+        only grow otherwise: the epochs after would all be urgent, the finish and the checks
+        would read steps the group left). One member's word moves nothing (promise 8).
+        True for the first member to say it: the event is logged once."""
+        epoch, said = self._went_back
+        if epoch != self.epoch:
+            said = {}
+            self._went_back = (self.epoch, said)
+        if member_id not in self.ranks or member_id in said:
+            return False
+        first = step not in said.values()
+        said[member_id] = step
+        if len(said) == len(self._epoch_members) and set(said.values()) == {step} and step < self.step:
+            self.step = step
+            for m in self.members.values():
+                m.step = min(m.step, step)
+            self._quorum = StepQuorum(len(self._epoch_members), step)
+        return first
 
     def name(self, member_id: str) -> str:
         member = self.members.get(member_id)

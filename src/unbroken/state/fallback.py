@@ -21,6 +21,7 @@ import enum
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from unbroken.events import BACK_TO_CHECKPOINT
 from unbroken.state.shards import Layout, Ranges, union
 
 
@@ -97,7 +98,7 @@ def choose(
         what = f"ranges {_said(union(lost))} lost in every zone at step {step}"
         if usable:
             back = max(usable)
-            reason = f"{what}: rolled back to checkpoint step {back}"
+            reason = f"{what}: {BACK_TO_CHECKPOINT} {back}"
             return Recovery(Source.CHECKPOINT, union(buddy), union(other), union(lost), back, reason)
         reason = (
             f"{what}, and no checkpoint that every live member can read holds them all: restart the job from "

@@ -97,6 +97,12 @@ class TrainState:
     """The job's learning-rate scheduler (`Job.scheduler`), or None."""
     extra: dict[str, Any] = field(default_factory=dict)
     """The job's further replicated state (`Job.state`), by name."""
+    lineage: int = 0
+    """The history the state is of: every member bumps it alike when the job goes back to a
+    checkpoint in process (a sharded job that lost ranges everywhere), so that a state from
+    before (a member expelled then, back now) is never taken for the group's at its step
+    (`unbroken.state.sync.abandoned`). In the tree where above 0; not in the digest, which
+    says what the state is (the restore of a checkpoint logs that checkpoint's)."""
 
     def attach_outer(self, outer: torch.optim.Optimizer) -> None:
         self.outer = outer
@@ -142,6 +148,7 @@ class TrainState:
                 log.warning("state of step %s has no %r: it stays as the job built it", snap["step"], name)
         self.step = int(snap["step"])
         self.cursor = int(snap["cursor"])
+        self.lineage = int(snap.get("lineage", 0))
         local = snap.get("local")
         if local is not None and self.node_local is not None and local.get("owner") == self.node_local.owner:
             self.node_local.load_state_dict(local["state"])  # a peer's residual is not ours: ignored
@@ -171,6 +178,8 @@ class TrainState:
             tree["scheduler"] = self.scheduler.state_dict()
         if self.extra:
             tree["extra"] = {name: value.state_dict() for name, value in self.extra.items()}
+        if self.lineage:
+            tree["lineage"] = self.lineage
         if local and (mine := self.local_part()) is not None:
             tree["local"] = mine
         return tree

@@ -100,6 +100,16 @@ def floored(steps: Sequence[int], standings: Sequence[Standing]) -> list[int]:
     return [-1 if s > floor else s for s in steps]
 
 
+def abandoned(steps: Sequence[int], lineages: Sequence[int]) -> list[int]:
+    """The steps to plan a sync from where members hold states of different histories
+    (``lineages``: `TrainState.lineage`, bumped by every in-process fall-back to a
+    checkpoint): a member of an older history holds a state the group went back from, and
+    reports no step (-1), as one put behind does, whatever its step (one expelled before the
+    fall-back, back with a step the group has not reached again, must not be its source)."""
+    newest = max(lineages, default=0)
+    return [-1 if lin < newest else s for s, lin in zip(steps, lineages, strict=True)]
+
+
 def audit(reports: Sequence[tuple[int, int]]) -> tuple[int, str] | None:
     """The consistency audit's verdict from each rank's ``(committed step, digest)``: the
     first rank whose digest differs from a strict majority's, with why; -1 where no digest

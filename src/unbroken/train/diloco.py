@@ -151,6 +151,9 @@ class DiLoCo:
         self.inner_zone, self.inner_step = mine, node.state.step
         if self.sharded is not None:  # after the zone's sync phase gave this member its ranges
             self.sharded.after_sync(node.scope(during_step=False))
+            moved = self.sharded.zone.moved
+            if moved is not None and moved.fresh:  # the state is committed as it is (a checkpoint's)
+                self._round_start = None
 
     def round_end(self, step: int) -> int:
         """The step after the last inner step of the round that ``step`` is in."""

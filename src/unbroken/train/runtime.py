@@ -437,6 +437,7 @@ class Node:
             on_sent=functools.partial(self.faults.maybe_fire, "resync"), max_donors=self.config.max_donors,
             incremental=not self.config.full_resync, keep=self.audits.every > 0 and self.audits.audited is None,
             standing=self.audits.standing(), refused=self.audits.missed_verdict, claim=self.faults.greedy(g.epoch),
+            lineage=self.state.lineage,
         )  # fmt: skip
         if r.role == "diverged":
             who = f"{g.members[r.culprit]}'s " if r.culprit >= 0 else ""

@@ -10,17 +10,22 @@ The job goes back to a checkpoint, in process, with no restart::
                member that has waited longest: one expelled while its machine was busy comes
                back with its ranges current (its rejoin re-forms the group, which ends the
                wait, and the next sync phase finds the ranges held)
-    choose     the newest step every member can read (`unbroken.state.fallback.choose`,
-               the same on every member); none: the job stops, naming the ranges and the fix
-    restore    every member puts its replicated state (step, data cursor, scheduler) back to
-               that step's, logs the restore (the promises checker accepts the steps after
-               it committed again: they are redone with the samples planned for them), and
-               the zone's sync phase reads each member's ranges of a fresh layout from the
-               shard files (digests checked)
+    choose     the newest step a member of every zone can read (`everywhere`;
+               `unbroken.state.fallback.choose`, the same on every member); none: the job
+               stops, naming the ranges, the members that cannot read, and the fix
+    restore    every member that can read it puts its replicated state (step, data cursor,
+               scheduler) back to that step's, and the others take it from them, on a new
+               lineage (`TrainState.lineage`: a state or ranges from before, of a member
+               expelled then, never count as the group's again); each logs the restore (the
+               promises checker accepts the steps after it committed again: they are redone
+               with the samples planned for them), and the zone's sync phase reads each
+               reader's ranges of a fresh layout from the shard files (digests checked); the
+               others hold none until the next epoch's re-shard moves them their share
 
-Promise 1 allows this rollback: no replica of those ranges survives anywhere. One member
-says it in an event (``fallback``): "ranges X lost in every zone at step s: rolled back to
-checkpoint step c".
+Promise 1 allows this rollback: no replica of those ranges survives anywhere. Every member
+reports it (``fallback``, one event in the job's log): "ranges X lost in every zone at step
+s: rolled back to checkpoint step c"; once all of the epoch's members did, the leader's step
+for the group goes back to c too (`unbroken.control.roster.Roster.went_back`).
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from unbroken.comm.group import EpochGroup, EpochScope, wait_until
 from unbroken.comm.shard_files import complete_steps
+from unbroken.comm.transfer import sync_state
 from unbroken.errors import JobHalted, RangesAbsent
 from unbroken.events import Entry, Kind
 from unbroken.state.ckpt_files import checkpoint_steps, load_checkpoint
@@ -105,6 +111,46 @@ def recovery_of(
     return choose(layout_for(numel, {"": 1}), (), step, checkpoints=checkpoints)
 
 
+def everywhere(readable: Mapping[str, set[int]], zone_of: Mapping[str, str]) -> set[int]:
+    """The checkpoint steps a member of every zone can read whole: the readers restore from
+    them, and give the replicated state to the others (their ranges come at the next
+    re-shard, as a newcomer's do)."""
+    zones: dict[str, set[int]] = {}
+    for m, got in readable.items():
+        zones.setdefault(zone_of[m], set()).update(got)
+    return set.intersection(*zones.values()) if zones else set()
+
+
+def _read(node: Node, path: Path, reason: str) -> dict[str, Any]:
+    """The replicated checkpoint at ``path``, checked to be this job's.
+
+    Raises:
+        JobHalted: it cannot be read here, or is another job's."""
+    try:
+        snap = load_checkpoint(path)
+    except Exception as error:  # torch.load raises what the bytes lead it to
+        raise JobHalted(f"{reason}, but {path} cannot be read here ({type(error).__name__}: {error})") from error
+    identity = node.job.identity()
+    if snap.get("job", identity) != identity:
+        raise JobHalted(f"{reason}, but {path} is another job's (job identity {snap['job']}, not {identity})")
+    return snap
+
+
+def unreadable(readable: Mapping[str, set[int]], step: int) -> str:
+    """Why no checkpoint every member can read holds the state, where some members can read
+    one: the newest step (not after ``step``) any member can read, and the members that
+    cannot (no --checkpoint-dir, or a directory of their own). Empty where none can."""
+    steps = {s for got in readable.values() for s in got if s <= step}
+    if not steps:
+        return ""
+    newest = max(steps)
+    lacking = sorted(m for m, got in readable.items() if newest not in got)
+    return (
+        f" (the checkpoint of step {newest} is readable on {len(readable) - len(lacking)} of {len(readable)} members; "
+        f"not on {', '.join(lacking)}: give every node one --checkpoint-dir, shared or gathered)"
+    )
+
+
 def fall_back(
     node: Node,
     g: EpochGroup,
@@ -125,7 +171,7 @@ def fall_back(
 
     Raises:
         EpochAborted: a new order came during the wait.
-        RangesAbsent: no checkpoint step every member can read holds every range.
+        RangesAbsent: no checkpoint step a member of every zone can read holds every range.
         JobHalted: the chosen checkpoint cannot be read here, or is another job's.
     """
     assert g.pg is not None
@@ -137,31 +183,35 @@ def fall_back(
     if left > 0:
         log.warning("%s: %s; waiting %.0f s for a holder to rejoin", node.name, exc, left)
         _sleep(left, scope)
-    common = set.intersection(*(set(int(s) for s in x["steps"]) for x in said))
-    recovery = recovery_of(reports, zone_of, step, common)
+    readable = {m: {int(s) for s in x["steps"]} for m, x in zip(g.members, said, strict=True)}
+    recovery = recovery_of(reports, zone_of, step, everywhere(readable, zone_of))
     if recovery.source is not Source.CHECKPOINT:
-        raise RangesAbsent(recovery.reason) from exc
+        raise RangesAbsent(recovery.reason + unreadable(readable, step)) from exc
     back = recovery.checkpoint
-    assert directory is not None  # the step was read from it
-    path = dict(checkpoint_steps(directory))[back]
-    try:
-        snap = load_checkpoint(path)
-    except Exception as error:  # torch.load raises what the bytes lead it to
-        raise JobHalted(
-            f"{recovery.reason}, but {path} cannot be read here ({type(error).__name__}: {error})"
-        ) from error
-    identity = node.job.identity()
-    if snap.get("job", identity) != identity:
-        raise JobHalted(f"{recovery.reason}, but {path} is another job's (job identity {snap['job']}, not {identity})")
+    me = node.client.member_id
+    readers = {m for m, got in readable.items() if back in got}
     node.records.settle()
-    node.state.restore(snap)
+    lineage = node.state.lineage  # the group's: its sync phase gave every member one state
+    if me in readers:
+        assert directory is not None  # the step was read from it
+        path = str(dict(checkpoint_steps(directory))[back])
+        node.state.restore(_read(node, Path(path), recovery.reason))
+        node.state.lineage = max(lineage, node.state.lineage) + 1  # a history none had: see TrainState.lineage
+    # The others take the replicated state from the readers (theirs is of the older lineage).
+    got = sync_state(g.pg, g.rank, g.size, node.state, scope, lineage=node.state.lineage)
+    if me not in readers:
+        path = f"received from {', '.join(g.members[r] for r in got.peers)}"
     node.restored()
-    fields = {"step": back, "path": str(path), "digest": node.state.digest(), "why": recovery.reason}
+    fields = {"step": back, "path": path, "digest": node.state.digest(), "why": recovery.reason}
     node.records.log(Entry.RESTORE, fields)
-    if g.members[0] == node.client.member_id:  # one event for the job, not one per member
-        node.report(Kind.FALLBACK, recovery.reason)
+    node.report(Kind.FALLBACK, recovery.reason)  # from every member: the leader's step goes back once all said it
     log.warning("%s: %s", node.name, recovery.reason)
-    weights = {m: r.weight for m, r in reports.items()}
+    if len(readers) < len(g.members):
+        log.warning("%s: %s cannot read the checkpoint: no ranges until the next re-shard", node.name,
+                    ", ".join(sorted(set(g.members) - readers)))  # fmt: skip
+    # The readers hold the ranges; the others are spares until the next epoch's re-shard gives
+    # them their share (moved from the readers, as to a newcomer).
+    weights = {m: r.weight if m in readers else 0 for m, r in reports.items()}
     decisions = {
         z: Decision(
             fresh=layout_for(numel, {m: weights[m] for m in g.members if zone_of[m] == z}, align=align), restore=True

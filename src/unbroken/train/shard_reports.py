@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +38,9 @@ class Report:
     digests: tuple[str, ...] = ()
     """Each held range's digest (values and optimizer state), parallel to ``held``: a range's
     two holders at one step must agree."""
+    lineage: int = 0
+    """The history its ranges are of (`TrainState.lineage`): ranges of an older one are from
+    before a fall-back to a checkpoint, whatever their step."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,12 @@ class Decision:
 
 
 def decide(
-    reports: Mapping[str, Report], step: int, numel: int, align: int, outside: Mapping[str, Report] | None = None
+    reports: Mapping[str, Report],
+    step: int,
+    numel: int,
+    align: int,
+    outside: Mapping[str, Report] | None = None,
+    lineage: int = 0,
 ) -> Decision:
     """The same decision on every member from the same reports (``reports``: the zone's
     members', in rank order; ``outside``: the other zones' members', each zone holding a
@@ -76,11 +84,13 @@ def decide(
     a member one step behind that holds that step's complete sum from the attempt that
     committed it (it applies it: `Decision.late`). The newest layout's ring order is kept.
     What no member of the zone holds comes from another zone's members, if one holds it.
+    Ranges of a history older than the group's ``lineage`` are held by nobody (`current`).
 
     Raises:
         RangesAbsent: elements no member holds at ``step`` (every holder lost, or the group
             ahead of every member's ranges): the job must restart from a checkpoint.
     """
+    reports, outside = current(reports, lineage), current(outside or {}, lineage)
     weights = {m: r.weight for m, r in reports.items()}
     held = {m: r for m, r in reports.items() if r.layout is not None and r.held}
     far = {m: r for m, r in (outside or {}).items() if r.layout is not None and r.held and r.step == step}
@@ -121,6 +131,15 @@ def decide(
     return Decision(plan=p, keep=frozenset(sources), late=frozenset(late), unchanged=unchanged)
 
 
+def current(reports: Mapping[str, Report], lineage: int) -> dict[str, Report]:
+    """``reports`` with the ranges of a history older than ``lineage`` dropped: a member
+    expelled before a fall-back to a checkpoint holds ranges the group went back from, and
+    one at the group's step again is not a holder of its ranges (two holders of one range
+    from two histories would stitch the model together)."""
+    return {m: r if r.lineage >= lineage else replace(r, layout=None, held=(), digests=(), summed=-1)
+            for m, r in reports.items()}  # fmt: skip
+
+
 def _check_copies(current: Mapping[str, Report]) -> None:
     """Two members holding one range at one step hold the same bytes, or the job stops.
 
@@ -151,6 +170,7 @@ def encode(report: Report) -> bytes:
         "summed": report.summed,
         "held": [list(r) for r in report.held],
         "digests": list(report.digests),
+        "lineage": report.lineage,
     }
     if lay is not None:
         body["layout"] = {
@@ -177,8 +197,9 @@ def decode(data: bytes) -> Report:
     if len(digests) != len(held):
         raise TransferError(f"a member's report gives {len(digests)} digests for {len(held)} ranges")
     return Report(
-        int(body["weight"]), layout, int(body["epoch"]), int(body["step"]), int(body["summed"]), held, digests
-    )
+        int(body["weight"]), layout, int(body["epoch"]), int(body["step"]), int(body["summed"]), held, digests,
+        int(body.get("lineage", 0)),
+    )  # fmt: skip
 
 
 def exchange(pg: ProcessGroup, mine: bytes, scope: EpochScope) -> list[bytes]:

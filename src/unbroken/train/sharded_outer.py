@@ -62,6 +62,14 @@ class ShardedOuter:
         """The committed step the momentum is of (stale on a member that missed an outer step)."""
         self._sums: dict[Span, torch.Tensor] = {}
         """The round's summed pseudo-gradient of each held range (`exchange`, then `apply`)."""
+        zone.momentum_of = self.saved  # the shard files carry it: a checkpoint restores it
+
+    def saved(self, step: int, start: int, end: int) -> torch.Tensor | None:
+        """The momentum of ``[start, end)`` at committed ``step``, for its shard file (None:
+        this member's is of another step, or lacks part of the range)."""
+        if self.momentum_step != step:
+            return None
+        return cut(self.momentum, start, end)
 
     def spans(self) -> list[Span]:
         return [(h.start, h.end) for h in self.zone.ready.holdings]
@@ -106,10 +114,21 @@ class ShardedOuter:
         moved = self.zone.moved
         assert moved is not None
         me, spans = self.zone.ready.me, self.spans()
-        if moved.fresh:  # made afresh, in every zone at once: no outer step to remember yet
-            self.momentum = {s: torch.zeros(s[1] - s[0]) for s in spans}
+        if moved.fresh:  # made afresh, in every zone at once: from a checkpoint's files, or none yet
+            read, self.zone.read_momentum = self.zone.read_momentum, {}
+            # Element by element, 0 where the files had none: every holder of an element, in
+            # every zone, starts from the same momentum whatever its ranges' bounds.
+            self.momentum = {s: filled(read, *s) for s in spans}
+            if read and any(cut(read, *s) is None for s in spans):
+                log.warning("%s: the shard files read lack the outer momentum of some elements: 0 there", me)
+            if any(c.state_dict().get("residual") is not None for c in self.codecs.codecs.values()):  # not in the files
+                log.warning("%s: ranges made afresh at step %d: the codec's residuals start at 0", me, self.zone.step)
             self.codecs.reset()
             self.momentum_step = self.zone.step
+            # The round's start was on the old layout and perhaps of another step (a fall-back
+            # to a checkpoint): rolling back to it would load spans this layout lacks, or undo
+            # the fall-back. The ranges are committed state now; the next round anchors anew.
+            self.anchor, self.residuals, self.counts, self.round_step = {}, {}, None, -1
             return
         valid = self.momentum if self.momentum_step == self.zone.step else {}
         if not moved.unchanged:  # the zone's ranges moved: a holder may have none to agree on
@@ -179,9 +198,10 @@ class ShardedOuter:
         self.momentum_step = step
 
 
-def cut(store: Mapping[Span, torch.Tensor], start: int, end: int) -> torch.Tensor | None:
-    """Elements ``[start, end)`` from the spans of ``store`` (None where they leave a gap)."""
-    out = torch.empty(end - start)
+def cut(store: Mapping[Span, torch.Tensor], start: int, end: int, fill: float | None = None) -> torch.Tensor | None:
+    """Elements ``[start, end)`` from the spans of ``store`` (None where they leave a gap,
+    unless ``fill``: its value there)."""
+    out = torch.full((end - start,), fill) if fill is not None else torch.empty(end - start)
     covered = torch.zeros(end - start, dtype=torch.bool)
     for (a, b), values in store.items():
         part = overlap((a, b), (start, end))
@@ -189,4 +209,11 @@ def cut(store: Mapping[Span, torch.Tensor], start: int, end: int) -> torch.Tenso
             lo, hi = part
             out[lo - start : hi - start] = values[lo - a : hi - a]
             covered[lo - start : hi - start] = True
-    return out if bool(covered.all()) else None
+    return out if fill is not None or bool(covered.all()) else None
+
+
+def filled(store: Mapping[Span, torch.Tensor], start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` from the spans of ``store``, 0 where they leave a gap."""
+    got = cut(store, start, end, fill=0.0)
+    assert got is not None
+    return got

@@ -156,6 +156,12 @@ class ShardedZone:
         """The epoch the layout held was made in."""
         self.step = -1
         """The committed step the held ranges are at."""
+        self.lineage = 0
+        """The history the held ranges are of (`TrainState.lineage`)."""
+        self.momentum_of: Callable[[int, int, int], torch.Tensor | None] | None = None
+        """Sharded DiLoCo's outer momentum (step, start, end) of a range: saved with it."""
+        self.read_momentum: dict[tuple[int, int], torch.Tensor] = {}
+        """The outer momentum the last restore from shard files read, by the files' ranges."""
         self._absent_since = 0.0
         """When a sync phase first found ranges no member holds (0: it has not since the last
         that found them all)."""
@@ -213,7 +219,7 @@ class ShardedZone:
         holdings = sorted(self.engine.holdings, key=lambda h: (h.start, h.end))
         held = tuple((h.start, h.end) for h in holdings)
         digests = tuple(self.engine.digest(h.start, h.end) for h in holdings)
-        return Report(self.weight, self.engine.layout, self.epoch, self.step, summed, held, digests)
+        return Report(self.weight, self.engine.layout, self.epoch, self.step, summed, held, digests, self.lineage)
 
     def sync(self, node: Node, g: EpochGroup, step: int, reducer: Reducer) -> list[ProcessGroup]:
         """Give this member the ranges of epoch ``g`` at committed ``step`` (after the
@@ -238,6 +244,7 @@ class ShardedZone:
                     self.numel,
                     self.sharding.align,
                     outside={m: r for m, r in reports.items() if zone_of[m] != z},
+                    lineage=node.state.lineage,
                 )
                 for z in names
             }
@@ -294,7 +301,7 @@ class ShardedZone:
                 if decision.unchanged:  # it only gave another zone what that zone lost
                     sent = sum(t.size for t in transfers if t.source == me)
                     what = f"sent {sent:,} elements to another zone"
-        self.epoch, self.step, self.pending = g.epoch, step, None
+        self.epoch, self.step, self.pending, self.lineage = g.epoch, step, None, node.state.lineage
         layouts = {z: x for z, d in decisions.items() if (x := d.fresh or (d.plan.new if d.plan else None))}
         moves = () if decision.fresh is not None else transfers
         fresh = decision.fresh is not None
@@ -322,13 +329,16 @@ class ShardedZone:
 
     def _restore(self, node: Node, layout: Layout, me: str, step: int) -> None:
         directory = node.config.checkpoint_dir
+        if not layout.held(me):  # a spare (it could not read the checkpoint): nothing to read
+            return
         if directory is None:
             raise JobHalted(
                 f"the group resumes at step {step} but no member holds the state's ranges and this node has no "
                 "--checkpoint-dir to read them from: give every node the checkpoint directory"
             )
         try:
-            restore_shards(self.ready, Path(directory), layout, me, step=step)
+            self.read_momentum = {}
+            restore_shards(self.ready, Path(directory), layout, me, step=step, momentum=self.read_momentum)
         except TransferError as exc:
             raise JobHalted(f"the group resumes at step {step}, but its ranges cannot be read: {exc}") from exc
 
@@ -340,7 +350,9 @@ class ShardedZone:
 
         Raises:
             OSError: the file could not be written."""
-        self._saved.append((step, save_shard(self.ready, directory, step, copies=copies)))
+        of = self.momentum_of
+        momentum = None if of is None else lambda start, end: of(step, start, end)
+        self._saved.append((step, save_shard(self.ready, directory, step, copies=copies, momentum=momentum)))
         prune_shards(directory, self.numel, KEEP, own=self._saved)
         self._saved = [(at, paths) for at, paths in self._saved if any(p.exists() for p in paths)]
 

@@ -162,3 +162,24 @@ def test_gather_tiles_ranges_of_two_layouts_and_passes_over_a_copy_that_cannot_b
     spans = sorted((int(f.name[16:28]), int(f.name[29:41])) for f in files)
     assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)) and spans[0][0] == 0 and spans[-1][1] == numel
     assert any("could not be copied" in n for n in notes) and any(first.name in n for n in notes), notes
+
+
+def test_the_outer_momentum_of_a_range_is_saved_with_it_read_back_by_range_and_checked(tmp_path: Path) -> None:
+    members = ["a", "b"]
+    zones, models, _ = start(members)
+    train_steps(zones, models, members, range(2))
+    numel = zones["a"].layout.numel
+    momentum = torch.arange(float(numel))  # sharded DiLoCo's, element by element
+    for m in members:
+        save_shard(zones[m], tmp_path, 2, momentum=lambda a, b: momentum[a:b].clone())
+    layout = layout_for(numel, {"x": 1})
+    alone = member(Tiny(), layout, "x", {"x": 0}, FakeWorld(1))
+    read: dict[tuple[int, int], torch.Tensor] = {}
+    assert restore_shards(alone, tmp_path, layout, "x", momentum=read) == 2
+    assert len(read) == 2 and torch.equal(torch.cat([read[k] for k in sorted(read)]), momentum)
+    path = sorted(tmp_path.glob("shard-*.pt"))[0]
+    data = torch.load(path, weights_only=True)
+    data["momentum"] += 1.0  # bit rot in the momentum alone
+    torch.save(data, path)
+    with pytest.raises(TransferError, match="do not match the digest"):
+        read_shard(path)

@@ -314,3 +314,17 @@ def test_a_deep_copy_clones_every_tensor_once_and_shares_nothing() -> None:
     assert out["groups"] == tree["groups"] and out["groups"] is not tree["groups"]
     t.zero_()
     assert torch.equal(got, torch.arange(6.0))
+
+
+def test_the_lineage_crosses_the_wire_and_back_from_a_capture_and_is_not_in_the_digest() -> None:
+    src = make_state(seed=0)
+    train_step(src)
+    before = src.digest()
+    src.lineage = 2  # the job went back to a checkpoint twice
+    assert src.digest() == before, "the digest says what the state is, not which history"
+    header, tensors = layout.split(src.tree())
+    dst = make_state(seed=0)
+    dst.load_tree(layout.join(json.loads(json.dumps(header)), [t.clone() for t in tensors]))
+    assert dst.lineage == 2
+    dst.restore(make_state(seed=0).capture())  # a state from before any rollback
+    assert dst.lineage == 0

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from unbroken.state.fallback import Source
 from unbroken.state.shards import Layout, layout_for
-from unbroken.train.shard_fallback import readable_steps, recovery_of
+from unbroken.train.shard_fallback import everywhere, readable_steps, recovery_of, unreadable
 from unbroken.train.shard_reports import Report
 
 
@@ -46,3 +46,17 @@ def test_a_group_ahead_of_every_members_ranges_has_lost_all_of_the_state() -> No
     reports = {m: _report(three, 28, three.held(m)) for m in "abc"}
     got = recovery_of(reports, dict.fromkeys("abc", ""), 42, {20})
     assert got.source is Source.CHECKPOINT and got.checkpoint == 20 and got.lost == ((0, 900),)
+
+
+def test_the_members_that_cannot_read_the_newest_checkpoint_are_named() -> None:
+    readable = {"a": {20, 40}, "b": {20, 40, 60}, "c": set()}  # c: a newcomer without --checkpoint-dir
+    said = unreadable(readable, 50)
+    assert "step 40 is readable on 2 of 3 members; not on c:" in said
+    assert unreadable({"a": set(), "b": {70}}, 50) == "", "nothing readable at or before the step: nothing to name"
+
+
+def test_the_steps_to_go_back_to_are_those_a_member_of_every_zone_can_read() -> None:
+    readable = {"a1": {20, 40}, "a2": set(), "b1": {20}, "b2": {20, 60}}  # a2: without --checkpoint-dir
+    assert everywhere(readable, {"a1": "A", "a2": "A", "b1": "B", "b2": "B"}) == {20}
+    assert everywhere(readable, dict.fromkeys(readable, "")) == {20, 40, 60}
+    assert everywhere({"a1": {20}, "b1": set()}, {"a1": "A", "b1": "B"}) == set(), "zone B can read none"

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from unbroken.comm.blocks import Holding, Piece
+from unbroken.comm.blocks import Holding, Piece, restore_storage
 from unbroken.comm.group import EpochScope
 from unbroken.comm.sharded import ShardedModel
 from unbroken.comm.solo import Solo
@@ -53,6 +53,11 @@ def test_the_outer_step_of_each_range_is_torchs_nesterov_sgd_of_the_whole() -> N
         got = torch.cat([p.tensor for h in zone.ready.holdings for p in h.pieces])
         assert torch.allclose(got, whole.detach(), rtol=0, atol=1e-6), step
         assert outer.momentum_step == step
+        # The checkpoint of the step is written before the zone hears of the commit: its files
+        # carry the momentum of the step just applied, and of no other.
+        saved = outer.saved(step, 0, 30)
+        assert saved is not None and torch.allclose(saved, sgd.state[whole]["momentum_buffer"], rtol=0, atol=1e-6)
+        assert outer.saved(step - 1, 0, 30) is None
 
 
 def test_cut_puts_a_span_together_from_pieces_and_says_where_they_leave_a_gap() -> None:
@@ -145,3 +150,38 @@ def test_a_failed_round_puts_the_ranges_values_inner_state_and_residuals_back() 
     got = outer.codecs.of((0, numel)).residual
     assert got is not None and torch.equal(got, kept), "the retried round encodes from the same residual"
     assert zone.step == 1 and zone.pending is None
+
+
+def test_ranges_made_afresh_forget_the_old_layouts_round_start() -> None:
+    """A fall-back to a checkpoint rebuilds the zone on a fresh layout at an older step: an
+    epoch aborted before the next round anchors must not roll back to the old round's start
+    (its spans are the old layout's, its step is past the checkpoint's)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    numel = sum(p.numel() for p in model.parameters())
+    scope = EpochScope(threading.Event(), lambda: None, 10.0)
+
+    def adam(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(groups, lr=0.01)
+
+    before = ShardedModel(model, layout_for(numel, {"m": 1, "x": 1, "y": 1}), "m", {"m": 0, "x": 1, "y": 2}, Solo(),
+                          scope, adam)  # fmt: skip
+    zone = SimpleNamespace(ready=before, engine=before, moved=None, step=40, pending=None)
+    outer = ShardedOuter(zone, SETTINGS, CodecSpec.parse("none"))
+    outer.begin_round(40)  # the round in progress when x and y were lost
+    before.close()
+    restore_storage(model)
+    after = ShardedModel(model, layout_for(numel, {"m": 1}), "m", {"m": 0}, Solo(), scope, adam)
+    zone.engine = zone.ready = after
+    zone.step = 30  # the checkpoint's
+    zone.moved = SimpleNamespace(fresh=True)
+    half = numel // 2  # the checkpoint's files: the momentum of the first half only
+    zone.read_momentum = {(0, half): torch.arange(float(half))}
+    outer.after_sync(scope)
+    (span,) = outer.momentum
+    want = torch.cat([torch.arange(float(half)), torch.zeros(numel - half)])
+    assert span == (0, numel) and torch.equal(outer.momentum[span], want), "as read, 0 where the files had none"
+    assert zone.momentum_of is not None and torch.equal(zone.momentum_of(30, 0, numel), want), "saved as it is"
+    digests = after.digests()
+    outer.rollback(moved=True)  # the epoch aborted before the next round began
+    assert zone.step == 30 and after.digests() == digests, "the checkpoint's ranges stay as read"

@@ -95,7 +95,7 @@ def test_ranges_older_than_the_group_stop_the_job() -> None:
 
 
 def test_a_report_survives_the_wire() -> None:
-    for report in (Report(7), Report(4, OLD, 3, 10, 9, _ranges(OLD, "b"), _digests(_ranges(OLD, "b")))):
+    for report in (Report(7), Report(4, OLD, 3, 10, 9, _ranges(OLD, "b"), _digests(_ranges(OLD, "b")), 2)):
         assert decode(encode(report)) == report
 
 
@@ -225,3 +225,22 @@ def test_members_wait_for_a_holder_of_lost_ranges_as_long_as_the_one_that_waited
     assert remaining_wait([0.0, 12.0, 3.0], 30.0) == 18.0  # a joiner does not start the wait over
     assert remaining_wait([45.0], 30.0) == 0.0
     assert issubclass(RangesAbsent, JobHalted)
+
+
+def test_ranges_from_before_a_fall_back_to_a_checkpoint_are_not_current() -> None:
+    """x, expelled before a fall-back of a, b to a checkpoint, comes back holding ranges of the
+    old layout at the step the group has reached again: they are of the abandoned history."""
+    before = layout_for(NUMEL, {"a": 1, "b": 1, "x": 1, "y": 1})
+    after = layout_for(NUMEL, {"a": 1, "b": 1})
+
+    def report(layout: Layout, m: str, epoch: int, lineage: int) -> Report:
+        spans = _ranges(layout, m)
+        return Report(1, layout, epoch, 130, -1, spans, tuple(f"{lineage}{s}" for s in spans), lineage)
+
+    reports = {"a": report(after, "a", 20, 1), "b": report(after, "b", 20, 1), "x": report(before, "x", 9, 0)}
+    d = decide(reports, 130, NUMEL, 1, lineage=1)
+    assert d.keep == {"a", "b"} and d.plan is not None
+    assert not any(t.source == "x" for t in d.plan.transfers), "x's ranges are fetched, never sent"
+    assert set(d.plan.new.members) == {"a", "b", "x"}
+    old = decide(reports, 130, NUMEL, 1)  # the same reports read as one history: x's ranges count
+    assert "x" in old.keep

@@ -101,3 +101,16 @@ def test_a_floor_counts_only_until_the_group_settled_and_only_where_it_is_held()
     assert floored([100, 5000, 5000], [old, settled, settled]) == [100, 5000, 5000]
     fresh = Standing(floor=100, floor_epoch=5, synced_epoch=4)
     assert floored([-1, 150], [fresh, Standing(synced_epoch=4)]) == [-1, 150], "nobody holds step 100"
+
+
+def test_a_state_from_before_a_fall_back_to_a_checkpoint_is_never_the_source() -> None:
+    from unbroken.state.sync import abandoned
+
+    # x (rank 2) was expelled at step 130 before the group went back to 100; the group is at
+    # 120 now, and at 130 later: x's step is higher, or equal, and its history an older one.
+    for group_step in (120, 130):
+        steps = abandoned([group_step, group_step, 130], [1, 1, 0])
+        assert steps == [group_step, group_step, -1]
+        plan = plan_sync([(s, d) for s, d in zip(steps, [7, 7, 9], strict=True)])
+        assert (plan.source, plan.step, plan.receivers) == (0, group_step, (2,))
+    assert abandoned([5, 6], [0, 0]) == [5, 6], "one history: the steps as they are"
