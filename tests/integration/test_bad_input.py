@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from conftest import JOB
-from integration.helpers import assert_promises, events_of
+from integration.helpers import assert_promises, events_of, slowdown
 from unbroken.control import messages as m
 
 pytestmark = pytest.mark.timeout(180)
@@ -33,13 +33,15 @@ def free_port() -> int:
 
 def test_unreachable_coordinator_is_a_clear_error_after_a_bounded_wait():
     port = free_port()
+    slow = slowdown()
     start = time.monotonic()
     r = run_cli("node", JOB, "--coordinator", f"127.0.0.1:{port}", "--connect-timeout", "2")
     took = time.monotonic() - start
+    slow = max(slow, slowdown())  # most of it is the start of a process (torch's import): CPU
     assert r.returncode == 2, r.stderr
     assert f"could not reach a coordinator at 127.0.0.1:{port} within 2 s" in r.stderr
     assert "unbroken coordinator" in r.stderr  # says what to check
-    assert took < 30
+    assert took < 30 * slow, (took, slow)
 
 
 @pytest.mark.parametrize(

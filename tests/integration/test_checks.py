@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from integration.helpers import assert_promises, events_of, fired
+from integration.helpers import Pace, assert_promises, events_of, fired
 
 ENV = {"UB_TEST_STEPS": "140", "UB_TEST_DELAY_MS": "0", "UB_TEST_SAMPLE_MS": "0.5"}
 """0.5 ms a sample (a sleep: no CPU), B = 30: steps of 5 ms per trainer's share."""
@@ -16,14 +16,20 @@ ENV = {"UB_TEST_STEPS": "140", "UB_TEST_DELAY_MS": "0", "UB_TEST_SAMPLE_MS": "0.
 pytestmark = pytest.mark.timeout(240)
 
 
-def group(make_cluster, fault: str = ""):
-    """Trainers a, b and odd (``fault``), and validator v (half the speed); all run to the end."""
-    c = make_cluster(env=ENV, min_nodes=4, node_args=["--digest-every", "10"])
+def group(make_cluster, fault: str = "", pace: Pace | None = None):
+    """Trainers a, b and odd (``fault``), and validator v (half the speed); all run to the end.
+    With ``pace``, steps are slowed until odd is benched: on a busy machine the second
+    member's confirmation could otherwise come after the last of the 140 short steps."""
+    env = ENV if pace is None else ENV | pace.env | {"UB_TEST_DELAY_MS": "20"}
+    c = make_cluster(env=env, min_nodes=4, node_args=["--digest-every", "10"])
     c.start_coordinator()
     for name in ("a", "b"):
         c.start_node(name)
     odd = c.start_node("odd", fault=fault)
     c.start_node("v", extra=["--role", "validator", "--throttle", "0.5"])
+    if pace is not None:
+        c.wait_for(lambda: events_of(c, "bad-work"), 150, "the odd trainer benched")
+        pace.release()
     codes = c.wait_exit(timeout=180)
     assert codes == {"a": 0, "b": 0, "odd": 0, "v": 0}, c.diagnostics()
     return c, odd
@@ -43,8 +49,8 @@ def test_an_honest_group_is_never_found_wrong(make_cluster):
 
 
 @pytest.mark.parametrize("fault", ["shrink@grad:20", "shift@data:20"])
-def test_a_trainer_computing_wrongly_is_found_confirmed_and_benched(make_cluster, fault):
-    c, odd = group(make_cluster, fault)
+def test_a_trainer_computing_wrongly_is_found_confirmed_and_benched(make_cluster, fault, tmp_path):
+    c, odd = group(make_cluster, fault, Pace(tmp_path))
     assert fired(odd, fault.split("@")[0])
     found = events_of(c, "check")
     assert found and all(e["member"] == found[0]["member"] for e in found), found
