@@ -149,14 +149,27 @@ class EtcdCluster:
         self.procs[i] = subprocess.Popen(self._cmd(i, state), stdout=log, stderr=log, start_new_session=True)
         log.close()
 
-    def start(self, timeout: float = 30.0) -> EtcdCluster:
-        try:
-            for i in range(self.size):
-                self._launch(i, "new")
-            self.wait_healthy(timeout)
-        except BaseException:
-            self.close()  # never leave members behind when the cluster did not come up
-            raise
+    def start(self, timeout: float = 30.0, attempts: int = 3) -> EtcdCluster:
+        """Raises RuntimeError or TimeoutError where the cluster did not come up. A port
+        found free and taken by another process before a member bound it is not the
+        cluster's fault: the members start again on fresh ports (``attempts`` in all)."""
+        for attempt in range(attempts):
+            try:
+                for i in range(self.size):
+                    self._launch(i, "new")
+                self.wait_healthy(timeout)
+                return self
+            except RuntimeError as exc:
+                self.close()  # never leave members behind when the cluster did not come up
+                if "address already in use" not in str(exc) or attempt == attempts - 1:
+                    raise
+                for i in range(self.size):
+                    shutil.rmtree(self.workdir / f"e{i}.data", ignore_errors=True)
+                ports = _free_ports(2 * self.size)
+                self.client_ports, self.peer_ports = ports[: self.size], ports[self.size :]
+            except BaseException:
+                self.close()
+                raise
         return self
 
     def healthy(self, i: int) -> bool:
