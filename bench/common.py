@@ -130,6 +130,12 @@ def machine() -> dict[str, Any]:
     }
 
 
+def load() -> dict[str, list[float]]:
+    """The machine's load averages when this bench started and now (a figure measured on a
+    busy machine says so)."""
+    return {"start": [round(x, 2) for x in _LOAD_AT_START], "end": [round(x, 2) for x in os.getloadavg()]}
+
+
 def write_results(series: dict[str, Any] | None = None, name: str | None = None) -> Path | None:
     """Write this run's results to ``bench/results/<name>.json`` (``name``: the script's).
 
@@ -149,7 +155,7 @@ def write_results(series: dict[str, Any] | None = None, name: str | None = None)
         "date": _STARTED_AT.isoformat(timespec="seconds"),
         "duration_s": round((datetime.datetime.now(datetime.timezone.utc) - _STARTED_AT).total_seconds(), 1),
         "machine": machine(),
-        "load": {"start": [round(x, 2) for x in _LOAD_AT_START], "end": [round(x, 2) for x in os.getloadavg()]},
+        "load": load(),
         "tables": _TABLES,
         "series": series or {},
     }

@@ -84,7 +84,7 @@ from pathlib import Path
 from typing import Any
 
 import jobs
-from common import HERE, NODE_ENV, DDPRun, ProgressLine, machine, print_command, print_table
+from common import HERE, NODE_ENV, DDPRun, ProgressLine, load, machine, print_command, print_table
 from unbroken.testing import LocalCluster
 from unbroken.testing.chaos import Planned, feasible_kinds, schedule
 from unbroken.testing.promises import check_promises, environment
@@ -92,8 +92,6 @@ from unbroken.testing.promises import check_promises, environment
 SYSTEMS = ("unbroken", "torchrun", "torchft", "ddp")
 FAULT_KINDS = ("kill", "stop", "term", "join")
 RESULTS = HERE / "results" / "goodput.json"
-LOAD_AT_START = os.getloadavg()
-"""The machine's load as this run starts (others share it: part of reading its figures)."""
 REPLACE_AFTER_S = 1.0
 """A killed or leaving process's replacement starts this long after (as in a soak)."""
 
@@ -798,7 +796,7 @@ def main() -> None:
         },
         "tables": [{"title": cost_title, "columns": cost_columns, "rows": cost_rows}],
         "machine": machine(),
-        "load": {"start": [round(x, 2) for x in LOAD_AT_START], "end": [round(x, 2) for x in os.getloadavg()]},
+        "load": load(),
         "together": not args.apart,
         "window_s": args.window,
         "free_window_s": args.free_window,
