@@ -94,6 +94,17 @@ def decide(
     weights = {m: r.weight for m, r in reports.items()}
     held = {m: r for m, r in reports.items() if r.layout is not None and r.held}
     far = {m: r for m, r in (outside or {}).items() if r.layout is not None and r.held and r.step == step}
+    laid = [r for r in (*reports.values(), *outside.values()) if r.layout is not None]
+    if not held and not far and laid and step > 0:
+        # Members that held ranges were lost and those left hold none (spares after a fall-back
+        # to a checkpoint): a loss, which waits for a holder to rejoin, not a restart.
+        last = max(laid, key=lambda r: (r.step, r.epoch)).layout
+        assert last is not None
+        holders = sorted({s.primary for s in last.shards if s.size})
+        raise RangesAbsent(
+            f"ranges [0, {numel:,}) of the state lost every holder at step {step} ({', '.join(holders)}), in every "
+            f"zone: restart the job from its last checkpoint{WHERE}"
+        )
     if not held and not far:  # a new job, or one restarted from its checkpoint
         fresh = layout_for(numel, weights, align=align)
         if step > 0:

@@ -313,7 +313,8 @@ class ShardedZone:
         if what:
             held = sum(e - s for s, e in self.engine.layout.held(me))
             own = mine.size if (mine := self.engine.layout.primary(me)) is not None else 0
-            entry = {"epoch": g.epoch, "step": step, "reason": what, "held": held, "primary": own}
+            pairs = [[s.primary, s.buddy] for s in self.engine.layout.shards]  # each range's two holders
+            entry = {"epoch": g.epoch, "step": step, "reason": what, "held": held, "primary": own, "pairs": pairs}
             node.records.log(Entry.RESHARD, entry)
             log.info("%s: sharded zone at step %d: %s; holds %s elements", node.name, step, what, f"{held:,}")
         current = {id(g.pg), id(group)}

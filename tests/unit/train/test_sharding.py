@@ -244,3 +244,16 @@ def test_ranges_from_before_a_fall_back_to_a_checkpoint_are_not_current() -> Non
     assert set(d.plan.new.members) == {"a", "b", "x"}
     old = decide(reports, 130, NUMEL, 1)  # the same reports read as one history: x's ranges count
     assert "x" in old.keep
+
+
+def test_members_left_holding_no_ranges_wait_for_a_holder_rather_than_read_a_checkpoint() -> None:
+    """After a fall-back to a checkpoint only a holds ranges (b could not read it); a is then
+    lost while its machine is busy. b alone holds none: a loss that waits for a to rejoin,
+    not a restart of the job (b has no checkpoint to read, and a comes back current)."""
+    from unbroken.errors import RangesAbsent
+
+    after = layout_for(NUMEL, {"a": 1, "b": 0})
+    spare = {"b": Report(1, after, 20, 95, held=(), digests=())}
+    with pytest.raises(RangesAbsent, match=r"lost every holder at step 95 \(a\)"):
+        decide(spare, 95, NUMEL, 1)
+    assert decide({"b": Report(1)}, 95, NUMEL, 1).restore, "a restarted job's members read their checkpoint"
