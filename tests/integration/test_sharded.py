@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from integration.helpers import ATOL, events_of, fired, job_for
+from integration.helpers import ATOL, events_of, fired, job_for, slowdown
 from unbroken.testing import LocalCluster, check_promises, reference_state
 from unbroken.testing.cluster import NodeProcess
 from unbroken.train.sharding import assemble_files
@@ -293,7 +293,9 @@ def test_both_holders_of_a_range_killed_the_survivor_rolls_back_to_the_checkpoin
     # its ranges at a later re-shard.
     env = ENV | {"UB_TEST_STEPS": "120"}
     ck = tmp_path / "ck"
-    wait = ["--absent-wait", "1"]
+    # Long enough for a member expelled while the machine was busy to come back before the
+    # survivors give up on it (one without --checkpoint-dir then has nothing to go back to).
+    wait = ["--absent-wait", f"{2 * slowdown():.1f}"]
     c = start(make_cluster, env, 3, lease_s=3.0)  # a busy machine's false expulsions reorder the ring less
     for i in (1, 2, 3):
         c.start_node(f"n{i}", extra=["--checkpoint-dir", str(ck), "--checkpoint-every", "5", *wait])
