@@ -171,8 +171,9 @@ class System:
         for _ in range(self.args.nodes):
             self.add()
 
-    def add(self) -> Proc:
-        """One more process of this system, started its own way: each subclass launches its own."""
+    def add(self, replacement: bool = False) -> Proc:
+        """One more process of this system, started its own way: each subclass launches its own.
+        ``replacement``: it replaces one killed or gone (not a join)."""
         raise NotImplementedError
 
     def trainers(self) -> list[Proc]:
@@ -271,14 +272,23 @@ class Unbroken(System):
 
     def start(self) -> None:
         self.cluster.start_coordinator()
-        super().start()
+        for i in range(self.args.nodes):
+            self.add(spare=i >= self.args.nodes - self.args.spares)
 
-    def add(self) -> Proc:
+    def add(self, replacement: bool = False, spare: bool = False) -> Proc:
+        """With ``--spares``, a replacement starts as a hot spare: a spare took the lost
+        process's place at once, and the newcomer becomes the next spare once it is warm."""
         self.count += 1
-        node = self.cluster.start_node(f"n{self.count}")
+        standby = spare or (replacement and self.args.spares > 0)
+        node = self.cluster.start_node(f"n{self.count}", extra=["--role", "standby"] if standby else [])
         p = Proc(node.name, node.proc, node.commit_log)  # type: ignore[arg-type]
         self.procs.append(p)
         return p
+
+    def promotions(self, t0: float, t1: float) -> list[float]:
+        """When, in ``(t0, t1]``, the coordinator made a hot spare a trainer (its role events)."""
+        said = [e for e in self.cluster.events() if e.get("kind") == "role"]
+        return [e["time"] for e in said if "standby -> trainer" in e.get("reason", "") and t0 < e["time"] <= t1]
 
     def samples(self, t0: float, t1: float) -> float:
         first: dict[int, float] = {}
@@ -314,7 +324,7 @@ class Torchrun(System):
                                         multi_tenant=True, timeout=timedelta(seconds=60))  # fmt: skip
         (workdir / "ckpt").mkdir(parents=True, exist_ok=True)
 
-    def add(self) -> Proc:
+    def add(self, replacement: bool = False) -> Proc:
         self.count += 1
         name = f"n{self.count}"
         log = self.workdir / f"{name}.jsonl"
@@ -388,7 +398,7 @@ class Torchft(System):
         )  # fmt: skip
         err.close()
 
-    def add(self) -> Proc:
+    def add(self, replacement: bool = False) -> Proc:
         self.count += 1
         name = f"r{self.count}"
         log = self.workdir / f"{name}.jsonl"
@@ -456,6 +466,9 @@ class Outcome:
     """What each fault applied cost (`fault_costs`), in the order applied."""
     lost_unowned_s: float = 0.0
     """Training lost while no fault was in effect (`FaultCost`): the load's, or a step's jitter."""
+    promotions: list[float] = dataclasses.field(default_factory=list)
+    """Each hot spare made trainer in the window (``--spares``): seconds since the latest kill,
+    stop or leave before it."""
 
     free_window_s: float = 0.0
     free_samples: float = 0.0
@@ -586,6 +599,13 @@ def run_together(
             out.recoveries = x.progress_after(out.applied)
             out.cold_starts = x.cold_starts(t0)
             out.costs, out.lost_unowned_s = fault_costs(x, out, t0, t0 + window_s)
+            if isinstance(x, Unbroken):
+                losses = [at for at, kind in out.applied if kind != "join"]
+                out.promotions = [
+                    round(t - max(at for at in losses if at <= t), 3)
+                    for t in x.promotions(t0, t0 + window_s)
+                    if any(at <= t for at in losses)
+                ]
     finally:
         for x in systems:
             x.close()
@@ -633,7 +653,7 @@ def _apply(system: System, f: Planned, out: Outcome, due: list[tuple[float, Call
     elif system.replaces:  # a node that left or died is replaced
 
         def replace() -> None:
-            out.subjects[index] = system.add()
+            out.subjects[index] = system.add(replacement=True)
 
         due.append((time.time() + REPLACE_AFTER_S, replace))
 
@@ -648,6 +668,13 @@ def main() -> None:
     p.add_argument("--window", type=float, default=90.0, help="seconds of training under faults, per run")
     p.add_argument("--free-window", type=float, default=30.0, help="seconds of the failure-free runs")
     p.add_argument("--nodes", type=int, default=3)
+    p.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="of unbroken's --nodes processes, how many start as hot spares (--role standby); its "
+        "replacements then start as spares too. The baselines train on all --nodes",
+    )
     p.add_argument("--batch", type=int, default=120, help="global batch B (divisible by 1..N+2 for torchrun)")
     p.add_argument("--sample-ms", type=float, default=4.0, help="emulated compute per sample, ms")
     p.add_argument("--ckpt-every", type=int, default=20, help="torchrun worker's checkpoint interval, steps")
@@ -674,6 +701,8 @@ def main() -> None:
         p.error(f"--rates {args.rates!r}: give seconds between faults, comma-separated, e.g. 30,10,5")
     if any(r <= 0 for r in rates):
         p.error(f"--rates {args.rates!r}: every interval must be positive seconds")
+    if not 0 <= args.spares < args.nodes:
+        p.error(f"--spares {args.spares}: give 0 to {args.nodes - 1} (at least one of --nodes {args.nodes} must train)")
     systems = [s for s in args.systems.split(",") if s]
     if unknown := [s for s in systems if s not in SYSTEMS]:
         p.error(f"--systems: {unknown} unknown; use some of {','.join(SYSTEMS)}")
@@ -728,13 +757,20 @@ def main() -> None:
         rows.append(row)
     free = [" / ".join(f"{o.free_rate:.0f}" for e in rates if (o := faulted.get((s, e)))) or "-" for s in systems]
     rows.append(["samples/s without faults (each run's)", *free, "", ""])
+    under = [" / ".join(f"{o.rate:.0f}" for e in rates if (o := faulted.get((s, e)))) or "-" for s in systems]
+    rows.append(["committed samples/s under faults", *under, "", ""])
     print_table(
         "Goodput against failure rate (1.00 = as fast as without faults)",
         ["seconds between faults (across the job)", *systems, "faults applied to unbroken", "promises (unbroken)"],
         rows,
         caption=f"each system normalised by its own failure-free window ({args.free_window:.0f} s, the same "
         "processes just before the faults) on this machine, in this invocation; faults: SIGKILL, "
-        f"SIGSTOP 1.5-3 s, SIGTERM (leave), join; seed {args.seed}",
+        f"SIGSTOP 1.5-3 s, SIGTERM (leave), join; seed {args.seed}; every system runs {args.nodes} processes"
+        + (
+            f", of which unbroken's {args.spares} start as hot spares (they train nothing until promoted)"
+            if args.spares
+            else ""
+        ),
     )
     print_table(
         "Each run: the failure-free window, then the window under faults (same processes)",
@@ -751,13 +787,15 @@ def main() -> None:
     print_table(
         "Where the time goes: medians in seconds (count)",
         ["system", "seconds between faults", "spawn -> first commit (replacements, joins)",
-         *[f"{k} -> progress again" for k in FAULT_KINDS]],
+         *[f"{k} -> progress again" for k in FAULT_KINDS], "fault -> spare promoted"],
         [
-            [s, f"{e:g}", _med(o.cold_starts), *[_med(o.recoveries.get(k, [])) for k in FAULT_KINDS]]
+            [s, f"{e:g}", _med(o.cold_starts), *[_med(o.recoveries.get(k, [])) for k in FAULT_KINDS],
+             _med(o.promotions)]
             for e in rates for s in systems if (o := faulted.get((s, e)))
         ],
         caption="progress again: the first commit of a step past the one in flight at the fault "
-        "(a restart's redone steps do not count); a stop lasts 1.5-3 s",
+        "(a restart's redone steps do not count); a stop lasts 1.5-3 s; spare promoted (--spares): "
+        "the coordinator's role event that made a hot spare a trainer, from the kill, stop or leave before it",
     )  # fmt: skip
     cost_title = "What each kind of fault cost: seconds of failure-free training lost"
     cost_columns = ["system", "seconds between faults", "fault", "count", "gap (median s)",
@@ -786,6 +824,11 @@ def main() -> None:
         "free_samples_per_s": {
             s: [round(o.free_rate, 1) if (o := faulted.get((s, e))) else None for e in rates] for s in runnable
         },
+        "samples_per_s": {
+            s: [round(o.rate, 1) if (o := faulted.get((s, e))) else None for e in rates] for s in runnable
+        },
+        "spares": args.spares,
+        "promotions_s": {f"{e:g}": o.promotions for e in rates if (o := faulted.get(("unbroken", e)))},
         "fault_costs": {
             s: {
                 f"{e:g}": {"lost_unowned_s": o.lost_unowned_s, "faults": [dataclasses.asdict(c) for c in o.costs]}
@@ -822,6 +865,8 @@ def main() -> None:
         "baselines": {
             s: goodput(s, at) if s not in unavailable else unavailable[s] for s in systems if s != "unbroken"
         },
+        "spares": args.spares,
+        "samples_per_s": {s: round(o.rate, 1) for s in systems if (o := faulted.get((s, at)))},
     }
     print(json.dumps(last))
 
