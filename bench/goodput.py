@@ -4,6 +4,7 @@
     python bench/goodput.py                  # a failure every 30, 10 and 5 s (~10 min)
     python bench/goodput.py --rates 20,10 --window 120 --seed 3
     python bench/goodput.py --apart          # the systems one after the other (4x as long)
+    python bench/goodput.py --short --spares 1   # one of ours' processes a hot spare
 
 One job of ``--nodes`` processes (``bench/jobs.py``'s small MLP, B=120, a per-sample compute
 of ``--sample-ms`` so that a step takes ~200 ms) trains for a window of ``--window`` seconds
@@ -21,7 +22,12 @@ replacements start while the machine is busiest waits a minute for its cold star
 another, minutes later, waits ten seconds. Their steady-state work is a sleep (the per-sample
 compute), so they take from each other mainly when processes start.
 
-- ``unbroken``: coordinator + nodes (`unbroken.testing.LocalCluster`), cold starts.
+- ``unbroken``: coordinator + nodes (`unbroken.testing.LocalCluster`), cold starts. With
+  ``--spares K``, K of its ``--nodes`` processes start as hot spares (``--role standby``:
+  they hold the state and train nothing), and each replacement starts as one: the planner
+  promotes a spare in the epoch that drops the lost trainer, and the newcomer becomes the
+  next spare once warm. The baselines train on all ``--nodes``: the committed samples/s
+  printed beside goodput say what the spares cost.
 - ``torchrun``: ``torch.distributed.run --nnodes=1:N+2 --max-restarts=1000
   --rdzv-backend=c10d`` running plain DDP (bench/elastic_worker.py) that checkpoints every
   ``--ckpt-every`` steps and resumes; kill and stop hit the worker (its agent restarts the
