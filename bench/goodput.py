@@ -96,6 +96,8 @@ from unbroken.testing.chaos import Planned, feasible_kinds, schedule
 from unbroken.testing.promises import check_promises, environment
 
 SYSTEMS = ("unbroken", "torchrun", "torchft", "ddp")
+SPARED = "unbroken-spares"
+"""Ours again, with hot spares, beside the others when named in ``--systems`` (not by default)."""
 FAULT_KINDS = ("kill", "stop", "term", "join")
 RESULTS = HERE / "results" / "goodput.json"
 REPLACE_AFTER_S = 1.0
@@ -272,6 +274,8 @@ class Unbroken(System):
 
     def __init__(self, workdir: Path, args: argparse.Namespace) -> None:
         super().__init__(workdir, args)
+        self.spares: int = args.spares
+        """How many of its first ``--nodes`` processes start as hot spares."""
         self.cluster = LocalCluster(
             jobs.job_ref("small"), workdir, env=self.job_env, min_nodes=args.nodes, node_args=["--digest-every", "1"]
         )
@@ -279,13 +283,13 @@ class Unbroken(System):
     def start(self) -> None:
         self.cluster.start_coordinator()
         for i in range(self.args.nodes):
-            self.add(spare=i >= self.args.nodes - self.args.spares)
+            self.add(spare=i >= self.args.nodes - self.spares)
 
     def add(self, replacement: bool = False, spare: bool = False) -> Proc:
         """With ``--spares``, a replacement starts as a hot spare: a spare took the lost
         process's place at once, and the newcomer becomes the next spare once it is warm."""
         self.count += 1
-        standby = spare or (replacement and self.args.spares > 0)
+        standby = spare or (replacement and self.spares > 0)
         node = self.cluster.start_node(f"n{self.count}", extra=["--role", "standby"] if standby else [])
         p = Proc(node.name, node.proc, node.commit_log)  # type: ignore[arg-type]
         self.procs.append(p)
@@ -315,6 +319,17 @@ class Unbroken(System):
 
     def close(self) -> None:
         self.cluster.close()
+
+
+class UnbrokenSpares(Unbroken):
+    """Ours with ``max(1, --spares)`` hot spares, to run beside ``unbroken`` without them:
+    what the spares change, under the very same load and faults."""
+
+    name = SPARED
+
+    def __init__(self, workdir: Path, args: argparse.Namespace) -> None:
+        super().__init__(workdir, args)
+        self.spares = max(1, args.spares)
 
 
 class Torchrun(System):
@@ -443,7 +458,7 @@ class PlainDDP(System):
 
 
 MAKERS: dict[str, Callable[[Path, argparse.Namespace], System]] = {
-    "unbroken": Unbroken, "torchrun": Torchrun, "torchft": Torchft, "ddp": PlainDDP,
+    "unbroken": Unbroken, SPARED: UnbrokenSpares, "torchrun": Torchrun, "torchft": Torchft, "ddp": PlainDDP,
 }  # fmt: skip
 
 
@@ -686,7 +701,7 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=20, help="torchrun worker's checkpoint interval, steps")
     p.add_argument("--warmup", type=int, default=5, help="steps before a window starts")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"some of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"some of {','.join((*SYSTEMS, SPARED))}")
     p.add_argument("--start-timeout", type=float, default=180.0)
     p.add_argument(
         "--apart",
@@ -707,11 +722,13 @@ def main() -> None:
         p.error(f"--rates {args.rates!r}: give seconds between faults, comma-separated, e.g. 30,10,5")
     if any(r <= 0 for r in rates):
         p.error(f"--rates {args.rates!r}: every interval must be positive seconds")
-    if not 0 <= args.spares < args.nodes:
+    if not 0 <= args.spares < max(2, args.nodes):
         p.error(f"--spares {args.spares}: give 0 to {args.nodes - 1} (at least one of --nodes {args.nodes} must train)")
+    if SPARED in args.systems and args.nodes < 2:
+        p.error(f"--systems {SPARED}: needs --nodes 2 or more (one trains, one stands by)")
     systems = [s for s in args.systems.split(",") if s]
-    if unknown := [s for s in systems if s not in SYSTEMS]:
-        p.error(f"--systems: {unknown} unknown; use some of {','.join(SYSTEMS)}")
+    if unknown := [s for s in systems if s not in (*SYSTEMS, SPARED)]:
+        p.error(f"--systems: {unknown} unknown; use some of {','.join((*SYSTEMS, SPARED))}")
     for w in range(1, args.nodes + 3):
         if "torchrun" in systems and args.batch % w:
             p.error(f"--batch {args.batch}: torchrun's DDP needs it divisible by every world size 1..{args.nodes + 2}")
@@ -776,6 +793,11 @@ def main() -> None:
             f", of which unbroken's {args.spares} start as hot spares (they train nothing until promoted)"
             if args.spares
             else ""
+        )
+        + (
+            f"; {SPARED}: unbroken with {max(1, args.spares)} of them hot spares, beside the others"
+            if SPARED in systems
+            else ""
         ),
     )
     print_table(
@@ -834,7 +856,11 @@ def main() -> None:
             s: [round(o.rate, 1) if (o := faulted.get((s, e))) else None for e in rates] for s in runnable
         },
         "spares": args.spares,
-        "promotions_s": {f"{e:g}": o.promotions for e in rates if (o := faulted.get(("unbroken", e)))},
+        "promotions_s": {
+            s: {f"{e:g}": o.promotions for e in rates if (o := faulted.get((s, e)))}
+            for s in ("unbroken", SPARED)
+            if s in runnable
+        },
         "fault_costs": {
             s: {
                 f"{e:g}": {"lost_unowned_s": o.lost_unowned_s, "faults": [dataclasses.asdict(c) for c in o.costs]}

@@ -385,10 +385,11 @@ def goodput_section(data: dict[str, Any] | None, img_dir: Path, page_dir: Path) 
                 for i, r in enumerate(curve["rates"])
             ]
             spares = curve.get("spares", 0)
+            beside = " (unbroken-spares: ours with hot spares, side by side)" if "unbroken-spares" in under else ""
             out += [
                 f"Committed samples/s, without faults / under faults, every system on {curve.get('nodes', '?')} "
                 "processes" + (f" (unbroken's: {curve.get('nodes', 0) - spares} training, {spares} hot spare"
-                               f"{'s' if spares != 1 else ''}):" if spares else ":"),
+                               f"{'s' if spares != 1 else ''})" if spares else "") + beside + ":",
                 "",
                 md_table(["seconds between faults", *under], rows),
                 "",

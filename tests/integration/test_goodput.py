@@ -46,7 +46,7 @@ def test_a_short_goodput_run_keeps_the_promises_under_every_fault_kind_where_pla
     assert results["baselines"] == {"ddp": [ddp]}, results
     assert results["command"].startswith("python ") and results["date"], results
     # The spare took the killed trainer's place: the coordinator said so after a loss.
-    assert results["spares"] == 1 and results["promotions_s"]["4"], results
+    assert results["spares"] == 1 and results["promotions_s"]["unbroken"]["4"], results
     assert set(last["samples_per_s"]) == {"unbroken", "ddp"}, last
     assert "Where the time goes" in run.stdout
     # Each fault applied has its cost, and the costs account for every second the window lost.
