@@ -4,6 +4,7 @@
     python bench/goodput.py                  # a failure every 30, 10 and 5 s (~10 min)
     python bench/goodput.py --rates 20,10 --window 120 --seed 3
     python bench/goodput.py --apart          # the systems one after the other (4x as long)
+    python bench/goodput.py --short --spares 1   # one of ours' processes a hot spare
 
 One job of ``--nodes`` processes (``bench/jobs.py``'s small MLP, B=120, a per-sample compute
 of ``--sample-ms`` so that a step takes ~200 ms) trains for a window of ``--window`` seconds
@@ -21,7 +22,12 @@ replacements start while the machine is busiest waits a minute for its cold star
 another, minutes later, waits ten seconds. Their steady-state work is a sleep (the per-sample
 compute), so they take from each other mainly when processes start.
 
-- ``unbroken``: coordinator + nodes (`unbroken.testing.LocalCluster`), cold starts.
+- ``unbroken``: coordinator + nodes (`unbroken.testing.LocalCluster`), cold starts. With
+  ``--spares K``, K of its ``--nodes`` processes start as hot spares (``--role standby``:
+  they hold the state and train nothing), and each replacement starts as one: the planner
+  promotes a spare in the epoch that drops the lost trainer, and the newcomer becomes the
+  next spare once warm. The baselines train on all ``--nodes``: the committed samples/s
+  printed beside goodput say what the spares cost.
 - ``torchrun``: ``torch.distributed.run --nnodes=1:N+2 --max-restarts=1000
   --rdzv-backend=c10d`` running plain DDP (bench/elastic_worker.py) that checkpoints every
   ``--ckpt-every`` steps and resumes; kill and stop hit the worker (its agent restarts the
@@ -90,6 +96,8 @@ from unbroken.testing.chaos import Planned, feasible_kinds, schedule
 from unbroken.testing.promises import check_promises, environment
 
 SYSTEMS = ("unbroken", "torchrun", "torchft", "ddp")
+SPARED = "unbroken-spares"
+"""Ours again, with hot spares, beside the others when named in ``--systems`` (not by default)."""
 FAULT_KINDS = ("kill", "stop", "term", "join")
 RESULTS = HERE / "results" / "goodput.json"
 REPLACE_AFTER_S = 1.0
@@ -171,8 +179,9 @@ class System:
         for _ in range(self.args.nodes):
             self.add()
 
-    def add(self) -> Proc:
-        """One more process of this system, started its own way: each subclass launches its own."""
+    def add(self, replacement: bool = False) -> Proc:
+        """One more process of this system, started its own way: each subclass launches its own.
+        ``replacement``: it replaces one killed or gone (not a join)."""
         raise NotImplementedError
 
     def trainers(self) -> list[Proc]:
@@ -265,20 +274,31 @@ class Unbroken(System):
 
     def __init__(self, workdir: Path, args: argparse.Namespace) -> None:
         super().__init__(workdir, args)
+        self.spares: int = args.spares
+        """How many of its first ``--nodes`` processes start as hot spares."""
         self.cluster = LocalCluster(
             jobs.job_ref("small"), workdir, env=self.job_env, min_nodes=args.nodes, node_args=["--digest-every", "1"]
         )
 
     def start(self) -> None:
         self.cluster.start_coordinator()
-        super().start()
+        for i in range(self.args.nodes):
+            self.add(spare=i >= self.args.nodes - self.spares)
 
-    def add(self) -> Proc:
+    def add(self, replacement: bool = False, spare: bool = False) -> Proc:
+        """With ``--spares``, a replacement starts as a hot spare: a spare took the lost
+        process's place at once, and the newcomer becomes the next spare once it is warm."""
         self.count += 1
-        node = self.cluster.start_node(f"n{self.count}")
+        standby = spare or (replacement and self.spares > 0)
+        node = self.cluster.start_node(f"n{self.count}", extra=["--role", "standby"] if standby else [])
         p = Proc(node.name, node.proc, node.commit_log)  # type: ignore[arg-type]
         self.procs.append(p)
         return p
+
+    def promotions(self, t0: float, t1: float) -> list[float]:
+        """When, in ``(t0, t1]``, the coordinator made a hot spare a trainer (its role events)."""
+        said = [e for e in self.cluster.events() if e.get("kind") == "role"]
+        return [e["time"] for e in said if "standby -> trainer" in e.get("reason", "") and t0 < e["time"] <= t1]
 
     def samples(self, t0: float, t1: float) -> float:
         first: dict[int, float] = {}
@@ -301,6 +321,17 @@ class Unbroken(System):
         self.cluster.close()
 
 
+class UnbrokenSpares(Unbroken):
+    """Ours with ``max(1, --spares)`` hot spares, to run beside ``unbroken`` without them:
+    what the spares change, under the very same load and faults."""
+
+    name = SPARED
+
+    def __init__(self, workdir: Path, args: argparse.Namespace) -> None:
+        super().__init__(workdir, args)
+        self.spares = max(1, args.spares)
+
+
 class Torchrun(System):
     name = "torchrun"
 
@@ -314,7 +345,7 @@ class Torchrun(System):
                                         multi_tenant=True, timeout=timedelta(seconds=60))  # fmt: skip
         (workdir / "ckpt").mkdir(parents=True, exist_ok=True)
 
-    def add(self) -> Proc:
+    def add(self, replacement: bool = False) -> Proc:
         self.count += 1
         name = f"n{self.count}"
         log = self.workdir / f"{name}.jsonl"
@@ -388,7 +419,7 @@ class Torchft(System):
         )  # fmt: skip
         err.close()
 
-    def add(self) -> Proc:
+    def add(self, replacement: bool = False) -> Proc:
         self.count += 1
         name = f"r{self.count}"
         log = self.workdir / f"{name}.jsonl"
@@ -427,7 +458,7 @@ class PlainDDP(System):
 
 
 MAKERS: dict[str, Callable[[Path, argparse.Namespace], System]] = {
-    "unbroken": Unbroken, "torchrun": Torchrun, "torchft": Torchft, "ddp": PlainDDP,
+    "unbroken": Unbroken, SPARED: UnbrokenSpares, "torchrun": Torchrun, "torchft": Torchft, "ddp": PlainDDP,
 }  # fmt: skip
 
 
@@ -456,6 +487,9 @@ class Outcome:
     """What each fault applied cost (`fault_costs`), in the order applied."""
     lost_unowned_s: float = 0.0
     """Training lost while no fault was in effect (`FaultCost`): the load's, or a step's jitter."""
+    promotions: list[float] = dataclasses.field(default_factory=list)
+    """Each hot spare made trainer in the window (``--spares``): seconds since the latest kill,
+    stop or leave before it."""
 
     free_window_s: float = 0.0
     free_samples: float = 0.0
@@ -586,6 +620,13 @@ def run_together(
             out.recoveries = x.progress_after(out.applied)
             out.cold_starts = x.cold_starts(t0)
             out.costs, out.lost_unowned_s = fault_costs(x, out, t0, t0 + window_s)
+            if isinstance(x, Unbroken):
+                losses = [at for at, kind in out.applied if kind != "join"]
+                out.promotions = [
+                    round(t - max(at for at in losses if at <= t), 3)
+                    for t in x.promotions(t0, t0 + window_s)
+                    if any(at <= t for at in losses)
+                ]
     finally:
         for x in systems:
             x.close()
@@ -633,7 +674,7 @@ def _apply(system: System, f: Planned, out: Outcome, due: list[tuple[float, Call
     elif system.replaces:  # a node that left or died is replaced
 
         def replace() -> None:
-            out.subjects[index] = system.add()
+            out.subjects[index] = system.add(replacement=True)
 
         due.append((time.time() + REPLACE_AFTER_S, replace))
 
@@ -648,12 +689,19 @@ def main() -> None:
     p.add_argument("--window", type=float, default=90.0, help="seconds of training under faults, per run")
     p.add_argument("--free-window", type=float, default=30.0, help="seconds of the failure-free runs")
     p.add_argument("--nodes", type=int, default=3)
+    p.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="of unbroken's --nodes processes, how many start as hot spares (--role standby); its "
+        "replacements then start as spares too. The baselines train on all --nodes",
+    )
     p.add_argument("--batch", type=int, default=120, help="global batch B (divisible by 1..N+2 for torchrun)")
     p.add_argument("--sample-ms", type=float, default=4.0, help="emulated compute per sample, ms")
     p.add_argument("--ckpt-every", type=int, default=20, help="torchrun worker's checkpoint interval, steps")
     p.add_argument("--warmup", type=int, default=5, help="steps before a window starts")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"some of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"some of {','.join((*SYSTEMS, SPARED))}")
     p.add_argument("--start-timeout", type=float, default=180.0)
     p.add_argument(
         "--apart",
@@ -674,9 +722,13 @@ def main() -> None:
         p.error(f"--rates {args.rates!r}: give seconds between faults, comma-separated, e.g. 30,10,5")
     if any(r <= 0 for r in rates):
         p.error(f"--rates {args.rates!r}: every interval must be positive seconds")
+    if not 0 <= args.spares < max(2, args.nodes):
+        p.error(f"--spares {args.spares}: give 0 to {args.nodes - 1} (at least one of --nodes {args.nodes} must train)")
+    if SPARED in args.systems and args.nodes < 2:
+        p.error(f"--systems {SPARED}: needs --nodes 2 or more (one trains, one stands by)")
     systems = [s for s in args.systems.split(",") if s]
-    if unknown := [s for s in systems if s not in SYSTEMS]:
-        p.error(f"--systems: {unknown} unknown; use some of {','.join(SYSTEMS)}")
+    if unknown := [s for s in systems if s not in (*SYSTEMS, SPARED)]:
+        p.error(f"--systems: {unknown} unknown; use some of {','.join((*SYSTEMS, SPARED))}")
     for w in range(1, args.nodes + 3):
         if "torchrun" in systems and args.batch % w:
             p.error(f"--batch {args.batch}: torchrun's DDP needs it divisible by every world size 1..{args.nodes + 2}")
@@ -728,13 +780,25 @@ def main() -> None:
         rows.append(row)
     free = [" / ".join(f"{o.free_rate:.0f}" for e in rates if (o := faulted.get((s, e)))) or "-" for s in systems]
     rows.append(["samples/s without faults (each run's)", *free, "", ""])
+    under = [" / ".join(f"{o.rate:.0f}" for e in rates if (o := faulted.get((s, e)))) or "-" for s in systems]
+    rows.append(["committed samples/s under faults", *under, "", ""])
     print_table(
         "Goodput against failure rate (1.00 = as fast as without faults)",
         ["seconds between faults (across the job)", *systems, "faults applied to unbroken", "promises (unbroken)"],
         rows,
         caption=f"each system normalised by its own failure-free window ({args.free_window:.0f} s, the same "
         "processes just before the faults) on this machine, in this invocation; faults: SIGKILL, "
-        f"SIGSTOP 1.5-3 s, SIGTERM (leave), join; seed {args.seed}",
+        f"SIGSTOP 1.5-3 s, SIGTERM (leave), join; seed {args.seed}; every system runs {args.nodes} processes"
+        + (
+            f", of which unbroken's {args.spares} start as hot spares (they train nothing until promoted)"
+            if args.spares
+            else ""
+        )
+        + (
+            f"; {SPARED}: unbroken with {max(1, args.spares)} of them hot spares, beside the others"
+            if SPARED in systems
+            else ""
+        ),
     )
     print_table(
         "Each run: the failure-free window, then the window under faults (same processes)",
@@ -751,13 +815,15 @@ def main() -> None:
     print_table(
         "Where the time goes: medians in seconds (count)",
         ["system", "seconds between faults", "spawn -> first commit (replacements, joins)",
-         *[f"{k} -> progress again" for k in FAULT_KINDS]],
+         *[f"{k} -> progress again" for k in FAULT_KINDS], "fault -> spare promoted"],
         [
-            [s, f"{e:g}", _med(o.cold_starts), *[_med(o.recoveries.get(k, [])) for k in FAULT_KINDS]]
+            [s, f"{e:g}", _med(o.cold_starts), *[_med(o.recoveries.get(k, [])) for k in FAULT_KINDS],
+             _med(o.promotions)]
             for e in rates for s in systems if (o := faulted.get((s, e)))
         ],
         caption="progress again: the first commit of a step past the one in flight at the fault "
-        "(a restart's redone steps do not count); a stop lasts 1.5-3 s",
+        "(a restart's redone steps do not count); a stop lasts 1.5-3 s; spare promoted (--spares): "
+        "the coordinator's role event that made a hot spare a trainer, from the kill, stop or leave before it",
     )  # fmt: skip
     cost_title = "What each kind of fault cost: seconds of failure-free training lost"
     cost_columns = ["system", "seconds between faults", "fault", "count", "gap (median s)",
@@ -785,6 +851,15 @@ def main() -> None:
         },
         "free_samples_per_s": {
             s: [round(o.free_rate, 1) if (o := faulted.get((s, e))) else None for e in rates] for s in runnable
+        },
+        "samples_per_s": {
+            s: [round(o.rate, 1) if (o := faulted.get((s, e))) else None for e in rates] for s in runnable
+        },
+        "spares": args.spares,
+        "promotions_s": {
+            s: {f"{e:g}": o.promotions for e in rates if (o := faulted.get((s, e)))}
+            for s in ("unbroken", SPARED)
+            if s in runnable
         },
         "fault_costs": {
             s: {
@@ -822,6 +897,8 @@ def main() -> None:
         "baselines": {
             s: goodput(s, at) if s not in unavailable else unavailable[s] for s in systems if s != "unbroken"
         },
+        "spares": args.spares,
+        "samples_per_s": {s: round(o.rate, 1) for s in systems if (o := faulted.get((s, at)))},
     }
     print(json.dumps(last))
 

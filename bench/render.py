@@ -377,6 +377,23 @@ def goodput_section(data: dict[str, Any] | None, img_dir: Path, page_dir: Path) 
             if not isinstance(why, list):
                 out += [f"- {name}: not run ({why})"]
         out.append("")
+        if curve.get("samples_per_s"):
+            # Goodput is each system against itself: the absolute rates say what spares cost.
+            free, under = curve.get("free_samples_per_s", {}), curve["samples_per_s"]
+            rows = [
+                [r, *(f"{_num((free.get(n) or [None] * len(curve['rates']))[i])} / {_num(under[n][i])}" for n in under)]
+                for i, r in enumerate(curve["rates"])
+            ]
+            spares = curve.get("spares", 0)
+            beside = " (unbroken-spares: ours with hot spares, side by side)" if "unbroken-spares" in under else ""
+            out += [
+                f"Committed samples/s, without faults / under faults, every system on {curve.get('nodes', '?')} "
+                "processes" + (f" (unbroken's: {curve.get('nodes', 0) - spares} training, {spares} hot spare"
+                               f"{'s' if spares != 1 else ''})" if spares else "") + beside + ":",
+                "",
+                md_table(["seconds between faults", *under], rows),
+                "",
+            ]  # fmt: skip
     if data.get("fault_costs"):
         out += [
             "Every system trains the same global batch B a step on the same processes under the same "

@@ -1,8 +1,9 @@
-"""A short run of bench/goodput.py: unbroken and plain DDP under one seeded schedule of
-kills, stops, leaves and joins. The figures come from the benchmark itself; this checks
-that every fault kind reaches a real job, that the promises hold over its log, that the
-JSON it hands on (its last line, and the results file) says so, and that each fault's cost
-(read from the commit timeline) is there and adds up to what the window lost."""
+"""A short run of bench/goodput.py: unbroken (one of its processes a hot spare) and plain
+DDP under one seeded schedule of kills, stops, leaves and joins. The figures come from the
+benchmark itself; this checks that every fault kind reaches a real job, that the spare takes
+a lost trainer's place, that the promises hold over its log, that the JSON it hands on (its
+last line, and the results file) says so, and that each fault's cost (read from the commit
+timeline) is there and adds up to what the window lost."""
 
 from __future__ import annotations
 
@@ -17,14 +18,15 @@ pytestmark = pytest.mark.timeout(420)
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = 28
-"""Its schedule at one fault every 4 s: kill, stop, join, kill, join, term, term, term in 16 s."""
+"""Its schedule at one fault every 4 s: kill, stop, join, kill, join, term, term, term in 16 s;
+the first kill hits the second of the three processes, a trainer (the third is the spare)."""
 
 
 def test_a_short_goodput_run_keeps_the_promises_under_every_fault_kind_where_plain_ddp_stops(tmp_path):
     out = tmp_path / "goodput.json"
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "goodput.py"), "--systems", "unbroken,ddp", "--rates", "4",
-         "--window", "16", "--free-window", "5", "--seed", str(SEED), "--json", str(out), "--plot", "",
+         "--window", "16", "--free-window", "5", "--seed", str(SEED), "--spares", "1", "--json", str(out), "--plot", "",
          "--workdir", str(tmp_path / "runs")],
         capture_output=True,
         text=True,
@@ -43,6 +45,9 @@ def test_a_short_goodput_run_keeps_the_promises_under_every_fault_kind_where_pla
     assert results["rates"] == [4.0] and results["ours"] == [ours], results
     assert results["baselines"] == {"ddp": [ddp]}, results
     assert results["command"].startswith("python ") and results["date"], results
+    # The spare took the killed trainer's place: the coordinator said so after a loss.
+    assert results["spares"] == 1 and results["promotions_s"]["unbroken"]["4"], results
+    assert set(last["samples_per_s"]) == {"unbroken", "ddp"}, last
     assert "Where the time goes" in run.stdout
     # Each fault applied has its cost, and the costs account for every second the window lost.
     costs = results["fault_costs"]["unbroken"]["4"]

@@ -105,6 +105,16 @@ def test_the_page_has_each_bench_its_plots_the_hand_measured_figures_and_says_wh
     text = page.read_text().split("## Goodput against failure rate")[1].split("\n## ")[0]
     assert "same global batch B a step" in text and "**What each kind of fault cost**" in text
     assert "| unbroken | kill | 3.3 |" in text
+    assert "Committed samples/s" not in text  # no absolute rates recorded: no table of them
+
+    # with hot spares: the absolute rates beside goodput, and how many of ours trained
+    goodput.update(nodes=3, spares=1, free_samples_per_s={"unbroken": [360.0, 368.0, 300.0]},
+                   samples_per_s={"unbroken": [340.0, 201.0, 100.0], "torchft": [400.0, 213.0, 90.0]})  # fmt: skip
+    (results / "goodput.json").write_text(json.dumps(goodput))
+    assert _run([*render, "--img", str(img)], {}, tmp_path).returncode == 0
+    text = page.read_text().split("## Goodput against failure rate")[1].split("\n## ")[0]
+    assert "every system on 3 processes (unbroken's: 2 training, 1 hot spare)" in text
+    assert "| 10 | 368 / 201 | - / 213 |" in text
 
 
 def test_render_names_a_plot_directory_the_page_cannot_link_to(tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ class Planner:
         self.planned_times: dict[str, float] = {}
         self._next_review = now
         self.vacated = 0
-        """Trainers gone since the last plan: as many spares are wanted in the next."""
+        """Trainers gone and not yet replaced: as many spares are wanted in the next plan."""
         self._stragglers: set[str] = set()
         """Members reported as stragglers under the plan in force."""
         self._straggling: dict[str, tuple[float, str]] = {}
@@ -116,7 +116,13 @@ class Planner:
         self._planned_at = now
         self._better_since = None
         self.planned_times = self.times(members, p.shares)
-        self.vacated = 0
+        # A place no spare could take (none was warm yet) stays open until a member that did
+        # not train does: a spare that arrives later, or a newcomer. Else a job that lost a
+        # trainer while its spare was still starting would keep one trainer fewer for good.
+        filled = sum(
+            1 for m, role in zip(members, p.roles, strict=True) if role is Role.TRAINER and m.role is not Role.TRAINER
+        )
+        self.vacated = max(0, self.vacated - filled)
         self._stragglers.clear()
         self._straggling.clear()
         for m, role, why in zip(members, p.roles, p.reasons, strict=True):

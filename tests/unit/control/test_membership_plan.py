@@ -525,6 +525,39 @@ def test_a_spare_is_not_promoted_when_a_non_trainer_leaves() -> None:
     assert order.shares == [20, 0]
 
 
+def test_a_trainer_lost_with_no_spare_ready_is_replaced_by_the_next_spare_to_arrive() -> None:
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
+    for mid in ("a", "b"):
+        ms.admit(hello(mid, 12), 0.0)
+    ms.admit(hello("s1", 12, role="standby"), 0.0)
+    ms.tick(JOIN_SETTLE_S)
+    ms.fail("a", 1.0, "x")
+    assert only_order(ms.tick(1.0)).roles == ["trainer", "trainer"]
+    # b fails while its replacement is still starting: nobody can take its place yet...
+    ms.fail("b", 2.0, "x")
+    assert only_order(ms.tick(2.0)).roles == ["trainer"]
+    # ...so the spare that arrives next trains at once, and only the one after it stands by.
+    ms.admit(hello("s2", 12, role="standby"), 3.0)
+    order = only_order(ms.tick(3.0 + JOIN_SETTLE_S))
+    assert order.members == ["s1", "s2"] and order.roles == ["trainer", "trainer"]
+    ms.admit(hello("s3", 12, role="standby"), 4.0)
+    order = only_order(ms.tick(4.0 + JOIN_SETTLE_S))
+    assert order.roles == ["trainer", "trainer", "standby"]
+
+
+def test_a_newcomer_that_trains_fills_the_place_a_lost_trainer_left() -> None:
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
+    for mid in ("a", "b"):
+        ms.admit(hello(mid, 12), 0.0)
+    ms.tick(JOIN_SETTLE_S)
+    ms.fail("a", 1.0, "x")
+    assert only_order(ms.tick(1.0)).roles == ["trainer"]
+    ms.admit(hello("c", 12), 2.0)
+    assert only_order(ms.tick(2.0 + JOIN_SETTLE_S)).roles == ["trainer", "trainer"]
+    ms.admit(hello("s", 12, role="standby"), 3.0)
+    assert only_order(ms.tick(3.0 + JOIN_SETTLE_S)).roles == ["trainer", "trainer", "standby"]
+
+
 # ---------------------------------------------------------------- coordinator restart
 
 
