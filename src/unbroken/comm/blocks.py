@@ -109,9 +109,12 @@ def tensors_of(output: Any) -> Iterator[torch.Tensor]:
 
 
 def restore_storage(model: nn.Module) -> None:
-    """Give a sharded model's freed parameters their bytes back (their values are garbage)."""
+    """Give a sharded model's freed parameters their bytes back, on the CPU (their values are
+    garbage): where a new zone's ranges are read from."""
     for p in model.parameters():
-        if p.untyped_storage().nbytes() == 0:
+        if p.device.type != "cpu":
+            p.data = torch.empty(p.shape, dtype=p.dtype)
+        elif p.untyped_storage().nbytes() == 0:
             p.untyped_storage().resize_(p.numel() * p.element_size())
 
 
