@@ -129,6 +129,18 @@ def broadcast_model(model: nn.Module, group: ProcessGroup, root: int, scope: Epo
             wait_all([group.broadcast(flat, root)], scope, f"agreeing on the initial {name}")
 
 
+def move_model(model: nn.Module, device: torch.device) -> None:
+    """Put ``model`` where it computes: its parameters as empty tensors there (their values
+    live in the zone's ranges and are filled in at each gather), its buffers copied. The
+    same tensor objects: hooks, the job's optimizer and the zone's buffer check keep them."""
+    for p in model.parameters():
+        if p.device != device:
+            p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+    for b in model.buffers():
+        if b.device != device:
+            b.data = b.data.to(device)
+
+
 def free(p: torch.Tensor) -> None:
     """Free a parameter's bytes, keeping its shape (and the tensors autograd saved of it)."""
     p.untyped_storage().resize_(0)

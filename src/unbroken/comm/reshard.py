@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from unbroken.comm.blocks import as_flat, free, per_element
+from unbroken.comm.blocks import as_flat, free, move_model, per_element
 from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable, wait_all
 from unbroken.errors import TransferError
 from unbroken.state.shards import Layout, Plan, Purpose
@@ -170,8 +170,8 @@ def move_ranges(zone: ShardedModel, placement: Placement) -> None:
         pieces.append((h.start, h.end, {"values": part["values"], **flats}))
     counts = zone.shared_state() if zone.stepped() else None
     zone.placement = placement
+    move_model(zone.model, placement.compute)
     for p in zone.params:
-        p.data = torch.empty(p.shape, dtype=p.dtype, device=placement.compute)
         free(p)
     load_ranges(zone, zone.layout, zone.me, pieces, counts)
 

@@ -55,6 +55,7 @@ from unbroken.comm.blocks import (
     blocks_of,
     fill,
     free,
+    move_model,
     per_element,
     refuse_running_statistics,
     tensors_of,
@@ -157,9 +158,8 @@ class ShardedModel:
         self.squares = 0.0
         """The sum of squares of this member's own gradient, block by block as it goes out
         to be summed, since `take_squares` (its norm slot of the step: `train.guard`)."""
+        move_model(model, self.placement.compute)
         for p in self.params:  # the model keeps its tensors' shapes; their bytes live in the holdings
-            if p.device != self.placement.compute:  # filled where it computes, at each gather
-                p.data = torch.empty(p.shape, dtype=p.dtype, device=self.placement.compute)
             free(p)
         self._hooks: list[Any] = []
         self._install()

@@ -451,7 +451,7 @@ class ShardedZone:
     def apply(self) -> None:
         """The optimizer on the held ranges, with the param groups' settings of now."""
         for name, now, built in self.buffers:  # the same on every member: they stop together
-            if not torch.equal(now, built):
+            if not torch.equal(now.to(built.device), built):
                 raise ConfigError(
                     f"the model's forward changed its buffer {name!r}: a sharded zone keeps buffers as built and "
                     "does not sum them; keep it constant, or train unsharded"
@@ -511,7 +511,7 @@ class ShardedZone:
         """The ranges this member holds (values) and where they lie: the parts of the finished
         model that `assemble` puts together from the members'."""
         engine = self.ready
-        buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}  # whole on every member
+        buffers = {n: b.detach().cpu().clone() for n, b in self.model.named_buffers()}  # whole on every member
         out: dict[str, Any] = {"spans": engine.spans(), "numel": self.numel, "buffers": buffers, "step": self.step}
         # Every range it holds, its copies too: any finished nodes whose ranges cover the
         # model will do (after a death, one survivor may hold it all).
