@@ -304,6 +304,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def baseline(args: argparse.Namespace) -> dict[str, Any]:
+    """FSDP2's steady run; where gloo on the GPU cannot run it (an op without CUDA support),
+    on the CPU instead (``args.baseline`` then says so)."""
+    if args.baseline != "gloo@cuda":
+        return launch(fsdp2, args, victim=-1)
+    try:
+        b = launch(fsdp2, args, victim=-1, timeout=120)
+        why = "" if len(b["done"]) == args.nodes else "not every process finished in 120 s"
+    except RuntimeError as exc:
+        why = str(exc).strip().splitlines()[-1][:160]
+    if not why:
+        return b
+    print(f"FSDP2 over gloo on the GPU failed ({why}): FSDP2 on the CPU instead", file=sys.stderr, flush=True)
+    args.baseline = "gloo"
+    return launch(fsdp2, args, victim=-1)
+
+
 def tell_survivors(victim: Any, port: int, n: int) -> None:
     """What a node's coordinator does when a member's session drops: once the victim's process
     has ended, the survivors are told to leave the step (`abort/0`, the epoch they are in).
@@ -408,15 +425,7 @@ def main() -> None:
         print(f"repeat {r + 1}/{args.repeats}: ours ...", file=sys.stderr, flush=True)
         a = launch(ours, args, victim=-1)
         print(f"repeat {r + 1}/{args.repeats}: FSDP2 ({args.baseline}) ...", file=sys.stderr, flush=True)
-        try:
-            b = launch(fsdp2, args, victim=-1)
-        except RuntimeError as exc:
-            if args.baseline != "gloo@cuda":
-                raise
-            why = str(exc).strip().splitlines()[-1][:160]
-            print(f"FSDP2 over gloo on the GPU failed ({why}): FSDP2 on the CPU instead", file=sys.stderr, flush=True)
-            args.baseline = "gloo"
-            b = launch(fsdp2, args, victim=-1)
+        b = baseline(args)
         for d in a["done"].values():
             ours_steps += d["times"][args.warmup :]
             rss_ours.append(d["rss_mb"])
