@@ -153,3 +153,11 @@ def test_rank_zeros_entries_reach_every_members_store_over_the_group() -> None:
     for t in threads:
         t.join(15)
     assert got == {1: b"\x00\xffid", 2: b"\x00\xffid"}
+
+
+def test_a_members_report_of_its_ranges_carries_its_device() -> None:
+    from unbroken.train.shard_reports import Report, decode, encode
+
+    said = gpu("GPU-8f2e", "NVIDIA L4").encode()
+    assert decode(encode(Report(512, device=said))).device == said
+    assert MemberDevice.decode(decode(encode(Report(512))).device) == MemberDevice()  # said nothing: the CPU
