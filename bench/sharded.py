@@ -328,7 +328,10 @@ def tell_survivors(victim: Any, port: int, n: int) -> None:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     victim.join()
-    TCPStore("127.0.0.1", port, n, False, timeout=timedelta(seconds=10)).set("abort/0", "1")
+    try:
+        TCPStore("127.0.0.1", port, n, False, timeout=timedelta(seconds=10)).set("abort/0", "1")
+    except RuntimeError as exc:  # the survivors finished and took their store with them
+        print(f"telling the survivors of the kill: {exc}", file=sys.stderr, flush=True)
 
 
 def launch(target: Any, args: argparse.Namespace, victim: int, timeout: float | None = None) -> dict[str, Any]:
