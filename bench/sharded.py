@@ -84,6 +84,12 @@ def device_of(rank: int, kind: str) -> torch.device:
     return torch.device("cuda", rank % torch.cuda.device_count()) if kind == "cuda" else torch.device("cpu")
 
 
+def synchronize(device: torch.device) -> None:
+    """A step's time includes its device work, not only its queueing (both sides alike)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def gpu_peak_mb(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
 
@@ -201,6 +207,7 @@ def ours(rank: int, n: int, port: int, args: argparse.Namespace, q: Any, victim:
                 loss.backward()
                 zone.finish_backward()
                 zone.step()
+                synchronize(device)
             except (CollectiveFailed, EpochAborted):
                 store.set(f"abort/{epoch}", "1")
                 zone.abandon()
@@ -266,6 +273,7 @@ def fsdp2(rank: int, n: int, port: int, args: argparse.Namespace, q: Any, victim
                 loss_of(model, step, lo, hi, args.batch, str(device)).backward()
                 opt.step()
                 opt.zero_grad()
+                synchronize(device)
             except Exception as exc:
                 q.put(("died", rank, {"at": time.time(), "error": f"{type(exc).__name__}: {str(exc)[:160]}"}))
                 return
