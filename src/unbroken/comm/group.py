@@ -232,7 +232,8 @@ def build_nccl(
 
     def build() -> None:
         try:
-            torch.cuda.set_device(device)  # its streams and communicator on this device
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # its streams and communicator on this device
             opts = ProcessGroupNCCL.Options()
             opts._timeout = timedelta(seconds=scope.timeout_s)
             pg = ProcessGroupNCCL(PrefixStore(name, store), rank, size, opts)

@@ -4,15 +4,17 @@ relay that carries rank 0's NCCL id over the zone's gloo group."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
-from unbroken.comm.group import EpochScope, relay_entries, wait_polled
+from unbroken.comm.group import NCCL_ENV, EpochScope, build_nccl, relay_entries, wait_polled
 from unbroken.comm.placement import MAX_NCCL_RANKS, Backend, MemberDevice, place
 from unbroken.errors import CollectiveFailed, EpochAborted
 from unbroken.testing.fake import FakeWorld
@@ -161,3 +163,64 @@ def test_a_members_report_of_its_ranges_carries_its_device() -> None:
     said = gpu("GPU-8f2e", "NVIDIA L4").encode()
     assert decode(encode(Report(512, device=said))).device == said
     assert MemberDevice.decode(decode(encode(Report(512))).device) == MemberDevice()  # said nothing: the CPU
+
+
+class FakeNCCL:
+    """What `build_nccl` uses of ``ProcessGroupNCCL``: its options, and an eager connect in
+    which rank 0 writes its id to the store and every other rank reads it (blocking)."""
+
+    class Options:
+        def __init__(self) -> None:
+            self._timeout: timedelta | None = None
+
+    def __init__(self, store: Any, rank: int, size: int, opts: FakeNCCL.Options) -> None:
+        self.store, self.rank, self.size, self.opts = store, rank, size, opts
+        self.id = b""
+
+    def eager_connect_single_device(self, device: torch.device) -> None:
+        if self.rank == 0:
+            self.store.set("0", b"\x01nccl-id")
+        elif self.rank == 2 and FakeNCCL.refuse:
+            raise RuntimeError("NCCL error: unhandled cuda error")
+        self.id = bytes(self.store.get("0"))
+
+    refuse = False
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["built", "a-rank-fails"])
+def test_an_nccl_group_is_built_over_the_gloo_group_each_member_holding_rank_zeros_id(
+    monkeypatch: pytest.MonkeyPatch, refuse: bool
+) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setattr(FakeNCCL, "refuse", refuse)
+    for key in NCCL_ENV:
+        monkeypatch.setenv(key, "3")  # torch's default, put back after the test
+    size = 3
+    world = FakeWorld(size)
+    out: dict[int, Any] = {}
+
+    def member(rank: int) -> None:
+        try:
+            out[rank] = build_nccl(
+                world.group(rank), "nccl-7", rank, size, CPU, EpochScope(threading.Event(), lambda: None, 5.0)
+            )
+        except BaseException as exc:  # reported to the test
+            out[rank] = exc
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    if refuse:
+        assert isinstance(out[2], CollectiveFailed) and "building group nccl-7 failed: NCCL error" in str(out[2])
+        assert all(not isinstance(out[r], BaseException) for r in (0, 1)), out
+        return
+    assert all(not isinstance(v, BaseException) for v in out.values()), out
+    groups = [out[r][0] for r in range(size)]
+    assert [g.id for g in groups] == [b"\x01nccl-id"] * size
+    assert [g.rank for g in groups] == [0, 1, 2] and all(g.size == size for g in groups)
+    assert all(g.opts._timeout == timedelta(seconds=5.0) for g in groups)
+    assert {k: os.environ[k] for k in NCCL_ENV} == NCCL_ENV  # a timed-out collective must not end the process
