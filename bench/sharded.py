@@ -392,6 +392,42 @@ def reference(args: argparse.Namespace, parts: int = 1) -> dict[str, torch.Tenso
     return {k: v.detach().cpu() for k, v in model.named_parameters()}
 
 
+def nodes_run(
+    args: argparse.Namespace, rows: list[tuple[str, str]], figures: dict[str, Any], engine: dict[str, Any]
+) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """The same model through real node processes (`bench/sharded_nodes.py`): its rows and figures added."""
+    print("sharded nodes: the reference run ...", file=sys.stderr, flush=True)
+    zones = 1 if args.short else 2  # the full run: 2 zones of 3 nodes, each zone a sharded replica
+    n = argparse.Namespace(
+        nodes=args.nodes if args.short else 6, steps=args.node_steps, kill_step=args.kill_step,
+        join_step=args.join_step, dim=args.dim, layers=args.layers, batch=args.batch, timeout=args.timeout,
+        zones=zones, device=args.device,
+    )  # fmt: skip
+    node_ref, node_order = sharded_nodes.reference_model(sharded_nodes.job(sharded_nodes.job_args(n)), n.nodes)
+    print("sharded nodes: the zone ...", file=sys.stderr, flush=True)
+    r = sharded_nodes.run(n, node_ref, node_order)
+    join_ratio = r["join_s"] / r["cold_start_s"]
+    peaks, held_mb = r["peak_rss_mb"], r["held_state_mb_largest"]
+    rows += [
+        ("real nodes: SIGKILL -> next commit", f"{r['kill_to_next_commit_s']:.3f} s"),
+        ("real nodes: promises (commit logs), buddies agree", f"{not r['promises']}, {r['buddies_agree']}"),
+        ("real nodes: final model vs one process", f"{r['max_abs_diff']:.2e} (float order {node_order:.2e})"),
+        ("real nodes: join spawn -> first commit / cold start", f"{r['join_s']:.2f} / {r['cold_start_s']:.2f} s"),
+        ("real nodes: peak RSS per node", ", ".join(f"{k} {v:.0f} MB" for k, v in sorted(peaks.items()))),
+        ("real nodes: state held by the largest holder / whole", f"{held_mb:.1f} / {r['whole_state_mb']:.1f} MB"),
+    ]  # fmt: skip
+    figures |= {
+        "kill_to_next_commit_s": round(r["kill_to_next_commit_s"], 4),
+        "steps_lost": args.node_steps - r["steps_committed"],
+        "promises_kept": bool(r["promises_kept"] and engine["promises_kept"]),
+        "join_over_cold_start": round(join_ratio, 3),
+        "nodes_run_layout": f"{n.nodes} nodes in {zones} zone(s)",
+        "nodes_run": {k: v for k, v in r.items() if k != "codes"},
+        "engine": engine,
+    }
+    return rows, figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=4)
@@ -510,35 +546,13 @@ def main() -> None:
         "fsdp2_on_kill": "raised" if died else "no report",
     }
     if not args.no_nodes:
-        print("sharded nodes: the reference run ...", file=sys.stderr, flush=True)
-        zones = 1 if args.short else 2  # the full run: 2 zones of 3 nodes, each zone a sharded replica
-        n = argparse.Namespace(
-            nodes=args.nodes if args.short else 6, steps=args.node_steps, kill_step=args.kill_step,
-            join_step=args.join_step, dim=args.dim, layers=args.layers, batch=args.batch, timeout=args.timeout,
-            zones=zones, device=args.device,
-        )  # fmt: skip
-        node_ref, node_order = sharded_nodes.reference_model(sharded_nodes.job(sharded_nodes.job_args(n)), n.nodes)
-        print("sharded nodes: the zone ...", file=sys.stderr, flush=True)
-        r = sharded_nodes.run(n, node_ref, node_order)
-        join_ratio = r["join_s"] / r["cold_start_s"]
-        peaks, held_mb = r["peak_rss_mb"], r["held_state_mb_largest"]
-        rows += [
-            ("real nodes: SIGKILL -> next commit", f"{r['kill_to_next_commit_s']:.3f} s"),
-            ("real nodes: promises (commit logs), buddies agree", f"{not r['promises']}, {r['buddies_agree']}"),
-            ("real nodes: final model vs one process", f"{r['max_abs_diff']:.2e} (float order {node_order:.2e})"),
-            ("real nodes: join spawn -> first commit / cold start", f"{r['join_s']:.2f} / {r['cold_start_s']:.2f} s"),
-            ("real nodes: peak RSS per node", ", ".join(f"{k} {v:.0f} MB" for k, v in sorted(peaks.items()))),
-            ("real nodes: state held by the largest holder / whole", f"{held_mb:.1f} / {r['whole_state_mb']:.1f} MB"),
-        ]  # fmt: skip
-        figures |= {
-            "kill_to_next_commit_s": round(r["kill_to_next_commit_s"], 4),
-            "steps_lost": args.node_steps - r["steps_committed"],
-            "promises_kept": bool(r["promises_kept"] and engine["promises_kept"]),
-            "join_over_cold_start": round(join_ratio, 3),
-            "nodes_run_layout": f"{n.nodes} nodes in {zones} zone(s)",
-            "nodes_run": {k: v for k, v in r.items() if k != "codes"},
-            "engine": engine,
-        }
+        try:
+            rows, figures = nodes_run(args, rows, figures, engine)
+        except Exception as exc:  # the engine's figures are still printed, with what failed
+            traceback.print_exc()
+            error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+            rows.append(("real nodes: FAILED", error))
+            figures |= {"nodes_run_error": error, "promises_kept": False, "engine": engine}
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

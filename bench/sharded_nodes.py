@@ -153,8 +153,24 @@ def cold_start(
     return c, spawn
 
 
+class Diagnostics:
+    """On a failure, prints the end of every node's log before their directory is removed."""
+
+    def __init__(self) -> None:
+        self.clusters: list[Any] = []
+
+    def __enter__(self) -> Diagnostics:
+        return self
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        if kind is not None:
+            for cluster in self.clusters:
+                print(cluster.diagnostics(), file=sys.stderr, flush=True)
+
+
 def run(a: argparse.Namespace, reference: dict[str, torch.Tensor], float_order: float) -> dict[str, Any]:
-    """The zone's run with a kill and a join; the figures, by name."""
+    """The zone's run with a kill and a join; the figures, by name (on a failure, the end of
+    each node's log is printed)."""
     from common import wait_until
     from unbroken.testing import LocalCluster, check_promises
     from unbroken.train.sharding import assemble_files
@@ -165,7 +181,9 @@ def run(a: argparse.Namespace, reference: dict[str, torch.Tensor], float_order: 
     with (
         tempfile.TemporaryDirectory(prefix="ub-sharded-") as tmp,
         LocalCluster(ref, Path(tmp) / "zone", min_nodes=a.nodes, node_args=["--digest-every", "1", *device]) as c,
+        Diagnostics() as diagnostics,
     ):
+        diagnostics.clusters.append(c)
         root = Path(tmp)
         c.start_coordinator()
         zones = getattr(a, "zones", 1)
@@ -175,6 +193,7 @@ def run(a: argparse.Namespace, reference: dict[str, torch.Tensor], float_order: 
             c.start_node(f"n{i}", fault=fault, extra=where, job_args=args)
         peak = PeakMemory({name: n.proc.pid for name, n in c.nodes.items()})
         cold_cluster, spawn_cold = cold_start(root, ref, args, a.timeout, device)
+        diagnostics.clusters.append(cold_cluster)
         c.wait_step(a.join_step, timeout=a.timeout)
         print("sharded nodes: the join, and a cold start beside it ...", file=sys.stderr, flush=True)
         with cold_cluster, ThreadPoolExecutor(1) as pool:
