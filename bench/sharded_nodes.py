@@ -22,6 +22,10 @@ and merges the figures into its last line. Here the whole runtime runs: a coordi
   two holders ending with the same digest, and the model put together from the finished
   nodes' ranges against one process trained on the whole batch;
 - each node's peak RSS (``VmHWM``, sampled while it runs) and the state it holds.
+
+``--device cuda`` runs every node with ``--device cuda`` (on one GPU: its zone places the
+shards on the CPU and stages each block to the GPU, `unbroken.comm.placement`); refused where
+torch sees no CUDA device.
 """
 
 from __future__ import annotations
@@ -129,14 +133,16 @@ def _first_commit(node: Any) -> float | None:
     return next((e["t"] for e in node.entries() if e["kind"] == "commit"), None)
 
 
-def cold_start(root: Path, job_ref: str, args: list[str], timeout: float) -> tuple[Any, Callable[[], float]]:
+def cold_start(
+    root: Path, job_ref: str, args: list[str], timeout: float, node_args: list[str]
+) -> tuple[Any, Callable[[], float]]:
     """One node alone in a fresh sharded job: its coordinator started now; the second value
     spawns the node and returns spawn -> first commit (called beside the joiner's spawn, so
     both start under the same load). The first value is the cluster, for the caller to close."""
     from common import wait_until
     from unbroken.testing import LocalCluster
 
-    c = LocalCluster(job_ref, root / "cold", min_nodes=1)
+    c = LocalCluster(job_ref, root / "cold", min_nodes=1, node_args=node_args)
     c.start_coordinator()
 
     def spawn() -> float:
@@ -147,18 +153,37 @@ def cold_start(root: Path, job_ref: str, args: list[str], timeout: float) -> tup
     return c, spawn
 
 
+class Diagnostics:
+    """On a failure, prints the end of every node's log before their directory is removed."""
+
+    def __init__(self) -> None:
+        self.clusters: list[Any] = []
+
+    def __enter__(self) -> Diagnostics:
+        return self
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        if kind is not None:
+            for cluster in self.clusters:
+                print(cluster.diagnostics(), file=sys.stderr, flush=True)
+
+
 def run(a: argparse.Namespace, reference: dict[str, torch.Tensor], float_order: float) -> dict[str, Any]:
-    """The zone's run with a kill and a join; the figures, by name."""
+    """The zone's run with a kill and a join; the figures, by name (on a failure, the end of
+    each node's log is printed)."""
     from common import wait_until
     from unbroken.testing import LocalCluster, check_promises
     from unbroken.train.sharding import assemble_files
 
     ref = f"{Path(__file__).resolve()}:job"
     args = job_args(a)
+    device = ["--device", getattr(a, "device", "cpu")]
     with (
         tempfile.TemporaryDirectory(prefix="ub-sharded-") as tmp,
-        LocalCluster(ref, Path(tmp) / "zone", min_nodes=a.nodes, node_args=["--digest-every", "1"]) as c,
+        LocalCluster(ref, Path(tmp) / "zone", min_nodes=a.nodes, node_args=["--digest-every", "1", *device]) as c,
+        Diagnostics() as diagnostics,
     ):
+        diagnostics.clusters.append(c)
         root = Path(tmp)
         c.start_coordinator()
         zones = getattr(a, "zones", 1)
@@ -167,7 +192,8 @@ def run(a: argparse.Namespace, reference: dict[str, torch.Tensor], float_order: 
             where = ["--zone", f"z{(i - 1) * zones // a.nodes}"] if zones > 1 else []
             c.start_node(f"n{i}", fault=fault, extra=where, job_args=args)
         peak = PeakMemory({name: n.proc.pid for name, n in c.nodes.items()})
-        cold_cluster, spawn_cold = cold_start(root, ref, args, a.timeout)
+        cold_cluster, spawn_cold = cold_start(root, ref, args, a.timeout, device)
+        diagnostics.clusters.append(cold_cluster)
         c.wait_step(a.join_step, timeout=a.timeout)
         print("sharded nodes: the join, and a cold start beside it ...", file=sys.stderr, flush=True)
         with cold_cluster, ThreadPoolExecutor(1) as pool:
@@ -233,7 +259,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--timeout", type=float, default=240.0)
     p.add_argument("--zones", type=int, default=1, help="zones the nodes are split into (each a sharded replica)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="every node's --device")
     a = p.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"bench/sharded_nodes.py: --device cuda, but this torch ({torch.__version__}) sees no CUDA device")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     reference, float_order = reference_model(job(job_args(a)), a.nodes)
     print(json.dumps(run(a, reference, float_order)))

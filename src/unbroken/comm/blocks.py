@@ -109,9 +109,12 @@ def tensors_of(output: Any) -> Iterator[torch.Tensor]:
 
 
 def restore_storage(model: nn.Module) -> None:
-    """Give a sharded model's freed parameters their bytes back (their values are garbage)."""
+    """Give a sharded model's freed parameters their bytes back, on the CPU (their values are
+    garbage): where a new zone's ranges are read from."""
     for p in model.parameters():
-        if p.untyped_storage().nbytes() == 0:
+        if p.device.type != "cpu":
+            p.data = torch.empty(p.shape, dtype=p.dtype)
+        elif p.untyped_storage().nbytes() == 0:
             p.untyped_storage().resize_(p.numel() * p.element_size())
 
 
@@ -124,6 +127,18 @@ def broadcast_model(model: nn.Module, group: ProcessGroup, root: int, scope: Epo
             if not flat.is_contiguous():
                 raise ConfigError(f"parameter {name} is not contiguous: a sharded zone needs contiguous parameters")
             wait_all([group.broadcast(flat, root)], scope, f"agreeing on the initial {name}")
+
+
+def move_model(model: nn.Module, device: torch.device) -> None:
+    """Put ``model`` where it computes: its parameters as empty tensors there (their values
+    live in the zone's ranges and are filled in at each gather), its buffers copied. The
+    same tensor objects: hooks, the job's optimizer and the zone's buffer check keep them."""
+    for p in model.parameters():
+        if p.device != device:
+            p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+    for b in model.buffers():
+        if b.device != device:
+            b.data = b.data.to(device)
 
 
 def free(p: torch.Tensor) -> None:

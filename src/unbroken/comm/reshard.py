@@ -1,6 +1,7 @@
 """The transfers of a sharded zone's re-shard (`ShardedModel.reshard`): what this member
 sends of the ranges it holds (values, per-element optimizer state, and whether and how far
-the optimizer has stepped) and what it receives, over the survivors' group."""
+the optimizer has stepped) and what it receives, over the survivors' group; and how the
+ranges are laid out again from such pieces (`load_ranges`), on another device too."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from unbroken.comm.blocks import as_flat, per_element
-from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable
+from unbroken.comm.blocks import as_flat, free, move_model, per_element
+from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable, wait_all
 from unbroken.errors import TransferError
-from unbroken.state.shards import Plan
+from unbroken.state.shards import Layout, Plan, Purpose
 
 if TYPE_CHECKING:
+    from unbroken.comm.placement import Placement
     from unbroken.comm.sharded import ShardedModel
 
 Pieces = list[tuple[int, int, dict[str, torch.Tensor]]]
@@ -113,3 +115,89 @@ def digest_of(values: torch.Tensor, state: Mapping[str, Any]) -> str:
         h.update(key.encode())
         h.update(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
     return h.hexdigest()
+
+
+def load_ranges(
+    zone: ShardedModel,
+    layout: Layout,
+    me: str,
+    pieces: Sequence[tuple[int, int, Mapping[str, torch.Tensor]]],
+    counts: Mapping[str, torch.Tensor] | None,
+) -> None:
+    """`ShardedModel.load`: the held ranges rebuilt from ``pieces`` (CPU tensors) on the
+    zone's shards device, with their optimizer state.
+
+    Raises:
+        TransferError: the pieces leave part of a held range uncovered.
+    """
+    elements, _ = zone.state_layout()
+    rebuilt = []
+    for s, purpose in zone._held(layout, me):
+        flat = torch.full((s.end - s.start,), float("nan"))
+        state = {k: torch.empty(s.end - s.start) for k in elements}
+        covered = 0
+        for a, b, bufs in pieces:
+            lo, hi = max(a, s.start), min(b, s.end)
+            if lo < hi:
+                flat[lo - s.start : hi - s.start] = bufs["values"][lo - a : hi - a]
+                for k in elements:
+                    state[k][lo - s.start : hi - s.start] = bufs[k][lo - a : hi - a]
+                covered += hi - lo
+        if covered < s.end - s.start:
+            raise TransferError(f"{me}: only {covered:,} of the {s.end - s.start:,} elements of [{s.start}, {s.end})")
+        rebuilt.append((zone._holding(s.start, s.end, purpose, flat), state))
+    zone.holdings = [h for h, _ in rebuilt]
+    zone.optimizer = zone._build_optimizer()
+    if counts is not None:
+        for h, state in rebuilt:
+            for piece in h.pieces:
+                entry: dict[str, Any] = {k: v.clone() for k, v in counts.items()}  # a step count: on the CPU
+                for k in elements:
+                    entry[k] = state[k][piece.start - h.start : piece.end - h.start].to(zone.device, copy=True)
+                zone.optimizer.state[piece.tensor] = entry
+    zone.layout, zone.me = layout, me
+
+
+def move_ranges(zone: ShardedModel, placement: Placement) -> None:
+    """`ShardedModel.place` where a device changes: the ranges and their optimizer state go
+    through the CPU (`export`, `load_ranges`), the model's parameters to the compute device."""
+    zone.abandon()
+    elements, _ = zone.state_layout()
+    pieces = []
+    for h in zone.holdings:
+        part = zone.export(h.start, h.end)
+        flats = {k: as_flat(part["state"].get(k), h.end - h.start) for k in elements}
+        pieces.append((h.start, h.end, {"values": part["values"], **flats}))
+    counts = zone.shared_state() if zone.stepped() else None
+    zone.placement = placement
+    move_model(zone.model, placement.compute)
+    for p in zone.params:
+        free(p)
+    load_ranges(zone, zone.layout, zone.me, pieces, counts)
+
+
+def cross_sum(zone: ShardedModel, group: ProcessGroup, chunk: int) -> None:
+    """Each held element's gradient summed over the zones (after its zone's sum): every
+    member of ``group`` (all the zones' members) puts in its primary range, so each zone
+    gives every element once; ``chunk`` elements at a time, the most held beyond the ranges,
+    in CPU buffers whatever device the ranges are on (the zones' group is gloo's).
+
+    Raises:
+        CollectiveFailed, EpochAborted: the sum failed or was abandoned."""
+    numel = zone.layout.numel
+    primaries = [piece for h in zone.holdings if h.purpose is Purpose.PRIMARY for piece in h.pieces]
+    pieces = [piece for h in zone.holdings for piece in h.pieces]
+    for lo in range(0, numel, chunk):
+        hi = min(numel, lo + chunk)
+        buf = torch.zeros(hi - lo)
+        for piece in primaries:
+            a, b = max(piece.start, lo), min(piece.end, hi)
+            if a < b and piece.tensor.grad is not None:
+                buf[a - lo : b - lo] = piece.tensor.grad[a - piece.start : b - piece.start]
+        wait_all([group.allreduce([buf])], zone.scope, "summing the gradient over the zones")
+        for piece in pieces:
+            a, b = max(piece.start, lo), min(piece.end, hi)
+            if a < b:
+                if piece.tensor.grad is None:
+                    piece.tensor.grad = torch.zeros_like(piece.tensor)
+                piece.tensor.grad[a - piece.start : b - piece.start] = buf[a - lo : b - lo]

@@ -50,7 +50,7 @@ def save_shard(
         directory.mkdir(parents=True, exist_ok=True)
     # What `unbroken assemble` needs to make a model of the files of one step.
     common: dict[str, Any] = {"step": step, "numel": zone.layout.numel, "spans": zone.spans()}
-    common["buffers"] = {n: b.detach().clone() for n, b in zone.model.named_buffers()}
+    common["buffers"] = {n: b.detach().cpu().clone() for n, b in zone.model.named_buffers()}
     written = []
     for shard in ranges:
         part = zone.export(shard.start, shard.end)

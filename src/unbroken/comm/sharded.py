@@ -29,9 +29,14 @@ What this engine takes from the same design: the per-block gather, the freeing o
 between uses, and the version counters left alone while a block's storage is refilled (the
 tensors autograd saved stay valid).
 
+Devices (`unbroken.comm.placement`): the ranges and the zone's collective buffers live on
+the ``shards`` device (a GPU under NCCL, else the CPU), the model's parameters on the
+``compute`` one (a block staged between them where they differ); what leaves the zone
+(`export`: transfers, digests, shard files, the zones' sums) is on the CPU.
+
 Not yet here: buffers are kept whole on every member, never summed (a model with running
 statistics, BatchNorm's, is refused; `train.sharding` checks at each step that no buffer
-changed), parameters shared between blocks, and devices other than the CPU.
+changed), and parameters shared between blocks.
 """
 
 from __future__ import annotations
@@ -50,12 +55,22 @@ from unbroken.comm.blocks import (
     blocks_of,
     fill,
     free,
+    move_model,
     per_element,
     refuse_running_statistics,
     tensors_of,
 )
-from unbroken.comm.group import EpochScope, ProcessGroup, wait_all
-from unbroken.comm.reshard import digest_of, exchange_ranges, shared_state, state_layout
+from unbroken.comm.group import EpochScope, ProcessGroup, wait_all, wait_polled
+from unbroken.comm.placement import CPU, Placement
+from unbroken.comm.reshard import (
+    cross_sum,
+    digest_of,
+    exchange_ranges,
+    load_ranges,
+    move_ranges,
+    shared_state,
+    state_layout,
+)
 from unbroken.errors import CollectiveFailed, ConfigError, EpochAborted, TransferError
 from unbroken.state.shards import Layout, Plan, Purpose
 
@@ -82,14 +97,17 @@ class ShardedModel:
         blocks: Sequence[nn.Module] | None = None,
         groups: Sequence[Mapping[str, Any]] | None = None,
         values: Callable[[int, int], torch.Tensor] | None = None,
+        placement: Placement | None = None,
     ) -> None:
         """``model``: built on the CPU (its values are read where ``values`` is None, then its
         parameters' storage is freed). ``layout``: the zone's; ``me`` its member name for
         this process, ``ranks`` each member's rank in ``group``. ``groups``: the param
         groups' hyperparameters, one per group, with ``"params"`` naming the parameters by
         their names in ``model`` (default: one group of all). ``values(start, end)``: the
-        initial flat values of a range (default: read from ``model``)."""
+        initial flat values of a range (default: read from ``model``). ``placement``: where
+        the shards live and the model computes (default: the CPU, gloo)."""
         refuse_running_statistics(model)
+        self.placement = placement or Placement()
         self.model = model
         self.layout = layout
         self.me = me
@@ -140,6 +158,7 @@ class ShardedModel:
         self.squares = 0.0
         """The sum of squares of this member's own gradient, block by block as it goes out
         to be summed, since `take_squares` (its norm slot of the step: `train.guard`)."""
+        move_model(model, self.placement.compute)
         for p in self.params:  # the model keeps its tensors' shapes; their bytes live in the holdings
             free(p)
         self._hooks: list[Any] = []
@@ -176,12 +195,17 @@ class ShardedModel:
                 out[a - start : b - start] = self.params[i].detach().reshape(-1)[a - lo : b - lo]
         return out
 
+    @property
+    def device(self) -> torch.device:
+        """Where the held ranges and the zone's collective buffers live."""
+        return self.placement.shards
+
     def _holding(self, start: int, end: int, purpose: Purpose, flat: torch.Tensor) -> Holding:
         h = Holding(start, end, purpose)
         for i, (lo, hi) in enumerate(self._spans):
             a, b = max(lo, start), min(hi, end)
             if a < b:
-                h.pieces.append(Piece(i, a, b, flat[a - start : b - start].clone()))
+                h.pieces.append(Piece(i, a, b, flat[a - start : b - start].to(self.device, copy=True)))
         return h
 
     def _pieces(self) -> Iterator[Piece]:
@@ -196,7 +220,7 @@ class ShardedModel:
         groups = [dict(self._group_settings[g], params=by_group[g]) for g in self._built]
         if not groups:  # a member holding nothing (a spare) still steps in time with the others
             self._built = [0]
-            groups = [dict(self._group_settings[0], params=[torch.zeros(0)])]
+            groups = [dict(self._group_settings[0], params=[torch.zeros(0, device=self.device)])]
         return self.make_optimizer(groups)
 
     def set_hyperparameters(self, groups: Sequence[Mapping[str, Any]]) -> None:
@@ -280,11 +304,11 @@ class ShardedModel:
         pieces = [(s.primary, max(s.start, block.start), min(s.end, block.end)) for s in self.layout.shards]
         pieces = [(who, a, b) for who, a, b in pieces if a < b]
         longest = max(b - a for _, a, b in pieces)
-        mine = torch.empty(longest)  # only what a receiver reads of it is written: its own pieces
+        mine = torch.empty(longest, device=self.device)  # only what a receiver reads of it is written: its own pieces
         for who, a, b in pieces:
             if who == self.me:
-                mine[: b - a] = self._values(a, b)
-        outputs = [[torch.empty(longest) for _ in range(self.group.size())]]
+                mine[: b - a] = self._collect(a, b)["values"]
+        outputs = [[torch.empty(longest, device=self.device) for _ in range(self.group.size())]]
         block.fetch = (self.group.allgather(outputs, [mine]), outputs, pieces)
 
     def _gather(self, block: Block) -> None:
@@ -297,13 +321,15 @@ class ShardedModel:
             self._wait(fetch[0], f"gathering block {self._name(block)}")
         if fetch is None or self.failure is not None:  # failed (`defer`): zeros, the step is not applied
             for p in block.params:
-                fill(p, torch.zeros(p.numel()))
+                fill(p, torch.zeros(p.numel(), device=p.device))
             block.gathered = True
             return
         _, outputs, pieces = fetch
-        flat = torch.empty(block.end - block.start)
+        flat = torch.empty(block.end - block.start, device=self.device)
         for who, a, b in pieces:
             flat[a - block.start : b - block.start] = outputs[0][self.ranks[who]][: b - a]
+        if self.placement.staged:  # one copy of the block to where it computes, not one a parameter
+            flat = flat.to(self.placement.compute, copy=True)
         for p, off in zip(block.params, block.offsets, strict=True):
             fill(p, flat[off - block.start : off - block.start + p.numel()])
         block.gathered = True
@@ -315,12 +341,14 @@ class ShardedModel:
 
     def _reduce(self, block: Block) -> None:
         """The block's gradient summed over the zone; each member keeps what it holds."""
-        flat = torch.zeros(block.end - block.start)
+        flat = torch.zeros(block.end - block.start, device=self.placement.compute)
         for p, off in zip(block.params, block.offsets, strict=True):
             if p.grad is not None:
                 flat[off - block.start : off - block.start + p.numel()] = p.grad.reshape(-1)
             p.grad = None
         self._release(block)
+        if self.placement.staged:  # back to where the zone sums, in one copy
+            flat = flat.to(self.device, copy=True)
         self.squares += float(torch.linalg.vector_norm(flat)) ** 2
         if self.spoil is not None:  # a hostile or broken member (`testing.faults`): its norm was the true one
             flat.mul_(self.spoil)
@@ -346,11 +374,24 @@ class ShardedModel:
 
     def _wait(self, work: Any, what: str) -> None:
         try:
-            wait_all([work], self.scope, what)
+            self.wait([work], what)
         except (CollectiveFailed, EpochAborted) as exc:
             if not self.defer:
                 raise
             self.failure = exc
+
+    def wait(self, works: list[Any], what: str) -> None:
+        """Wait for work of the zone's group, as its backend needs (`Placement.polled`)."""
+        if self.placement.polled:
+            wait_polled(works, self.scope, what, self.group)
+        else:
+            wait_all(works, self.scope, what)
+
+    def sum_over_zone(self, value: float, what: str) -> float:
+        """``value`` summed over the zone's members (in float64)."""
+        total = torch.tensor([value], dtype=torch.float64, device=self.device)
+        self.wait([self.group.allreduce([total])], what)
+        return float(total)
 
     def finish_backward(self) -> None:
         """After the last backward of a step: a block whose gradients did not all arrive
@@ -394,28 +435,12 @@ class ShardedModel:
         self.optimizer = self._build_optimizer()
 
     def cross_sum(self, group: ProcessGroup, chunk: int = 1 << 22) -> None:
-        """Each held element's gradient summed over the zones (after this zone's sum): every
-        member of ``group`` (all the zones' members) puts in its primary range, so each zone
-        gives every element once; ``chunk`` elements at a time, the most held beyond the ranges.
+        """Each held element's gradient summed over the zones, on ``group`` (all the zones'
+        members, gloo: CPU buffers), `reshard.cross_sum`.
 
         Raises:
             CollectiveFailed, EpochAborted: the sum failed or was abandoned."""
-        numel = self.layout.numel
-        primaries = [piece for h in self.holdings if h.purpose is Purpose.PRIMARY for piece in h.pieces]
-        for lo in range(0, numel, chunk):
-            hi = min(numel, lo + chunk)
-            buf = torch.zeros(hi - lo)
-            for piece in primaries:
-                a, b = max(piece.start, lo), min(piece.end, hi)
-                if a < b and piece.tensor.grad is not None:
-                    buf[a - lo : b - lo] = piece.tensor.grad[a - piece.start : b - piece.start]
-            wait_all([group.allreduce([buf])], self.scope, "summing the gradient over the zones")
-            for piece in self._pieces():
-                a, b = max(piece.start, lo), min(piece.end, hi)
-                if a < b:
-                    if piece.tensor.grad is None:
-                        piece.tensor.grad = torch.zeros_like(piece.tensor)
-                    piece.tensor.grad[a - piece.start : b - piece.start] = buf[a - lo : b - lo]
+        cross_sum(self, group, chunk)
 
     def primary_squares(self) -> float:
         """The sum of squares of the summed gradient over this member's primary range (each
@@ -446,16 +471,18 @@ class ShardedModel:
 
     # ---------------------------------------------------------------- state
 
-    def _values(self, start: int, end: int) -> torch.Tensor:
-        """Flat parameter values of ``[start, end)``, which this member must hold."""
-        values: torch.Tensor = self.export(start, end, with_state=False)["values"]
-        return values
-
     def export(self, start: int, end: int, *, with_state: bool = True) -> dict[str, Any]:
-        """The values and optimizer state of ``[start, end)`` as flat tensors (what a
-        re-shard sends; ``with_state`` False: the values alone, as every gather reads them);
-        raises `TransferError` where this member holds only part of it."""
-        values = torch.full((end - start,), float("nan"))
+        """The values and optimizer state of ``[start, end)`` as flat CPU tensors (what a
+        re-shard sends, a digest reads, a shard file holds; ``with_state`` False: the values
+        alone); raises `TransferError` where this member holds only part of it."""
+        return self._collect(start, end, with_state=with_state, device=CPU)
+
+    def _collect(
+        self, start: int, end: int, *, with_state: bool = False, device: torch.device | None = None
+    ) -> dict[str, Any]:
+        """`export` onto ``device`` (default: the shards', as every gather reads them)."""
+        device = device or self.device
+        values = torch.full((end - start,), float("nan"), device=device)
         state: dict[str, Any] = {}
         covered = 0
         for h in self.holdings:
@@ -469,10 +496,10 @@ class ShardedModel:
                     continue
                 for key, value in self.optimizer.state.get(piece.tensor, {}).items():
                     if per_element(value, piece.tensor):
-                        flat = state.setdefault(key, torch.full((end - start,), float("nan")))
+                        flat = state.setdefault(key, torch.full((end - start,), float("nan"), device=device))
                         flat[a - start : b - start] = value[a - piece.start : b - piece.start]
                     else:
-                        state.setdefault(key, value.clone() if isinstance(value, torch.Tensor) else value)
+                        state.setdefault(key, value.to(device, copy=True) if isinstance(value, torch.Tensor) else value)
         if covered != end - start:
             raise TransferError(f"{self.me} holds {covered:,} of the {end - start:,} elements of [{start}, {end})")
         return {"values": values, "state": state}
@@ -494,7 +521,7 @@ class ShardedModel:
         for block in self.blocks:
             self._gather(block)
             for p in block.params:
-                out[names[id(p)]] = p.detach().clone()
+                out[names[id(p)]] = p.detach().to(CPU, copy=True)
             self._release(block)
         return out
 
@@ -543,34 +570,15 @@ class ShardedModel:
         Raises:
             TransferError: the pieces leave part of a held range uncovered.
         """
-        elements, _ = self.state_layout()
-        rebuilt = []
-        for s, purpose in self._held(layout, me):
-            flat = torch.full((s.end - s.start,), float("nan"))
-            state = {k: torch.empty(s.end - s.start) for k in elements}
-            covered = 0
-            for a, b, bufs in pieces:
-                lo, hi = max(a, s.start), min(b, s.end)
-                if lo < hi:
-                    flat[lo - s.start : hi - s.start] = bufs["values"][lo - a : hi - a]
-                    for k in elements:
-                        state[k][lo - s.start : hi - s.start] = bufs[k][lo - a : hi - a]
-                    covered += hi - lo
-            if covered < s.end - s.start:
-                raise TransferError(
-                    f"{me}: only {covered:,} of the {s.end - s.start:,} elements of [{s.start}, {s.end})"
-                )
-            rebuilt.append((self._holding(s.start, s.end, purpose, flat), state))
-        self.holdings = [h for h, _ in rebuilt]
-        self.optimizer = self._build_optimizer()
-        if counts is not None:
-            for h, state in rebuilt:
-                for piece in h.pieces:
-                    entry: dict[str, Any] = {k: v.clone() for k, v in counts.items()}
-                    for k in elements:
-                        entry[k] = state[k][piece.start - h.start : piece.end - h.start].clone()
-                    self.optimizer.state[piece.tensor] = entry
-        self.layout, self.me = layout, me
+        load_ranges(self, layout, me, pieces, counts)
+
+    def place(self, placement: Placement) -> None:
+        """Hold the same ranges on ``placement``'s devices (the zone's members changed: a CPU
+        member joined a GPU zone, a GPU one left it); the step in flight is abandoned."""
+        if (placement.shards, placement.compute) == (self.device, self.placement.compute):
+            self.placement = placement
+        else:
+            move_ranges(self, placement)
 
     def regroup(self, ranks: Mapping[str, int], group: ProcessGroup, scope: EpochScope) -> ProcessGroup:
         """Go on with the same layout on another group (after a re-shard whose group still

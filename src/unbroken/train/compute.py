@@ -111,7 +111,7 @@ class JobCompute:
             client.touch()
             chunk = reads[k * mb : (k + 1) * mb]
             weight = len(chunk) / B
-            batch = job.collate(job.samples(chunk or node.data.indices(sl.step, 0, 1)))
+            batch = node.replica.to_device(job.collate(job.samples(chunk or node.data.indices(sl.step, 0, 1))))
             t_mb = time.perf_counter()
             loss = job.microbatch_loss(model, batch)
             (loss * weight).backward()  # type: ignore[no-untyped-call]

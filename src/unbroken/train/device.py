@@ -135,7 +135,7 @@ class ComputeReplica:
                 dst.copy_(src, non_blocking=True)
 
     def to_device(self, obj: T) -> T:
-        if not self.separate:
+        if self.device.type == "cpu":  # (a sharded zone's model is not separate, yet on the device)
             return obj
         if isinstance(obj, torch.Tensor):
             return obj.to(self.device, non_blocking=True)  # type: ignore[return-value]

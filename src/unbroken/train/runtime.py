@@ -37,7 +37,6 @@ from unbroken.config import NodeConfig
 from unbroken.control import messages as m
 from unbroken.errors import (
     CollectiveFailed,
-    ConfigError,
     CoordinatorUnreachable,
     EpochAborted,
     Expelled,
@@ -140,12 +139,10 @@ class Node:
         self.buffers = self.buffers if self.zone is None else []
         self.own_loop = own_loop
         self.device = next(model.parameters()).device if own_loop else resolve_device(config.device)
-        if self.zone is not None and self.device.type != "cpu":
-            raise ConfigError(
-                f"a sharded zone computes on the CPU for now, not {self.device}: run it with --device cpu, "
-                "or train unsharded on the accelerator"
-            )
-        self.replica = ComputeReplica(model, self.device, separate=False if own_loop else None)
+        if self.zone is not None:  # its engine fills the model's own parameters where it computes
+            self.zone.device = self.device
+        separate = False if own_loop or self.zone is not None else None
+        self.replica = ComputeReplica(model, self.device, separate=separate)
         self.compute_buffers = list(self.replica.buffers()) if self.zone is None else []
         self.throttle = parse_throttle(config.throttle)
         self.meter = Meter(job, self.replica, self.throttle, self.name)

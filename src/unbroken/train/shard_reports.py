@@ -41,6 +41,9 @@ class Report:
     lineage: int = 0
     """The history its ranges are of (`TrainState.lineage`): ranges of an older one are from
     before a fall-back to a checkpoint, whatever their step."""
+    device: str = ""
+    """The device it computes on (`unbroken.comm.placement.MemberDevice`, encoded): the zone's
+    decide where its shards live and which backend sums them."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,7 @@ def encode(report: Report) -> bytes:
         "held": [list(r) for r in report.held],
         "digests": list(report.digests),
         "lineage": report.lineage,
+        "device": report.device,
     }
     if lay is not None:
         body["layout"] = {
@@ -209,7 +213,7 @@ def decode(data: bytes) -> Report:
         raise TransferError(f"a member's report gives {len(digests)} digests for {len(held)} ranges")
     return Report(
         int(body["weight"]), layout, int(body["epoch"]), int(body["step"]), int(body["summed"]), held, digests,
-        int(body.get("lineage", 0)),
+        int(body.get("lineage", 0)), str(body.get("device", "")),
     )  # fmt: skip
 
 

@@ -32,9 +32,14 @@ With a lossy ``--codec`` the zones' sum goes range by range through it instead
 (`unbroken.comm.outer_ranges.CodedSum`); in DiLoCo mode the inner steps are the zone's sums
 alone (``inner_scale``) and the round's end is `unbroken.train.sharded_outer`'s.
 
+Devices: every sync phase, the zone's members' devices (in their reports) decide where its
+shards live and which backend sums them (`unbroken.comm.placement.place`): a zone of GPUs of
+one kind, one each, gets an NCCL group of its own for the epoch (`build_nccl`, over its gloo
+group); otherwise gloo, with the shards on the CPU and each block staged to the device.
+
 Not yet here: DiLoCo's ``--outer-overlap`` (refused); audits and work checks (validators),
 a job's ``before_update`` (no member holds the whole gradient; clipping is
-`Sharding.clip_norm`), loss scaling, accelerators.
+`Sharding.clip_norm`), loss scaling.
 
 Ranges that lost every holder in every zone while others live: once no holder rejoined
 within ``--absent-wait``, the whole job goes back to the newest checkpoint every member can
@@ -58,8 +63,9 @@ from torch import nn
 
 from unbroken.comm.blocks import broadcast_model, refuse_running_statistics, restore_storage
 from unbroken.comm.codecs import make_codec
-from unbroken.comm.group import EpochGroup, EpochScope, ProcessGroup, wait_all
+from unbroken.comm.group import EpochGroup, EpochScope, ProcessGroup, build_nccl
 from unbroken.comm.outer_ranges import CodedSum
+from unbroken.comm.placement import Backend, MemberDevice, Placement, member_device, place
 from unbroken.comm.shard_files import complete_steps, prune_shards, restore_shards, save_shard
 from unbroken.comm.sharded import ShardedModel
 from unbroken.comm.solo import Solo
@@ -176,6 +182,8 @@ class ShardedZone:
         """Several zones and a lossy ``--codec``: the zones' sum goes through it, range by range."""
         self.wire: Wire | None = None
         """The node's byte counts (the coded sum's bytes go with the step's)."""
+        self.device = torch.device("cpu")
+        """Where this member computes (the node's ``--device``): said in its reports."""
 
     def make_optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """The job's optimizer class over the held ranges, with its settings (those of its
@@ -214,12 +222,19 @@ class ShardedZone:
 
     def report(self) -> Report:
         if self.engine is None:
-            return Report(self.weight)
+            return Report(self.weight, device=self._said)
         summed = self.pending[0] if self.pending is not None else -1
         holdings = sorted(self.engine.holdings, key=lambda h: (h.start, h.end))
         held = tuple((h.start, h.end) for h in holdings)
         digests = tuple(self.engine.digest(h.start, h.end) for h in holdings)
-        return Report(self.weight, self.engine.layout, self.epoch, self.step, summed, held, digests, self.lineage)
+        return Report(
+            self.weight, self.engine.layout, self.epoch, self.step, summed, held, digests, self.lineage, self._said
+        )  # fmt: skip
+
+    @property
+    def _said(self) -> str:
+        """This member's device, as its report says it (`MemberDevice`)."""
+        return member_device(self.device).encode()
 
     def sync(self, node: Node, g: EpochGroup, step: int, reducer: Reducer) -> list[ProcessGroup]:
         """Give this member the ranges of epoch ``g`` at committed ``step`` (after the
@@ -261,15 +276,16 @@ class ShardedZone:
         if zones.multi:  # its zone's group; a member alone in its zone gathers from itself
             group = reducer.zone_pg if reducer.zone_pg is not None else Solo()
         self.world = g.pg if zones.multi else None
+        placement, group = self._place(node, g, reports, ranks, group, scope)
         left: list[ProcessGroup] = []
         late = ""
         if decision.fresh is not None:  # no member of any zone holds a range
             if self.engine is not None:
                 self.engine.close()
-                restore_storage(self.model)
+                restore_storage(self.model)  # on the CPU, where the values are read from
             if not decision.restore:
                 broadcast_model(self.model, g.pg, world[decision.source], scope)
-            self.engine = self._build(decision.fresh, me, ranks, group, scope)
+            self.engine = self._build(decision.fresh, me, ranks, group, scope, placement)
             if decision.restore:
                 self._restore(node, decision.fresh, me, step)
             origin = (
@@ -280,7 +296,7 @@ class ShardedZone:
             p = decision.plan
             assert p is not None
             if self.engine is None:
-                self.engine = self._build(p.old, me, ranks, group, scope)
+                self.engine = self._build(p.old, me, ranks, group, scope, placement)
             elif me in decision.late:
                 self._apply_late(node, step)
                 self.step = step  # its ranges are the group's step now, whatever the re-shard does
@@ -290,6 +306,7 @@ class ShardedZone:
             elif self.pending is not None:  # the step it summed did not commit: retried from the start
                 self.engine.abandon()
             self.pending = None
+            self.engine.place(placement)
             transfers = tuple(t for z in names if (q := decisions[z].plan) is not None for t in q.transfers)
             if decision.unchanged and all(me not in (t.source, t.destination) for t in transfers):
                 left.append(self.engine.regroup(ranks, group, scope))
@@ -319,6 +336,30 @@ class ShardedZone:
             log.info("%s: sharded zone at step %d: %s; holds %s elements", node.name, step, what, f"{held:,}")
         current = {id(g.pg), id(group)}
         return [x for x in left if id(x) not in current]
+
+    def _place(
+        self,
+        node: Node,
+        g: EpochGroup,
+        reports: Mapping[str, Report],
+        ranks: Mapping[str, int],
+        group: ProcessGroup,
+        scope: EpochScope,
+    ) -> tuple[Placement, ProcessGroup]:
+        """Where the zone's shards live this epoch, and the group its gathers and sums run
+        on: an NCCL group of its own, built now over its gloo ``group``, or that group."""
+        spec = node.epochs.codec.spec if self.world is not None else None
+        lossy = spec is not None and not make_codec(spec).lossless
+        ranged = self.world is not None and (node.diloco is not None or lossy)  # `outer_ranges`: CPU tensors
+        devices = {m: MemberDevice.decode(reports[m].device) for m in ranks}
+        placement = place(devices, node.client.member_id, self.device, ranged=ranged)
+        if placement.backend is Backend.NCCL:
+            name = f"nccl-{g.epoch}-{next(iter(ranks))}"  # the zone's first member: one name for all
+            group, took = build_nccl(group, name, ranks[node.client.member_id], len(ranks), placement.shards, scope)
+            log.info("%s: zone group %s built in %.1f ms: %s", node.name, name, took * 1e3, placement.reason)
+        elif self.engine is None or self.engine.placement.reason != placement.reason:
+            log.info("%s: sharded zone placement: %s", node.name, placement.reason)
+        return placement, group
 
     def _set_codec(self, spec: CodecSpec | None) -> None:
         """The zones' sum through ``spec`` where it is lossy; residuals forgotten where this
@@ -364,12 +405,19 @@ class ShardedZone:
         return lambda step: None if step in complete else "the shard files of its step do not cover the state"
 
     def _build(
-        self, layout: Layout, me: str, ranks: Mapping[str, int], pg: ProcessGroup, scope: EpochScope
+        self,
+        layout: Layout,
+        me: str,
+        ranks: Mapping[str, int],
+        pg: ProcessGroup,
+        scope: EpochScope,
+        placement: Placement | None = None,
     ) -> ShardedModel:
         blocks = self.sharding.blocks(self.model) if self.sharding.blocks is not None else None
         engine = ShardedModel(
-            self.model, layout, me, ranks, pg, scope, self.make_optimizer, blocks=blocks, groups=self.groups
-        )
+            self.model, layout, me, ranks, pg, scope, self.make_optimizer, blocks=blocks, groups=self.groups,
+            placement=placement,
+        )  # fmt: skip
         engine.defer = self.defer
         return engine
 
@@ -394,9 +442,7 @@ class ShardedZone:
             self.coded.sum(engine, m.layouts, m.zone, m.world, self.world, f"the zones' sum of step {step}")
         elif self.world is not None:  # several zones: the sum over them too
             engine.cross_sum(self.world)
-        total = torch.tensor([engine.primary_squares()], dtype=torch.float64)
-        wait_all([engine.group.allreduce([total])], engine.scope, "summing the gradient's norm over the zone")
-        self.total_norm = math.sqrt(float(total))
+        self.total_norm = math.sqrt(engine.sum_over_zone(engine.primary_squares(), "summing the gradient's norm"))
         self._clip = 1.0
         if self.sharding.clip_norm is not None:
             self._clip = min(1.0, self.sharding.clip_norm / (self.total_norm + 1e-6))  # clip_grad_norm_'s rule
@@ -406,7 +452,7 @@ class ShardedZone:
     def apply(self) -> None:
         """The optimizer on the held ranges, with the param groups' settings of now."""
         for name, now, built in self.buffers:  # the same on every member: they stop together
-            if not torch.equal(now, built):
+            if not torch.equal(now.to(built.device), built):
                 raise ConfigError(
                     f"the model's forward changed its buffer {name!r}: a sharded zone keeps buffers as built and "
                     "does not sum them; keep it constant, or train unsharded"
@@ -466,7 +512,7 @@ class ShardedZone:
         """The ranges this member holds (values) and where they lie: the parts of the finished
         model that `assemble` puts together from the members'."""
         engine = self.ready
-        buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}  # whole on every member
+        buffers = {n: b.detach().cpu().clone() for n, b in self.model.named_buffers()}  # whole on every member
         out: dict[str, Any] = {"spans": engine.spans(), "numel": self.numel, "buffers": buffers, "step": self.step}
         # Every range it holds, its copies too: any finished nodes whose ranges cover the
         # model will do (after a death, one survivor may hold it all).
