@@ -18,6 +18,10 @@ they encode the same bytes, and nothing moves inside a zone::
 Every holder of an element, in every zone, adds the zones' decoded parts in zone order
 (float32, from zeros): the same bytes, the same order, the same sum, so the holders of a
 range agree and so do the zones.
+
+Each member posts its sends and receives in one order all members share (`posts`): the
+epoch's group connects a pair of ranks on its first use, and that first use blocks, so two
+members that each first reach a connection the other reaches later would wait for good.
 """
 
 from __future__ import annotations
@@ -112,6 +116,40 @@ def routes(layouts: Mapping[str, Layout], zone: str, me: str) -> Routes:
         elif any(overlap((src.start, src.end), h) for h in mine):
             receives.append(src)
     return Routes(tuple(sends), tuple(receives))
+
+
+@dataclass(frozen=True)
+class Post:
+    """One send or receive of the exchange, as one member posts it."""
+
+    source: Source
+    """The range whose payload it carries (its tag)."""
+    peer: str
+    """The member at the other end: the receiver of a send, the range's primary for a receive."""
+    send: bool
+
+
+def posts(layouts: Mapping[str, Layout], zone: str, me: str, ranks: Mapping[str, int]) -> list[Post]:
+    """``me``'s sends and receives (`routes`) in the order it posts them: by tag, then by
+    the peer's rank.
+
+    Why an order: across zones the epoch's group is built lazily (`Meeting.devices`): a pair
+    of ranks connects on its first send or receive, once per stream (the tag picks the
+    stream), and that first use blocks the posting thread until the peer's first use of the
+    same connection (gloo's listening side waits for the connecting side, and which side
+    listens depends on the ports). In `routes` order (its sends, then its receives) two
+    members could each block on a connection the other reaches only later: a hang of the
+    whole exchange, first seen after a member was benched, but open to any epoch whose
+    pairs were not yet connected. Posted in this order, every member meets its connections in
+    one global order, the first use of each ranked by (tag, lower rank, higher rank): both
+    ends post the same operations on a connection, so they agree which is first, and a
+    member waiting at one connection waits for a peer that is at an earlier one or gets there,
+    so the waits cannot form a cycle. For one member, that global order is (tag, peer's rank).
+    """
+    r = routes(layouts, zone, me)
+    out = [Post(src, m, True) for src, to in r.sends for m in to]
+    out += [Post(src, src.primary, False) for src in r.receives]
+    return sorted(out, key=lambda p: (p.source.tag, ranks[p.peer]))
 
 
 def receivers(layouts: Mapping[str, Layout], zone: str, sender: str) -> list[str]:
@@ -219,16 +257,18 @@ def exchange(
         going = x if codecs.poison is None else x * codecs.poison
         payloads[span] = codec.encode_nothing(span[1] - span[0]) if nothing else codec.encode(going)
     r = routes(layouts, zone, me)
+    received = {
+        src.tag: torch.empty(codecs.payload_bytes((src.start, src.end)), dtype=torch.uint8) for src in r.receives
+    }
     works, sent = [], 0
-    for src, to in r.sends:
-        payload = payloads[(src.start, src.end)]
-        for member in to:
-            works.append(group.send([payload], ranks[member], src.tag))
+    for post in posts(layouts, zone, me, ranks):  # in the one order every member agrees with
+        src = post.source
+        if post.send:
+            payload = payloads[(src.start, src.end)]
+            works.append(group.send([payload], ranks[post.peer], src.tag))
             sent += payload.numel()
-    received: dict[int, torch.Tensor] = {}
-    for src in r.receives:
-        received[src.tag] = torch.empty(codecs.payload_bytes((src.start, src.end)), dtype=torch.uint8)
-        works.append(group.recv([received[src.tag]], ranks[src.primary], src.tag))
+        else:
+            works.append(group.recv([received[src.tag]], ranks[post.peer], src.tag))
     if works:  # gloo's point-to-point works have no future: waited on a thread
         run_abortable(lambda: [w.wait() for w in works], scope, f"{what} (ranges between zones)")
     if broken is not None:

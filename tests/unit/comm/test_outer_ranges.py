@@ -18,6 +18,7 @@ from unbroken.comm.outer_ranges import (
     exchange,
     held_by,
     named,
+    posts,
     receivers,
     routes,
     sources,
@@ -26,7 +27,7 @@ from unbroken.comm.outer_ranges import (
 from unbroken.errors import BadContribution
 from unbroken.specs import CodecSpec
 from unbroken.state.shards import Layout, layout_for
-from unbroken.testing.fake import FakeWorld
+from unbroken.testing.fake import FakeProcessGroup, FakeWork, FakeWorld
 
 NUMEL = 1000
 LAYOUTS = {
@@ -106,12 +107,57 @@ class SpoiledCodecs(RangeCodecs):
         return Spoiled(super().of(span))
 
 
+class Connections:
+    """gloo's lazily connected group (the epoch's world group across zones), at its
+    strictest: a pair of ranks has one connection per stream (a tag picks the stream), and
+    the first use of a connection at either end blocks until the other end's first use of it
+    (in gloo only the listening end waits, and which end listens depends on the ports)."""
+
+    def __init__(self, streams: int, timeout_s: float = 10.0) -> None:
+        self.streams = streams
+        self.timeout_s = timeout_s
+        self._arrived: dict[tuple[int, int, int], set[int]] = {}
+        self._changed = threading.Condition()
+
+    def use(self, me: int, peer: int, tag: int) -> None:
+        key = (tag % self.streams, min(me, peer), max(me, peer))
+        with self._changed:
+            ends = self._arrived.setdefault(key, set())
+            if me in ends:  # connected at its first use
+                return
+            ends.add(me)
+            self._changed.notify_all()
+            if not self._changed.wait_for(lambda: len(ends) == 2, self.timeout_s):
+                raise RuntimeError(f"Connect timeout: rank {me} to {peer} on stream {key[0]} (tag {tag})")
+
+
+class LazyGroup(FakeProcessGroup):
+    def __init__(self, world: FakeWorld, rank: int, connections: Connections) -> None:
+        super().__init__(world, rank)
+        self.connections = connections
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> FakeWork:
+        self.connections.use(self.rank(), dst, tag)
+        return super().send(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> FakeWork:
+        self.connections.use(self.rank(), src, tag)
+        return super().recv(tensors, src, tag)
+
+
 def run_exchange(
-    codec: str, parts: Mapping[str, torch.Tensor], spoil: str | None = None, judge: bool = True
+    codec: str,
+    parts: Mapping[str, torch.Tensor],
+    spoil: str | None = None,
+    judge: bool = True,
+    ranks: Mapping[str, int] = RANKS,
+    streams: int | None = None,
 ) -> dict[str, dict[Span, torch.Tensor] | BaseException]:
     """Every member's exchange, on threads: ``parts`` is each zone's whole pseudo-gradient,
-    of which each member passes the ranges it holds; ``spoil``'s payloads carry NaN."""
+    of which each member passes the ranges it holds; ``spoil``'s payloads carry NaN;
+    ``streams``: over a lazily connected group of that many streams (`Connections`)."""
     world = FakeWorld(len(ZONE))
+    connections = Connections(streams) if streams is not None else None
     out: dict[str, dict[Span, torch.Tensor] | BaseException] = {}
 
     def member(m: str) -> None:
@@ -120,8 +166,8 @@ def run_exchange(
         codecs = (SpoiledCodecs if m == spoil else RangeCodecs)(CodecSpec.parse(codec))
         scope = EpochScope(threading.Event(), lambda: None, 10.0)
         try:
-            group = world.group(RANKS[m])
-            out[m], _ = exchange(own, False, LAYOUTS, zone, m, RANKS, group, scope, codecs, "round", judge=judge)
+            group = world.group(ranks[m]) if connections is None else LazyGroup(world, ranks[m], connections)
+            out[m], _ = exchange(own, False, LAYOUTS, zone, m, ranks, group, scope, codecs, "round", judge=judge)
         except BaseException as exc:
             out[m] = exc
 
@@ -150,6 +196,37 @@ def test_every_holder_of_an_element_in_every_zone_gets_the_same_sum(codec: str) 
                 assert torch.equal(total, parts["A"][start:end] + parts["B"][start:end])
     assert all(len(v) == 1 for v in values.values()), "holders of an element disagree"
     assert len(values) == len(range(0, NUMEL, 37)), "every element is held"
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4])
+@pytest.mark.parametrize("order", ["a1 a2 b1 b2 b3", "a1 a2 b2 b3 b1", "b3 a2 b1 a1 b2"])
+def test_the_exchange_completes_on_a_lazily_connected_group_whatever_the_ranks(streams: int, order: str) -> None:
+    """Across zones the epoch's group connects a pair on its first use, and that first use
+    blocks until the peer's (`Connections`): posted in an order the members do not share,
+    two of them wait for each other for good (the hang of the round after b1 was benched:
+    its epoch moved b1 to the last rank, and no earlier transfer had connected the pairs)."""
+    ranks = {m: i for i, m in enumerate(order.split())}
+    g = torch.Generator().manual_seed(2)
+    parts = {z: torch.randn(NUMEL, generator=g) for z in "AB"}
+    out = run_exchange("none", parts, ranks=ranks, streams=streams)
+    for m, sums in out.items():
+        assert isinstance(sums, dict), f"{m}: {sums!r}"
+        for (start, end), total in sums.items():
+            assert torch.equal(total, parts["A"][start:end] + parts["B"][start:end]), m
+
+
+def test_each_pair_of_members_posts_what_they_share_in_the_same_order() -> None:
+    """What makes the order safe (`posts`): both ends of every send post it, and they meet
+    their shared operations in one order, (tag, lower rank, higher rank) across the epoch."""
+    ranks = {m: i for i, m in enumerate(["b2", "a1", "b3", "a2", "b1"])}
+    every = {m: posts(LAYOUTS, ZONE[m], m, ranks) for m in ZONE}
+    for m, mine in every.items():
+        keys = [(p.source.tag, *sorted((ranks[m], ranks[p.peer]))) for p in mine]
+        assert keys == sorted(keys) and len(set(keys)) == len(keys), m
+        for peer in ZONE:
+            with_peer = [(p.source.tag, p.send) for p in mine if p.peer == peer]
+            from_peer = [(p.source.tag, not p.send) for p in every[peer] if p.peer == m]
+            assert with_peer == from_peer, (m, peer)
 
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8"])
