@@ -119,6 +119,12 @@ def test_a_nan_range_from_a_sender_is_named_by_every_member_and_the_round_retrie
     assert all(refused.values()), refused  # every member, not only b1's receivers
     for entries in refused.values():
         assert all((e["culprit"] or "").startswith("b1") and "not finite" in e["reason"] for e in entries), entries
+    # Benched, b1 still holds and sends its ranges as a standby: the rounds after are exchanged
+    # in a new epoch with its ranks moved, whose pairs no transfer had connected yet (where
+    # the members' orders of posting once hung the retried round: `outer_ranges.posts`).
+    later = [e for e in c.nodes["b1"].entries() if e.get("epoch", 1) > 1 and e["kind"] in ("contrib", "commit")]
+    assert later and all(e["role"] == "standby" for e in later if e["kind"] == "contrib"), later
+    assert any(e.get("outer") for e in later if e["kind"] == "commit"), "no outer step after b1 was benched"
     zones = zone_models(c)
     for name, a in zones["a"].items():
         assert torch.equal(a, zones["b"][name]) and bool(torch.isfinite(a).all()), name
