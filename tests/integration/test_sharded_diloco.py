@@ -106,6 +106,30 @@ def test_a_member_killed_mid_round_costs_the_round_and_int8_keeps_every_promise(
     assert outer["a1"] == outer["b1"] == [5, 10, 15, 20, 25, 30], outer
 
 
+def test_a_nan_range_from_a_sender_is_named_by_every_member_and_the_round_retried(make_cluster: Any) -> None:
+    # b1 sends its ranges NaN (fp16: they decode, NaN and all) in the exchange after inner
+    # step 14; what it holds is sound. Its receivers, all of zone A, find them not finite;
+    # gathered, that names b1 at every member (b1 included), so the tribunal has the whole
+    # epoch's word, not zone A's half. The round is retried clean and the promises hold.
+    c = run(make_cluster, "fp16", sharded=True, faults={"b1": "nan@outer:14"})
+    codes = c.wait_exit(timeout=150)
+    assert fired(c.nodes["b1"], "nan"), c.diagnostics()
+    assert codes == {"a1": 0, "b1": 0, "a2": 0, "b2": 0}, c.diagnostics()
+    refused = {name: [e for e in n.entries() if e["kind"] == "refused"] for name, n in c.nodes.items()}
+    assert all(refused.values()), refused  # every member, not only b1's receivers
+    for entries in refused.values():
+        assert all((e["culprit"] or "").startswith("b1") and "not finite" in e["reason"] for e in entries), entries
+    # Benched, b1 still holds and sends its ranges as a standby: the rounds after are exchanged
+    # in a new epoch with its ranks moved, whose pairs no transfer had connected yet (where
+    # the members' orders of posting once hung the retried round: `outer_ranges.posts`).
+    later = [e for e in c.nodes["b1"].entries() if e.get("epoch", 1) > 1 and e["kind"] in ("contrib", "commit")]
+    assert later and all(e["role"] == "standby" for e in later if e["kind"] == "contrib"), later
+    assert any(e.get("outer") for e in later if e["kind"] == "commit"), "no outer step after b1 was benched"
+    zones = zone_models(c)
+    for name, a in zones["a"].items():
+        assert torch.equal(a, zones["b"][name]) and bool(torch.isfinite(a).all()), name
+
+
 def test_in_sync_mode_a_lossy_codec_carries_each_steps_gradient_between_the_zones_ranges(make_cluster: Any) -> None:
     c = run(make_cluster, "int8", sharded=True, diloco=False)
     assert c.wait_exit(timeout=120) == dict.fromkeys(("a1", "b1", "a2", "b2"), 0), c.diagnostics()

@@ -18,6 +18,10 @@ they encode the same bytes, and nothing moves inside a zone::
 Every holder of an element, in every zone, adds the zones' decoded parts in zone order
 (float32, from zeros): the same bytes, the same order, the same sum, so the holders of a
 range agree and so do the zones.
+
+Each member posts its sends and receives in one order all members share (`posts`): the
+epoch's group connects a pair of ranks on its first use, and that first use blocks, so two
+members that each first reach a connection the other reaches later would wait for good.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 
 from unbroken.comm.codecs import Codec, make_codec
 from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable
+from unbroken.comm.robust import all_finite
 from unbroken.errors import BadContribution
 from unbroken.specs import CodecSpec
 from unbroken.state.shards import Layout
@@ -113,6 +118,67 @@ def routes(layouts: Mapping[str, Layout], zone: str, me: str) -> Routes:
     return Routes(tuple(sends), tuple(receives))
 
 
+@dataclass(frozen=True)
+class Post:
+    """One send or receive of the exchange, as one member posts it."""
+
+    source: Source
+    """The range whose payload it carries (its tag)."""
+    peer: str
+    """The member at the other end: the receiver of a send, the range's primary for a receive."""
+    send: bool
+
+
+def posts(layouts: Mapping[str, Layout], zone: str, me: str, ranks: Mapping[str, int]) -> list[Post]:
+    """``me``'s sends and receives (`routes`) in the order it posts them: by tag, then by
+    the peer's rank.
+
+    Why an order: across zones the epoch's group is built lazily (`Meeting.devices`): a pair
+    of ranks connects on its first send or receive, once per stream (the tag picks the
+    stream), and that first use blocks the posting thread until the peer's first use of the
+    same connection (gloo's listening side waits for the connecting side, and which side
+    listens depends on the ports). In `routes` order (its sends, then its receives) two
+    members could each block on a connection the other reaches only later: a hang of the
+    whole exchange, first seen after a member was benched, but open to any epoch whose
+    pairs were not yet connected. Posted in this order, every member meets its connections in
+    one global order, the first use of each ranked by (tag, lower rank, higher rank): both
+    ends post the same operations on a connection, so they agree which is first, and a
+    member waiting at one connection waits for a peer that is at an earlier one or gets there,
+    so the waits cannot form a cycle. For one member, that global order is (tag, peer's rank).
+    """
+    r = routes(layouts, zone, me)
+    out = [Post(src, m, True) for src, to in r.sends for m in to]
+    out += [Post(src, src.primary, False) for src in r.receives]
+    return sorted(out, key=lambda p: (p.source.tag, ranks[p.peer]))
+
+
+def receivers(layouts: Mapping[str, Layout], zone: str, sender: str) -> list[str]:
+    """The members of other zones that receive ``sender``'s primary ranges (``sender`` a
+    member of ``zone``; pure, as `routes`)."""
+    return sorted({m for _, to in routes(layouts, zone, sender).sends for m in to})
+
+
+def named(
+    accused: Sequence[int], layouts: Mapping[str, Layout], zone_of: Mapping[str, str], ranks: Mapping[str, int]
+) -> int | None:
+    """The sender that the exchange's receivers name together, or None: ``accused[r]`` is the
+    rank whose range rank ``r`` found not finite (-1: none; gathered, so each rank's entry is
+    its own word). A sender is named once most of the members that received its range did,
+    never on one word alone: a receiver that lies cannot have everyone name an honest
+    sender; or once it named itself (its own part not finite: its word costs it alone).
+    Every member gets the same answer from the same gathered entries."""
+    by_rank = {r: member for member, r in ranks.items()}
+    for sender in sorted({r for r in accused if r in by_rank}):
+        if accused[sender] == sender:
+            return sender
+        member = by_rank[sender]
+        heard = {ranks[m] for m in receivers(layouts, zone_of[member], member)}
+        said = sum(1 for r, a in enumerate(accused) if a == sender and r in heard)
+        if said >= max(2, len(heard) // 2 + 1):
+            return sender
+    return None
+
+
 class RangeCodecs:
     """The job's codec, one per held range: error feedback is kept per range (a range's
     residual is what its payloads left out), equal on its two holders, which encode alike."""
@@ -121,6 +187,9 @@ class RangeCodecs:
         self.spec = spec
         self.codecs: dict[Span, Codec] = {}
         self._sizer = make_codec(spec)
+        self.poison: float | None = None
+        """Testing aid (`testing.faults`, ``nan@outer``): what this member sends is its part
+        times this, a broken or hostile sender (its own part as it holds it is unchanged)."""
 
     def of(self, span: Span) -> Codec:
         if span not in self.codecs:
@@ -162,39 +231,63 @@ def exchange(
     scope: EpochScope,
     codecs: RangeCodecs,
     what: str,
+    judge: bool = True,
 ) -> tuple[dict[Span, torch.Tensor], int]:
     """Each held range's sum over the zones of their parts: ``own`` is this zone's part of
     every range ``me`` holds (``silent``: the zone had no samples; zeros go out, residuals
     kept). Returns the sums and the bytes this member sent.
 
+    ``judge``: a part is its sender's own word (DiLoCo's pseudo-gradient of the zone's
+    state), refused where it is not finite; not so a step's gradient, a sum over the
+    zone's members that their own norms judge at the step's vote (`CodedSum`).
+
     Raises:
-        BadContribution: a payload that does not decode (its sender's rank named).
+        BadContribution: a payload that does not decode or decodes to values that are not
+            finite (its sender's rank named: every receiver of the range names the same
+            one), or this member's own part is not finite (its own rank named: zeros went
+            out in its place, so that its receivers finish the exchange and hear it say so).
         CollectiveFailed, EpochAborted: a transfer failed or the epoch was abandoned.
     """
+    me_rank = ranks[me]
+    broken = None if silent or not judge else next((span for span, x in own.items() if not all_finite(x)), None)
     payloads: dict[Span, torch.Tensor] = {}
     for span, x in own.items():
         codec = codecs.of(span)
-        payloads[span] = codec.encode_nothing(span[1] - span[0]) if silent else codec.encode(x)
+        nothing = silent or broken is not None
+        going = x if codecs.poison is None else x * codecs.poison
+        payloads[span] = codec.encode_nothing(span[1] - span[0]) if nothing else codec.encode(going)
     r = routes(layouts, zone, me)
+    received = {
+        src.tag: torch.empty(codecs.payload_bytes((src.start, src.end)), dtype=torch.uint8) for src in r.receives
+    }
     works, sent = [], 0
-    for src, to in r.sends:
-        payload = payloads[(src.start, src.end)]
-        for member in to:
-            works.append(group.send([payload], ranks[member], src.tag))
+    for post in posts(layouts, zone, me, ranks):  # in the one order every member agrees with
+        src = post.source
+        if post.send:
+            payload = payloads[(src.start, src.end)]
+            works.append(group.send([payload], ranks[post.peer], src.tag))
             sent += payload.numel()
-    received: dict[int, torch.Tensor] = {}
-    for src in r.receives:
-        received[src.tag] = torch.empty(codecs.payload_bytes((src.start, src.end)), dtype=torch.uint8)
-        works.append(group.recv([received[src.tag]], ranks[src.primary], src.tag))
+        else:
+            works.append(group.recv([received[src.tag]], ranks[post.peer], src.tag))
     if works:  # gloo's point-to-point works have no future: waited on a thread
         run_abortable(lambda: [w.wait() for w in works], scope, f"{what} (ranges between zones)")
+    if broken is not None:
+        raise BadContribution(
+            me_rank, f"{what}: rank {me_rank}'s own pseudo-gradient of [{broken[0]}, {broken[1]}) is not finite"
+        )
     decoded: dict[int, torch.Tensor] = {}
     for src in r.receives:
+        culprit = ranks[src.primary]
         try:
             decoded[src.tag] = codecs.of((src.start, src.end)).decode(received[src.tag], src.end - src.start)
         except ValueError as exc:
-            culprit = ranks[src.primary]
             raise BadContribution(culprit, f"{what}: rank {culprit} sent [{src.start}, {src.end}): {exc}") from None
+        # Half-precision decoding checks nothing (and NaN passes fp16's clamp): the values
+        # themselves are judged, the same payload giving the same verdict at every receiver.
+        if judge and not all_finite(decoded[src.tag]):
+            raise BadContribution(
+                culprit, f"{what}: rank {culprit} sent [{src.start}, {src.end}) with values that are not finite"
+            )
     out = {}
     for span in own:
         total = torch.zeros(span[1] - span[0], dtype=torch.float32)
@@ -240,7 +333,9 @@ class CodedSum:
             own[(h.start, h.end)] = torch.cat(grads) if grads else torch.zeros(0)
         self.codecs.keep_only(list(own))
         before = self.codecs.state_dict()
-        sums, self.sent = exchange(own, False, layouts, zone, engine.me, ranks, group, engine.scope, self.codecs, what)
+        sums, self.sent = exchange(
+            own, False, layouts, zone, engine.me, ranks, group, engine.scope, self.codecs, what, judge=False
+        )
         self._states = (before, self.codecs.state_dict())
         for h in engine.holdings:
             total = sums[(h.start, h.end)]

@@ -48,9 +48,10 @@ import torch
 from torch import nn
 
 from unbroken.comm.group import EpochGroup
+from unbroken.comm.outer_ranges import named
 from unbroken.comm.reduce import Posted
 from unbroken.comm.robust import all_finite
-from unbroken.comm.transfer import sync_state
+from unbroken.comm.transfer import gather_values, sync_state
 from unbroken.errors import BadContribution, BadRequest, ConfigError, Suspicion
 from unbroken.events import Entry, Kind
 from unbroken.job import AnyOptimizer
@@ -304,7 +305,8 @@ class DiLoCo:
         steps, what = last + 1 - first, f"outer step after inner step {last}"
         t_comm = time.monotonic()
         node.faults.maybe_fire("exchange", last)
-        squares, sent = outer.exchange(zone_samples / B, zone_samples == 0, p.scope, what)
+        outer.codecs.poison = node.faults.corruption(last, "outer")  # testing aid: a broken sender
+        squares, sent = self._sharded_exchange(outer, zone_samples / B, zone_samples == 0, what)
         leader = zone_ranks[0] == grp.rank  # the zone's loss is every member's: one speaks for it
         mean_loss = sum(losses) / max(len(losses), 1)
         p.flat.zero_()
@@ -324,6 +326,35 @@ class DiLoCo:
         self.inner_zone, self.inner_step = mine, node.state.step
         self.begin_round()
         return tally.switch > 0 or node.state.step >= node.job.num_steps
+
+    def _sharded_exchange(self, outer: ShardedOuter, weight: float, silent: bool, what: str) -> tuple[float, int]:
+        """`ShardedOuter.exchange`, then what each member found of the ranges it received,
+        gathered: a sender whose range most of its receivers found not finite is named by
+        every member (`outer_ranges.named`), so that the tribunal hears it from the epoch
+        and benches it; from its receivers alone (with two zones, half of the epoch at
+        most) it would not, and the round, retried as it was, would fail again and again.
+
+        Raises:
+            BadContribution: a sender named (by most of its receivers, or by itself: its own
+                part not finite), or a receiver's word alone (the tribunal weighs it).
+            CollectiveFailed, EpochAborted: as `exchange`."""
+        p, moved = self.node.protocol, outer.zone.moved
+        assert p is not None and moved is not None
+        accused, refused = -1, None
+        try:
+            result = outer.exchange(weight, silent, p.scope, what)
+        except BadContribution as exc:  # its own part (said of itself) or a part it received
+            accused, refused, result = exc.rank, exc, (0.0, 0)
+        rows = gather_values(moved.pg, len(moved.world), [accused], p.scope, f"{what} (what the receivers found)")
+        found = [row[0] for row in rows]
+        zone_of = {m: z for z, layout in moved.layouts.items() for m in layout.members}
+        culprit = named(found, moved.layouts, zone_of, moved.world)
+        if culprit is not None and (refused is None or refused.rank != culprit):
+            said = "says its own" if found[culprit] == culprit else "most of its receivers found its"
+            refused = BadContribution(culprit, f"{what}: rank {culprit} {said} pseudo-gradient not finite")
+        if refused is not None:
+            raise refused
+        return result
 
     def _speak(self, flat: torch.Tensor, last: int) -> None:
         """This zone leader's pseudo-gradient (at the head of ``flat``) as it goes out: its

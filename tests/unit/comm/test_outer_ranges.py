@@ -10,12 +10,24 @@ from collections.abc import Mapping
 import pytest
 import torch
 
+from unbroken.comm.codecs import Codec
 from unbroken.comm.group import EpochScope
-from unbroken.comm.outer_ranges import RangeCodecs, Span, exchange, held_by, routes, sources, tiles
+from unbroken.comm.outer_ranges import (
+    RangeCodecs,
+    Span,
+    exchange,
+    held_by,
+    named,
+    posts,
+    receivers,
+    routes,
+    sources,
+    tiles,
+)
 from unbroken.errors import BadContribution
 from unbroken.specs import CodecSpec
 from unbroken.state.shards import Layout, layout_for
-from unbroken.testing.fake import FakeWorld
+from unbroken.testing.fake import FakeProcessGroup, FakeWork, FakeWorld
 
 NUMEL = 1000
 LAYOUTS = {
@@ -73,23 +85,89 @@ def test_range_codecs_keep_a_residual_per_range_and_forget_the_ranges_let_go() -
     assert codecs.state_dict() == {}
 
 
+class Spoiled(Codec):
+    """A sender's codec that puts NaN on the wire whatever its own part was (a hostile or
+    broken primary: what it sends is not what it holds)."""
+
+    def __init__(self, inner: Codec) -> None:
+        self.inner = inner
+
+    def payload_bytes(self, numel: int) -> int:
+        return self.inner.payload_bytes(numel)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.encode(torch.full_like(x, float("nan")))
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        return self.inner.decode(payload, numel)
+
+
+class SpoiledCodecs(RangeCodecs):
+    def of(self, span: Span) -> Codec:
+        return Spoiled(super().of(span))
+
+
+class Connections:
+    """gloo's lazily connected group (the epoch's world group across zones), at its
+    strictest: a pair of ranks has one connection per stream (a tag picks the stream), and
+    the first use of a connection at either end blocks until the other end's first use of it
+    (in gloo only the listening end waits, and which end listens depends on the ports)."""
+
+    def __init__(self, streams: int, timeout_s: float = 10.0) -> None:
+        self.streams = streams
+        self.timeout_s = timeout_s
+        self._arrived: dict[tuple[int, int, int], set[int]] = {}
+        self._changed = threading.Condition()
+
+    def use(self, me: int, peer: int, tag: int) -> None:
+        key = (tag % self.streams, min(me, peer), max(me, peer))
+        with self._changed:
+            ends = self._arrived.setdefault(key, set())
+            if me in ends:  # connected at its first use
+                return
+            ends.add(me)
+            self._changed.notify_all()
+            if not self._changed.wait_for(lambda: len(ends) == 2, self.timeout_s):
+                raise RuntimeError(f"Connect timeout: rank {me} to {peer} on stream {key[0]} (tag {tag})")
+
+
+class LazyGroup(FakeProcessGroup):
+    def __init__(self, world: FakeWorld, rank: int, connections: Connections) -> None:
+        super().__init__(world, rank)
+        self.connections = connections
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> FakeWork:
+        self.connections.use(self.rank(), dst, tag)
+        return super().send(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> FakeWork:
+        self.connections.use(self.rank(), src, tag)
+        return super().recv(tensors, src, tag)
+
+
 def run_exchange(
-    codec: str, parts: Mapping[str, torch.Tensor], spoil: str | None = None
+    codec: str,
+    parts: Mapping[str, torch.Tensor],
+    spoil: str | None = None,
+    judge: bool = True,
+    ranks: Mapping[str, int] = RANKS,
+    streams: int | None = None,
 ) -> dict[str, dict[Span, torch.Tensor] | BaseException]:
     """Every member's exchange, on threads: ``parts`` is each zone's whole pseudo-gradient,
-    of which each member passes the ranges it holds."""
+    of which each member passes the ranges it holds; ``spoil``'s payloads carry NaN;
+    ``streams``: over a lazily connected group of that many streams (`Connections`)."""
     world = FakeWorld(len(ZONE))
+    connections = Connections(streams) if streams is not None else None
     out: dict[str, dict[Span, torch.Tensor] | BaseException] = {}
 
     def member(m: str) -> None:
         zone = ZONE[m]
         own = {span: parts[zone][span[0] : span[1]].clone() for span in held_by(LAYOUTS[zone], m)}
-        codecs = RangeCodecs(CodecSpec.parse(codec))
-        if m == spoil:  # a primary whose int8 scales are not finite: refused by name at its receivers
-            own = {span: x * float("inf") for span, x in own.items()}
+        codecs = (SpoiledCodecs if m == spoil else RangeCodecs)(CodecSpec.parse(codec))
         scope = EpochScope(threading.Event(), lambda: None, 10.0)
         try:
-            out[m], _ = exchange(own, False, LAYOUTS, zone, m, RANKS, world.group(RANKS[m]), scope, codecs, "round")
+            group = world.group(ranks[m]) if connections is None else LazyGroup(world, ranks[m], connections)
+            out[m], _ = exchange(own, False, LAYOUTS, zone, m, ranks, group, scope, codecs, "round", judge=judge)
         except BaseException as exc:
             out[m] = exc
 
@@ -120,12 +198,77 @@ def test_every_holder_of_an_element_in_every_zone_gets_the_same_sum(codec: str) 
     assert len(values) == len(range(0, NUMEL, 37)), "every element is held"
 
 
-def test_a_payload_that_does_not_decode_is_refused_with_its_sender_named() -> None:
+@pytest.mark.parametrize("streams", [1, 2, 4])
+@pytest.mark.parametrize("order", ["a1 a2 b1 b2 b3", "a1 a2 b2 b3 b1", "b3 a2 b1 a1 b2"])
+def test_the_exchange_completes_on_a_lazily_connected_group_whatever_the_ranks(streams: int, order: str) -> None:
+    """Across zones the epoch's group connects a pair on its first use, and that first use
+    blocks until the peer's (`Connections`): posted in an order the members do not share,
+    two of them wait for each other for good (the hang of the round after b1 was benched:
+    its epoch moved b1 to the last rank, and no earlier transfer had connected the pairs)."""
+    ranks = {m: i for i, m in enumerate(order.split())}
+    g = torch.Generator().manual_seed(2)
+    parts = {z: torch.randn(NUMEL, generator=g) for z in "AB"}
+    out = run_exchange("none", parts, ranks=ranks, streams=streams)
+    for m, sums in out.items():
+        assert isinstance(sums, dict), f"{m}: {sums!r}"
+        for (start, end), total in sums.items():
+            assert torch.equal(total, parts["A"][start:end] + parts["B"][start:end]), m
+
+
+def test_each_pair_of_members_posts_what_they_share_in_the_same_order() -> None:
+    """What makes the order safe (`posts`): both ends of every send post it, and they meet
+    their shared operations in one order, (tag, lower rank, higher rank) across the epoch."""
+    ranks = {m: i for i, m in enumerate(["b2", "a1", "b3", "a2", "b1"])}
+    every = {m: posts(LAYOUTS, ZONE[m], m, ranks) for m in ZONE}
+    for m, mine in every.items():
+        keys = [(p.source.tag, *sorted((ranks[m], ranks[p.peer]))) for p in mine]
+        assert keys == sorted(keys) and len(set(keys)) == len(keys), m
+        for peer in ZONE:
+            with_peer = [(p.source.tag, p.send) for p in mine if p.peer == peer]
+            from_peer = [(p.source.tag, not p.send) for p in every[peer] if p.peer == m]
+            assert with_peer == from_peer, (m, peer)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8"])
+def test_a_payload_not_finite_is_refused_by_every_receiver_with_its_sender_named(codec: str) -> None:
+    """int8's scales fail to decode; the others decode to NaN (fp16's clamp lets NaN through):
+    either way each receiver of b2's range names b2, and no receiver takes the round."""
     parts = {z: torch.ones(NUMEL) for z in "AB"}
-    out = run_exchange("int8", parts, spoil="b2")
+    out = run_exchange(codec, parts, spoil="b2")
+    receivers = {m for m in ZONE if any(src.primary == "b2" for src in routes(LAYOUTS, ZONE[m], m).receives)}
+    assert receivers == {"a1", "a2"}, "the test needs b2's range received by every member of zone A"
     refused = {m: r for m, r in out.items() if isinstance(r, BadContribution)}
-    assert refused and all(r.rank == RANKS["b2"] for r in refused.values()), out
-    assert all(ZONE[m] == "A" for m in refused), "only the other zone's holders decode b2's payload"
+    assert set(refused) == receivers and all(r.rank == RANKS["b2"] for r in refused.values()), out
+    assert all(f"rank {RANKS['b2']} sent" in str(r) for r in refused.values()), refused
+
+
+def test_a_member_whose_own_part_is_not_finite_says_so_and_sends_zeros_in_its_place() -> None:
+    """Its receivers finish the exchange (they must hear it say so, `named`) with nothing of
+    its NaN: zeros came in its place; it names itself alone."""
+    parts = {z: torch.ones(NUMEL) for z in "AB"}
+    parts["B"][600] = float("nan")  # b2's range [250, 750): b2 and its buddy b3 hold it
+    out = run_exchange("fp16", parts)
+    refused = {m: r for m, r in out.items() if isinstance(r, BaseException)}
+    assert set(refused) == {"b2", "b3"}, out
+    for m, r in refused.items():
+        assert isinstance(r, BadContribution) and r.rank == RANKS[m], r
+        assert f"rank {RANKS[m]}'s own pseudo-gradient of" in str(r) and "is not finite" in str(r)
+    for m in "a1", "a2":
+        sums = out[m]
+        assert isinstance(sums, dict) and all(bool(torch.isfinite(t).all()) for t in sums.values()), m
+    assert named(found(out), LAYOUTS, ZONE, RANKS) in {RANKS[m] for m in refused}
+
+
+def test_a_steps_gradient_is_not_judged_here_its_members_norms_are_at_the_vote() -> None:
+    """Synchronous mode's coded sum (`CodedSum`): a range's part is the sum of its zone's
+    gradients, so neither its holder nor its sender is the culprit of a NaN in it: it goes
+    through, and the step's vote (each member's own norm) names whose it was."""
+    parts = {z: torch.ones(NUMEL) for z in "AB"}
+    parts["B"][600] = float("nan")
+    out = run_exchange("fp16", parts, judge=False)
+    assert all(isinstance(r, dict) for r in out.values()), out
+    a1 = out["a1"]
+    assert isinstance(a1, dict) and not all(bool(torch.isfinite(t).all()) for t in a1.values())
 
 
 def test_a_zone_without_samples_sends_zeros_and_keeps_its_residual() -> None:
@@ -152,3 +295,38 @@ def test_a_zone_without_samples_sends_zeros_and_keeps_its_residual() -> None:
     )
     residual = codecs["a"].of((0, 10)).residual
     assert residual is not None and torch.equal(residual, torch.full((10,), 0.5))
+
+
+def found(out: Mapping[str, dict[Span, torch.Tensor] | BaseException]) -> list[int]:
+    """What each rank found of the ranges it received (the gathered entries): a rank, or -1."""
+    rows = [-1] * len(RANKS)
+    for m, r in out.items():
+        if isinstance(r, BadContribution):
+            rows[RANKS[m]] = r.rank
+    return rows
+
+
+def test_a_sender_most_of_its_receivers_found_not_finite_is_named_by_every_member() -> None:
+    out = run_exchange("fp16", {z: torch.ones(NUMEL) for z in "AB"}, spoil="b2")
+    assert named(found(out), LAYOUTS, ZONE, RANKS) == RANKS["b2"]
+    assert receivers(LAYOUTS, "B", "b2") == ["a1", "a2"]
+
+
+def test_one_receivers_word_names_no_one() -> None:
+    """a1 alone says b1's range was not finite (a2, which received it too, does not): an
+    honest sender is not named on a liar's word, nor by members that did not receive it."""
+    alone = [-1] * len(RANKS)
+    alone[RANKS["a1"]] = RANKS["b1"]
+    assert named(alone, LAYOUTS, ZONE, RANKS) is None
+    outsiders = [-1] * len(RANKS)
+    outsiders[RANKS["b2"]] = outsiders[RANKS["b3"]] = RANKS["b1"]  # b1's own zone received nothing
+    assert named(outsiders, LAYOUTS, ZONE, RANKS) is None
+    both = list(alone)
+    both[RANKS["a2"]] = RANKS["b1"]
+    assert named(both, LAYOUTS, ZONE, RANKS) == RANKS["b1"]
+
+
+def test_a_sender_with_one_receiver_is_never_named_on_its_word() -> None:
+    layouts = {"A": layout_for(10, {"a": 1}), "B": layout_for(10, {"b": 1})}
+    ranks = {"a": 0, "b": 1}
+    assert named([1, -1], layouts, {"a": "A", "b": "B"}, ranks) is None
