@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from integration.helpers import events_of
+from integration.helpers import events_of, slowdown
 from unbroken.testing.fakes import FakeNodes
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_a_stalled_coordinator_expels_no_healthy_node(make_cluster):
@@ -18,9 +18,13 @@ def test_a_stalled_coordinator_expels_no_healthy_node(make_cluster):
     once it runs again, none of them is expelled: the time it was not listening is forgiven."""
     c = make_cluster()
     c.start_coordinator()
+    # 200 handshakes and the epochs they form take longer on a busy machine (197 of 200 were
+    # in an epoch after 30 s in a CI run): the waits before the stall stretch with its load,
+    # within the test's timeout; what is judged after the stall does not.
+    slow = min(slowdown(), 3.0)
     with FakeNodes(c.address, 200) as fakes:
-        fakes.wait_joined(60)
-        c.wait_for(lambda: all(n.epochs for n in fakes.nodes), 30, "an epoch with every fake node")
+        fakes.wait_joined(60 * slow)
+        c.wait_for(lambda: all(n.epochs for n in fakes.nodes), 30 * slow, "an epoch with every fake node")
         time.sleep(1.0)
         c.coordinator.send_signal(signal.SIGSTOP)
         time.sleep(2.0)
