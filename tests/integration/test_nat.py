@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from integration.helpers import assert_promises, events_of
+from integration.helpers import Pace, assert_promises, events_of
 from unbroken.testing import netns
 
 pytestmark = pytest.mark.timeout(240)
@@ -55,8 +55,11 @@ def refused_or_dropped(host: str, port: int) -> str:
     return "accepted"
 
 
-def test_node_behind_nat_trains_through_a_forwarder_joins_is_killed_and_rejoins(network, make_cluster):
-    env = {"UB_TEST_STEPS": "1500", "UB_TEST_DELAY_MS": "20", "UNBROKEN_TOKEN": TOKEN}
+def test_node_behind_nat_trains_through_a_forwarder_joins_is_killed_and_rejoins(network, make_cluster, tmp_path):
+    # Paced until n3 trains again after its restart (1,500 steps of 20 ms leave it 30 s or
+    # more), then the rest at full speed: the steps were only the clock.
+    pace = Pace(tmp_path)
+    env = {"UB_TEST_STEPS": "1500", "UB_TEST_DELAY_MS": "20", "UNBROKEN_TOKEN": TOKEN, **pace.env}
     c = make_cluster(env=env, min_nodes=2, node_args=["--digest-every", "1"], network=network)
     c.start_coordinator()
     n1 = c.start_node("n1", extra=["--offer-forwarding", str(FORWARD_PORT)])
@@ -82,6 +85,7 @@ def test_node_behind_nat_trains_through_a_forwarder_joins_is_killed_and_rejoins(
     c.wait_for(lambda: commits_after(n1, failure["epoch"]), 30, "n1 and n2 committing without n3")
     n3 = c.start_node("n3", extra=["--forwarder", forwarder], no_inbound=True)
     c.wait_for(lambda: commits_after(n3, failure["epoch"]), 90, "n3 committing again after its restart")
+    pace.release()
     assert "its forwarder cannot connect to its data-plane address" in n3.stderr()
 
     codes = c.wait_exit(timeout=150)
@@ -97,8 +101,9 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def test_a_forwarders_death_is_one_more_fault_the_nat_node_moves_to_a_relays(network, make_cluster):
-    env = {"UB_TEST_STEPS": "1200", "UB_TEST_DELAY_MS": "20", "UNBROKEN_TOKEN": TOKEN}
+def test_a_forwarders_death_is_one_more_fault_the_nat_node_moves_to_a_relays(network, make_cluster, tmp_path):
+    pace = Pace(tmp_path)  # paced until n3 trains through the relay's forwarder, as above
+    env = {"UB_TEST_STEPS": "1200", "UB_TEST_DELAY_MS": "20", "UNBROKEN_TOKEN": TOKEN, **pace.env}
     c = make_cluster(env=env, min_nodes=3, node_args=["--digest-every", "1"], network=network)
     c.start_coordinator()
     relay_forwarder = (network.gateway, free_port(network.gateway))
@@ -115,6 +120,7 @@ def test_a_forwarders_death_is_one_more_fault_the_nat_node_moves_to_a_relays(net
         lambda: next((e for e in events_of(c, "failure") if e["node"] == "n1"), None), 15, "n1's death seen"
     )
     c.wait_for(lambda: commits_after(n3, failure["epoch"]), 60, "n3 committing through the relay's forwarder")
+    pace.release()
 
     codes = c.wait_exit(["n2", "n3"], timeout=150)
     assert codes == {"n2": 0, "n3": 0}, c.diagnostics()

@@ -7,9 +7,12 @@ and a final model as good as the plain script's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -42,19 +45,38 @@ def _heldout_loss(plain: ModuleType, state: dict[str, torch.Tensor]) -> float:
         return float(F.cross_entropy(model(torch.stack(x)).flatten(0, 1), torch.stack(y).flatten()))
 
 
+@contextlib.contextmanager
+def plain_script(steps: int, out: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """The plain script's run, started beside the cluster's: it computes while the nodes
+    mostly sleep their paced steps (it took 12 s alone, as long as their whole run), with one
+    intra-op thread as they have (tests/conftest.py: with two, at a load of 12 to 20, it had
+    reached step 50 of 240 after 240 s). Killed if the test ends before it."""
+    cmd = [sys.executable, str(EXAMPLES / "plain_loop.py"), "--steps", str(steps), "--out", str(out)]
+    script = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        yield script
+    finally:
+        if script.poll() is None:
+            script.kill()
+            script.communicate()
+
+
+def finished(script: subprocess.Popen[bytes], out: Path) -> dict[str, Any]:
+    """The plain script's final model and losses, once it has exited."""
+    # About 12 s alone; a busy machine made it 36 s, and CI's once more than 120.
+    _, err = script.communicate(timeout=240)
+    assert script.returncode == 0, err.decode(errors="replace")[-3000:]
+    return torch.load(out, weights_only=False)
+
+
 def test_the_ported_plain_loop_survives_a_kill_and_a_join_and_matches_the_plain_script(make_cluster, tmp_path):
     plain = load_example("plain_loop")
     out = tmp_path / "plain.pt"
-    subprocess.run(
-        [sys.executable, str(EXAMPLES / "plain_loop.py"), "--steps", str(STEPS), "--out", str(out)],
-        check=True,
-        timeout=240,  # about 12 s alone; a busy machine made it 36 s, and CI's once more than 120
-    )
-    reference = torch.load(out, weights_only=False)
-
     args = ["--steps", str(STEPS), "--delay-ms", "40"]  # 10 s: the joiner trains before the end
     c = make_cluster(job=str(EXAMPLES / "own_loop.py"), min_nodes=3, node_args=["--digest-every", "1"])
-    _, joiner = kill_and_join(c, args)
+    with plain_script(STEPS, out) as script:
+        _, joiner = kill_and_join(c, args)
+        reference = finished(script, out)
     assert next(e["kind"] for e in joiner.entries() if e["kind"] != "epoch") == "sync", "the joiner got the state"
 
     loader = torch.utils.data.DataLoader(
@@ -82,15 +104,11 @@ def test_the_same_loop_sharded_survives_a_kill_and_a_join_and_matches_the_plain_
     plain = load_example("plain_loop")
     out = tmp_path / "plain.pt"
     steps = 120
-    subprocess.run(
-        [sys.executable, str(EXAMPLES / "plain_loop.py"), "--steps", str(steps), "--out", str(out)],
-        check=True,
-        timeout=240,  # about 12 s alone; a busy machine made it 36 s, and CI's once more than 120
-    )
-    reference = torch.load(out, weights_only=False)
     args = ["--steps", str(steps), "--delay-ms", "60", "--shard"]
     c = make_cluster(job=str(EXAMPLES / "own_loop.py"), min_nodes=3, node_args=["--digest-every", "1"])
-    _, joiner = kill_and_join(c, args)
+    with plain_script(steps, out) as script:
+        _, joiner = kill_and_join(c, args)
+        reference = finished(script, out)
     reshards = [e for e in joiner.entries() if e["kind"] == "reshard"]
     assert reshards and "joining" in reshards[0]["reason"], "the joiner got its ranges"
 

@@ -19,12 +19,16 @@ from collections.abc import Iterator
 import pytest
 
 from integration.helpers import assert_promises, events_of, slowdown, tls_files
+from unbroken.testing import LocalCluster
 from unbroken.testing.fakes import FakeNodes
 
 pytestmark = pytest.mark.timeout(240)
 
 ENV = {"UB_TEST_STEPS": "120", "UB_TEST_DELAY_MS": "20"}
 TOKEN = "relay-test-token-0123456789"
+BUSY_TIMEOUT = 420
+"""The 150 fake members' tests: their admission's waits (90 s, up to four times that on a
+busy machine) and what follows."""
 
 
 def relay_state(address: tuple[str, int]) -> dict:
@@ -59,27 +63,36 @@ def test_nodes_behind_relays_train_and_survive_a_relay_and_a_node_dying(make_clu
 
 
 @contextlib.contextmanager
-def fakes_behind_three_relays(c) -> Iterator[FakeNodes]:
-    """150 fake nodes spread over three relays (the leader as their fallback), in an epoch."""
+def fakes_behind_three_relays(make_cluster) -> Iterator[tuple[LocalCluster, FakeNodes]]:
+    """150 fake nodes spread over three relays (the leader as their fallback), in an epoch.
+
+    On a busy machine their handshakes take longer (at a load of 30 on 2 cores, 61 had joined
+    after a minute), and so does the dead relay's members' return to the leader (50 sessions
+    again, 101 of 150 back after three 1 s leases at a load of 12 to 22): the lease and the
+    waits stretch with the measured slowdown (within `BUSY_TIMEOUT`), so what is judged, a
+    return within the lease, stays what it is on an idle machine."""
+    slow = min(slowdown(), 4.0)
+    c = make_cluster(lease_s=round(1.0 * slow, 2))
     root = c.start_coordinator()
     relays = [c.start_relay(zone=f"z{i}") for i in range(3)]
-    slow = min(slowdown(), 2.5)  # 150 handshakes take longer on a busy machine (within the test's timeout)
-    with FakeNodes(relays, 150, fallback=[root]) as fakes:
+    # From addresses of their own, as a fleet: a relay reads a few unproven sessions of one
+    # address at a time, and their strikes for leaving before training are their own.
+    with FakeNodes(relays, 150, fallback=[root], sources=150) as fakes:
         fakes.wait_joined(60 * slow)
         c.wait_for(lambda: fakes.all_reached(1) is not None, 30 * slow, "an epoch with every fake node")
-        time.sleep(1.0)
-        yield fakes
+        time.sleep(c.lease_s)
+        yield c, fakes
 
 
+@pytest.mark.timeout(BUSY_TIMEOUT)
 def test_a_relay_killed_under_150_members_expels_none_of_them(make_cluster):
-    c = make_cluster()
-    with fakes_behind_three_relays(c) as fakes:
+    with fakes_behind_three_relays(make_cluster) as (c, fakes):
         epoch = c.state()["epoch"]
         c.relays[1][0].send_signal(signal.SIGKILL)
-        time.sleep(3.0)  # three leases
+        time.sleep(3 * c.lease_s)
         state = c.state()
         assert len(state["members"]) == 150 and fakes.expelled() == 0, events_of(c, "failure")[:3]
-        assert state["epoch"] == epoch
+        assert state["epoch"] == epoch, [e["reason"] for e in events_of(c, "epoch")][-3:]
         assert sum(n.reconnects for n in fakes.nodes) >= 50  # the dead relay's third came back directly
         # A member behind a live relay that dies is failed at once, through its relay.
         slow = slowdown()  # the bound stretches with the machine's load
@@ -88,15 +101,15 @@ def test_a_relay_killed_under_150_members_expels_none_of_them(make_cluster):
         assert (fakes.all_reached(epoch + 1) or 0) - killed_at < 5.0 * slow, slow
 
 
+@pytest.mark.timeout(BUSY_TIMEOUT)
 def test_a_frozen_relays_members_come_back_through_the_leader_none_expelled(make_cluster):
     """SIGSTOP, as a host that dies without closing its connections: the leader finds the
     relay silent and keeps its members' leases while they leave it and come back directly."""
-    c = make_cluster()
-    with fakes_behind_three_relays(c) as fakes:
+    with fakes_behind_three_relays(make_cluster) as (c, fakes):
         c.relays[2][0].send_signal(signal.SIGSTOP)
         try:
-            c.wait_for(lambda: len(c.state()["relays"]) == 2, 10, "the frozen relay to be found silent")
-            time.sleep(4.0)  # its members' leave, reconnect, and a few leases more
+            c.wait_for(lambda: len(c.state()["relays"]) == 2, 10 * c.lease_s, "the frozen relay to be found silent")
+            time.sleep(4 * c.lease_s)  # its members' leave, reconnect, and a few leases more
             state = c.state()
             assert len(state["members"]) == 150 and fakes.expelled() == 0, events_of(c, "failure")[:3]
             assert not events_of(c, "failure")
