@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -128,6 +129,9 @@ class RelayLink:
         self._floor = -1
         self.members: set[str] = set()
         self.heard_at = time.monotonic()
+        self.vouched_at = -math.inf
+        """Its members it does not list in ``unheard`` were heard at or after this (`m.Up`)."""
+        self.unheard: set[str] = set()
         self.forwarding = ""
         """Where the relay forwards for members behind NAT (`m.RelayHello.forwarding`)."""
 
