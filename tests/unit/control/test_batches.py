@@ -5,7 +5,6 @@ from __future__ import annotations
 from unbroken.control import messages as m
 from unbroken.control.batches import HEARD_WITHIN, REPORT_EVERY_S, Batches
 
-
 LEASE_S = 1.0
 
 
