@@ -57,8 +57,14 @@ class Relays:
         # Its summary: the members it holds were heard within ``heard_within`` before the
         # batch arrived, except those it names; their leases read it when they come due.
         within = min(up.heard_within, r.lease_s)
+        unheard = set(up.unheard)
+        for mid in unheard - link.unheard:
+            # No longer vouched for: its lease keeps what the last summary that did gave it
+            # (read lazily, a lapse due as its relay misses one heartbeat would be taken as final).
+            if (member := r.members.get(mid)) is not None and mid in link.members:
+                member.last_seen = max(member.last_seen, link.vouched_at)
         link.vouched_at = link.heard_at - within if within else -math.inf
-        link.unheard = set(up.unheard)
+        link.unheard = unheard
         # A member named with its new step was heard since the relay's last batch: counted
         # heard as the summary says, not when the batch came (a frozen member's last words
         # would otherwise buy it a tenth of a lease more).
@@ -149,11 +155,16 @@ class Relays:
         if self.links.get(link.relay_id) is link:
             del self.links[link.relay_id]
         sessions = self._coord.sessions
+        members = self._coord.membership.members
         for mid in link.members:
             session = sessions.get(mid)
             if isinstance(session, RelayedMember) and session.link is link:
                 del sessions[mid]
                 self.detached.add(mid)
+                # Its lease was renewed by the relay's summaries, read when due: it keeps the
+                # last one's, and reconnects within it.
+                if (member := members.get(mid)) is not None and mid not in link.unheard:
+                    member.last_seen = max(member.last_seen, link.vouched_at)
         link.members.clear()
 
     def pause(self, seconds: float) -> None:
