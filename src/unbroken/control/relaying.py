@@ -57,7 +57,7 @@ class Relays:
         # Its summary: the members it holds were heard within ``heard_within`` before the
         # batch arrived, except those it names; their leases read it when they come due.
         within = min(up.heard_within, r.lease_s)
-        unheard = set(up.unheard)
+        unheard = frozenset(up.unheard)
         for mid in unheard - link.unheard:
             # No longer vouched for: its lease keeps what the last summary that did gave it
             # (read lazily, a lapse due as its relay misses one heartbeat would be taken as final).

@@ -112,6 +112,10 @@ RELAY_CHALLENGES_KEPT = 1 << 16
 class RelayLink:
     """A relay's session: the members it speaks for, and when it was last heard."""
 
+    vouched_at = -math.inf
+    """Its members not in ``unheard`` were heard at or after this (its newest `m.Up` summary)."""
+    unheard: frozenset[str] = frozenset()
+
     def __init__(
         self,
         ws: web.WebSocketResponse,
@@ -129,9 +133,6 @@ class RelayLink:
         self._floor = -1
         self.members: set[str] = set()
         self.heard_at = time.monotonic()
-        self.vouched_at = -math.inf
-        """Its members it does not list in ``unheard`` were heard at or after this (`m.Up`)."""
-        self.unheard: set[str] = set()
         self.forwarding = ""
         """Where the relay forwards for members behind NAT (`m.RelayHello.forwarding`)."""
 

@@ -33,7 +33,6 @@ What is real and what is modelled:
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import re
 import time
@@ -189,8 +188,6 @@ class SimLink(RelayLink):
         self._floor = -1
         self.members: set[str] = set()
         self.heard_at = sim.clock.now
-        self.vouched_at = -math.inf
-        self.unheard: set[str] = set()
         self.forwarding = ""
 
 
@@ -423,8 +420,7 @@ class Simulation:
             self.epoch_cpu_s[epoch] = time.thread_time() - t0
 
     def leader_heard(self, link: SimLink, text: str) -> None:
-        arrived = self.clock.now
-        self.coordinator.submit(lambda: self._watched(lambda: self._relay_up(link, text, arrived)))
+        self.coordinator.submit(partial(self._watched, partial(self._relay_up, link, text, self.clock.now)))
 
     def relay_gone(self, link: SimLink) -> None:
         """A relay ended its link (`sessions.serve_relay`'s end)."""
@@ -437,8 +433,7 @@ class Simulation:
         up = m.parse_relay_message(text)
         if not isinstance(up, m.Up):
             raise AssertionError(f"{link.relay_id} sent its hello twice")
-        # When it arrived, not when a busy coordinator got to it: a batch waiting in the
-        # leader's own queue is no sign of a silent relay.
+        # When it arrived: a batch waiting in a busy leader's own queue is no sign of a silent relay.
         link.heard_at = max(link.heard_at, arrived)
         self.coord.relay_up(link, up, cast(web.Request, None))
         link.session.send(m.Ack(seq=up.seq))
