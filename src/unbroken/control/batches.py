@@ -10,17 +10,28 @@ batching itself holds no socket and no clock of its own, so the control-plane si
           ──▶ anything else: said, in order (urgent)         │       at once when urgent)
     ended ──▶ gone                                           ┘
     acked(seq) ──▶ the members' seqs that batch carried: their heartbeats are acknowledged
+
+Each batch sums its members' liveness up (DESIGN.md §2, "the leader sees zones"): every
+member whose session the relay holds was heard within ``HEARD_WITHIN`` leases, except those
+it lists, and only the members whose step changed are named with it. The leader renews a
+member's lease from its relay's newest summary when that lease comes due (`roster.Leases`),
+so a batch costs it the changes it carries, not one entry per member.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container
+import math
+from collections.abc import Collection
 
 from unbroken.control import messages as m
 
 REPORT_EVERY_S = 1.0
 """Members' routine progress reports go up this often (the newest of each); a report that
 opens an epoch or carries the loss curve goes up with the next batch."""
+HEARD_WITHIN = 0.35
+"""A batch vouches for the members heard within this many leases (members heartbeat every
+fifth of a lease): the leader counts them heard that long before the batch, so a frozen
+member's lease lapses about one lease after it was last heard, as a direct member's does."""
 BATCH_BYTES = 256 << 10
 """A batch is sent early once what it carries reaches this size (the leader caps messages)."""
 
@@ -55,6 +66,11 @@ class Batches:
         self._gone: list[m.Gone] = []
         self._sent: dict[int, dict[str, int]] = {}
         """Per batch sent up and not yet acknowledged: the members' seqs it carried."""
+        self._heard_at: dict[str, float] = {}
+        """Per member, a time at or before it was last heard (the batch before it was)."""
+        self._said_steps: dict[str, int] = {}
+        """Per member, the step the leader was last told (a batch names only changes)."""
+        self._taken_at = -math.inf
 
     def heard(self, member_id: str, msg: m.NodeMessage, size: int) -> bool:
         """A member's message (``size`` bytes on the wire); True: send a batch now."""
@@ -82,10 +98,13 @@ class Batches:
     def ended(self, member_id: str, reason: str) -> None:
         """A member's session with the relay ended: the leader hears it with the next batch."""
         self.unacked.pop(member_id, None)
+        self._heard_at.pop(member_id, None)
+        self._said_steps.pop(member_id, None)
         self._gone.append(m.Gone(member=member_id, reason=reason))
 
-    def take(self, now: float, members: Container[str]) -> list[m.Up]:
-        """The batches to send now (``members``: whose sessions the relay holds)."""
+    def take(self, now: float, members: Collection[str], lease_s: float) -> list[m.Up]:
+        """The batches to send now (``members``: whose sessions the relay holds; ``lease_s``:
+        the leader's lease)."""
         if now - self._reported_at >= REPORT_EVERY_S:
             self._reported_at = now
             for mid, (progress, size) in self._latest.items():
@@ -95,9 +114,18 @@ class Batches:
         self.seq += 1
         self._sent[self.seq] = {mid: self.unacked.get(mid, 0) for mid in self._alive if mid in members}
         self.unacked.clear()
+        changed: dict[str, int] = {}
+        for mid, step in self._alive.items():
+            if mid in members:
+                self._heard_at[mid] = self._taken_at  # heard since the last batch, at least
+                if self._said_steps.get(mid) != step:
+                    changed[mid] = self._said_steps[mid] = step
+        self._taken_at = now
+        within = HEARD_WITHIN * lease_s
+        unheard = [mid for mid in members if now - self._heard_at.get(mid, -math.inf) > within]
         parts = chunks(self._said, BATCH_BYTES)
-        ups = [m.Up(seq=self.seq, alive=list(self._alive), steps=list(self._alive.values()), said=parts[0],
-                    gone=self._gone)]  # fmt: skip
+        ups = [m.Up(seq=self.seq, alive=list(changed), steps=list(changed.values()), heard_within=within,
+                    unheard=unheard, said=parts[0], gone=self._gone)]  # fmt: skip
         self._alive, self._said, self._gone, self._said_bytes = {}, [], [], 0
         for said in parts[1:]:  # a burst (hellos after a failover) goes as several batches
             self.seq += 1
@@ -119,6 +147,9 @@ class Batches:
         self._gone.clear()
         self._latest.clear()
         self._sent.clear()
+        self._heard_at.clear()
+        self._said_steps.clear()
+        self._taken_at = -math.inf
         self._said_bytes = 0
 
     def _coalesced(self, mid: str, msg: m.Progress, size: int) -> tuple[m.Progress, int]:

@@ -219,9 +219,14 @@ class Up(_Msg):
     seq: Count
     """Acknowledged by the leader; the relay then acknowledges its members' heartbeats."""
     alive: Annotated[list[Name], Field(max_length=MAX_MEMBERS)] = []
-    """Members heard from since the last batch (a heartbeat or a report each)."""
+    """Members heard from since the last batch whose step changed since the relay last said it."""
     steps: Annotated[list[Count], Field(max_length=MAX_MEMBERS)] = []
     """Their steps, in the order of ``alive``."""
+    heard_within: Seconds = 0.0
+    """The summary of its members' liveness: every member whose session the relay holds was
+    heard within this many seconds before the batch was sent, except those in ``unheard``
+    (0: the batch vouches for none)."""
+    unheard: Annotated[list[Name], Field(max_length=MAX_MEMBERS)] = []
     said: Annotated[list[Said], Field(max_length=MAX_MEMBERS)] = []
     gone: Annotated[list[Gone], Field(max_length=MAX_MEMBERS)] = []
 

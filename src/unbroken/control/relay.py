@@ -331,7 +331,7 @@ class Relay(ThreadedService):
                 self._left_silent = True
                 await ws.close()
                 return
-            ups = self._batches.take(time.monotonic(), self._members)
+            ups = self._batches.take(time.monotonic(), self._members, self.lease_s)
             for up in ups:
                 await ws.send_str(auth.sealed(seal, m.encode(up)))
             self.batches_sent += len(ups)

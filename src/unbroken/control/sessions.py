@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -110,6 +111,10 @@ RELAY_CHALLENGES_KEPT = 1 << 16
 
 class RelayLink:
     """A relay's session: the members it speaks for, and when it was last heard."""
+
+    vouched_at = -math.inf
+    """Its members not in ``unheard`` were heard at or after this (its newest `m.Up` summary)."""
+    unheard: frozenset[str] = frozenset()
 
     def __init__(
         self,
