@@ -12,15 +12,17 @@ batching itself holds no socket and no clock of its own, so the control-plane si
     acked(seq) ──▶ the members' seqs that batch carried: their heartbeats are acknowledged
 
 Each batch sums its members' liveness up (DESIGN.md §2, "the leader sees zones"): every
-member whose session the relay holds was heard within ``HEARD_WITHIN`` leases, except those
-it lists, and only the members whose step changed are named with it. The leader renews a
+member whose session the relay holds was heard within ``heard_within`` seconds (the oldest
+such age, at most ``HEARD_WITHIN`` leases), except those it lists with how long ago each was
+heard, and only the members whose step changed are named with it. The leader renews a
 member's lease from its relay's newest summary when that lease comes due (`roster.Leases`),
-so a batch costs it the changes it carries, not one entry per member.
+so a batch costs it the changes it carries, not one entry per member; a member named unheard
+is counted heard exactly when the relay last heard it, so its lease lapses no earlier than a
+directly connected member's would.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection
 
 from unbroken.control import messages as m
@@ -30,8 +32,7 @@ REPORT_EVERY_S = 1.0
 opens an epoch or carries the loss curve goes up with the next batch."""
 HEARD_WITHIN = 0.35
 """A batch vouches for the members heard within this many leases (members heartbeat every
-fifth of a lease): the leader counts them heard that long before the batch, so a frozen
-member's lease lapses about one lease after it was last heard, as a direct member's does."""
+fifth of a lease); older ones it names with their ages."""
 BATCH_BYTES = 256 << 10
 """A batch is sent early once what it carries reaches this size (the leader caps messages)."""
 
@@ -67,15 +68,16 @@ class Batches:
         self._sent: dict[int, dict[str, int]] = {}
         """Per batch sent up and not yet acknowledged: the members' seqs it carried."""
         self._heard_at: dict[str, float] = {}
-        """Per member, a time at or before it was last heard (the batch before it was)."""
+        """Per member, when it was last heard (or first seen held, before it spoke)."""
         self._said_steps: dict[str, int] = {}
         """Per member, the step the leader was last told (a batch names only changes)."""
-        self._taken_at = -math.inf
 
-    def heard(self, member_id: str, msg: m.NodeMessage, size: int) -> bool:
-        """A member's message (``size`` bytes on the wire); True: send a batch now."""
+    def heard(self, member_id: str, msg: m.NodeMessage, size: int, now: float) -> bool:
+        """A member's message (``size`` bytes on the wire), heard at ``now``; True: send a
+        batch now."""
         if isinstance(msg, (m.Heartbeat, m.Progress)):
             self._alive[member_id] = msg.step
+            self._heard_at[member_id] = now
             if msg.seq:
                 self.unacked[member_id] = msg.seq
         if isinstance(msg, m.Progress):
@@ -88,6 +90,10 @@ class Batches:
         if isinstance(msg, m.Heartbeat):
             return False
         return self.tell(member_id, msg, size, urgent=True)
+
+    def last_heard(self, member_id: str) -> float | None:
+        """When the member's liveness was last heard here (None: not since its session began)."""
+        return self._heard_at.get(member_id)
 
     def tell(self, member_id: str, msg: m.NodeMessage, size: int, urgent: bool) -> bool:
         """Carry ``msg`` in the next batch; True: send a batch now."""
@@ -116,16 +122,23 @@ class Batches:
         self.unacked.clear()
         changed: dict[str, int] = {}
         for mid, step in self._alive.items():
-            if mid in members:
-                self._heard_at[mid] = self._taken_at  # heard since the last batch, at least
-                if self._said_steps.get(mid) != step:
-                    changed[mid] = self._said_steps[mid] = step
-        self._taken_at = now
+            if mid in members and self._said_steps.get(mid) != step:
+                changed[mid] = self._said_steps[mid] = step
         within = HEARD_WITHIN * lease_s
-        unheard = [mid for mid in members if now - self._heard_at.get(mid, -math.inf) > within]
+        oldest = 0.0
+        unheard: list[str] = []
+        ages: list[float] = []
+        for mid in members:
+            # A session held but silent so far was opened by a hello: heard then, or just before.
+            age = now - self._heard_at.setdefault(mid, now)
+            if age > within:
+                unheard.append(mid)
+                ages.append(age)
+            elif age > oldest:
+                oldest = age
         parts = chunks(self._said, BATCH_BYTES)
-        ups = [m.Up(seq=self.seq, alive=list(changed), steps=list(changed.values()), heard_within=within,
-                    unheard=unheard, said=parts[0], gone=self._gone)]  # fmt: skip
+        ups = [m.Up(seq=self.seq, alive=list(changed), steps=list(changed.values()), heard_within=oldest,
+                    unheard=unheard, unheard_s=ages, said=parts[0], gone=self._gone)]  # fmt: skip
         self._alive, self._said, self._gone, self._said_bytes = {}, [], [], 0
         for said in parts[1:]:  # a burst (hellos after a failover) goes as several batches
             self.seq += 1
@@ -149,7 +162,6 @@ class Batches:
         self._sent.clear()
         self._heard_at.clear()
         self._said_steps.clear()
-        self._taken_at = -math.inf
         self._said_bytes = 0
 
     def _coalesced(self, mid: str, msg: m.Progress, size: int) -> tuple[m.Progress, int]:

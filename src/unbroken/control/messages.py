@@ -224,9 +224,10 @@ class Up(_Msg):
     """Their steps, in the order of ``alive``."""
     heard_within: Seconds = 0.0
     """The summary of its members' liveness: every member whose session the relay holds was
-    heard within this many seconds before the batch was sent, except those in ``unheard``
-    (0: the batch vouches for none)."""
+    heard within this many seconds before the batch was sent, except those in ``unheard``."""
     unheard: Annotated[list[Name], Field(max_length=MAX_MEMBERS)] = []
+    unheard_s: Annotated[list[Seconds], Field(max_length=MAX_MEMBERS)] = []
+    """How long before the batch each of ``unheard`` was last heard, in its order."""
     said: Annotated[list[Said], Field(max_length=MAX_MEMBERS)] = []
     gone: Annotated[list[Gone], Field(max_length=MAX_MEMBERS)] = []
 

@@ -51,24 +51,22 @@ class Relays:
         that order: a member's last words come before its session's end; a relay reports no
         end of a session that a new one, whose hello it forwarded, replaces)."""
         coord = self._coord
-        now = coord.clock()
         ms = coord.membership
         r = ms.roster
         # Its summary: the members it holds were heard within ``heard_within`` before the
-        # batch arrived, except those it names; their leases read it when they come due.
+        # batch came, except those it names; their leases read it when they come due.
         within = min(up.heard_within, r.lease_s)
-        unheard = frozenset(up.unheard)
-        for mid in unheard - link.unheard:
-            # No longer vouched for: its lease keeps what the last summary that did gave it
-            # (read lazily, a lapse due as its relay misses one heartbeat would be taken as final).
+        link.vouched_at = link.heard_at - within
+        link.unheard = frozenset(up.unheard)
+        for mid, age in zip(up.unheard, up.unheard_s, strict=False):
+            # No longer vouched for: counted heard when the relay last heard it, so its lease
+            # lapses a lease after that, as a directly connected member's would.
             if (member := r.members.get(mid)) is not None and mid in link.members:
-                member.last_seen = max(member.last_seen, link.vouched_at)
-        link.vouched_at = link.heard_at - within if within else -math.inf
-        link.unheard = unheard
+                member.last_seen = max(member.last_seen, link.heard_at - age)
         # A member named with its new step was heard since the relay's last batch: counted
         # heard as the summary says, not when the batch came (a frozen member's last words
         # would otherwise buy it a tenth of a lease more).
-        heard = link.vouched_at if within else now
+        heard = link.vouched_at
         for mid, step in zip(up.alive, up.steps, strict=False):
             if mid in link.members:
                 step = step if ms.beyond(step) is None else 0  # alive, whatever it claims
@@ -106,7 +104,7 @@ class Relays:
                 before = member.last_seen if member is not None else 0.0
                 try:
                     coord.dispatch(session, msg)
-                    if isinstance(msg, m.Progress) and member is not None and within:
+                    if isinstance(msg, m.Progress) and member is not None:
                         # A routine report waits up to `batches.REPORT_EVERY_S` at the relay:
                         # it renews the lease no further than the summary says it was heard.
                         member.last_seen = max(before, min(member.last_seen, heard))
@@ -161,10 +159,12 @@ class Relays:
             if isinstance(session, RelayedMember) and session.link is link:
                 del sessions[mid]
                 self.detached.add(mid)
-                # Its lease was renewed by the relay's summaries, read when due: it keeps the
-                # last one's, and reconnects within it.
+                # Its lease was renewed by the relay's summaries, read when due. The last one
+                # said it was heard at most ``heard_within`` before it came: it is counted
+                # heard when that batch came, so its lease runs at least a lease from when
+                # it was last heard, to reconnect within.
                 if (member := members.get(mid)) is not None and mid not in link.unheard:
-                    member.last_seen = max(member.last_seen, link.vouched_at)
+                    member.last_seen = max(member.last_seen, link.heard_at)
         link.members.clear()
 
     def pause(self, seconds: float) -> None:

@@ -171,6 +171,11 @@ class Leases:
         self._queued[member_id] = seen
         heapq.heappush(self._heap, (seen, member_id))
 
+    def heard_at(self, member: Member, now: float) -> float:
+        """When the member was last heard, its relay's newest summary included (what the
+        dashboard shows: ``last_seen`` of a relayed member is brought up only when due)."""
+        return max(member.last_seen, min(self.vouched(member.member_id), now))
+
     def lapsed(self, members: dict[str, Member], now: float, lease_s: float) -> list[str]:
         """The members not heard from for more than ``lease_s``, the longest silent first."""
         out, back, heap = [], [], self._heap
@@ -182,7 +187,7 @@ class Leases:
                 del self._queued[mid]
                 continue
             if now - m.last_seen > lease_s:
-                m.last_seen = max(m.last_seen, min(self.vouched(mid), now))
+                m.last_seen = self.heard_at(m, now)
             if now - m.last_seen > lease_s:
                 out.append(mid)
             back.append(mid)  # one kept past its lease (it said it is done) is checked again

@@ -354,10 +354,11 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
                 raise ProtocolError(f"unexpected {raw.type.name} frame from relay {hello.relay_id}")
             if not coord.in_office() or coord.term != term:
                 break
+            read_at = time.monotonic()  # before parsing, which may wait for a thread
             up = await parse_off_loop(m.parse_relay_message, auth.opened(seal, raw.data), limit)
             if not isinstance(up, m.Up):
                 raise ProtocolError("a relay sent its hello twice")
-            link.heard_at = time.monotonic()
+            link.heard_at = read_at
             coord.relay_up(link, up, request)
             link.session.send(m.Ack(seq=up.seq))
     except ProtocolError as exc:

@@ -321,7 +321,7 @@ class SimRelay:
         if self.members.get(mid) is not node:
             return  # its session here ended
         msg = m.parse_node_message(text)
-        if self.batches.heard(mid, msg, len(text)):
+        if self.batches.heard(mid, msg, len(text), self.sim.clock.now):
             self._urgent()
 
     def closed(self, mid: str) -> None:
@@ -420,21 +420,22 @@ class Simulation:
             self.epoch_cpu_s[epoch] = time.thread_time() - t0
 
     def leader_heard(self, link: SimLink, text: str) -> None:
-        self.coordinator.submit(partial(self._watched, partial(self._relay_up, link, text, self.clock.now)))
+        self.coordinator.submit(partial(self._watched, partial(self._relay_up, link, text)))
 
     def relay_gone(self, link: SimLink) -> None:
         """A relay ended its link (`sessions.serve_relay`'s end)."""
         self.coord.relay_lost(link)
 
-    def _relay_up(self, link: SimLink, text: str, arrived: float) -> None:
+    def _relay_up(self, link: SimLink, text: str) -> None:
         """What `sessions.serve_relay` does with a relay's batch."""
         if self.coord.relays.links.get(link.relay_id) is not link:
             return  # the coordinator dropped this link (it found the relay silent)
+        # When its handler reads it, as the server's does: a batch waiting in a busy leader's
+        # queue is counted later than it came, which delays a frozen member's lapse, never hastens it.
+        link.heard_at = self.clock.now
         up = m.parse_relay_message(text)
         if not isinstance(up, m.Up):
             raise AssertionError(f"{link.relay_id} sent its hello twice")
-        # When it arrived: a batch waiting in a busy leader's own queue is no sign of a silent relay.
-        link.heard_at = max(link.heard_at, arrived)
         self.coord.relay_up(link, up, cast(web.Request, None))
         link.session.send(m.Ack(seq=up.seq))
 
