@@ -430,9 +430,7 @@ class Simulation:
         """What `sessions.serve_relay` does with a relay's batch."""
         if self.coord.relays.links.get(link.relay_id) is not link:
             return  # the coordinator dropped this link (it found the relay silent)
-        # When its handler reads it, as the server's does: a batch waiting in a busy leader's
-        # queue is counted later than it came, which delays a frozen member's lapse, never hastens it.
-        link.heard_at = self.clock.now
+        link.heard_at = self.clock.now  # when read, as the server does: a late read hastens no lapse
         up = m.parse_relay_message(text)
         if not isinstance(up, m.Up):
             raise AssertionError(f"{link.relay_id} sent its hello twice")
