@@ -10,17 +10,29 @@ batching itself holds no socket and no clock of its own, so the control-plane si
           ──▶ anything else: said, in order (urgent)         │       at once when urgent)
     ended ──▶ gone                                           ┘
     acked(seq) ──▶ the members' seqs that batch carried: their heartbeats are acknowledged
+
+Each batch sums its members' liveness up (DESIGN.md §2, "the leader sees zones"): every
+member whose session the relay holds was heard within ``heard_within`` seconds (the oldest
+such age, at most ``HEARD_WITHIN`` leases), except those it lists with how long ago each was
+heard, and only the members whose step changed are named with it. The leader renews a
+member's lease from its relay's newest summary when that lease comes due (`roster.Leases`),
+so a batch costs it the changes it carries, not one entry per member; a member named unheard
+is counted heard exactly when the relay last heard it, so its lease lapses no earlier than a
+directly connected member's would.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Collection
 
 from unbroken.control import messages as m
 
 REPORT_EVERY_S = 1.0
 """Members' routine progress reports go up this often (the newest of each); a report that
 opens an epoch or carries the loss curve goes up with the next batch."""
+HEARD_WITHIN = 0.35
+"""A batch vouches for the members heard within this many leases (members heartbeat every
+fifth of a lease); older ones it names with their ages."""
 BATCH_BYTES = 256 << 10
 """A batch is sent early once what it carries reaches this size (the leader caps messages)."""
 
@@ -55,11 +67,17 @@ class Batches:
         self._gone: list[m.Gone] = []
         self._sent: dict[int, dict[str, int]] = {}
         """Per batch sent up and not yet acknowledged: the members' seqs it carried."""
+        self._heard_at: dict[str, float] = {}
+        """Per member, when it was last heard (or first seen held, before it spoke)."""
+        self._said_steps: dict[str, int] = {}
+        """Per member, the step the leader was last told (a batch names only changes)."""
 
-    def heard(self, member_id: str, msg: m.NodeMessage, size: int) -> bool:
-        """A member's message (``size`` bytes on the wire); True: send a batch now."""
+    def heard(self, member_id: str, msg: m.NodeMessage, size: int, now: float) -> bool:
+        """A member's message (``size`` bytes on the wire), heard at ``now``; True: send a
+        batch now."""
         if isinstance(msg, (m.Heartbeat, m.Progress)):
             self._alive[member_id] = msg.step
+            self._heard_at[member_id] = now
             if msg.seq:
                 self.unacked[member_id] = msg.seq
         if isinstance(msg, m.Progress):
@@ -73,6 +91,10 @@ class Batches:
             return False
         return self.tell(member_id, msg, size, urgent=True)
 
+    def last_heard(self, member_id: str) -> float | None:
+        """When the member's liveness was last heard here (None: not since its session began)."""
+        return self._heard_at.get(member_id)
+
     def tell(self, member_id: str, msg: m.NodeMessage, size: int, urgent: bool) -> bool:
         """Carry ``msg`` in the next batch; True: send a batch now."""
         self._said.append((m.Said(member=member_id, msg=msg), size))
@@ -82,10 +104,13 @@ class Batches:
     def ended(self, member_id: str, reason: str) -> None:
         """A member's session with the relay ended: the leader hears it with the next batch."""
         self.unacked.pop(member_id, None)
+        self._heard_at.pop(member_id, None)
+        self._said_steps.pop(member_id, None)
         self._gone.append(m.Gone(member=member_id, reason=reason))
 
-    def take(self, now: float, members: Container[str]) -> list[m.Up]:
-        """The batches to send now (``members``: whose sessions the relay holds)."""
+    def take(self, now: float, members: Collection[str], lease_s: float) -> list[m.Up]:
+        """The batches to send now (``members``: whose sessions the relay holds; ``lease_s``:
+        the leader's lease)."""
         if now - self._reported_at >= REPORT_EVERY_S:
             self._reported_at = now
             for mid, (progress, size) in self._latest.items():
@@ -95,9 +120,25 @@ class Batches:
         self.seq += 1
         self._sent[self.seq] = {mid: self.unacked.get(mid, 0) for mid in self._alive if mid in members}
         self.unacked.clear()
+        changed: dict[str, int] = {}
+        for mid, step in self._alive.items():
+            if mid in members and self._said_steps.get(mid) != step:
+                changed[mid] = self._said_steps[mid] = step
+        within = HEARD_WITHIN * lease_s
+        oldest = 0.0
+        unheard: list[str] = []
+        ages: list[float] = []
+        for mid in members:
+            # A session held but silent so far was opened by a hello: heard then, or just before.
+            age = now - self._heard_at.setdefault(mid, now)
+            if age > within:
+                unheard.append(mid)
+                ages.append(age)
+            elif age > oldest:
+                oldest = age
         parts = chunks(self._said, BATCH_BYTES)
-        ups = [m.Up(seq=self.seq, alive=list(self._alive), steps=list(self._alive.values()), said=parts[0],
-                    gone=self._gone)]  # fmt: skip
+        ups = [m.Up(seq=self.seq, alive=list(changed), steps=list(changed.values()), heard_within=oldest,
+                    unheard=unheard, unheard_s=ages, said=parts[0], gone=self._gone)]  # fmt: skip
         self._alive, self._said, self._gone, self._said_bytes = {}, [], [], 0
         for said in parts[1:]:  # a burst (hellos after a failover) goes as several batches
             self.seq += 1
@@ -119,6 +160,8 @@ class Batches:
         self._gone.clear()
         self._latest.clear()
         self._sent.clear()
+        self._heard_at.clear()
+        self._said_steps.clear()
         self._said_bytes = 0
 
     def _coalesced(self, mid: str, msg: m.Progress, size: int) -> tuple[m.Progress, int]:

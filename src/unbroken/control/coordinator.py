@@ -119,7 +119,9 @@ class Coordinator(ThreadedService):
     def _new_membership(self) -> Membership:
         self._asked_vanished: set[tuple[int, tuple[str, ...]]] = set()
         """(epoch found, members missing) that members back were asked about (`_ask_who_vanished`)."""
-        return Membership(self.config.membership, now=self.clock(), recovering=True, policy=self.config.policy)
+        ms = Membership(self.config.membership, now=self.clock(), recovering=True, policy=self.config.policy)
+        ms.roster.leases.vouched = lambda mid: self.relays.vouched(mid)  # relays' summaries renew leases
+        return ms
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -331,7 +331,7 @@ class Relay(ThreadedService):
                 self._left_silent = True
                 await ws.close()
                 return
-            ups = self._batches.take(time.monotonic(), self._members)
+            ups = self._batches.take(time.monotonic(), self._members, self.lease_s)
             for up in ups:
                 await ws.send_str(auth.sealed(seal, m.encode(up)))
             self.batches_sent += len(ups)
@@ -425,7 +425,8 @@ class Relay(ThreadedService):
                 msg = await parse_off_loop(m.parse_node_message, auth.opened(seal, raw.data), limit)
                 if isinstance(msg, m.Hello):
                     raise ProtocolError("hello sent twice on one session")
-                if self._batches.heard(member.member_id, msg, len(raw.data)) and self._urgent is not None:
+                urgent = self._batches.heard(member.member_id, msg, len(raw.data), time.monotonic())
+                if urgent and self._urgent is not None:
                     self._urgent.set()
         except ProtocolError as exc:
             log.warning("relay %s: dropping a session: %s", self.relay_id, exc)

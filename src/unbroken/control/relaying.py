@@ -11,6 +11,7 @@ elsewhere within the grace their leases are extended by.
 from __future__ import annotations
 
 import logging
+import math
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -50,14 +51,27 @@ class Relays:
         that order: a member's last words come before its session's end; a relay reports no
         end of a session that a new one, whose hello it forwarded, replaces)."""
         coord = self._coord
-        now = coord.clock()
         ms = coord.membership
         r = ms.roster
+        # Its summary: the members it holds were heard within ``heard_within`` before the
+        # batch came, except those it names; their leases read it when they come due.
+        within = min(up.heard_within, r.lease_s)
+        link.vouched_at = link.heard_at - within
+        link.unheard = frozenset(up.unheard)
+        for mid, age in zip(up.unheard, up.unheard_s, strict=False):
+            # No longer vouched for: counted heard when the relay last heard it, so its lease
+            # lapses a lease after that, as a directly connected member's would.
+            if (member := r.members.get(mid)) is not None and mid in link.members:
+                member.last_seen = max(member.last_seen, link.heard_at - age)
+        # A member named with its new step was heard since the relay's last batch: counted
+        # heard as the summary says, not when the batch came (a frozen member's last words
+        # would otherwise buy it a tenth of a lease more).
+        heard = link.vouched_at
         for mid, step in zip(up.alive, up.steps, strict=False):
             if mid in link.members:
                 step = step if ms.beyond(step) is None else 0  # alive, whatever it claims
-                if not r.renewed(mid, step, now):
-                    ms.heartbeat(mid, step, now)
+                if not r.renewed(mid, step, heard):
+                    ms.heartbeat(mid, step, heard)
         for said in up.said:
             session = coord.sessions.get(said.member)
             msg = said.msg
@@ -86,8 +100,14 @@ class Relays:
                 if isinstance(joined, m.Refused):
                     link.session.send_text(m.down_text([msg.member_id], m.encode(joined)))
             elif isinstance(session, RelayedMember) and session.link is link:
+                member = r.members.get(said.member)
+                before = member.last_seen if member is not None else 0.0
                 try:
                     coord.dispatch(session, msg)
+                    if isinstance(msg, m.Progress) and member is not None:
+                        # A routine report waits up to `batches.REPORT_EVERY_S` at the relay:
+                        # it renews the lease no further than the summary says it was heard.
+                        member.last_seen = max(before, min(member.last_seen, heard))
                 except ProtocolError as exc:  # that member's lie, not its relay's
                     coord.drop(session, f"sent an invalid message: {exc}")
                 except Exception as exc:  # a bug met by one member's message: not its relay's fault
@@ -98,6 +118,18 @@ class Relays:
             if isinstance(session, RelayedMember) and session.link is link:
                 link.members.discard(gone.member)
                 coord.session_ended(session)
+
+    def vouched(self, member_id: str) -> float:
+        """When the member was last heard, as its relay's newest summary says (-inf: no relay
+        of the leader's vouches for it). A relay vouches only for members whose sessions it
+        holds here, and only while its link is the one in force."""
+        session = self._coord.sessions.get(member_id)
+        if not isinstance(session, RelayedMember):
+            return -math.inf
+        link = session.link
+        if self.links.get(link.relay_id) is not link or member_id not in link.members or member_id in link.unheard:
+            return -math.inf
+        return link.vouched_at
 
     def check(self, now: float) -> None:
         """A relay not heard from for half a lease (it sends ten batches a lease) is gone:
@@ -121,11 +153,18 @@ class Relays:
         if self.links.get(link.relay_id) is link:
             del self.links[link.relay_id]
         sessions = self._coord.sessions
+        members = self._coord.membership.members
         for mid in link.members:
             session = sessions.get(mid)
             if isinstance(session, RelayedMember) and session.link is link:
                 del sessions[mid]
                 self.detached.add(mid)
+                # Its lease was renewed by the relay's summaries, read when due. The last one
+                # said it was heard at most ``heard_within`` before it came: it is counted
+                # heard when that batch came, so its lease runs at least a lease from when
+                # it was last heard, to reconnect within.
+                if (member := members.get(mid)) is not None and mid not in link.unheard:
+                    member.last_seen = max(member.last_seen, link.heard_at)
         link.members.clear()
 
     def pause(self, seconds: float) -> None:

@@ -14,6 +14,7 @@ import heapq
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sortedcontainers import SortedList
@@ -146,6 +147,10 @@ class EpochSteps:
         return int(self._distinct[-2])
 
 
+def _never(member_id: str) -> float:
+    return -math.inf
+
+
 class Leases:
     """When each member was last heard, as a heap that the lease check reads from its oldest
     end: a check costs the members whose entry is over a lease old, not every member (at
@@ -157,10 +162,19 @@ class Leases:
         self._heap: list[tuple[float, str]] = []
         self._queued: dict[str, float] = {}
         """Each member's live entry (others in the heap are stale: dropped when reached)."""
+        self.vouched: Callable[[str], float] = _never
+        """When the member's relay last vouched that it was heard (`relaying.Relays.vouched`):
+        a relayed member's lease is renewed by its relay's summaries, read here only when its
+        entry comes due (once a lease), not on each of the relay's ten batches a lease."""
 
     def add(self, member_id: str, seen: float) -> None:
         self._queued[member_id] = seen
         heapq.heappush(self._heap, (seen, member_id))
+
+    def heard_at(self, member: Member, now: float) -> float:
+        """When the member was last heard, its relay's newest summary included (what the
+        dashboard shows: ``last_seen`` of a relayed member is brought up only when due)."""
+        return max(member.last_seen, min(self.vouched(member.member_id), now))
 
     def lapsed(self, members: dict[str, Member], now: float, lease_s: float) -> list[str]:
         """The members not heard from for more than ``lease_s``, the longest silent first."""
@@ -172,6 +186,8 @@ class Leases:
             if (m := members.get(mid)) is None:
                 del self._queued[mid]
                 continue
+            if now - m.last_seen > lease_s:
+                m.last_seen = self.heard_at(m, now)
             if now - m.last_seen > lease_s:
                 out.append(mid)
             back.append(mid)  # one kept past its lease (it said it is done) is checked again

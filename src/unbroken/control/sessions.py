@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -110,6 +111,10 @@ RELAY_CHALLENGES_KEPT = 1 << 16
 
 class RelayLink:
     """A relay's session: the members it speaks for, and when it was last heard."""
+
+    vouched_at = -math.inf
+    """Its members not in ``unheard`` were heard at or after this (its newest `m.Up` summary)."""
+    unheard: frozenset[str] = frozenset()
 
     def __init__(
         self,
@@ -349,10 +354,11 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
                 raise ProtocolError(f"unexpected {raw.type.name} frame from relay {hello.relay_id}")
             if not coord.in_office() or coord.term != term:
                 break
+            read_at = time.monotonic()  # before parsing, which may wait for a thread
             up = await parse_off_loop(m.parse_relay_message, auth.opened(seal, raw.data), limit)
             if not isinstance(up, m.Up):
                 raise ProtocolError("a relay sent its hello twice")
-            link.heard_at = time.monotonic()
+            link.heard_at = read_at
             coord.relay_up(link, up, request)
             link.session.send(m.Ack(seq=up.seq))
     except ProtocolError as exc:

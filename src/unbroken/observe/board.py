@@ -43,7 +43,7 @@ def members_json(ms: Membership, now: float) -> list[dict[str, Any]]:
                 "quarantined": mem.quarantined,
                 "checkpoint_error": mem.checkpoint_error,
                 "bytes_sent": {"intra_zone": mem.bytes_intra, "inter_zone": mem.bytes_inter},
-                "last_seen_s": round(now - mem.last_seen, 3),
+                "last_seen_s": round(now - ms.roster.leases.heard_at(mem, now), 3),
             }
         )
     return rows

@@ -109,6 +109,8 @@ class Chronicle:
                 )
 
     def _anomalies(self, found: list[Anomaly]) -> None:
+        if not found:  # the common case: each failure asks, and a name index costs every member
+            return
         ms = self._membership()
         by_name = {mem.name: mid for mid, mem in ms.members.items()}
         for a in found:

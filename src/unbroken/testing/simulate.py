@@ -290,7 +290,7 @@ class SimRelay:
             self.sim.net.send(self.to_leader, 0, lambda: self.sim.coordinator.submit(lambda: self.sim.relay_gone(link)))
             self.unlinked(link, "unacknowledged")
             return
-        for up in self.batches.take(now, self.members):
+        for up in self.batches.take(now, self.members, self.sim.config.lease_s):
             text = m.encode(up)
             self.process.send(self.sim.net, self.to_leader, len(text), partial(self.sim.leader_heard, link, text))
 
@@ -321,7 +321,7 @@ class SimRelay:
         if self.members.get(mid) is not node:
             return  # its session here ended
         msg = m.parse_node_message(text)
-        if self.batches.heard(mid, msg, len(text)):
+        if self.batches.heard(mid, msg, len(text), self.sim.clock.now):
             self._urgent()
 
     def closed(self, mid: str) -> None:
@@ -420,7 +420,7 @@ class Simulation:
             self.epoch_cpu_s[epoch] = time.thread_time() - t0
 
     def leader_heard(self, link: SimLink, text: str) -> None:
-        self.coordinator.submit(lambda: self._watched(lambda: self._relay_up(link, text)))
+        self.coordinator.submit(partial(self._watched, partial(self._relay_up, link, text)))
 
     def relay_gone(self, link: SimLink) -> None:
         """A relay ended its link (`sessions.serve_relay`'s end)."""
@@ -430,10 +430,10 @@ class Simulation:
         """What `sessions.serve_relay` does with a relay's batch."""
         if self.coord.relays.links.get(link.relay_id) is not link:
             return  # the coordinator dropped this link (it found the relay silent)
+        link.heard_at = self.clock.now  # when read, as the server does: a late read hastens no lapse
         up = m.parse_relay_message(text)
         if not isinstance(up, m.Up):
             raise AssertionError(f"{link.relay_id} sent its hello twice")
-        link.heard_at = self.clock.now
         self.coord.relay_up(link, up, cast(web.Request, None))
         link.session.send(m.Ack(seq=up.seq))
 

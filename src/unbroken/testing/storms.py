@@ -60,6 +60,8 @@ class Report:
     node_messages: int
     """Heartbeats, reports and hellos the relays heard in the window."""
     cpu_s: dict[str, float]
+    """CPU of the coordinator, the relays (summed, the busiest), and the garbage collections
+    inside the coordinator's handlers, left out of its figure (`unbroken.testing.virtual`)."""
     cpu_per_event_us: dict[str, float]
     """CPU per node message (``relay``, ``coordinator``) and per epoch change (``epoch``: the
     coordinator's handler that formed it)."""
@@ -177,7 +179,7 @@ def storms(
         raise ValueError(f"unknown event kinds {sorted(unknown)}: use {', '.join(KINDS)}")
     lease = sim.config.lease_s
     relays0 = [r.process.cpu_s for r in sim.relays]
-    coord0 = sim.coordinator.cpu_s
+    coord0, gc0 = sim.coordinator.cpu_s, sim.coordinator.gc_s
     msgs0, bytes0 = _traffic(sim)
     texts0 = sim.relay_texts
     formed0 = set(sim.epochs_formed)
@@ -232,7 +234,12 @@ def storms(
         events=len(happened),
         nodes_hit=sum(len(e.nodes) for e in happened),
         node_messages=texts,
-        cpu_s={"coordinator": coord_cpu, "relays": sum(relay_cpu), "relay_max": max(relay_cpu, default=0.0)},
+        cpu_s={
+            "coordinator": coord_cpu,
+            "relays": sum(relay_cpu),
+            "relay_max": max(relay_cpu, default=0.0),
+            "coordinator_gc_left_out": sim.coordinator.gc_s - gc0,
+        },
         cpu_per_event_us={
             "relay": 1e6 * sum(relay_cpu) / max(texts, 1),
             "coordinator": 1e6 * coord_cpu / max(texts, 1),

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from unbroken.control import messages as m
-from unbroken.control.batches import REPORT_EVERY_S, Batches
+from unbroken.control.batches import HEARD_WITHIN, REPORT_EVERY_S, Batches
+
+LEASE_S = 1.0
+NOW = 0.0
 
 
 def _progress(step: int, seq: int, **kw: object) -> m.Progress:
@@ -12,11 +17,11 @@ def _progress(step: int, seq: int, **kw: object) -> m.Progress:
 
 def test_liveness_goes_up_in_every_batch_and_each_seq_is_acknowledged_once_its_batch_is() -> None:
     b = Batches()
-    assert not b.heard("a", m.Heartbeat(seq=1, step=3), 40)
-    assert not b.heard("b", _progress(4, seq=7), 90)
-    (up,) = b.take(0.0, {"a", "b"})
+    assert not b.heard("a", m.Heartbeat(seq=1, step=3), 40, NOW)
+    assert not b.heard("b", _progress(4, seq=7), 90, NOW)
+    (up,) = b.take(0.0, {"a", "b"}, LEASE_S)
     assert dict(zip(up.alive, up.steps, strict=True)) == {"a": 3, "b": 4}
-    (empty,) = b.take(0.1, {"a", "b"})
+    (empty,) = b.take(0.1, {"a", "b"}, LEASE_S)
     assert empty.alive == [] and empty.seq == up.seq + 1
     assert b.acked(up.seq - 1) == []
     assert sorted(b.acked(empty.seq)) == [("a", 1), ("b", 7)]
@@ -25,24 +30,63 @@ def test_liveness_goes_up_in_every_batch_and_each_seq_is_acknowledged_once_its_b
 
 def test_routine_reports_are_coalesced_and_go_up_once_a_report_period() -> None:
     b = Batches()
-    b.take(0.0, {"a"})  # the first period starts
-    b.heard("a", _progress(1, seq=1), 90)
-    b.heard("a", _progress(2, seq=2), 90)
-    (up,) = b.take(0.1, {"a"})
+    b.take(0.0, {"a"}, LEASE_S)  # the first period starts
+    b.heard("a", _progress(1, seq=1), 90, NOW)
+    b.heard("a", _progress(2, seq=2), 90, NOW)
+    (up,) = b.take(0.1, {"a"}, LEASE_S)
     assert up.said == [], "a routine report waits for the report period"
-    (up,) = b.take(REPORT_EVERY_S + 0.1, {"a"})
+    (up,) = b.take(REPORT_EVERY_S + 0.1, {"a"}, LEASE_S)
     assert [(s.member, s.msg.step) for s in up.said] == [("a", 2)]  # type: ignore[union-attr]
     assert up.said[0].msg.seq == 0  # type: ignore[union-attr]  # its liveness went up in the list
 
 
 def test_anything_but_routine_liveness_asks_for_a_batch_now_and_an_ended_session_goes_up() -> None:
     b = Batches()
-    assert b.heard("a", _progress(1, seq=1, first_in_epoch=True), 90) is False  # with the next batch
-    assert b.heard("a", m.Leave(reason="bye"), 30) is True
+    assert b.heard("a", _progress(1, seq=1, first_in_epoch=True), 90, NOW) is False  # with the next batch
+    assert b.heard("a", m.Leave(reason="bye"), 30, NOW) is True
     b.ended("c", "its session with the relay ended")
-    (up,) = b.take(0.0, {"a"})
+    (up,) = b.take(0.0, {"a"}, LEASE_S)
     assert [type(s.msg).__name__ for s in up.said] == ["Progress", "Leave"]
     assert [g.member for g in up.gone] == ["c"]
     b.clear()
-    (up,) = b.take(0.1, {"a"})
+    (up,) = b.take(0.1, {"a"}, LEASE_S)
     assert up.said == [] and up.gone == [] and up.alive == []
+
+
+def test_a_batch_names_only_changed_steps_and_vouches_for_the_rest_except_the_unheard() -> None:
+    b = Batches()
+    period = LEASE_S / 10
+    held = {"a", "b", "c"}
+    t = period
+    for who in "abc":
+        b.heard(who, m.Heartbeat(seq=1, step=5), 40, t - 0.02)
+    (up,) = b.take(t, held, LEASE_S)
+    assert dict(zip(up.alive, up.steps, strict=True)) == {"a": 5, "b": 5, "c": 5}
+    assert up.heard_within == pytest.approx(0.02) and up.unheard == [], "the oldest age vouched for, measured"
+    # "a" says the same step, "b" a newer one, "c" falls silent.
+    while t < 2 * HEARD_WITHIN * LEASE_S:
+        t += period
+        b.heard("a", m.Heartbeat(seq=2, step=5), 40, t - 0.01)
+        b.heard("b", m.Heartbeat(seq=2, step=6), 40, t - 0.01)
+        (up,) = b.take(t, held, LEASE_S)
+        assert dict(zip(up.alive, up.steps, strict=True)) in ({"b": 6}, {}), "only a change is named"
+        assert up.heard_within <= HEARD_WITHIN * LEASE_S
+    assert up.unheard == ["c"], "a member not heard within the summary's window is named, the others vouched for"
+    assert up.unheard_s == [pytest.approx(t - (period - 0.02))], "with how long ago it was heard, exactly"
+    assert up.heard_within == pytest.approx(0.01)
+    (up,) = b.take(t + period, {"a", "b"}, LEASE_S)
+    assert "c" not in up.unheard, "only the members whose sessions it holds are summed up"
+    b.ended("b", "its session with the relay ended")
+    b.heard("b", m.Heartbeat(seq=1, step=6), 40, t + period)  # its new session, back at the same step
+    (up,) = b.take(t + 2 * period, {"a", "b"}, LEASE_S)
+    assert up.alive == ["b"], "a new session's step is named again"
+
+
+def test_a_summary_survives_the_wire() -> None:
+    b = Batches()
+    b.heard("a", m.Heartbeat(seq=1, step=2), 40, 0.0)
+    b.take(0.0, {"a"}, LEASE_S)
+    (up,) = b.take(1.0, {"a", "z"}, LEASE_S)  # "z": held, never heard: counted from when first seen
+    back = m.parse_relay_message(m.encode(up))
+    assert isinstance(back, m.Up) and back.unheard == ["a"] and back.unheard_s == [1.0]
+    assert back.heard_within == 0.0

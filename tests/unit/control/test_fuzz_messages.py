@@ -26,12 +26,23 @@ VALID = [
 ]
 
 
+def step_by_step(data: str | bytes) -> object:
+    """What the parser made of ``data`` before it read JSON and validated it in one pass:
+    ``json.loads``, then a strict validation of the Python objects (None: refused)."""
+    try:
+        return m._node_adapter.validate_python(json.loads(data), strict=True)
+    except (ValueError, RecursionError):  # JSON's errors and pydantic's are ValueErrors
+        return None
+
+
 def accept_or_refuse(data: str | bytes) -> None:
     try:
         msg = m.parse_node_message(data)
     except ProtocolError:
+        assert step_by_step(data) is None, "refused in one pass, accepted step by step"
         return
     assert msg.type in {"hello", "heartbeat", "progress", "fault", "leave", "done", "validation"}
+    assert msg == step_by_step(data), "read otherwise in one pass than step by step"
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
@@ -70,3 +81,11 @@ def test_deep_nesting_and_huge_numbers_are_refused(data: str) -> None:
     with pytest.raises(ProtocolError):
         m.parse_node_message(data)
     assert m.parse_node_message(HEARTBEAT + '9, "step": 0}').type == "heartbeat"
+
+
+@pytest.mark.parametrize("field, value", [("seq", "5"), ("seq", True), ("step", 2.0), ("step", "2")])
+def test_what_a_lax_reading_would_coerce_is_refused_in_one_pass_as_step_by_step(field: str, value: object) -> None:
+    msg = {**m.Heartbeat(seq=1, step=2).model_dump(), field: value}
+    with pytest.raises(ProtocolError, match=field):
+        m.parse_node_message(json.dumps(msg))
+    accept_or_refuse(json.dumps(msg))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 
@@ -93,3 +94,14 @@ def test_a_process_is_busy_for_the_cpu_its_handler_took_and_sends_when_done() ->
     assert arrived[0] >= 1.0 + 0.02 + 0.001, "what the handler sent left when it was done"
     assert server.cpu_s >= 0.02 and server.handled == 2
     assert server.longest_wait_s >= 0.02
+
+
+def test_a_garbage_collection_inside_a_handler_is_not_charged_to_it() -> None:
+    """In one process a collection walks the whole simulated world, not the server's heap."""
+    clock = VirtualClock()
+    server = Process(clock, "server")
+    world = [[i] for i in range(300_000)]  # the simulated nodes' objects, which a collection walks
+    server.submit(gc.collect)
+    clock.run_until(1.0)
+    assert server.handled == 1 and len(world) == 300_000
+    assert server.gc_s > 0 and server.cpu_s < server.gc_s / 5, (server.cpu_s, server.gc_s)
