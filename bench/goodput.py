@@ -722,7 +722,7 @@ def main() -> None:
         p.error(f"--rates {args.rates!r}: give seconds between faults, comma-separated, e.g. 30,10,5")
     if any(r <= 0 for r in rates):
         p.error(f"--rates {args.rates!r}: every interval must be positive seconds")
-    if not 0 <= args.spares < max(2, args.nodes):
+    if not 0 <= args.spares < args.nodes:
         p.error(f"--spares {args.spares}: give 0 to {args.nodes - 1} (at least one of --nodes {args.nodes} must train)")
     if SPARED in args.systems and args.nodes < 2:
         p.error(f"--systems {SPARED}: needs --nodes 2 or more (one trains, one stands by)")

@@ -166,6 +166,20 @@ POLL_DEVICE_S = 0.001
 """How often a wait on device work (`wait_polled`) looks again: it has no callback to wake it."""
 
 
+def posted(post: Callable[[], T], scope: EpochScope, what: str) -> T:
+    """``post()``'s work on a group, a backend's refusal to post failing it as a failed
+    collective does: an NCCL communicator that torch's watchdog aborted after a peer's
+    failure raises at the next post, before any wait could see the failure.
+
+    Raises:
+        CollectiveFailed: the backend refused the post.
+    """
+    try:
+        return post()
+    except torch.distributed.DistError as exc:
+        raise CollectiveFailed(f"{what} failed: {str(exc).splitlines()[0][:300]}").at(scope.where()) from exc
+
+
 def wait_polled(works: list[Any], scope: EpochScope, what: str, group: Any) -> None:
     """`wait_all` for an NCCL group's work: its futures are done as soon as the work is
     queued on the group's stream, so completion is polled (``is_completed`` asks the GPU,

@@ -123,29 +123,32 @@ def load_ranges(
     me: str,
     pieces: Sequence[tuple[int, int, Mapping[str, torch.Tensor]]],
     counts: Mapping[str, torch.Tensor] | None,
+    spans: Sequence[tuple[int, int, Purpose]] | None = None,
 ) -> None:
     """`ShardedModel.load`: the held ranges rebuilt from ``pieces`` (CPU tensors) on the
-    zone's shards device, with their optimizer state.
+    zone's shards device, with their optimizer state. The ranges: ``spans`` (start, end,
+    purpose), else those ``layout`` gives ``me``.
 
     Raises:
         TransferError: the pieces leave part of a held range uncovered.
     """
     elements, _ = zone.state_layout()
     rebuilt = []
-    for s, purpose in zone._held(layout, me):
-        flat = torch.full((s.end - s.start,), float("nan"))
-        state = {k: torch.empty(s.end - s.start) for k in elements}
+    held = [(s.start, s.end, purpose) for s, purpose in zone._held(layout, me)] if spans is None else spans
+    for start, end, purpose in held:
+        flat = torch.full((end - start,), float("nan"))
+        state = {k: torch.empty(end - start) for k in elements}
         covered = 0
         for a, b, bufs in pieces:
-            lo, hi = max(a, s.start), min(b, s.end)
+            lo, hi = max(a, start), min(b, end)
             if lo < hi:
-                flat[lo - s.start : hi - s.start] = bufs["values"][lo - a : hi - a]
+                flat[lo - start : hi - start] = bufs["values"][lo - a : hi - a]
                 for k in elements:
-                    state[k][lo - s.start : hi - s.start] = bufs[k][lo - a : hi - a]
+                    state[k][lo - start : hi - start] = bufs[k][lo - a : hi - a]
                 covered += hi - lo
-        if covered < s.end - s.start:
-            raise TransferError(f"{me}: only {covered:,} of the {s.end - s.start:,} elements of [{s.start}, {s.end})")
-        rebuilt.append((zone._holding(s.start, s.end, purpose, flat), state))
+        if covered < end - start:
+            raise TransferError(f"{me}: only {covered:,} of the {end - start:,} elements of [{start}, {end})")
+        rebuilt.append((zone._holding(start, end, purpose, flat), state))
     zone.holdings = [h for h, _ in rebuilt]
     zone.optimizer = zone._build_optimizer()
     if counts is not None:
@@ -160,9 +163,12 @@ def load_ranges(
 
 def move_ranges(zone: ShardedModel, placement: Placement) -> None:
     """`ShardedModel.place` where a device changes: the ranges and their optimizer state go
-    through the CPU (`export`, `load_ranges`), the model's parameters to the compute device."""
+    through the CPU (`export`, `load_ranges`), the model's parameters to the compute device.
+    What moves is what the member holds, which need not be its layout's (none after
+    `forget`; a re-shard cut short)."""
     zone.abandon()
     elements, _ = zone.state_layout()
+    spans = [(h.start, h.end, h.purpose) for h in zone.holdings]
     pieces = []
     for h in zone.holdings:
         part = zone.export(h.start, h.end)
@@ -173,7 +179,7 @@ def move_ranges(zone: ShardedModel, placement: Placement) -> None:
     move_model(zone.model, placement.compute)
     for p in zone.params:
         free(p)
-    load_ranges(zone, zone.layout, zone.me, pieces, counts)
+    load_ranges(zone, zone.layout, zone.me, pieces, counts, spans)
 
 
 def cross_sum(zone: ShardedModel, group: ProcessGroup, chunk: int) -> None:

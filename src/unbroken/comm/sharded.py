@@ -15,28 +15,23 @@ range and the ranges it is buddy for, each with its optimizer state (`Holding`).
               buddy copies take the same update from the same summed gradient, so a copy is
               bit-identical to its primary at every committed step (checked by `digests`)
 
-A loss of members is repaired by `reshard` on the survivors' next group: the plan of
-`unbroken.state.shards` says which live holder sends which range (values and optimizer
-state) to whom, and a range whose both holders died is reported for the caller to fetch
-from another zone or the checkpoint. Every wait is abortable (`EpochScope`), as the rest of
-the data plane's: a dead peer fails the collective in milliseconds, a frozen one at the
-scope's deadline or its abort.
+A loss of members is repaired by `reshard` on the survivors' next group (the plan of
+`unbroken.state.shards`: which live holder sends which range, values and optimizer state, to
+whom; a range both of whose holders died is the caller's to fetch elsewhere). Every wait is
+abortable (`EpochScope`): a dead peer fails it in milliseconds, a frozen one at the deadline.
 
-Why not FSDP2's `fully_shard`: its shards are even slices of every parameter's first
-dimension, so shards cannot follow each member's memory, and it has no second copy of a
-shard; re-sharding after a death would need the state of every rank, the dead one's too.
-What this engine takes from the same design: the per-block gather, the freeing of storage
-between uses, and the version counters left alone while a block's storage is refilled (the
-tensors autograd saved stay valid).
+Why not FSDP2's `fully_shard`: its shards are even slices of each parameter's first
+dimension (they cannot follow memory), with no second copy (a re-shard after a death would
+need the dead rank's state). Taken from it: the per-block gather, storage freed between
+uses, version counters untouched while a block's storage is refilled.
 
 Devices (`unbroken.comm.placement`): the ranges and the zone's collective buffers live on
 the ``shards`` device (a GPU under NCCL, else the CPU), the model's parameters on the
 ``compute`` one (a block staged between them where they differ); what leaves the zone
 (`export`: transfers, digests, shard files, the zones' sums) is on the CPU.
 
-Not yet here: buffers are kept whole on every member, never summed (a model with running
-statistics, BatchNorm's, is refused; `train.sharding` checks at each step that no buffer
-changed), and parameters shared between blocks.
+Not yet here: buffers summed (they are kept whole on every member; running statistics are
+refused) and parameters shared between blocks.
 """
 
 from __future__ import annotations
@@ -60,7 +55,7 @@ from unbroken.comm.blocks import (
     refuse_running_statistics,
     tensors_of,
 )
-from unbroken.comm.group import EpochScope, ProcessGroup, wait_all, wait_polled
+from unbroken.comm.group import EpochScope, ProcessGroup, posted, wait_all, wait_polled
 from unbroken.comm.placement import CPU, Placement
 from unbroken.comm.reshard import (
     cross_sum,
@@ -309,7 +304,8 @@ class ShardedModel:
             if who == self.me:
                 mine[: b - a] = self._collect(a, b)["values"]
         outputs = [[torch.empty(longest, device=self.device) for _ in range(self.group.size())]]
-        block.fetch = (self.group.allgather(outputs, [mine]), outputs, pieces)
+        if (work := self._post(lambda: self.group.allgather(outputs, [mine]), "gathering")) is not None:
+            block.fetch = (work, outputs, pieces)
 
     def _gather(self, block: Block) -> None:
         """The block's parameters from their primaries, into the block's own tensors."""
@@ -352,10 +348,9 @@ class ShardedModel:
         self.squares += float(torch.linalg.vector_norm(flat)) ** 2
         if self.spoil is not None:  # a hostile or broken member (`testing.faults`): its norm was the true one
             flat.mul_(self.spoil)
-        if self.failure is not None:
+        if self.failure is not None or (work := self._post(lambda: self.group.allreduce([flat]), "summing")) is None:
             return
-        # Summed while backward goes on; two sums in flight at most (each a block's gradient).
-        self._sums.append((self.group.allreduce([flat]), flat, block))
+        self._sums.append((work, flat, block))  # summed while backward goes on; two sums in flight at most
         while len(self._sums) > 2:
             self._complete_sum()
 
@@ -373,12 +368,17 @@ class ShardedModel:
                 piece.tensor.grad[a - piece.start : b - piece.start] += flat[a - block.start : b - block.start]
 
     def _wait(self, work: Any, what: str) -> None:
+        self._post(lambda: self.wait([work], what), what)
+
+    def _post(self, post: Callable[[], Any], what: str) -> Any:
+        """``post()``'s result; None where it failed under `defer` (the step is not applied)."""
         try:
-            self.wait([work], what)
+            return posted(post, self.scope, what)
         except (CollectiveFailed, EpochAborted) as exc:
             if not self.defer:
                 raise
             self.failure = exc
+            return None
 
     def wait(self, works: list[Any], what: str) -> None:
         """Wait for work of the zone's group, as its backend needs (`Placement.polled`)."""
@@ -390,7 +390,7 @@ class ShardedModel:
     def sum_over_zone(self, value: float, what: str) -> float:
         """``value`` summed over the zone's members (in float64)."""
         total = torch.tensor([value], dtype=torch.float64, device=self.device)
-        self.wait([self.group.allreduce([total])], what)
+        self.wait([posted(lambda: self.group.allreduce([total]), self.scope, what)], what)
         return float(total)
 
     def finish_backward(self) -> None:

@@ -283,7 +283,7 @@ class Membership:
         d.events.append(r.event(now, Kind.LEAVE, member_id, f"{m.name} leaves: {reason}{r.gone_with(last)}"))
         self.tribunal.trace(member_id, now)
         self._churned(m, now)
-        self.planner.vacated += m.role is Role.TRAINER
+        self.planner.left += m.role is Role.TRAINER
         if r.rank_of(member_id) is not None:
             m.state = MemberState.LEAVING
             # A failure already pending keeps its urgency: its step in flight must be abandoned.

@@ -63,7 +63,10 @@ class Planner:
         self.planned_times: dict[str, float] = {}
         self._next_review = now
         self.vacated = 0
-        """Trainers gone and not yet replaced: as many spares are wanted in the next plan."""
+        """Trainers failed and not yet replaced: as many spares are wanted in every plan until filled."""
+        self.left = 0
+        """Trainers that left since the last plan: as many spares are wanted in the next one only
+        (a trainer removed for good does not make a standby added days later train)."""
         self._stragglers: set[str] = set()
         """Members reported as stragglers under the plan in force."""
         self._straggling: dict[str, tuple[float, str]] = {}
@@ -109,7 +112,7 @@ class Planner:
             batch_size,
             [m.profile(now) for m in members],
             balance=self.balance,
-            spares_wanted=self.vacated,
+            spares_wanted=self.vacated + self.left,
             overhead_s=self._comm_s([m for m in members if m.role is Role.TRAINER]),
         )
         self.plan, self.shares = p, list(p.shares)
@@ -122,7 +125,8 @@ class Planner:
         filled = sum(
             1 for m, role in zip(members, p.roles, strict=True) if role is Role.TRAINER and m.role is not Role.TRAINER
         )
-        self.vacated = max(0, self.vacated - filled)
+        self.vacated = max(0, self.vacated - max(0, filled - self.left))
+        self.left = 0
         self._stragglers.clear()
         self._straggling.clear()
         for m, role, why in zip(members, p.roles, p.reasons, strict=True):

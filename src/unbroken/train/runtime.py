@@ -63,7 +63,7 @@ from unbroken.train.records import Records
 from unbroken.train.scale import KEY as SCALE_KEY
 from unbroken.train.scale import ScaleState
 from unbroken.train.session import Session, connect, finite, heard
-from unbroken.train.sharding import ShardedZone
+from unbroken.train.sharding import ShardedZone, memory_weight
 from unbroken.train.sidecar import Sidecar
 from unbroken.train.step import Slice, StepProtocol, flat_length
 from unbroken.train.throttle import parse_throttle
@@ -141,6 +141,7 @@ class Node:
         self.device = next(model.parameters()).device if own_loop else resolve_device(config.device)
         if self.zone is not None:  # its engine fills the model's own parameters where it computes
             self.zone.device = self.device
+            self.zone.weight = memory_weight(config.memory_limit, self.device)
         separate = False if own_loop or self.zone is not None else None
         self.replica = ComputeReplica(model, self.device, separate=separate)
         self.compute_buffers = list(self.replica.buffers()) if self.zone is None else []

@@ -87,11 +87,15 @@ log = logging.getLogger(__name__)
 MIB = 1 << 20
 
 
-def memory_weight(limit_bytes: int) -> int:
-    """The memory a node offers, in MiB: its ``--memory-limit``, else the machine's."""
+def memory_weight(limit_bytes: int, device: torch.device | None = None) -> int:
+    """The memory a node offers, in MiB: its ``--memory-limit``, else the machine's; on a GPU
+    the smaller of the machine's and the GPU's (a zone under NCCL keeps its shards there)."""
     if limit_bytes > 0:
         return max(1, limit_bytes // MIB)
-    return max(1, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // MIB)
+    offered = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if device is not None and device.type == "cuda":
+        offered = min(offered, torch.cuda.get_device_properties(device).total_memory)
+    return max(1, offered // MIB)
 
 
 class ShardedZone:

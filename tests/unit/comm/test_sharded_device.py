@@ -109,3 +109,40 @@ def test_a_member_killed_under_polled_waits_fails_the_step_and_the_survivors_res
     assert_matches({m: zones[m] for m in survivors}, reference(STEPS))
     assert all(z.placement is POLLED for m, z in zones.items() if m != "c")
     assert torch.isfinite(torch.cat([h.pieces[0].tensor for h in zones["a"].holdings])).all()
+
+
+class Aborted:
+    """A zone group whose communicator was aborted (as torch's NCCL watchdog does after a
+    peer's failure): every post of a sum raises, before any wait could see a failure."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def allreduce(self, *args: object, **kwargs: object) -> object:
+        raise torch.distributed.DistBackendError("NCCL communicator was aborted on rank 0")
+
+
+def test_a_post_the_backend_refuses_fails_the_step_as_a_failed_collective_does() -> None:
+    zones, models, _ = start(POLLED)
+    members = list(WEIGHTS)
+    train_steps(zones, models, members, range(2))
+    before = digests(zones)
+    for z in zones.values():
+        z.group = Aborted(z.group)  # type: ignore[assignment]
+    out = run(members, lambda m: train(zones[m], models[m], 2, even(members), m))
+    assert all(isinstance(v, CollectiveFailed) and "summing" in str(v) for v in out.values()), out
+    assert digests(zones) == before, "a failed step is not applied"
+
+
+def test_a_member_that_forgot_its_stale_ranges_moves_to_another_placement_holding_none() -> None:
+    """It missed a commit (`forget`) in the epoch a CPU member joined its GPU zone: the move
+    carries what it holds, nothing, and the re-shard gives it its ranges anew."""
+    zones, models, _ = start(Placement())
+    train_steps(zones, models, list(WEIGHTS), range(2))
+    stale = zones["b"]
+    stale.forget()
+    move_ranges(stale, POLLED)
+    assert stale.holdings == [] and stale.placement is POLLED

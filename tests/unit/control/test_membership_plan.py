@@ -558,6 +558,18 @@ def test_a_newcomer_that_trains_fills_the_place_a_lost_trainer_left() -> None:
     assert only_order(ms.tick(3.0 + JOIN_SETTLE_S)).roles == ["trainer", "trainer", "standby"]
 
 
+def test_a_trainer_that_left_opens_its_place_for_the_next_plan_only() -> None:
+    """A trainer removed for good while no spare was warm: a standby added later stays a spare."""
+    ms = Membership(MembershipConfig(lease_s=LEASE), now=0.0)
+    for mid in ("a", "b"):
+        ms.admit(hello(mid, 12), 0.0)
+    ms.tick(JOIN_SETTLE_S)
+    d = ms.leave("a", 1.0, "removed by its operator")
+    assert only_order(d if d.orders else ms.tick(1.0)).roles == ["trainer"]
+    ms.admit(hello("s", 12, role="standby"), 5.0)
+    assert only_order(ms.tick(5.0 + JOIN_SETTLE_S)).roles == ["trainer", "standby"]
+
+
 # ---------------------------------------------------------------- coordinator restart
 
 

@@ -257,3 +257,16 @@ def test_members_left_holding_no_ranges_wait_for_a_holder_rather_than_read_a_che
     with pytest.raises(RangesAbsent, match=r"lost every holder at step 95 \(a\)"):
         decide(spare, 95, NUMEL, 1)
     assert decide({"b": Report(1)}, 95, NUMEL, 1).restore, "a restarted job's members read their checkpoint"
+
+
+def test_a_gpu_member_offers_no_more_than_its_gpu_holds_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from unbroken.train.sharding import MIB, memory_weight
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=4 * 1024 * MIB))
+    host = memory_weight(0)
+    gpu = memory_weight(0, torch.device("cuda", 0))
+    assert gpu == min(host, 4 * 1024) == 4 * 1024, "the GPU is smaller than this machine"
+    assert memory_weight(0, torch.device("cpu")) == host
+    assert memory_weight(512 * 1024 * MIB, torch.device("cuda", 0)) == 512 * 1024, "--memory-limit decides"
