@@ -133,19 +133,20 @@ def zone_run(rank: int, n: int, port: int, kind: str, q: Any) -> None:
         os._exit(0)
 
 
-def zone(n: int, kind: str) -> dict[int, dict[str, Any]]:
+def spawn(n: int, target: Any, args: Any, what: str, timeout: float) -> dict[int, dict[str, Any]]:
+    """``target(*args(rank, port, queue))`` in ``n`` spawned processes; what each put."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=zone_run, args=(r, n, port, kind, q)) for r in range(n)]
+    procs = [ctx.Process(target=target, args=args(r, port, q)) for r in range(n)]
     for p in procs:
         p.start()
     out: dict[int, dict[str, Any]] = {}
     try:
         while len(out) < n:
-            what, rank, payload = q.get(timeout=240)
-            if what == "error":
-                raise RuntimeError(f"rank {rank} on {kind}:\n{payload}")
+            kind, rank, payload = q.get(timeout=timeout)
+            if kind == "error":
+                raise RuntimeError(f"rank {rank}{what}:\n{payload}")
             out[rank] = payload
     finally:
         for p in procs:
@@ -153,6 +154,10 @@ def zone(n: int, kind: str) -> dict[int, dict[str, Any]]:
             if p.is_alive():
                 p.kill()
     return out
+
+
+def zone(n: int, kind: str) -> dict[int, dict[str, Any]]:
+    return spawn(n, zone_run, lambda r, port, q: (r, n, port, kind, q), f" on {kind}", 240)
 
 
 def compare(n: int) -> bool:
@@ -216,24 +221,7 @@ def hung_peer(rank: int, port: int, q: Any) -> None:
 
 
 def hang() -> bool:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=hung_peer, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        while len(out) < 2:
-            what, rank, payload = q.get(timeout=120)
-            if what == "error":
-                raise RuntimeError(f"rank {rank}:\n{payload}")
-            out[rank] = payload
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    out = spawn(2, hung_peer, lambda r, port, q: (r, port, q), "", 120)
     print(f"  rank 0: {out[0]['left']}")
     print(f"  a new group of both, after the abort: sum = {out[0]['again']} (want 3.0 each)")
     return out[0]["left"].startswith("left after") and out[0]["again"] == [3.0] * 4
