@@ -40,9 +40,11 @@ def test_nodes_behind_relays_train_and_survive_a_relay_and_a_node_dying(make_clu
     """Two zones of two nodes, each zone behind its relay. Relay A is SIGKILLed at step 30:
     a1 and a2 reconnect to the leader and train on without failing or changing the epoch.
     b2 dies at step 60 behind relay B: its failure is seen at once. Every promise holds."""
-    # The lease stretches with the machine's load: what is judged is that relay A's death fails
-    # nobody, not whether a busy machine's heartbeats keep a 1 s lease (CI: a2 lapsed at 1.06 s).
-    c = make_cluster(env=ENV, min_nodes=4, node_args=["--digest-every", "1"], lease_s=round(min(slowdown(), 4.0), 2))
+    # The lease stretches with the machine's load (2 s at least): what is judged is that relay
+    # A's death fails nobody, not whether a busy machine's heartbeats keep a 1 s lease (CI: a2
+    # lapsed at 1.06 s, after the leader said step 50).
+    lease = round(max(2.0, min(slowdown(), 4.0)), 2)
+    c = make_cluster(env=ENV, min_nodes=4, node_args=["--digest-every", "1"], lease_s=lease)
     root = c.start_coordinator()
     relay_a = c.start_relay(zone="A")
     relay_b = c.start_relay(zone="B")
@@ -53,10 +55,13 @@ def test_nodes_behind_relays_train_and_survive_a_relay_and_a_node_dying(make_clu
     assert sorted(relay_state(relay_a)["members"]) == sorted(
         m["id"] for m in c.state()["members"] if m["name"].startswith("a")
     )
-    epoch = c.state()["epoch"]
+    killed_at = max(e["seq"] for e in c.events())
     c.relays[0][0].send_signal(signal.SIGKILL)
     c.wait_for(lambda: c.state()["step"] >= 50, 60, "step 50 after relay A died")
-    assert c.state()["epoch"] == epoch, events_of(c, "epoch")[-3:]  # nobody failed, nothing re-formed
+    # Nobody failed, nothing re-formed but for b2's death at step 60: the leader's step lags
+    # the nodes' (relayed reports), so by the time it says 50 the nodes may be past 60.
+    after = [e["reason"] for e in c.events() if e["kind"] == "epoch" and e["seq"] > killed_at]
+    assert all("b2 failed" in r for r in after), after
     codes = c.wait_exit(timeout=150)
     assert codes["a1"] == codes["a2"] == codes["b1"] == 0, c.diagnostics()
     failures = [e["reason"] for e in events_of(c, "failure")]
