@@ -153,13 +153,25 @@ def wait_all(works: list[Any], scope: EpochScope, what: str) -> None:
     for fut in futures:
         fut.add_done_callback(lambda _f: scope.wake.set())
     wait_until(lambda: all(f.done() for f in futures), scope, what)
+    _outcomes(works, scope, what)
+
+
+def _outcomes(works: list[Any], scope: EpochScope, what: str) -> None:
+    """Each finished work's outcome: the first that failed raised as `CollectiveFailed`,
+    named by its place among ``works``."""
     for i, work in enumerate(works):
         try:
             work.wait()
         except RuntimeError as exc:
             part = f" (part {i + 1} of {len(works)})" if len(works) > 1 else ""
-            failed = CollectiveFailed(f"{what}{part} failed: {str(exc).splitlines()[0][:300]}")
-            raise failed.at(scope.where()) from exc
+            raise _failed(f"{what}{part}", exc, scope) from exc
+
+
+def _failed(what: str, exc: BaseException, scope: EpochScope) -> CollectiveFailed:
+    """``exc`` (a backend's error, many lines long) as the failure of ``what``."""
+    failed = CollectiveFailed(f"{what} failed: {str(exc).splitlines()[0][:300]}")
+    failed.at(scope.where())
+    return failed
 
 
 POLL_DEVICE_S = 0.001
@@ -177,7 +189,7 @@ def posted(post: Callable[[], T], scope: EpochScope, what: str) -> T:
     try:
         return post()
     except torch.distributed.DistError as exc:
-        raise CollectiveFailed(f"{what} failed: {str(exc).splitlines()[0][:300]}").at(scope.where()) from exc
+        raise _failed(what, exc, scope) from exc
 
 
 def wait_polled(works: list[Any], scope: EpochScope, what: str, group: Any) -> None:
@@ -196,12 +208,7 @@ def wait_polled(works: list[Any], scope: EpochScope, what: str, group: Any) -> N
     except (EpochAborted, CollectiveFailed):
         abort_group(group)
         raise
-    for i, work in enumerate(works):
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            part = f" (part {i + 1} of {len(works)})" if len(works) > 1 else ""
-            raise CollectiveFailed(f"{what}{part} failed: {str(exc).splitlines()[0][:300]}").at(scope.where()) from exc
+    _outcomes(works, scope, what)
 
 
 def abort_group(group: Any) -> None:
@@ -308,7 +315,7 @@ def run_abortable(fn: Callable[[], T], scope: EpochScope, what: str) -> T:
     if "error" in box:
         exc = box["error"]
         if isinstance(exc, RuntimeError) and not isinstance(exc, UnbrokenError):
-            raise CollectiveFailed(f"{what} failed: {str(exc).splitlines()[0][:300]}").at(scope.where()) from exc
+            raise _failed(what, exc, scope) from exc
         if isinstance(exc, CollectiveFailed | TransferError):
             exc.at(scope.where())
         raise exc
