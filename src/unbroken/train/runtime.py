@@ -63,7 +63,7 @@ from unbroken.train.records import Records
 from unbroken.train.scale import KEY as SCALE_KEY
 from unbroken.train.scale import ScaleState
 from unbroken.train.session import Session, connect, finite, heard
-from unbroken.train.sharding import ShardedZone, memory_weight
+from unbroken.train.sharding import ShardedZone
 from unbroken.train.sidecar import Sidecar
 from unbroken.train.step import Slice, StepProtocol, flat_length
 from unbroken.train.throttle import parse_throttle
@@ -117,7 +117,12 @@ class Node:
         self.wake = threading.Event()
         keep_freed_memory()  # with UNBROKEN_MALLOC=kept
         model, optimizer = job.build()
-        self.zone = ShardedZone(job, model, optimizer, config.memory_limit, defer=own_loop) if job.shard else None
+        self.device = next(model.parameters()).device if own_loop else resolve_device(config.device)
+        self.zone = (
+            ShardedZone(job, model, optimizer, config.memory_limit, defer=own_loop, device=self.device)
+            if job.shard
+            else None
+        )
         """This node's part of a sharded zone (`train.sharding`); None: it holds the whole state."""
         scheduler, extra = job.build_scheduler(optimizer), job.build_state(model)
         self.scale = ScaleState(job.loss_scale) if job.loss_scale is not None else None
@@ -138,10 +143,7 @@ class Node:
         self.buffers = [b for b in model.buffers() if b.dtype.is_floating_point or b.dtype == torch.int64]
         self.buffers = self.buffers if self.zone is None else []
         self.own_loop = own_loop
-        self.device = next(model.parameters()).device if own_loop else resolve_device(config.device)
-        if self.zone is not None:  # its engine fills the model's own parameters where it computes
-            self.zone.device = self.device
-            self.zone.weight = memory_weight(config.memory_limit, self.device)
+        # A sharded zone's engine fills the model's own parameters where it computes.
         separate = False if own_loop or self.zone is not None else None
         self.replica = ComputeReplica(model, self.device, separate=separate)
         self.compute_buffers = list(self.replica.buffers()) if self.zone is None else []

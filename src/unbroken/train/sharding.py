@@ -65,7 +65,7 @@ from unbroken.comm.blocks import broadcast_model, refuse_running_statistics, res
 from unbroken.comm.codecs import make_codec
 from unbroken.comm.group import EpochGroup, EpochScope, ProcessGroup, build_nccl
 from unbroken.comm.outer_ranges import CodedSum
-from unbroken.comm.placement import Backend, MemberDevice, Placement, member_device, place
+from unbroken.comm.placement import CPU, Backend, MemberDevice, Placement, member_device, place
 from unbroken.comm.shard_files import complete_steps, prune_shards, restore_shards, save_shard
 from unbroken.comm.sharded import ShardedModel
 from unbroken.comm.solo import Solo
@@ -101,7 +101,16 @@ def memory_weight(limit_bytes: int, device: torch.device | None = None) -> int:
 class ShardedZone:
     """This node's part of a sharded zone (see the module's docstring)."""
 
-    def __init__(self, job: Job, model: nn.Module, optimizer: Any, memory_limit: int, *, defer: bool = False) -> None:
+    def __init__(
+        self,
+        job: Job,
+        model: nn.Module,
+        optimizer: Any,
+        memory_limit: int,
+        *,
+        defer: bool = False,
+        device: torch.device = CPU,
+    ) -> None:
         """``model`` and ``optimizer`` as the job built them (the model's values are this
         member's initial ranges at step 0; its parameters' storage is freed once sharded).
         ``defer``: a user's own loop runs forward and backward (`ShardedModel.defer`)."""
@@ -130,7 +139,7 @@ class ShardedZone:
         self.optimizer = optimizer
         """The optimizer as the job built it: its param groups' settings are replicated state
         (a scheduler moves them); the zone's own optimizer steps the ranges."""
-        self.weight = memory_weight(memory_limit)
+        self.weight = memory_weight(memory_limit, device)
         self.numel = sum(p.numel() for p in model.parameters())
         names = {id(p): n for n, p in model.named_parameters()}
         self.groups = [
@@ -186,7 +195,7 @@ class ShardedZone:
         """Several zones and a lossy ``--codec``: the zones' sum goes through it, range by range."""
         self.wire: Wire | None = None
         """The node's byte counts (the coded sum's bytes go with the step's)."""
-        self.device = torch.device("cpu")
+        self.device = device
         """Where this member computes (the node's ``--device``): said in its reports."""
 
     def make_optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
