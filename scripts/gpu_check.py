@@ -74,7 +74,7 @@ def sgd(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
 
 
-def zone_run(rank: int, n: int, port: int, kind: str, q: Any) -> None:
+def zone_run(rank: int, n: int, port: int, kind: str) -> dict[str, Any]:
     """``n`` members train STEPS steps computing on ``kind`` (cpu, cuda); what member ``rank`` holds."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
@@ -83,48 +83,53 @@ def zone_run(rank: int, n: int, port: int, kind: str, q: Any) -> None:
     from unbroken.comm.sharded import ShardedModel
     from unbroken.state.shards import layout_for
 
-    try:
-        torch.set_num_threads(1)
-        device = torch.device("cuda", rank % torch.cuda.device_count()) if kind == "cuda" else torch.device("cpu")
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if kind == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = TCPStore("127.0.0.1", port, n, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
+    members = [f"n{i}" for i in range(n)]
+    devices = {m: member_device(torch.device("cuda", i % torch.cuda.device_count()) if kind == "cuda" else
+                                torch.device("cpu")) for i, m in enumerate(members)}  # fmt: skip
+    placement = place(devices, members[rank], device)
+    scope = EpochScope(threading.Event(), lambda: None, 60.0)
+    group = gloo(store, "g/", rank, n)
+    built = ""
+    if placement.backend is Backend.NCCL:
+        t0 = time.perf_counter()
+        group = build_nccl(group, "nccl0", rank, n, device, scope)[0]
+        built = f"{(time.perf_counter() - t0) * 1e3:.0f} ms"
+    model = Model()
+    numel = sum(p.numel() for p in model.parameters())
+    zone = ShardedModel(
+        model, layout_for(numel, {m: 1 for m in members}), members[rank], {m: i for i, m in enumerate(members)},
+        group, scope, sgd, blocks=[model.embed, *model.layers, model.head],
+        placement=placement,
+    )  # fmt: skip
+    times = []
+    for step in range(STEPS):
+        t0 = time.perf_counter()
+        tokens = torch.randint(0, VOCAB, (B, CONTEXT + 1), generator=torch.Generator().manual_seed(step))
+        lo, hi = B * rank // n, B * (rank + 1) // n
+        x, y = tokens[lo:hi, :-1].to(device), tokens[lo:hi, 1:].to(device)
+        (F.cross_entropy(model(x).flatten(0, 1), y.flatten()) * ((hi - lo) / B)).backward()
+        zone.finish_backward()
+        zone.step()
         if device.type == "cuda":
-            torch.cuda.set_device(device)
-        store = TCPStore("127.0.0.1", port, n, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
-        members = [f"n{i}" for i in range(n)]
-        devices = {m: member_device(torch.device("cuda", i % torch.cuda.device_count()) if kind == "cuda" else
-                                    torch.device("cpu")) for i, m in enumerate(members)}  # fmt: skip
-        placement = place(devices, members[rank], device)
-        scope = EpochScope(threading.Event(), lambda: None, 60.0)
-        group = gloo(store, "g/", rank, n)
-        built = ""
-        if placement.backend is Backend.NCCL:
-            t0 = time.perf_counter()
-            group = build_nccl(group, "nccl0", rank, n, device, scope)[0]
-            built = f"{(time.perf_counter() - t0) * 1e3:.0f} ms"
-        model = Model()
-        numel = sum(p.numel() for p in model.parameters())
-        zone = ShardedModel(
-            model, layout_for(numel, {m: 1 for m in members}), members[rank], {m: i for i, m in enumerate(members)},
-            group, scope, sgd, blocks=[model.embed, *model.layers, model.head],
-            placement=placement,
-        )  # fmt: skip
-        times = []
-        for step in range(STEPS):
-            t0 = time.perf_counter()
-            tokens = torch.randint(0, VOCAB, (B, CONTEXT + 1), generator=torch.Generator().manual_seed(step))
-            lo, hi = B * rank // n, B * (rank + 1) // n
-            x, y = tokens[lo:hi, :-1].to(device), tokens[lo:hi, 1:].to(device)
-            (F.cross_entropy(model(x).flatten(0, 1), y.flatten()) * ((hi - lo) / B)).backward()
-            zone.finish_backward()
-            zone.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        state = {k: v.numpy() for k, v in zone.full_state().items()}
-        on = {str(piece.tensor.device) for h in zone.holdings for piece in h.pieces}
-        q.put(("done", rank, {
-            "state": state, "digests": zone.digests(), "placement": placement.reason, "shards_on": sorted(on),
-            "built": built, "step_ms": 1e3 * min(times[1:]),
-        }))  # fmt: skip
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    state = {k: v.numpy() for k, v in zone.full_state().items()}
+    on = {str(piece.tensor.device) for h in zone.holdings for piece in h.pieces}
+    return {
+        "state": state, "digests": zone.digests(), "placement": placement.reason, "shards_on": sorted(on),
+        "built": built, "step_ms": 1e3 * min(times[1:]),
+    }  # fmt: skip
+
+
+def child(target: Any, rank: int, q: Any, args: tuple[Any, ...]) -> None:
+    """A spawned process: ``target(*args)``'s result, or its error, put on ``q`` for rank ``rank``."""
+    try:
+        q.put(("done", rank, target(*args)))
     except BaseException:
         q.put(("error", rank, traceback.format_exc()))
     finally:
@@ -134,11 +139,11 @@ def zone_run(rank: int, n: int, port: int, kind: str, q: Any) -> None:
 
 
 def spawn(n: int, target: Any, args: Any, what: str, timeout: float) -> dict[int, dict[str, Any]]:
-    """``target(*args(rank, port, queue))`` in ``n`` spawned processes; what each put."""
+    """``target(*args(rank, port))`` in ``n`` spawned processes; what each returned."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=args(r, port, q)) for r in range(n)]
+    procs = [ctx.Process(target=child, args=(target, r, q, args(r, port))) for r in range(n)]
     for p in procs:
         p.start()
     out: dict[int, dict[str, Any]] = {}
@@ -157,7 +162,7 @@ def spawn(n: int, target: Any, args: Any, what: str, timeout: float) -> dict[int
 
 
 def zone(n: int, kind: str) -> dict[int, dict[str, Any]]:
-    return spawn(n, zone_run, lambda r, port, q: (r, n, port, kind, q), f" on {kind}", 240)
+    return spawn(n, zone_run, lambda r, port: (r, n, port, kind), f" on {kind}", 240)
 
 
 def compare(n: int) -> bool:
@@ -182,46 +187,39 @@ def compare(n: int) -> bool:
     return agree and diff < 1e-4
 
 
-def hung_peer(rank: int, port: int, q: Any) -> None:
+def hung_peer(rank: int, port: int) -> dict[str, Any]:
     """Rank 1 builds the group and never joins the sum; rank 0 must leave at its deadline."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     from unbroken.comm.group import EpochScope, build_nccl, wait_polled
     from unbroken.errors import CollectiveFailed
 
-    try:
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        store = TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
-        over = gloo(store, "g/", rank, 2)
-        scope = EpochScope(threading.Event(), lambda: None, 60.0)
-        pg = build_nccl(over, "nccl-a", rank, 2, device, scope)[0]
-        t = torch.ones(4, device=device)
-        if rank == 0:
-            t0 = time.perf_counter()
-            try:
-                wait_polled([pg.allreduce([t])], EpochScope(threading.Event(), lambda: None, 3.0), "summing", pg)
-                left = "the sum completed: rank 1 was meant to hang"
-            except CollectiveFailed as exc:
-                left = f"left after {time.perf_counter() - t0:.2f} s: {str(exc)[:100]}"
-        else:
-            left = "hung"
-        store.set(f"left/{rank}", "1")
-        store.wait([f"left/{1 - rank}"])
-        again = build_nccl(over, "nccl-b", rank, 2, device, scope)[0]
-        u = torch.full((4,), float(rank + 1), device=device)
-        wait_polled([again.allreduce([u])], scope, "summing again", again)
-        q.put(("done", rank, {"left": left, "again": u.tolist()}))
-    except BaseException:
-        q.put(("error", rank, traceback.format_exc()))
-    finally:
-        q.close()
-        q.join_thread()
-        os._exit(0)
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    store = TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
+    over = gloo(store, "g/", rank, 2)
+    scope = EpochScope(threading.Event(), lambda: None, 60.0)
+    pg = build_nccl(over, "nccl-a", rank, 2, device, scope)[0]
+    t = torch.ones(4, device=device)
+    if rank == 0:
+        t0 = time.perf_counter()
+        try:
+            wait_polled([pg.allreduce([t])], EpochScope(threading.Event(), lambda: None, 3.0), "summing", pg)
+            left = "the sum completed: rank 1 was meant to hang"
+        except CollectiveFailed as exc:
+            left = f"left after {time.perf_counter() - t0:.2f} s: {str(exc)[:100]}"
+    else:
+        left = "hung"
+    store.set(f"left/{rank}", "1")
+    store.wait([f"left/{1 - rank}"])
+    again = build_nccl(over, "nccl-b", rank, 2, device, scope)[0]
+    u = torch.full((4,), float(rank + 1), device=device)
+    wait_polled([again.allreduce([u])], scope, "summing again", again)
+    return {"left": left, "again": u.tolist()}
 
 
 def hang() -> bool:
-    out = spawn(2, hung_peer, lambda r, port, q: (r, port, q), "", 120)
+    out = spawn(2, hung_peer, lambda r, port: (r, port), "", 120)
     print(f"  rank 0: {out[0]['left']}")
     print(f"  a new group of both, after the abort: sum = {out[0]['again']} (want 3.0 each)")
     return out[0]["left"].startswith("left after") and out[0]["again"] == [3.0] * 4
