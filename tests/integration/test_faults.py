@@ -176,9 +176,8 @@ def test_all_nodes_killed_then_restarted_resume_from_checkpoint(make_cluster, tm
     # may find a newer one the new group wrote.
     first = min(restores, key=lambda e: e["t"])
     assert first["path"] == str(newest), (str(newest), restores)
-    # Written in the background at idle priority, but a write still running when the next is
-    # due is hurried: on a busy machine the newest is a few steps behind, never stuck at
-    # the first (which it was, at step 5 of 27, when the writer could starve).
+    # Written in the background: on a busy machine the newest is a few steps behind, never
+    # stuck at the first (which it was, at step 5 of 27, when the writer could starve).
     assert reached - 25 <= first["step"] <= reached + 5, (reached, restores)
     assert all(e["step"] % 5 == 0 and e["step"] >= first["step"] for e in restores), restores
     assert_promises(c, env, finishers=3)

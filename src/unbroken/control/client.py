@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import ssl
 import threading
 import time
@@ -144,6 +145,7 @@ class ControlClient:
         self.stall_timeout_s = stall_timeout_s
         self._loop_alive_at = clock()
         self._stall_reported = False
+        self._late_said_at = -math.inf
 
     def add_listener(self, listener: Listener) -> None:
         """Tell ``listener`` every notice from now on (see `Notice`)."""
@@ -489,7 +491,7 @@ class ControlClient:
                 await ws.close()
                 return
             if self._clock() - self.connection.counted_at < period:
-                await asyncio.sleep(period)  # a progress report just kept the lease: no heartbeat needed
+                await self._nap(period)  # a progress report just kept the lease: no heartbeat needed
                 continue
             stalled = self._clock() - self._loop_alive_at
             if stalled > self.stall_timeout_s:
@@ -501,7 +503,22 @@ class ControlClient:
             else:
                 self._stall_reported = False
                 self._queue.put_nowait(m.Heartbeat(seq=0, step=self.step))
-            await asyncio.sleep(period)
+            await self._nap(period)
+
+    async def _nap(self, period: float) -> None:
+        """Sleep ``period`` between heartbeats; say so when this thread woke much later (the
+        process did not run: a thread holding the GIL, or a machine too busy for the lease)."""
+        woke = self._clock() + period
+        await asyncio.sleep(period)
+        late = self._clock() - woke
+        if late > self.connection.lease_s / 2 and self._clock() - self._late_said_at > 60:
+            self._late_said_at = self._clock()
+            log.warning(
+                "the session woke %.2f s late for a heartbeat (lease %.1f s): this process did not "
+                "run; a machine this busy needs a longer lease (the coordinator's --lease)",
+                late,
+                self.connection.lease_s,
+            )
 
     async def _watch_leader(self, ws: aiohttp.ClientWebSocketResponse, period: float) -> None:
         """Leave a leader that stopped answering as soon as etcd shows it lost its lease (its

@@ -3,14 +3,18 @@
 The step loop only copies the state, at the step boundary, into buffers the checkpointer
 keeps from one checkpoint to the next (a memcpy: no allocation and no page faults on the
 step, which cost 6x the copy for a 400 MB state); serialising and writing run on a
-background thread, at a lower CPU priority than training, into a temporary file
-(``ckpt-<step>.pt.<pid>-<random>@<writer>.tmp``: a checkpointer started later on the same
-machine removes it if its writer died), fsynced, then renamed, so a file named
-``ckpt-<step>.pt`` is always complete. If the previous write is still running, the new
-checkpoint is skipped rather than blocking the step (its buffers are still being written
-from; the node reports it), and the running write is hurried back to the step loop's
-priority: on a machine whose cores training keeps busy, an idle-priority write would
-otherwise never end, and every later checkpoint would be skipped with it.
+background thread into a temporary file (``ckpt-<step>.pt.<pid>-<random>@<writer>.tmp``: a
+checkpointer started later on the same machine removes it if its writer died), fsynced,
+then renamed, so a file named ``ckpt-<step>.pt`` is always complete. If the previous write
+is still running, the new checkpoint is skipped rather than blocking the step (its buffers
+are still being written from; the node reports it).
+
+The writer keeps the step loop's CPU priority. A thread at idle priority (or nice +10)
+that shares the process's GIL holds the whole process up on a busy machine: preempted
+while it holds the GIL, or owed the GIL by a thread that dropped it (CPython makes the
+dropping thread wait until the requester takes it), it leaves the step loop and the
+session's heartbeats waiting until the scheduler grants it a core, which took 1 to 3 s
+beside CPU-bound neighbours and lapsed 1 s leases (a node expelled at every checkpoint).
 
 The file is what ``torch.save`` writes (``torch.load`` reads it), but where no core stood
 free since the last checkpoint its tensor bytes go straight from those buffers to the disk
@@ -72,8 +76,6 @@ log = logging.getLogger(__name__)
 Later = Callable[[torch.Tensor], bool]
 """Picks the tensors a capture may copy after the step goes on (`Checkpointer.save_async`)."""
 
-NICE = 10
-"""How much lower the writer thread's CPU priority is than the step loop's (Linux)."""
 KEEP = 3
 
 
@@ -100,8 +102,6 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._syncer: threading.Thread | None = None
         """The thread fsyncing a checkpoint written through the page cache (`_write`)."""
-        self._syncing: _Priority | None = None
-        """Its priority, lowered as the writer's was."""
         self._sync_cpu_s = 0.0
         """CPU the last fsync took on its thread."""
         self._arena: _Arena | Packed | None = None
@@ -118,9 +118,6 @@ class Checkpointer:
         """How long each capture held the step up (the copies not left to the writer)."""
         self.captured_s: list[float] = []
         """How long each capture's copies on the writer's thread took."""
-        self.hurried = 0
-        """Writes that were still running when the next checkpoint was due (`_hurry`)."""
-        self._writer: _Priority | None = None
         self._idle = directio.IdleCores()
         """Whether a core stood free since the last checkpoint: its write then goes through
         the page cache, whose copy costs training nothing there (`directio`)."""
@@ -147,7 +144,7 @@ class Checkpointer:
         `wait_captured`. The others are copied now."""
         if self.busy:
             self.skipped += 1
-            self._hurry()
+            self._overdue()
             return False
         self._start(self._write, tree, later, None)
         return True
@@ -164,7 +161,7 @@ class Checkpointer:
         """Start writing this node's erasure-coded fragments of ``tree`` (`unbroken.state.fragments`)."""
         if self.busy:
             self.skipped += 1
-            self._hurry()
+            self._overdue()
             return False
         self._start(self._write_fragments, shared(tree), later, k, m, mine, optimizer_in_digest)
         return True
@@ -173,9 +170,7 @@ class Checkpointer:
         """Lay out, on a thread, the buffers the next capture of a state like ``tree`` will
         fill (``fragments``: packed for that many data fragments), so that the step of the
         first checkpoint only copies, as later ones do: allocating and touching 400 MB took
-        that step 1 s or more. At the step loop's priority: the mapping's page faults hold
-        the process's memory map, and a thread starved at idle priority would hold up the
-        step loop's own allocations. A capture that finds another layout allocates its own."""
+        that step 1 s or more. A capture that finds another layout allocates its own."""
         if self.has_buffers:
             return
         # Only shapes and dtypes are wanted: no copy of a GPU state to the host.
@@ -211,20 +206,11 @@ class Checkpointer:
         if laying is not None:
             laying.join()
 
-    def _hurry(self) -> None:
-        """The next checkpoint is due and the last one is still being written: let the write
-        run at the step loop's priority (a write starved by busy cores would hold every later
-        checkpoint back)."""
+    def _overdue(self) -> None:
+        """The next checkpoint is due and the last one is still being written."""
         if self.direct and not self.direct[-1] and not self.overran:
             self.overran = True
             log.info("a checkpoint written through the page cache outlasted the checkpoint period: the next go past it")
-        syncing = self._syncing
-        if syncing is not None and self._syncer is not None and self._syncer.is_alive():
-            syncing.restore()
-        writer = self._writer
-        if writer is not None and writer.restore():
-            self.hurried += 1
-            log.info("the checkpoint being written is overdue: its writer runs at the step loop's priority now")
 
     def wait_captured(self) -> None:
         """Block until the last capture holds its own copy of every tensor."""
@@ -254,7 +240,6 @@ class Checkpointer:
         tensors = [t if later is not None and later(t) else t.clone() for t in tensors]
         self.staged_s.append(time.monotonic() - start)
         captured = self._captured = threading.Event()
-        self._writer = None  # the last write's thread has ended; this one lowers its own
 
         def run() -> None:
             try:
@@ -279,7 +264,6 @@ class Checkpointer:
     def _write_fragments(self, snap: dict[str, Any], k: int, m: int, mine: list[int], in_digest: bool) -> None:
         packed = self._arena
         assert isinstance(packed, Packed), "a fragments capture fills a packed buffer"
-        self._writer = _Priority.lower()
         start, cpu = time.monotonic(), time.thread_time()
         try:
             direct = self._direct(True)
@@ -293,7 +277,6 @@ class Checkpointer:
 
     def _write(self, snap: dict[str, Any]) -> None:
         step = int(snap["step"])
-        self._writer = _Priority.lower()
         start = time.monotonic()
         try:
             temp = directio.Temp(self._dir, checkpoint_path(self._dir, step).name)
@@ -314,12 +297,7 @@ class Checkpointer:
             self._finish(step, temp, start)
             return
 
-        writer = self._writer
-
         def sync() -> None:
-            # At the writer's lowered priority (inherited), hurried with it (`_hurry`).
-            if writer is not None:
-                self._syncing = _Priority(threading.get_native_id(), writer.policy, writer.nice)
             cpu = time.thread_time()
             try:
                 os.fsync(temp.fd)
@@ -529,64 +507,3 @@ class _Arena:
             if at % PAGE:
                 raise OSError(errno.EINVAL, f"a record at offset {at} is not page-aligned")
             directio.pwrite_all(fd, memory[base : base + n], at)
-
-
-class _Priority:
-    """The calling thread's CPU priority lowered below the step loop's, and the way back."""
-
-    def __init__(self, tid: int, policy: int, nice: int) -> None:
-        self.tid, self.policy, self.nice = tid, policy, nice
-        self._lock = threading.Lock()
-        self._lowered = True
-
-    @classmethod
-    def lower(cls) -> _Priority | None:
-        """Let the calling thread run only on a core training leaves idle (Linux schedules
-        threads one by one): ``SCHED_IDLE``, which a busy core grants about 0.3 % of its
-        time where nice +10 is still granted 10 %. ``SCHED_IDLE`` only where the thread may
-        leave it again (`restore`: root, or an ``RLIMIT_NICE`` that allows it); elsewhere nice
-        +10, which an unprivileged thread cannot undo but which never stops a write. None
-        where neither is possible."""
-        tid = threading.get_native_id()
-        try:
-            policy, nice = os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
-        except (AttributeError, OSError):
-            return None
-        if _may_raise_to(nice):
-            with contextlib.suppress(OSError):
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-                return cls(tid, policy, nice)
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice + NICE)
-        except OSError:
-            return None
-        return cls(tid, policy, nice)
-
-    def restore(self) -> bool:
-        """Back to the priority the thread had (once; False where that is not allowed, or
-        the thread ended)."""
-        with self._lock:
-            if not self._lowered:
-                return False
-            self._lowered = False
-            try:
-                os.sched_setscheduler(self.tid, self.policy, os.sched_param(0))
-                os.setpriority(os.PRIO_PROCESS, self.tid, self.nice)
-            except OSError:  # not permitted, or the write just ended
-                return False
-            return True
-
-
-def _may_raise_to(nice: int) -> bool:
-    """Whether this process may set a thread's nice value back to ``nice`` (Linux: as root,
-    or with an ``RLIMIT_NICE`` soft limit of at least 20 - nice; a lone ``CAP_SYS_NICE`` is
-    not looked for, and gets nice +10)."""
-    if os.geteuid() == 0:
-        return True
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
-    except (ImportError, AttributeError, OSError, ValueError):
-        return False
-    return soft == resource.RLIM_INFINITY or soft >= 20 - nice

@@ -538,65 +538,10 @@ def test_the_parameters_are_copied_while_the_next_step_computes_and_the_rest_at_
     assert torch.equal(back["model"]["weight"], weight) and torch.equal(back["model"]["running_mean"], mean)
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
-def test_the_writer_runs_only_where_training_leaves_a_core_idle(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    policies: list[tuple[str, int]] = []
-    real_save = torch.save
-
-    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        policies.append((threading.current_thread().name, os.sched_getscheduler(threading.get_native_id())))
-        real_save(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(ck.torch, "save", save)
-    c = Checkpointer(tmp_path)
-    c.save_async(snap(1))
-    c.close()
-    assert policies == [("checkpoint-writer", os.SCHED_IDLE)]
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER, "the step loop keeps its priority"
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
-def test_a_write_still_running_when_the_next_checkpoint_is_due_is_hurried(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # On cores that training keeps busy an idle-priority write never ends: each checkpoint
-    # after it would be skipped while the first waits.
-    policies: list[int] = []
-    due, release = threading.Event(), threading.Event()
-    real_save = torch.save
-
-    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        tid = threading.get_native_id()
-        policies.append(os.sched_getscheduler(tid))
-        due.set()
-        assert release.wait(5), "test never released the writer"
-        policies.append(os.sched_getscheduler(tid))
-        real_save(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(ck.torch, "save", save)
-    monkeypatch.setattr(ck, "_may_raise_to", lambda nice: True)
-    c = Checkpointer(tmp_path)
-    try:
-        assert c.save_async(snap(5))
-        assert due.wait(5)
-        assert c.hurried == 0
-        assert c.save_async(snap(10)) is False
-        assert c.hurried == 1
-        assert c.save_async(snap(15)) is False
-        assert c.hurried == 1, "hurried once"
-    finally:
-        release.set()
-        c.close()
-    assert policies == [os.SCHED_IDLE, os.SCHED_OTHER]
-    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 5)
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
-def test_a_writer_that_could_not_leave_idle_priority_is_niced_instead(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.skipif(not hasattr(os, "sched_getscheduler"), reason="Linux scheduling policies")
+def test_the_writer_keeps_the_step_loops_priority(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A writer at idle priority (or niced) that shares the GIL held the step loop and the
+    # heartbeats up for 1-3 s beside CPU-bound neighbours: 1 s leases lapsed at checkpoints.
     seen: list[tuple[int, int]] = []
     real_save = torch.save
 
@@ -606,12 +551,12 @@ def test_a_writer_that_could_not_leave_idle_priority_is_niced_instead(
         real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(ck.torch, "save", save)
-    monkeypatch.setattr(ck, "_may_raise_to", lambda nice: False)
     c = Checkpointer(tmp_path)
-    c.save_async(snap(1))
-    c.close()
-    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert seen == [(os.SCHED_OTHER, min(base + ck.NICE, 19))]
+    for step in (1, 2):
+        assert c.save_async(snap(step))
+        c.close()
+    mine = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    assert seen == [mine, mine]
 
 
 def test_the_first_checkpoints_buffers_are_laid_out_ahead_on_a_thread_of_their_own(
