@@ -88,6 +88,7 @@ class Hello(_Msg):
     identity: Identity | None = None
     """Set by a relay alone: the knock it took (the leader has a direct node's own)."""
     last_epoch: EpochNo = 0
+    """The newest epoch this node has heard of; epochs after a restart are numbered above it."""
     restored_epoch: EpochNo | None = None
     """The epoch of the checkpoint the node cold-started from (None: it did not): the
     job's epochs go on above it, and a cold start still waits for ``--min-nodes``."""
@@ -101,7 +102,6 @@ class Hello(_Msg):
     """It accepts no connection (NAT): peers reach it through a forwarder; it leads no zone (`sched.nat`)."""
     forwarding: Annotated[str, Field(max_length=300)] = ""
     """HOST:PORT where it forwards for members behind NAT (``--offer-forwarding``; empty: it does not)."""
-    """The newest epoch this node has heard of; epochs after a restart are numbered above it."""
 
 
 class Heartbeat(_Msg):
