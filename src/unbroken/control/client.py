@@ -506,19 +506,14 @@ class ControlClient:
             await self._nap(period)
 
     async def _nap(self, period: float) -> None:
-        """Sleep ``period`` between heartbeats; say so when this thread woke much later (the
-        process did not run: a thread holding the GIL, or a machine too busy for the lease)."""
-        woke = self._clock() + period
+        """Sleep ``period``; say when this thread woke much later (the process did not run: a
+        thread holding the GIL, or a machine too busy for the lease)."""
+        due = self._clock() + period
         await asyncio.sleep(period)
-        late = self._clock() - woke
-        if late > self.connection.lease_s / 2 and self._clock() - self._late_said_at > 60:
-            self._late_said_at = self._clock()
-            log.warning(
-                "the session woke %.2f s late for a heartbeat (lease %.1f s): this process did not "
-                "run; a machine this busy needs a longer lease (the coordinator's --lease)",
-                late,
-                self.connection.lease_s,
-            )
+        late, lease = self._clock() - due, self.connection.lease_s
+        if late > lease / 2 and due - self._late_said_at > 60:
+            self._late_said_at = due
+            log.warning("heartbeat %.2f s late (lease %.1f s): a machine this busy needs a longer --lease", late, lease)
 
     async def _watch_leader(self, ws: aiohttp.ClientWebSocketResponse, period: float) -> None:
         """Leave a leader that stopped answering as soon as etcd shows it lost its lease (its

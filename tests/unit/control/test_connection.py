@@ -4,8 +4,13 @@ fence it feeds (`ControlClient.commit_allowed`)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 
+import pytest
+
+import unbroken.control.client as client_module
 from unbroken.control import messages as m
 from unbroken.control.client import ControlClient, Notice
 from unbroken.control.connection import RTT_SAMPLES, Change, Connection, State
@@ -188,3 +193,27 @@ def test_the_client_tells_its_listeners_each_transition_once_and_unpolled_orders
     changes = [(n.old, n.new) for n in told if isinstance(n, Change)]
     assert changes == [(State.LOST, State.CONNECTED), (State.CONNECTED, State.SUSPENDED), (State.SUSPENDED, State.LOST)]
     assert [type(n) for n in told if not isinstance(n, Change)] == [m.Probe, m.Command]
+
+
+def test_a_heartbeat_that_woke_over_half_a_lease_late_is_said_once_a_minute(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A process that did not run (a thread holding the GIL, a machine too busy) loses its
+    # lease with nothing in its own log to say why: the session says it.
+    clock = Clock()
+    c, _, _ = client(clock)
+    c.connection.welcomed(welcome(lease_s=1.0), hello_sent=clock.t)
+    overslept = [0.1, 0.6, 0.6, 0.7]
+
+    async def sleep(s: float) -> None:
+        clock.t += s + overslept.pop(0)
+
+    monkeypatch.setattr(client_module.asyncio, "sleep", sleep)
+    with caplog.at_level(logging.WARNING, logger=client_module.log.name):
+        for _ in range(3):
+            asyncio.run(c._nap(0.2))
+        clock.t += 60
+        asyncio.run(c._nap(0.2))
+    late = [r.getMessage() for r in caplog.records if "late" in r.getMessage()]
+    said = "s late (lease 1.0 s): a machine this busy needs a longer --lease"
+    assert late == [f"heartbeat 0.60 {said}", f"heartbeat 0.70 {said}"]
