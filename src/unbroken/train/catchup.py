@@ -100,8 +100,10 @@ def catch_up(node: Node, g: EpochGroup, group_step: int) -> None:
         # back later from the lost steps) is never taken for the group's at its step.
         st.lineage = max(x[1] for x in said) + 1
         node.restored()
+        # No verdict refused this state (one that refused the state held before does not
+        # reach it), and the sync phase keeps it as the one a failed audit comes back to.
         node.audits.committed_epoch = node.audits.checkpoint_epoch = -1
-        node.audits.audited = None  # the next sync phase keeps this state as the one to come back to
+        node.audits.behind, node.audits.audited = False, None
         node.records.log(Entry.RESTORE, {"step": st.step, "path": str(path), "digest": st.digest(), "why": plan.reason})
     # Every member says it: the leader's step for the group goes back once all did.
     node.client.send(m.Report(kind=Kind.FALLBACK, step=plan.checkpoint, reason=plan.reason))
