@@ -34,7 +34,7 @@ from unbroken.state.catchup import plan_catch_up
 from unbroken.state.ckpt_files import checkpoint_steps, load_checkpoint
 
 if TYPE_CHECKING:
-    from unbroken.train.runtime import Node
+    from unbroken.train.views import CatchUpNode
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def newest_readable(
     return -1, None, None, bad
 
 
-def catch_up(node: Node, g: EpochGroup, group_step: int) -> None:
+def catch_up(node: CatchUpNode, g: EpochGroup, group_step: int) -> None:
     """The members of epoch ``g``, which starts behind the group's ``group_step``, go on
     from the newest checkpoint one of them reads, where it is newer than their best state;
     whatever is lost is said.
