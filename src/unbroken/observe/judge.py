@@ -118,10 +118,10 @@ class _Judge:
         self.restores: list[tuple[float, int]] = []
         self.rollbacks: list[_Rollback] = []
         self.trained: set[str] = set()
+        """Nodes that committed a step since they last restored a state."""
         self.lost: dict[int, frozenset[str]] = {}
         """Step index s → who took it with them: committed again later, after its first
         committers died with it, with no restore since (a run of them is more than the step in flight)."""
-        """Nodes that committed a step since they last restored a state."""
         self.final_digests: dict[str, str] = {}
         self.final_at: dict[str, tuple[int, float]] = {}
         self.top = 0
