@@ -412,13 +412,14 @@ class Roster:
         """What says so where the epoch in force (just formed, of ``order``) starts behind
         the group's step: no member is ``kept`` from the epoch before (those hold its state),
         every member that held it is gone (left, failed), and the best state here is older.
-        Its order carries the group's step (`lost_step`): the members compare their states
-        with the checkpoints they can read, and say what they went on from."""
+        Its order carries the group's step (`lost_step`) wherever no member said it holds
+        it, kept or not (one kept from an epoch that failed before its sync phase holds what
+        it held before): the members compare the states they hold and the checkpoints they
+        can read, and say what they went on from."""
         top = max((self.members[mid].step for mid in order if mid in self.members), default=0)
-        self.lost_step = 0
+        self.lost_step = self.step if top < self.step else 0
         if kept or top >= self.step:
             return []
-        self.lost_step = self.step
         why = (
             f"epoch {self.epoch} starts behind the group: it committed step {self.step} (as last reported) or "
             f"later, nobody holding it is here, and the best state here is step {top} (as last reported); its "

@@ -4,10 +4,12 @@ than a checkpoint in the members' --checkpoint-dir.
 
 In the sync phase, before the states are compared::
 
-    read      the newest checkpoint above this member's state and not above the group's
-              step, read whole here (it loads, holds this job's training state of its
-              step); a member whose file does not read claims the next one down
-    exchange  each member's step, its state's history and the step it read (-1: none)
+    states    each member's step and its state's history: where one holds the group's
+              step (the leader had not heard of it), nothing more happens
+    read      the newest checkpoint above the best state and not above the group's step,
+              read whole here (it loads, holds this job's training state of its step); a
+              member whose file does not read claims the next one down
+    claims    each member's step read (-1: none)
     decide    `unbroken.state.catchup.plan_catch_up`, the same on every member
     restore   the members that read the chosen checkpoint restore it, on a new history
               (`TrainState.lineage`), and log the restore; the sync phase that follows
@@ -32,6 +34,7 @@ from unbroken.control import messages as m
 from unbroken.events import Entry, Kind
 from unbroken.state.catchup import plan_catch_up
 from unbroken.state.ckpt_files import checkpoint_steps, load_checkpoint
+from unbroken.state.sync import abandoned
 
 if TYPE_CHECKING:
     from unbroken.train.views import CatchUpNode
@@ -80,12 +83,18 @@ def catch_up(node: CatchUpNode, g: EpochGroup, group_step: int) -> None:
     if group_step <= 0 or node.zone is not None or node.diloco is not None:
         return
     assert g.pg is not None
-    st = node.state
-    claim, path, snap, bad = newest_readable(node.config.checkpoint_dir, node.job.identity(), st.step, group_step)
+    st, scope = node.state, node.scope(during_step=False)
+    said = gather_values(g.pg, g.size, [st.step, st.lineage], scope, "states held")
+    steps, lineages = [x[0] for x in said], [x[1] for x in said]
+    live = max(abandoned(steps, lineages))
+    if live >= group_step:
+        return  # the leader had not heard of a member's step yet: the group holds its step
+    # Only now is a file read, and only one that would move the group forward.
+    claim, path, snap, bad = newest_readable(node.config.checkpoint_dir, node.job.identity(), live, group_step)
     for why in bad:
         log.warning("%s: %s: not used", node.name, why)
-    said = gather_values(g.pg, g.size, [st.step, st.lineage, claim], node.scope(during_step=False), "checkpoint claims")
-    plan = plan_catch_up([x[0] for x in said], [x[1] for x in said], [x[2] for x in said], group_step)
+    claims = [x[0] for x in gather_values(g.pg, g.size, [claim], scope, "checkpoint claims")]
+    plan = plan_catch_up(steps, lineages, claims, group_step)
     if plan.checkpoint < 0:
         if plan.lost is not None and g.rank == 0:  # one event for the group: every member decided the same
             node.client.send(m.Report(kind=Kind.ROLLBACK, step=plan.live, reason=plan.reason))
@@ -98,7 +107,7 @@ def catch_up(node: CatchUpNode, g: EpochGroup, group_step: int) -> None:
         st.restore(snap, own=True)
         # A history none had: a state from before (this epoch's others', or one of a member
         # back later from the lost steps) is never taken for the group's at its step.
-        st.lineage = max(x[1] for x in said) + 1
+        st.lineage = max(lineages) + 1
         node.restored()
         # No verdict refused this state (one that refused the state held before does not
         # reach it), and the sync phase keeps it as the one a failed audit comes back to.

@@ -1334,6 +1334,18 @@ def test_an_epoch_after_the_last_holder_failed_says_it_goes_back() -> None:
     assert only_order(d).group_step == 32
 
 
+def test_a_member_kept_from_an_epoch_that_never_synced_holds_no_state_of_the_group() -> None:
+    # The stale member joins while the lone holder is dying (a SIGKILLed process outlives
+    # the signal on a busy machine): their epoch never syncs, and the next keeps only it.
+    ms = lone_holder()
+    ms.admit(hello("b2", step=30), 0.72)
+    keep_alive(ms, 0.72 + JOIN_SETTLE_S, step=0)
+    assert only_order(ms.tick(0.72 + JOIN_SETTLE_S)).members == ["a", "b2"]
+    d = ms.fail("a", 0.72 + JOIN_SETTLE_S + 0.05, "control connection dropped")
+    d.merge(ms.tick(0.72 + JOIN_SETTLE_S + 0.05))
+    assert only_order(d).members == ["b2"] and only_order(d).group_step == 32
+
+
 def test_an_epoch_that_keeps_a_holder_of_the_groups_step_says_nothing_of_going_back() -> None:
     ms = formed(["a", "b"])
     keep_alive(ms, 0.4, step=12)
