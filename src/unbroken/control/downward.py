@@ -170,6 +170,10 @@ class EpochOrder(_Msg):
     """The zone leaders measure the rate between each pair of zones and report it (`Links`)."""
     rollback_to: Annotated[int, Field(ge=-1)] = -1
     """After a failed audit: members holding the state audited at this step go back to it."""
+    group_step: Count = 0
+    """Non-zero where no member of the epoch holds the group's last committed step (as the
+    leader heard it: this), every holder gone: the members compare their best state with
+    the checkpoints they can read (`unbroken.train.catchup`)."""
     refused: Annotated[list[Refusal], Field(max_length=REFUSALS_KEPT)] = []
     """The latest verdicts (a member back from a long absence must not offer a refused state)."""
     policy: PolicyMsg = PolicyMsg()

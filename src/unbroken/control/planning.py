@@ -172,6 +172,7 @@ class Planner:
             probe_links=bool(self.ring) and not self.links.complete(self.ring, now),
             policy=self.policy_for(members, checking),
             rollback_to=rollback_to,
+            group_step=r.lost_step,
             refused=refused,
             forwarders=forwarders([(m.forwarding, m.no_inbound) for m in members], sorted(r.relay_forwarders.values())),
             behind=[m.member_id for m in members if m.moved_behind],

@@ -364,6 +364,8 @@ class Roster:
         self.pending_due: float | None = None
         self.pending_urgent = False
         self.pending_reasons: dict[str, None] = {}
+        self.lost_step = 0
+        """The group's step where the epoch in force started behind it (`behind`; 0: it did not)."""
         self._went_back: tuple[int, dict[str, int]] = (0, {})
         """The epoch in force and the step each of its members said it went back to (`went_back`)."""
 
@@ -410,13 +412,18 @@ class Roster:
         """What says so where the epoch in force (just formed, of ``order``) starts behind
         the group's step: no member is ``kept`` from the epoch before (those hold its state),
         every member that held it is gone (left, failed), and the best state here is older.
-        The steps after it are trained again; the nodes' logs record no restore of it."""
+        Its order carries the group's step (`lost_step`) wherever no member said it holds
+        it, kept or not (one kept from an epoch that failed before its sync phase holds what
+        it held before): the members compare the states they hold and the checkpoints they
+        can read, and say what they went on from."""
         top = max((self.members[mid].step for mid in order if mid in self.members), default=0)
+        self.lost_step = self.step if top < self.step else 0
         if kept or top >= self.step:
             return []
         why = (
-            f"epoch {self.epoch} goes back to step {top}: the group committed step {self.step} (as last "
-            f"reported) or later, and nobody holding it is here; steps {top + 1}.. are trained again"
+            f"epoch {self.epoch} starts behind the group: it committed step {self.step} (as last reported) or "
+            f"later, nobody holding it is here, and the best state here is step {top} (as last reported); its "
+            "members look for a newer checkpoint"
         )
         return [Event(time=now, kind=Kind.ROLLBACK, member=None, epoch=self.epoch, step=self.step, reason=why)]
 

@@ -17,7 +17,9 @@ for each promise a user of the final model relies on, whether it held, with the 
   state received or restored) is the same.
 - ``final``: every node that finished holds the group's final digest, at the last step.
 - ``rollbacks``: each failed audit's rollback and each restart from a checkpoint that made
-  the group redo committed steps, with how many. The group going back to one step twice on
+  the group redo committed steps, with how many; and committed steps lost with the only
+  members that held them (more than the one step in flight: a run of them), trained again
+  from an older state with no restore. The group going back to one step twice on
   failed audits is a divergence that came back after its repair: the job had to stop.
 - ``halts``, ``quarantines``: from the events.
 
@@ -117,6 +119,9 @@ class _Judge:
         self.rollbacks: list[_Rollback] = []
         self.trained: set[str] = set()
         """Nodes that committed a step since they last restored a state."""
+        self.lost: dict[int, frozenset[str]] = {}
+        """Step index s → who took it with them: committed again later, after its first
+        committers died with it, with no restore since (a run of them is more than the step in flight)."""
         self.final_digests: dict[str, str] = {}
         self.final_at: dict[str, tuple[int, float]] = {}
         self.top = 0
@@ -216,6 +221,8 @@ class _Judge:
             rolled_back = any(prev[0] < rt < t and r <= s for rt, r in self.restores)
             gone = prev[2]
             if all(self.firsts[n].took(s) for n in gone):
+                if not rolled_back:
+                    self.lost[s] = gone
                 # The step in flight: its first committers died with it; their later digests
                 # were of a state nobody else ever held.
                 for later in [x for x in self.digests if x > s]:
@@ -449,23 +456,40 @@ class _Judge:
                 )
         if self.total[Promise.ROLLBACKS]:
             return self._check(Promise.ROLLBACKS, "", "a divergence came back after its repair")
+        lost = self._lost()
         noted = sorted(
             [Evidence(str(rb), node=rb.nodes[0], step=rb.step, epoch=rb.epoch, t=rb.t) for rb in shown]
+            + lost
             + [Evidence(f"audit verdict: {e.text}", e.node, e.step, e.epoch, e.t) for e in self.events[Kind.AUDIT]],
             key=lambda e: e.t or 0.0,
         )
         if not noted:
             return Check(Promise.ROLLBACKS, Status.OK, "none")
         redone = sum(rb.redone for rb in shown)
+        gone = f", {_n(len(lost), 'run')} of committed steps lost" if lost else ""
         return Check(
             Promise.ROLLBACKS,
             Status.NOTED,
             f"{_n(len(shown), 'rollback')}, {'each ' if len(shown) > 1 else ''}a repair "
-            f"({_n(redone, 'committed step')} redone), "
+            f"({_n(redone, 'committed step')} redone){gone}, "
             f"{_n(len(self.events[Kind.AUDIT]), 'audit verdict')}",
             noted[:KEPT],
             len(noted),
         )
+
+    def _lost(self) -> list[Evidence]:
+        """Runs of committed steps lost with the only members that held them and trained
+        again from an older state (`lost`): one step alone is the step in flight."""
+        out = []
+        for lo, hi in ranges([s + 1 for s in sorted(self.lost)]):
+            if hi > lo:
+                who = ", ".join(sorted(self.lost[lo - 1]))
+                text = (
+                    f"{who} died holding steps {lo}-{hi}, which no other member held, and no checkpoint was "
+                    f"restored: {hi - lo + 1} committed steps lost and trained again"
+                )
+                out.append(Evidence(text, node=who, step=lo, epoch=self.commits[lo - 1][1], t=self.commits[lo - 1][0]))
+        return out
 
     def _from_events(self, promise: Promise, kind: Kind, logged: bool) -> Check:
         if not logged:

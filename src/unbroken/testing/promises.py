@@ -18,7 +18,7 @@ import torch
 
 from unbroken.job import Job, StepInfo
 from unbroken.observe.judge import judge
-from unbroken.observe.verdict import Expect
+from unbroken.observe.verdict import Expect, Promise
 from unbroken.state.snapshot import TrainState
 from unbroken.train.step import slice_seed
 
@@ -30,6 +30,11 @@ class PromiseReport:
     """For each step index s (0-based), the epoch in which it was committed."""
     final_digests: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    rollbacks: list[str] = field(default_factory=list)
+    """What made the group redo committed steps, allowed or not: failed audits' rollbacks,
+    restarts from a checkpoint (with how many steps they redid), and committed steps lost
+    with the only members that held them (`unbroken.observe.judge`). Not problems: a job
+    whose every holder of its newest state died loses the steps since its newest checkpoint."""
 
     @property
     def ok(self) -> bool:
@@ -74,6 +79,7 @@ def check_promises(logs: Mapping[str, Iterable[dict[str, Any]]], job: Job, *, fi
         committed_in=verdict.committed_in,
         final_digests=verdict.final_digests,
         problems=verdict.problems,
+        rollbacks=[e.text for c in verdict.checks if c.promise is Promise.ROLLBACKS for e in c.evidence],
     )
 
 

@@ -51,6 +51,7 @@ from unbroken.job import Job
 from unbroken.specs import Mode, Role
 from unbroken.state.snapshot import TrainState, fingerprint
 from unbroken.train.audits import Audits
+from unbroken.train.catchup import catch_up
 from unbroken.train.checks import Checker
 from unbroken.train.compute import JobCompute
 from unbroken.train.device import Calibration, ComputeReplica, resolve_device
@@ -317,7 +318,7 @@ class Node:
                 return order
             try:
                 self._form(order)
-                self._sync()
+                self._sync(order)
                 yield from self._train()
             except Expelled as exc:
                 log.warning("%s: %s", self.name, exc)
@@ -423,7 +424,7 @@ class Node:
             self._flat = torch.zeros(flat_length(self.numel, max(2 * members, FLAT_MEMBERS)), dtype=torch.float32)
         return self._flat[:length]
 
-    def _sync(self) -> None:
+    def _sync(self, order: m.EpochOrder) -> None:
         """Compare (step, digest) across the group; whoever is behind or different catches up."""
         self.records.settle()  # a receiver's state is overwritten, a rollback's too
         if self.diloco is not None:
@@ -432,6 +433,7 @@ class Node:
         self.audits.refuse_if_recorded()
         g = self.group
         assert g is not None and g.pg is not None
+        catch_up(self, g, order.group_step)
         r = sync_state(
             g.pg, g.rank, g.size, self.state, self.scope(during_step=False), partial=self._partial,
             on_sent=functools.partial(self.faults.maybe_fire, "resync"), max_donors=self.config.max_donors,
@@ -590,8 +592,6 @@ class Node:
         self.records.log(Entry.LEFT, {"step": self.state.step})
         self._abandon()
         return NodeResult("left", self.state.step, self.state.digest(), self._epochs_formed)
-
-    # ---------------------------------------------------------------- plumbing
 
 
 def run_node(job: Job, config: NodeConfig, faults: Faults | None = None) -> NodeResult:

@@ -1319,7 +1319,9 @@ def test_a_last_holder_that_waited_in_vain_goes_and_the_next_epoch_says_it_goes_
     d = ms.tick(0.72 + JOIN_SETTLE_S)
     assert only_order(d).members == ["b2"]
     (back,) = [e for e in d.events if e.kind is Kind.ROLLBACK]
-    assert "goes back to step 30" in back.reason and "committed step 32" in back.reason, back.reason
+    assert "best state here is step 30" in back.reason and "committed step 32" in back.reason, back.reason
+    # Its members compare their states with their checkpoints (`unbroken.train.catchup`).
+    assert only_order(d).group_step == 32
 
 
 def test_an_epoch_after_the_last_holder_failed_says_it_goes_back() -> None:
@@ -1329,6 +1331,19 @@ def test_an_epoch_after_the_last_holder_failed_says_it_goes_back() -> None:
     d = ms.tick(0.72 + JOIN_SETTLE_S)
     assert only_order(d).members == ["b2"]
     assert [e.kind for e in d.events].count(Kind.ROLLBACK) == 1, d.events
+    assert only_order(d).group_step == 32
+
+
+def test_a_member_kept_from_an_epoch_that_never_synced_holds_no_state_of_the_group() -> None:
+    # The stale member joins while the lone holder is dying (a SIGKILLed process outlives
+    # the signal on a busy machine): their epoch never syncs, and the next keeps only it.
+    ms = lone_holder()
+    ms.admit(hello("b2", step=30), 0.72)
+    keep_alive(ms, 0.72 + JOIN_SETTLE_S, step=0)
+    assert only_order(ms.tick(0.72 + JOIN_SETTLE_S)).members == ["a", "b2"]
+    d = ms.fail("a", 0.72 + JOIN_SETTLE_S + 0.05, "control connection dropped")
+    d.merge(ms.tick(0.72 + JOIN_SETTLE_S + 0.05))
+    assert only_order(d).members == ["b2"] and only_order(d).group_step == 32
 
 
 def test_an_epoch_that_keeps_a_holder_of_the_groups_step_says_nothing_of_going_back() -> None:
@@ -1338,3 +1353,4 @@ def test_an_epoch_that_keeps_a_holder_of_the_groups_step_says_nothing_of_going_b
     d = ms.tick(0.5 + JOIN_SETTLE_S)
     assert only_order(d).members == ["a", "b", "c"]
     assert not [e for e in d.events if e.kind is Kind.ROLLBACK], d.events
+    assert only_order(d).group_step == 0

@@ -114,3 +114,27 @@ def test_replicas_that_differ_after_a_step_break_the_promise() -> None:
     b = [e for s in range(T) for e in step(1 + s, 1, s, "x1" if s == 1 else f"d{s}", (2, 2))] + [final(5, "d2")]
     report = check_promises({"a": a, "b": b}, JOB, finishers=2)
     assert report.problems == ["replicas differ after step 2: {'a': 'd1', 'b': 'x1'}"]
+
+
+def test_committed_steps_lost_with_their_only_holder_are_named_not_passed_over() -> None:
+    # "lone" trained steps 2 and 3 alone and died with them; "stale", expelled after step 1,
+    # came back and trained them again from its state of step 1, with no restore: allowed
+    # (every holder of the newest state is gone), but two committed steps were lost.
+    lone = [*step(1, 1, 0, "a0", (2, 2)), *step(2, 2, 1, "x1"), *step(3, 2, 2, "x2")]
+    stale = [*step(1, 1, 0, "a0", (0, 2)), {"t": 3.5, "kind": "expelled", "reason": "lease", "step": 1}]
+    stale += [*step(4, 3, 1, "b1"), *step(5, 3, 2, "b2"), final(6, "b2")]
+    report = check_promises({"lone": lone, "stale": stale}, JOB, finishers=1)
+    assert report.ok, report.problems
+    assert report.rollbacks == [
+        "lone died holding steps 2-3, which no other member held, and no checkpoint was restored: "
+        "2 committed steps lost and trained again"
+    ], report.rollbacks
+    # Gone back to a checkpoint of step 2 instead: only step 3 was redone, and the restore says so.
+    stale = [*step(1, 1, 0, "a0", (0, 2)), {"t": 3.5, "kind": "expelled", "reason": "lease", "step": 1}]
+    stale += [{"t": 3.9, "kind": "restore", "step": 2, "path": "ckpt-2.pt", "digest": "x1"}]
+    stale += [*step(5, 3, 2, "b2"), final(6, "b2")]
+    report = check_promises({"lone": lone, "stale": stale}, JOB, finishers=1)
+    assert report.ok, report.problems
+    assert report.rollbacks == [
+        "stale restarted from a checkpoint, ckpt-2.pt (step 2) after the group had reached step 3: 1 steps redone"
+    ], report.rollbacks

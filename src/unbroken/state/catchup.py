@@ -1,0 +1,74 @@
+"""When every holder of the group's newest state is gone: the newest checkpoint the members
+can read, against the best state a member holds.
+
+A job down to one trainer (the others expelled, benched, or joining later with older
+states) loses that trainer: the next epoch forms from members whose states are older than
+the group's last committed step. The leader says so in the order (``group_step``: that
+step, as it heard it), and the members compare their best state with the checkpoints they
+can read (`plan_catch_up`, the same on every member): the newest checkpoint above the best
+state, not above the group's step (a newer one is another run's: the group never moves to
+a step it did not commit), wins; the members that read it whole restore it, and the others
+take it from them in the sync phase. Where none is newer, the committed steps above the
+best state are lost and trained again, and the decision says how many.
+
+What a member says of its checkpoint is its claim only: it claims a step after reading the
+file itself (it loads, holds a training state of this job, of that step), and only it
+restores from that file (promise 8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from unbroken.events import BACK_TO_CHECKPOINT
+from unbroken.state.sync import abandoned
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """What the members of an epoch that starts behind the group do (`plan_catch_up`)."""
+
+    live: int
+    """The best step a member holds (of the newest history: `state.sync.abandoned`)."""
+    checkpoint: int = -1
+    """The checkpoint step to go back to (-1: none is newer than ``live``)."""
+    readers: tuple[int, ...] = ()
+    """The ranks that read it: each restores it from its own file."""
+    lost: tuple[int, int] | None = None
+    """The committed steps lost (first, last): those after the state the group goes on from
+    (None: none, the group's step as the leader heard it is held)."""
+
+    @property
+    def reason(self) -> str:
+        """What the job's log says of it (empty where the group goes on as it is)."""
+        if self.checkpoint < 0 and self.lost is None:
+            return ""
+        held = f"the best state here is step {self.live}"
+        if self.lost is None:
+            return f"{held}: {BACK_TO_CHECKPOINT} {self.checkpoint}, the group's last committed step; nothing is lost"
+        first, last = self.lost
+        gone = f"every member holding step {last} is gone"
+        count = f"{last - first + 1} committed, or more: as last reported"
+        steps = f"steps {first}..{last} ({count}) are lost and trained again"
+        if self.checkpoint >= 0:
+            return f"{gone} and {held}: {BACK_TO_CHECKPOINT} {self.checkpoint}, newer; {steps}"
+        return f"{gone}, {held} and no member can read a newer checkpoint: {steps}"
+
+
+def plan_catch_up(steps: Sequence[int], lineages: Sequence[int], claims: Sequence[int], group_step: int) -> CatchUp:
+    """Decide from each rank's committed step, its state's history (``lineages``,
+    `TrainState.lineage`) and the checkpoint step it read whole (``claims``, -1: none),
+    where the group last committed ``group_step`` (as the leader heard it).
+
+    A claim above ``group_step`` is passed over (another run's checkpoint); so is one not
+    above the best state (it would throw committed steps away)."""
+    if not steps or not len(steps) == len(lineages) == len(claims):
+        raise ValueError(f"one step, lineage and claim per rank: {len(steps)}, {len(lineages)}, {len(claims)}")
+    live = max(abandoned(steps, lineages))
+    newer = [c for c in claims if live < c <= group_step]
+    if not newer:
+        return CatchUp(live, lost=(live + 1, group_step) if group_step > live else None)
+    back = max(newer)
+    readers = tuple(r for r, c in enumerate(claims) if c == back)
+    return CatchUp(live, back, readers, (back + 1, group_step) if group_step > back else None)
