@@ -134,7 +134,8 @@ def worker(target: Any, rank: int, n: int, port: int, args: argparse.Namespace, 
 def ours(rank: int, n: int, port: int, args: argparse.Namespace, q: Any, victim: int) -> None:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    from unbroken.comm.group import EpochScope, build_nccl
+    from unbroken.comm.group import EpochScope
+    from unbroken.comm.nccl import build_nccl, nccl_environment
     from unbroken.comm.placement import Backend, member_device, place
     from unbroken.comm.sharded import ShardedModel
     from unbroken.errors import CollectiveFailed, EpochAborted
@@ -145,6 +146,7 @@ def ours(rank: int, n: int, port: int, args: argparse.Namespace, q: Any, victim:
         device = device_of(rank, args.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            nccl_environment()  # as a node does at its start
         store = TCPStore("127.0.0.1", port, n, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
         members = [f"n{i}" for i in range(n)]
         me = members[rank]
