@@ -49,6 +49,12 @@ The heartbeat monitor would kill a process whose watchdog waits in an abort: off
 OUTCOME_BYTES = 1024
 """The most of rank 0's failure that its outcome carries (`build_nccl`)."""
 
+_COSTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "a collective past its timeout may end this whole process, not only the epoch",
+    "TORCH_NCCL_ENABLE_MONITORING": "torch's heartbeat monitor may end a process whose watchdog waits in an abort",
+}
+"""What a user's own setting of each costs (said when it is kept)."""
+
 _environment_lock = threading.Lock()
 _environment_set = False
 
@@ -74,12 +80,6 @@ def nccl_environment(environ: MutableMapping[str, str] | None = None) -> dict[st
             key, value, NCCL_ENV[key], _COSTS[key],
         )  # fmt: skip
     return theirs
-
-
-_COSTS = {
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "a collective past its timeout may end this whole process, not only the epoch",
-    "TORCH_NCCL_ENABLE_MONITORING": "torch's heartbeat monitor may end a process whose watchdog waits in an abort",
-}
 
 
 class Built(NamedTuple):
@@ -196,11 +196,15 @@ def build_nccl(over: ProcessGroup, name: str, rank: int, size: int, device: torc
             outcome[: len(said)] = torch.frombuffer(bytearray(said), dtype=torch.uint8)
         wait_all([over.broadcast(outcome, 0)], scope, what)
     else:
-        heard = over.broadcast(outcome, 0).get_future()
+        work = over.broadcast(outcome, 0)
+        heard = work.get_future()
         heard.add_done_callback(lambda _f: scope.wake.set())
 
         def rank_zero_failed() -> None:
-            if heard.done() and (theirs := bytes(outcome.tolist()).rstrip(b"\0").decode(errors="replace")):
+            if not heard.done():
+                return
+            wait_all([work], scope, what)  # done: raises where the broadcast itself failed
+            if theirs := bytes(outcome.tolist()).rstrip(b"\0").decode(errors="replace"):
                 raise CollectiveFailed(f"{what} failed on rank 0: {theirs}").at(scope.where())
 
         wait_until(lambda: bool(result) or heard.done(), scope, what)

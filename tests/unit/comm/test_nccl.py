@@ -36,7 +36,9 @@ class Stand:
 
     refuse: tuple[int, bool] | None = None
     built: ClassVar[list[int]] = []
-    connected: threading.Barrier | None = None
+    connected: ClassVar[threading.Barrier]
+    """The ranks of one build (`each` makes a class of its own for each: a build a test left
+    waiting must not take a place in the next test's)."""
 
     class Options:
         def __init__(self) -> None:
@@ -54,8 +56,7 @@ class Stand:
         self.id = bytes(self.store.get("0"))
         if refuse == (self.rank, False):
             raise RuntimeError("NCCL error: unhandled cuda error")
-        assert Stand.connected is not None
-        Stand.connected.wait(DEADLINE_S * 2)  # a rank that failed never comes: NCCL waits on
+        self.connected.wait(DEADLINE_S * 2)  # a rank that failed never comes: NCCL waits on
         Stand.built.append(self.rank)
 
 
@@ -74,8 +75,12 @@ def scope() -> EpochScope:
 
 
 def each(size: int, fn: Callable[[int], Any]) -> dict[int, Any]:
-    """``fn(rank)`` on a thread per rank: what each returned or raised, and when."""
-    Stand.connected = threading.Barrier(size)
+    """``fn(rank)`` on a thread per rank, their builds meeting on a barrier of their own:
+    what each returned or raised, and when."""
+    import torch.distributed as dist
+
+    meeting: type[Stand] = type("Stand", (Stand,), {"connected": threading.Barrier(size)})
+    dist.ProcessGroupNCCL = meeting  # type: ignore[attr-defined]
     out: dict[int, Any] = {}
 
     def target(rank: int) -> None:
