@@ -84,6 +84,15 @@ def device_of(rank: int, kind: str) -> torch.device:
     return torch.device("cuda", rank % torch.cuda.device_count()) if kind == "cuda" else torch.device("cpu")
 
 
+def placement_of(rank: int, n: int, kind: str) -> Any:
+    """Where ``rank`` of ``n`` keeps its shards and computes, as a node's zone places itself
+    (`unbroken.comm.placement.place`; every member on this machine)."""
+    from unbroken.comm.placement import member_device, place
+
+    members = {f"n{i}": member_device(device_of(i, kind)) for i in range(n)}
+    return place(members, f"n{rank}", device_of(rank, kind))
+
+
 def synchronize(device: torch.device) -> None:
     """A step's time includes its device work, not only its queueing (both sides alike)."""
     if device.type == "cuda":
@@ -134,8 +143,9 @@ def worker(target: Any, rank: int, n: int, port: int, args: argparse.Namespace, 
 def ours(rank: int, n: int, port: int, args: argparse.Namespace, q: Any, victim: int) -> None:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    from unbroken.comm.group import EpochScope, build_nccl
-    from unbroken.comm.placement import Backend, member_device, place
+    from unbroken.comm.group import EpochScope
+    from unbroken.comm.nccl import build_nccl, nccl_environment
+    from unbroken.comm.placement import Backend
     from unbroken.comm.sharded import ShardedModel
     from unbroken.errors import CollectiveFailed, EpochAborted
     from unbroken.state.shards import layout_for, plan
@@ -145,11 +155,11 @@ def ours(rank: int, n: int, port: int, args: argparse.Namespace, q: Any, victim:
         device = device_of(rank, args.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            nccl_environment()  # as a node does at its start
         store = TCPStore("127.0.0.1", port, n, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
         members = [f"n{i}" for i in range(n)]
         me = members[rank]
-        # As a node places its zone: from every member's device (all on this machine here).
-        placement = place({m: member_device(device_of(i, args.device)) for i, m in enumerate(members)}, me, device)
+        placement = placement_of(rank, n, args.device)
         weights = [int(w) for w in args.weights.split(",")] if args.weights else [1] * n
         model = Model(args.dim, args.layers)
         numel = sum(p.numel() for p in model.parameters())
@@ -377,19 +387,49 @@ def launch(target: Any, args: argparse.Namespace, victim: int, timeout: float | 
     return out
 
 
-def reference(args: argparse.Namespace, parts: int = 1) -> dict[str, torch.Tensor]:
+def reference(args: argparse.Namespace, parts: int = 1, placement: Any = None) -> dict[str, torch.Tensor]:
     """One process on the whole batch; ``parts`` > 1 sums each step's gradient over that many
     slices, as the nodes do: how far that lands from ``parts=1`` is what float summation
-    order alone does to this model under AdamW."""
+    order alone does to this model under AdamW. ``placement`` (ours' `Placement`, staged):
+    the parameters and AdamW live on its shards' device and each slice computes on its
+    compute device, its gradient copied back and summed there, as ours does; so the spread
+    also holds what stepping on another device than the whole-batch run does to the bits."""
     device = device_of(0, args.device)
     model = Model(args.dim, args.layers).to(device)
-    opt = adamw([{"params": list(model.parameters())}])
+    if placement is None or not placement.staged:
+        opt = adamw([{"params": list(model.parameters())}])
+        for step in range(args.steps):
+            opt.zero_grad()
+            for lo, hi in slices(parts, args.batch):
+                loss_of(model, step, lo, hi, args.batch, str(device)).backward()
+            opt.step()
+        return {k: v.detach().cpu() for k, v in model.named_parameters()}
+    named = dict(model.named_parameters())
+    held = {k: v.detach().to(placement.shards, copy=True) for k, v in named.items()}
+    opt = adamw([{"params": list(held.values())}])
     for step in range(args.steps):
         opt.zero_grad()
+        with torch.no_grad():
+            for k, p in named.items():
+                p.copy_(held[k])
         for lo, hi in slices(parts, args.batch):
+            model.zero_grad()
             loss_of(model, step, lo, hi, args.batch, str(device)).backward()
+            for k, p in named.items():
+                assert p.grad is not None
+                grad = p.grad.to(placement.shards, copy=True)
+                held[k].grad = grad if held[k].grad is None else held[k].grad.add_(grad)
         opt.step()
-    return {k: v.detach().cpu() for k, v in model.named_parameters()}
+    return {k: v.detach().cpu() for k, v in held.items()}
+
+
+def describe_reference(args: argparse.Namespace, placement: Any) -> str:
+    """Where the one-process reference ran, and its float-order spread."""
+    device = device_of(0, args.device)
+    spread = f"summed in {args.nodes} slices"
+    if placement.staged:
+        spread += f", AdamW on the {placement.shards.type.upper()} as ours"
+    return f"on {device}, the whole batch; float-order spread: {spread}"
 
 
 def nodes_run(
@@ -457,8 +497,9 @@ def main() -> None:
     if args.short:
         args.nodes, args.steps, args.repeats, args.kill_step = 4, 20, 1, 10
     torch.set_num_threads(1)
+    placement = placement_of(0, args.nodes, args.device)  # what ours will run (printed from its report too)
     ref = reference(args)
-    sliced = reference(args, args.nodes)
+    sliced = reference(args, args.nodes, placement)
     order_only = max(float((v - sliced[k]).abs().max()) for k, v in ref.items())
     numel = sum(v.numel() for v in ref.values())
     ours_steps: list[float] = []
@@ -499,11 +540,12 @@ def main() -> None:
     state_bytes = 16 * numel
     held_bytes = 12 * max(held)  # parameters and two moments of everything it holds (grads: 4 more a held element)
     ours_med, theirs_med = statistics.median(ours_steps), statistics.median(theirs_steps)
-    placement = a["done"][0]["placement"]
+    ran = a["done"][0]["placement"]
     rows = [
         ("device", describe_device(args)),
-        ("ours: where the shards live, which backend", placement),
+        ("ours: where the shards live, which backend", ran),
         ("FSDP2 baseline", BASELINES[args.baseline]),
+        ("one-process reference", describe_reference(args, placement)),
         ("parameters", f"{numel:,}"),
         ("whole training state (16 B/param)", f"{state_bytes / 2**20:.1f} MB"),
         ("state held by the largest holder (params+moments+grads)", f"{16 * max(held) / 2**20:.1f} MB"),
@@ -514,7 +556,7 @@ def main() -> None:
         ),
         ("peak RSS per node ours / FSDP2", f"{max(rss_ours):.0f} / {max(rss_theirs):.0f} MB"),
         ("peak GPU memory per node ours / FSDP2", f"{max(gpu_ours):.0f} / {max(gpu_theirs):.0f} MB"),
-        ("one process, summed in node slices vs whole (float order alone)", f"{order_only:.2e}"),
+        ("one process, summed in node slices (stepped as ours) vs whole", f"{order_only:.2e}"),
         ("final model vs one process (max abs diff)", f"{diff:.2e}"),
         ("SIGKILL -> survivors' next commit", f"{kill_to_commit:.3f} s"),
         ("steps committed after the kill run / asked", f"{committed} / {args.steps}"),
@@ -540,8 +582,9 @@ def main() -> None:
         "peak_rss_mb": {"ours": round(max(rss_ours)), "fsdp2": round(max(rss_theirs))},
         "peak_gpu_mb": {"ours": round(max(gpu_ours)), "fsdp2": round(max(gpu_theirs))},
         "device": describe_device(args),
-        "placement": placement,
+        "placement": ran,
         "baseline": BASELINES[args.baseline],
+        "reference": describe_reference(args, placement),
         "held_bytes_largest": held_bytes,
         "fsdp2_on_kill": "raised" if died else "no report",
     }

@@ -78,7 +78,8 @@ def zone_run(rank: int, n: int, port: int, kind: str) -> dict[str, Any]:
     """``n`` members train STEPS steps computing on ``kind`` (cpu, cuda); what member ``rank`` holds."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    from unbroken.comm.group import EpochScope, build_nccl
+    from unbroken.comm.group import EpochScope
+    from unbroken.comm.nccl import build_nccl, nccl_environment
     from unbroken.comm.placement import Backend, member_device, place
     from unbroken.comm.sharded import ShardedModel
     from unbroken.state.shards import layout_for
@@ -87,6 +88,7 @@ def zone_run(rank: int, n: int, port: int, kind: str) -> dict[str, Any]:
     device = torch.device("cuda", rank % torch.cuda.device_count()) if kind == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        nccl_environment()  # as a node does at its start
     store = TCPStore("127.0.0.1", port, n, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
     members = [f"n{i}" for i in range(n)]
     devices = {m: member_device(torch.device("cuda", i % torch.cuda.device_count()) if kind == "cuda" else
@@ -191,11 +193,13 @@ def hung_peer(rank: int, port: int) -> dict[str, Any]:
     """Rank 1 builds the group and never joins the sum; rank 0 must leave at its deadline."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    from unbroken.comm.group import EpochScope, build_nccl, wait_polled
+    from unbroken.comm.group import EpochScope, wait_polled
+    from unbroken.comm.nccl import build_nccl, nccl_environment
     from unbroken.errors import CollectiveFailed
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
+    nccl_environment()
     store = TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
     over = gloo(store, "g/", rank, 2)
     scope = EpochScope(threading.Event(), lambda: None, 60.0)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from unbroken.comm.group import EpochScope, ProcessGroup, wait_all
-from unbroken.errors import ConfigError
+from unbroken.errors import ConfigError, TransferError
 from unbroken.state.shards import Purpose
 
 
@@ -152,3 +152,51 @@ def fill(p: torch.Tensor, values: torch.Tensor) -> None:
     p.untyped_storage().resize_(p.numel() * p.element_size())
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):  # type: ignore[attr-defined]
         p.copy_(values.view_as(p))
+
+
+def sum_of_squares(norms: list[torch.Tensor]) -> float:
+    """The sum of the squares of ``norms`` (0-d tensors on one device), read in one copy and
+    added in float64 in their order."""
+    if not norms:
+        return 0.0
+    total = 0.0
+    for n in torch.stack(norms).tolist():
+        total += n**2
+    return total
+
+
+def collect(
+    holdings: Sequence[Holding],
+    optimizer: torch.optim.Optimizer,
+    start: int,
+    end: int,
+    me: str,
+    with_state: bool,
+    device: torch.device,
+) -> dict[str, Any]:
+    """The values (and, ``with_state``, the optimizer state) of ``[start, end)`` from
+    ``holdings`` (member ``me``'s), as flat tensors on ``device``.
+
+    Raises:
+        TransferError: the holdings cover only part of it."""
+    values = torch.full((end - start,), float("nan"), device=device)
+    state: dict[str, Any] = {}
+    covered = 0
+    for h in holdings:
+        for piece in h.pieces:
+            a, b = max(piece.start, start), min(piece.end, end)
+            if a >= b:
+                continue
+            values[a - start : b - start] = piece.tensor.detach()[a - piece.start : b - piece.start]
+            covered += b - a
+            if not with_state:
+                continue
+            for key, value in optimizer.state.get(piece.tensor, {}).items():
+                if per_element(value, piece.tensor):
+                    flat = state.setdefault(key, torch.full((end - start,), float("nan"), device=device))
+                    flat[a - start : b - start] = value[a - piece.start : b - piece.start]
+                else:
+                    state.setdefault(key, value.to(device, copy=True) if isinstance(value, torch.Tensor) else value)
+    if covered != end - start:
+        raise TransferError(f"{me} holds {covered:,} of the {end - start:,} elements of [{start}, {end})")
+    return {"values": values, "state": state}

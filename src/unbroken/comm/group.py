@@ -8,9 +8,7 @@ their own timeout has passed, then dropped on a background thread.
 
 from __future__ import annotations
 
-import base64
 import functools
-import json
 import logging
 import os
 import threading
@@ -218,81 +216,6 @@ def abort_group(group: Any) -> None:
     abort = getattr(group, "abort", None)
     if abort is not None:
         threading.Thread(target=abort, name="nccl-abort", daemon=True).start()
-
-
-NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
-"""Set before an NCCL group is built. A collective past the group's own timeout makes
-torch's watchdog tear the whole process down by default (3); 2 aborts the communicator
-and fails the work instead: the node lives on to the next epoch, as with gloo. The
-heartbeat monitor would kill a process whose watchdog waits in an abort: off."""
-
-
-def build_nccl(
-    over: ProcessGroup, name: str, rank: int, size: int, device: torch.device, scope: EpochScope
-) -> tuple[Any, float]:
-    """Build a ``ProcessGroupNCCL`` named ``name`` on ``device`` for the members of ``over``
-    (a gloo group of the same members in the same rank order, already built from the epoch's
-    rendezvous), connected now, not at its first collective.
-
-    NCCL's members meet by an id rank 0 draws and writes to a store. Each member here gives
-    the group a private in-memory store; rank 0's entries are carried to the others over
-    ``over`` (a broadcast), so the id travels only among the epoch's admitted members and no
-    store listens on a port. The build blocks until every rank has connected: it runs on a
-    helper thread, as `build_group`'s.
-
-    Raises:
-        CollectiveFailed: the build failed, or ran past the scope's deadline.
-        EpochAborted: the epoch was abandoned meanwhile.
-    """
-    from torch.distributed import ProcessGroupNCCL  # type: ignore[attr-defined]  # absent from CPU builds
-
-    for key, value in NCCL_ENV.items():
-        os.environ[key] = value
-    store = HashStore()
-    result: dict[str, Any] = {}
-
-    def build() -> None:
-        try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)  # its streams and communicator on this device
-            opts = ProcessGroupNCCL.Options()
-            opts._timeout = timedelta(seconds=scope.timeout_s)
-            pg = ProcessGroupNCCL(PrefixStore(name, store), rank, size, opts)
-            pg.eager_connect_single_device(device)
-            result["pg"] = pg
-        except Exception as exc:  # reported to the waiting thread
-            result["error"] = exc
-        finally:
-            scope.wake.set()
-
-    start = time.monotonic()
-    threading.Thread(target=build, name=f"nccl-build-{name}", daemon=True).start()
-    relay_entries(store, over, rank, scope, f"building group {name}", lambda: bool(result))
-    wait_until(lambda: bool(result), scope, f"building group {name}")
-    if "error" in result:
-        raise CollectiveFailed(f"building group {name} failed: {result['error']}").at(scope.where())
-    return result["pg"], time.monotonic() - start
-
-
-def relay_entries(
-    store: Any, over: ProcessGroup, rank: int, scope: EpochScope, what: str, done: Callable[[], bool]
-) -> None:
-    """Copy what rank 0's build wrote to its ``store`` into every member's (its id, for
-    NCCL): rank 0 waits for its first entry, then broadcasts them all over ``over``."""
-    entries: dict[str, str] = {}
-    if rank == 0:
-        wait_until(lambda: store.num_keys() > 0 or done(), scope, what, poll_s=POLL_DEVICE_S)
-        entries = {k: base64.b64encode(store.get(k)).decode() for k in store.list_keys()}
-    body = json.dumps(entries).encode()
-    length = torch.tensor([len(body)], dtype=torch.int64)
-    wait_all([over.broadcast(length, 0)], scope, what)
-    data = torch.zeros(int(length), dtype=torch.uint8)
-    if rank == 0:
-        data.copy_(torch.frombuffer(bytearray(body), dtype=torch.uint8))
-    wait_all([over.broadcast(data, 0)], scope, what)
-    if rank != 0:
-        for key, value in json.loads(bytes(data.tolist())).items():
-            store.set(key, base64.b64decode(value))
 
 
 def run_abortable(fn: Callable[[], T], scope: EpochScope, what: str) -> T:

@@ -4,8 +4,9 @@ function of the zone's members' devices (`place`), the same on every member.
     every member on a CUDA device of its own,      NCCL; the shards (values, gradients,
     one kind of GPU, NCCL in every torch           optimizer state) on the device
     anything else (a CPU member, two members       gloo; the shards on the CPU; a member
-    on one GPU, two kinds of GPU, no NCCL)         computing on a device stages each block's
-                                                   parameters to it and its gradients back
+    on one GPU, two kinds of GPU, no NCCL, a       computing on a device stages each block's
+    member behind a forwarder or whose NCCL        parameters to it and its gradients back
+    build failed)
 
 One kind of GPU: a range's primary and buddy step the optimizer on two devices and must stay
 bit-identical; two GPU models need not round alike, the CPUs do. One device per member:
@@ -14,6 +15,10 @@ sharing a GPU (a one-GPU machine running several nodes) take gloo with staging. 
 whose exchange goes range by range (DiLoCo, a lossy codec: `unbroken.comm.outer_ranges`) keep
 the shards on the CPU: those exchanges work on CPU tensors. What crosses zones, re-shards,
 digests and shard files are CPU tensors whatever the placement (copied at the boundary).
+NCCL connects every pair of members directly, on sockets of its own, so a member its peers
+reach only through a forwarder (`unbroken.sched.nat`) cannot be in an NCCL group; a member
+whose NCCL build failed says so in every report after, and each member, reading the same
+reports, decides gloo for the zone (a member restarted tries NCCL again).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 CPU = torch.device("cpu")
 MAX_NCCL_RANKS = 128
 """The most members an NCCL zone takes: its group meets by rank 0's NCCL id alone (relayed
-over the zone's gloo group, `unbroken.comm.group.build_nccl`); past 128 ranks torch's NCCL
+over the zone's gloo group, `unbroken.comm.nccl.build_nccl`); past 128 ranks torch's NCCL
 init asks for more roots, each with an id of its own."""
 
 
@@ -49,15 +54,26 @@ class MemberDevice:
     """The GPU's model (``NVIDIA H100 80GB HBM3``): its kind, for rounding alike."""
     nccl: bool = False
     """Its torch has NCCL."""
+    forwarded: bool = False
+    """Its peers reach it through a forwarder (behind NAT, ``--no-inbound``, or moved behind
+    one): NCCL dials every peer directly, so its zone cannot form an NCCL group."""
+    holds: str = ""
+    """The NCCL group it keeps from the last epoch (`unbroken.comm.nccl.Communicator`'s
+    token; empty: none): the zone reuses it where every member keeps the same."""
+    failed: str = ""
+    """Why its NCCL build failed (empty: none did): its zone takes gloo from then on."""
 
     def encode(self) -> str:
-        return "|".join((self.kind, self.uuid, self.name, "nccl" if self.nccl else ""))
+        flags = ("nccl" if self.nccl else "", "forwarded" if self.forwarded else "")
+        return "|".join((self.kind, self.uuid, self.name, *flags, self.holds, self.failed))
 
     @staticmethod
     def decode(text: str) -> MemberDevice:
         """The inverse of `encode`; an empty text is a CPU member (a report from before devices)."""
-        parts = [*text.split("|"), "", "", ""][:4] if text else ["cpu", "", "", ""]
-        return MemberDevice(parts[0] or "cpu", parts[1], parts[2], parts[3] == "nccl")
+        parts = [*text.split("|", 6), "", "", "", "", "", ""][:7] if text else ["cpu", *[""] * 6]
+        return MemberDevice(
+            parts[0] or "cpu", parts[1], parts[2], parts[3] == "nccl", parts[4] == "forwarded", parts[5], parts[6]
+        )
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,9 @@ class Placement:
     reason: str = "every member computes on the CPU: gloo"
     stage: bool = False
     """Stage through `shards` even where it is ``compute`` (tests run the staging path on the CPU)."""
+    fallback: bool = False
+    """NCCL would serve the zone's devices, but a member cannot take part in an NCCL group
+    (behind a forwarder, or its NCCL build failed): said as a warning."""
 
     @property
     def staged(self) -> bool:
@@ -97,10 +116,15 @@ def place(devices: Mapping[str, MemberDevice], me: str, compute: torch.device, *
     if kinds == ["cpu"]:
         return Placement(compute=compute)
     why = ""
+    fallback = False
     if kinds != ["cuda"]:
         why = f"the members compute on {', '.join(kinds)}"
     elif no := sorted(m for m, d in devices.items() if not d.nccl):
         why = f"{no[0]}'s torch has no NCCL"
+    elif failed := sorted(m for m, d in devices.items() if d.failed):
+        why, fallback = f"{failed[0]}'s NCCL build failed ({devices[failed[0]].failed})", True
+    elif behind := sorted(m for m, d in devices.items() if d.forwarded):
+        why, fallback = f"{behind[0]} is reached through a forwarder (NCCL connects to every peer directly)", True
     elif len({d.name for d in devices.values()}) > 1:
         names = sorted({d.name for d in devices.values()})
         why = f"GPUs of {len(names)} kinds ({', '.join(names)}) need not round alike; the CPUs do"
@@ -112,7 +136,7 @@ def place(devices: Mapping[str, MemberDevice], me: str, compute: torch.device, *
         why = "the zones exchange range by range (DiLoCo or a lossy codec), on CPU shards"
     if why:
         staged = "" if compute.type == "cpu" else f", each block staged to {compute}"
-        return Placement(compute=compute, reason=f"{why}: gloo, the shards on the CPU{staged}")
+        return Placement(compute=compute, reason=f"{why}: gloo, the shards on the CPU{staged}", fallback=fallback)
     return Placement(
         Backend.NCCL,
         compute,

@@ -48,11 +48,12 @@ from unbroken.comm.blocks import (
     Holding,
     Piece,
     blocks_of,
+    collect,
     fill,
     free,
     move_model,
-    per_element,
     refuse_running_statistics,
+    sum_of_squares,
     tensors_of,
 )
 from unbroken.comm.group import EpochScope, ProcessGroup, posted, wait_all, wait_polled
@@ -66,7 +67,7 @@ from unbroken.comm.reshard import (
     shared_state,
     state_layout,
 )
-from unbroken.errors import CollectiveFailed, ConfigError, EpochAborted, TransferError
+from unbroken.errors import CollectiveFailed, ConfigError, EpochAborted
 from unbroken.state.shards import Layout, Plan, Purpose
 
 log = logging.getLogger(__name__)
@@ -150,9 +151,13 @@ class ShardedModel:
         """What this member's gradient is multiplied by as it goes out (fault injection)."""
         self._sums: list[tuple[Any, torch.Tensor, Block]] = []
         """Blocks' gradient sums in flight, oldest first."""
-        self.squares = 0.0
-        """The sum of squares of this member's own gradient, block by block as it goes out
-        to be summed, since `take_squares` (its norm slot of the step: `train.guard`)."""
+        self._norms: list[torch.Tensor] = []
+        """The norm of this member's own gradient, block by block as it goes out to be summed,
+        since `take_squares` (its norm slot of the step: `train.guard`): kept where they were
+        computed and read once a step, not once a block (a read waits for the device)."""
+        self.broken = False
+        """A collective of the zone's group failed, or the backend refused a post, since the
+        group was last set (`unsettled`)."""
         move_model(model, self.placement.compute)
         for p in self.params:  # the model keeps its tensors' shapes; their bytes live in the holdings
             free(p)
@@ -228,9 +233,10 @@ class ShardedModel:
             group.update(self._group_settings[built])
 
     def take_squares(self) -> float:
-        """`squares` since the last call; starts the count again."""
-        out, self.squares = self.squares, 0.0
-        return out
+        """The sum of squares of this member's own gradient since the last call (one read
+        of the device); starts the count again."""
+        norms, self._norms = self._norms, []
+        return sum_of_squares(norms)
 
     def _install(self) -> None:
         for block in self.blocks:
@@ -345,7 +351,7 @@ class ShardedModel:
         self._release(block)
         if self.placement.staged:  # back to where the zone sums, in one copy
             flat = flat.to(self.device, copy=True)
-        self.squares += float(torch.linalg.vector_norm(flat)) ** 2
+        self._norms.append(torch.linalg.vector_norm(flat))
         if self.spoil is not None:  # a hostile or broken member (`testing.faults`): its norm was the true one
             flat.mul_(self.spoil)
         if self.failure is not None or (work := self._post(lambda: self.group.allreduce([flat]), "summing")) is None:
@@ -375,6 +381,7 @@ class ShardedModel:
         try:
             return posted(post, self.scope, what)
         except (CollectiveFailed, EpochAborted) as exc:
+            self.broken = True
             if not self.defer:
                 raise
             self.failure = exc
@@ -382,10 +389,21 @@ class ShardedModel:
 
     def wait(self, works: list[Any], what: str) -> None:
         """Wait for work of the zone's group, as its backend needs (`Placement.polled`)."""
-        if self.placement.polled:
-            wait_polled(works, self.scope, what, self.group)
-        else:
-            wait_all(works, self.scope, what)
+        try:
+            if self.placement.polled:
+                wait_polled(works, self.scope, what, self.group)
+            else:
+                wait_all(works, self.scope, what)
+        except (CollectiveFailed, EpochAborted):
+            self.broken = True
+            raise
+
+    def unsettled(self) -> bool:
+        """A collective of the zone's group failed since it was set, or work posted on it
+        has not finished (a step left midway): its stream may hold a collective the other
+        members never posted, so the group must not serve another epoch."""
+        posted = [b.fetch[0] for b in self.blocks if b.fetch is not None] + [w for w, _, _ in self._sums]
+        return self.broken or not all(w.is_completed() for w in posted)
 
     def sum_over_zone(self, value: float, what: str) -> float:
         """``value`` summed over the zone's members (in float64)."""
@@ -424,8 +442,9 @@ class ShardedModel:
         if not keep_sums:
             for piece in self._pieces():
                 piece.tensor.grad = None
-        self.squares = 0.0
+        self._norms = []
         self.failure = None
+        self.broken = False
 
     def forget(self) -> None:
         """Drop what this member holds (its copies are stale: it missed a commit the others
@@ -445,13 +464,8 @@ class ShardedModel:
     def primary_squares(self) -> float:
         """The sum of squares of the summed gradient over this member's primary range (each
         element counted once over the zone: its buddy copies are left out)."""
-        total = 0.0
-        for h in self.holdings:
-            if h.purpose is Purpose.PRIMARY:
-                for piece in h.pieces:
-                    if piece.tensor.grad is not None:
-                        total += float(torch.linalg.vector_norm(piece.tensor.grad)) ** 2
-        return total
+        grads = [p.tensor.grad for h in self.holdings if h.purpose is Purpose.PRIMARY for p in h.pieces]
+        return sum_of_squares([torch.linalg.vector_norm(g) for g in grads if g is not None])
 
     def scale_gradients(self, factor: float) -> None:
         for piece in self._pieces():
@@ -481,28 +495,7 @@ class ShardedModel:
         self, start: int, end: int, *, with_state: bool = False, device: torch.device | None = None
     ) -> dict[str, Any]:
         """`export` onto ``device`` (default: the shards', as every gather reads them)."""
-        device = device or self.device
-        values = torch.full((end - start,), float("nan"), device=device)
-        state: dict[str, Any] = {}
-        covered = 0
-        for h in self.holdings:
-            for piece in h.pieces:
-                a, b = max(piece.start, start), min(piece.end, end)
-                if a >= b:
-                    continue
-                values[a - start : b - start] = piece.tensor.detach()[a - piece.start : b - piece.start]
-                covered += b - a
-                if not with_state:
-                    continue
-                for key, value in self.optimizer.state.get(piece.tensor, {}).items():
-                    if per_element(value, piece.tensor):
-                        flat = state.setdefault(key, torch.full((end - start,), float("nan"), device=device))
-                        flat[a - start : b - start] = value[a - piece.start : b - piece.start]
-                    else:
-                        state.setdefault(key, value.to(device, copy=True) if isinstance(value, torch.Tensor) else value)
-        if covered != end - start:
-            raise TransferError(f"{self.me} holds {covered:,} of the {end - start:,} elements of [{start}, {end})")
-        return {"values": values, "state": state}
+        return collect(self.holdings, self.optimizer, start, end, self.me, with_state, device or self.device)
 
     def digest(self, start: int, end: int) -> str:
         """A digest of the values and optimizer state of ``[start, end)`` (a primary's and its

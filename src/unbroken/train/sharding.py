@@ -34,8 +34,9 @@ alone (``inner_scale``) and the round's end is `unbroken.train.sharded_outer`'s.
 
 Devices: every sync phase, the zone's members' devices (in their reports) decide where its
 shards live and which backend sums them (`unbroken.comm.placement.place`): a zone of GPUs of
-one kind, one each, gets an NCCL group of its own for the epoch (`build_nccl`, over its gloo
-group); otherwise gloo, with the shards on the CPU and each block staged to the device.
+one kind, one each, gets an NCCL group of its own, built over its gloo group and kept while
+its members and their ranks stay (`unbroken.train.shard_devices`); otherwise gloo, with the
+shards on the CPU and each block staged to the device.
 
 Not yet here: DiLoCo's ``--outer-overlap`` (refused); audits and work checks (validators),
 a job's ``before_update`` (no member holds the whole gradient; clipping is
@@ -63,9 +64,9 @@ from torch import nn
 
 from unbroken.comm.blocks import broadcast_model, refuse_running_statistics, restore_storage
 from unbroken.comm.codecs import make_codec
-from unbroken.comm.group import EpochGroup, EpochScope, ProcessGroup, build_nccl
+from unbroken.comm.group import EpochGroup, EpochScope, ProcessGroup
 from unbroken.comm.outer_ranges import CodedSum
-from unbroken.comm.placement import CPU, Backend, MemberDevice, Placement, member_device, place
+from unbroken.comm.placement import CPU, MemberDevice, Placement
 from unbroken.comm.shard_files import complete_steps, prune_shards, restore_shards, save_shard
 from unbroken.comm.sharded import ShardedModel
 from unbroken.comm.solo import Solo
@@ -75,6 +76,7 @@ from unbroken.job import Job, Optimizers, Sharding
 from unbroken.specs import CodecSpec
 from unbroken.state.checkpoint import KEEP
 from unbroken.state.shards import Layout, Transfer
+from unbroken.train.shard_devices import ZoneDevices
 from unbroken.train.shard_fallback import fall_back, report_recovery
 from unbroken.train.shard_reports import Report, decide, decode, encode, exchange
 
@@ -195,8 +197,8 @@ class ShardedZone:
         """Several zones and a lossy ``--codec``: the zones' sum goes through it, range by range."""
         self.wire: Wire | None = None
         """The node's byte counts (the coded sum's bytes go with the step's)."""
-        self.device = device
-        """Where this member computes (the node's ``--device``): said in its reports."""
+        self.devices = ZoneDevices(device)
+        """Where this member computes, what its reports say of it, the zone's NCCL group."""
 
     def make_optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """The job's optimizer class over the held ranges, with its settings (those of its
@@ -233,21 +235,18 @@ class ShardedZone:
                 "optimizer (SGD, Adam, AdamW, RMSprop, ...) or train unsharded"
             )
 
-    def report(self) -> Report:
+    def report(self, forwarded: bool = False) -> Report:
+        """What this member says of its ranges (``forwarded``: peers reach it through a forwarder)."""
+        said = self.devices.said(forwarded)
         if self.engine is None:
-            return Report(self.weight, device=self._said)
+            return Report(self.weight, device=said)
         summed = self.pending[0] if self.pending is not None else -1
         holdings = sorted(self.engine.holdings, key=lambda h: (h.start, h.end))
         held = tuple((h.start, h.end) for h in holdings)
         digests = tuple(self.engine.digest(h.start, h.end) for h in holdings)
         return Report(
-            self.weight, self.engine.layout, self.epoch, self.step, summed, held, digests, self.lineage, self._said
+            self.weight, self.engine.layout, self.epoch, self.step, summed, held, digests, self.lineage, said
         )  # fmt: skip
-
-    @property
-    def _said(self) -> str:
-        """This member's device, as its report says it (`MemberDevice`)."""
-        return member_device(self.device).encode()
 
     def sync(self, node: Node, g: EpochGroup, step: int, reducer: Reducer) -> list[ProcessGroup]:
         """Give this member the ranges of epoch ``g`` at committed ``step`` (after the
@@ -263,7 +262,8 @@ class ShardedZone:
         zones = reducer.zones
         zone_of = {m: zones.of_rank[i] if zones.multi else "" for i, m in enumerate(g.members)}
         names = list(dict.fromkeys(zone_of.values()))
-        reports = dict(zip(g.members, [decode(b) for b in exchange(g.pg, encode(self.report()), scope)], strict=True))
+        said = exchange(g.pg, encode(self.report(node.epochs.forwarded)), scope)
+        reports = dict(zip(g.members, [decode(b) for b in said], strict=True))
         try:
             decisions = {
                 z: decide(
@@ -360,19 +360,13 @@ class ShardedZone:
         scope: EpochScope,
     ) -> tuple[Placement, ProcessGroup]:
         """Where the zone's shards live this epoch, and the group its gathers and sums run
-        on: an NCCL group of its own, built now over its gloo ``group``, or that group."""
+        on (`ZoneDevices.place`)."""
         spec = node.epochs.codec.spec if self.world is not None else None
         lossy = spec is not None and not make_codec(spec).lossless
         ranged = self.world is not None and (node.diloco is not None or lossy)  # `outer_ranges`: CPU tensors
         devices = {m: MemberDevice.decode(reports[m].device) for m in ranks}
-        placement = place(devices, node.client.member_id, self.device, ranged=ranged)
-        if placement.backend is Backend.NCCL:
-            name = f"nccl-{g.epoch}-{next(iter(ranks))}"  # the zone's first member: one name for all
-            group, took = build_nccl(group, name, ranks[node.client.member_id], len(ranks), placement.shards, scope)
-            log.info("%s: zone group %s built in %.1f ms: %s", node.name, name, took * 1e3, placement.reason)
-        elif self.engine is None or self.engine.placement.reason != placement.reason:
-            log.info("%s: sharded zone placement: %s", node.name, placement.reason)
-        return placement, group
+        name = f"nccl-{g.epoch}-{next(iter(ranks))}"  # the zone's first member: one name for all
+        return self.devices.place(name, node.client.member_id, devices, ranks, group, scope, ranged=ranged)
 
     def _set_codec(self, spec: CodecSpec | None) -> None:
         """The zones' sum through ``spec`` where it is lossy; residuals forgotten where this
@@ -498,6 +492,8 @@ class ShardedZone:
         may have committed it (a commit failed here, not everywhere), and `sync` applies it."""
         if self.engine is None:
             return
+        if self.engine.unsettled():  # its NCCL group may hold work the others never posted
+            self.devices.comm.drop()
         if self.coded is not None:
             self.coded.undo()
         if self.pending is not None and self.pending[0] == step:  # abandoned again (the epoch, after the step)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
-from unbroken.comm.group import NCCL_ENV, EpochScope, build_nccl, relay_entries, wait_polled
+from unbroken.comm.group import EpochScope, wait_polled
+from unbroken.comm.nccl import NCCL_ENV, build_nccl, relay_entries
 from unbroken.comm.placement import MAX_NCCL_RANKS, Backend, MemberDevice, place
 from unbroken.errors import CollectiveFailed, EpochAborted
 from unbroken.testing.fake import FakeWorld
@@ -43,8 +45,13 @@ def test_every_member_on_a_gpu_of_its_own_of_one_kind_takes_nccl_with_the_shards
         ({"a": gpu("u0"), "b": gpu("u0")}, "a and b compute on one GPU"),
         ({"a": gpu("u0"), "b": gpu("u1", name="NVIDIA A100-SXM4-40GB")}, "GPUs of 2 kinds"),
         ({"a": gpu("u0"), "b": gpu("u1", nccl=False)}, "b's torch has no NCCL"),
+        ({"a": gpu("u0"), "b": replace(gpu("u1"), forwarded=True)}, "b is reached through a forwarder"),
+        (
+            {"a": gpu("u0"), "b": replace(gpu("u1"), failed="NCCL error: unhandled system error")},
+            "b's NCCL build failed (NCCL error: unhandled system error)",
+        ),
     ],
-    ids=["a-cpu-member", "one-gpu-shared", "two-gpu-kinds", "no-nccl"],
+    ids=["a-cpu-member", "one-gpu-shared", "two-gpu-kinds", "no-nccl", "behind-a-forwarder", "nccl-build-failed"],
 )
 def test_anything_else_takes_gloo_with_the_shards_on_the_cpu_staged_to_the_device(
     devices: dict[str, MemberDevice], why: str
@@ -53,6 +60,19 @@ def test_anything_else_takes_gloo_with_the_shards_on_the_cpu_staged_to_the_devic
     assert p.backend is Backend.GLOO and p.shards == CPU and p.compute == CUDA0
     assert p.staged and not p.polled
     assert why in p.reason and "gloo" in p.reason and "staged to cuda:0" in p.reason
+
+
+def test_a_member_nccl_cannot_reach_or_whose_nccl_failed_is_a_fall_back_said_alike_by_every_member() -> None:
+    for odd in (replace(gpu("u2"), forwarded=True), replace(gpu("u2"), failed="Duplicate GPU detected")):
+        devices = {"a": gpu("u0"), "b": gpu("u1"), "c": odd}
+        placements = {m: place(devices, m, CUDA0) for m in devices}
+        assert {(p.backend, p.reason, p.fallback) for p in placements.values()} == {
+            (Backend.GLOO, placements["a"].reason, True)
+        }
+        assert placements["a"].reason.startswith("c")
+    assert not place({"a": gpu("u0"), "b": MemberDevice()}, "a", CUDA0).fallback  # gloo by kind, not a fall-back
+    kept = {"a": replace(gpu("u0"), holds="9f1c"), "b": replace(gpu("u1"), holds="9f1c")}
+    assert place(kept, "a", CUDA0).backend is Backend.NCCL  # a group kept is no reason for gloo
 
 
 def test_a_cpu_member_of_a_mixed_zone_computes_where_it_holds() -> None:
@@ -81,8 +101,15 @@ def test_every_member_decides_the_same_backend_from_the_same_reports() -> None:
 def test_a_cpu_zone_and_a_device_description_round_trip() -> None:
     p = place({"a": MemberDevice(), "b": MemberDevice()}, "a", CPU)
     assert p.backend is Backend.GLOO and not p.staged
-    for d in (gpu("GPU-1234", "NVIDIA L4"), MemberDevice(), gpu("x", nccl=False)):
+    said = (
+        gpu("GPU-1234", "NVIDIA L4"),
+        MemberDevice(),
+        gpu("x", nccl=False),
+        MemberDevice("cuda", "u", "NVIDIA L4", True, True, "ab12", "NCCL error | unhandled system error"),
+    )
+    for d in said:
         assert MemberDevice.decode(d.encode()) == d
+    assert MemberDevice.decode("cuda|u|NVIDIA L4|nccl") == gpu("u", "NVIDIA L4")  # a report from before these
     assert MemberDevice.decode("") == MemberDevice()  # a report without a device: a CPU member
     with pytest.raises(ValueError, match="not among the zone's members"):
         place({"a": MemberDevice()}, "z", CPU)
@@ -196,7 +223,7 @@ def test_an_nccl_group_is_built_over_the_gloo_group_each_member_holding_rank_zer
     monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
     monkeypatch.setattr(FakeNCCL, "refuse", refuse)
     for key in NCCL_ENV:
-        monkeypatch.setenv(key, "3")  # torch's default, put back after the test
+        monkeypatch.delenv(key, raising=False)  # put back after the test
     size = 3
     world = FakeWorld(size)
     out: dict[int, Any] = {}
@@ -223,4 +250,5 @@ def test_an_nccl_group_is_built_over_the_gloo_group_each_member_holding_rank_zer
     assert [g.id for g in groups] == [b"\x01nccl-id"] * size
     assert [g.rank for g in groups] == [0, 1, 2] and all(g.size == size for g in groups)
     assert all(g.opts._timeout == timedelta(seconds=5.0) for g in groups)
-    assert {k: os.environ[k] for k in NCCL_ENV} == NCCL_ENV  # a timed-out collective must not end the process
+    assert len({out[r].token for r in range(size)}) == 1 and out[0].token  # one communicator, one name
+    assert not any(k in os.environ for k in NCCL_ENV), "set once at a node's start, not at every build"

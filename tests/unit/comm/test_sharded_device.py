@@ -5,6 +5,8 @@ plain CPU path does (no GPU here: the copies are CPU to CPU, the code is the dev
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -18,7 +20,10 @@ from unbroken.testing.fake import FakeWorld
 from .test_sharded import (
     STEPS,
     WEIGHTS,
+    B,
     Tiny,
+    X,
+    Y,
     adamw,
     assert_matches,
     even,
@@ -146,3 +151,50 @@ def test_a_member_that_forgot_its_stale_ranges_moves_to_another_placement_holdin
     stale.forget()
     move_ranges(stale, POLLED)
     assert stale.holdings == [] and stale.placement is POLLED
+
+
+def test_the_own_gradients_norm_is_read_from_the_device_once_a_step_not_once_a_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    zones, models, _ = start(POLLED)
+    members = list(WEIGHTS)
+    reads: list[str] = []
+    as_float, as_list = torch.Tensor.__float__, torch.Tensor.tolist
+
+    def counted(name: str, read: Any) -> Any:
+        def wrapper(self: torch.Tensor, *args: Any) -> Any:
+            reads.append(name)
+            return read(self, *args)
+
+        return wrapper
+
+    monkeypatch.setattr(torch.Tensor, "__float__", counted("float", as_float))
+    monkeypatch.setattr(torch.Tensor, "tolist", counted("tolist", as_list))
+    slices = even(members)
+
+    def backward(m: str) -> float:
+        lo, hi = slices[m]
+        x, y = X[lo:hi], Y[lo:hi]
+        (torch.nn.functional.cross_entropy(models[m](x), y) * ((hi - lo) / B)).backward()
+        zones[m].finish_backward()
+        return zones[m].take_squares()
+
+    out = run(members, backward)
+    assert all(isinstance(v, float) and v > 0 for v in out.values()), out
+    blocks = len(zones["a"].blocks)
+    assert blocks > 1 and len(reads) == len(members), f"{len(reads)} reads for {len(members)} members' steps"
+
+
+def test_a_zone_group_left_with_work_unfinished_or_failed_may_not_serve_another_epoch() -> None:
+    """What decides whether a member keeps its NCCL group for the next epoch (`unsettled`)."""
+    zones, models, world = start(POLLED)
+    members = list(WEIGHTS)
+    train_steps(zones, models, members, range(2))
+    assert not any(z.unsettled() for z in zones.values()), "a committed step leaves nothing in flight"
+    zones["a"]._post_gather(zones["a"].blocks[0])  # a gather posted ahead, then the step was left
+    assert zones["a"].unsettled() and not zones["b"].unsettled()  # b never posted it: a's stream holds it
+    zones["a"].abandon()
+    world.kill(members.index("d"))
+    out = run(["a", "b", "c"], lambda m: train(zones[m], models[m], 2, even(members), m))
+    assert all(isinstance(v, CollectiveFailed) for v in out.values()), out
+    assert all(zones[m].unsettled() for m in ("a", "b", "c")), "a collective of the group failed"

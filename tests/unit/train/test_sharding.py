@@ -13,6 +13,7 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from unbroken.comm.group import EpochScope
+from unbroken.comm.placement import MemberDevice
 from unbroken.errors import ConfigError, JobHalted
 from unbroken.job import Job, Sharding
 from unbroken.state.shards import Layout, layout_for
@@ -191,6 +192,21 @@ def test_a_step_abandoned_twice_keeps_its_complete_sums_for_a_late_apply() -> No
     assert zone.pending is not None and zone.pending[0] == 3
     grads = [piece.tensor.grad for h in zone.engine.holdings for piece in h.pieces]
     assert grads and all(g is not None and bool(g.abs().sum() > 0) for g in grads)
+
+
+def test_a_members_report_says_it_is_forwarded_and_its_kept_group_and_a_step_left_unsettled_drops_it() -> None:
+    zone, model = _zone(_job())
+    numel = sum(p.numel() for p in model.parameters())
+    zone.engine = zone._build(layout_for(numel, {"a": 1}), "a", {"a": 0}, FakeWorld(1).group(0), scope())
+    kept = object()
+    zone.devices.comm.token, zone.devices.comm.members, zone.devices.comm.pg = "c0ffee", ("a",), kept
+    said = MemberDevice.decode(decode(encode(zone.report(forwarded=True))).device)
+    assert said.forwarded and said.holds == "c0ffee"
+    zone.abandon(3)  # nothing in flight: the group may serve the next epoch
+    assert zone.devices.comm.pg is kept
+    zone.engine.broken = True  # a collective of it failed
+    zone.abandon(3)
+    assert zone.devices.comm.pg is None and MemberDevice.decode(zone.report().device).holds == ""
 
 
 def test_parts_of_different_steps_are_not_assembled() -> None:

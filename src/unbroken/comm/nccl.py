@@ -1,0 +1,251 @@
+"""A sharded zone's NCCL group: its environment, its build over the zone's gloo group, and its
+reuse from one epoch to the next.
+
+NCCL's members meet by an id rank 0 draws and writes to a store. Each member gives the
+group a private in-memory store; rank 0's entries are carried to the others over the
+zone's gloo group (`relay_entries`), so the id travels only among the epoch's admitted
+members and no store listens on a port. What rank 0's build came to travels the same way:
+a build that fails on rank 0 would otherwise leave the others waiting, in NCCL's own
+connect, for the whole deadline::
+
+    rank 0                                   every other rank
+    build on a helper thread                 build on a helper thread (waits for the id)
+    relay: its id, or why it has none   -->  the id into its store, or fail now with rank 0's reason
+    its build ends, ok or failed             wait: its own build, or rank 0's outcome
+    outcome: "" or why it failed        -->  a failure fails it now with rank 0's reason
+
+A communicator costs a build (rank 0's id, every pair's connection) and some device
+memory; a zone whose members and ranks did not change keeps the one it has (`Communicator`).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed import HashStore, PrefixStore  # type: ignore[attr-defined]
+
+from unbroken.comm.group import POLL_DEVICE_S, EpochScope, ProcessGroup, wait_all, wait_until
+from unbroken.errors import CollectiveFailed
+
+log = logging.getLogger(__name__)
+
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0"}
+"""Set at a GPU node's start (`nccl_environment`). A collective past the group's own
+timeout makes torch's watchdog tear the whole process down by default (3); 2 aborts the
+communicator and fails the work instead: the node lives on to the next epoch, as with gloo.
+The heartbeat monitor would kill a process whose watchdog waits in an abort: off."""
+
+OUTCOME_BYTES = 1024
+"""The most of rank 0's failure that its outcome carries (`build_nccl`)."""
+
+_COSTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "a collective past its timeout may end this whole process, not only the epoch",
+    "TORCH_NCCL_ENABLE_MONITORING": "torch's heartbeat monitor may end a process whose watchdog waits in an abort",
+}
+"""What a user's own setting of each costs (said when it is kept)."""
+
+_environment_lock = threading.Lock()
+_environment_set = False
+
+
+def nccl_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Put `NCCL_ENV` in the process's environment, once, before any NCCL group exists
+    (torch reads them when a group is built). A setting the user gave is kept, and said:
+    their choice, with what it costs. Returns the user's settings that differ from ours.
+    ``environ``: the process's environment (another mapping in tests, set every call)."""
+    global _environment_set
+    target = os.environ if environ is None else environ
+    with _environment_lock:
+        if environ is None and _environment_set:
+            return {}
+        theirs = {k: target[k] for k, ours in NCCL_ENV.items() if target.get(k, ours) != ours}
+        for key, ours in NCCL_ENV.items():
+            target.setdefault(key, ours)
+        if environ is None:
+            _environment_set = True
+    for key, value in theirs.items():
+        log.warning(
+            "%s=%s is set in the environment and kept over ours (%s): %s",
+            key, value, NCCL_ENV[key], _COSTS[key],
+        )  # fmt: skip
+    return theirs
+
+
+class Built(NamedTuple):
+    """An NCCL group `build_nccl` built."""
+
+    pg: Any
+    seconds: float
+    token: str
+    """Names this communicator: a hash of rank 0's id, the same on each of its members and
+    on no other build's (`Communicator`)."""
+
+
+def relay_entries(
+    store: Any,
+    over: ProcessGroup,
+    rank: int,
+    scope: EpochScope,
+    what: str,
+    done: Callable[[], bool],
+    failed: Callable[[], str | None] = lambda: None,
+) -> dict[str, bytes]:
+    """Copy what rank 0's build wrote to its ``store`` into every member's (its id, for
+    NCCL): rank 0 waits for its first entry, then broadcasts them all over ``over``. Where
+    rank 0's build ended (``done``) having written nothing, it broadcasts why (``failed``)
+    instead, and every member raises that at once. Returns the entries.
+
+    Raises:
+        CollectiveFailed: rank 0's build failed before it wrote its entries (with its
+            reason), or the broadcast failed or ran past the deadline.
+        EpochAborted: the epoch was abandoned meanwhile.
+    """
+    body: dict[str, Any] = {}
+    if rank == 0:
+        wait_until(lambda: store.num_keys() > 0 or done(), scope, what, poll_s=POLL_DEVICE_S)
+        keys = store.list_keys()
+        if keys:
+            body["entries"] = {k: base64.b64encode(store.get(k)).decode() for k in keys}
+        else:
+            body["error"] = failed() or "it wrote no entry"
+    data = _broadcast_bytes(json.dumps(body).encode(), over, rank, scope, what)
+    if rank != 0:
+        body = json.loads(data)
+    if "error" in body:
+        raise CollectiveFailed(f"{what} failed on rank 0: {body['error']}").at(scope.where())
+    entries = {k: base64.b64decode(v) for k, v in body["entries"].items()}
+    if rank != 0:
+        for key, value in entries.items():
+            store.set(key, value)
+    return entries
+
+
+def _broadcast_bytes(body: bytes, over: ProcessGroup, rank: int, scope: EpochScope, what: str) -> bytes:
+    """Rank 0's ``body`` on every member (its length, then its bytes)."""
+    length = torch.tensor([len(body)], dtype=torch.int64)
+    wait_all([over.broadcast(length, 0)], scope, what)
+    data = torch.zeros(int(length), dtype=torch.uint8)
+    if rank == 0:
+        data.copy_(torch.frombuffer(bytearray(body), dtype=torch.uint8))
+    wait_all([over.broadcast(data, 0)], scope, what)
+    return bytes(data.tolist())
+
+
+def build_nccl(over: ProcessGroup, name: str, rank: int, size: int, device: torch.device, scope: EpochScope) -> Built:
+    """Build a ``ProcessGroupNCCL`` named ``name`` on ``device`` for the members of ``over``
+    (a gloo group of the same members in the same rank order, already built from the epoch's
+    rendezvous), connected now, not at its first collective (see the module's docstring).
+    The build blocks until every rank has connected: it runs on a helper thread, as
+    `unbroken.comm.group.build_group`'s; a build left behind ends at the store's timeout
+    (the scope's) or NCCL's own.
+
+    Raises:
+        CollectiveFailed: the build failed here (chained from its error: this member's
+            NCCL could not form the group), or on rank 0 (with its reason), or ran past
+            the scope's deadline.
+        EpochAborted: the epoch was abandoned meanwhile.
+    """
+    from torch.distributed import ProcessGroupNCCL  # type: ignore[attr-defined]  # absent from CPU builds
+
+    store = HashStore()
+    store.set_timeout(timedelta(seconds=scope.timeout_s))
+    result: dict[str, Any] = {}
+    what = f"building group {name}"
+
+    def build() -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # its streams and communicator on this device
+            opts = ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(seconds=scope.timeout_s)
+            pg = ProcessGroupNCCL(PrefixStore(name, store), rank, size, opts)
+            pg.eager_connect_single_device(device)
+            result["pg"] = pg
+        except Exception as exc:  # reported to the waiting thread
+            result["error"] = exc
+        finally:
+            scope.wake.set()
+
+    def reason() -> str | None:
+        error = result.get("error")
+        return None if error is None else str(error).splitlines()[0][:300]
+
+    start = time.monotonic()
+    threading.Thread(target=build, name=f"nccl-build-{name}", daemon=True).start()
+    try:
+        entries = relay_entries(store, over, rank, scope, what, lambda: bool(result), reason)
+    except CollectiveFailed:
+        if rank == 0 and "error" in result:  # its own failure, relayed: said as its own
+            raise CollectiveFailed(f"{what} failed: {reason()}").at(scope.where()) from result["error"]
+        raise
+    outcome = torch.zeros(OUTCOME_BYTES, dtype=torch.uint8)
+    if rank == 0:
+        wait_until(lambda: bool(result), scope, what)
+        if said := (reason() or "").encode()[:OUTCOME_BYTES]:
+            outcome[: len(said)] = torch.frombuffer(bytearray(said), dtype=torch.uint8)
+        wait_all([over.broadcast(outcome, 0)], scope, what)
+    else:
+        work = over.broadcast(outcome, 0)
+        heard = work.get_future()
+        heard.add_done_callback(lambda _f: scope.wake.set())
+
+        def rank_zero_failed() -> None:
+            if not heard.done():
+                return
+            wait_all([work], scope, what)  # done: raises where the broadcast itself failed
+            if theirs := bytes(outcome.tolist()).rstrip(b"\0").decode(errors="replace"):
+                raise CollectiveFailed(f"{what} failed on rank 0: {theirs}").at(scope.where())
+
+        wait_until(lambda: bool(result) or heard.done(), scope, what)
+        rank_zero_failed()  # its own build may wait for rank 0 until NCCL gives up: not waited
+        wait_until(lambda: bool(result), scope, what)
+        if "error" not in result:  # connected: rank 0's outcome is on its way
+            wait_until(heard.done, scope, what)
+            rank_zero_failed()
+    if "error" in result:
+        error = result["error"]
+        raise CollectiveFailed(f"{what} failed: {reason()}").at(scope.where()) from error
+    token = hashlib.sha256(json.dumps(sorted((k, v.hex()) for k, v in entries.items())).encode()).hexdigest()[:16]
+    return Built(result["pg"], time.monotonic() - start, token)
+
+
+@dataclass
+class Communicator:
+    """The NCCL group a member keeps from one epoch to the next, while its zone's members
+    and their ranks stay as they are and nothing failed on it.
+
+    Whether a zone reuses it must be the same on every member (one that builds anew waits
+    for the others in the build's relay): each member says in its report the group it
+    keeps (its `token`, empty where it keeps none), and the zone reuses it only where
+    every member says the same token (`reusable`: a pure function of the reports). A member
+    drops it (`drop`) on a failure any of its collectives saw, or work of it left unfinished
+    in a step not applied: its stream may hold a collective the others never posted."""
+
+    token: str = ""
+    members: tuple[str, ...] = ()
+    """The zone's members in rank order when it was built."""
+    pg: Any = None
+
+    def keep(self, built: Built, members: Sequence[str]) -> None:
+        self.token, self.members, self.pg = built.token, tuple(members), built.pg
+
+    def drop(self) -> None:
+        self.token, self.members, self.pg = "", (), None
+
+    def reusable(self, tokens: Sequence[str], members: Sequence[str]) -> Any:
+        """This member's group where every member of the zone (``members``, in rank order)
+        keeps it (``tokens``: what each said), else None."""
+        if self.pg is None or tuple(members) != self.members or any(t != self.token for t in tokens):
+            return None
+        return self.pg

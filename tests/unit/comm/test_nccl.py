@@ -1,0 +1,219 @@
+"""A sharded zone's NCCL group on the CPU, with a stand-in ``ProcessGroupNCCL``: rank 0's
+failure reaches the others at once, the environment is set once and a user's own setting
+kept and said, a group is kept while the zone's members stay, and a failed build makes
+the zone's next placement gloo on every member."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from unbroken.comm.group import EpochScope
+from unbroken.comm.nccl import NCCL_ENV, Communicator, build_nccl, nccl_environment
+from unbroken.comm.placement import Backend, MemberDevice
+from unbroken.errors import CollectiveFailed
+from unbroken.testing.fake import FakeWorld
+from unbroken.train.shard_devices import ZoneDevices
+
+pytestmark = pytest.mark.timeout(60)
+
+CPU = torch.device("cpu")
+DEADLINE_S = 20.0
+
+
+class Stand:
+    """A stand-in ``ProcessGroupNCCL``: rank 0 writes its id to the store, and every rank
+    then waits, as NCCL's connect does, until all ranks have connected. ``refuse``: the
+    rank whose build raises, and whether it raises before writing anything (``early``)."""
+
+    refuse: tuple[int, bool] | None = None
+    built: ClassVar[list[int]] = []
+    connected: ClassVar[threading.Barrier]
+    """The ranks of one build (`each` makes a class of its own for each: a build a test left
+    waiting must not take a place in the next test's)."""
+
+    class Options:
+        def __init__(self) -> None:
+            self._timeout: timedelta | None = None
+
+    def __init__(self, store: Any, rank: int, size: int, opts: Stand.Options) -> None:
+        self.store, self.rank, self.size = store, rank, size
+
+    def eager_connect_single_device(self, device: torch.device) -> None:
+        refuse = Stand.refuse
+        if refuse == (self.rank, True):
+            raise RuntimeError("NCCL error: ncclGetUniqueId failed: no socket interface found")
+        if self.rank == 0:
+            self.store.set("0", b"\x01nccl-id-" + str(time.monotonic_ns()).encode())
+        self.id = bytes(self.store.get("0"))
+        if refuse == (self.rank, False):
+            raise RuntimeError("NCCL error: unhandled cuda error")
+        self.connected.wait(DEADLINE_S * 2)  # a rank that failed never comes: NCCL waits on
+        Stand.built.append(self.rank)
+
+
+@pytest.fixture
+def stand(monkeypatch: pytest.MonkeyPatch) -> type[Stand]:
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", Stand, raising=False)
+    monkeypatch.setattr(Stand, "refuse", None)
+    monkeypatch.setattr(Stand, "built", [])
+    return Stand
+
+
+def scope() -> EpochScope:
+    return EpochScope(threading.Event(), lambda: None, DEADLINE_S)
+
+
+def each(size: int, fn: Callable[[int], Any]) -> dict[int, Any]:
+    """``fn(rank)`` on a thread per rank, their builds meeting on a barrier of their own:
+    what each returned or raised, and when."""
+    import torch.distributed as dist
+
+    meeting: type[Stand] = type("Stand", (Stand,), {"connected": threading.Barrier(size)})
+    dist.ProcessGroupNCCL = meeting  # type: ignore[attr-defined]
+    out: dict[int, Any] = {}
+
+    def target(rank: int) -> None:
+        t0 = time.monotonic()
+        try:
+            out[rank] = fn(rank)
+        except BaseException as exc:  # reported to the test
+            exc.add_note(f"after {time.monotonic() - t0:.2f} s")
+            out[rank] = exc
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S * 2)
+    return out
+
+
+def took(exc: BaseException) -> float:
+    return float(exc.__notes__[-1].split()[1])
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["before-its-id", "after-its-id"])
+def test_rank_zeros_failed_build_fails_every_member_at_once_with_its_reason(stand: type[Stand], early: bool) -> None:
+    stand.refuse = (0, early)
+    world = FakeWorld(3)
+    out = each(3, lambda r: build_nccl(world.group(r), "nccl-4", r, 3, CPU, scope()))
+    reason = "ncclGetUniqueId failed" if early else "unhandled cuda error"
+    assert isinstance(out[0], CollectiveFailed) and reason in str(out[0])
+    assert out[0].__cause__ is not None, "rank 0's own failure, chained: it says so in its reports"
+    for r in (1, 2):
+        assert isinstance(out[r], CollectiveFailed), out
+        assert f"building group nccl-4 failed on rank 0: NCCL error: {'ncclGetUniqueId' if early else 'unhandled'}" in (
+            str(out[r])
+        )
+        assert out[r].__cause__ is None, "not its own NCCL's failure"
+        assert took(out[r]) < DEADLINE_S / 2, "waited for the deadline, not for rank 0's word"
+
+
+def test_a_build_that_succeeds_names_one_communicator_and_a_new_build_another(stand: type[Stand]) -> None:
+    world = FakeWorld(2)
+    first = each(2, lambda r: build_nccl(world.group(r), "nccl-1", r, 2, CPU, scope()))
+    second = each(2, lambda r: build_nccl(world.group(r), "nccl-2", r, 2, CPU, scope()))
+    assert first[0].token == first[1].token and second[0].token == second[1].token
+    assert first[0].token != second[0].token
+    assert first[1].pg.id == first[0].pg.id
+
+
+def test_the_environment_is_set_once_and_a_users_own_setting_is_kept_and_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "PATH": "/bin"}
+    with caplog.at_level(logging.WARNING, logger="unbroken.comm.nccl"):
+        theirs = nccl_environment(env)
+    assert theirs == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "0", "PATH": "/bin"}
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in said[0] and "kept over ours (2)" in said[0]
+    mine: dict[str, str] = {}
+    assert nccl_environment(mine) == {} and mine == NCCL_ENV
+
+
+def gpu(i: int) -> MemberDevice:
+    return MemberDevice("cuda", f"GPU-{i}", "NVIDIA L4", True)
+
+
+class Zone:
+    """``size`` members' `ZoneDevices` (computing on the CPU, said to be on L4s of their own)
+    placing their zone over in-memory groups, as a sync phase does with their reports."""
+
+    def __init__(self, size: int) -> None:
+        self.names = [f"m{i}" for i in range(size)]
+        self.devices = {m: ZoneDevices(CPU) for m in self.names}
+        self.epoch = 0
+
+    def reports(self, members: list[str]) -> dict[str, MemberDevice]:
+        said = {m: MemberDevice.decode(self.devices[m].said(False)) for m in members}
+        return {m: replace(gpu(i), holds=d.holds, failed=d.failed) for i, (m, d) in enumerate(said.items())}
+
+    def place(self, members: list[str]) -> dict[str, Any]:
+        self.epoch += 1
+        reports, ranks, world = self.reports(members), {m: i for i, m in enumerate(members)}, FakeWorld(len(members))
+
+        def one(r: int) -> Any:
+            m = members[r]
+            gloo = world.group(r)
+            placement, group = self.devices[m].place(
+                f"nccl-{self.epoch}", m, reports, ranks, gloo, scope(), ranged=False
+            )
+            return placement, group, gloo
+
+        out = each(len(members), one)
+        return {members[r]: v for r, v in out.items()}
+
+
+def test_a_zone_whose_members_stay_keeps_its_nccl_group_and_builds_anew_on_a_change(stand: type[Stand]) -> None:
+    zone = Zone(3)
+    first = zone.place(zone.names)
+    assert all(p.backend is Backend.NCCL for p, _, _ in first.values()) and len(stand.built) == 3
+    again = zone.place(zone.names)
+    assert len(stand.built) == 3, "the same members and ranks: no new build"
+    assert all(again[m][1] is first[m][1] for m in zone.names)
+    zone.devices["m1"].comm.drop()  # a failure on m1's group: it says it keeps none
+    third = zone.place(zone.names)
+    assert len(stand.built) == 6 and all(third[m][1] is not first[m][1] for m in zone.names)
+    fewer = zone.place(["m0", "m2"])  # a member lost: the ranks changed
+    assert len(stand.built) == 8 and all(fewer[m][1] is not third[m][1] for m in ("m0", "m2"))
+
+
+def test_a_member_whose_nccl_build_failed_takes_its_zone_to_gloo_on_every_member(
+    stand: type[Stand], caplog: pytest.LogCaptureFixture
+) -> None:
+    zone = Zone(3)
+    stand.refuse = (0, False)  # after its id went out: the others hear its outcome
+    failed = zone.place(zone.names)
+    assert all(isinstance(v, CollectiveFailed) for v in failed.values()), failed
+    stand.refuse = None
+    assert "unhandled cuda error" in MemberDevice.decode(zone.devices["m0"].said(False)).failed
+    assert not any(MemberDevice.decode(zone.devices[m].said(False)).failed for m in ("m1", "m2"))
+    with caplog.at_level(logging.WARNING, logger="unbroken.train.shard_devices"):
+        after = zone.place(zone.names)
+    placements = {p for p, _, _ in after.values()}
+    assert len(placements) == 1 and next(iter(placements)).backend is Backend.GLOO
+    assert all(group is gloo for _, group, gloo in after.values()), "the zone's gloo group sums"
+    assert any("m0's NCCL build failed (NCCL error: unhandled cuda error)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_group_is_kept_only_where_every_member_keeps_the_same_one() -> None:
+    comm = Communicator()
+    assert comm.reusable([""], ["a"]) is None
+    pg = object()
+    comm.token, comm.members, comm.pg = "t1", ("a", "b"), pg
+    assert comm.reusable(["t1", "t1"], ["a", "b"]) is pg
+    assert comm.reusable(["t1", ""], ["a", "b"]) is None  # b dropped its own
+    assert comm.reusable(["t1", "t2"], ["a", "b"]) is None
+    assert comm.reusable(["t1", "t1"], ["b", "a"]) is None  # the same members in other ranks
