@@ -22,8 +22,9 @@ peak RSS and the training state it holds against the whole state (parameters, gr
 Adam's two moments: 16 bytes a parameter), the time from the kill to the survivors' next
 committed step, steps lost, and whether the final model equals one process trained on the
 whole batch (max abs difference). Then the same model through the whole runtime, real node
-processes with a kill and a join (`bench/sharded_nodes.py`; 4 nodes in one zone with
-``--short``, 2 zones of 3 nodes otherwise; ``--no-nodes`` skips it): the
+processes with a kill and ``--joins`` joins, each beside a cold start of the same node, the
+median ratio and each side's phases printed (`bench/sharded_nodes.py`; 4 nodes in one zone
+with ``--short``, 2 zones of 3 nodes otherwise; ``--no-nodes`` skips it): the
 kill, the promises and ``steps_lost`` of the last line are that run's (the engine-level ones
 under ``engine``). The last line is one JSON object with these figures.
 
@@ -458,7 +459,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--short", action="store_true", help="4 nodes, 20 steps, one repeat")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--node-steps", type=int, default=100, help="steps of the run through real nodes")
+    parser.add_argument("--node-steps", type=int, default=80, help="steps of the run through real nodes")
     parser.add_argument("--joins", type=int, default=3, help="joins measured in that run (the median is the figure)")
     parser.add_argument("--join-step", type=int, default=22, help="step at which a node joins that run")
     parser.add_argument("--no-nodes", action="store_true", help="skip the run through real nodes")

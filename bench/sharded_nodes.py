@@ -1,6 +1,6 @@
 """A sharded zone of real node processes (`unbroken node --shard`): kill, join, memory, promises.
 
-    python bench/sharded_nodes.py                 # 4 nodes, about 2 minutes on 2 cores
+    python bench/sharded_nodes.py                 # 4 nodes, 3 joins, about 3 minutes on 2 quiet cores
     python bench/sharded_nodes.py --steps 60 --dim 384
 
 `bench/sharded.py` runs this after its engine-level comparison with FSDP2 (``--short`` too)
@@ -13,11 +13,16 @@ and merges the figures into its last line. Here the whole runtime runs: a coordi
 - a kill: node n2 SIGKILLs itself in the all-reduce of step ``--kill-step``; measured from
   the fault line in its log to the survivors' next commit (the epoch change, the layout
   exchange, the re-shard from the buddy copies and the retried step);
-- a join: at step ``--join-step`` a new node is spawned; measured from the spawn to its first
-  commit (start-up, the group's step boundary, its ranges sent by their holders, one step);
-  against the same node cold-starting a 1-node sharded job on a fresh coordinator, spawned
-  at the same moment as the joiner (both start under the zone's load; a cold start after the
-  zone finished had the machine to itself and made joins look twice as slow);
+- joins: from step ``--join-step``, ``--joins`` new nodes one after another, each measured
+  from its spawn to its first commit against the same node cold-starting a 1-node sharded job
+  on a fresh coordinator, spawned at the same moment (both start under the zone's load; a cold
+  start after the zone finished had the machine to itself and made joins look twice as
+  slow). Each joiner leaves (SIGTERM) once it committed, so every join meets the zone the
+  first did. The figure is the median of the ratios; each side's time is cut into `PHASES`
+  by the milestones its first commit carries (`Records.mark`): import and model, hello,
+  admission, the epoch's group (for a joiner, the zone's step boundary), the replicated
+  state, the zone's reports, its ranges, the first step. Spawned processes import torch
+  each: on a loaded machine that phase alone varies by seconds between the two sides;
 - the promises (`unbroken.testing.check_promises` on every node's commit log), every range's
   two holders ending with the same digest, and the model put together from the finished
   nodes' ranges against one process trained on the whole batch;
@@ -320,7 +325,7 @@ def reference_model(j: Job, parts: int) -> tuple[dict[str, torch.Tensor], float]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=80)
     p.add_argument("--kill-step", type=int, default=12)
     p.add_argument("--join-step", type=int, default=22)
     p.add_argument("--dim", type=int, default=256)
