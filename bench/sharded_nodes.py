@@ -19,7 +19,7 @@ and merges the figures into its last line. Here the whole runtime runs: a coordi
   start after the zone finished had the machine to itself and made joins look twice as
   slow). Each joiner leaves (SIGTERM) once it committed, so every join meets the zone the
   first did. The figure is the median of the ratios; each side's time is cut into `PHASES`
-  by the milestones its first commit carries (`Records.mark`): import and model, hello,
+  by the milestones its first commit carries (`Records.mark`): import, model, hello,
   admission, the epoch's group (for a joiner, the zone's step boundary), the replicated
   state, the zone's reports, its ranges, the first step. Spawned processes import torch
   each: on a loaded machine that phase alone varies by seconds between the two sides;
@@ -140,7 +140,8 @@ class PeakMemory:
 
 
 PHASES = (
-    ("start", "built", "import, model"),
+    ("start", "began", "import"),
+    ("began", "built", "model"),
     ("built", "welcomed", "hello"),
     ("welcomed", "ordered", "admitted"),
     ("ordered", "formed", "group"),

@@ -147,7 +147,7 @@ def range_digest(zone: ShardedModel, start: int, end: int) -> str:
     h = xxhash.xxh3_128()
 
     def add(tensor: torch.Tensor) -> None:  # as the export holds it: float32, on the CPU
-        h.update(tensor.detach().to(CPU, torch.float32).contiguous().numpy())
+        h.update(tensor.detach().to(CPU, torch.float32).contiguous().numpy())  # type: ignore[arg-type]
 
     for piece, a, b in ordered:
         add(piece.tensor[a - piece.start : b - piece.start])

@@ -45,7 +45,8 @@ LAY_OUT_AHEAD = 3
 class Records:
     """A node's commit log (``--commit-log``), reports to the coordinator and checkpoints."""
 
-    def __init__(self, node: RecordsNode) -> None:
+    def __init__(self, node: RecordsNode, began: float | None = None) -> None:
+        """``began``: when the node started to build the job (its imports done)."""
         self.node = node
         config = node.config
         self.checkpointer = Checkpointer(config.checkpoint_dir) if config.checkpoint_dir else None
@@ -76,6 +77,8 @@ class Records:
         """When this node first got to each milestone of its way to its first commit (wall
         times, `mark`): written with that commit (None once written), as where a join's time
         goes (`bench/sharded_nodes.py`)."""
+        if began is not None:
+            self.timeline["began"] = began
         self.mark("built")
 
     def close(self) -> None:
@@ -94,8 +97,8 @@ class Records:
             self._file.flush()
 
     def mark(self, milestone: str) -> None:
-        """This node got to ``milestone`` on its way to its first commit: ``built`` (the
-        job's model and optimizer, after the imports), ``welcomed`` (the leader took its
+        """This node got to ``milestone`` on its way to its first commit: ``began`` (its
+        imports done), ``built`` (the job's model and optimizer), ``welcomed`` (the leader took its
         hello), ``ordered`` (the first epoch order that names it), ``formed`` (that epoch's
         groups built), ``synced`` (the replicated state in), ``reported`` (a sharded zone's
         members' reports of their ranges in), ``resharded`` (its ranges in), each noted the
