@@ -459,7 +459,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--short", action="store_true", help="4 nodes, 20 steps, one repeat")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--node-steps", type=int, default=80, help="steps of the run through real nodes")
+    parser.add_argument("--node-steps", type=int, default=100, help="steps of the run through real nodes")
     parser.add_argument("--joins", type=int, default=3, help="joins measured in that run (the median is the figure)")
     parser.add_argument("--join-step", type=int, default=22, help="step at which a node joins that run")
     parser.add_argument("--no-nodes", action="store_true", help="skip the run through real nodes")

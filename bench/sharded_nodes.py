@@ -57,9 +57,9 @@ from torch.utils.data import TensorDataset
 from unbroken import Job, Sharding
 
 VOCAB, CONTEXT = 256, 32
-JOIN_STEPS = 15
-"""Steps a join and the joiner's leave take at most, about (another join starts only with
-twice as many left)."""
+SPARE_STEPS = 5
+"""Another join starts only while the job has the steps the longest join so far took (from
+the wait before its spawn to its joiner's leave) and these to spare."""
 
 
 class Model(nn.Module):
@@ -191,10 +191,16 @@ def cold_start(
 
 
 def join_once(
-    c: Any, name: str, zone: list[str], cold: tuple[Any, Callable[[], tuple[float, dict[str, float]]]], a: Any
+    c: Any,
+    name: str,
+    zone: list[str],
+    cold: tuple[Any, Callable[[], tuple[float, dict[str, float]]]],
+    a: Any,
+    leave: bool,
 ) -> dict[str, Any]:
     """``name`` spawned into the zone beside a cold start spawned at the same moment; once it
-    committed, it leaves again (SIGTERM), so that every join meets the zone as the first did.
+    committed, it leaves again (SIGTERM, where ``leave``), so that every join meets the zone
+    as the first did.
     Both sides' spawn -> first commit and phases, and the zone's wait for its step boundary
     (the joiner's order -> the last member of the zone in the joiner's epoch)."""
     from common import wait_until
@@ -206,8 +212,9 @@ def join_once(
         joiner = c.start_node(name, extra=zone, job_args=job_args(a))
         first = wait_until(lambda: _first_commit(joiner), a.timeout, f"{name}'s first commit")
         cold_s, cold_phases = cold_run.result()
-    joiner.signal(signal.SIGTERM)
-    joiner.wait(a.timeout)
+    if leave:
+        joiner.signal(signal.SIGTERM)
+        joiner.wait(a.timeout)
     epoch, ordered = first["epoch"], first.get("timeline", {}).get("ordered", t0)
     others = [e for n in c.nodes.values() if n is not joiner for e in n.entries()]
     switched = [e["t"] for e in others if e["kind"] == "epoch" and e["epoch"] == epoch]
@@ -266,16 +273,21 @@ def run(a: argparse.Namespace, reference: dict[str, torch.Tensor], float_order: 
         peak = PeakMemory({name: n.proc.pid for name, n in c.nodes.items()})
         c.wait_step(a.join_step, timeout=a.timeout)
         joins: list[dict[str, Any]] = []
-        for i in range(getattr(a, "joins", 1)):
-            if i and c.max_committed() > a.steps - 2 * JOIN_STEPS:
+        stayed, longest, count = 0, 0, getattr(a, "joins", 1)
+        for i in range(count):
+            if (at := c.max_committed()) + longest + SPARE_STEPS > a.steps:
                 print(f"sharded nodes: {i} joins: too few steps left for another", file=sys.stderr, flush=True)
                 break
             cold = cold_start(root / f"cold{i}", ref, args, a.timeout, device)
             diagnostics.clusters.append(cold[0])
             c.wait_step(c.max_committed() + 2, timeout=a.timeout)  # the zone back at its pace
             print(f"sharded nodes: join {i + 1}, and a cold start beside it ...", file=sys.stderr, flush=True)
-            joins.append(join_once(c, f"joiner{i}", ["--zone", "z0"] if zones > 1 else [], cold, a) | {"load": load()})
+            last = i == count - 1  # stays to the end: a joiner finishes with the others' model
+            where = ["--zone", "z0"] if zones > 1 else []
+            joins.append(join_once(c, f"joiner{i}", where, cold, a, leave=not last) | {"load": load()})
             peak.add(f"joiner{i}", c.nodes[f"joiner{i}"].proc.pid)
+            stayed += last
+            longest = max(longest, c.max_committed() - at)
         codes = c.wait_exit(timeout=a.timeout)
         peaks = peak.stop()
         logs = {name: n.entries() for name, n in c.nodes.items()}
@@ -284,7 +296,7 @@ def run(a: argparse.Namespace, reference: dict[str, torch.Tensor], float_order: 
         after = [e["t"] for entries in logs.values() for e in entries if e["kind"] == "commit"]
         kill_to_commit = min(t for t in after if fault_t is not None and t > fault_t) - fault_t if fault_t else None
         job_ = job(args)
-        report = check_promises(logs, job_, finishers=a.nodes)
+        report = check_promises(logs, job_, finishers=a.nodes - 1 + stayed)  # n2 was killed
         finals = [e for entries in logs.values() for e in entries if e["kind"] == "final"]
         digests: dict[str, set[str]] = {}
         for e in finals:
@@ -326,7 +338,7 @@ def reference_model(j: Job, parts: int) -> tuple[dict[str, torch.Tensor], float]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--kill-step", type=int, default=12)
     p.add_argument("--join-step", type=int, default=22)
     p.add_argument("--dim", type=int, default=256)
