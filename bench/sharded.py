@@ -22,8 +22,9 @@ peak RSS and the training state it holds against the whole state (parameters, gr
 Adam's two moments: 16 bytes a parameter), the time from the kill to the survivors' next
 committed step, steps lost, and whether the final model equals one process trained on the
 whole batch (max abs difference). Then the same model through the whole runtime, real node
-processes with a kill and a join (`bench/sharded_nodes.py`; 4 nodes in one zone with
-``--short``, 2 zones of 3 nodes otherwise; ``--no-nodes`` skips it): the
+processes with a kill and ``--joins`` joins, each beside a cold start of the same node, the
+median ratio and each side's phases printed (`bench/sharded_nodes.py`; 4 nodes in one zone
+with ``--short``, 2 zones of 3 nodes otherwise; ``--no-nodes`` skips it): the
 kill, the promises and ``steps_lost`` of the last line are that run's (the engine-level ones
 under ``engine``). The last line is one JSON object with these figures.
 
@@ -441,18 +442,33 @@ def nodes_run(
     n = argparse.Namespace(
         nodes=args.nodes if args.short else 6, steps=args.node_steps, kill_step=args.kill_step,
         join_step=args.join_step, dim=args.dim, layers=args.layers, batch=args.batch, timeout=args.timeout,
-        zones=zones, device=args.device,
+        zones=zones, device=args.device, joins=args.joins,
     )  # fmt: skip
     node_ref, node_order = sharded_nodes.reference_model(sharded_nodes.job(sharded_nodes.job_args(n)), n.nodes)
     print("sharded nodes: the zone ...", file=sys.stderr, flush=True)
     r = sharded_nodes.run(n, node_ref, node_order)
-    join_ratio = r["join_s"] / r["cold_start_s"]
+    join_ratio = r["join_over_cold_start"]
+    joins = r["joins"]
+    medians = {
+        what: tuple(statistics.median(j[side][what] for j in joins) for side in ("phases", "cold_phases"))
+        for what in joins[0]["phases"]
+    }
+    each = ", ".join(f"{j['join_s'] / j['cold_start_s']:.2f}x" for j in joins)
+    loads = ", ".join(j["load"].split(" on ")[0].split(" / ")[0] for j in joins)
     peaks, held_mb = r["peak_rss_mb"], r["held_state_mb_largest"]
     rows += [
         ("real nodes: SIGKILL -> next commit", f"{r['kill_to_next_commit_s']:.3f} s"),
         ("real nodes: promises (commit logs), buddies agree", f"{not r['promises']}, {r['buddies_agree']}"),
         ("real nodes: final model vs one process", f"{r['max_abs_diff']:.2e} (float order {node_order:.2e})"),
-        ("real nodes: join spawn -> first commit / cold start", f"{r['join_s']:.2f} / {r['cold_start_s']:.2f} s"),
+        (
+            f"real nodes: join spawn -> first commit / cold start (median of {len(joins)}, load {loads})",
+            f"{r['join_s']:.2f} / {r['cold_start_s']:.2f} s = {join_ratio:.2f}x "
+            f"(each: {each})",
+        ),
+        (
+            "real nodes: join phases, joiner / cold start (median s)",
+            "; ".join(f"{what} {x:.2f} / {y:.2f}" for what, (x, y) in medians.items()),
+        ),
         ("real nodes: peak RSS per node", ", ".join(f"{k} {v:.0f} MB" for k, v in sorted(peaks.items()))),
         ("real nodes: state held by the largest holder / whole", f"{held_mb:.1f} / {r['whole_state_mb']:.1f} MB"),
     ]  # fmt: skip
@@ -461,6 +477,7 @@ def nodes_run(
         "steps_lost": args.node_steps - r["steps_committed"],
         "promises_kept": bool(r["promises_kept"] and engine["promises_kept"]),
         "join_over_cold_start": round(join_ratio, 3),
+        "join_phases_s": {what: {"joiner": round(x, 3), "cold_start": round(y, 3)} for what, (x, y) in medians.items()},
         "nodes_run_layout": f"{n.nodes} nodes in {zones} zone(s)",
         "nodes_run": {k: v for k, v in r.items() if k != "codes"},
         "engine": engine,
@@ -482,7 +499,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--short", action="store_true", help="4 nodes, 20 steps, one repeat")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--node-steps", type=int, default=40, help="steps of the run through real nodes")
+    parser.add_argument("--node-steps", type=int, default=100, help="steps of the run through real nodes")
+    parser.add_argument("--joins", type=int, default=3, help="joins measured in that run (the median is the figure)")
     parser.add_argument("--join-step", type=int, default=22, help="step at which a node joins that run")
     parser.add_argument("--no-nodes", action="store_true", help="skip the run through real nodes")
     args = parser.parse_args()

@@ -60,10 +60,10 @@ from unbroken.comm.group import EpochScope, ProcessGroup, posted, wait_all, wait
 from unbroken.comm.placement import CPU, Placement
 from unbroken.comm.reshard import (
     cross_sum,
-    digest_of,
     exchange_ranges,
     load_ranges,
     move_ranges,
+    range_digest,
     shared_state,
     state_layout,
 )
@@ -500,8 +500,7 @@ class ShardedModel:
     def digest(self, start: int, end: int) -> str:
         """A digest of the values and optimizer state of ``[start, end)`` (a primary's and its
         buddy's must be equal after every committed step)."""
-        part = self.export(start, end)
-        return digest_of(part["values"], part["state"])
+        return range_digest(self, start, end)
 
     def digests(self) -> dict[tuple[int, int], str]:
         """Each held range's digest."""

@@ -17,6 +17,12 @@ receives only what changed; a donor that dies mid-transfer costs only the chunks
 not deliver (the receiver keeps the rest in its `Partial` and the next epoch's sync phase
 asks for what is missing); and the whole state is checked against the winning digest
 before it is loaded.
+
+Across zones the epoch's group connects a pair of ranks on its first use, and that first use
+waits for the peer's (`Meeting.devices`): the order above cannot wait in a cycle because
+every donor serves the receivers in rank order and both ends of a pair post its operations
+in the same order (modelled in ``tests/unit/comm/test_transfer.py``; donors each starting
+on another receiver hang there).
 """
 
 from __future__ import annotations

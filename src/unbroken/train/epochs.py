@@ -70,6 +70,7 @@ class Epochs:
     def form(self, order: m.EpochOrder) -> tuple[EpochGroup, Reducer]:
         """This node's group of ``order``'s epoch (now `Node.group`), connected, and the step's reducer."""
         node = self.node
+        node.records.mark("ordered")  # (also when its listener ran first: it is here at once)
         # The order's listener may not have run yet (it is told after the order is visible
         # to the step loop): a move behind a forwarder comes first, or this node's entries
         # would advertise the address its peers just failed to reach.
@@ -98,7 +99,9 @@ class Epochs:
         )
         group.pg, group.built_in_s, group.lazy = pg, took, zones.multi
         group.addresses = self._addresses(group)
-        return group, self._reducer(order, zones, group, build)
+        reducer = self._reducer(order, zones, group, build)
+        node.records.mark("formed")
+        return group, reducer
 
     def _builder(self, epoch: int, scope: EpochScope) -> Build:
         """Builds the epoch's groups (by name, `Zones.groups`; ``ids``: its members by rank)
@@ -251,6 +254,8 @@ class Epochs:
         stays there until it restarts, even once its port is open again: a move back would
         cost an epoch, and the forwarder only adds a hop."""
         node = self.node
+        if node.client.member_id in order.members:
+            node.records.mark("ordered")
         with self._moving:  # the control thread (the order's listener) and `form`: one moves
             if self.forwarded or node.client.member_id not in order.behind:
                 return
@@ -365,6 +370,7 @@ class Epochs:
         return None
 
     def welcomed(self, welcome: m.Welcome, new_coordinator: bool) -> None:
+        self.node.records.mark("welcomed")
         if new_coordinator:
             g = self.node.group
             self._former = (g.epoch, g.addresses) if g is not None else (-1, {})  # for `check`

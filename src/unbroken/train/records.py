@@ -45,7 +45,8 @@ LAY_OUT_AHEAD = 3
 class Records:
     """A node's commit log (``--commit-log``), reports to the coordinator and checkpoints."""
 
-    def __init__(self, node: RecordsNode) -> None:
+    def __init__(self, node: RecordsNode, began: float | None = None) -> None:
+        """``began``: when the node started to build the job (its imports done)."""
         self.node = node
         config = node.config
         self.checkpointer = Checkpointer(config.checkpoint_dir) if config.checkpoint_dir else None
@@ -72,6 +73,13 @@ class Records:
         self._last_progress = 0.0
         self._last_progress_log = time.monotonic()
         self._file = open(config.commit_log, "a", encoding="utf-8") if config.commit_log else None  # noqa: SIM115
+        self.timeline: dict[str, float] | None = {}
+        """When this node first got to each milestone of its way to its first commit (wall
+        times, `mark`): written with that commit (None once written), as where a join's time
+        goes (`bench/sharded_nodes.py`)."""
+        if began is not None:
+            self.timeline["began"] = began
+        self.mark("built")
 
     def close(self) -> None:
         if self.checkpointer is not None:
@@ -87,6 +95,16 @@ class Records:
             entry = {"t": time.time(), "node": self.node.name, "kind": kind.value, **(fields or {})}
             self._file.write(json.dumps(entry) + "\n")
             self._file.flush()
+
+    def mark(self, milestone: str) -> None:
+        """This node got to ``milestone`` on its way to its first commit: ``began`` (its
+        imports done), ``built`` (the job's model and optimizer), ``welcomed`` (the leader took its
+        hello), ``ordered`` (the first epoch order that names it), ``formed`` (that epoch's
+        groups built), ``synced`` (the replicated state in), ``reported`` (a sharded zone's
+        members' reports of their ranges in), ``resharded`` (its ranges in), each noted the
+        first time only."""
+        if self.timeline is not None:
+            self.timeline.setdefault(milestone, time.time())
 
     def report(self, kind: Kind, reason: str) -> None:
         """An event for the job's log at the coordinator (a checkpoint, a state transfer...)."""
@@ -104,6 +122,8 @@ class Records:
             entry["wire"] = {"intra": wire.last_intra, "inter": wire.last_inter}
         if digest is not None:
             entry["digest"] = digest
+        if self.timeline is not None:
+            entry["timeline"], self.timeline = self.timeline, None
         self.log(Entry.COMMIT, entry)
 
     def committed_to(self, commitment: m.Commitment) -> None:

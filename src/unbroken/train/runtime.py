@@ -116,6 +116,7 @@ class Node:
         self.config = config
         self.name = config.display_name
         self.wake = threading.Event()
+        began = time.time()  # imports done: what follows builds the job's model (`Records.mark`)
         keep_freed_memory()  # with UNBROKEN_MALLOC=kept
         model, optimizer = job.build()
         self.device = next(model.parameters()).device if own_loop else resolve_device(config.device)
@@ -165,7 +166,7 @@ class Node:
         self.link = LinkEmulation(config.link_latency_ms / 1e3, config.link_mbit, dict(config.link_mbit_from))
         self.wire = Wire()
         self.data = job.plan()
-        self.records = Records(self)
+        self.records = Records(self, began)
         self.faults: Faults = faults or NoFaults()
         self.faults.attach(self.records.log)
         self.graveyard = Graveyard(hold_s=config.collective_timeout_s + 5)
@@ -187,8 +188,7 @@ class Node:
         """The last step this node applied itself (not received from a peer)."""
         self.leave_sent_at: float | None = None
         self.model_fingerprint = fingerprint(model)
-        self._last_validation = 0.0
-        self._epochs_formed = 0
+        self._last_validation, self._epochs_formed = 0.0, 0
         self._partial = Partial()
         """What this node fetched of a peer's state so far (kept when a transfer is cut short)."""
         self.client: Control = control(self) if control is not None else connect(self)

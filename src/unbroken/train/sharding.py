@@ -256,6 +256,7 @@ class ShardedZone:
         gradient is then summed over the zones too (`finish_backward`). Returns the groups the
         ranges were held on until now, for the caller to keep referenced (`Graveyard`)."""
         assert g.pg is not None
+        node.records.mark("synced")
         scope = node.scope(during_step=False)
         me = node.client.member_id
         world = {m: i for i, m in enumerate(g.members)}
@@ -264,6 +265,7 @@ class ShardedZone:
         names = list(dict.fromkeys(zone_of.values()))
         said = exchange(g.pg, encode(self.report(node.epochs.forwarded)), scope)
         reports = dict(zip(g.members, [decode(b) for b in said], strict=True))
+        node.records.mark("reported")
         try:
             decisions = {
                 z: decide(
@@ -347,6 +349,7 @@ class ShardedZone:
             entry = {"epoch": g.epoch, "step": step, "reason": what, "held": held, "primary": own, "pairs": pairs}
             node.records.log(Entry.RESHARD, entry)
             log.info("%s: sharded zone at step %d: %s; holds %s elements", node.name, step, what, f"{held:,}")
+        node.records.mark("resharded")
         current = {id(g.pg), id(group)}
         return [x for x in left if id(x) not in current]
 

@@ -38,6 +38,7 @@ def test_a_build_started_before_the_orders_listener_ran_goes_through_the_forward
         config=config,
         group=None,
         scope=lambda during_step: EpochScope(threading.Event(), lambda: None, 1.0),
+        records=SimpleNamespace(mark=lambda milestone: None),
     )
     seen: dict[int, tuple[str | None, bool]] = {}
 
@@ -87,7 +88,13 @@ def test_a_node_not_named_behind_keeps_its_own_address(moved: bool) -> None:
     config = SimpleNamespace(
         forwarders=(), no_inbound=False, token="secret", gloo_host="", coordinators=(("10.0.0.1", 7000),), relays=()
     )
-    node: Any = SimpleNamespace(name="n", client=SimpleNamespace(member_id="me"), config=config, group=None)
+    node: Any = SimpleNamespace(
+        name="n",
+        client=SimpleNamespace(member_id="me"),
+        config=config,
+        group=None,
+        records=SimpleNamespace(mark=lambda milestone: None),
+    )
     epochs = Epochs(node)
     try:
         behind = ["me"] if moved else ["other"]
