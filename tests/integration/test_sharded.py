@@ -137,18 +137,19 @@ def test_a_joiner_gets_its_ranges_and_a_leaver_goes_without_loss(make_cluster: A
 
 
 def test_a_restart_of_every_member_reads_the_ranges_from_the_checkpoint(make_cluster: Any, tmp_path: Any) -> None:
-    env = ENV | {"UB_TEST_STEPS": "400"}
+    steps = 200  # paced: 4 s at least for the first group, which writes a checkpoint every 10
+    env = ENV | {"UB_TEST_STEPS": str(steps)}
     ck = tmp_path / "ck"
     args = ("--checkpoint-dir", str(ck), "--checkpoint-every", "10")
     c = start(make_cluster, env, 3, node_args=args)
     for i in (1, 2, 3):
         c.start_node(f"n{i}")
     # The nodes are killed only once a checkpoint is complete (on a busy machine, some steps
-    # after the one it holds).
+    # after the one it holds), and before they finish the job.
     c.wait_for(lambda: any(ck.glob("ckpt-*.pt")), 120, "a checkpoint written")
     for node in c.nodes.values():
         node.kill()
-    c.wait_exit(timeout=30)
+    assert set(c.wait_exit(timeout=30).values()) == {-signal.SIGKILL}, c.diagnostics()
     assert sorted(ck.glob("shard-*.pt")), "every member writes its range at a checkpoint"
     # The steps were paced only to leave the first group time for a checkpoint: the second
     # runs the rest at full speed (the same job: its pacing changes no result).
@@ -166,13 +167,13 @@ def test_a_restart_of_every_member_reads_the_ranges_from_the_checkpoint(make_clu
         assert (got[name] - want).abs().max().item() <= ATOL, name
     # The model of the last checkpoint, from its shard files alone (every node gone).
     out = tmp_path / "from-checkpoint.pt"
-    files = [str(f) for f in ck.glob("shard-000000400-*.pt")]
+    files = [str(f) for f in ck.glob(f"shard-{steps:09d}-*.pt")]
     done = subprocess.run(
         [sys.executable, "-m", "unbroken", "assemble", str(out), *files], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
     from_files = torch.load(out, weights_only=True)
-    assert all(torch.equal(from_files[k], got[k]) for k in got), "the shard files of step 400 are the finished model"
+    assert all(torch.equal(from_files[k], got[k]) for k in got), f"the shard files of step {steps} are the model"
 
 
 def test_with_erasure_coded_checkpoints_a_lost_disk_loses_no_range(make_cluster: Any, tmp_path: Any) -> None:

@@ -36,8 +36,9 @@ from unbroken.testing.netns import pid_alive
 
 PARENTS = 2
 """Forking parents, used in turn (see the module's note on hash seeds)."""
-READY_TIMEOUT_S = 120.0
-"""How long a parent may take to import what it preloads (minutes on a machine busy with tests)."""
+READY_TIMEOUT_S = 180.0
+"""How long a parent may take to import what it preloads (minutes on a machine busy with tests:
+59 s beside two burners at a load of 9-11, both parents importing at once)."""
 PRELOAD = (
     "torch",
     "torch._dynamo",
