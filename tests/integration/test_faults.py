@@ -162,8 +162,6 @@ def test_all_nodes_killed_then_restarted_resume_from_checkpoint(make_cluster, tm
     for n in first:
         n.kill()
     for n in first:
-        # A thread at idle priority (a checkpoint being written) exits only when it gets a
-        # core: on a busy machine the process outlives SIGKILL by seconds.
         n.wait(60)
     newest = latest_checkpoint(ckpt)
     assert newest is not None, "checkpoints every 5 steps, and 47 steps done"

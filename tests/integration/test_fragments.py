@@ -10,7 +10,6 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-import pytest
 import torch
 
 from integration.helpers import assert_promises
@@ -27,7 +26,6 @@ def held(disks: Iterable[Path]) -> list[int]:
     return sorted(set.intersection(*steps)) if steps else []
 
 
-@pytest.mark.serial  # its disks must hold a steady group's fragments: load could bench a member
 def test_two_lost_disks_and_a_corrupt_fragment_then_a_cold_start_on_fewer_nodes(make_cluster, tmp_path):
     c = make_cluster(env=ENV, min_nodes=5, coordinator_args=["--fragments", "3,2"], node_args=["--digest-every", "1"])
     c.start_coordinator()
@@ -36,8 +34,8 @@ def test_two_lost_disks_and_a_corrupt_fragment_then_a_cold_start_on_fewer_nodes(
         c.start_node(name, extra=["--checkpoint-dir", str(d), "--checkpoint-every", "10"]) for name, d in disks.items()
     ]
     c.wait_step(34, timeout=120)
-    # Writes run at low priority and may lag the steps on a busy machine: kill once every
-    # disk holds its fragment of two checkpoints (the newest, and one to fall back to).
+    # Writes may lag the steps on a busy machine: kill once every disk holds its fragment of
+    # two checkpoints (the newest, and one to fall back to).
     c.wait_for(lambda: len(held(disks.values())) >= 2, timeout=60, what="every disk's fragments of two checkpoints")
     for n in first:
         n.kill()

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from integration.helpers import assert_promises, events_of, fired, job_for, slowdown
+from integration.helpers import Pace, assert_promises, events_of, fired, job_for, slowdown
 from unbroken.testing import reference_state
 from unbroken.train.device import STATE_BYTES_PER_PARAM_BYTE, SavedBytes
 
@@ -113,17 +113,23 @@ def test_a_node_too_slow_to_train_validates_committed_state(make_cluster):
     assert_promises(c, env, finishers=3)
 
 
-def test_a_standby_replaces_a_killed_trainer_faster_than_a_cold_join(make_cluster):
-    # 700 steps: the late node's cold start took 5 s on a busy machine, and 260 had ended before it
-    env = {**BASE, "UB_TEST_STEPS": "700", "UB_TEST_BATCH": "30"}
+def test_a_standby_replaces_a_killed_trainer_faster_than_a_cold_join(make_cluster, tmp_path):
+    # 700 steps, paced until the late node trains (its cold start took 5 s on a busy machine,
+    # and 260 steps had ended before it), then the rest at full speed: nothing after is timed.
+    pace = Pace(tmp_path)
+    env = {**BASE, "UB_TEST_STEPS": "700", "UB_TEST_BATCH": "30", "UB_TEST_SAMPLE_MS": "0", "UB_TEST_DELAY_MS": "30"}
+    env |= pace.env
     c = start(make_cluster, env, n=3, warm=False)  # the late node's join is timed from a cold start
     c.start_node("a")
     victim = c.start_node("b", fault="kill@allreduce:20")
     spare = c.start_node("spare", extra=["--role", "standby"])
-    c.wait_for(lambda: victim.proc.poll() is not None, 60, "the victim's death")
+    # Three cold starts first: beside two burners at load 16, one node had not joined after 60 s.
+    c.wait_for(lambda: victim.proc.poll() is not None, 150, "the victim's death")
     killed_at = time.time()
     c.wait_step(40, timeout=60)
     late = c.start_node("late")
+    c.wait_for(lambda: any(e["kind"] == "commit" for e in late.entries()), 150, "the late node committing")
+    pace.release()
     codes = c.wait_exit(timeout=180)
     assert fired(victim, "kill")
     assert codes == {"a": 0, "b": -signal.SIGKILL, "spare": 0, "late": 0}, c.diagnostics()

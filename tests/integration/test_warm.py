@@ -56,7 +56,9 @@ def test_a_warm_script_sees_the_environment_given_and_the_threads_asked_for(tmp_
     script = tmp_path / "probe.py"
     script.write_text(
         "import json, os, sys, torch\n"
-        "print(json.dumps({'env': dict(os.environ), 'threads': torch.get_num_threads(), 'argv': sys.argv}))\n"
+        "preloaded = 'torch._dynamo' in sys.modules\n"
+        "print(json.dumps({'env': dict(os.environ), 'threads': torch.get_num_threads(), 'argv': sys.argv,\n"
+        "                  'preloaded': preloaded}))\n"
     )
     # A coordinator address that nobody dials: the script never joins.
     env = dict(os.environ, UB_PROBE="42", OMP_NUM_THREADS="2", UNBROKEN_COORDINATOR="127.0.0.1:9")
@@ -69,3 +71,6 @@ def test_a_warm_script_sees_the_environment_given_and_the_threads_asked_for(tmp_
     assert seen["env"]["UB_PROBE"] == "42" and seen["env"]["GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"] == "1"
     assert "PYTHONUNBUFFERED" not in seen["env"]
     assert seen["threads"] == 2 and seen["argv"] == [str(script), "--flag"]
+    # What torch loads on a job's first optimizer is in the parent already, not imported by
+    # every node again (most of a warm start, when it was).
+    assert seen["preloaded"], "torch._dynamo was not preloaded by the warm parent"

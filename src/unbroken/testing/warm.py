@@ -36,11 +36,22 @@ from unbroken.testing.netns import pid_alive
 
 PARENTS = 2
 """Forking parents, used in turn (see the module's note on hash seeds)."""
-READY_TIMEOUT_S = 120.0
-"""How long a parent may take to import what it preloads (minutes on a machine busy with tests)."""
-PRELOAD = ("torch", "unbroken.cli.main", "unbroken.train.runtime")
+READY_TIMEOUT_S = 180.0
+"""How long a parent may take to import what it preloads (minutes on a machine busy with tests:
+59 s beside two burners at a load of 9-11, both parents importing at once)."""
+PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "unbroken.cli.main",
+    "unbroken.train.runtime",
+    "unbroken.control.outsiders",
+    "unbroken.testing.faults",
+)
 """What a parent imports before it forks: what every node would import first. By name, as
-``python -m unbroken`` names what it runs: the harness starts the CLI, it does not use it."""
+``python -m unbroken`` names what it runs: the harness starts the CLI, it does not use it.
+``torch._dynamo``: torch imports it lazily on a job's first optimizer (`torch.optim`'s
+``_disable_dynamo``); left to each node, it was 87% of a warm node's start (8 s of 10 at a
+load of 13)."""
 
 
 class WarmProcess:
