@@ -14,6 +14,12 @@ connect, for the whole deadline::
     its build ends, ok or failed             wait: its own build, or rank 0's outcome
     outcome: "" or why it failed        -->  a failure fails it now with rank 0's reason
 
+A build that fails here for a reason no peer has a part in (the device could not be set,
+the group's constructor, rank 0's drawing of the id before it went out) raises
+`NcclRefused`: this member's own NCCL refused. Anything else (a connect, a store that never
+got rank 0's id, a relay or outcome lost with a peer, a deadline) may be a peer's doing
+and is a plain `CollectiveFailed`.
+
 A communicator costs a build (rank 0's id, every pair's connection) and some device
 memory; a zone whose members and ranks did not change keeps the one it has (`Communicator`).
 """
@@ -36,7 +42,7 @@ import torch
 from torch.distributed import HashStore, PrefixStore  # type: ignore[attr-defined]
 
 from unbroken.comm.group import POLL_DEVICE_S, EpochScope, ProcessGroup, wait_all, wait_until
-from unbroken.errors import CollectiveFailed
+from unbroken.errors import CollectiveFailed, NcclRefused
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +157,11 @@ def build_nccl(over: ProcessGroup, name: str, rank: int, size: int, device: torc
     (the scope's) or NCCL's own.
 
     Raises:
-        CollectiveFailed: the build failed here (chained from its error: this member's
-            NCCL could not form the group), or on rank 0 (with its reason), or ran past
-            the scope's deadline.
+        NcclRefused: this member's own NCCL refused, whatever its peers did (see the
+            module's docstring; chained from its error).
+        CollectiveFailed: the build failed here otherwise (chained from its error), or on
+            rank 0 (with its reason), or the relay or outcome failed, or it ran past the
+            scope's deadline.
         EpochAborted: the epoch was abandoned meanwhile.
     """
     from torch.distributed import ProcessGroupNCCL  # type: ignore[attr-defined]  # absent from CPU builds
@@ -164,18 +172,32 @@ def build_nccl(over: ProcessGroup, name: str, rank: int, size: int, device: torc
     what = f"building group {name}"
 
     def build() -> None:
+        connecting = False
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # its streams and communicator on this device
             opts = ProcessGroupNCCL.Options()
             opts._timeout = timedelta(seconds=scope.timeout_s)
             pg = ProcessGroupNCCL(PrefixStore(name, store), rank, size, opts)
+            connecting = True
             pg.eager_connect_single_device(device)
             result["pg"] = pg
         except Exception as exc:  # reported to the waiting thread
-            result["error"] = exc
+            # Rank 0 draws the id and writes it before it dials anyone: a failure with the
+            # store still empty is its own. Past that, or on another rank, a peer may be the cause.
+            result["own"] = not connecting or (rank == 0 and store.num_keys() == 0)
+            result["error"] = exc  # last: `ended` reads it
         finally:
             scope.wake.set()
+
+    def ended() -> bool:
+        return "pg" in result or "error" in result
+
+    def failure(text: str) -> CollectiveFailed:
+        """This member's build failed: its own NCCL refused, or maybe a peer's doing."""
+        error = (NcclRefused if result.get("own") else CollectiveFailed)(text)
+        error.at(scope.where())
+        return error
 
     def reason() -> str | None:
         error = result.get("error")
@@ -184,14 +206,14 @@ def build_nccl(over: ProcessGroup, name: str, rank: int, size: int, device: torc
     start = time.monotonic()
     threading.Thread(target=build, name=f"nccl-build-{name}", daemon=True).start()
     try:
-        entries = relay_entries(store, over, rank, scope, what, lambda: bool(result), reason)
+        entries = relay_entries(store, over, rank, scope, what, ended, reason)
     except CollectiveFailed:
-        if rank == 0 and "error" in result:  # its own failure, relayed: said as its own
-            raise CollectiveFailed(f"{what} failed: {reason()}").at(scope.where()) from result["error"]
+        if rank == 0 and "error" in result:  # its build's failure, relayed: said as its own
+            raise failure(f"{what} failed: {reason()}") from result["error"]
         raise
     outcome = torch.zeros(OUTCOME_BYTES, dtype=torch.uint8)
     if rank == 0:
-        wait_until(lambda: bool(result), scope, what)
+        wait_until(ended, scope, what)
         if said := (reason() or "").encode()[:OUTCOME_BYTES]:
             outcome[: len(said)] = torch.frombuffer(bytearray(said), dtype=torch.uint8)
         wait_all([over.broadcast(outcome, 0)], scope, what)
@@ -207,15 +229,14 @@ def build_nccl(over: ProcessGroup, name: str, rank: int, size: int, device: torc
             if theirs := bytes(outcome.tolist()).rstrip(b"\0").decode(errors="replace"):
                 raise CollectiveFailed(f"{what} failed on rank 0: {theirs}").at(scope.where())
 
-        wait_until(lambda: bool(result) or heard.done(), scope, what)
+        wait_until(lambda: ended() or heard.done(), scope, what)
         rank_zero_failed()  # its own build may wait for rank 0 until NCCL gives up: not waited
-        wait_until(lambda: bool(result), scope, what)
+        wait_until(ended, scope, what)
         if "error" not in result:  # connected: rank 0's outcome is on its way
             wait_until(heard.done, scope, what)
             rank_zero_failed()
     if "error" in result:
-        error = result["error"]
-        raise CollectiveFailed(f"{what} failed: {reason()}").at(scope.where()) from error
+        raise failure(f"{what} failed: {reason()}") from result["error"]
     token = hashlib.sha256(json.dumps(sorted((k, v.hex()) for k, v in entries.items())).encode()).hexdigest()[:16]
     return Built(result["pg"], time.monotonic() - start, token)
 
