@@ -4,9 +4,10 @@ reuse from one epoch to the next.
 NCCL's members meet by an id rank 0 draws and writes to a store. Each member gives the
 group a private in-memory store; rank 0's entries are carried to the others over the
 zone's gloo group (`relay_entries`), so the id travels only among the epoch's admitted
-members and no store listens on a port. What rank 0's build came to travels the same way:
-a build that fails on rank 0 would otherwise leave the others waiting, in NCCL's own
-connect, for the whole deadline::
+members and no store listens on a port; each member checks what it reads (a malformed relay
+fails the build, as a failed collective does). What rank 0's build came to travels the
+same way: a build that fails on rank 0 would otherwise leave the others waiting, in NCCL's
+own connect, for the whole deadline::
 
     rank 0                                   every other rank
     build on a helper thread                 build on a helper thread (waits for the id)
@@ -36,9 +37,10 @@ import time
 from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import torch
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
 from torch.distributed import HashStore, PrefixStore  # type: ignore[attr-defined]
 
 from unbroken.comm.group import POLL_DEVICE_S, EpochScope, ProcessGroup, wait_all, wait_until
@@ -54,6 +56,10 @@ The heartbeat monitor would kill a process whose watchdog waits in an abort: off
 
 OUTCOME_BYTES = 1024
 """The most of rank 0's failure that its outcome carries (`build_nccl`)."""
+
+RELAY_BYTES = 64 << 10
+"""The most a relay of rank 0's entries may take (`relay_entries`): NCCL's id is 128 bytes;
+a longer length is a corrupt relay, not a buffer to allocate."""
 
 _COSTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "a collective past its timeout may end this whole process, not only the epoch",
@@ -114,7 +120,9 @@ def relay_entries(
 
     Raises:
         CollectiveFailed: rank 0's build failed before it wrote its entries (with its
-            reason), or the broadcast failed or ran past the deadline.
+            reason), the relay was malformed or longer than `RELAY_BYTES` (another
+            version of unbroken on rank 0, or a corrupt relay), or the broadcast failed or
+            ran past the deadline.
         EpochAborted: the epoch was abandoned meanwhile.
     """
     body: dict[str, Any] = {}
@@ -125,23 +133,68 @@ def relay_entries(
             body["entries"] = {k: base64.b64encode(store.get(k)).decode() for k in keys}
         else:
             body["error"] = failed() or "it wrote no entry"
-    data = _broadcast_bytes(json.dumps(body).encode(), over, rank, scope, what)
-    if rank != 0:
-        body = json.loads(data)
-    if "error" in body:
-        raise CollectiveFailed(f"{what} failed on rank 0: {body['error']}").at(scope.where())
-    entries = {k: base64.b64decode(v) for k, v in body["entries"].items()}
+    sent = json.dumps(body).encode()
+    if len(sent) > RELAY_BYTES:  # said to every member, not a length they would refuse
+        too_long = f"its entries take {len(sent)} bytes, over the {RELAY_BYTES} a relay carries"
+        sent = json.dumps({"error": too_long}).encode()
+    relay = _read_relay(_broadcast_bytes(sent, over, rank, scope, what), scope, what)
+    if relay.error is not None:
+        raise CollectiveFailed(f"{what} failed on rank 0: {relay.error}").at(scope.where())
+    entries = relay.entries or {}
     if rank != 0:
         for key, value in entries.items():
             store.set(key, value)
     return entries
 
 
+def _unbase64(text: object) -> bytes:
+    if not isinstance(text, str):
+        raise ValueError(f"expected base64 text, got {type(text).__name__}")  # a ValueError: pydantic says it
+    return base64.b64decode(text, validate=True)  # binascii.Error is a ValueError too
+
+
+class _Relay(BaseModel):
+    """What rank 0 relays (`relay_entries`): its store's entries (base64 in the JSON), or
+    why it has none."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    entries: dict[str, Annotated[bytes, BeforeValidator(_unbase64)]] | None = None
+    error: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> _Relay:
+        if self.error is None and not self.entries:
+            raise ValueError("it carries neither an entry nor an error")
+        if self.error is not None and self.entries is not None:
+            raise ValueError("it carries entries and an error")
+        return self
+
+
+def _read_relay(data: bytes, scope: EpochScope, what: str) -> _Relay:
+    """Rank 0's relay from its bytes, checked: a malformed one fails the build, not the node."""
+    try:
+        return _Relay.model_validate_json(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        at = ".".join(str(p) for p in first["loc"]) or "the relay"
+        detail = f"{at}: {first['msg']}"
+    raise CollectiveFailed(
+        f"{what}: rank 0's relay of its NCCL id is malformed ({detail}): a corrupt relay, or another unbroken "
+        "version on rank 0 (run the same one on every node)"
+    ).at(scope.where())
+
+
 def _broadcast_bytes(body: bytes, over: ProcessGroup, rank: int, scope: EpochScope, what: str) -> bytes:
     """Rank 0's ``body`` on every member (its length, then its bytes)."""
     length = torch.tensor([len(body)], dtype=torch.int64)
     wait_all([over.broadcast(length, 0)], scope, what)
-    data = torch.zeros(int(length), dtype=torch.uint8)
+    size = int(length)
+    if not 0 < size <= RELAY_BYTES:
+        raise CollectiveFailed(
+            f"{what}: rank 0's relay of its NCCL id says it takes {size} bytes, not 1 to {RELAY_BYTES}: a corrupt "
+            "relay, or another unbroken version on rank 0 (run the same one on every node)"
+        ).at(scope.where())
+    data = torch.zeros(size, dtype=torch.uint8)
     if rank == 0:
         data.copy_(torch.frombuffer(bytearray(body), dtype=torch.uint8))
     wait_all([over.broadcast(data, 0)], scope, what)

@@ -16,9 +16,10 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from torch.distributed import HashStore  # type: ignore[attr-defined]
 
 from unbroken.comm.group import EpochScope
-from unbroken.comm.nccl import NCCL_ENV, Communicator, build_nccl, nccl_environment
+from unbroken.comm.nccl import NCCL_ENV, RELAY_BYTES, Communicator, build_nccl, nccl_environment, relay_entries
 from unbroken.comm.placement import Backend, MemberDevice
 from unbroken.errors import CollectiveFailed, NcclRefused
 from unbroken.testing.fake import FakeWorld
@@ -289,3 +290,72 @@ def test_a_group_is_kept_only_where_every_member_keeps_the_same_one() -> None:
     assert comm.reusable(["t1", ""], ["a", "b"]) is None  # b dropped its own
     assert comm.reusable(["t1", "t2"], ["a", "b"]) is None
     assert comm.reusable(["t1", "t1"], ["b", "a"]) is None  # the same members in other ranks
+
+
+MALFORMED = {
+    "not-json": (b"{entries", "the relay: Invalid JSON"),
+    "not-an-object": (b"[1]", "the relay: Input should be an object"),
+    "no-entries": (b"{}", "neither an entry nor an error"),
+    "unknown-field": (b'{"entrys": {"0": "AAE="}}', "entrys: Extra inputs are not permitted"),
+    "not-base64": (b'{"entries": {"0": "n!cc!"}}', "entries.0: Value error, Only base64 data is allowed"),
+    "a-number": (b'{"entries": {"0": 5}}', "entries.0: Value error, expected base64 text, got int"),
+    "both": (b'{"entries": {"0": "AAE="}, "error": "x"}', "it carries entries and an error"),
+}
+
+
+def relayed(length: int, body: bytes) -> tuple[BaseException | dict[str, bytes], Any]:
+    """What rank 1's `relay_entries` makes of a relay rank 0 sends as ``length`` then ``body``
+    (sent only where ``length`` is one a member takes), and rank 1's store after."""
+    world, store = FakeWorld(2), HashStore()
+
+    def rank_zero() -> None:
+        group = world.group(0)
+        group.broadcast(torch.tensor([length], dtype=torch.int64), 0).wait()
+        if 0 < length <= RELAY_BYTES:
+            group.broadcast(torch.frombuffer(bytearray(body), dtype=torch.uint8), 0).wait()
+
+    sender = threading.Thread(target=rank_zero, daemon=True)
+    sender.start()
+    try:
+        out: BaseException | dict[str, bytes] = relay_entries(
+            store, world.group(1), 1, scope(5.0), "building group nccl-9", lambda: False
+        )
+    except Exception as exc:  # what the test looks at
+        out = exc
+    sender.join(5)
+    return out, store
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_relay_fails_the_build_naming_rank_0_and_what_is_wrong(case: str) -> None:
+    body, wrong = MALFORMED[case]
+    out, store = relayed(len(body), body)
+    assert isinstance(out, CollectiveFailed) and not isinstance(out, NcclRefused), out
+    assert "building group nccl-9: rank 0's relay of its NCCL id is malformed" in str(out) and wrong in str(out), out
+    assert store.num_keys() == 0
+
+
+@pytest.mark.parametrize("length", [0, -1, RELAY_BYTES + 1, 1 << 40])
+def test_a_relay_whose_length_is_out_of_bounds_fails_the_build_before_anything_is_allocated(length: int) -> None:
+    out, store = relayed(length, b"")
+    assert isinstance(out, CollectiveFailed), out
+    assert f"rank 0's relay of its NCCL id says it takes {length} bytes, not 1 to {RELAY_BYTES}" in str(out)
+    assert store.num_keys() == 0
+
+
+def test_a_well_formed_relay_reaches_the_store() -> None:
+    out, store = relayed(len(b'{"entries": {"0": "AAE="}}'), b'{"entries": {"0": "AAE="}}')
+    assert out == {"0": b"\x00\x01"} and bytes(store.get("0")) == b"\x00\x01"
+
+
+def test_entries_too_long_to_relay_fail_every_member_with_rank_zeros_word() -> None:
+    world = FakeWorld(2)
+    stores = [HashStore(), HashStore()]
+    stores[0].set("0", b"\x01" * RELAY_BYTES)
+    out = each(
+        2, lambda r: relay_entries(stores[r], world.group(r), r, scope(5.0), "building group nccl-9", lambda: False)
+    )
+    for r in (0, 1):
+        assert isinstance(out[r], CollectiveFailed), out
+        assert "failed on rank 0: its entries take" in str(out[r]) and f"over the {RELAY_BYTES}" in str(out[r])
+    assert stores[1].num_keys() == 0
