@@ -19,7 +19,8 @@
      │    ├── BadContribution          a member's gradient was non-finite or far out of range
      │    │    └── AuditMismatch       a member's state differs from the majority's (corruption)
      │    ├── Suspicion                a step's sum did not add up, and cannot say whose part lied
-     │    └── Unreachable              a group build failed: a peer's data-plane address is unreachable
+     │    ├── Unreachable              a group build failed: a peer's data-plane address is unreachable
+     │    └── NcclRefused              this member's own NCCL refused a group, whatever its peers did
      └── TransferError                 a state transfer was corrupt or incomplete
           └── BadRequest               a receiver asked for state that does not exist
 """
@@ -152,6 +153,14 @@ class Suspicion(CollectiveFailed):
 class Unreachable(CollectiveFailed):
     """A group build failed, and this node could not connect to some peer's data-plane
     address: it said whom (the leader has the others try before benching anyone)."""
+
+
+class NcclRefused(CollectiveFailed):
+    """This member's own NCCL refused to form its zone's group, for a reason no peer has a
+    part in (its device could not be set, the group's constructor, drawing rank 0's id):
+    its reports say so, and its zone takes gloo while its members stay
+    (`unbroken.train.shard_devices`). A peer's death, a connect or a deadline is a plain
+    `CollectiveFailed`."""
 
 
 class AuditMismatch(BadContribution):

@@ -17,8 +17,9 @@ the shards on the CPU: those exchanges work on CPU tensors. What crosses zones, 
 digests and shard files are CPU tensors whatever the placement (copied at the boundary).
 NCCL connects every pair of members directly, on sockets of its own, so a member its peers
 reach only through a forwarder (`unbroken.sched.nat`) cannot be in an NCCL group; a member
-whose NCCL build failed says so in every report after, and each member, reading the same
-reports, decides gloo for the zone (a member restarted tries NCCL again).
+whose NCCL build failed (`unbroken.train.shard_devices` says when a failure counts) says so
+in its reports while the zone's members stay, and each member, reading the same reports,
+decides gloo for the zone (another membership, or a member restarted, tries NCCL again).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class MemberDevice:
     """The NCCL group it keeps from the last epoch (`unbroken.comm.nccl.Communicator`'s
     token; empty: none): the zone reuses it where every member keeps the same."""
     failed: str = ""
-    """Why its NCCL build failed (empty: none did): its zone takes gloo from then on."""
+    """Why its NCCL build failed (empty: none did): its zone takes gloo while its members stay."""
 
     def encode(self) -> str:
         flags = ("nccl" if self.nccl else "", "forwarded" if self.forwarded else "")

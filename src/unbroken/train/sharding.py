@@ -235,9 +235,10 @@ class ShardedZone:
                 "optimizer (SGD, Adam, AdamW, RMSprop, ...) or train unsharded"
             )
 
-    def report(self, forwarded: bool = False) -> Report:
-        """What this member says of its ranges (``forwarded``: peers reach it through a forwarder)."""
-        said = self.devices.said(forwarded)
+    def report(self, zone: Sequence[str], forwarded: bool = False) -> Report:
+        """What this member says of its ranges (``zone``: its zone's members this epoch, in rank
+        order; ``forwarded``: peers reach it through a forwarder)."""
+        said = self.devices.said(forwarded, zone)
         if self.engine is None:
             return Report(self.weight, device=said)
         summed = self.pending[0] if self.pending is not None else -1
@@ -263,7 +264,8 @@ class ShardedZone:
         zones = reducer.zones
         zone_of = {m: zones.of_rank[i] if zones.multi else "" for i, m in enumerate(g.members)}
         names = list(dict.fromkeys(zone_of.values()))
-        said = exchange(g.pg, encode(self.report(node.epochs.forwarded)), scope)
+        members = [m for m in g.members if zone_of[m] == zone_of[me]]
+        said = exchange(g.pg, encode(self.report(members, node.epochs.forwarded)), scope)
         reports = dict(zip(g.members, [decode(b) for b in said], strict=True))
         node.records.mark("reported")
         try:
@@ -285,7 +287,6 @@ class ShardedZone:
         self._absent_since = 0.0
         decision = decisions[zone_of[me]]
         report_recovery(node, g, decision, reports, zone_of, step)
-        members = [m for m in g.members if zone_of[m] == zone_of[me]]
         ranks = {m: i for i, m in enumerate(members)}
         group: ProcessGroup = g.pg
         if zones.multi:  # its zone's group; a member alone in its zone gathers from itself

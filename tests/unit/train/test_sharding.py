@@ -200,13 +200,13 @@ def test_a_members_report_says_it_is_forwarded_and_its_kept_group_and_a_step_lef
     zone.engine = zone._build(layout_for(numel, {"a": 1}), "a", {"a": 0}, FakeWorld(1).group(0), scope())
     kept = object()
     zone.devices.comm.token, zone.devices.comm.members, zone.devices.comm.pg = "c0ffee", ("a",), kept
-    said = MemberDevice.decode(decode(encode(zone.report(forwarded=True))).device)
+    said = MemberDevice.decode(decode(encode(zone.report(["a"], forwarded=True))).device)
     assert said.forwarded and said.holds == "c0ffee"
     zone.abandon(3)  # nothing in flight: the group may serve the next epoch
     assert zone.devices.comm.pg is kept
     zone.engine.broken = True  # a collective of it failed
     zone.abandon(3)
-    assert zone.devices.comm.pg is None and MemberDevice.decode(zone.report().device).holds == ""
+    assert zone.devices.comm.pg is None and MemberDevice.decode(zone.report(["a"]).device).holds == ""
 
 
 def test_parts_of_different_steps_are_not_assembled() -> None:
