@@ -138,3 +138,15 @@ def test_committed_steps_lost_with_their_only_holder_are_named_not_passed_over()
     assert report.rollbacks == [
         "stale restarted from a checkpoint, ckpt-2.pt (step 2) after the group had reached step 3: 1 steps redone"
     ], report.rollbacks
+
+
+def test_single_steps_lost_by_different_members_in_different_epochs_are_no_run() -> None:
+    # x alone committed step 2 in epoch 2 and died with it (the step in flight); y, later
+    # alone, committed step 3 in epoch 4 and died with it (another step in flight). No run
+    # of committed steps was lost with one member: nothing to name.
+    s = [*step(1, 1, 0, "a0", (0, 2)), *step(3, 3, 1, "s1", (0, 2)), *step(5, 5, 2, "s2"), final(6, "s2")]
+    x = [*step(1, 1, 0, "a0", (2, 2)), *step(2, 2, 1, "x1")]
+    y = [*step(1.5, 1, 0, "a0", (2, 0)), *step(3, 3, 1, "s1", (2, 2)), *step(4, 4, 2, "y2")]
+    report = check_promises({"s": s, "x": x, "y": y}, JOB, finishers=1)
+    assert report.ok, report.problems
+    assert report.rollbacks == [], report.rollbacks
