@@ -70,9 +70,11 @@ def newest_readable(
     Raises:
         EpochAborted: a new order came (``scope``), checked before each file.
     """
-    if directory is None or upto <= above or not directory.is_dir():
+    if directory is None or upto <= above:
         return -1, None, []
     try:
+        if not directory.is_dir():
+            return -1, None, []
         found = checkpoint_steps(directory)
     except OSError as exc:
         return -1, None, [f"{directory} cannot be listed ({type(exc).__name__}: {exc.strerror or exc})"]
