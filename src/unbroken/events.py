@@ -231,3 +231,14 @@ BACK_TO_CHECKPOINT = "rolled back to checkpoint step"
 """What a ``fallback`` report of a sharded job gone back to a checkpoint in process says,
 with the step: the leader moves the group's step back to it once every member of the epoch
 said it (`unbroken.control.roster.Roster.went_back`)."""
+GOES_ON_FROM = "the group goes on from step"
+"""What a ``rollback`` report says, with the step, where an epoch started behind the group
+and no checkpoint was newer than its best state (`unbroken.train.catchup`): the committed
+steps above it are lost, and the leader's step goes back to it as for `BACK_TO_CHECKPOINT`."""
+
+
+def goes_back(kind: Kind, reason: str) -> bool:
+    """Whether a node's report says that it went back to an older step with the rest of its
+    epoch (the leader follows once every member said the same step)."""
+    fallback = kind is Kind.FALLBACK and BACK_TO_CHECKPOINT in reason
+    return fallback or (kind is Kind.ROLLBACK and GOES_ON_FROM in reason)

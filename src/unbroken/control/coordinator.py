@@ -51,7 +51,7 @@ from unbroken.control.sessions import (
     serve_relay,
 )
 from unbroken.errors import ProtocolError
-from unbroken.events import BACK_TO_CHECKPOINT, Event, Kind
+from unbroken.events import Event, Kind, goes_back
 from unbroken.observe.board import state_json
 from unbroken.observe.chronicle import Chronicle
 from unbroken.observe.web import add_routes
@@ -387,11 +387,7 @@ class Coordinator(ThreadedService):
                 mem.checkpoint_error = msg.reason if msg.kind is Kind.CHECKPOINT_FAILED else None
             # Every member says its fall-back to a checkpoint (the group's step goes back once all
             # did); the first to say it makes the job's one event.
-            if (
-                msg.kind is Kind.FALLBACK
-                and BACK_TO_CHECKPOINT in msg.reason
-                and not ms.roster.went_back(mid, msg.step)
-            ):
+            if goes_back(msg.kind, msg.reason) and not ms.roster.went_back(mid, msg.step):
                 return
             self.chronicle.record(
                 Event(now, msg.kind, mid, ms.epoch, msg.step, f"{self.chronicle.name(mid)}: {msg.reason}")

@@ -450,7 +450,8 @@ class Roster:
 
     def went_back(self, member_id: str, step: int) -> bool:
         """A member of the epoch in force went back to a checkpoint of ``step``, in process (a
-        sharded job's fall-back, `unbroken.train.shard_fallback`): once every member of the
+        sharded job's fall-back, `unbroken.train.shard_fallback`), or to the best state of an
+        epoch that started behind the group (`unbroken.train.catchup`): once every member of the
         epoch said the same step, the group's step and the members' go back to it (steps
         only grow otherwise: the epochs after would all be urgent, the finish and the checks
         would read steps the group left). One member's word moves nothing (promise 8).

@@ -119,9 +119,10 @@ class _Judge:
         self.rollbacks: list[_Rollback] = []
         self.trained: set[str] = set()
         """Nodes that committed a step since they last restored a state."""
-        self.lost: dict[int, frozenset[str]] = {}
-        """Step index s → who took it with them: committed again later, after its first
-        committers died with it, with no restore since (a run of them is more than the step in flight)."""
+        self.lost: dict[int, tuple[frozenset[str], int, float]] = {}
+        """Step index s → who took it with them, and the epoch and time of their commit of it:
+        committed again later, after its first committers died with it, with no restore since
+        (a run of them is more than the step in flight)."""
         self.final_digests: dict[str, str] = {}
         self.final_at: dict[str, tuple[int, float]] = {}
         self.top = 0
@@ -222,7 +223,7 @@ class _Judge:
             gone = prev[2]
             if all(self.firsts[n].took(s) for n in gone):
                 if not rolled_back:
-                    self.lost[s] = gone
+                    self.lost[s] = (gone, prev[1], prev[0])
                 # The step in flight: its first committers died with it; their later digests
                 # were of a state nobody else ever held.
                 for later in [x for x in self.digests if x > s]:
@@ -479,16 +480,24 @@ class _Judge:
 
     def _lost(self) -> list[Evidence]:
         """Runs of committed steps lost with the only members that held them and trained
-        again from an older state (`lost`): one step alone is the step in flight."""
+        again from an older state (`lost`): consecutive steps the same members committed in
+        the same epoch. One step alone is the step in flight."""
+        runs: list[tuple[int, int, frozenset[str], int, float]] = []
+        for s in sorted(self.lost):
+            who, epoch, t = self.lost[s]
+            if runs and runs[-1][1] == s - 1 and runs[-1][2:4] == (who, epoch):
+                runs[-1] = (runs[-1][0], s, *runs[-1][2:])
+            else:
+                runs.append((s, s, who, epoch, t))
         out = []
-        for lo, hi in ranges([s + 1 for s in sorted(self.lost)]):
+        for lo, hi, who, epoch, t in runs:
             if hi > lo:
-                who = ", ".join(sorted(self.lost[lo - 1]))
+                names = ", ".join(sorted(who))
                 text = (
-                    f"{who} died holding steps {lo}-{hi}, which no other member held, and no checkpoint was "
-                    f"restored: {hi - lo + 1} committed steps lost and trained again"
+                    f"{names} died holding steps {lo + 1}-{hi + 1}, which no other member held, and no checkpoint "
+                    f"was restored: {hi - lo + 1} committed steps lost and trained again"
                 )
-                out.append(Evidence(text, node=who, step=lo, epoch=self.commits[lo - 1][1], t=self.commits[lo - 1][0]))
+                out.append(Evidence(text, node=names, step=lo + 1, epoch=epoch, t=t))
         return out
 
     def _from_events(self, promise: Promise, kind: Kind, logged: bool) -> Check:

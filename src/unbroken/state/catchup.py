@@ -12,16 +12,19 @@ take it from them in the sync phase. Where none is newer, the committed steps ab
 best state are lost and trained again, and the decision says how many.
 
 What a member says of its checkpoint is its claim only: it claims a step after reading the
-file itself (it loads, holds a training state of this job, of that step), and only it
-restores from that file (promise 8).
+file's description itself (its pickle: a training state of this job, of that step), reads
+the chosen file whole, and only it restores from that file (promise 8). With a
+--checkpoint-dir per node, two members may hold that step from different histories: the
+claimants compare the digests of what they read, and only those that agree with the first
+restore it (`agreed`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from unbroken.events import BACK_TO_CHECKPOINT
+from unbroken.events import BACK_TO_CHECKPOINT, GOES_ON_FROM
 from unbroken.state.sync import abandoned
 
 
@@ -34,7 +37,8 @@ class CatchUp:
     checkpoint: int = -1
     """The checkpoint step to go back to (-1: none is newer than ``live``)."""
     readers: tuple[int, ...] = ()
-    """The ranks that read it: each restores it from its own file."""
+    """The ranks that claim it; once they read it whole (`agreed`), those that restore it,
+    each from its own file."""
     lost: tuple[int, int] | None = None
     """The committed steps lost (first, last): those after the state the group goes on from
     (None: none, the group's step as the leader heard it is held)."""
@@ -53,7 +57,7 @@ class CatchUp:
         steps = f"steps {first}..{last} ({count}) are lost and trained again"
         if self.checkpoint >= 0:
             return f"{gone} and {held}: {BACK_TO_CHECKPOINT} {self.checkpoint}, newer; {steps}"
-        return f"{gone}, {held} and no member can read a newer checkpoint: {steps}"
+        return f"{gone}, {held} and no member can read a newer checkpoint: {GOES_ON_FROM} {self.live}; {steps}"
 
 
 def plan_catch_up(steps: Sequence[int], lineages: Sequence[int], claims: Sequence[int], group_step: int) -> CatchUp:
@@ -72,3 +76,33 @@ def plan_catch_up(steps: Sequence[int], lineages: Sequence[int], claims: Sequenc
     back = max(newer)
     readers = tuple(r for r, c in enumerate(claims) if c == back)
     return CatchUp(live, back, readers, (back + 1, group_step) if group_step > back else None)
+
+
+def agreed(plan: CatchUp, digests: Sequence[int]) -> CatchUp:
+    """``plan`` with its readers cut to the claimants that read the chosen checkpoint whole
+    and hold the state the first of them holds (``digests``: each rank's digest prefix of
+    what it read, -1: it did not read it whole). No readers left: none read it."""
+    read = [r for r in plan.readers if digests[r] >= 0]
+    return replace(plan, readers=tuple(r for r in read if digests[r] == digests[read[0]]) if read else ())
+
+
+LINEAGES = 2**62
+"""A state's history (`TrainState.lineage`) is below this: the group's next one (one more)
+still fits the int64 of a sync exchange."""
+
+
+def misreported(
+    num_steps: int, steps: Sequence[int], lineages: Sequence[int], claims: Sequence[int] = ()
+) -> tuple[int, str] | None:
+    """The first rank whose report no honest member makes (a step beyond the job's
+    ``num_steps`` or below 0, a history outside ``[0, LINEAGES)``, a checkpoint claim outside
+    ``[-1, num_steps]``), with what it said; None where every report is in range."""
+    for r, (step, lineage) in enumerate(zip(steps, lineages, strict=True)):
+        if not 0 <= step <= num_steps:
+            return r, f"rank {r} said it holds step {step}, outside the job's 0..{num_steps}"
+        if not 0 <= lineage < LINEAGES:
+            return r, f"rank {r} said its state's history is {lineage}, outside 0..{LINEAGES - 1}"
+    for r, claim in enumerate(claims):
+        if not -1 <= claim <= num_steps:
+            return r, f"rank {r} claimed a checkpoint of step {claim}, outside the job's -1..{num_steps}"
+    return None

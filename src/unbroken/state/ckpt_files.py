@@ -47,10 +47,12 @@ def load_checkpoint(path: Path, map_location: str | None = None) -> dict[str, An
     return snap
 
 
-def unusable(path: Path, map_location: str | None = None) -> str | None:
+def unusable(
+    path: Path, map_location: str | None = None, *, step: int | None = None, job: str | None = None
+) -> str | None:
     """Why the checkpoint ``path`` cannot be used (it does not load, or holds no training
-    state), or None; on the meta device only its pickle is read (a truncated or garbage
-    file fails there too)."""
+    state: of ``step`` and of the job whose identity is ``job``, where given), or None; on
+    the meta device only its pickle is read (a truncated or garbage file fails there too)."""
     try:
         snap = load_checkpoint(path, map_location)
     except OSError as exc:
@@ -61,6 +63,10 @@ def unusable(path: Path, map_location: str | None = None) -> str | None:
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else 'unreadable'}"
     if not isinstance(snap, dict) or not {"step", "cursor", "model"} <= snap.keys():
         return "ValueError: it holds no training state"
+    if step is not None and snap["step"] != step:
+        return f"ValueError: it holds the training state of step {snap['step']}, not of step {step}"
+    if job is not None and snap.get("job", job) != job:
+        return f"another job's (job identity {snap['job']}, not {job})"
     return None
 
 

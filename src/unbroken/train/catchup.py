@@ -6,17 +6,25 @@ In the sync phase, before the states are compared::
 
     states    each member's step and its state's history: where one holds the group's
               step (the leader had not heard of it), nothing more happens
-    read      the newest checkpoint above the best state and not above the group's step,
-              read whole here (it loads, holds this job's training state of its step); a
-              member whose file does not read claims the next one down
-    claims    each member's step read (-1: none)
+    claim     the newest checkpoint above the best state and not above the group's step
+              whose description reads here (its pickle on the meta device, no tensor
+              read: it is a training state of this job, of its step); the others wait
+    claims    each member's step claimed (-1: none)
     decide    `unbroken.state.catchup.plan_catch_up`, the same on every member
-    restore   the members that read the chosen checkpoint restore it, on a new history
-              (`TrainState.lineage`), and log the restore; the sync phase that follows
-              gives it to the others (theirs are of the older history)
-    say       every member reports the fall-back (the leader's step goes back to the
-              checkpoint's once all did); where no checkpoint is newer, the epoch's first
-              member reports the committed steps lost
+    read      the claimants of the chosen step read their file whole (abortable)
+    digests   each one's digest of what it read (-1: it did not read): those that agree
+              with the first restore it (`agreed`); where none read it, they claim again
+              without that file
+    restore   the readers restore it, on a new history (`TrainState.lineage`), and log
+              the restore; the sync phase that follows gives it to the others (theirs
+              are of the older history)
+    say       every member reports where the group goes on from: the leader's step goes
+              back to it once all did (`unbroken.control.roster.Roster.went_back`); where no
+              checkpoint is newer, steps are lost, and the members of the newest history
+              start a new one too (a member back later from the lost steps is not the group's)
+
+A report out of range (a step beyond the job's, a history that would overflow the sync
+exchange) names its rank (`BadRequest`), as a bad request in the sync phase does.
 
 Replicated sync jobs only: a sharded zone's ranges have their own fall-back
 (`train.shard_fallback`), and DiLoCo's rounds keep what they keep.
@@ -25,15 +33,18 @@ Replicated sync jobs only: a sharded zone's ranges have their own fall-back
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unbroken.comm.group import EpochGroup
+from unbroken.comm.group import EpochGroup, EpochScope, run_abortable
 from unbroken.comm.transfer import gather_values
 from unbroken.control import messages as m
+from unbroken.errors import BadRequest
 from unbroken.events import Entry, Kind
-from unbroken.state.catchup import plan_catch_up
-from unbroken.state.ckpt_files import checkpoint_steps, load_checkpoint
+from unbroken.state.catchup import CatchUp, agreed, misreported, plan_catch_up
+from unbroken.state.ckpt_files import checkpoint_steps, load_checkpoint, unusable
+from unbroken.state.snapshot import digest_prefix
 from unbroken.state.sync import abandoned
 
 if TYPE_CHECKING:
@@ -43,32 +54,67 @@ log = logging.getLogger(__name__)
 
 
 def newest_readable(
-    directory: Path | None, identity: str, above: int, upto: int
-) -> tuple[int, Path | None, dict[str, Any] | None, list[str]]:
-    """The newest checkpoint of ``directory`` whose step is in ``(above, upto]`` and that
-    this node reads whole: its step (-1: none), path and state, and why each newer one in
-    that range could not be used (it does not load, holds no training state or another
-    step's, or is another job's: ``identity``)."""
-    if directory is None or not directory.is_dir() or upto <= above:
-        return -1, None, None, []
+    directory: Path | None,
+    identity: str,
+    above: int,
+    upto: int,
+    skip: Collection[int] = (),
+    scope: EpochScope | None = None,
+) -> tuple[int, Path | None, list[str]]:
+    """The newest checkpoint of ``directory`` whose step is in ``(above, upto]`` (and not
+    in ``skip``: read whole here before, in vain) whose description reads here: its pickle
+    on the meta device (no tensor is read: the others wait for the claim) holds a training
+    state of its step, of the job ``identity``. Its step (-1: none) and path, and why each
+    newer one in that range could not be used (a directory that cannot be listed too).
+
+    Raises:
+        EpochAborted: a new order came (``scope``), checked before each file.
+    """
+    if directory is None or upto <= above:
+        return -1, None, []
+    try:
+        if not directory.is_dir():
+            return -1, None, []
+        found = checkpoint_steps(directory)
+    except OSError as exc:
+        return -1, None, [f"{directory} cannot be listed ({type(exc).__name__}: {exc.strerror or exc})"]
     bad: list[str] = []
-    for step, path in reversed(checkpoint_steps(directory)):
-        if step > upto:
+    for step, path in reversed(found):
+        if step > upto or step in skip:
             continue
         if step <= above:
             break
+        if scope is not None and (aborted := scope.abort()) is not None:
+            raise aborted.during("checkpoint claims")
+        why = unusable(path, map_location="meta", step=step, job=identity)
+        if why is None:
+            return step, path, bad
+        bad.append(f"{path} cannot be used ({why})")
+    return -1, None, bad
+
+
+def read_whole(
+    path: Path, identity: str, step: int, scope: EpochScope, digest_of: Callable[[dict[str, Any]], str]
+) -> tuple[dict[str, Any], int] | str:
+    """The state in ``path`` (claimed for ``step``) and its digest prefix, read and hashed on
+    a helper thread while the epoch's orders are watched; or why it cannot be used (its
+    tensors do not read: a description that reads does not prove them).
+
+    Raises:
+        EpochAborted: a new order came during the read.
+        CollectiveFailed: the read ran past the epoch's collective timeout.
+    """
+
+    def read() -> tuple[dict[str, Any], int] | str:
         try:
             snap = load_checkpoint(path)
-        except Exception as exc:  # torch.load raises whatever the unpickler met
-            bad.append(f"{path} does not load ({type(exc).__name__}: {str(exc)[:200]})")
-            continue
-        if not isinstance(snap, dict) or not {"step", "cursor", "model"} <= snap.keys() or snap["step"] != step:
-            bad.append(f"{path} holds no training state of step {step}")
-        elif snap.get("job", identity) != identity:
-            bad.append(f"{path} is another job's (job identity {snap['job']}, not {identity})")
-        else:
-            return step, path, snap, bad
-    return -1, None, None, bad
+            if not isinstance(snap, dict) or snap.get("step") != step or snap.get("job", identity) != identity:
+                return f"{path} changed since it was claimed: not the training state of step {step} of this job"
+            return snap, digest_prefix(digest_of(snap))
+        except Exception as exc:  # torch.load raises whatever the unpickler or the reader met
+            return f"{path} does not read whole ({type(exc).__name__}: {str(exc)[:200]})"
+
+    return run_abortable(read, scope, "checkpoint read")
 
 
 def catch_up(node: CatchUpNode, g: EpochGroup, group_step: int) -> None:
@@ -79,30 +125,48 @@ def catch_up(node: CatchUpNode, g: EpochGroup, group_step: int) -> None:
     Raises:
         EpochAborted: a new order came during the exchange.
         CollectiveFailed: a member failed during the exchange.
+        BadRequest: a member said what no honest member says (names its rank).
     """
     if group_step <= 0 or node.zone is not None or node.diloco is not None:
         return
     assert g.pg is not None
-    st, scope = node.state, node.scope(during_step=False)
+    st, scope, identity = node.state, node.scope(during_step=False), node.job.identity()
     said = gather_values(g.pg, g.size, [st.step, st.lineage], scope, "states held")
     steps, lineages = [x[0] for x in said], [x[1] for x in said]
+    _in_range(node.job.num_steps, steps, lineages)
     live = max(abandoned(steps, lineages))
     if live >= group_step:
         return  # the leader had not heard of a member's step yet: the group holds its step
-    # Only now is a file read, and only one that would move the group forward.
-    claim, path, snap, bad = newest_readable(node.config.checkpoint_dir, node.job.identity(), live, group_step)
-    for why in bad:
-        log.warning("%s: %s: not used", node.name, why)
-    claims = [x[0] for x in gather_values(g.pg, g.size, [claim], scope, "checkpoint claims")]
-    plan = plan_catch_up(steps, lineages, claims, group_step)
-    if plan.checkpoint < 0:
-        if plan.lost is not None and g.rank == 0:  # one event for the group: every member decided the same
-            node.client.send(m.Report(kind=Kind.ROLLBACK, step=plan.live, reason=plan.reason))
-        if plan.lost is not None:
-            log.warning("%s: %s", node.name, plan.reason)
-        return
+    skip: set[int] = set()
+    while True:  # ends: each round without a reader, its claimants pass over one more file
+        # Only now is a file read, and only one that would move the group forward.
+        claim, path, bad = newest_readable(node.config.checkpoint_dir, identity, live, group_step, skip, scope)
+        for why in bad:
+            log.warning("%s: %s: not used", node.name, why)
+        claims = [x[0] for x in gather_values(g.pg, g.size, [claim], scope, "checkpoint claims")]
+        _in_range(node.job.num_steps, steps, lineages, claims)
+        plan = plan_catch_up(steps, lineages, claims, group_step)
+        if plan.checkpoint < 0:
+            _lost(node, plan, lineages)
+            return
+        got: tuple[dict[str, Any], int] | str = "not claimed here"
+        if g.rank in plan.readers:
+            assert path is not None
+            got = read_whole(path, identity, plan.checkpoint, scope, st.digest_of)
+        mine = got[1] if isinstance(got, tuple) else -1
+        digests = [x[0] for x in gather_values(g.pg, g.size, [mine], scope, "checkpoint digests")]
+        claimed, plan = g.rank in plan.readers, agreed(plan, digests)
+        if isinstance(got, str) and claimed:
+            log.warning("%s: %s: not used", node.name, got)
+            skip.add(claim)
+        elif isinstance(got, tuple) and g.rank not in plan.readers:
+            log.warning("%s: %s holds another state of step %d than rank %d's: not used", node.name, path,
+                        claim, plan.readers[0])  # fmt: skip
+        if plan.readers:
+            break
     if g.rank in plan.readers:
-        assert snap is not None and path is not None
+        assert isinstance(got, tuple) and path is not None
+        snap = got[0]
         node.records.settle()
         st.restore(snap, own=True)
         # A history none had: a state from before (this epoch's others', or one of a member
@@ -117,3 +181,23 @@ def catch_up(node: CatchUpNode, g: EpochGroup, group_step: int) -> None:
     # Every member says it: the leader's step for the group goes back once all did.
     node.client.send(m.Report(kind=Kind.FALLBACK, step=plan.checkpoint, reason=plan.reason))
     log.warning("%s: %s", node.name, plan.reason)
+
+
+def _lost(node: CatchUpNode, plan: CatchUp, lineages: list[int]) -> None:
+    """No checkpoint is newer than the best state: the group goes on from it. Those of its
+    history start a new one (a state of the lost steps, of a member back later, must not be
+    taken for the group's), and every member says where the group goes on from."""
+    if plan.lost is None:
+        return
+    newest = max(lineages)
+    if node.state.lineage == newest:
+        node.state.lineage = newest + 1
+    node.client.send(m.Report(kind=Kind.ROLLBACK, step=plan.live, reason=plan.reason))
+    log.warning("%s: %s", node.name, plan.reason)
+
+
+def _in_range(num_steps: int, steps: list[int], lineages: list[int], claims: list[int] | None = None) -> None:
+    """Raise `BadRequest` naming the first rank whose report is out of range (`misreported`)."""
+    bad = misreported(num_steps, steps, lineages, claims or ())
+    if bad is not None:
+        raise BadRequest(bad[0], f"catching up with the group: {bad[1]}")

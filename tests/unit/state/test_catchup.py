@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from unbroken.events import BACK_TO_CHECKPOINT
-from unbroken.state.catchup import plan_catch_up
+from unbroken.state.catchup import agreed, misreported, plan_catch_up
 
 
 def test_a_checkpoint_newer_than_every_state_is_restored_by_those_that_read_it() -> None:
@@ -57,3 +57,24 @@ def test_a_state_of_a_history_the_group_left_is_not_the_best_state() -> None:
 def test_one_report_per_rank() -> None:
     with pytest.raises(ValueError, match="one step, lineage and claim per rank"):
         plan_catch_up(steps=[8, 3], lineages=[0], claims=[10, 20], group_step=25)
+
+
+def test_the_claimants_that_read_the_first_ones_state_restore_it() -> None:
+    # Per-node checkpoint dirs: ranks 0 and 2 hold step 20 of different histories, rank 3
+    # the same as rank 0; rank 1 claimed less.
+    plan = plan_catch_up(steps=[8, 8, 8, 8], lineages=[0] * 4, claims=[20, 10, 20, 20], group_step=25)
+    assert plan.readers == (0, 2, 3)
+    assert agreed(plan, [7, -1, 9, 7]).readers == (0, 3)
+    # The first claimant's file did not read whole: the next one's state is restored.
+    assert agreed(plan, [-1, -1, 9, 7]).readers == (2,)
+    assert agreed(plan, [-1, 5, -1, -1]).readers == (), "none read it: they claim again"
+
+
+def test_reports_no_honest_member_makes_are_named_by_rank() -> None:
+    assert misreported(40, [8, 3], [0, 1], [20, -1]) is None
+    got = misreported(40, [8, 3], [0, 2**62], [20, -1])
+    assert got == (1, f"rank 1 said its state's history is {2**62}, outside 0..{2**62 - 1}"), got
+    assert (misreported(40, [8, 41], [0, 0]) or (-1,))[0] == 1
+    assert (misreported(40, [-1, 3], [0, 0]) or (-1,))[0] == 0
+    got = misreported(40, [8, 3], [0, 0], [20, 2**63 - 1])
+    assert got is not None and got[0] == 1 and "claimed a checkpoint of step" in got[1]

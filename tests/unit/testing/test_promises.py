@@ -11,6 +11,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from unbroken.job import Job
+from unbroken.observe.judge import judge
+from unbroken.observe.verdict import Expect, Promise
 from unbroken.testing import check_promises
 
 B, T = 4, 3
@@ -138,3 +140,25 @@ def test_committed_steps_lost_with_their_only_holder_are_named_not_passed_over()
     assert report.rollbacks == [
         "stale restarted from a checkpoint, ckpt-2.pt (step 2) after the group had reached step 3: 1 steps redone"
     ], report.rollbacks
+
+
+def test_single_steps_lost_by_different_members_in_different_epochs_are_no_run() -> None:
+    # x alone committed step 2 in epoch 2 and died with it (the step in flight); y, later
+    # alone, committed step 3 in epoch 4 and died with it (another step in flight). No run
+    # of committed steps was lost with one member: nothing to name.
+    s = [*step(1, 1, 0, "a0", (0, 2)), *step(3, 3, 1, "s1", (0, 2)), *step(5, 5, 2, "s2"), final(6, "s2")]
+    x = [*step(1, 1, 0, "a0", (2, 2)), *step(2, 2, 1, "x1")]
+    y = [*step(1.5, 1, 0, "a0", (2, 0)), *step(3, 3, 1, "s1", (2, 2)), *step(4, 4, 2, "y2")]
+    report = check_promises({"s": s, "x": x, "y": y}, JOB, finishers=1)
+    assert report.ok, report.problems
+    assert report.rollbacks == [], report.rollbacks
+
+
+def test_a_lost_run_is_dated_by_its_holders_commit_not_by_the_commit_again() -> None:
+    lone = [*step(1, 1, 0, "a0", (2, 2)), *step(2, 2, 1, "x1"), *step(3, 2, 2, "x2")]
+    stale = [*step(1, 1, 0, "a0", (0, 2)), {"t": 3.5, "kind": "expelled", "reason": "lease", "step": 1}]
+    stale += [*step(4, 3, 1, "b1"), *step(5, 3, 2, "b2"), final(6, "b2")]
+    expect = Expect(num_steps=T, batch_size=B, plan=PLAN, finishers=1)
+    verdict = judge({"lone": lambda: lone, "stale": lambda: stale}, expect)
+    (lost,) = [e for c in verdict.checks if c.promise is Promise.ROLLBACKS for e in c.evidence]
+    assert (lost.node, lost.step, lost.epoch, lost.t) == ("lone", 2, 2, 2.01), lost
