@@ -341,7 +341,7 @@ class SimRelay:
         sim = self.sim
         if isinstance(msg, m.Ack):
             self.acked_at = sim.clock.now
-            for mid, seq in self.batches.acked(msg.seq):
+            for mid, seq in self.batches.acked(msg.seq, msg.report_s):
                 node = self.members.get(mid)
                 if node is not None:  # counted on the wire; a modelled node needs no ack
                     sim.net.arrival(node.down, len(m.encode(m.Ack(seq=seq))), self.process.busy_until)
@@ -434,8 +434,7 @@ class Simulation:
         up = m.parse_relay_message(text)
         if not isinstance(up, m.Up):
             raise AssertionError(f"{link.relay_id} sent its hello twice")
-        self.coord.relay_up(link, up, cast(web.Request, None))
-        link.session.send(m.Ack(seq=up.seq))
+        link.session.send(self.coord.relay_up(link, up, cast(web.Request, None)))
 
     # ------------------------------------------------------------- nodes
 
