@@ -72,6 +72,7 @@ from common import ProgressLine, fmt, print_command, print_table, ratio, write_r
 from unbroken.testing.simulate import SimConfig, Simulation
 from unbroken.testing.storms import KINDS, Report, admit, storms
 from unbroken.testing.virtual import LinkSpec
+from wirecost import wire_costs
 
 STARVED = 0.8
 """A real run's nodes sent fewer than this share of the simulated nodes' messages: its fake
@@ -139,6 +140,22 @@ def summary(r: Report, storm: int) -> dict[str, Any]:
     return out
 
 
+def wire_seconds(r: Report) -> dict[str, float]:
+    """CPU seconds the simulated run's messages would have cost the real coordinator and
+    relays in aiohttp and their event loops (`bench/wirecost.py`, at the run's mean sizes)."""
+    msgs, size = r.messages, {k: r.bytes[k] // max(1, v) for k, v in r.messages.items()}
+    up_in, down_out = wire_costs(size["relay_to_coordinator"], size["coordinator_to_relay"])
+    node_in, node_out = wire_costs(size["node_to_relay"], size["relay_to_node"])
+    down_in, up_out = wire_costs(size["coordinator_to_relay"], size["relay_to_coordinator"])
+    return {
+        "coordinator": msgs["relay_to_coordinator"] * up_in + msgs["coordinator_to_relay"] * down_out,
+        "relays": msgs["node_to_relay"] * node_in
+        + msgs["relay_to_node"] * node_out
+        + msgs["coordinator_to_relay"] * down_in
+        + msgs["relay_to_coordinator"] * up_out,
+    }
+
+
 def cross_check(args: argparse.Namespace, progress: ProgressLine) -> None:
     real = json.loads(Path(args.cross_check).read_text())
     real = [x for x in real if x.get("layout") == "relay" and "error" not in x]
@@ -166,20 +183,33 @@ def cross_check(args: argparse.Namespace, progress: ProgressLine) -> None:
             "sim": r.cpu_s["relays"] / r.duration_s / (sim_rate * live) * 1e6,
         }
         share = {"real": x["coord_cpu"], "sim": r.coordinator_core_share}
+        # Like for like: what the real processes pay around the simulated code (aiohttp's
+        # frames, the loop's wake-ups, the parsing thread's hop), measured here at this run's
+        # mean sizes (`bench/wirecost.py`); sealing costs neither side (bench/scale.py runs
+        # without a token, so no message is sealed).
+        progress.update(f"{n}: websocket costs at this run's sizes")
+        wire = wire_seconds(r)
+        share["sim+wire"] = share["sim"] + wire["coordinator"] / r.duration_s
+        per_msg["sim+wire"] = share["sim+wire"] / (sim_rate * live) * 1e6
+        relays["sim+wire"] = (r.cpu_s["relays"] + wire["relays"]) / r.duration_s / (sim_rate * live) * 1e6
         rows.append(
             [
                 n,
-                f"{x['coord_cpu'] * 100:.1f} % / {r.coordinator_core_share * 100:.1f} %",
-                ratio(share["sim"], share["real"]),
+                f"{x['coord_cpu'] * 100:.1f} % / {r.coordinator_core_share * 100:.1f} % / "
+                f"{share['sim+wire'] * 100:.1f} %",
+                f"{ratio(share['sim'], share['real'])} / {ratio(share['sim+wire'], share['real'])}",
                 f"{x['msgs_per_node_s']:.2f} / {sim_rate:.2f}",
-                f"{per_msg['real']:.2f} / {per_msg['sim']:.2f} µs",
-                "- (real fake side starved)" if starved else ratio(per_msg["sim"], per_msg["real"]),
-                f"{relays['real']:.2f} / {relays['sim']:.2f} µs",
-                ratio(relays["sim"], relays["real"]),
+                f"{per_msg['real']:.2f} / {per_msg['sim']:.2f} / {per_msg['sim+wire']:.2f} µs",
+                "- (real fake side starved)"
+                if starved
+                else f"{ratio(per_msg['sim'], per_msg['real'])} / {ratio(per_msg['sim+wire'], per_msg['real'])}",
+                f"{relays['real']:.2f} / {relays['sim']:.2f} / {relays['sim+wire']:.2f} µs",
+                f"{ratio(relays['sim'], relays['real'])} / {ratio(relays['sim+wire'], relays['real'])}",
                 f"{fmt(x['change_median'], ' s', 2)} / {fmt(r.epoch_change_s['p50'], ' s', 2)}",
             ]
         )
         out.append({"nodes": n, "coordinator_core_share": share, "ratio_per_node_s": share["sim"] / share["real"],
+                    "ratio_per_node_s_with_wire": share["sim+wire"] / share["real"], "wire_cpu_s": wire,
                     "coordinator_us_per_msg": per_msg, "ratio_per_msg": per_msg["sim"] / per_msg["real"],
                     "real_fake_side_starved": starved,
                     "relays_us_per_msg": relays, "real_fake_side_stall_s": x["fake_stall"],
@@ -199,8 +229,11 @@ def cross_check(args: argparse.Namespace, progress: ProgressLine) -> None:
             "epoch change p50",
         ],
         rows,
-        caption="real / simulated. Real: the coordinator process's CPU (aiohttp, websockets and all); simulated: the "
-        "same code's decisions, parsing and encoding without aiohttp. Per node-second: the share of a core at the "
+        caption="real / simulated / simulated with what the real processes pay around that code (aiohttp's frames, "
+        "the event loop's wake-ups, the hop to a parsing thread: bench/wirecost.py, measured here at the run's mean "
+        "message sizes; no sealing on either side: bench/scale.py runs without a token). Real: the coordinator "
+        "process's CPU (garbage collections included); simulated: the same code's decisions, parsing and encoding, "
+        "collections left out. Per node-second: the share of a core at the "
         "same nodes; per message: CPU / (messages at the nodes, both ways). The fake side of a real run that falls "
         "behind sends fewer messages than its nodes would: then only the per node-second figure compares",
     )
