@@ -24,7 +24,13 @@ from unbroken.events import Event, Kind
 from unbroken.sched.balance import Preference, Profile, Role
 
 JOIN_SETTLE_S = 0.25
-"""Joins that arrive this close together share one epoch change."""
+"""Joins that arrive this close together share one epoch change (`Roster.join_settle_s`)."""
+SETTLE_MEMBERS = 5000
+"""Past this many members, joins wait longer for each other in proportion: an epoch's
+formation costs the leader tens of microseconds a member, and a fleet arriving a few
+hundred a second would otherwise have it form one every `JOIN_SETTLE_S`, each longer than
+the last (at 100,000 members: seconds each, the leader doing nothing else). In proportion,
+a stream of joins keeps forming epochs at most a bounded share of its time."""
 REASONS_SHOWN = 8
 """An epoch's reason names this many causes, then counts the rest."""
 WINDOW = 8
@@ -475,6 +481,10 @@ class Roster:
 
     def event(self, now: float, kind: Kind, member: str | None, reason: str) -> Event:
         return Event(time=now, kind=kind, member=member, epoch=self.epoch, step=self.step, reason=reason)
+
+    def join_settle_s(self) -> float:
+        """How long a join waits for others to share its epoch change (`SETTLE_MEMBERS`)."""
+        return JOIN_SETTLE_S * max(1.0, len(self.members) / SETTLE_MEMBERS)
 
     def want_epoch(self, now: float, urgent: bool, reason: str, delay: float, replacing: str | None = None) -> None:
         """Form an epoch ``delay`` from ``now`` (or sooner if one is pending) for ``reason``,
