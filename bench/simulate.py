@@ -27,27 +27,26 @@ walks every simulated node's objects, so one that ran inside a handler is not ch
 (``cpu_s.coordinator_gc_left_out``). ``--cross-check FILE`` (what ``bench/scale.py
 --layouts relay --json FILE`` wrote for one size) runs the simulation with that run's
 settings (its events: one crash or one join at a time, its fake nodes naming no zone) and
-prints the real and simulated coordinator CPU per node message side by side, and their ratio.
+prints the real and simulated CPU per node-second and per node message side by side, with
+their ratio, and again with what the real processes pay around the simulated code added:
+aiohttp's frames, the loop's wake-ups and the parsing thread's hop, measured here at the
+run's mean message sizes (`bench/wirecost.py`). No session is sealed on either side
+(``bench/scale.py`` runs without a token).
 
 The last line is one JSON object: the largest run's figures, with every run's under ``runs``.
 
 Its own cost: the simulated nodes' 50,000 messages a second at 10,000 nodes are parsed by
-the real code. On 2 cores shared with other work (2026-12-07, load average 17-21) ``--sizes
-10000 --events 3 --every 3`` took 13 minutes (2.5 CPU minutes, about 6 per simulated
-second): 10,000 nodes admitted in 12 simulated seconds, where before the
-coordinator's hello scanned every member of the epoch (`Membership.reported_step`) and
-admission had not finished after 50 minutes. Once relays summed their members' liveness up
-(`unbroken.control.batches`), ``--sizes 5000,10000 --events 3 --every 3`` took 2.5 minutes
-at load 9, and 9 minutes at load 8-15 beside a second run of it.
+the real code. On 2 cores shared with other work ``--sizes 10000 --events 3 --every 3``
+takes 2-4 minutes (2026-12-08, load 8-10).
 
-At 100,000 nodes (not run here): the run would take hours on 2 shared cores (every figure
-ten times the 10,000 one's), and the coordinator would not keep up: at 10,000 it spends
-13.9 µs per node message (5.9 a node a second: two step changes, a routine report, the
-heartbeats the relays sum up), which at 100,000 is 8 cores. Under one core it must do no
-work per node message: relays would count their members' steps (the quorum from a count per
-step per relay, a relay vouching only for members whose sessions it holds), send a
-member's figures when they change by more than the planner's noise rather than every
-second, and an epoch's formation (84 µs a member at 10,000) would have to be cut by ten.
+At 100,000 nodes (tried 2026-12-08, load 8-12, not completed): the simulated nodes cost
+this process 30-70 s a simulated second once 15,000-20,000 talked, and with the default 2 s
+ramp the leader could not keep up with 100,000 hellos (each a signature to verify) while it
+formed an epoch every 0.25 s of joins: 22,000 were welcomed in 12 simulated seconds (9
+minutes here), then the leader's queue held its acknowledgements for two leases and every
+relay left it (0 welcomed at 15 s, 19 minutes here). Since then joins past 5,000 members
+wait longer for each other (`Roster.join_settle_s`); a fleet of 100,000 must also arrive
+over a minute or more (``--ramp``), and the run needs hours of this machine.
 
 ``--profile FILE`` runs the coordinator's handlers under cProfile (CPU time) and prints
 where its time went; it slows them, so its run's timings mean nothing.
