@@ -107,6 +107,7 @@ class Batches:
     def ended(self, member_id: str, reason: str) -> None:
         """A member's session with the relay ended: the leader hears it with the next batch."""
         self.unacked.pop(member_id, None)
+        self._latest.pop(member_id, None)  # kept up to the leader's period: not for a next session
         self._heard_at.pop(member_id, None)
         self._said_steps.pop(member_id, None)
         self._gone.append(m.Gone(member=member_id, reason=reason))

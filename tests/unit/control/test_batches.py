@@ -114,6 +114,10 @@ def test_the_leader_sets_how_often_routine_reports_go_up_but_commitments_never_w
     b.heard("a", _progress(2, seq=2), 90, 5.6)
     (up,) = b.take(6.6, {"a", "b"}, LEASE_S)
     assert [s.member for s in up.said] == ["a"]
+    b.heard("a", _progress(3, seq=3), 90, 6.7)
+    b.ended("a", "its session with the relay ended")
+    (up,) = b.take(7.7, {"a", "b"}, LEASE_S)  # "a" back on a new session
+    assert up.said == [], "a report kept for the period is not sent for the session after"
 
 
 def test_the_leader_asks_for_routine_reports_less_often_as_the_group_grows() -> None:
