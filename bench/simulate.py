@@ -27,27 +27,26 @@ walks every simulated node's objects, so one that ran inside a handler is not ch
 (``cpu_s.coordinator_gc_left_out``). ``--cross-check FILE`` (what ``bench/scale.py
 --layouts relay --json FILE`` wrote for one size) runs the simulation with that run's
 settings (its events: one crash or one join at a time, its fake nodes naming no zone) and
-prints the real and simulated coordinator CPU per node message side by side, and their ratio.
+prints the real and simulated CPU per node-second and per node message side by side, with
+their ratio, and again with what the real processes pay around the simulated code added:
+aiohttp's frames, the loop's wake-ups and the parsing thread's hop, measured here at the
+run's mean message sizes (`bench/wirecost.py`). No session is sealed on either side
+(``bench/scale.py`` runs without a token).
 
 The last line is one JSON object: the largest run's figures, with every run's under ``runs``.
 
 Its own cost: the simulated nodes' 50,000 messages a second at 10,000 nodes are parsed by
-the real code. On 2 cores shared with other work (2026-12-07, load average 17-21) ``--sizes
-10000 --events 3 --every 3`` took 13 minutes (2.5 CPU minutes, about 6 per simulated
-second): 10,000 nodes admitted in 12 simulated seconds, where before the
-coordinator's hello scanned every member of the epoch (`Membership.reported_step`) and
-admission had not finished after 50 minutes. Once relays summed their members' liveness up
-(`unbroken.control.batches`), ``--sizes 5000,10000 --events 3 --every 3`` took 2.5 minutes
-at load 9, and 9 minutes at load 8-15 beside a second run of it.
+the real code. On 2 cores shared with other work ``--sizes 10000 --events 3 --every 3``
+takes 2-4 minutes (2026-12-08, load 8-10).
 
-At 100,000 nodes (not run here): the run would take hours on 2 shared cores (every figure
-ten times the 10,000 one's), and the coordinator would not keep up: at 10,000 it spends
-13.9 µs per node message (5.9 a node a second: two step changes, a routine report, the
-heartbeats the relays sum up), which at 100,000 is 8 cores. Under one core it must do no
-work per node message: relays would count their members' steps (the quorum from a count per
-step per relay, a relay vouching only for members whose sessions it holds), send a
-member's figures when they change by more than the planner's noise rather than every
-second, and an epoch's formation (84 µs a member at 10,000) would have to be cut by ten.
+At 100,000 nodes (tried 2026-12-08, load 8-12, not completed): the simulated nodes cost
+this process 30-70 s a simulated second once 15,000-20,000 talked, and with the default 2 s
+ramp the leader could not keep up with 100,000 hellos (each a signature to verify) while it
+formed an epoch every 0.25 s of joins: 22,000 were welcomed in 12 simulated seconds (9
+minutes here), then the leader's queue held its acknowledgements for two leases and every
+relay left it (0 welcomed at 15 s, 19 minutes here). Since then joins past 5,000 members
+wait longer for each other (`Roster.join_settle_s`); a fleet of 100,000 must also arrive
+over a minute or more (``--ramp``), and the run needs hours of this machine.
 
 ``--profile FILE`` runs the coordinator's handlers under cProfile (CPU time) and prints
 where its time went; it slows them, so its run's timings mean nothing.
@@ -72,6 +71,7 @@ from common import ProgressLine, fmt, print_command, print_table, ratio, write_r
 from unbroken.testing.simulate import SimConfig, Simulation
 from unbroken.testing.storms import KINDS, Report, admit, storms
 from unbroken.testing.virtual import LinkSpec
+from wirecost import wire_costs
 
 STARVED = 0.8
 """A real run's nodes sent fewer than this share of the simulated nodes' messages: its fake
@@ -139,6 +139,22 @@ def summary(r: Report, storm: int) -> dict[str, Any]:
     return out
 
 
+def wire_seconds(r: Report) -> dict[str, float]:
+    """CPU seconds the simulated run's messages would have cost the real coordinator and
+    relays in aiohttp and their event loops (`bench/wirecost.py`, at the run's mean sizes)."""
+    msgs, size = r.messages, {k: r.bytes[k] // max(1, v) for k, v in r.messages.items()}
+    up_in, down_out = wire_costs(size["relay_to_coordinator"], size["coordinator_to_relay"])
+    node_in, node_out = wire_costs(size["node_to_relay"], size["relay_to_node"])
+    down_in, up_out = wire_costs(size["coordinator_to_relay"], size["relay_to_coordinator"])
+    return {
+        "coordinator": msgs["relay_to_coordinator"] * up_in + msgs["coordinator_to_relay"] * down_out,
+        "relays": msgs["node_to_relay"] * node_in
+        + msgs["relay_to_node"] * node_out
+        + msgs["coordinator_to_relay"] * down_in
+        + msgs["relay_to_coordinator"] * up_out,
+    }
+
+
 def cross_check(args: argparse.Namespace, progress: ProgressLine) -> None:
     real = json.loads(Path(args.cross_check).read_text())
     real = [x for x in real if x.get("layout") == "relay" and "error" not in x]
@@ -166,20 +182,33 @@ def cross_check(args: argparse.Namespace, progress: ProgressLine) -> None:
             "sim": r.cpu_s["relays"] / r.duration_s / (sim_rate * live) * 1e6,
         }
         share = {"real": x["coord_cpu"], "sim": r.coordinator_core_share}
+        # Like for like: what the real processes pay around the simulated code (aiohttp's
+        # frames, the loop's wake-ups, the parsing thread's hop), measured here at this run's
+        # mean sizes (`bench/wirecost.py`); sealing costs neither side (bench/scale.py runs
+        # without a token, so no message is sealed).
+        progress.update(f"{n}: websocket costs at this run's sizes")
+        wire = wire_seconds(r)
+        share["sim+wire"] = share["sim"] + wire["coordinator"] / r.duration_s
+        per_msg["sim+wire"] = share["sim+wire"] / (sim_rate * live) * 1e6
+        relays["sim+wire"] = (r.cpu_s["relays"] + wire["relays"]) / r.duration_s / (sim_rate * live) * 1e6
         rows.append(
             [
                 n,
-                f"{x['coord_cpu'] * 100:.1f} % / {r.coordinator_core_share * 100:.1f} %",
-                ratio(share["sim"], share["real"]),
+                f"{x['coord_cpu'] * 100:.1f} % / {r.coordinator_core_share * 100:.1f} % / "
+                f"{share['sim+wire'] * 100:.1f} %",
+                f"{ratio(share['sim'], share['real'])} / {ratio(share['sim+wire'], share['real'])}",
                 f"{x['msgs_per_node_s']:.2f} / {sim_rate:.2f}",
-                f"{per_msg['real']:.2f} / {per_msg['sim']:.2f} µs",
-                "- (real fake side starved)" if starved else ratio(per_msg["sim"], per_msg["real"]),
-                f"{relays['real']:.2f} / {relays['sim']:.2f} µs",
-                ratio(relays["sim"], relays["real"]),
+                f"{per_msg['real']:.2f} / {per_msg['sim']:.2f} / {per_msg['sim+wire']:.2f} µs",
+                "- (real fake side starved)"
+                if starved
+                else f"{ratio(per_msg['sim'], per_msg['real'])} / {ratio(per_msg['sim+wire'], per_msg['real'])}",
+                f"{relays['real']:.2f} / {relays['sim']:.2f} / {relays['sim+wire']:.2f} µs",
+                f"{ratio(relays['sim'], relays['real'])} / {ratio(relays['sim+wire'], relays['real'])}",
                 f"{fmt(x['change_median'], ' s', 2)} / {fmt(r.epoch_change_s['p50'], ' s', 2)}",
             ]
         )
         out.append({"nodes": n, "coordinator_core_share": share, "ratio_per_node_s": share["sim"] / share["real"],
+                    "ratio_per_node_s_with_wire": share["sim+wire"] / share["real"], "wire_cpu_s": wire,
                     "coordinator_us_per_msg": per_msg, "ratio_per_msg": per_msg["sim"] / per_msg["real"],
                     "real_fake_side_starved": starved,
                     "relays_us_per_msg": relays, "real_fake_side_stall_s": x["fake_stall"],
@@ -199,8 +228,11 @@ def cross_check(args: argparse.Namespace, progress: ProgressLine) -> None:
             "epoch change p50",
         ],
         rows,
-        caption="real / simulated. Real: the coordinator process's CPU (aiohttp, websockets and all); simulated: the "
-        "same code's decisions, parsing and encoding without aiohttp. Per node-second: the share of a core at the "
+        caption="real / simulated / simulated with what the real processes pay around that code (aiohttp's frames, "
+        "the event loop's wake-ups, the hop to a parsing thread: bench/wirecost.py, measured here at the run's mean "
+        "message sizes; no sealing on either side: bench/scale.py runs without a token). Real: the coordinator "
+        "process's CPU (garbage collections included); simulated: the same code's decisions, parsing and encoding, "
+        "collections left out. Per node-second: the share of a core at the "
         "same nodes; per message: CPU / (messages at the nodes, both ways). The fake side of a real run that falls "
         "behind sends fewer messages than its nodes would: then only the per node-second figure compares",
     )

@@ -6,7 +6,7 @@ batching itself holds no socket and no clock of its own, so the control-plane si
 
     heard ──▶ alive (the newest step), unacked seq          ┐
           ──▶ routine progress: the newest kept, sent up     ├──▶ take(now) ──▶ Up, Up, ...
-              every `REPORT_EVERY_S`                         │      (a tenth of a lease, or
+              every `REPORT_EVERY_S` (or as the leader says) │      (a tenth of a lease, or
           ──▶ anything else: said, in order (urgent)         │       at once when urgent)
     ended ──▶ gone                                           ┘
     acked(seq) ──▶ the members' seqs that batch carried: their heartbeats are acknowledged
@@ -64,6 +64,9 @@ class Batches:
         self._latest: dict[str, tuple[m.Progress, int]] = {}
         """Each member's newest routine progress report, sent up every `REPORT_EVERY_S`."""
         self._reported_at = 0.0
+        self.report_s = REPORT_EVERY_S
+        self._routine_at = 0.0
+        """How often routine reports go up: what the leader's last acknowledgement said."""
         self._gone: list[m.Gone] = []
         self._sent: dict[int, dict[str, int]] = {}
         """Per batch sent up and not yet acknowledged: the members' seqs it carried."""
@@ -104,6 +107,7 @@ class Batches:
     def ended(self, member_id: str, reason: str) -> None:
         """A member's session with the relay ended: the leader hears it with the next batch."""
         self.unacked.pop(member_id, None)
+        self._latest.pop(member_id, None)  # kept up to the leader's period: not for a next session
         self._heard_at.pop(member_id, None)
         self._said_steps.pop(member_id, None)
         self._gone.append(m.Gone(member=member_id, reason=reason))
@@ -113,10 +117,18 @@ class Batches:
         the leader's lease)."""
         if now - self._reported_at >= REPORT_EVERY_S:
             self._reported_at = now
+            # A report that carries commitments goes up within `REPORT_EVERY_S` whatever the
+            # leader's period: they are checked against, and a node keeps only the latest.
+            everyone = now - self._routine_at >= self.report_s
+            if everyone:
+                self._routine_at = now
+            kept: dict[str, tuple[m.Progress, int]] = {}
             for mid, (progress, size) in self._latest.items():
-                if mid in members:
+                if not everyone and not progress.commitments:
+                    kept[mid] = progress, size
+                elif mid in members:
                     self.tell(mid, progress, size, urgent=False)
-            self._latest.clear()
+            self._latest = kept
         self.seq += 1
         self._sent[self.seq] = {mid: self.unacked.get(mid, 0) for mid in self._alive if mid in members}
         self.unacked.clear()
@@ -145,8 +157,10 @@ class Batches:
             ups.append(m.Up(seq=self.seq, said=said))
         return ups
 
-    def acked(self, seq: int) -> list[tuple[str, int]]:
-        """The leader acknowledged batches up to ``seq``: each member's seq they carried."""
+    def acked(self, seq: int, report_s: float = 0.0) -> list[tuple[str, int]]:
+        """The leader acknowledged batches up to ``seq``: each member's seq they carried.
+        ``report_s``: how often the leader wants routine reports (0: `REPORT_EVERY_S`)."""
+        self.report_s = report_s if report_s > 0 else REPORT_EVERY_S
         out: list[tuple[str, int]] = []
         for done in [s for s in self._sent if s <= seq]:
             out.extend((mid, node_seq) for mid, node_seq in self._sent.pop(done).items() if node_seq)

@@ -311,8 +311,10 @@ class Coordinator(ThreadedService):
         if link.forwarding:
             self.membership.roster.relay_forwarders[link.relay_id] = link.forwarding
 
-    def relay_up(self, link: RelayLink, up: m.Up, request: web.Request) -> None:
+    def relay_up(self, link: RelayLink, up: m.Up, request: web.Request) -> m.Ack:
+        """A relay's batch, handled; returns its acknowledgement to send."""
         self.relays.up(link, up)
+        return m.Ack(seq=up.seq, report_s=self.relays.report_s())
 
     def _check_keys(self, now: float) -> None:
         """Once a second: members whose key was taken off ``--allowed-keys`` are expelled."""

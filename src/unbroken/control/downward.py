@@ -91,6 +91,10 @@ class Refused(_Msg):
 class Ack(_Msg):
     type: Literal["ack"] = "ack"
     seq: Count
+    report_s: Seconds = 0.0
+    """To a relay: send the members' routine progress reports up this often (0: as it
+    likes, `batches.REPORT_EVERY_S`). The leader sets it by the group's size, so that
+    routine reports cost it the same at any size (`relaying.Relays.report_s`)."""
 
 
 class PolicyMsg(BaseModel):

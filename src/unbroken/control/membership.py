@@ -231,7 +231,7 @@ class Membership:
             r.readmit_at = min(r.readmit_at or wait.until, wait.until)
             d.events.append(r.event(now, Kind.CHURN, hello.member_id, f"{hello.name}: {wait.reason}"))
             return d
-        r.want_epoch(now, urgent=False, reason=f"{hello.name} joined", delay=JOIN_SETTLE_S)
+        r.want_epoch(now, urgent=False, reason=f"{hello.name} joined", delay=r.join_settle_s())
         return d
 
     def _churned(self, m: Member, now: float) -> None:

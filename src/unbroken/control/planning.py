@@ -108,9 +108,10 @@ class Planner:
         if batch_size is None:
             self.plan, self.shares = None, [0] * len(members)
             return events
+        profiles = [m.profile(now) for m in members]
         p = plan(
             batch_size,
-            [m.profile(now) for m in members],
+            profiles,
             balance=self.balance,
             spares_wanted=self.vacated + self.left,
             overhead_s=self._comm_s([m for m in members if m.role is Role.TRAINER]),
@@ -118,7 +119,7 @@ class Planner:
         self.plan, self.shares = p, list(p.shares)
         self._planned_at = now
         self._better_since = None
-        self.planned_times = self.times(members, p.shares)
+        self.planned_times = {m.member_id: pr.time_for(s) for m, pr, s in zip(members, profiles, p.shares, strict=True)}
         # A place no spare could take (none was warm yet) stays open until a member that did
         # not train does: a spare that arrives later, or a newcomer. Else a job that lost a
         # trainer while its spare was still starting would keep one trainer fewer for good.

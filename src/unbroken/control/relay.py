@@ -339,7 +339,7 @@ class Relay(ThreadedService):
     def _from_leader(self, msg: m.LeaderMessage) -> None:
         if isinstance(msg, m.Ack):
             self._acked_at = time.monotonic()
-            for mid, node_seq in self._batches.acked(msg.seq):
+            for mid, node_seq in self._batches.acked(msg.seq, msg.report_s):
                 member = self._members.get(mid)
                 if member is not None:
                     member.session.send(m.Ack(seq=node_seq))

@@ -359,8 +359,7 @@ async def serve_relay(coord: Coordinator, request: web.Request) -> web.StreamRes
             if not isinstance(up, m.Up):
                 raise ProtocolError("a relay sent its hello twice")
             link.heard_at = read_at
-            coord.relay_up(link, up, request)
-            link.session.send(m.Ack(seq=up.seq))
+            link.session.send(coord.relay_up(link, up, request))
     except ProtocolError as exc:
         log.warning("dropping relay session from %s: %s", peer, exc)
     except (TimeoutError, asyncio.TimeoutError):

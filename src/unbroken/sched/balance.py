@@ -21,6 +21,7 @@ Everything here is pure: the coordinator calls it with the nodes' reports.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import heapq
 import math
@@ -110,7 +111,13 @@ def _filled(profiles: Sequence[Profile]) -> list[Profile]:
 
 
 def _replace_speed(p: Profile, per_sample_s: float, overhead_s: float) -> Profile:
-    return dataclasses.replace(p, per_sample_s=per_sample_s, overhead_s=overhead_s)
+    # Not `dataclasses.replace`, which builds the copy field by field through ``__init__``
+    # (about 7 µs): a plan copies every unmeasured member's profile, thousands at a fleet's
+    # admission. A shallow copy with the two speeds set is the same profile.
+    q = copy.copy(p)
+    object.__setattr__(q, "per_sample_s", per_sample_s)
+    object.__setattr__(q, "overhead_s", overhead_s)
+    return q
 
 
 def _towards(x: float, centre: float, z: float) -> float:
@@ -138,7 +145,8 @@ def _denoised(ps: Sequence[Profile], share: float) -> list[Profile]:
     for p, t in zip(ps, times, strict=True):
         z = NOISE_Z * (p.noise if p.settled else max(p.noise, UNSETTLED_NOISE))
         f = _towards(t, centre, z) / t if t > 0 else 1.0
-        out.append(_replace_speed(p, p.per_sample_s * f, p.overhead_s * f))
+        # Most nodes are within noise of the median, or at it: copied only when moved.
+        out.append(p if f == 1.0 else _replace_speed(p, p.per_sample_s * f, p.overhead_s * f))
     return out
 
 
@@ -271,12 +279,24 @@ def plan(
         reasons[first] = "the only node able to train"
     trainers = list(candidates)
     calm = _denoised(ps, batch_size / len(trainers)) if denoise else ps
+    if all(c is p for c, p in zip(calm, ps, strict=True)):
+        calm = ps  # no speed moved by noise: each split of ``calm`` is one of ``ps`` already
+    splits: dict[tuple[int, bool, tuple[int, ...]], list[int]] = {}
+
+    def split(speeds: Sequence[Profile], who: list[int], by_weight: bool) -> list[int]:
+        # The same split is asked for up to four times (with and without noise, before and
+        # after dropping nodes); at thousands of members each costs milliseconds.
+        key = (id(speeds), by_weight, tuple(who))
+        if key not in splits:
+            splits[key] = _split(batch_size, speeds, who, by_weight)
+        return list(splits[key])
+
     if balance and len(trainers) > 1:
         # A node the levelled split leaves without a sample would only lengthen the step
         # (and would even were its speed only noise away from the others').
-        shares = _split(batch_size, ps, trainers, by_weight=False)
+        shares = split(ps, trainers, by_weight=False)
         step = _step_time(ps, shares)
-        calm_shares = _split(batch_size, calm, trainers, by_weight=False)
+        calm_shares = split(calm, trainers, by_weight=False)
         dropped: set[int] = set()
         for i in [i for i in trainers if shares[i] == 0 and calm_shares[i] == 0]:
             if ps[i].preference is Preference.TRAINER or not ps[i].settled or len(trainers) - len(dropped) == 1:
@@ -286,13 +306,13 @@ def plan(
             )
             dropped.add(i)
         trainers = [i for i in trainers if i not in dropped]
-    shares = _split(batch_size, ps, trainers, by_weight=not balance)
+    shares = split(ps, trainers, by_weight=not balance)
     if balance:
         # Where the nodes differ by no more than noise, or compute hardly depends on the share
         # (a fixed cost per micro-batch dominates), levelled shares follow measurement noise;
         # the operators' weights are as good then, and they do not move.
-        by_weight = _split(batch_size, ps, trainers, by_weight=True)
-        levelled = _split(batch_size, calm, trainers, by_weight=False)
+        by_weight = split(ps, trainers, by_weight=True)
+        levelled = split(calm, trainers, by_weight=False)
         for speeds, best in ((ps, shares), (calm, levelled)):
             if _step_time(speeds, by_weight) + overhead_s <= (_step_time(speeds, best) + overhead_s) * (
                 1 + REBALANCE_MARGIN

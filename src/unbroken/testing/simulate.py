@@ -52,7 +52,7 @@ from unbroken.control.batches import Batches
 from unbroken.control.coordinator import TICK_S, Coordinator
 from unbroken.control.sessions import RelayLink
 from unbroken.testing.fakes import FINGERPRINT
-from unbroken.testing.virtual import Link, LinkSpec, Network, Process, Timer, VirtualClock
+from unbroken.testing.virtual import COLLECTIONS, Link, LinkSpec, Network, Process, Timer, VirtualClock
 
 V = m.PROTOCOL_VERSION
 _EPOCH = re.compile(r'"epoch":(\d+)')
@@ -341,7 +341,7 @@ class SimRelay:
         sim = self.sim
         if isinstance(msg, m.Ack):
             self.acked_at = sim.clock.now
-            for mid, seq in self.batches.acked(msg.seq):
+            for mid, seq in self.batches.acked(msg.seq, msg.report_s):
                 node = self.members.get(mid)
                 if node is not None:  # counted on the wire; a modelled node needs no ack
                     sim.net.arrival(node.down, len(m.encode(m.Ack(seq=seq))), self.process.busy_until)
@@ -410,14 +410,15 @@ class Simulation:
         self.coordinator.later(TICK_S, self._tick_due)  # its loop sleeps a tick after each
 
     def _watched(self, fn: Callable[[], None]) -> None:
-        """Run a coordinator handler, noting the epochs it formed and its CPU."""
+        """Run a coordinator handler, noting the epochs it formed and its CPU (collections
+        left out, as `Process` leaves them out: they walk the simulated nodes' objects)."""
         before = self.coord.membership.epoch
-        t0 = time.thread_time()
+        t0, gc0 = time.thread_time(), COLLECTIONS.total_s
         fn()
         epoch = self.coord.membership.epoch
         if epoch != before:
             self.epochs_formed[epoch] = self.clock.now
-            self.epoch_cpu_s[epoch] = time.thread_time() - t0
+            self.epoch_cpu_s[epoch] = max(0.0, time.thread_time() - t0 - (COLLECTIONS.total_s - gc0))
 
     def leader_heard(self, link: SimLink, text: str) -> None:
         self.coordinator.submit(partial(self._watched, partial(self._relay_up, link, text)))
@@ -434,8 +435,7 @@ class Simulation:
         up = m.parse_relay_message(text)
         if not isinstance(up, m.Up):
             raise AssertionError(f"{link.relay_id} sent its hello twice")
-        self.coord.relay_up(link, up, cast(web.Request, None))
-        link.session.send(m.Ack(seq=up.seq))
+        link.session.send(self.coord.relay_up(link, up, cast(web.Request, None)))
 
     # ------------------------------------------------------------- nodes
 

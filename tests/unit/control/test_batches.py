@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, cast
+
 import pytest
 
 from unbroken.control import messages as m
 from unbroken.control.batches import HEARD_WITHIN, REPORT_EVERY_S, Batches
+from unbroken.control.relaying import ROUTINE_REPORTS_PER_S, Relays
+
+if TYPE_CHECKING:
+    from unbroken.control.coordinator import Coordinator
 
 LEASE_S = 1.0
 NOW = 0.0
@@ -90,3 +97,33 @@ def test_a_summary_survives_the_wire() -> None:
     back = m.parse_relay_message(m.encode(up))
     assert isinstance(back, m.Up) and back.unheard == ["a"] and back.unheard_s == [1.0]
     assert back.heard_within == 0.0
+
+
+def test_the_leader_sets_how_often_routine_reports_go_up_but_commitments_never_wait_longer() -> None:
+    b = Batches()
+    (up,) = b.take(0.0, {"a", "b"}, LEASE_S)
+    b.acked(up.seq, report_s=5.0)  # a leader of a large group
+    committed = m.Commitment(epoch=1, step=1, digest="ab" * 16, microbatch=1)
+    b.heard("a", _progress(1, seq=1), 90, 0.2)
+    b.heard("b", _progress(1, seq=1, commitments=[committed]), 160, 0.2)
+    went = [(t, s.member) for t in (0.5, 1.1, 2.2, 3.3, 4.4) for u in b.take(t, {"a", "b"}, LEASE_S) for s in u.said]
+    assert went == [(1.1, "b")], "within the leader's period only the report carrying commitments went up"
+    (up,) = b.take(5.5, {"a", "b"}, LEASE_S)
+    assert [s.member for s in up.said] == ["a"], "the routine one went up once the leader's period passed"
+    b.acked(up.seq)  # a leader that says nothing of it: the relay's own period again
+    b.heard("a", _progress(2, seq=2), 90, 5.6)
+    (up,) = b.take(6.6, {"a", "b"}, LEASE_S)
+    assert [s.member for s in up.said] == ["a"]
+    b.heard("a", _progress(3, seq=3), 90, 6.7)
+    b.ended("a", "its session with the relay ended")
+    (up,) = b.take(7.7, {"a", "b"}, LEASE_S)  # "a" back on a new session
+    assert up.said == [], "a report kept for the period is not sent for the session after"
+
+
+def test_the_leader_asks_for_routine_reports_less_often_as_the_group_grows() -> None:
+    def period(members: int) -> float:
+        coord = SimpleNamespace(membership=SimpleNamespace(members=dict.fromkeys(range(members))))
+        return Relays(cast("Coordinator", coord)).report_s()
+
+    assert period(10) == period(ROUTINE_REPORTS_PER_S) == REPORT_EVERY_S
+    assert period(100_000) == pytest.approx(100_000 / ROUTINE_REPORTS_PER_S)

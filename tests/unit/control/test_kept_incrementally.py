@@ -10,6 +10,7 @@ import pytest
 
 from unbroken.config import MembershipConfig
 from unbroken.control.membership import Membership
+from unbroken.control.relaying import heard_steps
 from unbroken.control.roster import Roster
 
 from .test_membership import hello
@@ -87,14 +88,14 @@ def test_the_lease_heap_finds_what_a_walk_over_the_members_finds(seed: int) -> N
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_a_lease_renewed_alone_leaves_what_a_heartbeat_would(seed: int) -> None:
-    """`Roster.renewed` (a relay's members heard at a step counted already) against
-    `Membership.heartbeat` for every one: two memberships fed the same sequence."""
+def test_a_relays_steps_in_one_pass_leave_what_a_heartbeat_each_would(seed: int) -> None:
+    """`relaying.heard_steps` (a relay's batch of members and their steps, `Roster.heard_steps`)
+    against `Membership.heartbeat` for every one: two memberships fed the same sequence."""
     rng = random.Random(seed)
     fast, slow = (Membership(MembershipConfig(lease_s=1.0), now=0.0) for _ in range(2))
     both = (fast, slow)
     names = [f"n{i}" for i in range(rng.randint(3, 12))]
-    now, renewed = 0.0, 0
+    now, batched = 0.0, 0
     for mid in names:
         h = hello(mid, steps=rng.choice((0, 12)))
         for ms in both:
@@ -116,12 +117,14 @@ def test_a_lease_renewed_alone_leaves_what_a_heartbeat_would(seed: int) -> None:
                     ms.heartbeat(other, ms.members[other].step, now)
                 ms.tick(now)
         else:
-            step = max(0, slow.members[mid].step - rng.choice((0, 0, 1, 5)) + rng.choice((0, 0, 0, 1)))
-            slow.heartbeat(mid, step, now)
-            if fast.roster.renewed(mid, step, now):
-                renewed += 1
-            else:
-                fast.heartbeat(mid, step, now)
+            said = []
+            for who in rng.sample(names, rng.randint(1, len(names))):
+                if who in slow.members:
+                    step = max(0, slow.members[who].step - rng.choice((0, 0, 1, 5)) + rng.choice((0, 0, 0, 1, 3)))
+                    said.append((who, step))
+                    slow.heartbeat(who, step, now)
+            heard_steps(fast, said, now)
+            batched += len(said)
         r, s = fast.roster, slow.roster
         assert (r.epoch, r.step, fast.reported_step()) == (s.epoch, s.step, slow.reported_step()), f"seed {seed}"
         assert {k: (m.step, m.last_seen) for k, m in r.members.items()} == {
@@ -129,4 +132,4 @@ def test_a_lease_renewed_alone_leaves_what_a_heartbeat_would(seed: int) -> None:
         }
         assert fast.finish.last_epoch == slow.finish.last_epoch
         assert r._quorum._at == s._quorum._at and r._quorum.floor == s._quorum.floor
-    assert renewed > 50, "most heartbeats said a step counted already"
+    assert batched > 500, "the relays' batches named members"

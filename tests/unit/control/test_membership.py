@@ -19,6 +19,7 @@ from unbroken.control.membership import (
     first_mismatch,
 )
 from unbroken.control.messages import EpochOrder, Hello, Resume, TensorSpec
+from unbroken.control.roster import SETTLE_MEMBERS
 from unbroken.events import Kind
 
 BATCH = 12
@@ -71,6 +72,24 @@ def keep_alive(ms: Membership, now: float, step: int = 0) -> None:
 
 
 # ---------------------------------------------------------------- forming epochs
+
+
+def test_joins_into_a_large_group_wait_for_each_other_in_proportion() -> None:
+    """Past `SETTLE_MEMBERS` a join's epoch waits longer, so a fleet arriving forms epochs
+    (each costing the leader its members) no more often than it can afford."""
+    ms = Membership(MembershipConfig(lease_s=3600), now=0.0)
+    n = 4 * SETTLE_MEMBERS
+    for i in range(n):
+        ms.admit(hello(f"m{i}"), 0.0)
+
+    def order(d: Decision) -> EpochOrder:  # one order to all (`only_order` compares 20,000 encodings)
+        (o,) = {id(o): o for o in d.orders.values()}.values()
+        return o
+
+    assert len(order(ms.tick(JOIN_SETTLE_S)).members) == n, "the first joiner's wait: a group of one"
+    ms.admit(hello("late"), 10.0)
+    assert not ms.tick(10.0 + JOIN_SETTLE_S * 3.9).orders, "still settling: four times as long at 20,000"
+    assert order(ms.tick(10.0 + JOIN_SETTLE_S * 4.1)).members[-1] == "late"
 
 
 def test_joins_within_the_settle_time_share_one_epoch() -> None:
