@@ -50,7 +50,12 @@ class CatchUp:
             return ""
         held = f"the best state here is step {self.live}"
         if self.lost is None:
-            return f"{held}: {BACK_TO_CHECKPOINT} {self.checkpoint}, the group's last committed step; nothing is lost"
+            # The leader's step lags the group's: steps its lone holder committed after its
+            # last report are gone with it, unknown here.
+            return (
+                f"{held}: {BACK_TO_CHECKPOINT} {self.checkpoint}, the group's last committed step as last "
+                f"reported; steps {self.checkpoint + 1}.. committed since, if any, are lost and trained again"
+            )
         first, last = self.lost
         gone = f"every member holding step {last} is gone"
         count = f"{last - first + 1} committed, or more: as last reported"
