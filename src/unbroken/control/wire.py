@@ -18,7 +18,9 @@ from pydantic import (
 
 from unbroken.specs import Role
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
+"""4: `Ack.report_s` and `EpochOrder.group_step` (2026-12-08): a node or relay of 3 refuses
+every message that carries a field it does not know, so versions do not mix."""
 
 
 Name = Annotated[str, Field(min_length=1, max_length=256)]
@@ -70,7 +72,7 @@ class _Msg(BaseModel):
     # NaN and infinities are refused at the boundary: no peer puts them into the state or
     # the JSON the dashboard reads (nodes send non-finite figures as flagged sentinels).
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-    v: Literal[3] = 3
+    v: Literal[4] = 4
 
 
 class TensorSpec(BaseModel):

@@ -119,7 +119,7 @@ class _Judge:
         self.rollbacks: list[_Rollback] = []
         self.trained: set[str] = set()
         """Nodes that committed a step since they last restored a state."""
-        self.lost: dict[int, tuple[frozenset[str], int, float]] = {}
+        self.lost: dict[int, tuple[frozenset[str], int, float, int]] = {}
         """Step index s → who took it with them, and the epoch and time of their commit of it:
         committed again later, after its first committers died with it, with no restore since
         (a run of them is more than the step in flight)."""
@@ -223,7 +223,7 @@ class _Judge:
             gone = prev[2]
             if all(self.firsts[n].took(s) for n in gone):
                 if not rolled_back:
-                    self.lost[s] = (gone, prev[1], prev[0])
+                    self.lost[s] = (gone, prev[1], prev[0], epoch)
                 # The step in flight: its first committers died with it; their later digests
                 # were of a state nobody else ever held.
                 for later in [x for x in self.digests if x > s]:
@@ -480,17 +480,19 @@ class _Judge:
 
     def _lost(self) -> list[Evidence]:
         """Runs of committed steps lost with the only members that held them and trained
-        again from an older state (`lost`): consecutive steps the same members committed in
-        the same epoch. One step alone is the step in flight."""
-        runs: list[tuple[int, int, frozenset[str], int, float]] = []
+        again from an older state (`lost`): consecutive steps trained again in one epoch, one
+        incident whoever first committed each (a pair dying one after the other, each step
+        its own, lost two). One step alone is the step in flight."""
+        runs: list[tuple[int, int, frozenset[str], int, float, int]] = []
         for s in sorted(self.lost):
-            who, epoch, t = self.lost[s]
-            if runs and runs[-1][1] == s - 1 and runs[-1][2:4] == (who, epoch):
-                runs[-1] = (runs[-1][0], s, *runs[-1][2:])
+            who, epoch, t, again = self.lost[s]
+            if runs and runs[-1][1] == s - 1 and runs[-1][5] == again:
+                lo, _, held, first, at, _ = runs[-1]
+                runs[-1] = (lo, s, held | who, first, at, again)
             else:
-                runs.append((s, s, who, epoch, t))
+                runs.append((s, s, who, epoch, t, again))
         out = []
-        for lo, hi, who, epoch, t in runs:
+        for lo, hi, who, epoch, t, _ in runs:
             if hi > lo:
                 names = ", ".join(sorted(who))
                 text = (

@@ -21,6 +21,7 @@ restore it (`agreed`).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -65,17 +66,20 @@ class CatchUp:
         return f"{gone}, {held} and no member can read a newer checkpoint: {GOES_ON_FROM} {self.live}; {steps}"
 
 
-def plan_catch_up(steps: Sequence[int], lineages: Sequence[int], claims: Sequence[int], group_step: int) -> CatchUp:
+def plan_catch_up(
+    steps: Sequence[int], lineages: Sequence[int], claims: Sequence[int], group_step: int, cap: int | None = None
+) -> CatchUp:
     """Decide from each rank's committed step, its state's history (``lineages``,
     `TrainState.lineage`) and the checkpoint step it read whole (``claims``, -1: none),
     where the group last committed ``group_step`` (as the leader heard it).
 
-    A claim above ``group_step`` is passed over (another run's checkpoint); so is one not
-    above the best state (it would throw committed steps away)."""
+    A claim above ``group_step`` is passed over (another run's checkpoint), or above ``cap``
+    (a step no claimant read whole in an earlier round); so is one not above the best state
+    (it would throw committed steps away)."""
     if not steps or not len(steps) == len(lineages) == len(claims):
         raise ValueError(f"one step, lineage and claim per rank: {len(steps)}, {len(lineages)}, {len(claims)}")
     live = max(abandoned(steps, lineages))
-    newer = [c for c in claims if live < c <= group_step]
+    newer = [c for c in claims if live < c <= (group_step if cap is None else min(cap, group_step))]
     if not newer:
         return CatchUp(live, lost=(live + 1, group_step) if group_step > live else None)
     back = max(newer)
@@ -85,10 +89,20 @@ def plan_catch_up(steps: Sequence[int], lineages: Sequence[int], claims: Sequenc
 
 def agreed(plan: CatchUp, digests: Sequence[int]) -> CatchUp:
     """``plan`` with its readers cut to the claimants that read the chosen checkpoint whole
-    and hold the state the first of them holds (``digests``: each rank's digest prefix of
-    what it read, -1: it did not read it whole). No readers left: none read it."""
+    and hold the state most of them hold (ties: the one the lowest rank holds); where
+    several read it and no two agree, none (``digests``: each rank's digest prefix of what
+    it read, -1: it did not read it whole). A lone claimant's word is taken as any donor's
+    in a sync phase; against others, one rank that says another state is outvoted, not
+    followed. No readers left: none read it (or agreed on it)."""
     read = [r for r in plan.readers if digests[r] >= 0]
-    return replace(plan, readers=tuple(r for r in read if digests[r] == digests[read[0]]) if read else ())
+    if not read:
+        return replace(plan, readers=())
+    held = Counter(digests[r] for r in read)
+    best = max(held.values())
+    if len(read) > 1 and best < 2:
+        return replace(plan, readers=())
+    chosen = next(digests[r] for r in read if held[digests[r]] == best)
+    return replace(plan, readers=tuple(r for r in read if digests[r] == chosen))
 
 
 LINEAGES = 2**62

@@ -138,14 +138,17 @@ def catch_up(node: CatchUpNode, g: EpochGroup, group_step: int) -> None:
     if live >= group_step:
         return  # the leader had not heard of a member's step yet: the group holds its step
     skip: set[int] = set()
-    while True:  # ends: each round without a reader, its claimants pass over one more file
+    cap = group_step
+    # Ends: each round without a reader lowers every member's cap below the step it chose
+    # (shared: one member claiming a step it never reads cannot hold the group here).
+    while True:
         # Only now is a file read, and only one that would move the group forward.
-        claim, path, bad = newest_readable(node.config.checkpoint_dir, identity, live, group_step, skip, scope)
+        claim, path, bad = newest_readable(node.config.checkpoint_dir, identity, live, cap, skip, scope)
         for why in bad:
             log.warning("%s: %s: not used", node.name, why)
         claims = [x[0] for x in gather_values(g.pg, g.size, [claim], scope, "checkpoint claims")]
         _in_range(node.job.num_steps, steps, lineages, claims)
-        plan = plan_catch_up(steps, lineages, claims, group_step)
+        plan = plan_catch_up(steps, lineages, claims, group_step, cap)
         if plan.checkpoint < 0:
             _lost(node, plan, lineages)
             return
@@ -160,10 +163,10 @@ def catch_up(node: CatchUpNode, g: EpochGroup, group_step: int) -> None:
             log.warning("%s: %s: not used", node.name, got)
             skip.add(claim)
         elif isinstance(got, tuple) and g.rank not in plan.readers:
-            log.warning("%s: %s holds another state of step %d than rank %d's: not used", node.name, path,
-                        claim, plan.readers[0])  # fmt: skip
+            log.warning("%s: %s holds a state of step %d most claimants do not: not used", node.name, path, claim)
         if plan.readers:
             break
+        cap = plan.checkpoint - 1
     if g.rank in plan.readers:
         assert isinstance(got, tuple) and path is not None
         snap = got[0]

@@ -99,10 +99,12 @@ class ZoneDevices:
                     me, placement.reason)  # fmt: skip
         if placement.backend is not Backend.NCCL:
             self.comm.drop()
+            self._streak = ((), 0)  # "in a row": an epoch between that built nothing breaks it
             return placement, group
         members = sorted(ranks, key=ranks.__getitem__)
         kept = self.comm.reusable([devices[m].holds for m in members], members)
         if kept is not None:
+            self._streak = ((), 0)
             return placement, kept
         self.comm.drop()
         try:

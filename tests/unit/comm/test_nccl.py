@@ -179,7 +179,7 @@ class Zone:
         said = {m: self.said(m, members) for m in members}
         return {m: replace(gpu(i), holds=d.holds, failed=d.failed) for i, (m, d) in enumerate(said.items())}
 
-    def place(self, members: list[str], dead: frozenset[str] = frozenset()) -> dict[str, Any]:
+    def place(self, members: list[str], dead: frozenset[str] = frozenset(), ranged: bool = False) -> dict[str, Any]:
         """Each member's (placement, group, gloo group), or what it raised; ``dead``: members
         killed once their reports went out (every collective of theirs fails on the others)."""
         self.epoch += 1
@@ -193,7 +193,7 @@ class Zone:
                 return None
             gloo = world.group(r)
             placement, group = self.devices[m].place(
-                f"nccl-{self.epoch}", m, reports, ranks, gloo, scope(), ranged=False
+                f"nccl-{self.epoch}", m, reports, ranks, gloo, scope(), ranged=ranged
             )
             return placement, group, gloo
 
@@ -275,6 +275,9 @@ def test_builds_failed_twice_in_a_row_with_the_same_members_take_the_zone_to_glo
     zone.devices["m1"].comm.drop()  # the next placement builds anew
     fails()
     assert not any(zone.said(m, names).failed for m in names), "the build between started the count again"
+    assert backends(zone.place(names, ranged=True)) == {Backend.GLOO}, "exchanging range by range"
+    fails()
+    assert not any(zone.said(m, names).failed for m in names), "an epoch that built nothing broke the row"
     fails()
     assert all("2 builds in a row: building group" in zone.said(m, names).failed for m in names)
     assert backends(zone.place(names)) == {Backend.GLOO}

@@ -61,14 +61,18 @@ def test_one_report_per_rank() -> None:
         plan_catch_up(steps=[8, 3], lineages=[0], claims=[10, 20], group_step=25)
 
 
-def test_the_claimants_that_read_the_first_ones_state_restore_it() -> None:
+def test_the_claimants_that_read_the_state_most_of_them_hold_restore_it() -> None:
     # Per-node checkpoint dirs: ranks 0 and 2 hold step 20 of different histories, rank 3
     # the same as rank 0; rank 1 claimed less.
     plan = plan_catch_up(steps=[8, 8, 8, 8], lineages=[0] * 4, claims=[20, 10, 20, 20], group_step=25)
     assert plan.readers == (0, 2, 3)
     assert agreed(plan, [7, -1, 9, 7]).readers == (0, 3)
-    # The first claimant's file did not read whole: the next one's state is restored.
-    assert agreed(plan, [-1, -1, 9, 7]).readers == (2,)
+    # One rank saying another state is outvoted, whatever its rank (it may lie).
+    assert agreed(plan, [5, -1, 9, 9]).readers == (2, 3)
+    # The first claimant's file did not read whole and the other two disagree: no state is
+    # taken on one word against another's; they claim an older step.
+    assert agreed(plan, [-1, -1, 9, 7]).readers == ()
+    assert agreed(plan, [-1, -1, -1, 7]).readers == (3,), "a lone reader is taken as any donor is"
     assert agreed(plan, [-1, 5, -1, -1]).readers == (), "none read it: they claim again"
 
 

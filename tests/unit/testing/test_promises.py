@@ -162,3 +162,15 @@ def test_a_lost_run_is_dated_by_its_holders_commit_not_by_the_commit_again() -> 
     verdict = judge({"lone": lambda: lone, "stale": lambda: stale}, expect)
     (lost,) = [e for c in verdict.checks if c.promise is Promise.ROLLBACKS for e in c.evidence]
     assert (lost.node, lost.step, lost.epoch, lost.t) == ("lone", 2, 2, 2.01), lost
+
+
+def test_steps_lost_with_two_holders_dying_one_after_the_other_are_not_passed_over() -> None:
+    # a and b committed step 2 together, b died; a alone committed step 3 and died: s, stale
+    # since step 1, trained both again with no restore. Each step had its own holders, but
+    # two committed steps were lost: never excused as two steps in flight.
+    s = [*step(1, 1, 0, "a0", (0, 2)), {"t": 1.5, "kind": "expelled", "reason": "lease", "step": 1}]
+    s += [*step(5, 4, 1, "s1"), *step(6, 4, 2, "s2"), final(7, "s2")]
+    a = [*step(1, 1, 0, "a0", (2, 2)), *step(2, 2, 1, "x1", (0, 2)), *step(3, 3, 2, "x2")]
+    b = [*step(2, 2, 1, "x1", (2, 2))]
+    report = check_promises({"s": s, "a": a, "b": b}, JOB, finishers=1)
+    assert not report.ok and "step 2 committed in epoch 2 and again in epoch 4" in report.problems, report.problems

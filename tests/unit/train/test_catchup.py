@@ -214,7 +214,7 @@ def test_a_file_whose_tensors_do_not_read_passes_to_the_next_claim(
     )
 
 
-def test_claimants_holding_different_states_of_a_step_restore_the_first_ones(tmp_path: Path) -> None:
+def test_two_claimants_holding_different_states_of_a_step_restore_neither(tmp_path: Path) -> None:
     # A --checkpoint-dir per node: both hold step 20, of different histories.
     dirs = [tmp_path / "n1", tmp_path / "n2"]
     for d, seed in zip(dirs, (20, 21), strict=True):
@@ -224,8 +224,9 @@ def test_claimants_holding_different_states_of_a_step_restore_the_first_ones(tmp
         torch.save(n.state.tree() | {"job": "j"}, checkpoint_path(d, 20))
     first, second = _Node("n1", 8, dirs[0]), _Node("n2", 8, dirs[1])
     _together(FakeWorld(2), [first, second], group_step=25)
-    assert (first.restores, second.restores) == (1, 0) and not second.logged
-    assert second.state.digest() == first.state.digest() == first.logged[0][1]["digest"]
+    # One word against the other's: neither is taken, and the loss is said (no older file).
+    assert (first.restores, second.restores) == (0, 0)
+    assert first.state.step == second.state.step == 8
 
 
 @pytest.mark.parametrize(("step", "lineage"), [(3, 2**63 - 1), (2**40, 0), (-5, 0)])
@@ -259,3 +260,28 @@ def test_a_new_order_ends_the_read_of_the_chosen_file(tmp_path: Path, monkeypatc
         assert not release.is_set() and node.restores == 0
     finally:
         release.set()
+
+
+def test_a_member_claiming_a_step_it_never_reads_holds_nobody_in_catch_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It claims step 22 every round whatever it is told, and its read fails: every member's
+    # cap goes below the step after a round without a reader, so the honest member passes
+    # its claim over and the group goes on (a reviewer's reproduction looped 50 rounds).
+    liar_dir = tmp_path / "liar"
+    liar_dir.mkdir()
+    save(liar_dir, 22)
+    loads(monkeypatch, failing=checkpoint_path(liar_dir, 22))
+    real, rounds = newest_readable, []
+
+    def lying(directory: Path | None, identity: str, above: int, upto: int, *rest: Any) -> Any:
+        if directory == liar_dir:
+            rounds.append(upto)
+            assert len(rounds) <= 5, "still asked to claim"
+            return real(directory, identity, above, 25, set(), rest[-1])  # ignores its cap and skips
+        return real(directory, identity, above, upto, *rest)
+
+    monkeypatch.setattr("unbroken.train.catchup.newest_readable", lying)
+    honest, liar = _Node("n1", 8, None), _Node("n2", 8, liar_dir)
+    _together(FakeWorld(2), [honest, liar], group_step=25)
+    assert rounds == [25, 21] and honest.restores == 0 and honest.state.step == 8
