@@ -18,6 +18,7 @@ from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted, Whe
 from unbroken.sched.zones import Zones
 from unbroken.specs import parse_rule
 from unbroken.testing.fake import FakeWorld
+from unit.comm.test_transfer import state as _state
 
 K = 8
 """Gradient elements at the head of the flat tensor."""
@@ -184,21 +185,6 @@ def test_ranks_that_disagree_on_the_collective_are_an_error_not_a_hang() -> None
     a.allreduce([torch.ones(2)])
     with pytest.raises(RuntimeError, match="collective 1 is broadcast, the others' allreduce"):
         b.broadcast(torch.ones(2), 0)
-
-
-def _state(seed: int, step: int) -> Any:
-    from torch import nn
-
-    from unbroken.state.snapshot import TrainState
-
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 8))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(4, 64)).square().mean().backward()
-    opt.step()
-    st = TrainState(model, opt)
-    st.step = step
-    return st
 
 
 def test_the_sync_phase_moves_the_majoritys_state_to_the_one_behind() -> None:
