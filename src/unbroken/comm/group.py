@@ -179,14 +179,18 @@ POLL_DEVICE_S = 0.001
 def posted(post: Callable[[], T], scope: EpochScope, what: str) -> T:
     """``post()``'s work on a group, a backend's refusal to post failing it as a failed
     collective does: an NCCL communicator that torch's watchdog aborted after a peer's
-    failure raises at the next post, before any wait could see the failure.
+    failure raises at the next post, before any wait could see the failure, and a lazily
+    connected gloo group connects a pair inside its first post (a dead peer: "Connection
+    closed by peer", a RuntimeError that ended the node).
 
     Raises:
         CollectiveFailed: the backend refused the post.
     """
     try:
         return post()
-    except torch.distributed.DistError as exc:
+    except RuntimeError as exc:  # as `run_abortable` reads a backend's error
+        if isinstance(exc, UnbrokenError):
+            raise
         raise _failed(what, exc, scope) from exc
 
 

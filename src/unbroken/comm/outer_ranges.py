@@ -26,6 +26,7 @@ members that each first reach a connection the other reaches later would wait fo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unbroken.comm.codecs import Codec, make_codec
-from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable
+from unbroken.comm.group import EpochScope, ProcessGroup, posted, run_abortable
 from unbroken.comm.robust import all_finite
 from unbroken.errors import BadContribution
 from unbroken.specs import CodecSpec
@@ -261,16 +262,17 @@ def exchange(
         src.tag: torch.empty(codecs.payload_bytes((src.start, src.end)), dtype=torch.uint8) for src in r.receives
     }
     works, sent = [], 0
+    between = f"{what} (ranges between zones)"
     for post in posts(layouts, zone, me, ranks):  # in the one order every member agrees with
-        src = post.source
+        src, peer = post.source, ranks[post.peer]
         if post.send:
             payload = payloads[(src.start, src.end)]
-            works.append(group.send([payload], ranks[post.peer], src.tag))
+            works.append(posted(functools.partial(group.send, [payload], peer, src.tag), scope, between))
             sent += payload.numel()
         else:
-            works.append(group.recv([received[src.tag]], ranks[post.peer], src.tag))
+            works.append(posted(functools.partial(group.recv, [received[src.tag]], peer, src.tag), scope, between))
     if works:  # gloo's point-to-point works have no future: waited on a thread
-        run_abortable(lambda: [w.wait() for w in works], scope, f"{what} (ranges between zones)")
+        run_abortable(lambda: [w.wait() for w in works], scope, between)
     if broken is not None:
         raise BadContribution(
             me_rank, f"{what}: rank {me_rank}'s own pseudo-gradient of [{broken[0]}, {broken[1]}) is not finite"

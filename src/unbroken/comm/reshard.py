@@ -5,6 +5,7 @@ ranges are laid out again from such pieces (`load_ranges`), on another device to
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +13,7 @@ import torch
 import xxhash
 
 from unbroken.comm.blocks import Holding, Piece, as_flat, free, move_model, per_element
-from unbroken.comm.group import EpochScope, ProcessGroup, run_abortable, wait_all
+from unbroken.comm.group import EpochScope, ProcessGroup, posted, run_abortable, wait_all
 from unbroken.comm.placement import CPU
 from unbroken.errors import TransferError
 from unbroken.state.shards import Layout, Plan, Purpose
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from unbroken.comm.sharded import ShardedModel
 
 Pieces = list[tuple[int, int, dict[str, torch.Tensor]]]
+
+RESHARDING = "re-sharding the zone's state"
 
 
 def exchange_ranges(
@@ -53,16 +56,18 @@ def exchange_ranges(
             flags = [1.0 if stepped else 0.0, *(float(st[k]) if stepped else 0.0 for k in scalars)]
             tensors.append(torch.tensor(flags, dtype=torch.float64))
             for i, x in enumerate(tensors):
-                sends.append(group.send([x.contiguous()], ranks[t.destination], tag * 16 + i))
+                send = functools.partial(group.send, [x.contiguous()], ranks[t.destination], tag * 16 + i)
+                sends.append(posted(send, scope, RESHARDING))
         if t.destination == me:
             bufs = {k: torch.empty(n) for k in ["values", *elements]}
             bufs["scalars"] = torch.empty(1 + len(scalars), dtype=torch.float64)
             for i, k in enumerate(names):
-                receives.append(group.recv([bufs[k]], ranks[t.source], tag * 16 + i))
+                recv = functools.partial(group.recv, [bufs[k]], ranks[t.source], tag * 16 + i)
+                receives.append(posted(recv, scope, RESHARDING))
             incoming.append((t.start, t.end, bufs))
     zone.abandon()
     works = sends + receives  # gloo's point-to-point works have no future: waited on a thread
-    run_abortable(lambda: [w.wait() for w in works], scope, "re-sharding the zone's state")
+    run_abortable(lambda: [w.wait() for w in works], scope, RESHARDING)
     counts: dict[str, Any] | None = None
     if stepped:
         counts = zone.shared_state()

@@ -24,7 +24,7 @@ from unbroken.comm.outer_ranges import (
     sources,
     tiles,
 )
-from unbroken.errors import BadContribution
+from unbroken.errors import BadContribution, CollectiveFailed
 from unbroken.specs import CodecSpec
 from unbroken.state.shards import Layout, layout_for
 from unbroken.testing.fake import FakeWorld
@@ -293,3 +293,23 @@ def test_a_sender_with_one_receiver_is_never_named_on_its_word() -> None:
     layouts = {"A": layout_for(10, {"a": 1}), "B": layout_for(10, {"b": 1})}
     ranks = {"a": 0, "b": 1}
     assert named([1, -1], layouts, {"a": "A", "b": "B"}, ranks) is None
+
+
+class _DeadPeer:
+    """A lazily connected gloo group whose first post meets a peer that died: gloo connects
+    the pair inside the post and raises there, before any work to wait on exists."""
+
+    def send(self, *_: object) -> None:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:7574")
+
+    recv = send
+
+
+def test_a_post_to_a_peer_that_died_fails_the_round_not_the_node() -> None:
+    # CI: b1 and b2 ended with this RuntimeError when a2 was SIGKILLed mid-round.
+    m = "a1"
+    own = {span: torch.ones(span[1] - span[0]) for span in held_by(LAYOUTS[ZONE[m]], m)}
+    scope = EpochScope(threading.Event(), lambda: None, 10.0)
+    codecs = RangeCodecs(CodecSpec.parse("int8"))
+    with pytest.raises(CollectiveFailed, match=r"round \(ranges between zones\) failed: .*Connection closed by peer"):
+        exchange(own, False, LAYOUTS, ZONE[m], m, RANKS, _DeadPeer(), scope, codecs, "round")  # type: ignore[arg-type]
