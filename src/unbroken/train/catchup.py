@@ -33,7 +33,7 @@ Replicated sync jobs only: a sharded zone's ranges have their own fall-back
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,14 +58,13 @@ def newest_readable(
     identity: str,
     above: int,
     upto: int,
-    skip: Collection[int] = (),
     scope: EpochScope | None = None,
 ) -> tuple[int, Path | None, list[str]]:
-    """The newest checkpoint of ``directory`` whose step is in ``(above, upto]`` (and not
-    in ``skip``: read whole here before, in vain) whose description reads here: its pickle
-    on the meta device (no tensor is read: the others wait for the claim) holds a training
-    state of its step, of the job ``identity``. Its step (-1: none) and path, and why each
-    newer one in that range could not be used (a directory that cannot be listed too).
+    """The newest checkpoint of ``directory`` whose step is in ``(above, upto]`` whose
+    description reads here: its pickle on the meta device (no tensor is read: the others
+    wait for the claim) holds a training state of its step, of the job ``identity``. Its
+    step (-1: none) and path, and why each newer one in that range could not be used (a
+    directory that cannot be listed too).
 
     Raises:
         EpochAborted: a new order came (``scope``), checked before each file.
@@ -80,7 +79,7 @@ def newest_readable(
         return -1, None, [f"{directory} cannot be listed ({type(exc).__name__}: {exc.strerror or exc})"]
     bad: list[str] = []
     for step, path in reversed(found):
-        if step > upto or step in skip:
+        if step > upto:
             continue
         if step <= above:
             break
@@ -137,13 +136,12 @@ def catch_up(node: CatchUpNode, g: EpochGroup, group_step: int) -> None:
     live = max(abandoned(steps, lineages))
     if live >= group_step:
         return  # the leader had not heard of a member's step yet: the group holds its step
-    skip: set[int] = set()
     cap = group_step
     # Ends: each round without a reader lowers every member's cap below the step it chose
     # (shared: one member claiming a step it never reads cannot hold the group here).
     while True:
         # Only now is a file read, and only one that would move the group forward.
-        claim, path, bad = newest_readable(node.config.checkpoint_dir, identity, live, cap, skip, scope)
+        claim, path, bad = newest_readable(node.config.checkpoint_dir, identity, live, cap, scope)
         for why in bad:
             log.warning("%s: %s: not used", node.name, why)
         claims = [x[0] for x in gather_values(g.pg, g.size, [claim], scope, "checkpoint claims")]
@@ -160,8 +158,7 @@ def catch_up(node: CatchUpNode, g: EpochGroup, group_step: int) -> None:
         digests = [x[0] for x in gather_values(g.pg, g.size, [mine], scope, "checkpoint digests")]
         claimed, plan = g.rank in plan.readers, agreed(plan, digests)
         if isinstance(got, str) and claimed:
-            log.warning("%s: %s: not used", node.name, got)
-            skip.add(claim)
+            log.warning("%s: %s: not used", node.name, got)  # below the next round's cap
         elif isinstance(got, tuple) and g.rank not in plan.readers:
             log.warning("%s: %s holds a state of step %d most claimants do not: not used", node.name, path, claim)
         if plan.readers:
