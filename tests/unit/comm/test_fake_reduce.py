@@ -9,16 +9,18 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from unbroken.comm.codecs import make_codec
 from unbroken.comm.group import EpochScope
 from unbroken.comm.reduce import VOTE_SLOTS, Reducer
 from unbroken.comm.robust import combine
+from unbroken.comm.transfer import sync_state
 from unbroken.errors import BadContribution, CollectiveFailed, EpochAborted, Where
 from unbroken.sched.zones import Zones
 from unbroken.specs import parse_rule
+from unbroken.state.snapshot import TrainState
 from unbroken.testing.fake import FakeWorld
-from unit.comm.test_transfer import state as _state
 
 K = 8
 """Gradient elements at the head of the flat tensor."""
@@ -42,6 +44,18 @@ def run(n: int, body: Callable[[int], Any], timeout: float = 20.0) -> dict[int, 
         t.join(timeout)
     assert not any(t.is_alive() for t in threads), "a rank is still waiting"
     return out
+
+
+def trained_state(seed: int, step: int) -> TrainState:
+    """A small model's state after one SGD step with momentum, at ``step`` (``seed``: its own)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 64)).square().mean().backward()
+    opt.step()
+    st = TrainState(model, opt)
+    st.step = step
+    return st
 
 
 def contribution(rank: int, n: int, grad: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,10 +202,8 @@ def test_ranks_that_disagree_on_the_collective_are_an_error_not_a_hang() -> None
 
 
 def test_the_sync_phase_moves_the_majoritys_state_to_the_one_behind() -> None:
-    from unbroken.comm.transfer import sync_state
-
     world = FakeWorld(3)
-    states = [_state(1, 12), _state(1, 12), _state(7, 3)]  # rank 2 was away: older and different
+    states = [trained_state(1, 12), trained_state(1, 12), trained_state(7, 3)]  # rank 2 was away: older and different
     out = run(
         3,
         lambda r: sync_state(
@@ -205,10 +217,8 @@ def test_the_sync_phase_moves_the_majoritys_state_to_the_one_behind() -> None:
 
 
 def test_a_donor_killed_mid_transfer_fails_the_receivers_fetch_not_the_others() -> None:
-    from unbroken.comm.transfer import sync_state
-
     world = FakeWorld(2)
-    donor, joiner = _state(1, 12), _state(7, 0)
+    donor, joiner = trained_state(1, 12), trained_state(7, 0)
     before = joiner.digest()
 
     def die_after(chunks: int) -> None:

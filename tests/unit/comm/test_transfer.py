@@ -6,25 +6,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
-from torch import nn
 
 from unbroken.comm.group import EpochScope
 from unbroken.comm.transfer import SyncResult, sync_state
-from unbroken.state.snapshot import TrainState
 from unbroken.testing.fake import FakeWorld
 from unit.comm.lazy import Connections, LazyGroup
-
-
-def state(seed: int, step: int) -> TrainState:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 8))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(4, 64)).square().mean().backward()
-    opt.step()
-    st = TrainState(model, opt)
-    st.step = step
-    return st
+from unit.comm.test_fake_reduce import run, trained_state
 
 
 @pytest.mark.parametrize("streams", [1, 5, 8])
@@ -40,22 +27,13 @@ def test_several_donors_and_receivers_complete_on_a_lazily_connected_group(roles
     n = len(roles)
     world, connections = FakeWorld(n), Connections(streams, timeout_s=5.0)
     # Donors at step 12 alike; each receiver behind with a state of its own (every chunk differs).
-    states = [state(1, 12) if role == "d" else state(7 + r, 3) for r, role in enumerate(roles)]
-    out: dict[int, SyncResult | BaseException] = {}
+    states = [trained_state(1, 12) if role == "d" else trained_state(7 + r, 3) for r, role in enumerate(roles)]
 
-    def member(r: int) -> None:
+    def member(r: int) -> SyncResult:
         scope = EpochScope(threading.Event(), lambda: None, 10.0)
-        try:
-            out[r] = sync_state(LazyGroup(world, r, connections), r, n, states[r], scope, chunk_bytes=1024)
-        except BaseException as exc:  # every rank's outcome is checked
-            out[r] = exc
+        return sync_state(LazyGroup(world, r, connections), r, n, states[r], scope, chunk_bytes=1024)
 
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads), "a rank is still waiting"
+    out = run(n, member, timeout=30)  # every rank's outcome is checked
     failed = {r: v for r, v in out.items() if isinstance(v, BaseException)}
     assert not failed, failed
     donors = [r for r, role in enumerate(roles) if role == "d"]
